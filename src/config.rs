@@ -1,0 +1,436 @@
+//! The config file: TOML in, a validated [`Config`] out.
+//!
+//! Parsing is pure (`from_str`) so every rule is unit-tested without files; `load` only adds the
+//! file name to the error. Unknown keys are errors (`deny_unknown_fields`): a misspelt key that is
+//! silently ignored is how a router ends up running with defaults nobody chose.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::worker::{Engine, Flavor, RankNumbering};
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
+pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);
+pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(2);
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// KV fraction one request is assumed to hold until the fleet's own numbers say otherwise.
+pub const DEFAULT_REQUEST_KV_ESTIMATE: f64 = 0.02;
+pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub const MAX_DP_SIZE: u32 = 4096;
+
+/// A config error: names the file, the key and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: cannot read: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("config file {path}: key `{key}`: {problem}")]
+    Invalid {
+        path: String,
+        key: String,
+        problem: String,
+    },
+}
+
+impl ConfigError {
+    fn with_path(self, p: &str) -> ConfigError {
+        match self {
+            ConfigError::Read { source, .. } => ConfigError::Read {
+                path: p.into(),
+                source,
+            },
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: p.into(),
+                message,
+            },
+            ConfigError::Invalid { key, problem, .. } => ConfigError::Invalid {
+                path: p.into(),
+                key,
+                problem,
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    #[default]
+    LeastKv,
+    RoundRobin,
+    Random,
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::LeastKv => "least_kv",
+            Policy::RoundRobin => "round_robin",
+            Policy::Random => "random",
+        }
+    }
+}
+
+/// What `least_kv` does when no rank has usable telemetry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NoTelemetry {
+    #[default]
+    LeastInFlight,
+    Reject,
+}
+
+/// A duration written the human way: `250ms`, `2s`, `1.5s`, `1m`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HumanDuration(pub Duration);
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_duration(&s).map(HumanDuration).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses `<number><unit>` with unit `ms`, `s` or `m`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(|| format!("duration {s:?} has no unit (use ms, s or m)"))?;
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("duration {s:?}: {num:?} is not a number"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("duration {s:?}: unknown unit {unit:?} (use ms, s or m)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("duration {s:?}: {e}"))
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    server: RawServer,
+    #[serde(default)]
+    routing: RawRouting,
+    #[serde(default)]
+    telemetry: RawTelemetry,
+    #[serde(default)]
+    engines: Vec<RawEngine>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: Option<String>,
+    admin_listen: Option<String>,
+    max_body_bytes: Option<usize>,
+    connect_timeout: Option<HumanDuration>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRouting {
+    policy: Option<Policy>,
+    no_telemetry: Option<NoTelemetry>,
+    request_kv_estimate: Option<f64>,
+    retry_after_secs: Option<u32>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawTelemetry {
+    interval: Option<HumanDuration>,
+    stale_after: Option<HumanDuration>,
+    timeout: Option<HumanDuration>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEngine {
+    url: String,
+    flavor: Flavor,
+    dp_size: Option<u32>,
+    start_rank: Option<u32>,
+    rank_header: Option<RankNumbering>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub max_body_bytes: usize,
+    pub connect_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct RoutingConfig {
+    pub policy: Policy,
+    pub no_telemetry: NoTelemetry,
+    pub request_kv_estimate: f64,
+    pub retry_after_secs: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct TelemetryConfig {
+    pub interval: Duration,
+    pub stale_after: Duration,
+    /// Longest one poll of one engine may take; a slow engine only delays its own ranks.
+    pub timeout: Duration,
+}
+
+/// A validated config.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub routing: RoutingConfig,
+    pub telemetry: TelemetryConfig,
+    pub engines: Vec<Engine>,
+}
+
+fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        path: String::new(),
+        key: key.into(),
+        problem: problem.into(),
+    }
+}
+
+fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr, ConfigError> {
+    let s = v.as_deref().unwrap_or(default);
+    s.parse()
+        .map_err(|_| invalid(key, format!("{s:?} is not an IP:port socket address")))
+}
+
+/// Checks an engine base URL: `http://host:port`, no userinfo, no `@`, no path, no query.
+/// Returns the normalised URL and its authority.
+fn parse_engine_url(key: &str, url: &str) -> Result<(String, String), ConfigError> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| {
+        invalid(key, format!("{url:?} must start with http:// (engines are reached over plain HTTP)"))
+    })?;
+    if url.contains('@') {
+        return Err(invalid(
+            key,
+            format!("{url:?} contains '@': give the engine's base URL; ranks come from dp_size and start_rank"),
+        ));
+    }
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.contains(['/', '?', '#']) {
+        return Err(invalid(
+            key,
+            format!("{url:?} carries a path or query: give the engine's base URL only"),
+        ));
+    }
+    let uri: http::uri::Authority = authority
+        .parse()
+        .map_err(|_| invalid(key, format!("{url:?} has no valid host:port")))?;
+    if uri.port_u16().is_none() {
+        return Err(invalid(key, format!("{url:?} has no port")));
+    }
+    Ok((format!("http://{authority}"), authority.to_string()))
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: p.clone(),
+            source,
+        })?;
+        Config::from_str(&text).map_err(|e| e.with_path(&p))
+    }
+
+    /// Parses and validates config text. Errors carry an empty path until `load` fills it.
+    #[allow(clippy::should_implement_trait)]
+    pub fn from_str(text: &str) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: String::new(),
+            message: e.to_string().trim_end().replace('\n', " | "),
+        })?;
+        Config::validate(raw)
+    }
+
+    fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+        let server = ServerConfig {
+            listen: parse_addr("server.listen", raw.server.listen, DEFAULT_LISTEN)?,
+            admin_listen: parse_addr(
+                "server.admin_listen",
+                raw.server.admin_listen,
+                DEFAULT_ADMIN_LISTEN,
+            )?,
+            max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+            connect_timeout: raw
+                .server
+                .connect_timeout
+                .map_or(DEFAULT_CONNECT_TIMEOUT, |d| d.0),
+        };
+        if server.max_body_bytes == 0 {
+            return Err(invalid("server.max_body_bytes", "must be greater than 0"));
+        }
+        if server.listen == server.admin_listen && server.listen.port() != 0 {
+            return Err(invalid(
+                "server.admin_listen",
+                "must differ from server.listen",
+            ));
+        }
+
+        let routing = RoutingConfig {
+            policy: raw.routing.policy.unwrap_or_default(),
+            no_telemetry: raw.routing.no_telemetry.unwrap_or_default(),
+            request_kv_estimate: raw
+                .routing
+                .request_kv_estimate
+                .unwrap_or(DEFAULT_REQUEST_KV_ESTIMATE),
+            retry_after_secs: raw.routing.retry_after_secs.unwrap_or(DEFAULT_RETRY_AFTER_SECS),
+        };
+        let est = routing.request_kv_estimate;
+        if !(est > 0.0 && est <= 1.0) {
+            return Err(invalid(
+                "routing.request_kv_estimate",
+                format!("{est} must be in (0, 1]"),
+            ));
+        }
+
+        let interval = raw.telemetry.interval.map_or(DEFAULT_INTERVAL, |d| d.0);
+        let stale_after = raw.telemetry.stale_after.map_or(DEFAULT_STALE_AFTER, |d| d.0);
+        if interval.is_zero() {
+            return Err(invalid("telemetry.interval", "must be greater than 0"));
+        }
+        if stale_after <= interval {
+            return Err(invalid(
+                "telemetry.stale_after",
+                format!(
+                    "{stale_after:?} must be longer than telemetry.interval ({interval:?}), or every rank goes stale between polls"
+                ),
+            ));
+        }
+        let timeout = raw.telemetry.timeout.map_or(stale_after, |d| d.0);
+        if timeout.is_zero() {
+            return Err(invalid("telemetry.timeout", "must be greater than 0"));
+        }
+        let telemetry = TelemetryConfig {
+            interval,
+            stale_after,
+            timeout,
+        };
+
+        if raw.engines.is_empty() {
+            return Err(invalid("engines", "at least one [[engines]] entry is required"));
+        }
+        let mut engines: Vec<Engine> = Vec::with_capacity(raw.engines.len());
+        for (i, e) in raw.engines.into_iter().enumerate() {
+            let (url, authority) = parse_engine_url(&format!("engines[{i}].url"), &e.url)?;
+            if let Some(j) = engines.iter().position(|o| *o.url == *url) {
+                return Err(invalid(
+                    format!("engines[{i}].url"),
+                    format!("{url:?} is a duplicate of engines[{j}]"),
+                ));
+            }
+            let dp_size = e.dp_size.unwrap_or(1);
+            if dp_size == 0 || dp_size > MAX_DP_SIZE {
+                return Err(invalid(
+                    format!("engines[{i}].dp_size"),
+                    format!("{dp_size} must be between 1 and {MAX_DP_SIZE}"),
+                ));
+            }
+            let start_rank = e.start_rank.unwrap_or(0);
+            if start_rank.checked_add(dp_size).is_none_or(|end| end > i32::MAX as u32) {
+                return Err(invalid(
+                    format!("engines[{i}].start_rank"),
+                    format!("{start_rank} + dp_size overflows the rank range"),
+                ));
+            }
+            engines.push(Engine {
+                url: url.into(),
+                authority: authority.into(),
+                flavor: e.flavor,
+                dp_size,
+                start_rank,
+                rank_header: e.rank_header.unwrap_or_default(),
+            });
+        }
+        Ok(Config {
+            server,
+            routing,
+            telemetry,
+            engines,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = "[[engines]]\nurl = \"http://127.0.0.1:18001\"\nflavor = \"vllm\"\ndp_size = 2\n";
+
+    fn err(text: &str) -> String {
+        Config::from_str(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::from_str(MIN).unwrap();
+        assert_eq!(c.telemetry.interval, DEFAULT_INTERVAL);
+        assert_eq!(c.telemetry.stale_after, DEFAULT_STALE_AFTER);
+        assert_eq!(c.routing.policy, Policy::LeastKv);
+        assert_eq!(c.engines[0].ranks(), 0..2);
+        assert_eq!(&*c.engines[0].authority, "127.0.0.1:18001");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("5h").is_err());
+        assert!(parse_duration("ms").is_err());
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = err(&format!("[server]\nlisen = \"127.0.0.1:1\"\n{MIN}"));
+        assert!(e.contains("lisen"), "{e}");
+    }
+
+    #[test]
+    fn engine_url_rules() {
+        let at = err("[[engines]]\nurl = \"http://h:1@3\"\nflavor = \"vllm\"\n");
+        assert!(at.contains("engines[0].url") && at.contains('@'), "{at}");
+        let path = err("[[engines]]\nurl = \"http://h:1/v1\"\nflavor = \"vllm\"\n");
+        assert!(path.contains("path"), "{path}");
+        let dup = err(&format!("{MIN}{MIN}"));
+        assert!(dup.contains("engines[1].url") && dup.contains("duplicate"), "{dup}");
+        let port = err("[[engines]]\nurl = \"http://h\"\nflavor = \"vllm\"\n");
+        assert!(port.contains("port"), "{port}");
+    }
+
+    #[test]
+    fn stale_after_must_exceed_interval() {
+        let e = err(&format!("[telemetry]\ninterval = \"1s\"\nstale_after = \"500ms\"\n{MIN}"));
+        assert!(e.contains("telemetry.stale_after"), "{e}");
+    }
+
+    #[test]
+    fn bad_flavor_and_policy_are_named() {
+        let e = err("[[engines]]\nurl = \"http://h:1\"\nflavor = \"tgi\"\n");
+        assert!(e.contains("tgi"), "{e}");
+        let e = err(&format!("[routing]\npolicy = \"fastest\"\n{MIN}"));
+        assert!(e.contains("fastest"), "{e}");
+    }
+}

@@ -1,0 +1,31 @@
+//! rankgate: a per-DP-rank load-aware front door for vLLM and SGLang inference fleets.
+//!
+//! Module map, and what each owns:
+//! - [`config`]: the TOML config file, parsed then validated; errors name file, key and problem.
+//! - [`worker`]: engines, their expansion into virtual workers, and the `RankId` identity.
+//! - [`table`]: the one telemetry snapshot behind one `ArcSwap`, plus per-worker live counters.
+//! - [`telemetry`]: the monitor polling each engine once per interval; [`telemetry::prom`] reads
+//!   Prometheus text and projects it onto ranks.
+//! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
+//! - [`proxy`]: the OpenAI-compatible front door: pick, pin, stream.
+//! - [`admin`]: `/health`, `/ready`, `/workers`, `/metrics`.
+//! - [`metrics`]: rankgate's own counters and histogram.
+//! - [`http`]: accept loop, upstream clients, error bodies.
+//! - [`app`]: starts and stops the whole router.
+//! - [`sim`]: the simulated engine used by tests, the demo and benchmarks.
+//! - [`load`]: the load client used by the demo.
+//! - [`demo`]: the self-contained demo behind `rankgate demo`.
+
+pub mod admin;
+pub mod app;
+pub mod config;
+pub mod demo;
+pub mod http;
+pub mod load;
+pub mod metrics;
+pub mod policy;
+pub mod proxy;
+pub mod sim;
+pub mod table;
+pub mod telemetry;
+pub mod worker;

@@ -1,0 +1,129 @@
+//! The `rankgate` binary: parse the command line, load and validate the config, run.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use rankgate::config::{Config, Policy};
+
+/// Exit code for a config error (EX_DATAERR's neighbour EX_USAGE, as sysexits.h numbers it).
+const EXIT_CONFIG: u8 = 64;
+
+#[derive(Parser)]
+#[command(name = "rankgate", version, about = "Per-DP-rank load-aware front door for vLLM and SGLang fleets")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the router.
+    Serve {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Validate a config file and list its virtual workers.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Self-contained demo: simulated engines, the router, a bounded load run per policy.
+    Demo {
+        /// Requests per policy.
+        #[arg(long, default_value_t = 400)]
+        requests: usize,
+        /// Mean arrivals per second.
+        #[arg(long, default_value_t = 24.0)]
+        rate: f64,
+    },
+}
+
+fn init_tracing() {
+    let filter: tracing_subscriber::filter::Targets = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| "info".parse().unwrap_or_default());
+    use tracing_subscriber::prelude::*;
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(filter)
+        .init();
+}
+
+fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("rankgate: {e}");
+        ExitCode::from(EXIT_CONFIG)
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("rankgate: cannot start the async runtime: {e}");
+            ExitCode::FAILURE
+        })
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => {
+            let cfg = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let fleet = rankgate::worker::Fleet::expand(cfg.engines);
+            for w in &fleet.workers {
+                let e = &fleet.engines[w.engine];
+                println!("{}\tengine={}\trank={}\tflavor={}", w.id, e.url, w.id.rank, e.flavor);
+            }
+            ExitCode::SUCCESS
+        }
+        Command::Serve { config } => {
+            let cfg = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            init_tracing();
+            let rt = match runtime() {
+                Ok(rt) => rt,
+                Err(code) => return code,
+            };
+            rt.block_on(async {
+                let router = match rankgate::app::Router::start(cfg).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        eprintln!("rankgate: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let _ = tokio::signal::ctrl_c().await;
+                tracing::info!("shutting down: draining requests in flight");
+                router.shutdown().await;
+                ExitCode::SUCCESS
+            })
+        }
+        Command::Demo { requests, rate } => {
+            let rt = match runtime() {
+                Ok(rt) => rt,
+                Err(code) => return code,
+            };
+            let spec = rankgate::demo::DemoSpec {
+                requests,
+                rate,
+                policies: vec![Policy::LeastKv, Policy::RoundRobin],
+            };
+            match rt.block_on(rankgate::demo::run(spec)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rankgate demo: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! rankgate's own Prometheus metrics: request counters and a latency histogram kept in atomics
+//! (the request path only ever does relaxed adds), rendered as text on the admin listener
+//! together with per-rank gauges read from the current snapshot.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::table::{RankTelemetry, Table};
+use crate::telemetry::TelemetryStats;
+
+/// Upper bounds (seconds) of the proxy latency histogram; end-to-end, so streams included.
+const BUCKETS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Statuses rankgate answers itself, without reaching an engine.
+pub const OWN_STATUSES: [u16; 6] = [400, 404, 405, 413, 502, 503];
+
+#[derive(Debug, Default)]
+struct WorkerCounters {
+    /// Responses by status class 1xx..5xx.
+    by_class: [AtomicU64; 5],
+}
+
+#[derive(Debug)]
+pub struct Metrics {
+    workers: Vec<WorkerCounters>,
+    own: [AtomicU64; OWN_STATUSES.len()],
+    skipped_unavailable: AtomicU64,
+    buckets: [AtomicU64; BUCKETS.len()],
+    latency_count: AtomicU64,
+    latency_sum_us: AtomicU64,
+}
+
+impl Metrics {
+    pub fn new(workers: usize) -> Metrics {
+        Metrics {
+            workers: (0..workers).map(|_| WorkerCounters::default()).collect(),
+            own: Default::default(),
+            skipped_unavailable: AtomicU64::new(0),
+            buckets: Default::default(),
+            latency_count: AtomicU64::new(0),
+            latency_sum_us: AtomicU64::new(0),
+        }
+    }
+
+    /// A response (from the engine, or a 502 rankgate wrote for it) on a worker.
+    pub fn response(&self, worker: usize, status: u16) {
+        let class = (status / 100).clamp(1, 5) as usize - 1;
+        self.workers[worker].by_class[class].fetch_add(1, Relaxed);
+    }
+
+    /// A response rankgate answered itself before picking a worker.
+    pub fn own_response(&self, status: u16) {
+        if let Some(i) = OWN_STATUSES.iter().position(|s| *s == status) {
+            self.own[i].fetch_add(1, Relaxed);
+        }
+    }
+
+    pub fn skipped_unavailable(&self) {
+        self.skipped_unavailable.fetch_add(1, Relaxed);
+    }
+
+    pub fn skipped_unavailable_total(&self) -> u64 {
+        self.skipped_unavailable.load(Relaxed)
+    }
+
+    pub fn observe_latency(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+            self.buckets[i].fetch_add(1, Relaxed);
+        }
+        self.latency_count.fetch_add(1, Relaxed);
+        self.latency_sum_us.fetch_add(d.as_micros() as u64, Relaxed);
+    }
+
+    /// Renders everything in the Prometheus text format.
+    pub fn render(&self, table: &Table, telemetry: &TelemetryStats) -> String {
+        let mut o = String::with_capacity(4096);
+        let workers = &table.fleet.workers;
+        o.push_str("# HELP rankgate_requests_total Proxied requests by worker and response status class.\n# TYPE rankgate_requests_total counter\n");
+        for (w, c) in workers.iter().zip(&self.workers) {
+            for (i, n) in c.by_class.iter().enumerate() {
+                let _ = writeln!(
+                    o,
+                    "rankgate_requests_total{{worker=\"{}\",status=\"{}xx\"}} {}",
+                    w.id_text,
+                    i + 1,
+                    n.load(Relaxed)
+                );
+            }
+        }
+        o.push_str("# HELP rankgate_rejected_total Requests rankgate answered itself, by status.\n# TYPE rankgate_rejected_total counter\n");
+        for (s, n) in OWN_STATUSES.iter().zip(&self.own) {
+            let _ = writeln!(o, "rankgate_rejected_total{{status=\"{s}\"}} {}", n.load(Relaxed));
+        }
+        o.push_str("# HELP rankgate_skipped_unavailable_total Requests routed while passing over ranks whose telemetry was missing, stale or invalid.\n# TYPE rankgate_skipped_unavailable_total counter\n");
+        let _ = writeln!(o, "rankgate_skipped_unavailable_total {}", self.skipped_unavailable_total());
+
+        o.push_str("# HELP rankgate_proxy_duration_seconds Time from request arrival to the end of the response body.\n# TYPE rankgate_proxy_duration_seconds histogram\n");
+        let mut cumulative = 0;
+        for (b, n) in BUCKETS.iter().zip(&self.buckets) {
+            cumulative += n.load(Relaxed);
+            let _ = writeln!(o, "rankgate_proxy_duration_seconds_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.latency_count.load(Relaxed);
+        let _ = writeln!(o, "rankgate_proxy_duration_seconds_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            o,
+            "rankgate_proxy_duration_seconds_sum {}",
+            self.latency_sum_us.load(Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(o, "rankgate_proxy_duration_seconds_count {count}");
+
+        let snap = table.snapshot.load();
+        let now = Instant::now();
+        o.push_str("# HELP rankgate_rank_kv_usage Last reported KV cache usage of the rank (absent while unavailable).\n# TYPE rankgate_rank_kv_usage gauge\n");
+        for (w, view) in workers.iter().zip(&snap.ranks) {
+            if let Some(l) = view.telemetry.fresh(now, table.stale_after) {
+                let _ = writeln!(o, "rankgate_rank_kv_usage{{worker=\"{}\"}} {}", w.id_text, l.kv_usage);
+            }
+        }
+        o.push_str("# HELP rankgate_rank_telemetry_available 1 when the rank has fresh, valid telemetry.\n# TYPE rankgate_rank_telemetry_available gauge\n");
+        for (w, view) in workers.iter().zip(&snap.ranks) {
+            let up = view.telemetry.fresh(now, table.stale_after).is_some() as u8;
+            let _ = writeln!(o, "rankgate_rank_telemetry_available{{worker=\"{}\"}} {up}", w.id_text);
+        }
+        o.push_str("# HELP rankgate_rank_in_flight Requests in flight on the rank through this router.\n# TYPE rankgate_rank_in_flight gauge\n");
+        for (w, live) in workers.iter().zip(&table.live) {
+            let _ = writeln!(o, "rankgate_rank_in_flight{{worker=\"{}\"}} {}", w.id_text, live.in_flight());
+        }
+        o.push_str("# HELP rankgate_telemetry_unavailable_ranks Ranks whose telemetry is unavailable right now.\n# TYPE rankgate_telemetry_unavailable_ranks gauge\n");
+        let unavailable = snap
+            .ranks
+            .iter()
+            .filter(|v| matches!(v.telemetry, RankTelemetry::Unavailable { .. }) || v.telemetry.fresh(now, table.stale_after).is_none())
+            .count();
+        let _ = writeln!(o, "rankgate_telemetry_unavailable_ranks {unavailable}");
+        o.push_str("# TYPE rankgate_telemetry_polls_total counter\n");
+        let _ = writeln!(o, "rankgate_telemetry_polls_total {}", telemetry.polls.load(Relaxed));
+        o.push_str("# TYPE rankgate_telemetry_poll_failures_total counter\n");
+        let _ = writeln!(o, "rankgate_telemetry_poll_failures_total {}", telemetry.poll_failures.load(Relaxed));
+        o.push_str("# TYPE rankgate_telemetry_bad_lines_total counter\n");
+        let _ = writeln!(o, "rankgate_telemetry_bad_lines_total {}", telemetry.bad_lines.load(Relaxed));
+        o
+    }
+}

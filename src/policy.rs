@@ -1,0 +1,344 @@
+//! Rank selection: which virtual worker takes the next request.
+//!
+//! `least_kv` scores each rank with fresh telemetry by its reported KV usage plus the KV that
+//! work not yet visible in that report will take: its waiting queue, and the requests this router
+//! sent it since the poll began (capped by what is still in flight, so nothing the engine already
+//! reports, and nothing already finished, is counted twice). That credit is what spreads a burst
+//! between two polls instead of herding it onto the rank that looked idle. A rank without fresh,
+//! valid telemetry is never scored: unknown is not idle.
+//!
+//! The pick is one `ArcSwap` load plus relaxed atomic reads: no lock on the request path.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use crate::config::{NoTelemetry, Policy, RoutingConfig};
+use crate::table::{InFlight, Snapshot, Table};
+
+/// Why no rank was picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NoRank {
+    #[error("no rank has fresh telemetry and the router is set to reject (routing.no_telemetry = \"reject\")")]
+    NoTelemetry,
+    #[error("no rank is reachable: every engine failed its last telemetry poll or has not been polled yet")]
+    NoneReachable,
+}
+
+/// A successful pick.
+#[derive(Debug)]
+pub struct Picked {
+    pub guard: InFlight,
+    /// At least one rank was passed over because its telemetry was missing, stale or invalid.
+    pub skipped_unavailable: bool,
+}
+
+/// Chooses ranks according to the configured policy.
+#[derive(Debug)]
+pub struct Selector {
+    policy: Policy,
+    no_telemetry: NoTelemetry,
+    rr: AtomicU64,
+}
+
+impl Selector {
+    pub fn new(cfg: &RoutingConfig) -> Selector {
+        Selector {
+            policy: cfg.policy,
+            no_telemetry: cfg.no_telemetry,
+            rr: AtomicU64::new(0),
+        }
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Picks a worker and marks one request in flight on it.
+    pub fn pick(&self, table: &Arc<Table>) -> Result<Picked, NoRank> {
+        let snap = table.snapshot.load();
+        let mut rng = rand::rng();
+        let (choice, skipped) = match self.policy {
+            Policy::LeastKv => {
+                match least_kv(table, &snap, Instant::now(), &mut rng) {
+                    Some((w, skipped)) => (w, skipped),
+                    None => match self.no_telemetry {
+                        NoTelemetry::Reject => return Err(NoRank::NoTelemetry),
+                        NoTelemetry::LeastInFlight => {
+                            (least_in_flight(table, &snap, &mut rng).ok_or(NoRank::NoneReachable)?, true)
+                        }
+                    },
+                }
+            }
+            Policy::RoundRobin => {
+                let n = snap.ranks.len();
+                let start = self.rr.fetch_add(1, Relaxed) as usize;
+                let w = (0..n)
+                    .map(|i| (start + i) % n)
+                    .find(|&w| snap.ranks[w].reachable)
+                    .ok_or(NoRank::NoneReachable)?;
+                (w, false)
+            }
+            Policy::Random => {
+                let reachable = snap.ranks.iter().filter(|r| r.reachable).count();
+                if reachable == 0 {
+                    return Err(NoRank::NoneReachable);
+                }
+                let k = rng.random_range(0..reachable);
+                let w = (0..snap.ranks.len())
+                    .filter(|&w| snap.ranks[w].reachable)
+                    .nth(k)
+                    .ok_or(NoRank::NoneReachable)?;
+                (w, false)
+            }
+        };
+        Ok(Picked {
+            guard: InFlight::start(table.clone(), choice),
+            skipped_unavailable: skipped,
+        })
+    }
+}
+
+/// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry.
+#[inline]
+pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f64> {
+    let view = &snap.ranks[w];
+    let load = view.telemetry.fresh(now, table.stale_after)?;
+    let live = &table.live[w];
+    let in_flight = live.in_flight();
+    let since_poll = live.dispatched.load(Relaxed).saturating_sub(view.dispatched_at_poll);
+    let unreported = since_poll.min(in_flight);
+    let queued = load.waiting.unwrap_or(0) as u64;
+    Some(load.kv_usage + (queued + unreported) as f64 * view.kv_per_request)
+}
+
+/// Lowest score among ranks with fresh telemetry, ties broken uniformly at random (reservoir of
+/// the tied). Returns the worker and whether an unavailable rank was passed over.
+fn least_kv(table: &Table, snap: &Snapshot, now: Instant, rng: &mut impl Rng) -> Option<(usize, bool)> {
+    const TIE: f64 = 1e-9;
+    let mut best: Option<(usize, f64)> = None;
+    let mut ties = 0u32;
+    let mut skipped = false;
+    for w in 0..snap.ranks.len() {
+        let Some(s) = score(table, snap, w, now) else {
+            skipped = true;
+            continue;
+        };
+        match best {
+            Some((_, b)) if s > b + TIE => {}
+            Some((_, b)) if s >= b - TIE => {
+                ties += 1;
+                if rng.random_range(0..ties) == 0 {
+                    best = Some((w, b));
+                }
+            }
+            _ => {
+                best = Some((w, s));
+                ties = 1;
+            }
+        }
+    }
+    best.map(|(w, _)| (w, skipped))
+}
+
+/// Fewest requests in flight among reachable ranks, ties at random.
+fn least_in_flight(table: &Table, snap: &Snapshot, rng: &mut impl Rng) -> Option<usize> {
+    let mut best: Option<(usize, u64)> = None;
+    let mut ties = 0u32;
+    for (w, view) in snap.ranks.iter().enumerate() {
+        if !view.reachable {
+            continue;
+        }
+        let f = table.live[w].in_flight();
+        match best {
+            Some((_, b)) if f > b => {}
+            Some((_, b)) if f == b => {
+                ties += 1;
+                if rng.random_range(0..ties) == 0 {
+                    best = Some((w, b));
+                }
+            }
+            _ => {
+                best = Some((w, f));
+                ties = 1;
+            }
+        }
+    }
+    best.map(|(w, _)| w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::table::{Load, RankTelemetry, RankView};
+    use crate::worker::{Engine, Fleet, Flavor, RankNumbering};
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    fn table(n: u32) -> Arc<Table> {
+        let engine = Engine {
+            url: "http://e:1".into(),
+            authority: "e:1".into(),
+            flavor: Flavor::Vllm,
+            dp_size: n,
+            start_rank: 0,
+            rank_header: RankNumbering::Global,
+        };
+        Table::new(Fleet::expand(vec![engine]), Duration::from_secs(2))
+    }
+
+    fn available(kv: f64, now: Instant) -> RankView {
+        RankView {
+            telemetry: RankTelemetry::Available(Load {
+                kv_usage: kv,
+                running: Some(0),
+                waiting: Some(0),
+                capacity_tokens: None,
+                aggregate: false,
+                sampled_at: now,
+            }),
+            reachable: true,
+            dispatched_at_poll: 0,
+            kv_per_request: 0.02,
+            source: "test",
+        }
+    }
+
+    fn set(table: &Table, ranks: Vec<RankView>) {
+        table.snapshot.store(Arc::new(Snapshot { ranks }));
+    }
+
+    fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {
+        Selector::new(&RoutingConfig {
+            policy,
+            no_telemetry,
+            request_kv_estimate: 0.02,
+            retry_after_secs: 1,
+        })
+    }
+
+    #[test]
+    fn picks_least_kv_and_credits_unreported_work() {
+        let t = table(2);
+        let now = Instant::now();
+        set(&t, vec![available(0.30, now), available(0.10, now)]);
+        let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        let mut guards = Vec::new();
+        // Rank 1 starts 0.20 lower; at 0.02 per request it takes ten before rank 0 ties.
+        for _ in 0..10 {
+            let p = s.pick(&t).unwrap();
+            assert_eq!(p.guard.worker(), 1);
+            guards.push(p);
+        }
+        let mut counts = [0; 2];
+        for _ in 0..20 {
+            let p = s.pick(&t).unwrap();
+            counts[p.guard.worker()] += 1;
+            guards.push(p);
+        }
+        assert!(counts[0] >= 9 && counts[1] >= 9, "burst must spread once credited: {counts:?}");
+    }
+
+    #[test]
+    fn finished_requests_stop_counting() {
+        let t = table(2);
+        let now = Instant::now();
+        set(&t, vec![available(0.30, now), available(0.10, now)]);
+        let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        for _ in 0..50 {
+            let p = s.pick(&t).unwrap();
+            assert_eq!(p.guard.worker(), 1, "completed work must not be credited");
+        }
+    }
+
+    #[test]
+    fn stale_rank_is_skipped_and_reject_mode_rejects() {
+        let t = table(2);
+        let now = Instant::now();
+        let mut old = available(0.0, now);
+        if let RankTelemetry::Available(l) = &mut old.telemetry {
+            l.sampled_at = now.checked_sub(Duration::from_secs(5)).unwrap();
+        }
+        set(&t, vec![old.clone(), available(0.9, now)]);
+        let s = selector(Policy::LeastKv, NoTelemetry::Reject);
+        let p = s.pick(&t).unwrap();
+        assert_eq!(p.guard.worker(), 1);
+        assert!(p.skipped_unavailable);
+        set(&t, vec![old.clone(), old]);
+        assert_eq!(s.pick(&t).unwrap_err(), NoRank::NoTelemetry);
+    }
+
+    #[test]
+    fn no_telemetry_falls_back_to_least_in_flight_among_reachable() {
+        let t = table(3);
+        let mut views = vec![RankView::initial(); 3];
+        views[1].reachable = true;
+        views[2].reachable = true;
+        set(&t, views);
+        let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        let a = s.pick(&t).unwrap();
+        let b = s.pick(&t).unwrap();
+        let mut got = [a.guard.worker(), b.guard.worker()];
+        got.sort();
+        assert_eq!(got, [1, 2]);
+        set(&t, vec![RankView::initial(); 3]);
+        assert_eq!(s.pick(&t).unwrap_err(), NoRank::NoneReachable);
+    }
+
+    #[test]
+    fn round_robin_cycles_reachable_ranks() {
+        let t = table(3);
+        let now = Instant::now();
+        let mut views = vec![available(0.5, now); 3];
+        views[1].reachable = false;
+        set(&t, views);
+        let s = selector(Policy::RoundRobin, NoTelemetry::LeastInFlight);
+        let picks: Vec<usize> = (0..4).map(|_| s.pick(&t).unwrap().guard.worker()).collect();
+        assert_eq!(picks, [0, 2, 2, 0]);
+    }
+
+    fn arb_view() -> impl Strategy<Value = (Option<f64>, bool, u8)> {
+        (proptest::option::of(0.0f64..=1.0), any::<bool>(), 0u8..4)
+    }
+
+    proptest! {
+        /// The selector never picks an Unavailable rank while an Available one exists.
+        #[test]
+        fn never_picks_unavailable_while_available_exists(
+            views in proptest::collection::vec(arb_view(), 1..12),
+            picks in 1usize..40,
+        ) {
+            let t = table(views.len() as u32);
+            let now = Instant::now();
+            let ranks: Vec<RankView> = views.iter().map(|(kv, stale, _)| match kv {
+                Some(kv) => {
+                    let mut v = available(*kv, now);
+                    if *stale {
+                        if let RankTelemetry::Available(l) = &mut v.telemetry {
+                            l.sampled_at = now.checked_sub(Duration::from_secs(3)).unwrap();
+                        }
+                    }
+                    v
+                }
+                None => RankView { reachable: true, ..RankView::initial() },
+            }).collect();
+            let usable: Vec<bool> = views.iter().map(|(kv, stale, _)| kv.is_some() && !stale).collect();
+            set(&t, ranks);
+            // Some requests already in flight, to exercise the credit path.
+            let mut guards = Vec::new();
+            for (w, (_, _, n)) in views.iter().enumerate() {
+                for _ in 0..*n { guards.push(InFlight::start(t.clone(), w)); }
+            }
+            let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+            for _ in 0..picks {
+                let p = s.pick(&t).unwrap();
+                if usable.iter().any(|u| *u) {
+                    prop_assert!(usable[p.guard.worker()], "picked unavailable rank {}", p.guard.worker());
+                }
+                guards.push(p.guard);
+            }
+        }
+    }
+}

@@ -1,0 +1,482 @@
+//! The OpenAI-compatible front door: pick a rank, pin the request to it, stream the answer back.
+//!
+//! Bodies are not buffered where they need not be: vLLM takes the rank in a header, so its request
+//! body streams through untouched; only SGLang's body is read and rewritten, because the rank has
+//! to go inside it. A request counts as in flight on its rank until the response body ends (the
+//! guard rides inside the body), so a long SSE stream keeps counting while it streams.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use tokio::time::Instant;
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::policy::{NoRank, Selector};
+use crate::table::{InFlight, Table};
+use crate::telemetry::error_chain;
+use crate::worker::Flavor;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The pinning header, spelled as vLLM documents it (header names are case-insensitive; SGLang
+/// reads the same name).
+pub const RANK_HEADER: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+/// Names the virtual worker that served a response.
+pub const WORKER_HEADER: HeaderName = HeaderName::from_static("x-rankgate-worker");
+/// SGLang body fields that pin a rank (older and newer name); a client's own are replaced.
+const SGLANG_RANK_FIELDS: [&str; 2] = ["data_parallel_rank", "routed_dp_rank"];
+
+/// Headers that describe one hop, not the message, and so are never forwarded.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// The body of a request sent to an engine.
+#[derive(Debug)]
+pub enum UpstreamBody {
+    /// The client's body, passed through with a size cap.
+    Stream { body: Incoming, remaining: usize },
+    Full(Option<Bytes>),
+}
+
+/// The client's body outgrew `server.max_body_bytes` while streaming.
+#[derive(Debug, thiserror::Error)]
+#[error("request body exceeds {0} bytes")]
+pub struct BodyTooLarge(usize);
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            UpstreamBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            UpstreamBody::Stream { body, remaining } => {
+                match Pin::new(body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let Some(data) = frame.data_ref() {
+                            if data.len() > *remaining {
+                                return Poll::Ready(Some(Err(Box::new(BodyTooLarge(*remaining)))));
+                            }
+                            *remaining -= data.len();
+                        }
+                        Poll::Ready(Some(Ok(frame)))
+                    }
+                    Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+                    Poll::Ready(None) => Poll::Ready(None),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Full(b) => b.is_none(),
+            UpstreamBody::Stream { body, .. } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            UpstreamBody::Stream { body, .. } => body.size_hint(),
+        }
+    }
+}
+
+/// Closes the books on one proxied request when the response body ends or is dropped.
+#[derive(Debug)]
+pub struct Done {
+    _guard: InFlight,
+    started: Instant,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        self.metrics.observe_latency(self.started.elapsed());
+    }
+}
+
+/// The body of a response to the client.
+#[derive(Debug)]
+pub enum ProxyBody {
+    Full(Option<Bytes>),
+    /// The engine's body, streamed frame by frame; `done` is released at its end.
+    Upstream { body: Incoming, done: Option<Box<Done>> },
+}
+
+impl From<Bytes> for ProxyBody {
+    fn from(b: Bytes) -> Self {
+        ProxyBody::Full(Some(b))
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ProxyBody::Upstream { body, done } => {
+                let r = Pin::new(body).poll_frame(cx);
+                if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+                    done.take();
+                }
+                r
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Full(b) => b.is_none(),
+            ProxyBody::Upstream { body, .. } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            ProxyBody::Upstream { body, .. } => body.size_hint(),
+        }
+    }
+}
+
+/// A proxy error, classified once and mapped to a status and an OpenAI error body in one place.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("unknown path {0}: rankgate serves /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models")]
+    NotFound(String),
+    #[error("method {method} not allowed on {path}")]
+    MethodNotAllowed { method: Method, path: String },
+    #[error("request body exceeds server.max_body_bytes ({0} bytes)")]
+    TooLarge(usize),
+    #[error("request body is not valid JSON: {0}")]
+    BadJson(String),
+    #[error("request body must be a JSON object")]
+    NotObject,
+    #[error("reading the request body: {0}")]
+    ClientBody(String),
+    #[error("no routable rank: {0}")]
+    NoRank(#[from] NoRank),
+    #[error("upstream {engine} failed: {reason}")]
+    Upstream { engine: String, reason: String },
+}
+
+impl ProxyError {
+    fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
+            ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::BadJson(_) | ProxyError::NotObject | ProxyError::ClientBody(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ProxyError::NoRank(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ProxyError::NotFound(_) => "NotFoundError",
+            ProxyError::MethodNotAllowed { .. } => "MethodNotAllowedError",
+            ProxyError::TooLarge(_) | ProxyError::BadJson(_) | ProxyError::NotObject | ProxyError::ClientBody(_) => {
+                "BadRequestError"
+            }
+            ProxyError::NoRank(_) => "ServiceUnavailableError",
+            ProxyError::Upstream { .. } => "UpstreamError",
+        }
+    }
+}
+
+/// The front door's shared state.
+pub struct Proxy {
+    table: Arc<Table>,
+    selector: Selector,
+    metrics: Arc<Metrics>,
+    client: Client<HttpConnector, UpstreamBody>,
+    max_body: usize,
+    retry_after: HeaderValue,
+    /// Per worker: the `x-rankgate-worker` value, rendered once.
+    worker_headers: Vec<HeaderValue>,
+    /// Per engine: its authority, parsed once.
+    authorities: Vec<Authority>,
+}
+
+impl Proxy {
+    pub fn new(cfg: &Config, table: Arc<Table>, metrics: Arc<Metrics>) -> Proxy {
+        let worker_headers = table
+            .fleet
+            .workers
+            .iter()
+            .map(|w| HeaderValue::from_str(&w.id_text).unwrap_or(HeaderValue::from_static("invalid")))
+            .collect();
+        let authorities = table
+            .fleet
+            .engines
+            .iter()
+            // Validated at config load; a failure here would be a bug in validation.
+            .map(|e| Authority::try_from(&*e.authority).unwrap_or(Authority::from_static("invalid.invalid:1")))
+            .collect();
+        Proxy {
+            selector: Selector::new(&cfg.routing),
+            metrics,
+            client: crate::http::client(cfg.server.connect_timeout),
+            max_body: cfg.server.max_body_bytes,
+            retry_after: HeaderValue::from(cfg.routing.retry_after_secs),
+            worker_headers,
+            authorities,
+            table,
+        }
+    }
+
+    pub fn selector(&self) -> &Selector {
+        &self.selector
+    }
+
+    /// Serves one client request; every failure becomes an OpenAI-shaped error response.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+        let started = Instant::now();
+        match self.forward(req, started).await {
+            Ok(resp) => Ok(resp),
+            Err((err, worker)) => {
+                let status = err.status();
+                match worker {
+                    Some(w) => self.metrics.response(w, status.as_u16()),
+                    None => self.metrics.own_response(status.as_u16()),
+                }
+                if status.is_server_error() {
+                    tracing::warn!(error = %err, "request failed");
+                } else {
+                    tracing::debug!(error = %err, "request refused");
+                }
+                let mut resp: Response<ProxyBody> =
+                    crate::http::openai_error(status, err.kind(), &err.to_string());
+                if status == StatusCode::SERVICE_UNAVAILABLE {
+                    resp.headers_mut().insert(header::RETRY_AFTER, self.retry_after.clone());
+                }
+                if let Some(w) = worker {
+                    resp.headers_mut().insert(WORKER_HEADER, self.worker_headers[w].clone());
+                }
+                Ok(resp)
+            }
+        }
+    }
+
+    async fn forward(
+        &self,
+        req: Request<Incoming>,
+        started: Instant,
+    ) -> Result<Response<ProxyBody>, (ProxyError, Option<usize>)> {
+        let path = req.uri().path();
+        let needs_body = match path {
+            "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => {
+                if req.method() != Method::POST {
+                    return Err((not_allowed(&req), None));
+                }
+                true
+            }
+            "/v1/models" => {
+                if req.method() != Method::GET {
+                    return Err((not_allowed(&req), None));
+                }
+                false
+            }
+            other => return Err((ProxyError::NotFound(other.to_string()), None)),
+        };
+        if content_length(req.headers()).is_some_and(|n| n > self.max_body as u64) {
+            return Err((ProxyError::TooLarge(self.max_body), None));
+        }
+
+        let picked = self.selector.pick(&self.table).map_err(|e| (e.into(), None))?;
+        if picked.skipped_unavailable {
+            self.metrics.skipped_unavailable();
+        }
+        let w = picked.guard.worker();
+        let worker = &self.table.fleet.workers[w];
+        let engine = &self.table.fleet.engines[worker.engine];
+        let fail = |e: ProxyError| (e, Some(w));
+
+        let (mut parts, body) = req.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        // The client's own pin never reaches the engine: rankgate decides the rank.
+        parts.headers.remove(&RANK_HEADER);
+        parts.headers.remove(header::HOST);
+        parts.headers.insert(RANK_HEADER, HeaderValue::from(worker.pin_rank));
+        parts.version = Version::HTTP_11;
+        let pq = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(Scheme::HTTP);
+        uri.authority = Some(self.authorities[worker.engine].clone());
+        uri.path_and_query = Some(pq);
+        parts.uri = Uri::from_parts(uri).map_err(|e| {
+            fail(ProxyError::Upstream {
+                engine: engine.url.to_string(),
+                reason: format!("building URI: {e}"),
+            })
+        })?;
+
+        let up_body = match (engine.flavor, needs_body) {
+            (Flavor::Sglang, true) => {
+                let bytes = Limited::new(body, self.max_body)
+                    .collect()
+                    .await
+                    .map_err(|e| {
+                        fail(if e.is::<http_body_util::LengthLimitError>() {
+                            ProxyError::TooLarge(self.max_body)
+                        } else {
+                            ProxyError::ClientBody(e.to_string())
+                        })
+                    })?
+                    .to_bytes();
+                let rewritten = pin_in_body(&bytes, worker.pin_rank).map_err(fail)?;
+                parts.headers.remove(header::CONTENT_LENGTH);
+                parts
+                    .headers
+                    .insert(header::CONTENT_LENGTH, HeaderValue::from(rewritten.len()));
+                UpstreamBody::Full(Some(rewritten))
+            }
+            _ => UpstreamBody::Stream {
+                body,
+                remaining: self.max_body,
+            },
+        };
+
+        let resp = self
+            .client
+            .request(Request::from_parts(parts, up_body))
+            .await
+            .map_err(|e| {
+                let too_large = std::iter::successors(
+                    Some(&e as &(dyn std::error::Error + 'static)),
+                    |e| e.source(),
+                )
+                .any(|s| s.is::<BodyTooLarge>());
+                fail(if too_large {
+                    ProxyError::TooLarge(self.max_body)
+                } else {
+                    ProxyError::Upstream {
+                        engine: engine.url.to_string(),
+                        reason: error_chain(&e),
+                    }
+                })
+            })?;
+
+        let (mut parts, body) = resp.into_parts();
+        self.metrics.response(w, parts.status.as_u16());
+        strip_hop_by_hop(&mut parts.headers);
+        parts.headers.insert(WORKER_HEADER, self.worker_headers[w].clone());
+        let done = Box::new(Done {
+            _guard: picked.guard,
+            started,
+            metrics: self.metrics.clone(),
+        });
+        Ok(Response::from_parts(
+            parts,
+            ProxyBody::Upstream {
+                body,
+                done: Some(done),
+            },
+        ))
+    }
+}
+
+fn not_allowed(req: &Request<Incoming>) -> ProxyError {
+    ProxyError::MethodNotAllowed {
+        method: req.method().clone(),
+        path: req.uri().path().to_string(),
+    }
+}
+
+fn content_length(h: &HeaderMap) -> Option<u64> {
+    h.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // Headers the Connection header names are hop-by-hop too.
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named.iter().chain(HOP_BY_HOP.iter()) {
+        h.remove(n);
+    }
+}
+
+/// Writes the rank into an SGLang request body, replacing any rank the client set.
+pub fn pin_in_body(body: &[u8], rank: u32) -> Result<Bytes, ProxyError> {
+    let mut value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| ProxyError::BadJson(e.to_string()))?;
+    let obj = value.as_object_mut().ok_or(ProxyError::NotObject)?;
+    for f in SGLANG_RANK_FIELDS {
+        obj.remove(f);
+    }
+    obj.insert(SGLANG_RANK_FIELDS[0].into(), rank.into());
+    serde_json::to_vec(&value)
+        .map(Bytes::from)
+        .map_err(|e| ProxyError::BadJson(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pin_in_body_replaces_client_fields() {
+        let out = pin_in_body(br#"{"model":"m","data_parallel_rank":7,"routed_dp_rank":7}"#, 2).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["data_parallel_rank"], 2);
+        assert!(v.get("routed_dp_rank").is_none());
+        assert_eq!(v["model"], "m");
+        assert!(matches!(pin_in_body(b"[1]", 0), Err(ProxyError::NotObject)));
+        assert!(matches!(pin_in_body(b"{", 0), Err(ProxyError::BadJson(_))));
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert("x-keep", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-keep"));
+    }
+}

@@ -1,0 +1,193 @@
+//! The routing table: the fleet's shape, ONE immutable telemetry snapshot behind ONE `ArcSwap`,
+//! and per-worker live counters.
+//!
+//! Telemetry changes a few times a second and is read on every request, so it lives in an
+//! immutable [`Snapshot`] that the monitor builds aside and swaps in whole: readers never see half
+//! an update and never take a lock. What changes per request (dispatched and completed counts)
+//! cannot wait for the next snapshot, so it lives in atomics beside it, one cache line per worker
+//! so that two ranks' counters never contend.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::time::Instant;
+
+use crate::worker::Fleet;
+
+/// One rank's numbers, as its engine last reported them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Load {
+    /// KV cache usage in [0, 1].
+    pub kv_usage: f64,
+    pub running: Option<u32>,
+    pub waiting: Option<u32>,
+    /// KV capacity of the rank in tokens, where the engine reports it.
+    pub capacity_tokens: Option<u64>,
+    /// The engine published no per-rank series, so this is its engine-wide figure.
+    pub aggregate: bool,
+    /// When the response carrying these numbers arrived.
+    pub sampled_at: Instant,
+}
+
+/// A rank's telemetry state. Missing or bad numbers are a state with a reason, never zeros:
+/// a router that reads "unknown" as "idle" sends traffic exactly where it knows least.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RankTelemetry {
+    Available(Load),
+    Unavailable { reason: String },
+}
+
+impl RankTelemetry {
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        RankTelemetry::Unavailable {
+            reason: reason.into(),
+        }
+    }
+
+    /// The load if it is available and younger than `stale_after` at `now`.
+    #[inline]
+    pub fn fresh(&self, now: Instant, stale_after: Duration) -> Option<&Load> {
+        match self {
+            RankTelemetry::Available(l) if now.saturating_duration_since(l.sampled_at) <= stale_after => {
+                Some(l)
+            }
+            _ => None,
+        }
+    }
+
+    /// Why the rank is not routable by telemetry at `now`, or `None` if it is.
+    pub fn unavailable_reason(&self, now: Instant, stale_after: Duration) -> Option<String> {
+        match self {
+            RankTelemetry::Unavailable { reason } => Some(reason.clone()),
+            RankTelemetry::Available(l) => {
+                let age = now.saturating_duration_since(l.sampled_at);
+                (age > stale_after).then(|| {
+                    format!(
+                        "stale: last sample {} ms old (stale_after {} ms)",
+                        age.as_millis(),
+                        stale_after.as_millis()
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// What the router knows of one virtual worker at one point in time.
+#[derive(Debug, Clone)]
+pub struct RankView {
+    pub telemetry: RankTelemetry,
+    /// The engine answered its last poll (with usable numbers or not). Only reachable ranks take
+    /// traffic when no rank has telemetry, or under the telemetry-blind policies.
+    pub reachable: bool,
+    /// The worker's `dispatched` counter when the poll that produced this view began: requests
+    /// sent after it are ones the engine cannot have reported yet.
+    pub dispatched_at_poll: u64,
+    /// Estimated KV fraction one more request takes on this rank.
+    pub kv_per_request: f64,
+    /// Which telemetry source produced the numbers.
+    pub source: &'static str,
+}
+
+impl RankView {
+    pub fn initial() -> RankView {
+        RankView {
+            telemetry: RankTelemetry::unavailable("no telemetry yet: engine not polled"),
+            reachable: false,
+            dispatched_at_poll: 0,
+            kv_per_request: 0.0,
+            source: "none",
+        }
+    }
+}
+
+/// The immutable telemetry snapshot: one view per worker, indexed like `Fleet::workers`.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub ranks: Vec<RankView>,
+}
+
+/// Counters of one worker that change per request.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+pub struct Live {
+    /// Requests ever sent to this worker.
+    pub dispatched: AtomicU64,
+    /// Requests whose response body has ended (or failed).
+    pub completed: AtomicU64,
+}
+
+impl Live {
+    #[inline]
+    pub fn in_flight(&self) -> u64 {
+        // Read `completed` first: a completion racing between the two loads then can only make
+        // the result one too high, never wrap below zero.
+        let done = self.completed.load(Relaxed);
+        self.dispatched.load(Relaxed).saturating_sub(done)
+    }
+}
+
+/// The fleet, the current snapshot and the live counters, shared by proxy, admin and monitor.
+#[derive(Debug)]
+pub struct Table {
+    pub fleet: Fleet,
+    pub snapshot: ArcSwap<Snapshot>,
+    pub live: Vec<Live>,
+    pub stale_after: Duration,
+}
+
+impl Table {
+    pub fn new(fleet: Fleet, stale_after: Duration) -> Arc<Table> {
+        let n = fleet.workers.len();
+        Arc::new(Table {
+            snapshot: ArcSwap::from_pointee(Snapshot {
+                ranks: vec![RankView::initial(); n],
+            }),
+            live: (0..n).map(|_| Live::default()).collect(),
+            fleet,
+            stale_after,
+        })
+    }
+
+    /// True when at least one rank could take a request now.
+    pub fn any_routable(&self) -> bool {
+        let now = Instant::now();
+        let snap = self.snapshot.load();
+        snap.ranks.iter().any(|r| r.reachable)
+            || snap
+                .ranks
+                .iter()
+                .any(|r| r.telemetry.fresh(now, self.stale_after).is_some())
+    }
+}
+
+/// Marks one request as in flight on a worker until dropped. Held by the response body, so a
+/// streaming request counts until its last chunk, or until the client goes away.
+#[derive(Debug)]
+pub struct InFlight {
+    table: Arc<Table>,
+    worker: usize,
+}
+
+impl InFlight {
+    pub fn start(table: Arc<Table>, worker: usize) -> InFlight {
+        table.live[worker].dispatched.fetch_add(1, Relaxed);
+        InFlight { table, worker }
+    }
+
+    pub fn worker(&self) -> usize {
+        self.worker
+    }
+
+    pub fn table(&self) -> &Arc<Table> {
+        &self.table
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.table.live[self.worker].completed.fetch_add(1, Relaxed);
+    }
+}

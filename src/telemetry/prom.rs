@@ -1,0 +1,339 @@
+//! Prometheus text exposition: a lenient, hand-written reader of the few series rankgate needs,
+//! and their projection onto an engine's ranks.
+//!
+//! Hand-written because engine metric names contain `:` (`vllm:kv_cache_usage_perc`), which the
+//! `prometheus-parse` crate silently drops. Lenient because a scrape is someone else's output: one
+//! malformed line is counted and skipped, it does not void the other ranks' numbers.
+
+use std::collections::BTreeMap;
+
+use tokio::time::Instant;
+
+use crate::table::{Load, RankTelemetry};
+use crate::worker::Engine;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    Kv,
+    Running,
+    Waiting,
+    /// `vllm:cache_config_info`, whose `kv_cache_size_tokens` label is the capacity.
+    CacheInfo,
+}
+
+/// The series rankgate reads: name, field, and the label that carries the DP rank.
+const SERIES: &[(&str, Field, &str)] = &[
+    ("vllm:kv_cache_usage_perc", Field::Kv, "engine"),
+    // Older vLLM name of the same gauge.
+    ("vllm:gpu_cache_usage_perc", Field::Kv, "engine"),
+    ("vllm:num_requests_running", Field::Running, "engine"),
+    ("vllm:num_requests_waiting", Field::Waiting, "engine"),
+    ("vllm:cache_config_info", Field::CacheInfo, "engine"),
+    ("sglang:token_usage", Field::Kv, "dp_rank"),
+    ("sglang_token_usage", Field::Kv, "dp_rank"),
+    ("sglang:num_running_reqs", Field::Running, "dp_rank"),
+    ("sglang_num_running_reqs", Field::Running, "dp_rank"),
+    ("sglang:num_queue_reqs", Field::Waiting, "dp_rank"),
+    ("sglang_num_queue_reqs", Field::Waiting, "dp_rank"),
+];
+
+/// Raw values of one rank (or of the whole engine) as they appear in the scrape.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Series {
+    pub kv: Option<f64>,
+    pub running: Option<f64>,
+    pub waiting: Option<f64>,
+    pub capacity_tokens: Option<f64>,
+}
+
+/// What one scrape says, keyed by the rank label's value.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scrape {
+    pub per_rank: BTreeMap<u32, Series>,
+    /// Series with no rank label at all: the engine-wide figures.
+    pub unlabelled: Option<Series>,
+    /// Lines of interesting series that could not be read.
+    pub bad_lines: usize,
+}
+
+/// Reads the series rankgate needs out of a `/metrics` body.
+pub fn parse(text: &str) -> Scrape {
+    let mut out = Scrape::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let name_end = line.find(['{', ' ', '\t']).unwrap_or(line.len());
+        let name = &line[..name_end];
+        let Some(&(_, field, rank_label)) = SERIES.iter().find(|(n, _, _)| *n == name) else {
+            continue;
+        };
+        match parse_sample(&line[name_end..]) {
+            Some((labels, value)) => out.add(field, rank_label, &labels, value),
+            None => out.bad_lines += 1,
+        }
+    }
+    out
+}
+
+impl Scrape {
+    fn add(&mut self, field: Field, rank_label: &str, labels: &[(&str, String)], value: f64) {
+        let label = |k: &str| labels.iter().find(|(n, _)| *n == k).map(|(_, v)| v.as_str());
+        let series = match label(rank_label) {
+            Some(r) => match r.parse::<u32>() {
+                Ok(rank) => self.per_rank.entry(rank).or_default(),
+                Err(_) => {
+                    self.bad_lines += 1;
+                    return;
+                }
+            },
+            None => self.unlabelled.get_or_insert_with(Series::default),
+        };
+        // Several series for one rank (e.g. one per model) add up for counts; KV takes the fullest.
+        match field {
+            Field::Kv => series.kv = Some(series.kv.map_or(value, |v| v.max(value))),
+            Field::Running => series.running = Some(series.running.unwrap_or(0.0) + value),
+            Field::Waiting => series.waiting = Some(series.waiting.unwrap_or(0.0) + value),
+            Field::CacheInfo => {
+                if let Some(tokens) = label("kv_cache_size_tokens").and_then(|t| t.parse().ok()) {
+                    series.capacity_tokens = Some(tokens);
+                }
+            }
+        }
+    }
+}
+
+/// Parses `{labels} value [timestamp]` (the part after the metric name).
+fn parse_sample(rest: &str) -> Option<(Vec<(&str, String)>, f64)> {
+    let mut labels = Vec::new();
+    let mut rest = rest.trim_start();
+    if let Some(inner) = rest.strip_prefix('{') {
+        rest = inner;
+        loop {
+            rest = rest.trim_start_matches([' ', ',']);
+            if let Some(after) = rest.strip_prefix('}') {
+                rest = after;
+                break;
+            }
+            let eq = rest.find('=')?;
+            let key = rest[..eq].trim();
+            let after_eq = rest[eq + 1..].trim_start().strip_prefix('"')?;
+            let (value, used) = read_quoted(after_eq)?;
+            labels.push((key, value));
+            rest = &after_eq[used..];
+        }
+    }
+    let mut parts = rest.split_whitespace();
+    let value = parse_value(parts.next()?)?;
+    // An optional timestamp may follow; anything beyond it is malformed.
+    if parts.nth(1).is_some() {
+        return None;
+    }
+    Some((labels, value))
+}
+
+/// Reads a label value up to its closing quote, undoing `\\`, `\"` and `\n`.
+/// Returns the value and how many bytes were consumed including the closing quote.
+fn read_quoted(s: &str) -> Option<(String, usize)> {
+    let mut out = String::new();
+    let mut chars = s.char_indices();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '"' => return Some((out, i + 1)),
+            '\\' => match chars.next()?.1 {
+                'n' => out.push('\n'),
+                other => out.push(other),
+            },
+            _ => out.push(c),
+        }
+    }
+    None
+}
+
+fn parse_value(s: &str) -> Option<f64> {
+    match s {
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        "NaN" => Some(f64::NAN),
+        _ => s.parse().ok(),
+    }
+}
+
+/// Projects a scrape onto each of the engine's ranks, in rank order. Each rank gets exactly the
+/// series labelled with its own global rank; a rank with none is Unavailable, never zero.
+pub fn project(scrape: &Scrape, engine: &Engine, sampled_at: Instant) -> Vec<RankTelemetry> {
+    engine
+        .ranks()
+        .map(|rank| {
+            if !scrape.per_rank.is_empty() {
+                let series = scrape.per_rank.get(&rank).or_else(|| {
+                    // External-LB mode: a one-rank server may label its only engine "0" whatever
+                    // its global rank is; there the endpoint itself is the key.
+                    (engine.dp_size == 1 && scrape.per_rank.len() == 1)
+                        .then(|| scrape.per_rank.values().next())
+                        .flatten()
+                });
+                match series {
+                    Some(s) => to_telemetry(s, false, sampled_at),
+                    None => RankTelemetry::unavailable(format!(
+                        "no series for rank {rank} in /metrics"
+                    )),
+                }
+            } else if let Some(s) = &scrape.unlabelled {
+                to_telemetry(s, true, sampled_at)
+            } else {
+                RankTelemetry::unavailable("no KV gauge in /metrics")
+            }
+        })
+        .collect()
+}
+
+fn to_telemetry(s: &Series, aggregate: bool, sampled_at: Instant) -> RankTelemetry {
+    let Some(kv) = s.kv else {
+        return RankTelemetry::unavailable("KV usage gauge absent");
+    };
+    if !(0.0..=1.0).contains(&kv) {
+        // NaN fails `contains` too.
+        return RankTelemetry::unavailable(format!("invalid KV usage {kv}: must be within [0, 1]"));
+    }
+    let count = |name: &str, v: Option<f64>| -> Result<Option<u32>, String> {
+        match v {
+            None => Ok(None),
+            Some(x) if x.is_finite() && x >= 0.0 && x <= u32::MAX as f64 => Ok(Some(x as u32)),
+            Some(x) => Err(format!("invalid {name} {x}: must be a finite count >= 0")),
+        }
+    };
+    let (running, waiting) = match (count("running", s.running), count("waiting", s.waiting)) {
+        (Ok(r), Ok(w)) => (r, w),
+        (Err(e), _) | (_, Err(e)) => return RankTelemetry::unavailable(e),
+    };
+    let capacity_tokens = s
+        .capacity_tokens
+        .filter(|c| c.is_finite() && *c >= 1.0)
+        .map(|c| c as u64);
+    RankTelemetry::Available(Load {
+        kv_usage: kv,
+        running,
+        waiting,
+        capacity_tokens,
+        aggregate,
+        sampled_at,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::{Flavor, RankNumbering};
+    use proptest::prelude::*;
+
+    fn engine(dp: u32, start: u32) -> Engine {
+        Engine {
+            url: "http://e:1".into(),
+            authority: "e:1".into(),
+            flavor: Flavor::Vllm,
+            dp_size: dp,
+            start_rank: start,
+            rank_header: RankNumbering::Global,
+        }
+    }
+
+    fn load(t: &RankTelemetry) -> &Load {
+        match t {
+            RankTelemetry::Available(l) => l,
+            other => panic!("expected available, got {other:?}"),
+        }
+    }
+
+    const IDLE: &str = include_str!("../../tests/fixtures/vllm-0.32-dp2-metrics.txt");
+    const BUSY: &str = include_str!("../../tests/fixtures/vllm-0.32-dp2-metrics-under-load.txt");
+
+    #[test]
+    fn real_vllm_capture_splits_per_engine_label() {
+        let s = parse(BUSY);
+        assert_eq!(s.bad_lines, 0);
+        assert_eq!(s.per_rank.len(), 2);
+        let now = Instant::now();
+        let ranks = project(&s, &engine(2, 0), now);
+        for t in &ranks {
+            let l = load(t);
+            assert!((l.kv_usage - 0.22580645161290325).abs() < 1e-12);
+            assert_eq!(l.running, Some(7));
+            assert_eq!(l.waiting, Some(0));
+            assert_eq!(l.capacity_tokens, Some(4096));
+            assert!(!l.aggregate);
+        }
+        let idle = project(&parse(IDLE), &engine(2, 0), now);
+        assert_eq!(load(&idle[0]).running, Some(0));
+    }
+
+    #[test]
+    fn rank_outside_labels_is_unavailable_not_rank_zero() {
+        let ranks = project(&parse(BUSY), &engine(2, 4), Instant::now());
+        for t in ranks {
+            assert!(matches!(t, RankTelemetry::Unavailable { ref reason } if reason.contains("no series")));
+        }
+    }
+
+    #[test]
+    fn one_bad_line_does_not_void_the_scrape() {
+        let text = "vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\nvllm:kv_cache_usage_perc{engine=\"1\" 0.7\nvllm:num_requests_running{engine=\"1\"} 3\n";
+        let s = parse(text);
+        assert_eq!(s.bad_lines, 1);
+        let ranks = project(&s, &engine(2, 0), Instant::now());
+        assert_eq!(load(&ranks[0]).kv_usage, 0.5);
+        assert!(matches!(&ranks[1], RankTelemetry::Unavailable { reason } if reason.contains("absent")));
+    }
+
+    #[test]
+    fn invalid_values_make_only_that_rank_unavailable() {
+        let text = "vllm:kv_cache_usage_perc{engine=\"0\"} NaN\nvllm:kv_cache_usage_perc{engine=\"1\"} 0.2\nvllm:kv_cache_usage_perc{engine=\"2\"} 1.5\nvllm:kv_cache_usage_perc{engine=\"3\"} 0.1\nvllm:num_requests_running{engine=\"3\"} -1\n";
+        let ranks = project(&parse(text), &engine(4, 0), Instant::now());
+        assert!(matches!(&ranks[0], RankTelemetry::Unavailable { reason } if reason.contains("NaN")));
+        assert_eq!(load(&ranks[1]).kv_usage, 0.2);
+        assert!(matches!(&ranks[2], RankTelemetry::Unavailable { reason } if reason.contains("1.5")));
+        assert!(matches!(&ranks[3], RankTelemetry::Unavailable { reason } if reason.contains("running")));
+    }
+
+    #[test]
+    fn unlabelled_engine_figure_is_marked_aggregate() {
+        let text = "sglang:token_usage{model_name=\"m\"} 0.4\nsglang:num_running_reqs{model_name=\"m\"} 2\n";
+        let ranks = project(&parse(text), &engine(2, 0), Instant::now());
+        assert!(ranks.iter().all(|t| load(t).aggregate && load(t).kv_usage == 0.4));
+    }
+
+    #[test]
+    fn sglang_dp_rank_label_and_escapes() {
+        let text = "sglang_token_usage{dp_rank=\"5\",model_name=\"a \\\"q\\\" b\"} 0.3 1700000000\n";
+        let ranks = project(&parse(text), &engine(2, 4), Instant::now());
+        assert!(matches!(ranks[0], RankTelemetry::Unavailable { .. }));
+        assert_eq!(load(&ranks[1]).kv_usage, 0.3);
+    }
+
+    #[test]
+    fn external_lb_single_rank_keyed_by_endpoint() {
+        let text = "vllm:kv_cache_usage_perc{engine=\"0\"} 0.6\n";
+        let ranks = project(&parse(text), &engine(1, 3), Instant::now());
+        assert_eq!(load(&ranks[0]).kv_usage, 0.6);
+    }
+
+    proptest! {
+        #[test]
+        fn parser_never_panics(text in "\\PC{0,300}") {
+            let _ = parse(&text);
+        }
+
+        #[test]
+        fn written_values_read_back(values in proptest::collection::vec(0.0f64..=1.0, 1..8)) {
+            let mut text = String::from("# HELP x\n");
+            for (i, v) in values.iter().enumerate() {
+                text.push_str(&format!("vllm:kv_cache_usage_perc{{engine=\"{i}\",model_name=\"m\"}} {v}\n"));
+            }
+            let ranks = project(&parse(&text), &engine(values.len() as u32, 0), Instant::now());
+            for (t, v) in ranks.iter().zip(&values) {
+                prop_assert_eq!(load(t).kv_usage, *v);
+            }
+        }
+    }
+}
