@@ -172,6 +172,11 @@ impl SimEngine {
         self.sim.ranks.iter().map(|r| r.kv_usage()).collect()
     }
 
+    /// Requests decoding right now, per local rank.
+    pub fn running(&self) -> Vec<u32> {
+        self.sim.ranks.iter().map(|r| r.counts().running).collect()
+    }
+
     /// What the engine saw of recent requests, oldest first.
     pub fn seen(&self) -> Vec<Seen> {
         lock(&self.sim.seen).iter().cloned().collect()

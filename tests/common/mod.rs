@@ -1,0 +1,152 @@
+//! Shared helpers for integration tests: simulated engines and routers on 127.0.0.1:0, a small
+//! HTTP client, and bounded waits on observable state.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use rankgate::app::Router;
+use rankgate::config::Config;
+use rankgate::sim::{SimConfig, SimEngine};
+use serde_json::Value;
+
+pub fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+pub async fn engine(cfg: SimConfig) -> SimEngine {
+    SimEngine::start(loopback(), cfg).await.expect("start simulated engine")
+}
+
+/// One `[[engines]]` table.
+pub fn engine_toml(url: &str, flavor: &str, dp_size: u32, start_rank: u32) -> String {
+    format!("[[engines]]\nurl = \"{url}\"\nflavor = \"{flavor}\"\ndp_size = {dp_size}\nstart_rank = {start_rank}\n")
+}
+
+/// A router on ephemeral ports with the given extra config (routing/telemetry tables) and engines.
+pub async fn router(extra: &str, engines: &[String]) -> Router {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{extra}\n{}",
+        engines.concat()
+    );
+    let cfg = Config::from_str(&text).unwrap_or_else(|e| panic!("config: {e}\n{text}"));
+    Router::start(cfg).await.expect("start router")
+}
+
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    rankgate::http::client(Duration::from_secs(2))
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body))
+        })
+    }
+
+    pub fn worker(&self) -> String {
+        self.headers
+            .get("x-rankgate-worker")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    }
+}
+
+pub async fn send(req: Request<Full<Bytes>>) -> Reply {
+    let resp = client().request(req).await.expect("request");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> Reply {
+    let req = Request::get(format!("http://{addr}{path}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    send(req).await
+}
+
+pub fn chat_body(max_tokens: u64, stream: bool) -> String {
+    serde_json::json!({
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+pub fn post(addr: SocketAddr, path: &str) -> http::request::Builder {
+    Request::builder()
+        .method(Method::POST)
+        .uri(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+}
+
+/// POSTs a chat completion and returns the reply.
+pub async fn chat(addr: SocketAddr, max_tokens: u64) -> Reply {
+    let body = chat_body(max_tokens, false);
+    send(
+        post(addr, "/v1/chat/completions")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap(),
+    )
+    .await
+}
+
+/// `/workers` from the admin listener.
+pub async fn workers(router: &Router) -> Vec<Value> {
+    match get(router.admin_addr, "/workers").await.json() {
+        Value::Array(v) => v,
+        other => panic!("/workers is not an array: {other}"),
+    }
+}
+
+/// Polls `/workers` until `pred` holds, at most `limit`; panics with the last rows otherwise.
+/// Each check is a real request, and the loop is bounded in time.
+pub async fn wait_workers(router: &Router, limit: Duration, pred: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let rows = workers(router).await;
+        if pred(&rows) {
+            return rows;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("condition not met within {limit:?}; /workers = {}", serde_json::to_string_pretty(&rows).unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until every listed worker index reports telemetry `state` ("available"/"unavailable").
+pub async fn wait_state(router: &Router, idx: &[usize], state: &str) -> Vec<Value> {
+    wait_workers(router, Duration::from_secs(10), |rows| {
+        idx.iter().all(|&i| rows[i]["telemetry"] == state)
+    })
+    .await
+}
+
+pub fn sim(flavor: rankgate::worker::Flavor, dp_size: u32, start_rank: u32) -> SimConfig {
+    SimConfig {
+        flavor,
+        dp_size,
+        start_rank,
+        ..SimConfig::default()
+    }
+}
