@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use crate::http::{json_response, openai_error, respond};
 use crate::metrics::Metrics;
+use crate::policy::Selector;
 use crate::table::{RankTelemetry, Table};
 use crate::telemetry::TelemetryStats;
 
@@ -21,6 +22,7 @@ pub struct Admin {
     pub table: Arc<Table>,
     pub metrics: Arc<Metrics>,
     pub telemetry: Arc<TelemetryStats>,
+    pub selector: Arc<Selector>,
 }
 
 impl Admin {
@@ -35,7 +37,7 @@ impl Admin {
         Ok(match req.uri().path() {
             "/health" => respond(StatusCode::OK, "text/plain", "ok\n"),
             "/ready" => {
-                if self.table.any_routable() {
+                if self.selector.any_routable(&self.table) {
                     respond(StatusCode::OK, "text/plain", "ready\n")
                 } else {
                     respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no routable rank yet\n")

@@ -12,6 +12,7 @@ use tokio::task::JoinSet;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::metrics::Metrics;
+use crate::policy::Selector;
 use crate::proxy::Proxy;
 use crate::table::Table;
 use crate::telemetry::{self, TelemetryStats};
@@ -32,6 +33,7 @@ pub struct Router {
     pub admin_addr: SocketAddr,
     pub table: Arc<Table>,
     pub metrics: Arc<Metrics>,
+    pub selector: Arc<Selector>,
     shutdown: watch::Sender<bool>,
     tasks: JoinSet<()>,
 }
@@ -77,6 +79,7 @@ impl Router {
         });
 
         let proxy = Arc::new(Proxy::new(&cfg, table.clone(), metrics.clone()));
+        let selector = proxy.selector().clone();
         tasks.spawn(crate::http::serve(
             listener,
             move |req| proxy.clone().handle(req),
@@ -86,6 +89,7 @@ impl Router {
             table: table.clone(),
             metrics: metrics.clone(),
             telemetry: stats,
+            selector: selector.clone(),
         });
         tasks.spawn(crate::http::serve(
             admin_listener,
@@ -101,6 +105,7 @@ impl Router {
             admin_addr,
             table,
             metrics,
+            selector,
             shutdown,
             tasks,
         })

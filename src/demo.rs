@@ -74,7 +74,7 @@ pub async fn run_policy(policy: Policy, spec: &DemoSpec) -> Result<PolicyRun, St
     let router = Router::start(cfg).await.map_err(|e| e.to_string())?;
     // Wait (bounded) for the first telemetry so the run starts from what a steady router knows.
     for _ in 0..100 {
-        if router.table.any_routable() {
+        if router.selector.any_routable(&router.table) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

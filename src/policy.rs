@@ -56,6 +56,22 @@ impl Selector {
         self.policy
     }
 
+    /// True when [`Selector::pick`] would find a rank now (the admin `/ready`).
+    pub fn any_routable(&self, table: &Table) -> bool {
+        let snap = table.snapshot.load();
+        let now = Instant::now();
+        let reachable = snap.ranks.iter().any(|r| r.reachable);
+        match (self.policy, self.no_telemetry) {
+            (Policy::LeastKv, NoTelemetry::Reject) => {
+                snap.ranks.iter().any(|r| r.telemetry.fresh(now, table.stale_after).is_some())
+            }
+            (Policy::LeastKv, NoTelemetry::LeastInFlight) => {
+                reachable || snap.ranks.iter().any(|r| r.telemetry.fresh(now, table.stale_after).is_some())
+            }
+            _ => reachable,
+        }
+    }
+
     /// Picks a worker and marks one request in flight on it.
     pub fn pick(&self, table: &Arc<Table>) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();

@@ -221,7 +221,7 @@ impl ProxyError {
 /// The front door's shared state.
 pub struct Proxy {
     table: Arc<Table>,
-    selector: Selector,
+    selector: Arc<Selector>,
     metrics: Arc<Metrics>,
     client: Client<HttpConnector, UpstreamBody>,
     max_body: usize,
@@ -248,7 +248,7 @@ impl Proxy {
             .map(|e| Authority::try_from(&*e.authority).unwrap_or(Authority::from_static("invalid.invalid:1")))
             .collect();
         Proxy {
-            selector: Selector::new(&cfg.routing),
+            selector: Arc::new(Selector::new(&cfg.routing)),
             metrics,
             client: crate::http::client(cfg.server.connect_timeout),
             max_body: cfg.server.max_body_bytes,
@@ -259,7 +259,7 @@ impl Proxy {
         }
     }
 
-    pub fn selector(&self) -> &Selector {
+    pub fn selector(&self) -> &Arc<Selector> {
         &self.selector
     }
 

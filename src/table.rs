@@ -150,17 +150,6 @@ impl Table {
             stale_after,
         })
     }
-
-    /// True when at least one rank could take a request now.
-    pub fn any_routable(&self) -> bool {
-        let now = Instant::now();
-        let snap = self.snapshot.load();
-        snap.ranks.iter().any(|r| r.reachable)
-            || snap
-                .ranks
-                .iter()
-                .any(|r| r.telemetry.fresh(now, self.stale_after).is_some())
-    }
 }
 
 /// Marks one request as in flight on a worker until dropped. Held by the response body, so a
