@@ -26,7 +26,10 @@ pub struct Admin {
 }
 
 impl Admin {
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<Full<Bytes>>, Infallible> {
         if req.method() != Method::GET {
             return Ok(openai_error(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -40,7 +43,11 @@ impl Admin {
                 if self.selector.any_routable(&self.table) {
                     respond(StatusCode::OK, "text/plain", "ready\n")
                 } else {
-                    respond(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no routable rank yet\n")
+                    respond(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "text/plain",
+                        "no routable rank yet\n",
+                    )
                 }
             }
             "/workers" => json_response(StatusCode::OK, &self.workers()),

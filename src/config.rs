@@ -96,7 +96,9 @@ pub struct HumanDuration(pub Duration);
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        parse_duration(&s).map(HumanDuration).map_err(serde::de::Error::custom)
+        parse_duration(&s)
+            .map(HumanDuration)
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -107,6 +109,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .ok_or_else(|| format!("duration {s:?} has no unit (use ms, s or m)"))?;
     let (num, unit) = s.split_at(split);
+    if num.is_empty() {
+        return Err(format!(
+            "duration {s:?} must be a number followed by ms, s or m"
+        ));
+    }
     let n: f64 = num
         .parse()
         .map_err(|_| format!("duration {s:?}: {num:?} is not a number"))?;
@@ -114,7 +121,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "ms" => n / 1000.0,
         "s" => n,
         "m" => n * 60.0,
-        _ => return Err(format!("duration {s:?}: unknown unit {unit:?} (use ms, s or m)")),
+        _ => {
+            return Err(format!(
+                "duration {s:?}: unknown unit {unit:?} (use ms, s or m)"
+            ))
+        }
     };
     Duration::try_from_secs_f64(secs).map_err(|e| format!("duration {s:?}: {e}"))
 }
@@ -219,7 +230,10 @@ fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr,
 /// Returns the normalised URL and its authority.
 fn parse_engine_url(key: &str, url: &str) -> Result<(String, String), ConfigError> {
     let rest = url.strip_prefix("http://").ok_or_else(|| {
-        invalid(key, format!("{url:?} must start with http:// (engines are reached over plain HTTP)"))
+        invalid(
+            key,
+            format!("{url:?} must start with http:// (engines are reached over plain HTTP)"),
+        )
     })?;
     if url.contains('@') {
         return Err(invalid(
@@ -243,6 +257,17 @@ fn parse_engine_url(key: &str, url: &str) -> Result<(String, String), ConfigErro
     Ok((format!("http://{authority}"), authority.to_string()))
 }
 
+/// "line N (`the line`): message": the line names the key, which toml's message may not.
+fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span() else {
+        return e.message().to_string();
+    };
+    let start = span.start.min(text.len());
+    let line_no = text[..start].matches('\n').count() + 1;
+    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+    format!("line {line_no} (`{line}`): {}", e.message())
+}
+
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -259,7 +284,7 @@ impl Config {
     pub fn from_str(text: &str) -> Result<Config, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: String::new(),
-            message: e.to_string().trim_end().replace('\n', " | "),
+            message: describe_toml_error(text, &e),
         })?;
         Config::validate(raw)
     }
@@ -295,7 +320,10 @@ impl Config {
                 .routing
                 .request_kv_estimate
                 .unwrap_or(DEFAULT_REQUEST_KV_ESTIMATE),
-            retry_after_secs: raw.routing.retry_after_secs.unwrap_or(DEFAULT_RETRY_AFTER_SECS),
+            retry_after_secs: raw
+                .routing
+                .retry_after_secs
+                .unwrap_or(DEFAULT_RETRY_AFTER_SECS),
         };
         let est = routing.request_kv_estimate;
         if !(est > 0.0 && est <= 1.0) {
@@ -306,7 +334,10 @@ impl Config {
         }
 
         let interval = raw.telemetry.interval.map_or(DEFAULT_INTERVAL, |d| d.0);
-        let stale_after = raw.telemetry.stale_after.map_or(DEFAULT_STALE_AFTER, |d| d.0);
+        let stale_after = raw
+            .telemetry
+            .stale_after
+            .map_or(DEFAULT_STALE_AFTER, |d| d.0);
         if interval.is_zero() {
             return Err(invalid("telemetry.interval", "must be greater than 0"));
         }
@@ -329,7 +360,10 @@ impl Config {
         };
 
         if raw.engines.is_empty() {
-            return Err(invalid("engines", "at least one [[engines]] entry is required"));
+            return Err(invalid(
+                "engines",
+                "at least one [[engines]] entry is required",
+            ));
         }
         let mut engines: Vec<Engine> = Vec::with_capacity(raw.engines.len());
         for (i, e) in raw.engines.into_iter().enumerate() {
@@ -348,7 +382,10 @@ impl Config {
                 ));
             }
             let start_rank = e.start_rank.unwrap_or(0);
-            if start_rank.checked_add(dp_size).is_none_or(|end| end > i32::MAX as u32) {
+            if start_rank
+                .checked_add(dp_size)
+                .is_none_or(|end| end > i32::MAX as u32)
+            {
                 return Err(invalid(
                     format!("engines[{i}].start_rank"),
                     format!("{start_rank} + dp_size overflows the rank range"),
@@ -376,7 +413,8 @@ impl Config {
 mod tests {
     use super::*;
 
-    const MIN: &str = "[[engines]]\nurl = \"http://127.0.0.1:18001\"\nflavor = \"vllm\"\ndp_size = 2\n";
+    const MIN: &str =
+        "[[engines]]\nurl = \"http://127.0.0.1:18001\"\nflavor = \"vllm\"\ndp_size = 2\n";
 
     fn err(text: &str) -> String {
         Config::from_str(text).unwrap_err().to_string()
@@ -415,14 +453,19 @@ mod tests {
         let path = err("[[engines]]\nurl = \"http://h:1/v1\"\nflavor = \"vllm\"\n");
         assert!(path.contains("path"), "{path}");
         let dup = err(&format!("{MIN}{MIN}"));
-        assert!(dup.contains("engines[1].url") && dup.contains("duplicate"), "{dup}");
+        assert!(
+            dup.contains("engines[1].url") && dup.contains("duplicate"),
+            "{dup}"
+        );
         let port = err("[[engines]]\nurl = \"http://h\"\nflavor = \"vllm\"\n");
         assert!(port.contains("port"), "{port}");
     }
 
     #[test]
     fn stale_after_must_exceed_interval() {
-        let e = err(&format!("[telemetry]\ninterval = \"1s\"\nstale_after = \"500ms\"\n{MIN}"));
+        let e = err(&format!(
+            "[telemetry]\ninterval = \"1s\"\nstale_after = \"500ms\"\n{MIN}"
+        ));
         assert!(e.contains("telemetry.stale_after"), "{e}");
     }
 

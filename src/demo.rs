@@ -55,12 +55,25 @@ pub async fn run_policy(policy: Policy, spec: &DemoSpec) -> Result<PolicyRun, St
         decode_tokens_per_sec: 100.0,
         ..SimConfig::default()
     };
-    let a = SimEngine::start(loopback(), SimConfig { preload: vec![0.85, 0.0], ..base.clone() })
-        .await
-        .map_err(|e| format!("starting simulated engine: {e}"))?;
-    let b = SimEngine::start(loopback(), SimConfig { start_rank: 2, dark_ranks: vec![3], ..base })
-        .await
-        .map_err(|e| format!("starting simulated engine: {e}"))?;
+    let a = SimEngine::start(
+        loopback(),
+        SimConfig {
+            preload: vec![0.85, 0.0],
+            ..base.clone()
+        },
+    )
+    .await
+    .map_err(|e| format!("starting simulated engine: {e}"))?;
+    let b = SimEngine::start(
+        loopback(),
+        SimConfig {
+            start_rank: 2,
+            dark_ranks: vec![3],
+            ..base
+        },
+    )
+    .await
+    .map_err(|e| format!("starting simulated engine: {e}"))?;
     let toml = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
          [routing]\npolicy = \"{}\"\n[telemetry]\ninterval = \"100ms\"\nstale_after = \"1s\"\n\
@@ -81,7 +94,13 @@ pub async fn run_policy(policy: Policy, spec: &DemoSpec) -> Result<PolicyRun, St
     }
 
     let engines = Arc::new([a, b]);
-    let ids: Vec<String> = router.table.fleet.workers.iter().map(|w| w.id_text.to_string()).collect();
+    let ids: Vec<String> = router
+        .table
+        .fleet
+        .workers
+        .iter()
+        .map(|w| w.id_text.to_string())
+        .collect();
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let sampler = {
         let engines = engines.clone();

@@ -68,7 +68,10 @@ where
         });
     }
     drop(listener);
-    if tokio::time::timeout(DRAIN_GRACE, graceful.shutdown()).await.is_err() {
+    if tokio::time::timeout(DRAIN_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!("drain grace expired with connections still open");
     }
 }
@@ -99,7 +102,11 @@ pub fn error_json(status: StatusCode, kind: &str, message: &str) -> Bytes {
 }
 
 /// A response with a whole body of the given content type.
-pub fn respond<B: From<Bytes>>(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<B> {
+pub fn respond<B: From<Bytes>>(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<B> {
     let mut resp = Response::new(B::from(body.into()));
     *resp.status_mut() = status;
     resp.headers_mut()
@@ -109,7 +116,11 @@ pub fn respond<B: From<Bytes>>(status: StatusCode, content_type: &'static str, b
 
 /// An error response in the OpenAI error JSON shape.
 pub fn openai_error<B: From<Bytes>>(status: StatusCode, kind: &str, message: &str) -> Response<B> {
-    respond(status, "application/json", error_json(status, kind, message))
+    respond(
+        status,
+        "application/json",
+        error_json(status, kind, message),
+    )
 }
 
 /// A JSON response.

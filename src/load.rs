@@ -66,7 +66,9 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Option<Duration> {
 
 impl Report {
     pub fn ok(&self) -> impl Iterator<Item = &Outcome> {
-        self.outcomes.iter().filter(|o| o.error.is_none() && o.status == 200)
+        self.outcomes
+            .iter()
+            .filter(|o| o.error.is_none() && o.status == 200)
     }
 
     pub fn errors(&self) -> usize {
@@ -88,14 +90,16 @@ impl Report {
     pub fn per_worker(&self) -> BTreeMap<String, usize> {
         let mut m = BTreeMap::new();
         for o in self.ok() {
-            *m.entry(o.worker.clone().unwrap_or_else(|| "-".into())).or_default() += 1;
+            *m.entry(o.worker.clone().unwrap_or_else(|| "-".into()))
+                .or_default() += 1;
         }
         m
     }
 }
 
 fn body_for(spec: &LoadSpec) -> Bytes {
-    let prompt: String = "lorem ipsum ".repeat(spec.prompt_chars / 12 + 1)[..spec.prompt_chars].to_string();
+    let prompt: String =
+        "lorem ipsum ".repeat(spec.prompt_chars / 12 + 1)[..spec.prompt_chars].to_string();
     Bytes::from(
         serde_json::json!({
             "model": "tiny-llama",
@@ -172,7 +176,8 @@ pub async fn run(spec: &LoadSpec) -> Result<Report, String> {
     let started = Instant::now();
     let deadline = started + spec.max_duration;
     let done = Arc::new(AtomicUsize::new(0));
-    let progress = (spec.progress && std::io::stderr().is_terminal()).then(|| spawn_progress(done.clone(), spec.requests));
+    let progress = (spec.progress && std::io::stderr().is_terminal())
+        .then(|| spawn_progress(done.clone(), spec.requests));
     let mut tasks = JoinSet::new();
     let mut sent = 0usize;
 
@@ -239,8 +244,15 @@ pub async fn run(spec: &LoadSpec) -> Result<Report, String> {
 
 fn bar(done: usize, total: usize) -> String {
     const WIDTH: usize = 40;
-    let filled = (done * WIDTH).checked_div(total).unwrap_or(WIDTH).min(WIDTH);
-    format!("  [{}{}] {done}/{total} requests", "#".repeat(filled), ".".repeat(WIDTH - filled))
+    let filled = (done * WIDTH)
+        .checked_div(total)
+        .unwrap_or(WIDTH)
+        .min(WIDTH);
+    format!(
+        "  [{}{}] {done}/{total} requests",
+        "#".repeat(filled),
+        ".".repeat(WIDTH - filled)
+    )
 }
 
 fn spawn_progress(done: Arc<AtomicUsize>, total: usize) -> tokio::task::JoinHandle<()> {

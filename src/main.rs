@@ -10,7 +10,11 @@ use rankgate::config::{Config, Policy};
 const EXIT_CONFIG: u8 = 64;
 
 #[derive(Parser)]
-#[command(name = "rankgate", version, about = "Per-DP-rank load-aware front door for vLLM and SGLang fleets")]
+#[command(
+    name = "rankgate",
+    version,
+    about = "Per-DP-rank load-aware front door for vLLM and SGLang fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -79,7 +83,10 @@ fn main() -> ExitCode {
             let fleet = rankgate::worker::Fleet::expand(cfg.engines);
             for w in &fleet.workers {
                 let e = &fleet.engines[w.engine];
-                println!("{}\tengine={}\trank={}\tflavor={}", w.id, e.url, w.id.rank, e.flavor);
+                println!(
+                    "{}\tengine={}\trank={}\tflavor={}",
+                    w.id, e.url, w.id.rank, e.flavor
+                );
             }
             ExitCode::SUCCESS
         }

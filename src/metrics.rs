@@ -95,19 +95,33 @@ impl Metrics {
         }
         o.push_str("# HELP rankgate_rejected_total Requests rankgate answered itself, by status.\n# TYPE rankgate_rejected_total counter\n");
         for (s, n) in OWN_STATUSES.iter().zip(&self.own) {
-            let _ = writeln!(o, "rankgate_rejected_total{{status=\"{s}\"}} {}", n.load(Relaxed));
+            let _ = writeln!(
+                o,
+                "rankgate_rejected_total{{status=\"{s}\"}} {}",
+                n.load(Relaxed)
+            );
         }
         o.push_str("# HELP rankgate_skipped_unavailable_total Requests routed while passing over ranks whose telemetry was missing, stale or invalid.\n# TYPE rankgate_skipped_unavailable_total counter\n");
-        let _ = writeln!(o, "rankgate_skipped_unavailable_total {}", self.skipped_unavailable_total());
+        let _ = writeln!(
+            o,
+            "rankgate_skipped_unavailable_total {}",
+            self.skipped_unavailable_total()
+        );
 
         o.push_str("# HELP rankgate_proxy_duration_seconds Time from request arrival to the end of the response body.\n# TYPE rankgate_proxy_duration_seconds histogram\n");
         let mut cumulative = 0;
         for (b, n) in BUCKETS.iter().zip(&self.buckets) {
             cumulative += n.load(Relaxed);
-            let _ = writeln!(o, "rankgate_proxy_duration_seconds_bucket{{le=\"{b}\"}} {cumulative}");
+            let _ = writeln!(
+                o,
+                "rankgate_proxy_duration_seconds_bucket{{le=\"{b}\"}} {cumulative}"
+            );
         }
         let count = self.latency_count.load(Relaxed);
-        let _ = writeln!(o, "rankgate_proxy_duration_seconds_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            o,
+            "rankgate_proxy_duration_seconds_bucket{{le=\"+Inf\"}} {count}"
+        );
         let _ = writeln!(
             o,
             "rankgate_proxy_duration_seconds_sum {}",
@@ -120,31 +134,59 @@ impl Metrics {
         o.push_str("# HELP rankgate_rank_kv_usage Last reported KV cache usage of the rank (absent while unavailable).\n# TYPE rankgate_rank_kv_usage gauge\n");
         for (w, view) in workers.iter().zip(&snap.ranks) {
             if let Some(l) = view.telemetry.fresh(now, table.stale_after) {
-                let _ = writeln!(o, "rankgate_rank_kv_usage{{worker=\"{}\"}} {}", w.id_text, l.kv_usage);
+                let _ = writeln!(
+                    o,
+                    "rankgate_rank_kv_usage{{worker=\"{}\"}} {}",
+                    w.id_text, l.kv_usage
+                );
             }
         }
         o.push_str("# HELP rankgate_rank_telemetry_available 1 when the rank has fresh, valid telemetry.\n# TYPE rankgate_rank_telemetry_available gauge\n");
         for (w, view) in workers.iter().zip(&snap.ranks) {
             let up = view.telemetry.fresh(now, table.stale_after).is_some() as u8;
-            let _ = writeln!(o, "rankgate_rank_telemetry_available{{worker=\"{}\"}} {up}", w.id_text);
+            let _ = writeln!(
+                o,
+                "rankgate_rank_telemetry_available{{worker=\"{}\"}} {up}",
+                w.id_text
+            );
         }
         o.push_str("# HELP rankgate_rank_in_flight Requests in flight on the rank through this router.\n# TYPE rankgate_rank_in_flight gauge\n");
         for (w, live) in workers.iter().zip(&table.live) {
-            let _ = writeln!(o, "rankgate_rank_in_flight{{worker=\"{}\"}} {}", w.id_text, live.in_flight());
+            let _ = writeln!(
+                o,
+                "rankgate_rank_in_flight{{worker=\"{}\"}} {}",
+                w.id_text,
+                live.in_flight()
+            );
         }
         o.push_str("# HELP rankgate_telemetry_unavailable_ranks Ranks whose telemetry is unavailable right now.\n# TYPE rankgate_telemetry_unavailable_ranks gauge\n");
         let unavailable = snap
             .ranks
             .iter()
-            .filter(|v| matches!(v.telemetry, RankTelemetry::Unavailable { .. }) || v.telemetry.fresh(now, table.stale_after).is_none())
+            .filter(|v| {
+                matches!(v.telemetry, RankTelemetry::Unavailable { .. })
+                    || v.telemetry.fresh(now, table.stale_after).is_none()
+            })
             .count();
         let _ = writeln!(o, "rankgate_telemetry_unavailable_ranks {unavailable}");
         o.push_str("# TYPE rankgate_telemetry_polls_total counter\n");
-        let _ = writeln!(o, "rankgate_telemetry_polls_total {}", telemetry.polls.load(Relaxed));
+        let _ = writeln!(
+            o,
+            "rankgate_telemetry_polls_total {}",
+            telemetry.polls.load(Relaxed)
+        );
         o.push_str("# TYPE rankgate_telemetry_poll_failures_total counter\n");
-        let _ = writeln!(o, "rankgate_telemetry_poll_failures_total {}", telemetry.poll_failures.load(Relaxed));
+        let _ = writeln!(
+            o,
+            "rankgate_telemetry_poll_failures_total {}",
+            telemetry.poll_failures.load(Relaxed)
+        );
         o.push_str("# TYPE rankgate_telemetry_bad_lines_total counter\n");
-        let _ = writeln!(o, "rankgate_telemetry_bad_lines_total {}", telemetry.bad_lines.load(Relaxed));
+        let _ = writeln!(
+            o,
+            "rankgate_telemetry_bad_lines_total {}",
+            telemetry.bad_lines.load(Relaxed)
+        );
         o
     }
 }

@@ -62,11 +62,16 @@ impl Selector {
         let now = Instant::now();
         let reachable = snap.ranks.iter().any(|r| r.reachable);
         match (self.policy, self.no_telemetry) {
-            (Policy::LeastKv, NoTelemetry::Reject) => {
-                snap.ranks.iter().any(|r| r.telemetry.fresh(now, table.stale_after).is_some())
-            }
+            (Policy::LeastKv, NoTelemetry::Reject) => snap
+                .ranks
+                .iter()
+                .any(|r| r.telemetry.fresh(now, table.stale_after).is_some()),
             (Policy::LeastKv, NoTelemetry::LeastInFlight) => {
-                reachable || snap.ranks.iter().any(|r| r.telemetry.fresh(now, table.stale_after).is_some())
+                reachable
+                    || snap
+                        .ranks
+                        .iter()
+                        .any(|r| r.telemetry.fresh(now, table.stale_after).is_some())
             }
             _ => reachable,
         }
@@ -77,17 +82,16 @@ impl Selector {
         let snap = table.snapshot.load();
         let mut rng = rand::rng();
         let (choice, skipped) = match self.policy {
-            Policy::LeastKv => {
-                match least_kv(table, &snap, Instant::now(), &mut rng) {
-                    Some((w, skipped)) => (w, skipped),
-                    None => match self.no_telemetry {
-                        NoTelemetry::Reject => return Err(NoRank::NoTelemetry),
-                        NoTelemetry::LeastInFlight => {
-                            (least_in_flight(table, &snap, &mut rng).ok_or(NoRank::NoneReachable)?, true)
-                        }
-                    },
-                }
-            }
+            Policy::LeastKv => match least_kv(table, &snap, Instant::now(), &mut rng) {
+                Some((w, skipped)) => (w, skipped),
+                None => match self.no_telemetry {
+                    NoTelemetry::Reject => return Err(NoRank::NoTelemetry),
+                    NoTelemetry::LeastInFlight => (
+                        least_in_flight(table, &snap, &mut rng).ok_or(NoRank::NoneReachable)?,
+                        true,
+                    ),
+                },
+            },
             Policy::RoundRobin => {
                 let n = snap.ranks.len();
                 let start = self.rr.fetch_add(1, Relaxed) as usize;
@@ -124,7 +128,10 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
     let load = view.telemetry.fresh(now, table.stale_after)?;
     let live = &table.live[w];
     let in_flight = live.in_flight();
-    let since_poll = live.dispatched.load(Relaxed).saturating_sub(view.dispatched_at_poll);
+    let since_poll = live
+        .dispatched
+        .load(Relaxed)
+        .saturating_sub(view.dispatched_at_poll);
     let unreported = since_poll.min(in_flight);
     let queued = load.waiting.unwrap_or(0) as u64;
     Some(load.kv_usage + (queued + unreported) as f64 * view.kv_per_request)
@@ -132,7 +139,12 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
 
 /// Lowest score among ranks with fresh telemetry, ties broken uniformly at random (reservoir of
 /// the tied). Returns the worker and whether an unavailable rank was passed over.
-fn least_kv(table: &Table, snap: &Snapshot, now: Instant, rng: &mut impl Rng) -> Option<(usize, bool)> {
+fn least_kv(
+    table: &Table,
+    snap: &Snapshot,
+    now: Instant,
+    rng: &mut impl Rng,
+) -> Option<(usize, bool)> {
     const TIE: f64 = 1e-9;
     let mut best: Option<(usize, f64)> = None;
     let mut ties = 0u32;
@@ -189,7 +201,7 @@ fn least_in_flight(table: &Table, snap: &Snapshot, rng: &mut impl Rng) -> Option
 mod tests {
     use super::*;
     use crate::table::{Load, RankTelemetry, RankView};
-    use crate::worker::{Engine, Fleet, Flavor, RankNumbering};
+    use crate::worker::{Engine, Flavor, Fleet, RankNumbering};
     use proptest::prelude::*;
     use std::time::Duration;
 
@@ -254,7 +266,10 @@ mod tests {
             counts[p.guard.worker()] += 1;
             guards.push(p);
         }
-        assert!(counts[0] >= 9 && counts[1] >= 9, "burst must spread once credited: {counts:?}");
+        assert!(
+            counts[0] >= 9 && counts[1] >= 9,
+            "burst must spread once credited: {counts:?}"
+        );
     }
 
     #[test]

@@ -54,7 +54,10 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 #[derive(Debug)]
 pub enum UpstreamBody {
     /// The client's body, passed through with a size cap.
-    Stream { body: Incoming, remaining: usize },
+    Stream {
+        body: Incoming,
+        remaining: usize,
+    },
     Full(Option<Bytes>),
 }
 
@@ -73,22 +76,20 @@ impl Body for UpstreamBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             UpstreamBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            UpstreamBody::Stream { body, remaining } => {
-                match Pin::new(body).poll_frame(cx) {
-                    Poll::Ready(Some(Ok(frame))) => {
-                        if let Some(data) = frame.data_ref() {
-                            if data.len() > *remaining {
-                                return Poll::Ready(Some(Err(Box::new(BodyTooLarge(*remaining)))));
-                            }
-                            *remaining -= data.len();
+            UpstreamBody::Stream { body, remaining } => match Pin::new(body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        if data.len() > *remaining {
+                            return Poll::Ready(Some(Err(Box::new(BodyTooLarge(*remaining)))));
                         }
-                        Poll::Ready(Some(Ok(frame)))
+                        *remaining -= data.len();
                     }
-                    Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
-                    Poll::Ready(None) => Poll::Ready(None),
-                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(Some(Ok(frame)))
                 }
-            }
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
         }
     }
 
@@ -126,7 +127,10 @@ impl Drop for Done {
 pub enum ProxyBody {
     Full(Option<Bytes>),
     /// The engine's body, streamed frame by frame; `done` is released at its end.
-    Upstream { body: Incoming, done: Option<Box<Done>> },
+    Upstream {
+        body: Incoming,
+        done: Option<Box<Done>>,
+    },
 }
 
 impl From<Bytes> for ProxyBody {
@@ -209,9 +213,10 @@ impl ProxyError {
         match self {
             ProxyError::NotFound(_) => "NotFoundError",
             ProxyError::MethodNotAllowed { .. } => "MethodNotAllowedError",
-            ProxyError::TooLarge(_) | ProxyError::BadJson(_) | ProxyError::NotObject | ProxyError::ClientBody(_) => {
-                "BadRequestError"
-            }
+            ProxyError::TooLarge(_)
+            | ProxyError::BadJson(_)
+            | ProxyError::NotObject
+            | ProxyError::ClientBody(_) => "BadRequestError",
             ProxyError::NoRank(_) => "ServiceUnavailableError",
             ProxyError::Upstream { .. } => "UpstreamError",
         }
@@ -238,14 +243,19 @@ impl Proxy {
             .fleet
             .workers
             .iter()
-            .map(|w| HeaderValue::from_str(&w.id_text).unwrap_or(HeaderValue::from_static("invalid")))
+            .map(|w| {
+                HeaderValue::from_str(&w.id_text).unwrap_or(HeaderValue::from_static("invalid"))
+            })
             .collect();
         let authorities = table
             .fleet
             .engines
             .iter()
             // Validated at config load; a failure here would be a bug in validation.
-            .map(|e| Authority::try_from(&*e.authority).unwrap_or(Authority::from_static("invalid.invalid:1")))
+            .map(|e| {
+                Authority::try_from(&*e.authority)
+                    .unwrap_or(Authority::from_static("invalid.invalid:1"))
+            })
             .collect();
         Proxy {
             selector: Arc::new(Selector::new(&cfg.routing)),
@@ -264,7 +274,10 @@ impl Proxy {
     }
 
     /// Serves one client request; every failure becomes an OpenAI-shaped error response.
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<ProxyBody>, Infallible> {
         let started = Instant::now();
         match self.forward(req, started).await {
             Ok(resp) => Ok(resp),
@@ -282,10 +295,12 @@ impl Proxy {
                 let mut resp: Response<ProxyBody> =
                     crate::http::openai_error(status, err.kind(), &err.to_string());
                 if status == StatusCode::SERVICE_UNAVAILABLE {
-                    resp.headers_mut().insert(header::RETRY_AFTER, self.retry_after.clone());
+                    resp.headers_mut()
+                        .insert(header::RETRY_AFTER, self.retry_after.clone());
                 }
                 if let Some(w) = worker {
-                    resp.headers_mut().insert(WORKER_HEADER, self.worker_headers[w].clone());
+                    resp.headers_mut()
+                        .insert(WORKER_HEADER, self.worker_headers[w].clone());
                 }
                 Ok(resp)
             }
@@ -317,7 +332,10 @@ impl Proxy {
             return Err((ProxyError::TooLarge(self.max_body), None));
         }
 
-        let picked = self.selector.pick(&self.table).map_err(|e| (e.into(), None))?;
+        let picked = self
+            .selector
+            .pick(&self.table)
+            .map_err(|e| (e.into(), None))?;
         if picked.skipped_unavailable {
             self.metrics.skipped_unavailable();
         }
@@ -331,7 +349,9 @@ impl Proxy {
         // The client's own pin never reaches the engine: rankgate decides the rank.
         parts.headers.remove(&RANK_HEADER);
         parts.headers.remove(header::HOST);
-        parts.headers.insert(RANK_HEADER, HeaderValue::from(worker.pin_rank));
+        parts
+            .headers
+            .insert(RANK_HEADER, HeaderValue::from(worker.pin_rank));
         parts.version = Version::HTTP_11;
         let pq = parts
             .uri
@@ -380,11 +400,11 @@ impl Proxy {
             .request(Request::from_parts(parts, up_body))
             .await
             .map_err(|e| {
-                let too_large = std::iter::successors(
-                    Some(&e as &(dyn std::error::Error + 'static)),
-                    |e| e.source(),
-                )
-                .any(|s| s.is::<BodyTooLarge>());
+                let too_large =
+                    std::iter::successors(Some(&e as &(dyn std::error::Error + 'static)), |e| {
+                        e.source()
+                    })
+                    .any(|s| s.is::<BodyTooLarge>());
                 fail(if too_large {
                     ProxyError::TooLarge(self.max_body)
                 } else {
@@ -398,7 +418,9 @@ impl Proxy {
         let (mut parts, body) = resp.into_parts();
         self.metrics.response(w, parts.status.as_u16());
         strip_hop_by_hop(&mut parts.headers);
-        parts.headers.insert(WORKER_HEADER, self.worker_headers[w].clone());
+        parts
+            .headers
+            .insert(WORKER_HEADER, self.worker_headers[w].clone());
         let done = Box::new(Done {
             _guard: picked.guard,
             started,
@@ -459,7 +481,11 @@ mod tests {
 
     #[test]
     fn pin_in_body_replaces_client_fields() {
-        let out = pin_in_body(br#"{"model":"m","data_parallel_rank":7,"routed_dp_rank":7}"#, 2).unwrap();
+        let out = pin_in_body(
+            br#"{"model":"m","data_parallel_rank":7,"routed_dp_rank":7}"#,
+            2,
+        )
+        .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["data_parallel_rank"], 2);
         assert!(v.get("routed_dp_rank").is_none());
@@ -471,9 +497,15 @@ mod tests {
     #[test]
     fn hop_by_hop_and_connection_named_headers_go() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret"));
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
         h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
         h.insert("x-keep", HeaderValue::from_static("1"));
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);

@@ -50,7 +50,9 @@ impl RankTelemetry {
     #[inline]
     pub fn fresh(&self, now: Instant, stale_after: Duration) -> Option<&Load> {
         match self {
-            RankTelemetry::Available(l) if now.saturating_duration_since(l.sampled_at) <= stale_after => {
+            RankTelemetry::Available(l)
+                if now.saturating_duration_since(l.sampled_at) <= stale_after =>
+            {
                 Some(l)
             }
             _ => None,

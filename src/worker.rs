@@ -165,14 +165,17 @@ mod tests {
 
     #[test]
     fn expands_to_global_ranks() {
-        let fleet = Fleet::expand(vec![
-            engine("http://a:1", 2, 0),
-            engine("http://b:2", 3, 4),
-        ]);
+        let fleet = Fleet::expand(vec![engine("http://a:1", 2, 0), engine("http://b:2", 3, 4)]);
         let ids: Vec<String> = fleet.workers.iter().map(|w| w.id.to_string()).collect();
         assert_eq!(
             ids,
-            ["http://a:1@0", "http://a:1@1", "http://b:2@4", "http://b:2@5", "http://b:2@6"]
+            [
+                "http://a:1@0",
+                "http://a:1@1",
+                "http://b:2@4",
+                "http://b:2@5",
+                "http://b:2@6"
+            ]
         );
         assert_eq!(fleet.workers_of(1), 2..5);
     }

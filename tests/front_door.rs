@@ -18,10 +18,17 @@ use tokio::net::{TcpListener, TcpStream};
 const FAST: &str = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
 
 fn assert_openai_error(reply: &Reply, status: u16) {
-    assert_eq!(reply.status, status, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        status,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     let v = reply.json();
     assert_eq!(v["error"]["code"], status);
-    assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    assert!(v["error"]["message"]
+        .as_str()
+        .is_some_and(|m| !m.is_empty()));
     assert!(v["error"]["type"].is_string());
 }
 
@@ -45,11 +52,18 @@ async fn oversized_bodies_get_413_declared_or_streamed() {
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nmax_body_bytes = 1024\n{FAST}{}",
         engine_toml(&e.url(), "vllm", 1, 0)
     );
-    let r = rankgate::app::Router::start(rankgate::config::Config::from_str(&text).unwrap()).await.unwrap();
+    let r = rankgate::app::Router::start(rankgate::config::Config::from_str(&text).unwrap())
+        .await
+        .unwrap();
     wait_state(&r, &[0], "available").await;
 
     let big = Bytes::from(vec![b'x'; 4096]);
-    let reply = send(post(r.addr, "/v1/chat/completions").body(Full::new(big)).unwrap()).await;
+    let reply = send(
+        post(r.addr, "/v1/chat/completions")
+            .body(Full::new(big))
+            .unwrap(),
+    )
+    .await;
     assert_openai_error(&reply, 413);
 
     // A chunked body announces no length: the cap applies while it streams.
@@ -62,7 +76,10 @@ async fn oversized_bodies_get_413_declared_or_streamed() {
     req.push_str("0\r\n\r\n");
     s.write_all(req.as_bytes()).await.unwrap();
     let mut buf = vec![0u8; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await.unwrap().unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
     let head = String::from_utf8_lossy(&buf[..n]);
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
 }
@@ -73,7 +90,12 @@ async fn sglang_bad_json_is_400_and_nothing_reaches_the_engine() {
     let r = router(FAST, &[engine_toml(&e.url(), "sglang", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
     for bad in ["{not json", "[1, 2]"] {
-        let reply = send(post(r.addr, "/v1/completions").body(Full::new(Bytes::from(bad))).unwrap()).await;
+        let reply = send(
+            post(r.addr, "/v1/completions")
+                .body(Full::new(Bytes::from(bad)))
+                .unwrap(),
+        )
+        .await;
         assert_openai_error(&reply, 400);
     }
     assert!(e.seen().is_empty());
@@ -82,11 +104,21 @@ async fn sglang_bad_json_is_400_and_nothing_reaches_the_engine() {
 
 #[tokio::test]
 async fn reject_mode_answers_503_with_retry_after_when_no_rank_has_telemetry() {
-    let e = engine(SimConfig { dark_ranks: vec![0, 1], ..sim(Flavor::Vllm, 2, 0) }).await;
+    let e = engine(SimConfig {
+        dark_ranks: vec![0, 1],
+        ..sim(Flavor::Vllm, 2, 0)
+    })
+    .await;
     let cfg = format!("[routing]\nno_telemetry = \"reject\"\nretry_after_secs = 3\n{FAST}");
     let r = router(&cfg, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
-    let rows = wait_workers(&r, Duration::from_secs(10), |rows| rows.iter().all(|w| w["reachable"] == true)).await;
-    assert!(rows.iter().all(|w| w["telemetry"] == "unavailable"), "{rows:?}");
+    let rows = wait_workers(&r, Duration::from_secs(10), |rows| {
+        rows.iter().all(|w| w["reachable"] == true)
+    })
+    .await;
+    assert!(
+        rows.iter().all(|w| w["telemetry"] == "unavailable"),
+        "{rows:?}"
+    );
     let reply = chat(r.addr, 1).await;
     assert_openai_error(&reply, 503);
     assert_eq!(reply.headers["retry-after"], "3");
@@ -96,9 +128,16 @@ async fn reject_mode_answers_503_with_retry_after_when_no_rank_has_telemetry() {
 
 #[tokio::test]
 async fn no_telemetry_falls_back_to_least_in_flight_on_reachable_ranks() {
-    let e = engine(SimConfig { dark_ranks: vec![0, 1], ..sim(Flavor::Vllm, 2, 0) }).await;
+    let e = engine(SimConfig {
+        dark_ranks: vec![0, 1],
+        ..sim(Flavor::Vllm, 2, 0)
+    })
+    .await;
     let r = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
-    wait_workers(&r, Duration::from_secs(10), |rows| rows[0]["reachable"] == true).await;
+    wait_workers(&r, Duration::from_secs(10), |rows| {
+        rows[0]["reachable"] == true
+    })
+    .await;
     assert_eq!(get(r.admin_addr, "/ready").await.status, 200);
     let reply = chat(r.addr, 1).await;
     assert_eq!(reply.status, 200);
@@ -107,9 +146,28 @@ async fn no_telemetry_falls_back_to_least_in_flight_on_reachable_ranks() {
 #[tokio::test]
 async fn unreachable_engine_means_503_not_a_hang() {
     // Bind then drop a listener: nothing listens on that port any more.
-    let port = TcpListener::bind(loopback()).await.unwrap().local_addr().unwrap().port();
-    let r = router(FAST, &[engine_toml(&format!("http://127.0.0.1:{port}"), "vllm", 1, 0)]).await;
-    let rows = wait_workers(&r, Duration::from_secs(10), |rows| rows[0]["reason"].as_str().is_some_and(|s| s.contains("scrape"))).await;
+    let port = TcpListener::bind(loopback())
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let r = router(
+        FAST,
+        &[engine_toml(
+            &format!("http://127.0.0.1:{port}"),
+            "vllm",
+            1,
+            0,
+        )],
+    )
+    .await;
+    let rows = wait_workers(&r, Duration::from_secs(10), |rows| {
+        rows[0]["reason"]
+            .as_str()
+            .is_some_and(|s| s.contains("scrape"))
+    })
+    .await;
     assert_eq!(rows[0]["reachable"], false);
     assert_openai_error(&chat(r.addr, 1).await, 503);
     assert_eq!(get(r.admin_addr, "/ready").await.status, 503);
@@ -124,10 +182,15 @@ async fn broken_engine() -> String {
         while let Ok((mut s, _)) = listener.accept().await {
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 8192];
-                let Ok(n) = s.read(&mut buf).await else { return };
+                let Ok(n) = s.read(&mut buf).await else {
+                    return;
+                };
                 if buf[..n].starts_with(b"GET /metrics") {
                     let body = "vllm:kv_cache_usage_perc{engine=\"0\"} 0.1\n";
-                    let resp = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
                     let _ = s.write_all(resp.as_bytes()).await;
                 }
                 // Anything else: close without answering.
@@ -144,11 +207,19 @@ async fn upstream_failure_is_502_naming_the_engine() {
     wait_state(&r, &[0], "available").await;
     let reply = chat(r.addr, 1).await;
     assert_openai_error(&reply, 502);
-    assert!(reply.json()["error"]["message"].as_str().unwrap().contains(&url));
+    assert!(reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains(&url));
     assert_eq!(reply.worker(), format!("{url}@0"));
     assert_eq!(workers(&r).await[0]["in_flight"], 0);
     let metrics = String::from_utf8(get(r.admin_addr, "/metrics").await.body.to_vec()).unwrap();
-    assert!(metrics.contains(&format!("rankgate_requests_total{{worker=\"{url}@0\",status=\"5xx\"}} 1")), "{metrics}");
+    assert!(
+        metrics.contains(&format!(
+            "rankgate_requests_total{{worker=\"{url}@0\",status=\"5xx\"}} 1"
+        )),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

@@ -17,7 +17,14 @@ const FAST: &str = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
 async fn expands_engines_into_global_rank_workers() {
     let a = engine(sim(Flavor::Vllm, 2, 0)).await;
     let b = engine(sim(Flavor::Vllm, 2, 4)).await;
-    let r = router(FAST, &[engine_toml(&a.url(), "vllm", 2, 0), engine_toml(&b.url(), "vllm", 2, 4)]).await;
+    let r = router(
+        FAST,
+        &[
+            engine_toml(&a.url(), "vllm", 2, 0),
+            engine_toml(&b.url(), "vllm", 2, 4),
+        ],
+    )
+    .await;
     let rows = wait_state(&r, &[0, 1, 2, 3], "available").await;
     let ids: Vec<&str> = rows.iter().map(|w| w["id"].as_str().unwrap()).collect();
     assert_eq!(
@@ -31,25 +38,52 @@ async fn expands_engines_into_global_rank_workers() {
     );
     assert_eq!(rows[2]["dp_rank"], 4);
     assert_eq!(rows[2]["engine"], b.url());
-    for key in ["flavor", "reason", "kv_usage", "num_running_reqs", "num_waiting_reqs", "age_ms", "in_flight"] {
+    for key in [
+        "flavor",
+        "reason",
+        "kv_usage",
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "age_ms",
+        "in_flight",
+    ] {
         assert!(rows[0].get(key).is_some(), "/workers lacks {key}");
     }
     // Global ranks travel to the engine, which accepts 4 and 5 (and would 400 on anything else).
     b.set_kv_usage(vec![0.0, 0.0]);
     a.set_kv_usage(vec![0.9, 0.9]);
-    wait_workers(&r, Duration::from_secs(5), |rows| rows[0]["kv_usage"] == 0.9).await;
+    wait_workers(&r, Duration::from_secs(5), |rows| {
+        rows[0]["kv_usage"] == 0.9
+    })
+    .await;
     for _ in 0..6 {
         let reply = chat(r.addr, 2).await;
-        assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
         assert!(reply.worker().starts_with(&b.url()));
     }
-    let ranks: Vec<String> = b.seen().iter().filter_map(|s| s.rank_header.clone()).collect();
-    assert!(!ranks.is_empty() && ranks.iter().all(|h| h == "4" || h == "5"), "{ranks:?}");
+    let ranks: Vec<String> = b
+        .seen()
+        .iter()
+        .filter_map(|s| s.rank_header.clone())
+        .collect();
+    assert!(
+        !ranks.is_empty() && ranks.iter().all(|h| h == "4" || h == "5"),
+        "{ranks:?}"
+    );
 }
 
 #[tokio::test]
 async fn least_kv_rank_receives_the_requests() {
-    let e = engine(SimConfig { kv_usage: vec![0.7, 0.2, 0.9, 0.5], ..sim(Flavor::Vllm, 4, 0) }).await;
+    let e = engine(SimConfig {
+        kv_usage: vec![0.7, 0.2, 0.9, 0.5],
+        ..sim(Flavor::Vllm, 4, 0)
+    })
+    .await;
     let r = router(FAST, &[engine_toml(&e.url(), "vllm", 4, 0)]).await;
     wait_state(&r, &[0, 1, 2, 3], "available").await;
     for _ in 0..20 {
@@ -63,12 +97,27 @@ async fn least_kv_rank_receives_the_requests() {
 #[tokio::test]
 async fn dark_rank_gets_nothing_even_when_it_would_look_idle() {
     // Rank 1 is really idle, but publishes no series: unknown is not idle.
-    let e = engine(SimConfig { kv_usage: vec![0.6, 0.0, 0.6], dark_ranks: vec![1], ..sim(Flavor::Vllm, 3, 0) }).await;
+    let e = engine(SimConfig {
+        kv_usage: vec![0.6, 0.0, 0.6],
+        dark_ranks: vec![1],
+        ..sim(Flavor::Vllm, 3, 0)
+    })
+    .await;
     let r = router(FAST, &[engine_toml(&e.url(), "vllm", 3, 0)]).await;
     let rows = wait_state(&r, &[0, 2], "available").await;
     assert_eq!(rows[1]["telemetry"], "unavailable");
-    assert!(rows[1]["reason"].as_str().unwrap().contains("no series for rank 1"), "{}", rows[1]);
-    assert!(rows[1]["kv_usage"].is_null(), "unavailable rank must not show a KV figure");
+    assert!(
+        rows[1]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no series for rank 1"),
+        "{}",
+        rows[1]
+    );
+    assert!(
+        rows[1]["kv_usage"].is_null(),
+        "unavailable rank must not show a KV figure"
+    );
     let mut tasks = Vec::new();
     for _ in 0..24 {
         let addr = r.addr;
@@ -86,23 +135,48 @@ async fn dark_rank_gets_nothing_even_when_it_would_look_idle() {
         .find_map(|l| l.strip_prefix("rankgate_skipped_unavailable_total "))
         .unwrap();
     assert_eq!(skipped, "24");
-    assert!(metrics.contains(&format!("rankgate_rank_telemetry_available{{worker=\"{}@1\"}} 0", e.url())));
-    assert!(metrics.contains(&format!("rankgate_rank_kv_usage{{worker=\"{}@0\"}} 0.6", e.url())));
+    assert!(metrics.contains(&format!(
+        "rankgate_rank_telemetry_available{{worker=\"{}@1\"}} 0",
+        e.url()
+    )));
+    assert!(metrics.contains(&format!(
+        "rankgate_rank_kv_usage{{worker=\"{}@0\"}} 0.6",
+        e.url()
+    )));
 }
 
 #[tokio::test]
 async fn stale_telemetry_makes_a_rank_unavailable_and_fresh_brings_it_back() {
-    let slow = engine(SimConfig { kv_usage: vec![0.1], ..sim(Flavor::Vllm, 1, 0) }).await;
-    let other = engine(SimConfig { kv_usage: vec![0.5], ..sim(Flavor::Vllm, 1, 1) }).await;
+    let slow = engine(SimConfig {
+        kv_usage: vec![0.1],
+        ..sim(Flavor::Vllm, 1, 0)
+    })
+    .await;
+    let other = engine(SimConfig {
+        kv_usage: vec![0.5],
+        ..sim(Flavor::Vllm, 1, 1)
+    })
+    .await;
     let cfg = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"400ms\"\ntimeout = \"20s\"\n";
-    let r = router(cfg, &[engine_toml(&slow.url(), "vllm", 1, 0), engine_toml(&other.url(), "vllm", 1, 1)]).await;
+    let r = router(
+        cfg,
+        &[
+            engine_toml(&slow.url(), "vllm", 1, 0),
+            engine_toml(&other.url(), "vllm", 1, 1),
+        ],
+    )
+    .await;
     wait_state(&r, &[0, 1], "available").await;
     assert!(chat(r.addr, 1).await.worker().starts_with(&slow.url()));
 
     // The engine keeps answering, just too slowly: its last sample ages past stale_after.
     slow.set_metrics_delay(Duration::from_secs(2));
     let rows = wait_state(&r, &[0], "unavailable").await;
-    assert!(rows[0]["reason"].as_str().unwrap().starts_with("stale"), "{}", rows[0]);
+    assert!(
+        rows[0]["reason"].as_str().unwrap().starts_with("stale"),
+        "{}",
+        rows[0]
+    );
     for _ in 0..10 {
         assert!(chat(r.addr, 1).await.worker().starts_with(&other.url()));
     }
@@ -114,10 +188,18 @@ async fn stale_telemetry_makes_a_rank_unavailable_and_fresh_brings_it_back() {
 
 #[tokio::test]
 async fn vllm_gets_the_header_and_client_rank_header_never_reaches_the_engine() {
-    let e = engine(SimConfig { kv_usage: vec![0.5, 0.1], ..sim(Flavor::Vllm, 2, 0) }).await;
+    let e = engine(SimConfig {
+        kv_usage: vec![0.5, 0.1],
+        ..sim(Flavor::Vllm, 2, 0)
+    })
+    .await;
     let r = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
-    for spelling in ["X-data-parallel-rank", "x-data-parallel-rank", "X-DATA-PARALLEL-RANK"] {
+    for spelling in [
+        "X-data-parallel-rank",
+        "x-data-parallel-rank",
+        "X-DATA-PARALLEL-RANK",
+    ] {
         let reply = send(
             post(r.addr, "/v1/chat/completions")
                 .header(spelling, "0")
@@ -131,7 +213,11 @@ async fn vllm_gets_the_header_and_client_rank_header_never_reaches_the_engine() 
     let seen = e.seen();
     assert_eq!(seen.len(), 3);
     for s in seen {
-        assert_eq!(s.rank_header.as_deref(), Some("1"), "the engine must see rankgate's pin only");
+        assert_eq!(
+            s.rank_header.as_deref(),
+            Some("1"),
+            "the engine must see rankgate's pin only"
+        );
         assert_eq!(s.rank, 1);
         assert_eq!(s.body_rank, None, "vLLM bodies pass through untouched");
     }
@@ -139,7 +225,11 @@ async fn vllm_gets_the_header_and_client_rank_header_never_reaches_the_engine() 
 
 #[tokio::test]
 async fn sglang_gets_the_body_field_and_header() {
-    let e = engine(SimConfig { kv_usage: vec![0.1, 0.6], ..sim(Flavor::Sglang, 2, 0) }).await;
+    let e = engine(SimConfig {
+        kv_usage: vec![0.1, 0.6],
+        ..sim(Flavor::Sglang, 2, 0)
+    })
+    .await;
     let r = router(FAST, &[engine_toml(&e.url(), "sglang", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
     let body = serde_json::json!({
@@ -153,7 +243,12 @@ async fn sglang_gets_the_body_field_and_header() {
             .unwrap(),
     )
     .await;
-    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert_eq!(reply.worker(), format!("{}@0", e.url()));
     let seen = e.seen();
     assert_eq!(seen[0].body_rank, Some(serde_json::json!(0)));
@@ -171,11 +266,19 @@ async fn local_rank_numbering_pins_node_local_index() {
         ..sim(Flavor::Vllm, 2, 2)
     })
     .await;
-    let toml = format!("{}rank_header = \"local\"\n", engine_toml(&e.url(), "vllm", 2, 2));
+    let toml = format!(
+        "{}rank_header = \"local\"\n",
+        engine_toml(&e.url(), "vllm", 2, 2)
+    );
     let r = router(FAST, &[toml]).await;
     wait_state(&r, &[0, 1], "available").await;
     let reply = chat(r.addr, 1).await;
-    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert_eq!(reply.worker(), format!("{}@3", e.url()));
     assert_eq!(e.seen()[0].rank_header.as_deref(), Some("1"));
     assert_eq!(e.served(), [0, 1]);
@@ -183,7 +286,11 @@ async fn local_rank_numbering_pins_node_local_index() {
 
 #[tokio::test]
 async fn first_sse_chunk_arrives_before_the_engine_finishes() {
-    let e = engine(SimConfig { decode_tokens_per_sec: 20.0, ..sim(Flavor::Vllm, 1, 0) }).await;
+    let e = engine(SimConfig {
+        decode_tokens_per_sec: 20.0,
+        ..sim(Flavor::Vllm, 1, 0)
+    })
+    .await;
     let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
     wait_state(&r, &[0], "available").await;
     let resp = client()
@@ -213,7 +320,12 @@ async fn first_sse_chunk_arrives_before_the_engine_finishes() {
 #[tokio::test]
 async fn burst_between_two_polls_spreads_over_ranks() {
     // One poll at start, the next 30 s later: the whole burst sees one snapshot.
-    let e = engine(SimConfig { kv_usage: vec![0.10, 0.12], decode_tokens_per_sec: 50.0, ..sim(Flavor::Vllm, 2, 0) }).await;
+    let e = engine(SimConfig {
+        kv_usage: vec![0.10, 0.12],
+        decode_tokens_per_sec: 50.0,
+        ..sim(Flavor::Vllm, 2, 0)
+    })
+    .await;
     let cfg = "[telemetry]\ninterval = \"30s\"\nstale_after = \"60s\"\n";
     let r = router(cfg, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
@@ -223,10 +335,17 @@ async fn burst_between_two_polls_spreads_over_ranks() {
         let addr = r.addr;
         tasks.push(tokio::spawn(async move {
             let resp = client()
-                .request(post(addr, "/v1/chat/completions").body(Full::new(Bytes::from(chat_body(20, true)))).unwrap())
+                .request(
+                    post(addr, "/v1/chat/completions")
+                        .body(Full::new(Bytes::from(chat_body(20, true))))
+                        .unwrap(),
+                )
                 .await
                 .unwrap();
-            let worker = resp.headers()["x-rankgate-worker"].to_str().unwrap().to_string();
+            let worker = resp.headers()["x-rankgate-worker"]
+                .to_str()
+                .unwrap()
+                .to_string();
             let _ = resp.into_body().collect().await.unwrap();
             worker
         }));
@@ -235,9 +354,16 @@ async fn burst_between_two_polls_spreads_over_ranks() {
     for t in tasks {
         *per.entry(t.await.unwrap()).or_default() += 1;
     }
-    assert_eq!(e.metrics_scrapes(), scrapes, "a poll happened during the burst");
+    assert_eq!(
+        e.metrics_scrapes(),
+        scrapes,
+        "a poll happened during the burst"
+    );
     assert_eq!(per.len(), 2, "burst herded onto one rank: {per:?}");
-    assert!(per.values().all(|&n| n >= 8), "burst barely spread: {per:?}");
+    assert!(
+        per.values().all(|&n| n >= 8),
+        "burst barely spread: {per:?}"
+    );
 }
 
 #[tokio::test]
@@ -252,6 +378,9 @@ async fn engines_are_polled_once_per_interval_not_per_rank() {
     let polls = e.metrics_scrapes() - start;
     let expected = t0.elapsed().as_millis() as u64 / 100;
     // One scrape per interval for the whole engine; eight ranks would make it eight.
-    assert!(polls <= expected + 1, "{polls} scrapes in {expected} intervals");
+    assert!(
+        polls <= expected + 1,
+        "{polls} scrapes in {expected} intervals"
+    );
     assert!(polls >= 1);
 }

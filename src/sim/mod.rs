@@ -164,7 +164,11 @@ impl SimEngine {
 
     /// Requests admitted per local rank.
     pub fn served(&self) -> Vec<u64> {
-        self.sim.ranks.iter().map(|r| r.served.load(Relaxed)).collect()
+        self.sim
+            .ranks
+            .iter()
+            .map(|r| r.served.load(Relaxed))
+            .collect()
     }
 
     /// Current KV usage per local rank (real occupancy, ignoring pinned values).
@@ -236,7 +240,10 @@ impl Body for SimBody {
     type Data = Bytes;
     type Error = Infallible;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         match self.get_mut() {
             SimBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             SimBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
@@ -261,7 +268,10 @@ struct Job {
 }
 
 impl Sim {
-    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<SimBody>, Infallible> {
+    async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<SimBody>, Infallible> {
         let path = req.uri().path().to_string();
         Ok(match (req.method(), path.as_str()) {
             (&Method::GET, "/health") => respond(StatusCode::OK, "text/plain", ""),
@@ -271,7 +281,11 @@ impl Sim {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                respond(StatusCode::OK, "text/plain; version=0.0.4", self.render_metrics())
+                respond(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    self.render_metrics(),
+                )
             }
             (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
             (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings") => {
@@ -280,7 +294,11 @@ impl Sim {
                     Err((status, msg)) => openai_error(status, "BadRequestError", &msg),
                 }
             }
-            _ => openai_error(StatusCode::NOT_FOUND, "NotFoundError", &format!("no route {path}")),
+            _ => openai_error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                &format!("no route {path}"),
+            ),
         })
     }
 
@@ -293,7 +311,11 @@ impl Sim {
     }
 
     /// Parses a pin the way the engine would, returning the local rank index.
-    fn resolve_rank(&self, header: Option<&str>, body_rank: Option<&Value>) -> Result<Option<usize>, (StatusCode, String)> {
+    fn resolve_rank(
+        &self,
+        header: Option<&str>,
+        body_rank: Option<&Value>,
+    ) -> Result<Option<usize>, (StatusCode, String)> {
         let requested: Option<i64> = match self.cfg.flavor {
             // vLLM silently ignores a header that is not an integer.
             Flavor::Vllm => header.and_then(|h| h.trim().parse().ok()),
@@ -304,7 +326,10 @@ impl Sim {
                 ))?),
                 None => match header {
                     Some(h) => Some(h.trim().parse().map_err(|_| {
-                        (StatusCode::BAD_REQUEST, format!("X-Data-Parallel-Rank {h:?} is not an integer"))
+                        (
+                            StatusCode::BAD_REQUEST,
+                            format!("X-Data-Parallel-Rank {h:?} is not an integer"),
+                        )
                     })?),
                     None => None,
                 },
@@ -319,7 +344,10 @@ impl Sim {
         if local < 0 || local >= self.cfg.dp_size as i64 {
             return Err((
                 StatusCode::BAD_REQUEST,
-                format!("data_parallel_rank {r} is out of range [{base}, {}).", base + self.cfg.dp_size as i64),
+                format!(
+                    "data_parallel_rank {r} is out of range [{base}, {}).",
+                    base + self.cfg.dp_size as i64
+                ),
             ));
         }
         Ok(Some(local as usize))
@@ -335,7 +363,11 @@ impl Sim {
             .unwrap_or(0)
     }
 
-    async fn generate(self: Arc<Self>, req: Request<Incoming>, path: String) -> Result<Response<SimBody>, (StatusCode, String)> {
+    async fn generate(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        path: String,
+    ) -> Result<Response<SimBody>, (StatusCode, String)> {
         let header = req
             .headers()
             .get("x-data-parallel-rank")
@@ -347,7 +379,10 @@ impl Sim {
             .to_bytes();
         let v: Value = serde_json::from_slice(&body)
             .map_err(|e| (StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))?;
-        let body_rank = v.get("data_parallel_rank").or_else(|| v.get("routed_dp_rank")).cloned();
+        let body_rank = v
+            .get("data_parallel_rank")
+            .or_else(|| v.get("routed_dp_rank"))
+            .cloned();
         let local = self
             .resolve_rank(header.as_deref(), body_rank.as_ref())?
             .unwrap_or_else(|| self.least_loaded());
@@ -365,7 +400,9 @@ impl Sim {
         }
         let prompt_text_len = match (v.get("messages"), v.get("prompt"), v.get("input")) {
             (Some(m), _, _) => m.to_string().len(),
-            (_, Some(p), _) | (_, _, Some(p)) => p.as_str().map_or_else(|| p.to_string().len(), str::len),
+            (_, Some(p), _) | (_, _, Some(p)) => {
+                p.as_str().map_or_else(|| p.to_string().len(), str::len)
+            }
             _ => 0,
         };
         let embeddings = path == "/v1/embeddings";
@@ -374,22 +411,35 @@ impl Sim {
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false) && !embeddings,
             // About four characters per token, as for English text.
             prompt_tokens: (prompt_text_len as u64 / 4).max(1),
-            max_tokens: if embeddings { 0 } else { v.get("max_tokens").and_then(Value::as_u64).unwrap_or(16).max(1) },
+            max_tokens: if embeddings {
+                0
+            } else {
+                v.get("max_tokens")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(16)
+                    .max(1)
+            },
             id: self.next_id.fetch_add(1, Relaxed),
         };
         if job.stream {
             let (tx, rx) = mpsc::channel(16);
             tokio::spawn(async move { self.run(local, job, Some(tx)).await });
             let mut resp = Response::new(SimBody::Stream(rx));
-            resp.headers_mut().insert(header::CONTENT_TYPE, http::HeaderValue::from_static("text/event-stream"));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/event-stream"),
+            );
             Ok(resp)
         } else if embeddings {
             let _adm = self.ranks[local].admit(job.prompt_tokens, 0).await;
-            Ok(json_response(StatusCode::OK, &json!({
-                "object": "list", "model": self.cfg.model,
-                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}],
-                "usage": {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens},
-            })))
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({
+                    "object": "list", "model": self.cfg.model,
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}],
+                    "usage": {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens},
+                }),
+            ))
         } else {
             let text = self.run(local, job, None).await;
             Ok(json_response(StatusCode::OK, &text))
@@ -401,7 +451,8 @@ impl Sim {
     async fn run(&self, local: usize, job: Job, tx: Option<mpsc::Sender<Bytes>>) -> Value {
         let rank = &self.ranks[local];
         let mut adm = rank.admit(job.prompt_tokens, job.max_tokens).await;
-        let prefill = Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
+        let prefill =
+            Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
         tokio::time::sleep(prefill).await;
         let kind = if job.chat { "chatcmpl" } else { "cmpl" };
         let id = format!("{kind}-sim{}", job.id);
@@ -409,7 +460,8 @@ impl Sim {
         for i in 0..job.max_tokens {
             if i > 0 {
                 let running = rank.counts().running.saturating_sub(1) as f64;
-                let itl = (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
+                let itl =
+                    (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
                 tokio::time::sleep(Duration::from_secs_f64(itl)).await;
             }
             adm.grow();
@@ -432,11 +484,20 @@ impl Sim {
         if let Some(tx) = &tx {
             let mut last = serde_json::Map::new();
             last.insert("id".into(), json!(id));
-            last.insert("object".into(), json!(if job.chat { "chat.completion.chunk" } else { "text_completion" }));
+            last.insert(
+                "object".into(),
+                json!(if job.chat {
+                    "chat.completion.chunk"
+                } else {
+                    "text_completion"
+                }),
+            );
             last.insert("model".into(), json!(self.cfg.model));
             last.insert("choices".into(), json!([]));
             last.insert("usage".into(), usage);
-            let _ = tx.send(Bytes::from(format!("data: {}\n\n", Value::Object(last)))).await;
+            let _ = tx
+                .send(Bytes::from(format!("data: {}\n\n", Value::Object(last))))
+                .await;
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
             return Value::Null;
         }
@@ -450,7 +511,11 @@ impl Sim {
     }
 
     fn chunk(&self, id: &str, chat: bool, choice: Value) -> Bytes {
-        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         let v = json!({"id": id, "object": object, "model": self.cfg.model, "choices": [choice]});
         Bytes::from(format!("data: {v}\n\n"))
     }
@@ -460,8 +525,18 @@ impl Sim {
     fn render_metrics(&self) -> String {
         let knobs = read(&self.knobs).clone();
         let (kv_name, run_name, wait_name, label) = match self.cfg.flavor {
-            Flavor::Vllm => ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting", "engine"),
-            Flavor::Sglang => ("sglang:token_usage", "sglang:num_running_reqs", "sglang:num_queue_reqs", "dp_rank"),
+            Flavor::Vllm => (
+                "vllm:kv_cache_usage_perc",
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "engine",
+            ),
+            Flavor::Sglang => (
+                "sglang:token_usage",
+                "sglang:num_running_reqs",
+                "sglang:num_queue_reqs",
+                "dp_rank",
+            ),
         };
         let model = &self.cfg.model;
         let mut o = String::new();
@@ -476,15 +551,26 @@ impl Sim {
                 let value = match (kind, garbage) {
                     (0, true) => "NaN".to_string(),
                     (_, true) => "-1".to_string(),
-                    (0, false) => knobs.kv_usage.get(i).copied().unwrap_or_else(|| rank.kv_usage()).to_string(),
+                    (0, false) => knobs
+                        .kv_usage
+                        .get(i)
+                        .copied()
+                        .unwrap_or_else(|| rank.kv_usage())
+                        .to_string(),
                     (1, false) => c.running.to_string(),
                     _ => c.waiting.to_string(),
                 };
-                let _ = writeln!(o, "{name}{{{label}=\"{}\",model_name=\"{model}\"}} {value}", rank.global);
+                let _ = writeln!(
+                    o,
+                    "{name}{{{label}=\"{}\",model_name=\"{model}\"}} {value}",
+                    rank.global
+                );
             }
         }
         if self.cfg.flavor == Flavor::Vllm {
-            o.push_str("# HELP vllm:cache_config_info simulated\n# TYPE vllm:cache_config_info gauge\n");
+            o.push_str(
+                "# HELP vllm:cache_config_info simulated\n# TYPE vllm:cache_config_info gauge\n",
+            );
             for rank in &self.ranks {
                 if knobs.dark_ranks.contains(&rank.global) {
                     continue;

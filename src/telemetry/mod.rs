@@ -114,12 +114,21 @@ async fn poll_engine(
             Ok(Err(FetchError { reachable, reason })) => {
                 stats.poll_failures.fetch_add(1, Relaxed);
                 let reason = format!("scrape of {uri} failed: {reason}");
-                (reachable, vec![RankTelemetry::unavailable(reason); engine.dp_size as usize])
+                (
+                    reachable,
+                    vec![RankTelemetry::unavailable(reason); engine.dp_size as usize],
+                )
             }
             Err(_) => {
                 stats.poll_failures.fetch_add(1, Relaxed);
-                let reason = format!("scrape of {uri} timed out after {} ms", cfg.timeout.as_millis());
-                (false, vec![RankTelemetry::unavailable(reason); engine.dp_size as usize])
+                let reason = format!(
+                    "scrape of {uri} timed out after {} ms",
+                    cfg.timeout.as_millis()
+                );
+                (
+                    false,
+                    vec![RankTelemetry::unavailable(reason); engine.dp_size as usize],
+                )
             }
         };
         let report = Report {
@@ -187,10 +196,7 @@ async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_p
     let mut views: Vec<RankView> = table.snapshot.load().ranks.clone();
     while let Some(report) = rx.recv().await {
         let range = table.fleet.workers_of(report.engine);
-        for ((w, telemetry), dispatched) in range
-            .zip(report.ranks)
-            .zip(report.dispatched_at_poll)
-        {
+        for ((w, telemetry), dispatched) in range.zip(report.ranks).zip(report.dispatched_at_poll) {
             log_change(&table, w, &views[w].telemetry, &telemetry);
             views[w] = RankView {
                 telemetry,
@@ -228,7 +234,9 @@ fn log_change(table: &Table, w: usize, old: &RankTelemetry, new: &RankTelemetry)
 
 /// The part of a reason before any number, so "invalid KV usage 1.2" and "... 1.3" are one state.
 fn kind(reason: &str) -> &str {
-    let end = reason.find(|c: char| c.is_ascii_digit()).unwrap_or(reason.len());
+    let end = reason
+        .find(|c: char| c.is_ascii_digit())
+        .unwrap_or(reason.len());
     &reason[..end]
 }
 

@@ -79,7 +79,12 @@ pub fn parse(text: &str) -> Scrape {
 
 impl Scrape {
     fn add(&mut self, field: Field, rank_label: &str, labels: &[(&str, String)], value: f64) {
-        let label = |k: &str| labels.iter().find(|(n, _)| *n == k).map(|(_, v)| v.as_str());
+        let label = |k: &str| {
+            labels
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.as_str())
+        };
         let series = match label(rank_label) {
             Some(r) => match r.parse::<u32>() {
                 Ok(rank) => self.per_rank.entry(rank).or_default(),
@@ -176,9 +181,9 @@ pub fn project(scrape: &Scrape, engine: &Engine, sampled_at: Instant) -> Vec<Ran
                 });
                 match series {
                     Some(s) => to_telemetry(s, false, sampled_at),
-                    None => RankTelemetry::unavailable(format!(
-                        "no series for rank {rank} in /metrics"
-                    )),
+                    None => {
+                        RankTelemetry::unavailable(format!("no series for rank {rank} in /metrics"))
+                    }
                 }
             } else if let Some(s) = &scrape.unlabelled {
                 to_telemetry(s, true, sampled_at)
@@ -272,7 +277,9 @@ mod tests {
     fn rank_outside_labels_is_unavailable_not_rank_zero() {
         let ranks = project(&parse(BUSY), &engine(2, 4), Instant::now());
         for t in ranks {
-            assert!(matches!(t, RankTelemetry::Unavailable { ref reason } if reason.contains("no series")));
+            assert!(
+                matches!(t, RankTelemetry::Unavailable { ref reason } if reason.contains("no series"))
+            );
         }
     }
 
@@ -283,29 +290,40 @@ mod tests {
         assert_eq!(s.bad_lines, 1);
         let ranks = project(&s, &engine(2, 0), Instant::now());
         assert_eq!(load(&ranks[0]).kv_usage, 0.5);
-        assert!(matches!(&ranks[1], RankTelemetry::Unavailable { reason } if reason.contains("absent")));
+        assert!(
+            matches!(&ranks[1], RankTelemetry::Unavailable { reason } if reason.contains("absent"))
+        );
     }
 
     #[test]
     fn invalid_values_make_only_that_rank_unavailable() {
         let text = "vllm:kv_cache_usage_perc{engine=\"0\"} NaN\nvllm:kv_cache_usage_perc{engine=\"1\"} 0.2\nvllm:kv_cache_usage_perc{engine=\"2\"} 1.5\nvllm:kv_cache_usage_perc{engine=\"3\"} 0.1\nvllm:num_requests_running{engine=\"3\"} -1\n";
         let ranks = project(&parse(text), &engine(4, 0), Instant::now());
-        assert!(matches!(&ranks[0], RankTelemetry::Unavailable { reason } if reason.contains("NaN")));
+        assert!(
+            matches!(&ranks[0], RankTelemetry::Unavailable { reason } if reason.contains("NaN"))
+        );
         assert_eq!(load(&ranks[1]).kv_usage, 0.2);
-        assert!(matches!(&ranks[2], RankTelemetry::Unavailable { reason } if reason.contains("1.5")));
-        assert!(matches!(&ranks[3], RankTelemetry::Unavailable { reason } if reason.contains("running")));
+        assert!(
+            matches!(&ranks[2], RankTelemetry::Unavailable { reason } if reason.contains("1.5"))
+        );
+        assert!(
+            matches!(&ranks[3], RankTelemetry::Unavailable { reason } if reason.contains("running"))
+        );
     }
 
     #[test]
     fn unlabelled_engine_figure_is_marked_aggregate() {
         let text = "sglang:token_usage{model_name=\"m\"} 0.4\nsglang:num_running_reqs{model_name=\"m\"} 2\n";
         let ranks = project(&parse(text), &engine(2, 0), Instant::now());
-        assert!(ranks.iter().all(|t| load(t).aggregate && load(t).kv_usage == 0.4));
+        assert!(ranks
+            .iter()
+            .all(|t| load(t).aggregate && load(t).kv_usage == 0.4));
     }
 
     #[test]
     fn sglang_dp_rank_label_and_escapes() {
-        let text = "sglang_token_usage{dp_rank=\"5\",model_name=\"a \\\"q\\\" b\"} 0.3 1700000000\n";
+        let text =
+            "sglang_token_usage{dp_rank=\"5\",model_name=\"a \\\"q\\\" b\"} 0.3 1700000000\n";
         let ranks = project(&parse(text), &engine(2, 4), Instant::now());
         assert!(matches!(ranks[0], RankTelemetry::Unavailable { .. }));
         assert_eq!(load(&ranks[1]).kv_usage, 0.3);

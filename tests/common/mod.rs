@@ -20,7 +20,9 @@ pub fn loopback() -> SocketAddr {
 }
 
 pub async fn engine(cfg: SimConfig) -> SimEngine {
-    SimEngine::start(loopback(), cfg).await.expect("start simulated engine")
+    SimEngine::start(loopback(), cfg)
+        .await
+        .expect("start simulated engine")
 }
 
 /// One `[[engines]]` table.
@@ -50,9 +52,8 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body))
-        })
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
     pub fn worker(&self) -> String {
@@ -120,7 +121,11 @@ pub async fn workers(router: &Router) -> Vec<Value> {
 
 /// Polls `/workers` until `pred` holds, at most `limit`; panics with the last rows otherwise.
 /// Each check is a real request, and the loop is bounded in time.
-pub async fn wait_workers(router: &Router, limit: Duration, pred: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+pub async fn wait_workers(
+    router: &Router,
+    limit: Duration,
+    pred: impl Fn(&[Value]) -> bool,
+) -> Vec<Value> {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
         let rows = workers(router).await;
@@ -128,7 +133,10 @@ pub async fn wait_workers(router: &Router, limit: Duration, pred: impl Fn(&[Valu
             return rows;
         }
         if tokio::time::Instant::now() > deadline {
-            panic!("condition not met within {limit:?}; /workers = {}", serde_json::to_string_pretty(&rows).unwrap());
+            panic!(
+                "condition not met within {limit:?}; /workers = {}",
+                serde_json::to_string_pretty(&rows).unwrap()
+            );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
