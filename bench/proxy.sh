@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Proxy overhead benchmark: wrk against (1) an upstream directly, (2) nginx proxying to it,
+# (3) rankgate proxying to it (least_kv over 2 DP ranks, telemetry polled every 250 ms).
+# The upstream is nginx answering a fixed JSON body and serving a real vLLM DP=2 /metrics
+# capture, so the figures are the proxies' cost, not an engine's.
+#
+# Needs nginx and wrk (Debian: apt-get install nginx-light wrk). Loopback only; each run is
+# bounded by DURATION. Usage: bench/proxy.sh [DURATION_SECONDS] [CONNECTIONS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION=${1:-10}
+CONNS=${2:-32}
+command -v nginx >/dev/null && command -v wrk >/dev/null || { echo "needs nginx and wrk" >&2; exit 2; }
+cargo build --release --quiet
+
+work=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+UP=$(free_port); NGX=$(free_port); RG=$(free_port); ADMIN=$(free_port)
+cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
+mkdir -p "$work/tmp"
+
+cat > "$work/upstream.conf" <<CONF
+worker_processes 1; daemon off; pid $work/up.pid; error_log $work/up.err;
+events { worker_connections 4096; }
+http {
+  access_log off; client_body_temp_path $work/tmp;
+  server { listen 127.0.0.1:$UP; keepalive_requests 1000000;
+    location = /metrics { default_type text/plain; alias $work/metrics; }
+    location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'; }
+  }
+}
+CONF
+cat > "$work/proxy.conf" <<CONF
+worker_processes 2; daemon off; pid $work/px.pid; error_log $work/px.err;
+events { worker_connections 4096; }
+http {
+  access_log off; client_body_temp_path $work/tmp; proxy_temp_path $work/tmp;
+  upstream engine { server 127.0.0.1:$UP; keepalive 256; }
+  server { listen 127.0.0.1:$NGX; keepalive_requests 1000000;
+    location / { proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection ""; }
+  }
+}
+CONF
+cat > "$work/rankgate.toml" <<CONF
+[server]
+listen = "127.0.0.1:$RG"
+admin_listen = "127.0.0.1:$ADMIN"
+[[engines]]
+url = "http://127.0.0.1:$UP"
+flavor = "vllm"
+dp_size = 2
+CONF
+cat > "$work/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"tiny-llama","messages":[{"role":"user","content":"hello"}],"max_tokens":8}'
+LUA
+
+nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
+nginx -c "$work/proxy.conf" -p "$work" & pids+=($!)
+RUST_LOG=warn target/release/rankgate serve --config "$work/rankgate.toml" & RGPID=$!; pids+=($RGPID)
+for _ in $(seq 100); do curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null && break; sleep 0.1; done
+curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null || { echo "rankgate not ready" >&2; exit 1; }
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+run() { # name port -> prints "name req/s"
+  wrk -t1 -c"$CONNS" -d"${DURATION}s" -s "$work/post.lua" "http://127.0.0.1:$2/v1/chat/completions" > "$work/$1.out"
+  awk '/Requests\/sec/ {print $2}' "$work/$1.out"
+}
+wrk -t1 -c"$CONNS" -d2s -s "$work/post.lua" "http://127.0.0.1:$RG/v1/chat/completions" >/dev/null  # warm pools
+direct=$(run direct "$UP")
+nginx_rps=$(run nginx "$NGX")
+t0=$(cpu_ticks $RGPID)
+rg=$(run rankgate "$RG")
+t1=$(cpu_ticks $RGPID)
+reqs=$(awk '/requests in/ {print $1}' "$work/rankgate.out")
+hz=$(getconf CLK_TCK)
+errors=$(grep -E 'Non-2xx|Socket errors' "$work/rankgate.out" || true)
+lat=$(awk '/Latency/ {print $2}' "$work/rankgate.out")
+python3 - "$direct" "$nginx_rps" "$rg" "$t0" "$t1" "$reqs" "$hz" "$lat" <<'PY'
+import sys
+direct, ngx, rg, t0, t1, reqs, hz, lat = sys.argv[1:]
+direct, ngx, rg = float(direct), float(ngx), float(rg)
+cpu_us = (int(t1) - int(t0)) / int(hz) * 1e6 / int(reqs)
+print(f"direct upstream     {direct:10.0f} req/s")
+print(f"nginx proxy         {ngx:10.0f} req/s  ({ngx/direct:.2f}x direct)")
+print(f"rankgate least_kv   {rg:10.0f} req/s  ({rg/direct:.2f}x direct, {rg/ngx:.2f}x nginx), mean latency {lat}")
+print(f"rankgate CPU        {cpu_us:10.1f} us per request ({reqs} requests)")
+PY
+[ -z "$errors" ] || echo "rankgate run reported: $errors"
+curl -s "127.0.0.1:$ADMIN/metrics" | grep -E '^rankgate_requests_total.*2xx' || true
