@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Proxy overhead benchmark: wrk against (1) an upstream directly, (2) nginx proxying to it,
-# (3) rankgate proxying to it (least_kv over 2 DP ranks, telemetry polled every 250 ms).
+# (3) a bare hyper proxy with no routing logic (examples/bare_proxy.rs, same server loop and client),
+# (4) rankgate proxying to it (least_kv over 2 DP ranks, telemetry polled every 250 ms).
 # The upstream is nginx answering a fixed JSON body and serving a real vLLM DP=2 /metrics
 # capture, so the figures are the proxies' cost, not an engine's.
 #
 # Needs nginx and wrk (Debian: apt-get install nginx-light wrk). Loopback only; each run is
 # bounded by DURATION. Usage: bench/proxy.sh [DURATION_SECONDS] [CONNECTIONS]
+# PERF_OUT=/tmp/perf.data also records a CPU profile of rankgate during its run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-10}
 CONNS=${2:-32}
 command -v nginx >/dev/null && command -v wrk >/dev/null || { echo "needs nginx and wrk" >&2; exit 2; }
-cargo build --release --quiet
+cargo build --release --quiet --bin rankgate --example bare_proxy
 
 work=$(mktemp -d)
 pids=()
@@ -19,7 +21,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -r
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-UP=$(free_port); NGX=$(free_port); RG=$(free_port); ADMIN=$(free_port)
+UP=$(free_port); NGX=$(free_port); RG=$(free_port); ADMIN=$(free_port); BARE=$(free_port)
 cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
 mkdir -p "$work/tmp"
 
@@ -62,7 +64,8 @@ LUA
 
 nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
 nginx -c "$work/proxy.conf" -p "$work" & pids+=($!)
-RUST_LOG=warn target/release/rankgate serve --config "$work/rankgate.toml" & RGPID=$!; pids+=($RGPID)
+target/release/examples/bare_proxy "127.0.0.1:$BARE" "127.0.0.1:$UP" & BAREPID=$!; pids+=($BAREPID)
+RUST_LOG=error target/release/rankgate serve --config "$work/rankgate.toml" & RGPID=$!; pids+=($RGPID)
 for _ in $(seq 100); do curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null && break; sleep 0.1; done
 curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null || { echo "rankgate not ready" >&2; exit 1; }
 
@@ -74,22 +77,30 @@ run() { # name port -> prints "name req/s"
 wrk -t1 -c"$CONNS" -d2s -s "$work/post.lua" "http://127.0.0.1:$RG/v1/chat/completions" >/dev/null  # warm pools
 direct=$(run direct "$UP")
 nginx_rps=$(run nginx "$NGX")
+b0=$(cpu_ticks $BAREPID)
+bare=$(run bare "$BARE")
+b1=$(cpu_ticks $BAREPID)
+breqs=$(awk '/requests in/ {print $1}' "$work/bare.out")
 t0=$(cpu_ticks $RGPID)
+if [ -n "${PERF_OUT:-}" ]; then  # optional CPU profile of rankgate during its run
+  perf record -e cpu-clock -F 2000 -g -p $RGPID -o "$PERF_OUT" -- sleep "$DURATION" >/dev/null 2>&1 &
+fi
 rg=$(run rankgate "$RG")
 t1=$(cpu_ticks $RGPID)
 reqs=$(awk '/requests in/ {print $1}' "$work/rankgate.out")
 hz=$(getconf CLK_TCK)
 errors=$(grep -E 'Non-2xx|Socket errors' "$work/rankgate.out" || true)
 lat=$(awk '/Latency/ {print $2}' "$work/rankgate.out")
-python3 - "$direct" "$nginx_rps" "$rg" "$t0" "$t1" "$reqs" "$hz" "$lat" <<'PY'
+python3 - "$direct" "$nginx_rps" "$rg" "$t0" "$t1" "$reqs" "$hz" "$lat" "$bare" "$b0" "$b1" "$breqs" <<'PY'
 import sys
-direct, ngx, rg, t0, t1, reqs, hz, lat = sys.argv[1:]
-direct, ngx, rg = float(direct), float(ngx), float(rg)
+direct, ngx, rg, t0, t1, reqs, hz, lat, bare, b0, b1, breqs = sys.argv[1:]
+direct, ngx, rg, bare = float(direct), float(ngx), float(rg), float(bare)
 cpu_us = (int(t1) - int(t0)) / int(hz) * 1e6 / int(reqs)
+bare_us = (int(b1) - int(b0)) / int(hz) * 1e6 / int(breqs)
 print(f"direct upstream     {direct:10.0f} req/s")
 print(f"nginx proxy         {ngx:10.0f} req/s  ({ngx/direct:.2f}x direct)")
-print(f"rankgate least_kv   {rg:10.0f} req/s  ({rg/direct:.2f}x direct, {rg/ngx:.2f}x nginx), mean latency {lat}")
-print(f"rankgate CPU        {cpu_us:10.1f} us per request ({reqs} requests)")
+print(f"bare hyper proxy    {bare:10.0f} req/s  ({bare/ngx:.2f}x nginx), CPU {bare_us:.1f} us/request")
+print(f"rankgate least_kv   {rg:10.0f} req/s  ({rg/ngx:.2f}x nginx, {rg/bare:.2f}x bare hyper), CPU {cpu_us:.1f} us/request, mean latency {lat}")
 PY
 [ -z "$errors" ] || echo "rankgate run reported: $errors"
 curl -s "127.0.0.1:$ADMIN/metrics" | grep -E '^rankgate_requests_total.*2xx' || true
