@@ -35,8 +35,15 @@ async fn main() -> anyhow::Result<()> {
             parts.headers.remove(http::header::HOST);
             let resp: Response<rankgate::proxy::ProxyBody> =
                 match client.request(Request::from_parts(parts, body)).await {
-                    Ok(r) => r.map(|b| rankgate::proxy::ProxyBody::Upstream { body: b, done: None }),
-                    Err(e) => rankgate::http::openai_error(StatusCode::BAD_GATEWAY, "UpstreamError", &e.to_string()),
+                    Ok(r) => r.map(|b| rankgate::proxy::ProxyBody::Upstream {
+                        body: b,
+                        done: None,
+                    }),
+                    Err(e) => rankgate::http::openai_error(
+                        StatusCode::BAD_GATEWAY,
+                        "UpstreamError",
+                        &e.to_string(),
+                    ),
                 };
             Ok::<_, Infallible>(resp)
         }
