@@ -6,8 +6,9 @@
 use std::net::SocketAddr;
 
 use clap::{Parser, ValueEnum};
+use rankgate::sim::SimFlavor as Flavor;
 use rankgate::sim::{SimConfig, SimEngine};
-use rankgate::worker::{Flavor, RankNumbering};
+use rankgate::worker::RankNumbering;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum FlavorArg {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-use crate::worker::{Engine, Flavor, RankNumbering};
+use crate::worker::{Engine, Flavor, RankNumbering, TelemetrySource};
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
@@ -177,6 +177,7 @@ struct RawEngine {
     dp_size: Option<u32>,
     start_rank: Option<u32>,
     rank_header: Option<RankNumbering>,
+    telemetry: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone)]
@@ -266,6 +267,102 @@ fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
     let line_no = text[..start].matches('\n').count() + 1;
     let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
     format!("line {line_no} (`{line}`): {}", e.message())
+}
+
+/// Default telemetry sources per flavor: the native per-rank endpoint where the engine has one
+/// without extra configuration, Prometheus as the fallback.
+fn default_sources(flavor: Flavor, url: &str) -> Vec<TelemetrySource> {
+    match flavor {
+        Flavor::Vllm => vec![TelemetrySource::Prometheus],
+        Flavor::Sglang => vec![
+            TelemetrySource::Http {
+                url: format!("{url}/v1/loads?include=core").into(),
+            },
+            TelemetrySource::Prometheus,
+        ],
+        Flavor::Gateway => vec![TelemetrySource::Http {
+            url: format!("{url}/loads").into(),
+        }],
+    }
+}
+
+/// Parses `telemetry = [...]`: `"grpc://host:port"`, `"http"` (the flavor's loads path on the
+/// engine URL), `"http://host:port/path"` (an explicit loads URL), `"prometheus"`.
+fn parse_sources(
+    i: usize,
+    flavor: Flavor,
+    url: &str,
+    list: Option<&[String]>,
+) -> Result<Vec<TelemetrySource>, ConfigError> {
+    let key = format!("engines[{i}].telemetry");
+    let Some(list) = list else {
+        return Ok(default_sources(flavor, url));
+    };
+    if list.is_empty() {
+        return Err(invalid(key, "needs at least one source"));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for s in list {
+        let src = if let Some(rest) = s.strip_prefix("grpc://") {
+            if flavor == Flavor::Gateway {
+                return Err(invalid(
+                    key,
+                    "a gateway is read through its HTTP /loads rollup, not gRPC",
+                ));
+            }
+            let a: http::uri::Authority = rest
+                .trim_end_matches('/')
+                .parse()
+                .map_err(|_| invalid(&key, format!("{s:?} has no valid host:port")))?;
+            if a.port_u16().is_none() || a.as_str().contains('@') {
+                return Err(invalid(&key, format!("{s:?} needs host:port and no '@'")));
+            }
+            TelemetrySource::Grpc {
+                authority: a.as_str().into(),
+            }
+        } else if s == "http" {
+            match flavor {
+                Flavor::Vllm => {
+                    return Err(invalid(
+                        key,
+                        "vLLM serves no per-rank HTTP loads endpoint (its /load is one in-flight count); use grpc://... or prometheus",
+                    ))
+                }
+                _ => match default_sources(flavor, url).into_iter().next() {
+                    Some(src @ TelemetrySource::Http { .. }) => src,
+                    _ => return Err(invalid(key, "no default HTTP loads endpoint for this flavor")),
+                },
+            }
+        } else if s.starts_with("http://") {
+            if s.contains('@') {
+                return Err(invalid(key, format!("{s:?} contains '@'")));
+            }
+            let _: http::Uri = s
+                .parse()
+                .map_err(|_| invalid(&key, format!("{s:?} is not a valid URL")))?;
+            TelemetrySource::Http {
+                url: s.as_str().into(),
+            }
+        } else if s == "prometheus" {
+            if flavor == Flavor::Gateway {
+                return Err(invalid(
+                    key,
+                    "a gateway's /metrics carries no per-rank KV; use its /loads (\"http\")",
+                ));
+            }
+            TelemetrySource::Prometheus
+        } else {
+            return Err(invalid(
+                key,
+                format!("unknown source {s:?}: use \"grpc://host:port\", \"http\", \"http://host:port/path\" or \"prometheus\""),
+            ));
+        };
+        if out.contains(&src) {
+            return Err(invalid(key, format!("{s:?} is listed twice")));
+        }
+        out.push(src);
+    }
+    Ok(out)
 }
 
 impl Config {
@@ -374,6 +471,21 @@ impl Config {
                     format!("{url:?} is a duplicate of engines[{j}]"),
                 ));
             }
+            if e.flavor == Flavor::Gateway {
+                for (k, set) in [
+                    ("dp_size", e.dp_size.is_some()),
+                    ("start_rank", e.start_rank.is_some()),
+                    ("rank_header", e.rank_header.is_some()),
+                ] {
+                    if set {
+                        return Err(invalid(
+                            format!("engines[{i}].{k}"),
+                            "a gateway is one worker without DP ranks: remove this key",
+                        ));
+                    }
+                }
+            }
+            let telemetry = parse_sources(i, e.flavor, &url, e.telemetry.as_deref())?;
             let dp_size = e.dp_size.unwrap_or(1);
             if dp_size == 0 || dp_size > MAX_DP_SIZE {
                 return Err(invalid(
@@ -398,6 +510,7 @@ impl Config {
                 dp_size,
                 start_rank,
                 rank_header: e.rank_header.unwrap_or_default(),
+                telemetry,
             });
         }
         Ok(Config {
@@ -467,6 +580,49 @@ mod tests {
             "[telemetry]\ninterval = \"1s\"\nstale_after = \"500ms\"\n{MIN}"
         ));
         assert!(e.contains("telemetry.stale_after"), "{e}");
+    }
+
+    #[test]
+    fn telemetry_sources() {
+        let sg =
+            Config::from_str("[[engines]]\nurl = \"http://h:1\"\nflavor = \"sglang\"\n").unwrap();
+        assert_eq!(
+            sg.engines[0].telemetry,
+            [
+                TelemetrySource::Http {
+                    url: "http://h:1/v1/loads?include=core".into()
+                },
+                TelemetrySource::Prometheus
+            ]
+        );
+        let v = Config::from_str(
+            "[[engines]]\nurl = \"http://h:1\"\nflavor = \"vllm\"\ntelemetry = [\"grpc://h:2\", \"prometheus\"]\n",
+        )
+        .unwrap();
+        assert_eq!(
+            v.engines[0].telemetry[0],
+            TelemetrySource::Grpc {
+                authority: "h:2".into()
+            }
+        );
+        let e =
+            err("[[engines]]\nurl = \"http://h:1\"\nflavor = \"vllm\"\ntelemetry = [\"http\"]\n");
+        assert!(
+            e.contains("engines[0].telemetry") && e.contains("vLLM"),
+            "{e}"
+        );
+        let e = err("[[engines]]\nurl = \"http://h:1\"\nflavor = \"vllm\"\ntelemetry = [\"carrier-pigeon\"]\n");
+        assert!(e.contains("unknown source"), "{e}");
+        let e = err("[[engines]]\nurl = \"http://h:1\"\nflavor = \"gateway\"\ndp_size = 2\n");
+        assert!(e.contains("engines[0].dp_size"), "{e}");
+        let g =
+            Config::from_str("[[engines]]\nurl = \"http://h:1\"\nflavor = \"gateway\"\n").unwrap();
+        assert_eq!(
+            g.engines[0].telemetry,
+            [TelemetrySource::Http {
+                url: "http://h:1/loads".into()
+            }]
+        );
     }
 
     #[test]

@@ -13,8 +13,8 @@ use std::time::Duration;
 use crate::app::Router;
 use crate::config::{Config, Policy};
 use crate::load::{percentile, LoadSpec, Report};
+use crate::sim::SimFlavor;
 use crate::sim::{SimConfig, SimEngine};
-use crate::worker::Flavor;
 
 /// Knobs of one demo run.
 #[derive(Debug, Clone)]
@@ -49,7 +49,7 @@ fn loopback() -> SocketAddr {
 /// Starts a fresh fleet and router, drives the load, and tears everything down.
 pub async fn run_policy(policy: Policy, spec: &DemoSpec) -> Result<PolicyRun, String> {
     let base = SimConfig {
-        flavor: Flavor::Vllm,
+        flavor: SimFlavor::Vllm,
         dp_size: 2,
         capacity_tokens: 4096,
         decode_tokens_per_sec: 100.0,

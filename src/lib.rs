@@ -24,6 +24,7 @@ pub mod http;
 pub mod load;
 pub mod metrics;
 pub mod policy;
+pub mod proto;
 pub mod proxy;
 pub mod sim;
 pub mod table;

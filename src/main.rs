@@ -85,7 +85,10 @@ fn main() -> ExitCode {
                 let e = &fleet.engines[w.engine];
                 println!(
                     "{}\tengine={}\trank={}\tflavor={}",
-                    w.id, e.url, w.id.rank, e.flavor
+                    w.id,
+                    e.url,
+                    w.id.rank.map_or("-".to_string(), |r| r.to_string()),
+                    e.flavor
                 );
             }
             ExitCode::SUCCESS

@@ -201,19 +201,12 @@ fn least_in_flight(table: &Table, snap: &Snapshot, rng: &mut impl Rng) -> Option
 mod tests {
     use super::*;
     use crate::table::{Load, RankTelemetry, RankView};
-    use crate::worker::{Engine, Flavor, Fleet, RankNumbering};
+    use crate::worker::Fleet;
     use proptest::prelude::*;
     use std::time::Duration;
 
     fn table(n: u32) -> Arc<Table> {
-        let engine = Engine {
-            url: "http://e:1".into(),
-            authority: "e:1".into(),
-            flavor: Flavor::Vllm,
-            dp_size: n,
-            start_rank: 0,
-            rank_header: RankNumbering::Global,
-        };
+        let engine = crate::worker::test_engine("http://e:1", n, 0);
         Table::new(Fleet::expand(vec![engine]), Duration::from_secs(2))
     }
 

@@ -349,9 +349,9 @@ impl Proxy {
         // The client's own pin never reaches the engine: rankgate decides the rank.
         parts.headers.remove(&RANK_HEADER);
         parts.headers.remove(header::HOST);
-        parts
-            .headers
-            .insert(RANK_HEADER, HeaderValue::from(worker.pin_rank));
+        if let Some(rank) = worker.pin_rank {
+            parts.headers.insert(RANK_HEADER, HeaderValue::from(rank));
+        }
         parts.version = Version::HTTP_11;
         let pq = parts
             .uri
@@ -369,8 +369,8 @@ impl Proxy {
             })
         })?;
 
-        let up_body = match (engine.flavor, needs_body) {
-            (Flavor::Sglang, true) => {
+        let up_body = match (engine.flavor, needs_body, worker.pin_rank) {
+            (Flavor::Sglang, true, Some(rank)) => {
                 let bytes = Limited::new(body, self.max_body)
                     .collect()
                     .await
@@ -382,7 +382,7 @@ impl Proxy {
                         })
                     })?
                     .to_bytes();
-                let rewritten = pin_in_body(&bytes, worker.pin_rank).map_err(fail)?;
+                let rewritten = pin_in_body(&bytes, rank).map_err(fail)?;
                 parts.headers.remove(header::CONTENT_LENGTH);
                 parts
                     .headers

@@ -3,7 +3,8 @@
 //! An engine serving `dp_size` data-parallel ranks becomes `dp_size` virtual workers. The `@rank`
 //! suffix is identity only: every outbound request goes to the engine's base URL, so the id is a
 //! typed pair and never a string that someone parses back into a URL (a URL parser reads
-//! `http://h:p@3` as user `h:p` at host `3`).
+//! `http://h:p@3` as user `h:p` at host `3`). An upstream gateway is one worker with no rank: its
+//! load report is a fleet rollup, not one engine's DP ranks.
 
 use std::fmt;
 use std::sync::Arc;
@@ -16,6 +17,8 @@ use serde::Deserialize;
 pub enum Flavor {
     Vllm,
     Sglang,
+    /// Another gateway (rankgate or smg) in front of its own fleet.
+    Gateway,
 }
 
 impl Flavor {
@@ -23,6 +26,7 @@ impl Flavor {
         match self {
             Flavor::Vllm => "vllm",
             Flavor::Sglang => "sglang",
+            Flavor::Gateway => "gateway",
         }
     }
 }
@@ -45,6 +49,27 @@ pub enum RankNumbering {
     Local,
 }
 
+/// Where an engine's per-rank load comes from, in the engine's order of preference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TelemetrySource {
+    /// `GetLoads` on the engine's gRPC service at this `host:port`.
+    Grpc { authority: Arc<str> },
+    /// A JSON loads endpoint: SGLang `/v1/loads`, a gateway's `/loads`, or an explicit URL.
+    Http { url: Arc<str> },
+    /// Prometheus `/metrics` on the engine's base URL.
+    Prometheus,
+}
+
+impl TelemetrySource {
+    pub fn name(&self) -> &'static str {
+        match self {
+            TelemetrySource::Grpc { .. } => "grpc",
+            TelemetrySource::Http { .. } => "http",
+            TelemetrySource::Prometheus => "prometheus",
+        }
+    }
+}
+
 /// One engine (one server process hosting one or more DP ranks), as the config describes it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Engine {
@@ -56,6 +81,8 @@ pub struct Engine {
     pub dp_size: u32,
     pub start_rank: u32,
     pub rank_header: RankNumbering,
+    /// Telemetry sources in order of preference; the first that answers serves.
+    pub telemetry: Vec<TelemetrySource>,
 }
 
 impl Engine {
@@ -65,17 +92,21 @@ impl Engine {
     }
 }
 
-/// Identity of a virtual worker: one DP rank of one engine, displayed `engine@rank`.
+/// Identity of a virtual worker: one DP rank of one engine, displayed `engine@rank`, or a whole
+/// upstream gateway, displayed as its URL.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RankId {
     pub engine: Arc<str>,
-    /// Global DP rank.
-    pub rank: u32,
+    /// Global DP rank; `None` for a gateway.
+    pub rank: Option<u32>,
 }
 
 impl fmt::Display for RankId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}@{}", self.engine, self.rank)
+        match self.rank {
+            Some(r) => write!(f, "{}@{}", self.engine, r),
+            None => f.write_str(&self.engine),
+        }
     }
 }
 
@@ -89,7 +120,7 @@ impl RankId {
         }
         Some(RankId {
             engine: base.into(),
-            rank: rank.parse().ok()?,
+            rank: Some(rank.parse().ok()?),
         })
     }
 }
@@ -102,8 +133,9 @@ pub struct Worker {
     pub id_text: Arc<str>,
     /// Index of the engine in [`Fleet::engines`].
     pub engine: usize,
-    /// Value of the pinning header / body field, per the engine's numbering.
-    pub pin_rank: u32,
+    /// Value of the pinning header / body field, per the engine's numbering; `None` for a
+    /// gateway, which routes by itself.
+    pub pin_rank: Option<u32>,
 }
 
 /// The static shape of the fleet: engines and their virtual workers, in config order.
@@ -114,19 +146,20 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// Expands every engine into one worker per global rank.
+    /// Expands every engine into one worker per global rank (a gateway into one worker).
     pub fn expand(engines: Vec<Engine>) -> Fleet {
         let mut workers = Vec::new();
         for (e, engine) in engines.iter().enumerate() {
             for rank in engine.ranks() {
+                let gateway = engine.flavor == Flavor::Gateway;
                 let id = RankId {
                     engine: engine.url.clone(),
-                    rank,
+                    rank: (!gateway).then_some(rank),
                 };
-                let pin_rank = match engine.rank_header {
+                let pin_rank = (!gateway).then_some(match engine.rank_header {
                     RankNumbering::Global => rank,
                     RankNumbering::Local => rank - engine.start_rank,
-                };
+                });
                 workers.push(Worker {
                     id_text: id.to_string().into(),
                     id,
@@ -148,19 +181,26 @@ impl Fleet {
     }
 }
 
+/// A vLLM engine polled through Prometheus, for unit tests across the crate.
+#[cfg(test)]
+pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
+    Engine {
+        url: url.into(),
+        authority: url.trim_start_matches("http://").into(),
+        flavor: Flavor::Vllm,
+        dp_size,
+        start_rank,
+        rank_header: RankNumbering::Global,
+        telemetry: vec![TelemetrySource::Prometheus],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn engine(url: &str, dp: u32, start: u32) -> Engine {
-        Engine {
-            url: url.into(),
-            authority: url.trim_start_matches("http://").into(),
-            flavor: Flavor::Vllm,
-            dp_size: dp,
-            start_rank: start,
-            rank_header: RankNumbering::Global,
-        }
+        test_engine(url, dp, start)
     }
 
     #[test]
@@ -184,7 +224,7 @@ mod tests {
     fn parse_splits_on_last_at_only_before_digits() {
         let id = RankId::parse("http://user@h:80@12").unwrap();
         assert_eq!(&*id.engine, "http://user@h:80");
-        assert_eq!(id.rank, 12);
+        assert_eq!(id.rank, Some(12));
         assert!(RankId::parse("http://h:80@x1").is_none());
         assert!(RankId::parse("http://h:80").is_none());
         assert!(RankId::parse("@1").is_none());
@@ -195,8 +235,18 @@ mod tests {
         let mut e = engine("http://b:2", 2, 4);
         e.rank_header = RankNumbering::Local;
         let fleet = Fleet::expand(vec![e]);
-        let pins: Vec<u32> = fleet.workers.iter().map(|w| w.pin_rank).collect();
-        assert_eq!(pins, [0, 1]);
-        assert_eq!(fleet.workers[1].id.rank, 5);
+        let pins: Vec<Option<u32>> = fleet.workers.iter().map(|w| w.pin_rank).collect();
+        assert_eq!(pins, [Some(0), Some(1)]);
+        assert_eq!(fleet.workers[1].id.rank, Some(5));
+    }
+
+    #[test]
+    fn gateway_is_one_worker_without_rank() {
+        let mut e = engine("http://gw:9", 1, 0);
+        e.flavor = Flavor::Gateway;
+        let fleet = Fleet::expand(vec![e]);
+        assert_eq!(fleet.workers.len(), 1);
+        assert_eq!(&*fleet.workers[0].id_text, "http://gw:9");
+        assert_eq!(fleet.workers[0].pin_rank, None);
     }
 }

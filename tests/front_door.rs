@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rankgate::sim::SimConfig;
-use rankgate::worker::Flavor;
+use rankgate::sim::SimFlavor as Flavor;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use common::*;
 use http_body_util::{BodyExt, Full};
 use rankgate::sim::SimConfig;
-use rankgate::worker::Flavor;
+use rankgate::sim::SimFlavor as Flavor;
 
 const FAST: &str = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
 

@@ -29,13 +29,29 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
 use crate::http::{json_response, openai_error, respond};
-use crate::worker::{Flavor, RankNumbering};
+use crate::worker::RankNumbering;
+
+/// Which engine the simulator imitates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimFlavor {
+    Vllm,
+    Sglang,
+}
+
+impl SimFlavor {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SimFlavor::Vllm => "vllm",
+            SimFlavor::Sglang => "sglang",
+        }
+    }
+}
 use rank::Rank;
 
 /// How the simulated engine is built.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
-    pub flavor: Flavor,
+    pub flavor: SimFlavor,
     pub dp_size: u32,
     pub start_rank: u32,
     /// Which numbering the pinning header is validated against (vLLM versions differ).
@@ -62,7 +78,7 @@ pub struct SimConfig {
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
-            flavor: Flavor::Vllm,
+            flavor: SimFlavor::Vllm,
             dp_size: 2,
             start_rank: 0,
             rank_numbering: RankNumbering::Global,
@@ -318,8 +334,8 @@ impl Sim {
     ) -> Result<Option<usize>, (StatusCode, String)> {
         let requested: Option<i64> = match self.cfg.flavor {
             // vLLM silently ignores a header that is not an integer.
-            Flavor::Vllm => header.and_then(|h| h.trim().parse().ok()),
-            Flavor::Sglang => match body_rank {
+            SimFlavor::Vllm => header.and_then(|h| h.trim().parse().ok()),
+            SimFlavor::Sglang => match body_rank {
                 Some(v) => Some(v.as_i64().ok_or((
                     StatusCode::BAD_REQUEST,
                     format!("data_parallel_rank must be an integer, got {v}"),
@@ -525,13 +541,13 @@ impl Sim {
     fn render_metrics(&self) -> String {
         let knobs = read(&self.knobs).clone();
         let (kv_name, run_name, wait_name, label) = match self.cfg.flavor {
-            Flavor::Vllm => (
+            SimFlavor::Vllm => (
                 "vllm:kv_cache_usage_perc",
                 "vllm:num_requests_running",
                 "vllm:num_requests_waiting",
                 "engine",
             ),
-            Flavor::Sglang => (
+            SimFlavor::Sglang => (
                 "sglang:token_usage",
                 "sglang:num_running_reqs",
                 "sglang:num_queue_reqs",
@@ -567,7 +583,7 @@ impl Sim {
                 );
             }
         }
-        if self.cfg.flavor == Flavor::Vllm {
+        if self.cfg.flavor == SimFlavor::Vllm {
             o.push_str(
                 "# HELP vllm:cache_config_info simulated\n# TYPE vllm:cache_config_info gauge\n",
             );

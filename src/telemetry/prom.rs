@@ -230,18 +230,10 @@ fn to_telemetry(s: &Series, aggregate: bool, sampled_at: Instant) -> RankTelemet
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::{Flavor, RankNumbering};
     use proptest::prelude::*;
 
     fn engine(dp: u32, start: u32) -> Engine {
-        Engine {
-            url: "http://e:1".into(),
-            authority: "e:1".into(),
-            flavor: Flavor::Vllm,
-            dp_size: dp,
-            start_rank: start,
-            rank_header: RankNumbering::Global,
-        }
+        crate::worker::test_engine("http://e:1", dp, start)
     }
 
     fn load(t: &RankTelemetry) -> &Load {

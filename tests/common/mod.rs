@@ -150,7 +150,7 @@ pub async fn wait_state(router: &Router, idx: &[usize], state: &str) -> Vec<Valu
     .await
 }
 
-pub fn sim(flavor: rankgate::worker::Flavor, dp_size: u32, start_rank: u32) -> SimConfig {
+pub fn sim(flavor: rankgate::sim::SimFlavor, dp_size: u32, start_rank: u32) -> SimConfig {
     SimConfig {
         flavor,
         dp_size,
