@@ -63,7 +63,7 @@ impl Router {
         let fleet = Fleet::expand(cfg.engines.clone());
         let table = Table::new(fleet, cfg.telemetry.stale_after);
         let metrics = Arc::new(Metrics::new(table.fleet.workers.len()));
-        let stats = Arc::new(TelemetryStats::default());
+        let stats = Arc::new(TelemetryStats::new(table.fleet.workers.len()));
         let (shutdown, rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
 

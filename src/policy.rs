@@ -216,8 +216,10 @@ mod tests {
                 kv_usage: kv,
                 running: Some(0),
                 waiting: Some(0),
+                used_tokens: None,
                 capacity_tokens: None,
                 aggregate: false,
+                upstream: None,
                 sampled_at: now,
             }),
             reachable: true,
@@ -228,7 +230,8 @@ mod tests {
     }
 
     fn set(table: &Table, ranks: Vec<RankView>) {
-        table.snapshot.store(Arc::new(Snapshot { ranks }));
+        let models = table.snapshot.load().models.clone();
+        table.snapshot.store(Arc::new(Snapshot { ranks, models }));
     }
 
     fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {

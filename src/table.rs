@@ -23,10 +23,13 @@ pub struct Load {
     pub kv_usage: f64,
     pub running: Option<u32>,
     pub waiting: Option<u32>,
-    /// KV capacity of the rank in tokens, where the engine reports it.
+    /// KV tokens in use and KV capacity of the rank, where the engine reports them.
+    pub used_tokens: Option<u64>,
     pub capacity_tokens: Option<u64>,
     /// The engine published no per-rank series, so this is its engine-wide figure.
     pub aggregate: bool,
+    /// For an upstream gateway: the entries of its rollup, annotations and all.
+    pub upstream: Option<Arc<[crate::telemetry::loads::RankLoad]>>,
     /// When the response carrying these numbers arrived.
     pub sampled_at: Instant,
 }
@@ -109,6 +112,8 @@ impl RankView {
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub ranks: Vec<RankView>,
+    /// Per engine: the model ids it serves, as its `/v1/models` last said (empty until known).
+    pub models: Vec<Arc<[String]>>,
 }
 
 /// Counters of one worker that change per request.
@@ -146,6 +151,7 @@ impl Table {
         Arc::new(Table {
             snapshot: ArcSwap::from_pointee(Snapshot {
                 ranks: vec![RankView::initial(); n],
+                models: vec![Arc::from(Vec::new()); fleet.engines.len()],
             }),
             live: (0..n).map(|_| Live::default()).collect(),
             fleet,

@@ -6,25 +6,20 @@
 //! writer, which builds the next [`Snapshot`] aside and swaps it in. A single writer needs no
 //! compare-and-swap retry loop and owns the per-rank state-change log.
 
+pub mod grpc;
+pub mod loads;
+mod poller;
 pub mod prom;
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
-use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::config::TelemetryConfig;
-use crate::http::{shutdown_signalled, Shutdown};
+use crate::http::Shutdown;
 use crate::table::{RankTelemetry, RankView, Snapshot, Table};
-
-/// Largest telemetry body accepted; a real vLLM /metrics is ~70 KB.
-const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
 
 /// Counters the admin `/metrics` page shows about telemetry itself.
 #[derive(Debug, Default)]
@@ -32,15 +27,30 @@ pub struct TelemetryStats {
     pub polls: AtomicU64,
     pub poll_failures: AtomicU64,
     pub bad_lines: AtomicU64,
+    /// Per worker: polls in which the rank's entry was present but invalid or duplicated.
+    pub invalid_entries: Vec<AtomicU64>,
+    /// Entries naming a rank outside their engine's managed set.
+    pub unmanaged_entries: AtomicU64,
+}
+
+impl TelemetryStats {
+    pub fn new(workers: usize) -> TelemetryStats {
+        TelemetryStats {
+            invalid_entries: (0..workers).map(|_| AtomicU64::new(0)).collect(),
+            ..TelemetryStats::default()
+        }
+    }
 }
 
 /// One engine's poll, projected onto its ranks.
-struct Report {
+pub struct Report {
     engine: usize,
     reachable: bool,
     dispatched_at_poll: Vec<u64>,
     ranks: Vec<RankTelemetry>,
     source: &'static str,
+    /// The engine's model ids, when this poll read them.
+    models: Option<Vec<String>>,
 }
 
 /// Starts the pollers and the publisher; they run until `shutdown`.
@@ -53,128 +63,31 @@ pub fn spawn(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let (tx, rx) = mpsc::channel(table.fleet.engines.len().max(1) * 2);
-        let client: Client<HttpConnector, Empty<Bytes>> = crate::http::client(cfg.timeout);
+        let http: poller::HttpClient = crate::http::client(cfg.timeout);
+        let grpc = grpc::transport(cfg.timeout);
         let mut tasks = JoinSet::new();
         for e in 0..table.fleet.engines.len() {
-            tasks.spawn(poll_engine(
+            match poller::Poller::new(
                 e,
                 table.clone(),
                 cfg.clone(),
-                client.clone(),
-                tx.clone(),
+                http.clone(),
+                grpc.clone(),
                 stats.clone(),
-                shutdown.clone(),
-            ));
+            ) {
+                Ok(p) => {
+                    tasks.spawn(p.run(tx.clone(), shutdown.clone()));
+                }
+                // Config validation makes this unreachable; if it is not, the engine's ranks
+                // stay Unavailable ("not polled") instead of taking the router down.
+                Err(err) => {
+                    tracing::error!(engine = %table.fleet.engines[e].url, %err, "engine not polled")
+                }
+            }
         }
         drop(tx);
         publish(table, rx, default_kv_per_request).await;
         while tasks.join_next().await.is_some() {}
-    })
-}
-
-async fn poll_engine(
-    e: usize,
-    table: Arc<Table>,
-    cfg: TelemetryConfig,
-    client: Client<HttpConnector, Empty<Bytes>>,
-    tx: mpsc::Sender<Report>,
-    stats: Arc<TelemetryStats>,
-    mut shutdown: Shutdown,
-) {
-    let engine = table.fleet.engines[e].clone();
-    let workers = table.fleet.workers_of(e);
-    let uri: http::Uri = match format!("{}/metrics", engine.url).parse() {
-        Ok(u) => u,
-        Err(err) => {
-            tracing::error!(engine = %engine.url, error = %err, "cannot build the metrics URL; engine not polled");
-            return;
-        }
-    };
-    let mut ticker = tokio::time::interval(cfg.interval);
-    // A slow scrape delays the next one instead of firing a burst of catch-up polls at an engine
-    // that is already struggling.
-    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = shutdown_signalled(&mut shutdown) => return,
-        }
-        let dispatched_at_poll: Vec<u64> = workers
-            .clone()
-            .map(|w| table.live[w].dispatched.load(Relaxed))
-            .collect();
-        stats.polls.fetch_add(1, Relaxed);
-        let result = tokio::time::timeout(cfg.timeout, fetch(&client, uri.clone())).await;
-        let (reachable, ranks) = match result {
-            Ok(Ok(text)) => {
-                let scrape = prom::parse(&text);
-                stats.bad_lines.fetch_add(scrape.bad_lines as u64, Relaxed);
-                (true, prom::project(&scrape, &engine, Instant::now()))
-            }
-            Ok(Err(FetchError { reachable, reason })) => {
-                stats.poll_failures.fetch_add(1, Relaxed);
-                let reason = format!("scrape of {uri} failed: {reason}");
-                (
-                    reachable,
-                    vec![RankTelemetry::unavailable(reason); engine.dp_size as usize],
-                )
-            }
-            Err(_) => {
-                stats.poll_failures.fetch_add(1, Relaxed);
-                let reason = format!(
-                    "scrape of {uri} timed out after {} ms",
-                    cfg.timeout.as_millis()
-                );
-                (
-                    false,
-                    vec![RankTelemetry::unavailable(reason); engine.dp_size as usize],
-                )
-            }
-        };
-        let report = Report {
-            engine: e,
-            reachable,
-            dispatched_at_poll,
-            ranks,
-            source: "prometheus",
-        };
-        if tx.send(report).await.is_err() {
-            return;
-        }
-    }
-}
-
-struct FetchError {
-    reachable: bool,
-    reason: String,
-}
-
-async fn fetch(
-    client: &Client<HttpConnector, Empty<Bytes>>,
-    uri: http::Uri,
-) -> Result<String, FetchError> {
-    let resp = client.get(uri).await.map_err(|e| FetchError {
-        reachable: false,
-        reason: error_chain(&e),
-    })?;
-    let status = resp.status();
-    let body = Limited::new(resp.into_body(), MAX_TELEMETRY_BYTES)
-        .collect()
-        .await
-        .map_err(|e| FetchError {
-            reachable: true,
-            reason: format!("reading body: {e}"),
-        })?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(FetchError {
-            reachable: true,
-            reason: format!("HTTP {status}"),
-        });
-    }
-    String::from_utf8(body.to_vec()).map_err(|_| FetchError {
-        reachable: true,
-        reason: "body is not UTF-8".into(),
     })
 }
 
@@ -194,6 +107,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 /// The single writer: folds reports into the current views and swaps in each new snapshot.
 async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_per_request: f64) {
     let mut views: Vec<RankView> = table.snapshot.load().ranks.clone();
+    let mut models = table.snapshot.load().models.clone();
     while let Some(report) = rx.recv().await {
         let range = table.fleet.workers_of(report.engine);
         for ((w, telemetry), dispatched) in range.zip(report.ranks).zip(report.dispatched_at_poll) {
@@ -206,9 +120,13 @@ async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_p
                 source: report.source,
             };
         }
+        if let Some(m) = report.models {
+            models[report.engine] = m.into();
+        }
         estimate_kv_per_request(&mut views, default_kv_per_request);
         table.snapshot.store(Arc::new(Snapshot {
             ranks: views.clone(),
+            models: models.clone(),
         }));
     }
 }

@@ -221,8 +221,10 @@ fn to_telemetry(s: &Series, aggregate: bool, sampled_at: Instant) -> RankTelemet
         kv_usage: kv,
         running,
         waiting,
+        used_tokens: None,
         capacity_tokens,
         aggregate,
+        upstream: None,
         sampled_at,
     })
 }

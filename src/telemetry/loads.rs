@@ -1,0 +1,494 @@
+//! Native load reports (gRPC `GetLoads`, SGLang `/v1/loads`, a gateway's `/loads`) and their
+//! projection onto ranks.
+//!
+//! All three speak the same shape: a list of per-rank entries keyed by GLOBAL `dp_rank`. An
+//! engine's report is projected so that rank `r` gets exactly the one entry with `dp_rank == r`:
+//! absent, duplicated or invalid entries make only that rank Unavailable, and nothing is ever
+//! borrowed from another rank or from the aggregate. A gateway's report is different in kind:
+//! its entries carry `worker` annotations and repeat `dp_rank`, so it is a fleet rollup, read as
+//! one worker's load and never keyed as DP ranks.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde_json::Value;
+use tokio::time::Instant;
+
+use crate::table::{Load, RankTelemetry};
+use crate::worker::Engine;
+
+/// One entry of a load report. Every field is optional because JSON reports may omit any of
+/// them; gRPC entries always carry all (proto3 defaults).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RankLoad {
+    pub dp_rank: Option<i64>,
+    pub num_running_reqs: Option<i64>,
+    pub num_waiting_reqs: Option<i64>,
+    pub num_used_tokens: Option<i64>,
+    pub max_total_num_tokens: Option<i64>,
+    pub token_usage: Option<f64>,
+    pub gen_throughput: Option<f64>,
+    pub utilization: Option<f64>,
+    /// Fleet-rollup annotation: the worker this entry describes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_type: Option<String>,
+    /// A field of the wrong JSON type, recorded so the entry is rejected with a reason.
+    #[serde(skip)]
+    pub malformed: Option<String>,
+}
+
+/// A rollup's engine-wide figures (SGLang and gateways).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Aggregate {
+    pub total_running_reqs: Option<i64>,
+    pub total_waiting_reqs: Option<i64>,
+    pub avg_token_usage: Option<f64>,
+}
+
+/// A whole load report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadsReport {
+    pub dp_rank_count: Option<i64>,
+    pub loads: Vec<RankLoad>,
+    pub aggregate: Option<Aggregate>,
+}
+
+fn int(v: &Value, key: &str, malformed: &mut Option<String>) -> Option<i64> {
+    match v.get(key) {
+        None | Some(Value::Null) => None,
+        Some(x) => match x
+            .as_i64()
+            .or_else(|| x.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+        {
+            Some(n) => Some(n),
+            None => {
+                *malformed = Some(format!("{key} is not an integer: {x}"));
+                None
+            }
+        },
+    }
+}
+
+fn float(v: &Value, key: &str, malformed: &mut Option<String>) -> Option<f64> {
+    match v.get(key) {
+        None | Some(Value::Null) => None,
+        Some(x) => match x.as_f64() {
+            Some(f) => Some(f),
+            None => {
+                *malformed = Some(format!("{key} is not a number: {x}"));
+                None
+            }
+        },
+    }
+}
+
+impl RankLoad {
+    fn from_json(v: &Value) -> RankLoad {
+        let mut m = None;
+        if !v.is_object() {
+            m = Some(format!("entry is not an object: {v}"));
+        }
+        RankLoad {
+            dp_rank: int(v, "dp_rank", &mut m),
+            num_running_reqs: int(v, "num_running_reqs", &mut m),
+            num_waiting_reqs: int(v, "num_waiting_reqs", &mut m),
+            num_used_tokens: int(v, "num_used_tokens", &mut m),
+            max_total_num_tokens: int(v, "max_total_num_tokens", &mut m),
+            token_usage: float(v, "token_usage", &mut m),
+            gen_throughput: float(v, "gen_throughput", &mut m),
+            utilization: float(v, "utilization", &mut m),
+            worker: v.get("worker").and_then(Value::as_str).map(str::to_string),
+            worker_type: v
+                .get("worker_type")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            malformed: m,
+        }
+    }
+
+    /// Checks one entry; returns why it is unusable.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(m) = &self.malformed {
+            return Err(m.clone());
+        }
+        for (name, v) in [
+            ("token_usage", self.token_usage),
+            ("gen_throughput", self.gen_throughput),
+            ("utilization", self.utilization),
+        ] {
+            if let Some(x) = v {
+                if !x.is_finite() {
+                    return Err(format!("{name} is {x}"));
+                }
+            }
+        }
+        match self.token_usage {
+            None => return Err("no token_usage".into()),
+            Some(u) if !(0.0..=1.0).contains(&u) => {
+                return Err(format!("token_usage {u} outside [0, 1]"))
+            }
+            _ => {}
+        }
+        for (name, v) in [
+            ("num_running_reqs", self.num_running_reqs),
+            ("num_waiting_reqs", self.num_waiting_reqs),
+            ("num_used_tokens", self.num_used_tokens),
+            ("max_total_num_tokens", self.max_total_num_tokens),
+        ] {
+            if let Some(n) = v {
+                if n < 0 {
+                    return Err(format!("negative {name} {n}"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LoadsReport {
+    /// Reads a JSON report leniently: a malformed entry is kept (and later rejected on its own),
+    /// so one bad entry does not void the others.
+    pub fn from_json(body: &[u8]) -> Result<LoadsReport, String> {
+        let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
+        let loads = match v.get("loads") {
+            Some(Value::Array(a)) => a.iter().map(RankLoad::from_json).collect(),
+            Some(other) => return Err(format!("`loads` is not an array: {other}")),
+            None => return Err("no `loads` array".into()),
+        };
+        let aggregate = v.get("aggregate").filter(|a| a.is_object()).map(|a| {
+            let mut m = None;
+            Aggregate {
+                total_running_reqs: int(a, "total_running_reqs", &mut m),
+                total_waiting_reqs: int(a, "total_waiting_reqs", &mut m),
+                avg_token_usage: float(a, "avg_token_usage", &mut m),
+            }
+        });
+        Ok(LoadsReport {
+            dp_rank_count: v.get("dp_rank_count").and_then(Value::as_i64),
+            loads,
+            aggregate,
+        })
+    }
+
+    fn is_rollup(&self) -> bool {
+        self.loads.iter().any(|l| l.worker.is_some())
+    }
+}
+
+/// What a projection found besides the per-rank states.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct ProjectionNotes {
+    /// Per rank of the engine: its entry was present but invalid (or duplicated).
+    pub invalid: Vec<bool>,
+    /// Entries naming a rank outside the engine's managed set.
+    pub unmanaged: usize,
+}
+
+/// Projects an engine's report onto its ranks, in rank order.
+pub fn project(
+    report: &LoadsReport,
+    engine: &Engine,
+    sampled_at: Instant,
+) -> (Vec<RankTelemetry>, ProjectionNotes) {
+    let n = engine.dp_size as usize;
+    let mut notes = ProjectionNotes {
+        invalid: vec![false; n],
+        unmanaged: 0,
+    };
+    if report.is_rollup() {
+        let why = "the report is a fleet rollup (entries carry `worker`), not this engine's DP ranks; configure it as flavor = \"gateway\"";
+        return (vec![RankTelemetry::unavailable(why); n], notes);
+    }
+    if report.loads.is_empty() {
+        return (
+            vec![RankTelemetry::unavailable("empty loads report"); n],
+            notes,
+        );
+    }
+    let ranks = engine.ranks();
+    notes.unmanaged = report
+        .loads
+        .iter()
+        .filter(|l| {
+            !l.dp_rank
+                .is_some_and(|r| r >= ranks.start as i64 && r < ranks.end as i64)
+        })
+        .count();
+    let capacity_divisor = summed_capacity_divisor(report);
+    let states = ranks
+        .enumerate()
+        .map(|(i, rank)| {
+            let mut entries = report
+                .loads
+                .iter()
+                .filter(|l| l.dp_rank == Some(rank as i64));
+            let (Some(entry), rest) = (entries.next(), entries.count()) else {
+                return RankTelemetry::unavailable(format!(
+                    "rank {rank} absent from the loads report"
+                ));
+            };
+            if rest > 0 {
+                notes.invalid[i] = true;
+                return RankTelemetry::unavailable(format!(
+                    "{} entries for rank {rank}: duplicate dp_rank",
+                    rest + 1
+                ));
+            }
+            if let Err(why) = entry.validate() {
+                notes.invalid[i] = true;
+                return RankTelemetry::unavailable(format!("rank {rank}: {why}"));
+            }
+            RankTelemetry::Available(to_load(entry, capacity_divisor, sampled_at))
+        })
+        .collect();
+    (states, notes)
+}
+
+/// The real servicer (smg-grpc-servicer 0.14.1 under vLLM 0.32) reports the SUM of the ranks'
+/// capacities in every entry while `token_usage` is right. Cross-check on the entries that carry
+/// used tokens: when `used / max` misses `token_usage` but `used / (max / n)` matches, divide.
+fn summed_capacity_divisor(report: &LoadsReport) -> u64 {
+    let n = report.loads.len() as f64;
+    let mut votes = (0, 0);
+    for l in &report.loads {
+        if let (Some(used), Some(max), Some(u)) =
+            (l.num_used_tokens, l.max_total_num_tokens, l.token_usage)
+        {
+            if used > 0 && max > 0 && u > 0.0 {
+                let direct = used as f64 / max as f64;
+                let split = direct * n;
+                if (split - u).abs() < 0.02 && (direct - u).abs() >= 0.02 {
+                    votes.0 += 1;
+                } else {
+                    votes.1 += 1;
+                }
+            }
+        }
+    }
+    if votes.0 > 0 && votes.1 == 0 {
+        report.loads.len() as u64
+    } else {
+        1
+    }
+}
+
+fn count(v: Option<i64>) -> Option<u32> {
+    v.map(|n| n.clamp(0, u32::MAX as i64) as u32)
+}
+
+fn to_load(l: &RankLoad, capacity_divisor: u64, sampled_at: Instant) -> Load {
+    Load {
+        kv_usage: l.token_usage.unwrap_or_default(),
+        running: count(l.num_running_reqs),
+        waiting: count(l.num_waiting_reqs),
+        used_tokens: l.num_used_tokens.map(|n| n as u64),
+        capacity_tokens: l
+            .max_total_num_tokens
+            .filter(|c| *c > 0)
+            .map(|c| c as u64 / capacity_divisor),
+        aggregate: false,
+        upstream: None,
+        sampled_at,
+    }
+}
+
+/// Reads an upstream gateway's rollup as ONE worker's load: the aggregate's KV usage when given,
+/// else the mean over its entries. The entries are kept, annotations and all, for `/workers`.
+pub fn rollup(report: &LoadsReport, sampled_at: Instant) -> RankTelemetry {
+    let valid: Vec<&RankLoad> = report
+        .loads
+        .iter()
+        .filter(|l| l.validate().is_ok())
+        .collect();
+    if valid.is_empty() {
+        return RankTelemetry::unavailable(if report.loads.is_empty() {
+            "the gateway reports no loads".to_string()
+        } else {
+            format!(
+                "none of the gateway's {} entries is valid",
+                report.loads.len()
+            )
+        });
+    }
+    let agg = report.aggregate.as_ref();
+    let mean = valid.iter().filter_map(|l| l.token_usage).sum::<f64>() / valid.len() as f64;
+    let kv = agg.and_then(|a| a.avg_token_usage).unwrap_or(mean);
+    if !(0.0..=1.0).contains(&kv) {
+        return RankTelemetry::unavailable(format!("rollup avg_token_usage {kv} outside [0, 1]"));
+    }
+    let sum = |f: fn(&RankLoad) -> Option<i64>| valid.iter().filter_map(|l| f(l)).sum::<i64>();
+    let running = agg
+        .and_then(|a| a.total_running_reqs)
+        .unwrap_or_else(|| sum(|l| l.num_running_reqs));
+    let waiting = agg
+        .and_then(|a| a.total_waiting_reqs)
+        .unwrap_or_else(|| sum(|l| l.num_waiting_reqs));
+    RankTelemetry::Available(Load {
+        kv_usage: kv,
+        running: count(Some(running)),
+        waiting: count(Some(waiting)),
+        used_tokens: None,
+        capacity_tokens: None,
+        aggregate: true,
+        upstream: Some(Arc::from(report.loads.clone())),
+        sampled_at,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn entry(rank: i64, usage: f64) -> RankLoad {
+        RankLoad {
+            dp_rank: Some(rank),
+            num_running_reqs: Some(1),
+            num_waiting_reqs: Some(0),
+            token_usage: Some(usage),
+            ..RankLoad::default()
+        }
+    }
+
+    fn engine(dp: u32, start: u32) -> Engine {
+        crate::worker::test_engine("http://e:1", dp, start)
+    }
+
+    fn kv(t: &RankTelemetry) -> Option<f64> {
+        match t {
+            RankTelemetry::Available(l) => Some(l.kv_usage),
+            RankTelemetry::Unavailable { .. } => None,
+        }
+    }
+
+    #[test]
+    fn each_rank_gets_exactly_its_own_entry() {
+        let r = LoadsReport {
+            loads: vec![entry(5, 0.5), entry(4, 0.4), entry(9, 0.9)],
+            ..Default::default()
+        };
+        let (states, notes) = project(&r, &engine(3, 4), Instant::now());
+        assert_eq!(
+            states.iter().map(kv).collect::<Vec<_>>(),
+            [Some(0.4), Some(0.5), None]
+        );
+        assert_eq!(notes.unmanaged, 1);
+        assert!(
+            matches!(&states[2], RankTelemetry::Unavailable { reason } if reason.contains("rank 6 absent"))
+        );
+    }
+
+    #[test]
+    fn invalid_and_duplicate_entries_only_hit_their_rank() {
+        let mut neg = entry(2, 0.2);
+        neg.num_running_reqs = Some(-1);
+        let r = LoadsReport {
+            loads: vec![
+                entry(0, f64::NAN),
+                entry(1, 0.1),
+                entry(1, 0.2),
+                neg,
+                entry(3, 1.5),
+                entry(4, 0.3),
+            ],
+            ..Default::default()
+        };
+        let (states, notes) = project(&r, &engine(5, 0), Instant::now());
+        assert_eq!(
+            states.iter().map(kv).collect::<Vec<_>>(),
+            [None, None, None, None, Some(0.3)]
+        );
+        assert_eq!(notes.invalid, [true, true, true, true, false]);
+        let reasons: Vec<String> = states
+            .iter()
+            .filter_map(|s| match s {
+                RankTelemetry::Unavailable { reason } => Some(reason.clone()),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            reasons[0].contains("NaN")
+                && reasons[1].contains("duplicate")
+                && reasons[2].contains("negative")
+        );
+        assert!(reasons[3].contains("outside"));
+    }
+
+    #[test]
+    fn rollup_is_never_keyed_as_ranks() {
+        let body = br#"{"loads":[{"worker":"http://a:1","dp_rank":0,"token_usage":0.2},{"worker":"http://b:1","dp_rank":0,"token_usage":0.6}],
+            "aggregate":{"total_running_reqs":3,"total_waiting_reqs":1,"avg_token_usage":0.4}}"#;
+        let r = LoadsReport::from_json(body).unwrap();
+        let (states, _) = project(&r, &engine(2, 0), Instant::now());
+        assert!(states.iter().all(|s| kv(s).is_none()));
+        match rollup(&r, Instant::now()) {
+            RankTelemetry::Available(l) => {
+                assert_eq!(l.kv_usage, 0.4);
+                assert_eq!(l.running, Some(3));
+                assert!(l.aggregate);
+                assert_eq!(l.upstream.unwrap()[1].worker.as_deref(), Some("http://b:1"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn json_entries_are_read_one_by_one() {
+        let body = br#"{"dp_rank_count":2,"loads":[{"dp_rank":0,"token_usage":"lots"},{"dp_rank":1,"token_usage":0.25,"num_used_tokens":100,"max_total_num_tokens":400}]}"#;
+        let r = LoadsReport::from_json(body).unwrap();
+        let (states, notes) = project(&r, &engine(2, 0), Instant::now());
+        assert_eq!(kv(&states[0]), None);
+        assert_eq!(notes.invalid, [true, false]);
+        match &states[1] {
+            RankTelemetry::Available(l) => {
+                assert_eq!((l.used_tokens, l.capacity_tokens), (Some(100), Some(400)))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(LoadsReport::from_json(b"{}").is_err());
+        assert!(LoadsReport::from_json(b"not json").is_err());
+    }
+
+    #[test]
+    fn summed_capacity_is_split_per_rank() {
+        // Each rank really holds 1000 tokens, 250 used; the servicer reports max = 2000.
+        let mk = |rank| RankLoad {
+            num_used_tokens: Some(250),
+            max_total_num_tokens: Some(2000),
+            ..entry(rank, 0.25)
+        };
+        let r = LoadsReport {
+            loads: vec![mk(0), mk(1)],
+            ..Default::default()
+        };
+        let (states, _) = project(&r, &engine(2, 0), Instant::now());
+        match &states[0] {
+            RankTelemetry::Available(l) => assert_eq!(l.capacity_tokens, Some(1000)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    proptest! {
+        /// Whatever the entries, a rank is Available only with its own valid entry's usage.
+        #[test]
+        fn projection_never_borrows_another_ranks_numbers(
+            entries in proptest::collection::vec((0i64..6, prop_oneof![0.0f64..=1.0, Just(f64::NAN), Just(2.0)]), 0..10)
+        ) {
+            let r = LoadsReport {
+                loads: entries.iter().map(|(rank, u)| entry(*rank, *u)).collect(),
+                ..Default::default()
+            };
+            let (states, _) = project(&r, &engine(4, 1), Instant::now());
+            for (i, s) in states.iter().enumerate() {
+                let rank = i as i64 + 1;
+                let own: Vec<f64> = entries.iter().filter(|(r, _)| *r == rank).map(|(_, u)| *u).collect();
+                match kv(s) {
+                    Some(k) => prop_assert!(own.len() == 1 && own[0] == k),
+                    None => prop_assert!(own.len() != 1 || !(0.0..=1.0).contains(&own[0])),
+                }
+            }
+        }
+    }
+}

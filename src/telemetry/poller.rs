@@ -1,0 +1,305 @@
+//! One engine's poller: each interval, ask its telemetry sources in order of preference until one
+//! answers, project the answer onto the engine's ranks, and hand the result to the publisher.
+//!
+//! A source that fails (transport error, HTTP error, unreadable body, gRPC status) passes the
+//! turn to the next; a source that answers serves every rank, including ranks it reports as
+//! missing or invalid: falling back per rank would mix numbers of different ages and meanings.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use tokio::sync::mpsc;
+use tokio::time::{Instant, MissedTickBehavior};
+
+use super::grpc::LoadsClient;
+use super::loads::{self, LoadsReport, ProjectionNotes};
+use super::{error_chain, prom, Report, TelemetryStats};
+use crate::config::TelemetryConfig;
+use crate::http::{shutdown_signalled, Shutdown};
+use crate::table::{RankTelemetry, Table};
+use crate::worker::{Engine, Flavor, TelemetrySource};
+
+/// Largest telemetry body accepted; a real vLLM /metrics is ~70 KB.
+const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
+/// Models are re-read every this many polls (about a minute at the default interval).
+const MODELS_EVERY: u64 = 240;
+
+pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+/// A source, ready to be read.
+enum Source {
+    Grpc(LoadsClient),
+    Http(http::Uri),
+    Prometheus(http::Uri),
+}
+
+impl Source {
+    fn name(&self) -> &'static str {
+        match self {
+            Source::Grpc(_) => "grpc",
+            Source::Http(_) => "http",
+            Source::Prometheus(_) => "prometheus",
+        }
+    }
+}
+
+struct Failure {
+    /// Something answered (an HTTP status, a gRPC status): the endpoint is up.
+    answered: bool,
+    reason: String,
+}
+
+impl Failure {
+    fn silent(reason: String) -> Failure {
+        Failure {
+            answered: false,
+            reason,
+        }
+    }
+}
+
+pub struct Poller {
+    e: usize,
+    engine: Engine,
+    table: Arc<Table>,
+    cfg: TelemetryConfig,
+    sources: Vec<Source>,
+    http: HttpClient,
+    models_uri: Option<http::Uri>,
+    stats: Arc<TelemetryStats>,
+    dp_size_checked: bool,
+    /// Poll number at which the model list was last read.
+    models_at: Option<u64>,
+}
+
+fn uri(s: &str) -> Result<http::Uri, String> {
+    s.parse().map_err(|e| format!("{s:?}: {e}"))
+}
+
+impl Poller {
+    pub fn new(
+        e: usize,
+        table: Arc<Table>,
+        cfg: TelemetryConfig,
+        http: HttpClient,
+        grpc: super::grpc::Transport,
+        stats: Arc<TelemetryStats>,
+    ) -> Result<Poller, String> {
+        let engine = table.fleet.engines[e].clone();
+        let sources = engine
+            .telemetry
+            .iter()
+            .map(|s| match s {
+                TelemetrySource::Grpc { authority } => {
+                    LoadsClient::new(engine.flavor, authority, grpc.clone()).map(Source::Grpc)
+                }
+                TelemetrySource::Http { url } => uri(url).map(Source::Http),
+                TelemetrySource::Prometheus => {
+                    uri(&format!("{}/metrics", engine.url)).map(Source::Prometheus)
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Poller {
+            models_uri: uri(&format!("{}/v1/models", engine.url)).ok(),
+            e,
+            engine,
+            table,
+            cfg,
+            sources,
+            http,
+            stats,
+            dp_size_checked: false,
+            models_at: None,
+        })
+    }
+
+    /// Polls once per interval until shutdown.
+    pub async fn run(mut self, tx: mpsc::Sender<Report>, mut shutdown: Shutdown) {
+        let mut ticker = tokio::time::interval(self.cfg.interval);
+        // A slow poll delays the next one instead of firing a burst of catch-up polls at an
+        // engine that is already struggling.
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut n: u64 = 0;
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = shutdown_signalled(&mut shutdown) => return,
+            }
+            let mut report = self.poll().await;
+            // Read the model list once the engine answers, then refresh it now and then.
+            let due = match self.models_at {
+                None => report.reachable,
+                Some(at) => n - at >= MODELS_EVERY,
+            };
+            if due {
+                report.models = self.models().await;
+                if report.models.is_some() || self.models_at.is_some() {
+                    self.models_at = Some(n);
+                }
+            }
+            n += 1;
+            if tx.send(report).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// One poll of the engine through its first answering source.
+    pub async fn poll(&mut self) -> Report {
+        let workers = self.table.fleet.workers_of(self.e);
+        let dispatched_at_poll: Vec<u64> = workers
+            .clone()
+            .map(|w| self.table.live[w].dispatched.load(Relaxed))
+            .collect();
+        self.stats.polls.fetch_add(1, Relaxed);
+        let mut failures = Vec::new();
+        let mut answered = false;
+        for i in 0..self.sources.len() {
+            let name = self.sources[i].name();
+            match tokio::time::timeout(self.cfg.timeout, self.read(i)).await {
+                Ok(Ok((ranks, notes))) => {
+                    self.note(&notes, workers.clone());
+                    return Report {
+                        engine: self.e,
+                        reachable: true,
+                        dispatched_at_poll,
+                        ranks,
+                        source: name,
+                        models: None,
+                    };
+                }
+                Ok(Err(f)) => {
+                    answered |= f.answered;
+                    failures.push(format!("{name}: {}", f.reason));
+                }
+                Err(_) => failures.push(format!(
+                    "{name}: no answer within {} ms",
+                    self.cfg.timeout.as_millis()
+                )),
+            }
+        }
+        self.stats.poll_failures.fetch_add(1, Relaxed);
+        let reason = format!("every telemetry source failed: {}", failures.join("; "));
+        Report {
+            engine: self.e,
+            reachable: answered,
+            dispatched_at_poll,
+            ranks: vec![RankTelemetry::unavailable(reason); workers.len()],
+            source: "none",
+            models: None,
+        }
+    }
+
+    fn note(&self, notes: &ProjectionNotes, workers: std::ops::Range<usize>) {
+        for (w, bad) in workers.zip(&notes.invalid) {
+            if *bad {
+                self.stats.invalid_entries[w].fetch_add(1, Relaxed);
+            }
+        }
+        self.stats
+            .unmanaged_entries
+            .fetch_add(notes.unmanaged as u64, Relaxed);
+    }
+
+    async fn read(&mut self, i: usize) -> Result<(Vec<RankTelemetry>, ProjectionNotes), Failure> {
+        match &self.sources[i] {
+            Source::Prometheus(u) => {
+                let body = fetch(&self.http, u.clone()).await?;
+                let text = String::from_utf8(body.to_vec()).map_err(|_| Failure {
+                    answered: true,
+                    reason: "body is not UTF-8".into(),
+                })?;
+                let scrape = prom::parse(&text);
+                self.stats
+                    .bad_lines
+                    .fetch_add(scrape.bad_lines as u64, Relaxed);
+                Ok((
+                    prom::project(&scrape, &self.engine, Instant::now()),
+                    ProjectionNotes::default(),
+                ))
+            }
+            Source::Http(u) => {
+                let body = fetch(&self.http, u.clone()).await?;
+                let report = LoadsReport::from_json(&body).map_err(|reason| Failure {
+                    answered: true,
+                    reason,
+                })?;
+                Ok(self.project(&report))
+            }
+            Source::Grpc(client) => {
+                let client = client.clone();
+                let report = client.get_loads(None).await.map_err(|reason| Failure {
+                    // A gRPC status is an answer; a transport error is not.
+                    answered: reason.starts_with("GetLoads: ") && !reason.contains("transport"),
+                    reason,
+                })?;
+                if !self.dp_size_checked {
+                    self.dp_size_checked = true;
+                    self.check_dp_size(&client).await;
+                }
+                Ok(self.project(&report))
+            }
+        }
+    }
+
+    fn project(&self, report: &LoadsReport) -> (Vec<RankTelemetry>, ProjectionNotes) {
+        let now = Instant::now();
+        match self.engine.flavor {
+            Flavor::Gateway => (vec![loads::rollup(report, now)], ProjectionNotes::default()),
+            Flavor::Vllm | Flavor::Sglang => loads::project(report, &self.engine, now),
+        }
+    }
+
+    /// Warns once when the engine says it runs fewer DP ranks than the config gives it.
+    async fn check_dp_size(&self, client: &LoadsClient) {
+        if let Some(n) = client.data_parallel_size().await {
+            let end = self.engine.start_rank + self.engine.dp_size;
+            if n > 0 && (n as u32) < end {
+                tracing::warn!(
+                    engine = %self.engine.url, server_dp_size = n, configured_end_rank = end,
+                    "engine reports fewer DP ranks than the config assigns it"
+                );
+            }
+        }
+    }
+
+    /// The engine's model ids from `/v1/models`, for `/loads?model=`.
+    async fn models(&self) -> Option<Vec<String>> {
+        let body = fetch(&self.http, self.models_uri.clone()?).await.ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        Some(
+            v.get("data")?
+                .as_array()?
+                .iter()
+                .filter_map(|m| m.get("id")?.as_str().map(str::to_string))
+                .collect(),
+        )
+    }
+}
+
+async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
+    let resp = client
+        .get(uri)
+        .await
+        .map_err(|e| Failure::silent(error_chain(&e)))?;
+    let status = resp.status();
+    let body = Limited::new(resp.into_body(), MAX_TELEMETRY_BYTES)
+        .collect()
+        .await
+        .map_err(|e| Failure {
+            answered: true,
+            reason: format!("reading body: {e}"),
+        })?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(Failure {
+            answered: true,
+            reason: format!("HTTP {status}"),
+        });
+    }
+    Ok(body)
+}
