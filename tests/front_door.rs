@@ -165,7 +165,7 @@ async fn unreachable_engine_means_503_not_a_hang() {
     let rows = wait_workers(&r, Duration::from_secs(10), |rows| {
         rows[0]["reason"]
             .as_str()
-            .is_some_and(|s| s.contains("scrape"))
+            .is_some_and(|s| s.contains("every telemetry source failed"))
     })
     .await;
     assert_eq!(rows[0]["reachable"], false);
