@@ -1,5 +1,8 @@
-//! The admin listener: `/health`, `/ready`, `/workers` and `/metrics`, all answered from the
-//! cached snapshot and counters; no admin call ever reaches an engine.
+//! The admin listener: `/health`, `/ready`, `/workers`, `/loads` and `/metrics`, all answered
+//! from the cached snapshot and counters; no admin call ever reaches an engine.
+//!
+//! `/loads` speaks the fleet-rollup shape of an upstream gateway (entries annotated with
+//! `worker`, `dp_rank` = global rank, an `aggregate`), so one rankgate can front others.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -51,6 +54,10 @@ impl Admin {
                 }
             }
             "/workers" => json_response(StatusCode::OK, &self.workers()),
+            "/loads" => {
+                let model = req.uri().query().and_then(|q| query_param(q, "model"));
+                json_response(StatusCode::OK, &self.loads(model.as_deref()))
+            }
             "/metrics" => respond(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
@@ -59,7 +66,9 @@ impl Admin {
             other => openai_error(
                 StatusCode::NOT_FOUND,
                 "NotFoundError",
-                &format!("unknown admin path {other}: try /health, /ready, /workers or /metrics"),
+                &format!(
+                    "unknown admin path {other}: try /health, /ready, /workers, /loads or /metrics"
+                ),
             ),
         })
     }
@@ -78,16 +87,9 @@ impl Admin {
             .map(|((w, view), live)| {
                 let engine = &table.fleet.engines[w.engine];
                 let reason = view.telemetry.unavailable_reason(now, table.stale_after);
-                let (kv, running, waiting, age, capacity, aggregate) = match &view.telemetry {
-                    RankTelemetry::Available(l) => (
-                        Some(l.kv_usage),
-                        l.running,
-                        l.waiting,
-                        Some(now.saturating_duration_since(l.sampled_at).as_millis() as u64),
-                        l.capacity_tokens,
-                        l.aggregate,
-                    ),
-                    RankTelemetry::Unavailable { .. } => (None, None, None, None, None, false),
+                let load = match &view.telemetry {
+                    RankTelemetry::Available(l) => Some(l),
+                    RankTelemetry::Unavailable { .. } => None,
                 };
                 json!({
                     "id": w.id_text.as_ref(),
@@ -98,16 +100,145 @@ impl Admin {
                     "reason": reason,
                     "source": view.source,
                     "reachable": view.reachable,
-                    "kv_usage": kv,
-                    "num_running_reqs": running,
-                    "num_waiting_reqs": waiting,
-                    "max_total_num_tokens": capacity,
-                    "aggregate": aggregate,
-                    "age_ms": age,
+                    "kv_usage": load.map(|l| l.kv_usage),
+                    "num_running_reqs": load.and_then(|l| l.running),
+                    "num_waiting_reqs": load.and_then(|l| l.waiting),
+                    "num_used_tokens": load.and_then(|l| l.used_tokens),
+                    "max_total_num_tokens": load.and_then(|l| l.capacity_tokens),
+                    "aggregate": load.is_some_and(|l| l.aggregate),
+                    "upstream_loads": load.and_then(|l| l.upstream.as_deref()),
+                    "age_ms": load.map(|l| now.saturating_duration_since(l.sampled_at).as_millis() as u64),
                     "in_flight": live.in_flight(),
+                    "models": &*snap.models[w.engine],
                 })
             })
             .collect();
         Value::Array(rows)
+    }
+}
+
+impl Admin {
+    /// rankgate's own load report, from the cached snapshot: one entry per rank with fresh
+    /// telemetry (ranks without are omitted, never shown idle), optionally only for engines
+    /// serving `model`.
+    pub fn loads(&self, model: Option<&str>) -> Value {
+        let table = &self.table;
+        let snap = table.snapshot.load();
+        let now = Instant::now();
+        let mut loads = Vec::new();
+        let (mut running, mut waiting, mut usage) = (0u64, 0u64, 0.0);
+        for (w, view) in table.fleet.workers.iter().zip(&snap.ranks) {
+            if model.is_some_and(|m| !snap.models[w.engine].iter().any(|x| x == m)) {
+                continue;
+            }
+            let Some(l) = view.telemetry.fresh(now, table.stale_after) else {
+                continue;
+            };
+            let engine = &table.fleet.engines[w.engine];
+            let (r, q) = (l.running.unwrap_or(0), l.waiting.unwrap_or(0));
+            running += r as u64;
+            waiting += q as u64;
+            usage += l.kv_usage;
+            loads.push(json!({
+                "worker": engine.url.as_ref(),
+                "worker_type": if w.id.rank.is_some() { "regular" } else { "gateway" },
+                "dp_rank": w.id.rank.unwrap_or(0),
+                "num_running_reqs": r,
+                "num_waiting_reqs": q,
+                "num_total_reqs": r + q,
+                "num_used_tokens": l.used_tokens,
+                "max_total_num_tokens": l.capacity_tokens,
+                "token_usage": l.kv_usage,
+            }));
+        }
+        let n = loads.len();
+        json!({
+            "timestamp": iso8601(std::time::SystemTime::now()),
+            "version": concat!("rankgate ", env!("CARGO_PKG_VERSION")),
+            "dp_rank_count": n,
+            "loads": loads,
+            "aggregate": {
+                "total_running_reqs": running,
+                "total_waiting_reqs": waiting,
+                "total_reqs": running + waiting,
+                "avg_token_usage": if n > 0 { usage / n as f64 } else { 0.0 },
+                "avg_throughput": 0.0,
+                "avg_utilization": 0.0,
+            },
+        })
+    }
+}
+
+/// The value of `key` in a query string, percent-decoded (model ids carry `/`).
+fn query_param(query: &str, key: &str) -> Option<String> {
+    let raw = query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))?;
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push((h * 16 + l) as u8);
+                    i += 3;
+                    continue;
+                }
+                _ => out.push(b'%'),
+            },
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).ok()
+}
+
+/// UTC time as ISO 8601 (`2026-12-02T14:00:00.123Z`), by Howard Hinnant's days-to-civil algorithm.
+fn iso8601(t: std::time::SystemTime) -> String {
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_millis()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn iso8601_dates() {
+        assert_eq!(iso8601(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        // 2024-02-29 12:34:56.789 UTC, a leap day.
+        let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_789);
+        assert_eq!(iso8601(t), "2024-02-29T12:34:56.789Z");
+    }
+
+    #[test]
+    fn query_params_are_decoded() {
+        assert_eq!(
+            query_param("a=1&model=meta-llama%2FLlama-3", "model").as_deref(),
+            Some("meta-llama/Llama-3")
+        );
+        assert_eq!(query_param("models=x", "model"), None);
+        assert_eq!(query_param("model=a%2", "model").as_deref(), Some("a%2"));
     }
 }

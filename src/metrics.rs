@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::table::{RankTelemetry, Table};
+use crate::table::Table;
 use crate::telemetry::TelemetryStats;
 
 /// Upper bounds (seconds) of the proxy latency histogram; end-to-end, so streams included.
@@ -169,6 +169,21 @@ impl Metrics {
             })
             .count();
         let _ = writeln!(o, "rankgate_telemetry_unavailable_ranks {unavailable}");
+        o.push_str("# HELP rankgate_telemetry_invalid_entries_total Polls in which the rank's load entry was invalid or duplicated.\n# TYPE rankgate_telemetry_invalid_entries_total counter\n");
+        for (w, n) in workers.iter().zip(&telemetry.invalid_entries) {
+            let _ = writeln!(
+                o,
+                "rankgate_telemetry_invalid_entries_total{{worker=\"{}\"}} {}",
+                w.id_text,
+                n.load(Relaxed)
+            );
+        }
+        o.push_str("# TYPE rankgate_telemetry_unmanaged_entries_total counter\n");
+        let _ = writeln!(
+            o,
+            "rankgate_telemetry_unmanaged_entries_total {}",
+            telemetry.unmanaged_entries.load(Relaxed)
+        );
         o.push_str("# TYPE rankgate_telemetry_polls_total counter\n");
         let _ = writeln!(
             o,

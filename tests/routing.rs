@@ -329,7 +329,7 @@ async fn burst_between_two_polls_spreads_over_ranks() {
     let cfg = "[telemetry]\ninterval = \"30s\"\nstale_after = \"60s\"\n";
     let r = router(cfg, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
-    let scrapes = e.metrics_scrapes();
+    let scrapes = e.telemetry_requests();
     let mut tasks = Vec::new();
     for _ in 0..32 {
         let addr = r.addr;
@@ -355,7 +355,7 @@ async fn burst_between_two_polls_spreads_over_ranks() {
         *per.entry(t.await.unwrap()).or_default() += 1;
     }
     assert_eq!(
-        e.metrics_scrapes(),
+        e.telemetry_requests(),
         scrapes,
         "a poll happened during the burst"
     );
@@ -372,10 +372,10 @@ async fn engines_are_polled_once_per_interval_not_per_rank() {
     let cfg = "[telemetry]\ninterval = \"100ms\"\nstale_after = \"2s\"\n";
     let r = router(cfg, &[engine_toml(&e.url(), "vllm", 8, 0)]).await;
     wait_state(&r, &[0, 7], "available").await;
-    let start = e.metrics_scrapes();
+    let start = e.telemetry_requests();
     let t0 = tokio::time::Instant::now();
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let polls = e.metrics_scrapes() - start;
+    let polls = e.telemetry_requests() - start;
     let expected = t0.elapsed().as_millis() as u64 / 100;
     // One scrape per interval for the whole engine; eight ranks would make it eight.
     assert!(

@@ -7,6 +7,7 @@
 //! and serves `/metrics` per rank in the real engine's format. Knobs that tests need at run time
 //! (pinned KV, dark ranks, a slow `/metrics`) are methods on [`SimEngine`].
 
+mod grpc;
 pub mod rank;
 
 use std::collections::VecDeque;
@@ -73,6 +74,9 @@ pub struct SimConfig {
     /// Prompt tokens per second of prefill.
     pub prefill_tokens_per_sec: f64,
     pub model: String,
+    /// Imitate smg-grpc-servicer 0.14.1: ignore the `dp_rank` filter and report the SUM of the
+    /// ranks' capacities in every entry.
+    pub servicer_quirks: bool,
 }
 
 impl Default for SimConfig {
@@ -91,8 +95,20 @@ impl Default for SimConfig {
             batch_slowdown: 0.02,
             prefill_tokens_per_sec: 20_000.0,
             model: "tiny-llama".into(),
+            servicer_quirks: false,
         }
     }
+}
+
+/// One rank's published numbers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RankReport {
+    pub global: u32,
+    pub usage: f64,
+    pub running: i64,
+    pub waiting: i64,
+    pub used_tokens: i64,
+    pub capacity: i64,
 }
 
 /// What the engine saw of one request, for tests to inspect.
@@ -115,12 +131,12 @@ struct Knobs {
     metrics_delay: Duration,
 }
 
-struct Sim {
-    cfg: SimConfig,
-    ranks: Vec<Rank>,
+pub(crate) struct Sim {
+    pub(crate) cfg: SimConfig,
+    pub(crate) ranks: Vec<Rank>,
     knobs: RwLock<Knobs>,
     seen: Mutex<VecDeque<Seen>>,
-    metrics_scrapes: AtomicU64,
+    pub(crate) telemetry_requests: AtomicU64,
     next_id: AtomicU64,
 }
 
@@ -156,7 +172,7 @@ impl SimEngine {
             cfg,
             ranks,
             seen: Mutex::new(VecDeque::new()),
-            metrics_scrapes: AtomicU64::new(0),
+            telemetry_requests: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
         });
         let (shutdown, rx) = watch::channel(false);
@@ -172,6 +188,18 @@ impl SimEngine {
             shutdown,
             task,
         })
+    }
+
+    /// Serves the gRPC side (`GetLoads`, `GetServerInfo`, health) on `listen`; returns its address.
+    pub async fn start_grpc(&self, listen: SocketAddr) -> std::io::Result<SocketAddr> {
+        let listener = grpc::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(grpc::serve(
+            listener,
+            self.sim.clone(),
+            self.shutdown.subscribe(),
+        ));
+        Ok(addr)
     }
 
     pub fn url(&self) -> String {
@@ -202,9 +230,9 @@ impl SimEngine {
         lock(&self.sim.seen).iter().cloned().collect()
     }
 
-    /// How many times `/metrics` was requested.
-    pub fn metrics_scrapes(&self) -> u64 {
-        self.sim.metrics_scrapes.load(Relaxed)
+    /// How many telemetry requests (`/metrics`, `/v1/loads`, `GetLoads`) the engine answered.
+    pub fn telemetry_requests(&self) -> u64 {
+        self.sim.telemetry_requests.load(Relaxed)
     }
 
     /// Pins the reported KV usage per local rank (empty: report real occupancy).
@@ -292,7 +320,7 @@ impl Sim {
         Ok(match (req.method(), path.as_str()) {
             (&Method::GET, "/health") => respond(StatusCode::OK, "text/plain", ""),
             (&Method::GET, "/metrics") => {
-                self.metrics_scrapes.fetch_add(1, Relaxed);
+                self.telemetry_requests.fetch_add(1, Relaxed);
                 let delay = read(&self.knobs).metrics_delay;
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
@@ -304,6 +332,10 @@ impl Sim {
                 )
             }
             (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
+            (&Method::GET, "/v1/loads") if self.cfg.flavor == SimFlavor::Sglang => {
+                self.telemetry_requests.fetch_add(1, Relaxed);
+                self.http_loads(req.uri().query())
+            }
             (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings") => {
                 match self.clone().generate(req, path).await {
                     Ok(r) => r,
@@ -536,10 +568,102 @@ impl Sim {
         Bytes::from(format!("data: {v}\n\n"))
     }
 
+    /// What each published rank reports right now: dark ranks are left out, garbage ranks
+    /// report NaN usage and negative counts. Shared by `/metrics`, `/v1/loads` and `GetLoads`.
+    pub(crate) fn rank_reports(&self) -> Vec<RankReport> {
+        let knobs = read(&self.knobs).clone();
+        let total_capacity: u64 = self.ranks.iter().map(|r| r.capacity).sum();
+        self.ranks
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !knobs.dark_ranks.contains(&r.global))
+            .map(|(i, rank)| {
+                let c = rank.counts();
+                let usage = knobs
+                    .kv_usage
+                    .get(i)
+                    .copied()
+                    .unwrap_or_else(|| rank.kv_usage());
+                let garbage = self.cfg.garbage_ranks.contains(&rank.global);
+                RankReport {
+                    global: rank.global,
+                    usage: if garbage { f64::NAN } else { usage },
+                    running: if garbage { -1 } else { c.running as i64 },
+                    waiting: c.waiting as i64,
+                    used_tokens: (usage * rank.capacity as f64).round() as i64,
+                    // The real servicer reports the sum over ranks in every entry.
+                    capacity: if self.cfg.servicer_quirks {
+                        total_capacity
+                    } else {
+                        rank.capacity
+                    } as i64,
+                }
+            })
+            .collect()
+    }
+
+    /// The entries a load report carries for an optional `dp_rank` filter, with the servicer's
+    /// semantics: an unmanaged rank is an error, an explicit 0 is a real filter.
+    pub(crate) fn loads_for(&self, filter: Option<i64>) -> Result<Vec<RankReport>, String> {
+        let reports = self.rank_reports();
+        let Some(r) = filter else { return Ok(reports) };
+        let range = self.cfg.start_rank as i64..(self.cfg.start_rank + self.cfg.dp_size) as i64;
+        if !range.contains(&r) {
+            return Err(format!(
+                "dp_rank {r} is not managed by this server (ranks {range:?})"
+            ));
+        }
+        if self.cfg.servicer_quirks {
+            return Ok(reports);
+        }
+        Ok(reports
+            .into_iter()
+            .filter(|x| x.global as i64 == r)
+            .collect())
+    }
+
+    /// SGLang's `GET /v1/loads[?dp_rank=N]`.
+    fn http_loads(&self, query: Option<&str>) -> Response<SimBody> {
+        let filter = query
+            .unwrap_or("")
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("dp_rank="))
+            .map(|v| v.parse::<i64>());
+        let filter = match filter.transpose() {
+            Ok(f) => f,
+            Err(_) => {
+                return openai_error(
+                    StatusCode::BAD_REQUEST,
+                    "BadRequestError",
+                    "dp_rank must be an integer",
+                )
+            }
+        };
+        match self.loads_for(filter) {
+            Ok(entries) => {
+                let loads: Vec<Value> = entries
+                    .iter()
+                    .map(|e| {
+                        json!({"dp_rank": e.global, "num_running_reqs": e.running, "num_waiting_reqs": e.waiting,
+                            "num_total_reqs": e.running + e.waiting, "num_used_tokens": e.used_tokens,
+                            "max_total_num_tokens": e.capacity,
+                            // JSON has no NaN: a garbage rank reports an out-of-range usage.
+                            "token_usage": if e.usage.is_finite() { e.usage } else { -1.0 }})
+                    })
+                    .collect();
+                json_response(
+                    StatusCode::OK,
+                    &json!({"timestamp": "1970-01-01T00:00:00Z", "version": "sim",
+                    "dp_rank_count": loads.len(), "loads": loads}),
+                )
+            }
+            Err(msg) => openai_error(StatusCode::BAD_REQUEST, "BadRequestError", &msg),
+        }
+    }
+
     /// `/metrics` in the engine's own format: one series per rank, keyed by `engine` (vLLM) or
     /// `dp_rank` (SGLang), carrying GLOBAL rank ids.
     fn render_metrics(&self) -> String {
-        let knobs = read(&self.knobs).clone();
         let (kv_name, run_name, wait_name, label) = match self.cfg.flavor {
             SimFlavor::Vllm => (
                 "vllm:kv_cache_usage_perc",
@@ -555,31 +679,20 @@ impl Sim {
             ),
         };
         let model = &self.cfg.model;
+        let reports = self.rank_reports();
         let mut o = String::new();
         for (name, kind) in [(kv_name, 0), (run_name, 1), (wait_name, 2)] {
             let _ = writeln!(o, "# HELP {name} simulated\n# TYPE {name} gauge");
-            for (i, rank) in self.ranks.iter().enumerate() {
-                if knobs.dark_ranks.contains(&rank.global) {
-                    continue;
-                }
-                let garbage = self.cfg.garbage_ranks.contains(&rank.global);
-                let c = rank.counts();
-                let value = match (kind, garbage) {
-                    (0, true) => "NaN".to_string(),
-                    (_, true) => "-1".to_string(),
-                    (0, false) => knobs
-                        .kv_usage
-                        .get(i)
-                        .copied()
-                        .unwrap_or_else(|| rank.kv_usage())
-                        .to_string(),
-                    (1, false) => c.running.to_string(),
-                    _ => c.waiting.to_string(),
+            for r in &reports {
+                let value = match kind {
+                    0 => r.usage.to_string(),
+                    1 => r.running.to_string(),
+                    _ => r.waiting.to_string(),
                 };
                 let _ = writeln!(
                     o,
                     "{name}{{{label}=\"{}\",model_name=\"{model}\"}} {value}",
-                    rank.global
+                    r.global
                 );
             }
         }
@@ -587,16 +700,13 @@ impl Sim {
             o.push_str(
                 "# HELP vllm:cache_config_info simulated\n# TYPE vllm:cache_config_info gauge\n",
             );
-            for rank in &self.ranks {
-                if knobs.dark_ranks.contains(&rank.global) {
-                    continue;
-                }
+            for r in &reports {
                 let _ = writeln!(
                     o,
                     "vllm:cache_config_info{{block_size=\"16\",engine=\"{}\",kv_cache_size_tokens=\"{}\",num_gpu_blocks=\"{}\"}} 1.0",
-                    rank.global,
-                    rank.capacity,
-                    rank.capacity / 16
+                    r.global,
+                    r.capacity,
+                    r.capacity / 16
                 );
             }
         }
