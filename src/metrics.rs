@@ -163,10 +163,7 @@ impl Metrics {
         let unavailable = snap
             .ranks
             .iter()
-            .filter(|v| {
-                matches!(v.telemetry, RankTelemetry::Unavailable { .. })
-                    || v.telemetry.fresh(now, table.stale_after).is_none()
-            })
+            .filter(|v| v.telemetry.fresh(now, table.stale_after).is_none())
             .count();
         let _ = writeln!(o, "rankgate_telemetry_unavailable_ranks {unavailable}");
         o.push_str("# HELP rankgate_telemetry_invalid_entries_total Polls in which the rank's load entry was invalid or duplicated.\n# TYPE rankgate_telemetry_invalid_entries_total counter\n");
