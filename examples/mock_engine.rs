@@ -1,7 +1,8 @@
 //! A simulated vLLM or SGLang engine hosting N DP ranks, as a standalone server.
 //!
 //! cargo run --release --example mock_engine -- --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
-//!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0]
+//!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
+//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks]
 
 use std::net::SocketAddr;
 
@@ -27,6 +28,12 @@ enum Numbering {
 struct Args {
     #[arg(long)]
     listen: SocketAddr,
+    /// Also serve GetLoads / GetServerInfo / grpc.health.v1 here (h2c).
+    #[arg(long)]
+    grpc_listen: Option<SocketAddr>,
+    /// Imitate smg-grpc-servicer 0.14.1: ignore the dp_rank filter, report summed capacity.
+    #[arg(long)]
+    servicer_quirks: bool,
     #[arg(long, value_enum)]
     flavor: FlavorArg,
     #[arg(long, default_value_t = 1)]
@@ -88,10 +95,14 @@ async fn main() -> anyhow::Result<()> {
         garbage_ranks: a.garbage_ranks,
         decode_tokens_per_sec: a.decode_rate,
         model: a.model,
+        servicer_quirks: a.servicer_quirks,
         ..SimConfig::default()
     };
     let engine = SimEngine::start(a.listen, cfg).await?;
     eprintln!("mock_engine listening on {}", engine.url());
+    if let Some(g) = a.grpc_listen {
+        eprintln!("mock_engine gRPC on {}", engine.start_grpc(g).await?);
+    }
     tokio::signal::ctrl_c().await?;
     engine.shutdown().await;
     Ok(())

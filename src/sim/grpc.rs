@@ -27,6 +27,9 @@ pub(crate) struct GrpcSim(pub Arc<Sim>);
 impl GrpcSim {
     fn entries(&self, dp_rank: Option<i32>) -> Result<Vec<RankReport>, Status> {
         self.0.telemetry_requests.fetch_add(1, Relaxed);
+        if self.0.native_failing() {
+            return Err(Status::unavailable("loads unavailable"));
+        }
         self.0
             .loads_for(dp_rank.map(i64::from))
             .map_err(Status::invalid_argument)

@@ -129,6 +129,8 @@ struct Knobs {
     kv_usage: Vec<f64>,
     dark_ranks: Vec<u32>,
     metrics_delay: Duration,
+    /// `/v1/loads` answers 500 and `GetLoads` UNAVAILABLE, as if the native endpoints broke.
+    native_failing: bool,
 }
 
 pub(crate) struct Sim {
@@ -168,6 +170,7 @@ impl SimEngine {
                 kv_usage: cfg.kv_usage.clone(),
                 dark_ranks: cfg.dark_ranks.clone(),
                 metrics_delay: Duration::ZERO,
+                native_failing: false,
             }),
             cfg,
             ranks,
@@ -248,6 +251,11 @@ impl SimEngine {
     /// Makes every `/metrics` answer wait this long first, like a saturated engine.
     pub fn set_metrics_delay(&self, d: Duration) {
         write(&self.sim.knobs).metrics_delay = d;
+    }
+
+    /// Breaks (or mends) the native load endpoints; `/metrics` keeps working.
+    pub fn set_native_failing(&self, failing: bool) {
+        write(&self.sim.knobs).native_failing = failing;
     }
 
     pub async fn shutdown(self) {
@@ -334,7 +342,11 @@ impl Sim {
             (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
             (&Method::GET, "/v1/loads") if self.cfg.flavor == SimFlavor::Sglang => {
                 self.telemetry_requests.fetch_add(1, Relaxed);
-                self.http_loads(req.uri().query())
+                if self.native_failing() {
+                    openai_error(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", "loads unavailable")
+                } else {
+                    self.http_loads(req.uri().query())
+                }
             }
             (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings") => {
                 match self.clone().generate(req, path).await {
@@ -566,6 +578,10 @@ impl Sim {
         };
         let v = json!({"id": id, "object": object, "model": self.cfg.model, "choices": [choice]});
         Bytes::from(format!("data: {v}\n\n"))
+    }
+
+    pub(crate) fn native_failing(&self) -> bool {
+        read(&self.knobs).native_failing
     }
 
     /// What each published rank reports right now: dark ranks are left out, garbage ranks

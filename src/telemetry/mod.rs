@@ -158,23 +158,86 @@ fn kind(reason: &str) -> &str {
     &reason[..end]
 }
 
-/// Sets each rank's estimated KV cost of one more request: its own KV per running request when it
-/// has running requests, else the fleet's mean of those, else the configured default. Used to
-/// credit requests the engine has not reported yet.
+/// Sets each rank's estimated KV cost of one more request, used to credit requests the engine has
+/// not reported yet. A rank with running requests uses its own KV per request. Otherwise the cost
+/// is the fleet's typical request size taken relative to THIS rank's capacity where capacities are
+/// known (a rank with half the KV tokens fills twice as fast), else the fleet's mean fraction,
+/// else the configured default.
 fn estimate_kv_per_request(views: &mut [RankView], default: f64) {
-    let per_rank = |v: &RankView| match &v.telemetry {
-        RankTelemetry::Available(l) => match l.running {
-            Some(r) if r > 0 && l.kv_usage > 0.0 => Some((l.kv_usage / r as f64).clamp(1e-4, 1.0)),
-            _ => None,
+    struct Sample {
+        fraction: Option<f64>,
+        tokens: Option<f64>,
+        capacity: Option<f64>,
+    }
+    let sample = |v: &RankView| match &v.telemetry {
+        RankTelemetry::Available(l) => {
+            let capacity = l.capacity_tokens.map(|c| c as f64);
+            let fraction = match l.running {
+                Some(r) if r > 0 && l.kv_usage > 0.0 => Some((l.kv_usage / r as f64).clamp(1e-4, 1.0)),
+                _ => None,
+            };
+            Sample {
+                fraction,
+                tokens: fraction.zip(capacity).map(|(f, c)| f * c),
+                capacity,
+            }
+        }
+        RankTelemetry::Unavailable { .. } => Sample {
+            fraction: None,
+            tokens: None,
+            capacity: None,
         },
-        RankTelemetry::Unavailable { .. } => None,
     };
-    let (sum, n) = views
-        .iter()
-        .filter_map(per_rank)
-        .fold((0.0, 0u32), |(s, n), x| (s + x, n + 1));
-    let fleet = if n > 0 { sum / n as f64 } else { default };
-    for v in views.iter_mut() {
-        v.kv_per_request = per_rank(v).unwrap_or(fleet);
+    let samples: Vec<Sample> = views.iter().map(sample).collect();
+    let mean = |xs: Vec<f64>| (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64);
+    let fleet_fraction = mean(samples.iter().filter_map(|s| s.fraction).collect()).unwrap_or(default);
+    let fleet_tokens = mean(samples.iter().filter_map(|s| s.tokens).collect());
+    let mean_capacity = mean(samples.iter().filter_map(|s| s.capacity).collect());
+    for (v, s) in views.iter_mut().zip(&samples) {
+        v.kv_per_request = match (s.fraction, s.capacity, fleet_tokens, mean_capacity) {
+            (Some(f), ..) => f,
+            (None, Some(c), Some(t), _) => (t / c).clamp(1e-4, 1.0),
+            (None, Some(c), None, Some(m)) => (fleet_fraction * m / c).clamp(1e-4, 1.0),
+            _ => fleet_fraction,
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::table::Load;
+    use tokio::time::Instant;
+
+    fn view(kv: f64, running: u32, capacity: Option<u64>) -> RankView {
+        RankView {
+            telemetry: RankTelemetry::Available(Load {
+                kv_usage: kv,
+                running: Some(running),
+                waiting: Some(0),
+                used_tokens: None,
+                capacity_tokens: capacity,
+                aggregate: false,
+                upstream: None,
+                sampled_at: Instant::now(),
+            }),
+            ..RankView::initial()
+        }
+    }
+
+    #[test]
+    fn credit_is_relative_to_each_ranks_capacity() {
+        // Idle fleet: the default is scaled so the half-size rank fills twice as fast.
+        let mut v = vec![view(0.0, 0, Some(4096)), view(0.0, 0, Some(2048))];
+        estimate_kv_per_request(&mut v, 0.02);
+        assert!((v[0].kv_per_request - 0.015).abs() < 1e-12);
+        assert!((v[1].kv_per_request - 0.03).abs() < 1e-12);
+        // Rank 0 runs 4 requests at 0.1 KV: ~102 tokens each; rank 1 (idle, 1024 tokens) would
+        // take 0.1 per request, rank 2 (no capacity known) the fleet fraction 0.025.
+        let mut v = vec![view(0.1, 4, Some(4096)), view(0.0, 0, Some(1024)), view(0.0, 0, None)];
+        estimate_kv_per_request(&mut v, 0.02);
+        assert!((v[0].kv_per_request - 0.025).abs() < 1e-12);
+        assert!((v[1].kv_per_request - 0.1).abs() < 1e-12);
+        assert!((v[2].kv_per_request - 0.025).abs() < 1e-12);
     }
 }
