@@ -343,7 +343,11 @@ impl Sim {
             (&Method::GET, "/v1/loads") if self.cfg.flavor == SimFlavor::Sglang => {
                 self.telemetry_requests.fetch_add(1, Relaxed);
                 if self.native_failing() {
-                    openai_error(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", "loads unavailable")
+                    openai_error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "InternalServerError",
+                        "loads unavailable",
+                    )
                 } else {
                     self.http_loads(req.uri().query())
                 }

@@ -173,7 +173,9 @@ fn estimate_kv_per_request(views: &mut [RankView], default: f64) {
         RankTelemetry::Available(l) => {
             let capacity = l.capacity_tokens.map(|c| c as f64);
             let fraction = match l.running {
-                Some(r) if r > 0 && l.kv_usage > 0.0 => Some((l.kv_usage / r as f64).clamp(1e-4, 1.0)),
+                Some(r) if r > 0 && l.kv_usage > 0.0 => {
+                    Some((l.kv_usage / r as f64).clamp(1e-4, 1.0))
+                }
                 _ => None,
             };
             Sample {
@@ -190,7 +192,8 @@ fn estimate_kv_per_request(views: &mut [RankView], default: f64) {
     };
     let samples: Vec<Sample> = views.iter().map(sample).collect();
     let mean = |xs: Vec<f64>| (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64);
-    let fleet_fraction = mean(samples.iter().filter_map(|s| s.fraction).collect()).unwrap_or(default);
+    let fleet_fraction =
+        mean(samples.iter().filter_map(|s| s.fraction).collect()).unwrap_or(default);
     let fleet_tokens = mean(samples.iter().filter_map(|s| s.tokens).collect());
     let mean_capacity = mean(samples.iter().filter_map(|s| s.capacity).collect());
     for (v, s) in views.iter_mut().zip(&samples) {
@@ -234,7 +237,11 @@ mod tests {
         assert!((v[1].kv_per_request - 0.03).abs() < 1e-12);
         // Rank 0 runs 4 requests at 0.1 KV: ~102 tokens each; rank 1 (idle, 1024 tokens) would
         // take 0.1 per request, rank 2 (no capacity known) the fleet fraction 0.025.
-        let mut v = vec![view(0.1, 4, Some(4096)), view(0.0, 0, Some(1024)), view(0.0, 0, None)];
+        let mut v = vec![
+            view(0.1, 4, Some(4096)),
+            view(0.0, 0, Some(1024)),
+            view(0.0, 0, None),
+        ];
         estimate_kv_per_request(&mut v, 0.02);
         assert!((v[0].kv_per_request - 0.025).abs() < 1e-12);
         assert!((v[1].kv_per_request - 0.1).abs() < 1e-12);

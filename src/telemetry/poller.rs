@@ -32,7 +32,7 @@ pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
 /// A source, ready to be read.
 enum Source {
-    Grpc(LoadsClient),
+    Grpc(Box<LoadsClient>),
     Http(http::Uri),
     Prometheus(http::Uri),
 }
@@ -95,7 +95,8 @@ impl Poller {
             .iter()
             .map(|s| match s {
                 TelemetrySource::Grpc { authority } => {
-                    LoadsClient::new(engine.flavor, authority, grpc.clone()).map(Source::Grpc)
+                    LoadsClient::new(engine.flavor, authority, grpc.clone())
+                        .map(|c| Source::Grpc(Box::new(c)))
                 }
                 TelemetrySource::Http { url } => uri(url).map(Source::Http),
                 TelemetrySource::Prometheus => {
@@ -231,7 +232,7 @@ impl Poller {
                 Ok(self.project(&report))
             }
             Source::Grpc(client) => {
-                let client = client.clone();
+                let client = (**client).clone();
                 let report = client.get_loads(None).await.map_err(|reason| Failure {
                     // A gRPC status is an answer; a transport error is not.
                     answered: reason.starts_with("GetLoads: ") && !reason.contains("transport"),
