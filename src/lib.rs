@@ -13,7 +13,8 @@
 //! - [`http`]: accept loop, upstream clients, error bodies.
 //! - [`app`]: starts and stops the whole router.
 //! - [`sim`]: the simulated engine used by tests, the demo and benchmarks.
-//! - [`load`]: the load client used by the demo.
+//! - [`load`]: the load client (`examples/loadgen.rs`, scenarios, the demo).
+//! - [`scenario`]: routing-quality scenarios: a simulated fleet, a workload, events, per policy.
 //! - [`demo`]: the self-contained demo behind `rankgate demo`.
 
 pub mod admin;
@@ -26,6 +27,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proto;
 pub mod proxy;
+pub mod scenario;
 pub mod sim;
 pub mod table;
 pub mod telemetry;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use rankgate::config::{Config, Policy};
+use rankgate::config::Config;
 
 /// Exit code for a config error (EX_DATAERR's neighbour EX_USAGE, as sysexits.h numbers it).
 const EXIT_CONFIG: u8 = 64;
@@ -34,12 +34,12 @@ enum Command {
     },
     /// Self-contained demo: simulated engines, the router, a bounded load run per policy.
     Demo {
-        /// Requests per policy.
-        #[arg(long, default_value_t = 400)]
-        requests: usize,
-        /// Mean arrivals per second.
-        #[arg(long, default_value_t = 24.0)]
-        rate: f64,
+        /// Requests per policy (default: the demo scenario's 400).
+        #[arg(long)]
+        requests: Option<usize>,
+        /// Mean arrivals per second (default: the demo scenario's 24).
+        #[arg(long)]
+        rate: Option<f64>,
     },
 }
 
@@ -122,12 +122,9 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
-            let spec = rankgate::demo::DemoSpec {
-                requests,
-                rate,
-                policies: vec![Policy::LeastKv, Policy::RoundRobin],
-            };
-            match rt.block_on(rankgate::demo::run(spec)) {
+            let result = rankgate::demo::scenario(requests, rate)
+                .and_then(|s| rt.block_on(rankgate::demo::run(s)));
+            match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("rankgate demo: {e}");

@@ -59,6 +59,8 @@ pub struct SimConfig {
     pub rank_numbering: RankNumbering,
     /// KV capacity of each rank in tokens.
     pub capacity_tokens: u64,
+    /// Per local rank: a capacity overriding `capacity_tokens` (heterogeneous ranks).
+    pub capacities: Vec<u64>,
     /// Per local rank: capacity taken by background load (0..1), making the rank really busy.
     pub preload: Vec<f64>,
     /// Per local rank: a KV usage to report whatever the real occupancy is.
@@ -87,6 +89,7 @@ impl Default for SimConfig {
             start_rank: 0,
             rank_numbering: RankNumbering::Global,
             capacity_tokens: 4096,
+            capacities: Vec::new(),
             preload: Vec::new(),
             kv_usage: Vec::new(),
             dark_ranks: Vec::new(),
@@ -162,7 +165,12 @@ impl SimEngine {
         let ranks = (0..cfg.dp_size)
             .map(|i| {
                 let preload = cfg.preload.get(i as usize).copied().unwrap_or(0.0);
-                Rank::new(cfg.start_rank + i, cfg.capacity_tokens.max(1), preload)
+                let capacity = cfg
+                    .capacities
+                    .get(i as usize)
+                    .copied()
+                    .unwrap_or(cfg.capacity_tokens);
+                Rank::new(cfg.start_rank + i, capacity.max(1), preload)
             })
             .collect();
         let sim = Arc::new(Sim {

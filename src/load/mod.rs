@@ -1,0 +1,478 @@
+//! The load client: OpenAI chat or completion requests, streaming or not, against a URL.
+//!
+//! Open loop (Poisson arrivals at a rate, plus scheduled bursts, or a trace's own timestamps) or
+//! closed loop (N users, each sending its next request when the last one ends). Per request it
+//! records when it was sent, its status or error kind, time to first token (first SSE event with
+//! a token), the gaps between tokens, end-to-end time, tokens received and the
+//! `x-rankgate-worker` that served it. Every run is bounded by a request count AND a deadline.
+
+pub mod dist;
+pub mod report;
+
+use std::io::{IsTerminal, Write as _};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use rand::{Rng, SeedableRng};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+pub use dist::{Dist, TraceEntry};
+pub use report::{percentile, Report};
+
+/// Which OpenAI endpoint to call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    Chat,
+    Completions,
+}
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arrivals {
+    /// Open loop: Poisson arrivals at this mean rate per second.
+    Poisson(f64),
+    /// Closed loop: this many users, each waiting for its answer before the next request.
+    Closed(usize),
+}
+
+/// Extra requests all sent at one instant (open loop only).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Burst {
+    #[serde(deserialize_with = "de_duration")]
+    pub at: Duration,
+    pub requests: usize,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+}
+
+fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    crate::config::HumanDuration::deserialize(d).map(|h| h.0)
+}
+
+use serde::Deserialize as _;
+
+/// A workload against one target.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Base URL of the target, e.g. `http://127.0.0.1:8080`.
+    pub url: String,
+    pub api: Api,
+    pub stream: bool,
+    pub arrivals: Arrivals,
+    /// At most this many requests (bursts included).
+    pub requests: usize,
+    /// Nothing is sent after this, and requests still running then are cut off.
+    pub duration: Duration,
+    pub prompt_tokens: Dist,
+    pub output_tokens: Dist,
+    /// Replaces the distributions (and, where entries carry `at_ms`, the arrivals).
+    pub trace: Option<Vec<TraceEntry>>,
+    pub bursts: Vec<Burst>,
+    pub model: String,
+    pub progress: bool,
+    pub seed: u64,
+}
+
+impl Workload {
+    pub fn new(url: impl Into<String>) -> Workload {
+        Workload {
+            url: url.into(),
+            api: Api::Chat,
+            stream: true,
+            arrivals: Arrivals::Poisson(10.0),
+            requests: 100,
+            duration: Duration::from_secs(60),
+            prompt_tokens: Dist::Fixed(200),
+            output_tokens: Dist::Fixed(64),
+            trace: None,
+            bursts: Vec::new(),
+            model: "tiny-llama".into(),
+            progress: false,
+            seed: 1,
+        }
+    }
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    Connect,
+    Http4xx,
+    Http5xx,
+    Body,
+    Deadline,
+}
+
+/// One request's result.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// When it was sent, from the start of the run.
+    pub sent: Duration,
+    /// How late it was sent against its schedule (the client's own overhead).
+    pub lag: Duration,
+    pub status: u16,
+    pub error: Option<ErrorKind>,
+    pub ttft: Option<Duration>,
+    /// Gaps between consecutive tokens.
+    pub itl: Vec<Duration>,
+    pub e2e: Duration,
+    pub tokens: u64,
+    pub worker: Option<String>,
+}
+
+/// One planned request.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    at: Option<Duration>,
+    prompt: u64,
+    output: u64,
+}
+
+fn plan(w: &Workload) -> Vec<Planned> {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(w.seed);
+    let mut out: Vec<Planned> = Vec::new();
+    let mut t = Duration::ZERO;
+    let mut next_at = |rng: &mut rand::rngs::SmallRng| match w.arrivals {
+        Arrivals::Poisson(rate) if rate > 0.0 => {
+            // Exponential gaps make the arrivals Poisson.
+            let u: f64 = rng.random_range(f64::EPSILON..1.0);
+            t += Duration::from_secs_f64(-u.ln() / rate);
+            Some(t)
+        }
+        _ => None,
+    };
+    let base = w
+        .requests
+        .saturating_sub(w.bursts.iter().map(|b| b.requests).sum());
+    match &w.trace {
+        Some(trace) => {
+            for e in trace.iter().take(w.requests) {
+                let at = e.at().or_else(|| next_at(&mut rng));
+                out.push(Planned {
+                    at,
+                    prompt: e.prompt_tokens,
+                    output: e.output_tokens,
+                });
+            }
+        }
+        None => {
+            for _ in 0..base {
+                let at = next_at(&mut rng);
+                let prompt = w.prompt_tokens.sample(&mut rng);
+                let output = w.output_tokens.sample(&mut rng);
+                out.push(Planned { at, prompt, output });
+            }
+        }
+    }
+    if matches!(w.arrivals, Arrivals::Poisson(_)) {
+        for b in &w.bursts {
+            out.extend((0..b.requests).map(|_| Planned {
+                at: Some(b.at),
+                prompt: b.prompt_tokens,
+                output: b.output_tokens,
+            }));
+        }
+    }
+    out.retain(|p| p.at.is_none_or(|at| at < w.duration));
+    out.sort_by_key(|p| p.at);
+    out
+}
+
+fn body(w: &Workload, p: &Planned) -> Bytes {
+    // About four characters per token, the simulated engine's (and English text's) ratio.
+    let prompt = "tok ".repeat(p.prompt as usize);
+    let v = match w.api {
+        Api::Chat => serde_json::json!({
+            "model": w.model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": p.output, "stream": w.stream,
+        }),
+        Api::Completions => serde_json::json!({
+            "model": w.model, "prompt": prompt, "max_tokens": p.output, "stream": w.stream,
+        }),
+    };
+    Bytes::from(v.to_string())
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+async fn one(
+    client: HttpClient,
+    uri: http::Uri,
+    body: Bytes,
+    stream: bool,
+    start: Instant,
+) -> Outcome {
+    let mut o = Outcome {
+        sent: Duration::ZERO,
+        lag: Duration::ZERO,
+        status: 0,
+        error: None,
+        ttft: None,
+        itl: Vec::new(),
+        e2e: Duration::ZERO,
+        tokens: 0,
+        worker: None,
+    };
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body));
+    let resp = match req {
+        Ok(r) => client.request(r).await,
+        Err(_) => {
+            o.error = Some(ErrorKind::Connect);
+            return o;
+        }
+    };
+    let resp = match resp {
+        Ok(r) => r,
+        Err(_) => {
+            o.error = Some(ErrorKind::Connect);
+            o.e2e = start.elapsed();
+            return o;
+        }
+    };
+    o.status = resp.status().as_u16();
+    o.worker = resp
+        .headers()
+        .get("x-rankgate-worker")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let mut body = resp.into_body();
+    let mut sse = SseTokens::default();
+    let mut whole = Vec::new();
+    let mut last: Option<Instant> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            o.error = Some(ErrorKind::Body);
+            break;
+        };
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        let now = Instant::now();
+        if stream {
+            for _ in 0..sse.feed(data) {
+                match last {
+                    None => o.ttft = Some(now - start),
+                    Some(prev) => o.itl.push(now - prev),
+                }
+                last = Some(now);
+                o.tokens += 1;
+            }
+        } else {
+            whole.extend_from_slice(data);
+        }
+    }
+    o.e2e = start.elapsed();
+    if !stream {
+        o.ttft = Some(o.e2e);
+        o.tokens = serde_json::from_slice::<serde_json::Value>(&whole)
+            .ok()
+            .and_then(|v| v["usage"]["completion_tokens"].as_u64())
+            .unwrap_or(0);
+    }
+    if o.error.is_none() {
+        o.error = match o.status {
+            200..=299 => None,
+            400..=499 => Some(ErrorKind::Http4xx),
+            _ => Some(ErrorKind::Http5xx),
+        };
+    }
+    o
+}
+
+/// Counts token-bearing SSE events across frame boundaries: an event is complete at a blank
+/// line; `[DONE]` and the final usage-only chunk (`"choices":[]`) carry no token.
+#[derive(Debug, Default)]
+pub struct SseTokens {
+    pending: Vec<u8>,
+}
+
+impl SseTokens {
+    pub fn feed(&mut self, data: &[u8]) -> usize {
+        self.pending.extend_from_slice(data);
+        let mut tokens = 0;
+        while let Some(end) = find(&self.pending, b"\n\n") {
+            let event = &self.pending[..end];
+            if event.starts_with(b"data: ")
+                && !event.starts_with(b"data: [DONE]")
+                && find(event, b"\"choices\":[]").is_none()
+            {
+                tokens += 1;
+            }
+            self.pending.drain(..end + 2);
+        }
+        tokens
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Runs the workload and returns every outcome.
+pub async fn run(w: &Workload) -> Result<Report, String> {
+    let path = match w.api {
+        Api::Chat => "/v1/chat/completions",
+        Api::Completions => "/v1/completions",
+    };
+    let uri: http::Uri = format!("{}{path}", w.url.trim_end_matches('/'))
+        .parse()
+        .map_err(|e| format!("bad url {:?}: {e}", w.url))?;
+    let client: HttpClient = crate::http::client(Duration::from_secs(2));
+    let planned = plan(w);
+    let total = planned.len();
+    let started = Instant::now();
+    let deadline = started + w.duration;
+    let done = Arc::new(AtomicUsize::new(0));
+    let progress = (w.progress && std::io::stderr().is_terminal())
+        .then(|| spawn_progress(done.clone(), total));
+    let mut tasks: JoinSet<Outcome> = JoinSet::new();
+
+    let launch = |tasks: &mut JoinSet<Outcome>, p: &Planned| {
+        let (c, u, d, stream) = (client.clone(), uri.clone(), done.clone(), w.stream);
+        let b = body(w, p);
+        let scheduled = p.at;
+        tasks.spawn(async move {
+            let t0 = Instant::now();
+            let sent = t0 - started;
+            let mut o = match tokio::time::timeout_at(deadline, one(c, u, b, stream, t0)).await {
+                Ok(o) => o,
+                Err(_) => Outcome {
+                    sent,
+                    lag: Duration::ZERO,
+                    status: 0,
+                    error: Some(ErrorKind::Deadline),
+                    ttft: None,
+                    itl: Vec::new(),
+                    e2e: t0.elapsed(),
+                    tokens: 0,
+                    worker: None,
+                },
+            };
+            o.sent = sent;
+            o.lag = scheduled.map_or(Duration::ZERO, |at| sent.saturating_sub(at));
+            d.fetch_add(1, Relaxed);
+            o
+        });
+    };
+
+    let mut outcomes = Vec::with_capacity(total);
+    let mut last_send = Duration::ZERO;
+    match w.arrivals {
+        Arrivals::Closed(users) => {
+            let mut queue = planned.iter();
+            for p in queue.by_ref().take(users.max(1)) {
+                launch(&mut tasks, p);
+            }
+            while let Some(r) = tasks.join_next().await {
+                outcomes.extend(r.ok());
+                if Instant::now() < deadline {
+                    if let Some(p) = queue.next() {
+                        launch(&mut tasks, p);
+                        last_send = started.elapsed();
+                    }
+                }
+            }
+        }
+        Arrivals::Poisson(_) => {
+            for p in &planned {
+                if let Some(at) = p.at {
+                    tokio::time::sleep_until(started + at).await;
+                }
+                launch(&mut tasks, p);
+                last_send = started.elapsed();
+            }
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        outcomes.extend(r.ok());
+    }
+    if let Some(p) = progress {
+        p.abort();
+        eprintln!("\r{}", bar(outcomes.len(), total));
+    }
+    outcomes.sort_by_key(|o| o.sent);
+    let requested_rate = match (w.arrivals, &w.trace) {
+        (Arrivals::Poisson(r), None) => Some(r),
+        _ => None,
+    };
+    Ok(Report {
+        achieved_rate: outcomes.len() as f64 / last_send.as_secs_f64().max(1e-9),
+        requested_rate,
+        elapsed: started.elapsed(),
+        outcomes,
+    })
+}
+
+fn bar(done: usize, total: usize) -> String {
+    const WIDTH: usize = 40;
+    let filled = (done * WIDTH)
+        .checked_div(total)
+        .unwrap_or(WIDTH)
+        .min(WIDTH);
+    format!(
+        "  [{}{}] {done}/{total} requests",
+        "#".repeat(filled),
+        ".".repeat(WIDTH - filled)
+    )
+}
+
+fn spawn_progress(done: Arc<AtomicUsize>, total: usize) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            eprint!("\r{}", bar(done.load(Relaxed), total));
+            let _ = std::io::stderr().flush();
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_tokens_across_frames() {
+        let mut s = SseTokens::default();
+        assert_eq!(s.feed(b"data: {\"choices\":[{\"delta\":{}}]}\n\nda"), 1);
+        assert_eq!(s.feed(b"ta: {\"choices\":[{}]}\n"), 0);
+        assert_eq!(
+            s.feed(b"\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n"),
+            1
+        );
+    }
+
+    #[test]
+    fn plan_is_bounded_and_sorted() {
+        let mut w = Workload::new("http://x");
+        w.requests = 50;
+        w.arrivals = Arrivals::Poisson(100.0);
+        w.bursts = vec![Burst {
+            at: Duration::from_millis(100),
+            requests: 10,
+            prompt_tokens: 2000,
+            output_tokens: 8,
+        }];
+        w.duration = Duration::from_secs(10);
+        let p = plan(&w);
+        assert_eq!(p.len(), 50);
+        assert_eq!(p.iter().filter(|x| x.prompt == 2000).count(), 10);
+        assert!(p.windows(2).all(|x| x[0].at <= x[1].at));
+        w.duration = Duration::from_millis(50);
+        assert!(plan(&w).len() < 50, "nothing planned past the deadline");
+    }
+}

@@ -1,0 +1,212 @@
+//! What a load run measured: percentiles from HdrHistograms, throughput, errors by kind, requests
+//! per worker, and the client's own pacing (achieved vs requested arrival rate, send lag).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde_json::{json, Value};
+
+use super::{ErrorKind, Outcome};
+
+/// All outcomes of a run.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub outcomes: Vec<Outcome>,
+    pub elapsed: Duration,
+    /// Requests sent per second over the sending window.
+    pub achieved_rate: f64,
+    /// The open-loop rate asked for, if any.
+    pub requested_rate: Option<f64>,
+}
+
+/// Percentile (0..=100) of a sorted slice, nearest-rank.
+pub fn percentile(sorted: &[Duration], p: f64) -> Option<Duration> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+/// p50 / p90 / p99 / p99.9 / max in milliseconds, from an HdrHistogram of microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Percentiles {
+    pub count: u64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+}
+
+impl Percentiles {
+    pub fn of(values: impl Iterator<Item = Duration>) -> Percentiles {
+        // 3 significant figures over 1 µs .. 1 h: about 0.1% error, fixed memory.
+        let Ok(mut h) = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3) else {
+            return Percentiles::default();
+        };
+        for v in values {
+            h.saturating_record((v.as_micros() as u64).max(1));
+        }
+        if h.is_empty() {
+            return Percentiles::default();
+        }
+        let ms = |us: u64| us as f64 / 1000.0;
+        Percentiles {
+            count: h.len(),
+            p50: ms(h.value_at_quantile(0.50)),
+            p90: ms(h.value_at_quantile(0.90)),
+            p99: ms(h.value_at_quantile(0.99)),
+            p999: ms(h.value_at_quantile(0.999)),
+            max: ms(h.max()),
+        }
+    }
+}
+
+impl Report {
+    pub fn ok(&self) -> impl Iterator<Item = &Outcome> {
+        self.outcomes.iter().filter(|o| o.error.is_none())
+    }
+
+    pub fn errors(&self) -> usize {
+        self.outcomes.len() - self.ok().count()
+    }
+
+    pub fn errors_by_kind(&self) -> BTreeMap<ErrorKind, usize> {
+        let mut m = BTreeMap::new();
+        for e in self.outcomes.iter().filter_map(|o| o.error) {
+            *m.entry(e).or_default() += 1;
+        }
+        m
+    }
+
+    /// Sorted TTFTs (or end-to-end times) of successful requests, optionally for one worker.
+    pub fn sorted(&self, worker: Option<&str>, ttft: bool) -> Vec<Duration> {
+        let mut v: Vec<Duration> = self
+            .ok()
+            .filter(|o| worker.is_none() || o.worker.as_deref() == worker)
+            .filter_map(|o| if ttft { o.ttft } else { Some(o.e2e) })
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Successful requests per worker.
+    pub fn per_worker(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for o in self.ok() {
+            *m.entry(o.worker.clone().unwrap_or_else(|| "-".into()))
+                .or_default() += 1;
+        }
+        m
+    }
+
+    pub fn ttft(&self) -> Percentiles {
+        Percentiles::of(self.ok().filter_map(|o| o.ttft))
+    }
+
+    pub fn e2e(&self) -> Percentiles {
+        Percentiles::of(self.ok().map(|o| o.e2e))
+    }
+
+    pub fn itl(&self) -> Percentiles {
+        Percentiles::of(self.ok().flat_map(|o| o.itl.iter().copied()))
+    }
+
+    pub fn lag(&self) -> Percentiles {
+        Percentiles::of(self.outcomes.iter().map(|o| o.lag))
+    }
+
+    pub fn requests_per_sec(&self) -> f64 {
+        self.ok().count() as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    pub fn tokens_per_sec(&self) -> f64 {
+        self.ok().map(|o| o.tokens).sum::<u64>() as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// The full report as JSON.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "requests": self.outcomes.len(),
+            "ok": self.ok().count(),
+            "errors": self.errors_by_kind(),
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "requested_rate": self.requested_rate,
+            "achieved_rate": self.achieved_rate,
+            "send_lag_ms": self.lag(),
+            "requests_per_s": self.requests_per_sec(),
+            "tokens_per_s": self.tokens_per_sec(),
+            "ttft_ms": self.ttft(),
+            "itl_ms": self.itl(),
+            "e2e_ms": self.e2e(),
+            "per_worker": self.per_worker(),
+        })
+    }
+
+    /// A human table.
+    pub fn table(&self) -> String {
+        let mut o = String::new();
+        let rate = match self.requested_rate {
+            Some(r) => format!("{:.2}/s achieved of {r:.2}/s requested", self.achieved_rate),
+            None => format!("{:.2}/s achieved", self.achieved_rate),
+        };
+        let lag = self.lag();
+        let _ = writeln!(
+            o,
+            "{} requests, {} ok, {} errors {:?} in {:.1} s; arrivals {rate}; send lag p99 {:.2} ms",
+            self.outcomes.len(),
+            self.ok().count(),
+            self.errors(),
+            self.errors_by_kind(),
+            self.elapsed.as_secs_f64(),
+            lag.p99
+        );
+        let _ = writeln!(
+            o,
+            "throughput {:.2} req/s, {:.1} tokens/s",
+            self.requests_per_sec(),
+            self.tokens_per_sec()
+        );
+        let _ = writeln!(
+            o,
+            "{:<10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "ms", "p50", "p90", "p99", "p99.9", "max"
+        );
+        for (name, p) in [
+            ("TTFT", self.ttft()),
+            ("ITL", self.itl()),
+            ("E2E", self.e2e()),
+        ] {
+            let _ = writeln!(
+                o,
+                "{name:<10} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+                p.p50, p.p90, p.p99, p.p999, p.max
+            );
+        }
+        for (w, n) in self.per_worker() {
+            let _ = writeln!(o, "  {w:<40} {n:>6} requests");
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&v, 50.0), Some(Duration::from_millis(50)));
+        assert_eq!(percentile(&v, 99.0), Some(Duration::from_millis(99)));
+        assert_eq!(percentile(&[], 50.0), None);
+        let p = Percentiles::of(v.iter().copied());
+        assert_eq!(p.count, 100);
+        assert!(
+            (p.p50 - 50.0).abs() < 0.1 && (p.p99 - 99.0).abs() < 0.1 && (p.max - 100.0).abs() < 0.1
+        );
+    }
+}

@@ -1,0 +1,172 @@
+//! Scenario results as text (a comparison table and per-rank tables, in Markdown so the doc can
+//! take them as they are), as JSON, and as an SVG chart of per-rank KV usage over time.
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+
+use super::{PolicyRun, Scenario};
+use crate::load::percentile;
+
+fn ms(d: Option<std::time::Duration>) -> String {
+    d.map_or("-".into(), |d| format!("{:.0}", d.as_secs_f64() * 1000.0))
+}
+
+/// The comparison table and one per-rank table per policy.
+pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | arrivals achieved / requested | sent to dark ranks |");
+    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|");
+    for r in runs {
+        let (t, e) = (r.report.ttft(), r.report.e2e());
+        let dark: usize = r.ranks.iter().map(|x| x.sent_while_dark).sum();
+        let early: usize = r.ranks.iter().map(|x| x.sent_before_detection).sum();
+        let requested = r
+            .report
+            .requested_rate
+            .map_or("-".into(), |x| format!("{x:.1}"));
+        let _ = writeln!(
+            o,
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {:.1} / {requested} | {dark} (+{early} before the next poll) |",
+            r.policy.as_str(),
+            t.p50,
+            t.p99,
+            e.p50,
+            e.p99,
+            r.report.requests_per_sec(),
+            r.report.tokens_per_sec(),
+            r.report.errors(),
+            r.report.achieved_rate,
+        );
+    }
+    for r in runs {
+        let total = r.report.ok().count().max(1);
+        let _ = writeln!(o, "\n`{}` per rank ({}):\n", r.policy.as_str(), s.name);
+        let _ = writeln!(o, "| rank | served | share | peak KV | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
+        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|");
+        for x in &r.ranks {
+            let ttft = r.report.sorted(Some(&x.id), true);
+            let e2e = r.report.sorted(Some(&x.id), false);
+            let _ = writeln!(
+                o,
+                "| @{} | {} | {:.0}% | {:.0}% | {} | {} | {} | {} |",
+                x.rank,
+                x.served,
+                100.0 * x.served as f64 / total as f64,
+                100.0 * x.peak_kv,
+                ms(percentile(&ttft, 50.0)),
+                ms(percentile(&ttft, 99.0)),
+                ms(percentile(&e2e, 50.0)),
+                ms(percentile(&e2e, 99.0)),
+            );
+        }
+    }
+    o
+}
+
+/// The whole result as JSON: each policy's full load report plus per-rank results.
+pub fn to_json(s: &Scenario, runs: &[PolicyRun]) -> Value {
+    json!({
+        "scenario": s.name,
+        "description": s.description,
+        "policies": runs.iter().map(|r| json!({
+            "policy": r.policy.as_str(),
+            "report": r.report.to_json(),
+            "ranks": r.ranks,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+];
+
+/// Per-rank KV usage over time, one panel per policy, stacked.
+pub fn svg(s: &Scenario, runs: &[PolicyRun]) -> String {
+    let (w, ph, left, top, gap) = (760.0, 180.0, 50.0, 30.0, 50.0);
+    let plot_w = w - left - 150.0;
+    let height = top + runs.len() as f64 * (ph + gap);
+    let t_max = runs
+        .iter()
+        .filter_map(|r| r.kv_series.last().map(|(t, _)| *t))
+        .fold(1.0, f64::max);
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{height}" font-family="sans-serif" font-size="11">"#
+    );
+    let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        o,
+        r#"<text x="{left}" y="18" font-size="13">{}: KV usage per rank over time</text>"#,
+        escape(&s.name)
+    );
+    for (p, run) in runs.iter().enumerate() {
+        let y0 = top + p as f64 * (ph + gap);
+        let _ = writeln!(
+            o,
+            r##"<rect x="{left}" y="{y0}" width="{plot_w}" height="{ph}" fill="none" stroke="#888"/>"##
+        );
+        let _ = writeln!(
+            o,
+            r#"<text x="{left}" y="{}" font-size="12">{}</text>"#,
+            y0 - 4.0,
+            run.policy.as_str()
+        );
+        for pct in [0, 50, 100] {
+            let y = y0 + ph - ph * pct as f64 / 100.0;
+            let _ = writeln!(
+                o,
+                r##"<text x="{}" y="{}" text-anchor="end">{pct}%</text><line x1="{left}" x2="{}" y1="{y}" y2="{y}" stroke="#eee"/>"##,
+                left - 4.0,
+                y + 4.0,
+                left + plot_w
+            );
+        }
+        let _ = writeln!(
+            o,
+            r#"<text x="{}" y="{}" text-anchor="end">{:.0} s</text>"#,
+            left + plot_w,
+            y0 + ph + 14.0,
+            t_max
+        );
+        for (i, rank) in run.ranks.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let points: Vec<String> = run
+                .kv_series
+                .iter()
+                .map(|(t, kv)| {
+                    format!(
+                        "{:.1},{:.1}",
+                        left + plot_w * t / t_max,
+                        y0 + ph - ph * kv.get(i).copied().unwrap_or(0.0)
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                o,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/>"#,
+                points.join(" ")
+            );
+            let ly = y0 + 14.0 + 16.0 * i as f64;
+            let _ = writeln!(
+                o,
+                r#"<rect x="{}" y="{}" width="10" height="10" fill="{color}"/><text x="{}" y="{}">@{} ({} req)</text>"#,
+                left + plot_w + 10.0,
+                ly - 9.0,
+                left + plot_w + 24.0,
+                ly,
+                rank.rank,
+                rank.served
+            );
+        }
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
