@@ -409,9 +409,14 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
         (Arrivals::Poisson(r), None) => Some(r),
         _ => None,
     };
+    let scheduled_rate = planned
+        .last()
+        .and_then(|p| p.at)
+        .map(|last| total as f64 / last.as_secs_f64().max(1e-9));
     Ok(Report {
         achieved_rate: outcomes.len() as f64 / last_send.as_secs_f64().max(1e-9),
         requested_rate,
+        scheduled_rate,
         elapsed: started.elapsed(),
         outcomes,
     })

@@ -15,19 +15,17 @@ fn ms(d: Option<std::time::Duration>) -> String {
 /// The comparison table and one per-rank table per policy.
 pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | arrivals achieved / requested | sent to dark ranks |");
+    let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | arrivals/s achieved / scheduled / requested | sent to dark ranks |");
     let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|");
     for r in runs {
         let (t, e) = (r.report.ttft(), r.report.e2e());
         let dark: usize = r.ranks.iter().map(|x| x.sent_while_dark).sum();
         let early: usize = r.ranks.iter().map(|x| x.sent_before_detection).sum();
-        let requested = r
-            .report
-            .requested_rate
-            .map_or("-".into(), |x| format!("{x:.1}"));
+        let f = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.1}"));
+        let (requested, scheduled) = (f(r.report.requested_rate), f(r.report.scheduled_rate));
         let _ = writeln!(
             o,
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {:.1} / {requested} | {dark} (+{early} before the next poll) |",
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {:.1} / {scheduled} / {requested} | {dark} (+{early} before the next poll) |",
             r.policy.as_str(),
             t.p50,
             t.p99,
@@ -83,7 +81,7 @@ const COLORS: [&str; 8] = [
 
 /// Per-rank KV usage over time, one panel per policy, stacked.
 pub fn svg(s: &Scenario, runs: &[PolicyRun]) -> String {
-    let (w, ph, left, top, gap) = (760.0, 180.0, 50.0, 30.0, 50.0);
+    let (w, ph, left, top, gap) = (760.0, 180.0, 50.0, 46.0, 50.0);
     let plot_w = w - left - 150.0;
     let height = top + runs.len() as f64 * (ph + gap);
     let t_max = runs
