@@ -137,59 +137,53 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
     Some(load.kv_usage + (queued + unreported) as f64 * view.kv_per_request)
 }
 
-/// Lowest score among ranks with fresh telemetry, ties broken uniformly at random (reservoir of
-/// the tied). Returns the worker and whether an unavailable rank was passed over.
+/// Lowest score among ranks with fresh telemetry, ties broken at random. Returns the worker and
+/// whether an unavailable rank was passed over.
 fn least_kv(
     table: &Table,
     snap: &Snapshot,
     now: Instant,
     rng: &mut impl Rng,
 ) -> Option<(usize, bool)> {
-    const TIE: f64 = 1e-9;
-    let mut best: Option<(usize, f64)> = None;
-    let mut ties = 0u32;
     let mut skipped = false;
-    for w in 0..snap.ranks.len() {
-        let Some(s) = score(table, snap, w, now) else {
-            skipped = true;
-            continue;
-        };
-        match best {
-            Some((_, b)) if s > b + TIE => {}
-            Some((_, b)) if s >= b - TIE => {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    best = Some((w, b));
-                }
-            }
-            _ => {
-                best = Some((w, s));
-                ties = 1;
-            }
-        }
-    }
-    best.map(|(w, _)| (w, skipped))
+    let scored = (0..snap.ranks.len()).filter_map(|w| {
+        let s = score(table, snap, w, now);
+        skipped |= s.is_none();
+        s.map(|s| (w, s))
+    });
+    // Scores are sums of floats: within 1e-9 they are the same load.
+    let best = min_with_random_ties(scored, 1e-9, rng);
+    best.map(|w| (w, skipped))
 }
 
 /// Fewest requests in flight among reachable ranks, ties at random.
 fn least_in_flight(table: &Table, snap: &Snapshot, rng: &mut impl Rng) -> Option<usize> {
-    let mut best: Option<(usize, u64)> = None;
+    let counts = (0..snap.ranks.len())
+        .filter(|&w| snap.ranks[w].reachable)
+        .map(|w| (w, table.live[w].in_flight() as f64));
+    min_with_random_ties(counts, 0.0, rng)
+}
+
+/// The candidate with the lowest key; keys within `tie` of the lowest share the pick uniformly at
+/// random (reservoir sampling over the tied, so one pass and no allocation).
+fn min_with_random_ties(
+    cands: impl Iterator<Item = (usize, f64)>,
+    tie: f64,
+    rng: &mut impl Rng,
+) -> Option<usize> {
+    let mut best: Option<(usize, f64)> = None;
     let mut ties = 0u32;
-    for (w, view) in snap.ranks.iter().enumerate() {
-        if !view.reachable {
-            continue;
-        }
-        let f = table.live[w].in_flight();
+    for (w, key) in cands {
         match best {
-            Some((_, b)) if f > b => {}
-            Some((_, b)) if f == b => {
+            Some((_, b)) if key > b + tie => {}
+            Some((_, b)) if key >= b - tie => {
                 ties += 1;
                 if rng.random_range(0..ties) == 0 {
                     best = Some((w, b));
                 }
             }
             _ => {
-                best = Some((w, f));
+                best = Some((w, key));
                 ties = 1;
             }
         }

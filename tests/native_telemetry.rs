@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use rankgate::app::Router;
 use rankgate::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
 use rankgate::telemetry::grpc::{transport, LoadsClient};
 use rankgate::worker;
@@ -22,6 +23,22 @@ async fn grpc_engine(cfg: SimConfig) -> (SimEngine, String) {
     (e, g.to_string())
 }
 
+/// A gRPC-serving engine and a router reading it through GetLoads only.
+async fn grpc_fleet(
+    cfg: SimConfig,
+    flavor: &str,
+    dp_size: u32,
+    start_rank: u32,
+) -> (SimEngine, Router) {
+    let (e, g) = grpc_engine(cfg).await;
+    let table = with_sources(
+        engine_toml(&e.url(), flavor, dp_size, start_rank),
+        &[&format!("grpc://{g}")],
+    );
+    let r = router(FAST, &[table]).await;
+    (e, r)
+}
+
 fn with_sources(table: String, sources: &[&str]) -> String {
     let list: Vec<String> = sources.iter().map(|s| format!("\"{s}\"")).collect();
     format!("{table}telemetry = [{}]\n", list.join(", "))
@@ -33,17 +50,14 @@ fn reason(row: &Value) -> &str {
 
 #[tokio::test]
 async fn grpc_loads_project_onto_global_ranks() {
-    let (e, g) = grpc_engine(SimConfig {
-        kv_usage: vec![0.7, 0.2],
-        ..sim(Flavor::Vllm, 2, 4)
-    })
-    .await;
-    let r = router(
-        FAST,
-        &[with_sources(
-            engine_toml(&e.url(), "vllm", 2, 4),
-            &[&format!("grpc://{g}")],
-        )],
+    let (e, r) = grpc_fleet(
+        SimConfig {
+            kv_usage: vec![0.7, 0.2],
+            ..sim(Flavor::Vllm, 2, 4)
+        },
+        "vllm",
+        2,
+        4,
     )
     .await;
     let rows = wait_state(&r, &[0, 1], "available").await;
@@ -63,18 +77,15 @@ async fn grpc_loads_project_onto_global_ranks() {
 
 #[tokio::test]
 async fn rank_missing_from_getloads_is_unavailable_and_gets_no_traffic() {
-    let (e, g) = grpc_engine(SimConfig {
-        kv_usage: vec![0.0, 0.5],
-        dark_ranks: vec![4],
-        ..sim(Flavor::Vllm, 2, 4)
-    })
-    .await;
-    let r = router(
-        FAST,
-        &[with_sources(
-            engine_toml(&e.url(), "vllm", 2, 4),
-            &[&format!("grpc://{g}")],
-        )],
+    let (e, r) = grpc_fleet(
+        SimConfig {
+            kv_usage: vec![0.0, 0.5],
+            dark_ranks: vec![4],
+            ..sim(Flavor::Vllm, 2, 4)
+        },
+        "vllm",
+        2,
+        4,
     )
     .await;
     let rows = wait_state(&r, &[1], "available").await;
@@ -89,17 +100,14 @@ async fn rank_missing_from_getloads_is_unavailable_and_gets_no_traffic() {
 
 #[tokio::test]
 async fn invalid_values_make_only_that_rank_unavailable() {
-    let (e, g) = grpc_engine(SimConfig {
-        garbage_ranks: vec![1],
-        ..sim(Flavor::Sglang, 3, 0)
-    })
-    .await;
-    let r = router(
-        FAST,
-        &[with_sources(
-            engine_toml(&e.url(), "sglang", 3, 0),
-            &[&format!("grpc://{g}")],
-        )],
+    let (e, r) = grpc_fleet(
+        SimConfig {
+            garbage_ranks: vec![1],
+            ..sim(Flavor::Sglang, 3, 0)
+        },
+        "sglang",
+        3,
+        0,
     )
     .await;
     let rows = wait_state(&r, &[0, 2], "available").await;
@@ -160,18 +168,15 @@ async fn dp_rank_filter_zero_is_sent_and_answered_as_a_filter() {
 
 #[tokio::test]
 async fn real_servicer_quirks_summed_capacity_is_split() {
-    let (e, g) = grpc_engine(SimConfig {
-        kv_usage: vec![0.25, 0.5],
-        servicer_quirks: true,
-        ..sim(Flavor::Vllm, 2, 0)
-    })
-    .await;
-    let r = router(
-        FAST,
-        &[with_sources(
-            engine_toml(&e.url(), "vllm", 2, 0),
-            &[&format!("grpc://{g}")],
-        )],
+    let (_e, r) = grpc_fleet(
+        SimConfig {
+            kv_usage: vec![0.25, 0.5],
+            servicer_quirks: true,
+            ..sim(Flavor::Vllm, 2, 0)
+        },
+        "vllm",
+        2,
+        0,
     )
     .await;
     let rows = wait_state(&r, &[0, 1], "available").await;

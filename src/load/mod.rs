@@ -20,6 +20,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use rand::{Rng, SeedableRng};
+use serde::Deserialize as _;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -57,8 +58,6 @@ pub struct Burst {
 fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     crate::config::HumanDuration::deserialize(d).map(|h| h.0)
 }
-
-use serde::Deserialize as _;
 
 /// A workload against one target.
 #[derive(Debug, Clone)]

@@ -208,10 +208,10 @@ pub struct RankResult {
     pub rank: u32,
     pub served: usize,
     pub peak_kv: f64,
-    /// Requests sent to the rank while its telemetry was dark, counted from one poll interval
-    /// after it went dark (before then no poll could have seen it).
+    /// Requests sent to the rank while its telemetry was dark, counted from two poll intervals
+    /// after it went dark: before then the poll that could see it may not have come back yet.
     pub sent_while_dark: usize,
-    /// Requests sent in that first interval.
+    /// Requests sent in those first two intervals.
     pub sent_before_detection: usize,
 }
 
@@ -362,8 +362,8 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
             RankResult {
                 served: per.get(&id).copied().unwrap_or(0),
                 peak_kv: kv_series.iter().map(|(_, kv)| kv[i]).fold(0.0, f64::max),
-                sent_while_dark: in_windows(s.router.interval.0, true),
-                sent_before_detection: in_windows(s.router.interval.0, false),
+                sent_while_dark: in_windows(2 * s.router.interval.0, true),
+                sent_before_detection: in_windows(2 * s.router.interval.0, false),
                 id,
                 rank,
             }

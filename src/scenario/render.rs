@@ -25,7 +25,7 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
         let (requested, scheduled) = (f(r.report.requested_rate), f(r.report.scheduled_rate));
         let _ = writeln!(
             o,
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {:.1} / {scheduled} / {requested} | {dark} (+{early} before the next poll) |",
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {:.1} / {scheduled} / {requested} | {dark} (+{early} in the first 2 polls) |",
             r.policy.as_str(),
             t.p50,
             t.p99,

@@ -1,0 +1,127 @@
+//! The load client and the scenario runner, over real sockets against simulated engines.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use rankgate::config::Policy;
+use rankgate::load::{self, Api, Arrivals, Dist, ErrorKind, TraceEntry, Workload};
+use rankgate::scenario::{self, Scenario};
+use rankgate::sim::SimFlavor;
+
+#[tokio::test]
+async fn closed_loop_streaming_measures_every_token() {
+    let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
+    let mut w = Workload::new(e.url());
+    w.arrivals = Arrivals::Closed(4);
+    w.requests = 20;
+    w.output_tokens = Dist::Fixed(8);
+    w.duration = Duration::from_secs(30);
+    let r = load::run(&w).await.unwrap();
+    assert_eq!(r.outcomes.len(), 20);
+    assert_eq!(r.ok().count(), 20);
+    assert!(r
+        .outcomes
+        .iter()
+        .all(|o| o.tokens == 8 && o.itl.len() == 7 && o.ttft.is_some()));
+    assert_eq!(r.itl().count, 20 * 7);
+    assert!(r.ttft().p50 > 0.0 && r.e2e().p99 >= r.ttft().p99);
+    assert!(r.tokens_per_sec() > 0.0);
+    assert_eq!(e.served().iter().sum::<u64>(), 20);
+    let json = r.to_json();
+    assert_eq!(json["ok"], 20);
+    assert!(json["ttft_ms"]["p999"].as_f64().is_some());
+}
+
+#[tokio::test]
+async fn open_loop_trace_completions_and_error_kinds() {
+    let e = engine(sim(SimFlavor::Sglang, 1, 0)).await;
+    let mut w = Workload::new(e.url());
+    w.api = Api::Completions;
+    w.stream = false;
+    w.arrivals = Arrivals::Poisson(50.0);
+    w.trace = Some(
+        (0..6)
+            .map(|i| TraceEntry {
+                prompt_tokens: 10,
+                output_tokens: 3 + i,
+                at_ms: Some(i * 20),
+            })
+            .collect(),
+    );
+    let r = load::run(&w).await.unwrap();
+    assert_eq!(r.ok().count(), 6);
+    let tokens: Vec<u64> = r.outcomes.iter().map(|o| o.tokens).collect();
+    assert_eq!(
+        tokens,
+        [3, 4, 5, 6, 7, 8],
+        "completion_tokens read from the usage block"
+    );
+    // Traces carry their own timestamps: the report does not claim a Poisson rate.
+    assert_eq!(r.requested_rate, None);
+
+    let port = tokio::net::TcpListener::bind(loopback())
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut dead = Workload::new(format!("http://127.0.0.1:{port}"));
+    dead.requests = 3;
+    dead.arrivals = Arrivals::Closed(1);
+    let r = load::run(&dead).await.unwrap();
+    assert_eq!(r.errors_by_kind().get(&ErrorKind::Connect), Some(&3));
+}
+
+const DARK: &str = r#"
+name = "dark window"
+policies = ["least_kv"]
+[router]
+interval = "50ms"
+stale_after = "1s"
+[[engines]]
+flavor = "vllm"
+dp_size = 2
+[workload]
+rate = 30
+requests = 150
+duration = "15s"
+prompt_tokens = 100
+output_tokens = 8
+[[events]]
+at = "1500ms"
+dark = [1]
+[[events]]
+at = "3s"
+dark = []
+"#;
+
+#[tokio::test]
+async fn scenario_counts_requests_sent_while_dark() {
+    let s = Scenario::parse(DARK, None).unwrap();
+    let runs = scenario::run(&s, None, false).await.unwrap();
+    let run = &runs[0];
+    assert_eq!(run.policy, Policy::LeastKv);
+    assert_eq!(run.report.ok().count(), 150);
+    let rank1 = &run.ranks[1];
+    assert_eq!(
+        rank1.sent_while_dark, 0,
+        "least_kv sent to a rank it had no telemetry for"
+    );
+    // The rank served before going dark and after coming back.
+    let id = &rank1.id;
+    let served = |from: f64, to: f64| {
+        run.report
+            .ok()
+            .filter(|o| o.worker.as_deref() == Some(id.as_str()))
+            .filter(|o| o.sent.as_secs_f64() >= from && o.sent.as_secs_f64() < to)
+            .count()
+    };
+    assert!(served(0.0, 1.5) > 0 && served(3.2, 15.0) > 0);
+    assert!(!run.kv_series.is_empty() && run.kv_series[0].1.len() == 2);
+    let md = scenario::render::markdown(&s, &runs);
+    assert!(md.contains("| least_kv |"));
+    let svg = scenario::render::svg(&s, &runs);
+    assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
+}
