@@ -6,7 +6,6 @@
 //! per-rank KV keeps traffic off rank 0 and never sends anything to the rank it knows nothing
 //! about; a round-robin router gives each rank a quarter of the traffic.
 
-use crate::load::percentile;
 use crate::scenario::{self, render, Scenario};
 
 const DEMO: &str = include_str!("../configs/scenarios/demo.toml");
@@ -34,17 +33,13 @@ pub async fn run(s: Scenario) -> Result<(), String> {
     println!("\n{}", render::markdown(&s, &runs));
     println!("(times in ms; TTFT = first streamed token; rank @0 starts 85% full, rank @3 publishes no telemetry)");
     if let [a, b, ..] = runs.as_slice() {
-        let p99 = |r: &scenario::PolicyRun| percentile(&r.report.sorted(None, true), 99.0);
-        if let (Some(x), Some(y)) = (p99(a), p99(b)) {
-            println!(
-                "TTFT p99: {} {:.0} ms vs {} {:.0} ms ({:.1}x)",
-                a.policy.as_str(),
-                x.as_secs_f64() * 1000.0,
-                b.policy.as_str(),
-                y.as_secs_f64() * 1000.0,
-                y.as_secs_f64() / x.as_secs_f64().max(1e-9)
-            );
-        }
+        let (x, y) = (a.report.ttft().p99, b.report.ttft().p99);
+        println!(
+            "TTFT p99: {} {x:.0} ms vs {} {y:.0} ms ({:.1}x)",
+            a.policy.as_str(),
+            b.policy.as_str(),
+            y / x.max(1e-9)
+        );
     }
     Ok(())
 }
