@@ -384,3 +384,40 @@ async fn engines_are_polled_once_per_interval_not_per_rank() {
     );
     assert!(polls >= 1);
 }
+
+#[tokio::test]
+async fn client_disconnect_mid_stream_aborts_engine_work() {
+    let e = engine(SimConfig {
+        decode_tokens_per_sec: 20.0,
+        ..sim(Flavor::Vllm, 1, 0)
+    })
+    .await;
+    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
+    wait_state(&r, &[0], "available").await;
+    let resp = client()
+        .request(
+            post(r.addr, "/v1/chat/completions")
+                .body(Full::new(Bytes::from(chat_body(200, true))))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    assert_eq!(e.running(), [1]);
+    assert_eq!(workers(&r).await[0]["in_flight"], 1);
+    // The client goes away after one token of 200: the router closes the upstream stream, the
+    // engine stops decoding and frees the KV, and the rank no longer counts the request.
+    drop(body);
+    let rows = wait_workers(&r, Duration::from_secs(5), |rows| rows[0]["in_flight"] == 0).await;
+    assert_eq!(rows[0]["in_flight"], 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while e.running() != [0] {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "engine still decoding for a gone client"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(e.kv_usage(), [0.0]);
+}
