@@ -284,8 +284,8 @@ async fn local_rank_numbering_pins_node_local_index() {
     assert_eq!(e.served(), [0, 1]);
 }
 
-#[tokio::test]
-async fn first_sse_chunk_arrives_before_the_engine_finishes() {
+/// One rank decoding at 20 tokens/s behind a router, ready.
+async fn slow_fleet() -> (rankgate::sim::SimEngine, rankgate::app::Router) {
     let e = engine(SimConfig {
         decode_tokens_per_sec: 20.0,
         ..sim(Flavor::Vllm, 1, 0)
@@ -293,14 +293,13 @@ async fn first_sse_chunk_arrives_before_the_engine_finishes() {
     .await;
     let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
     wait_state(&r, &[0], "available").await;
-    let resp = client()
-        .request(
-            post(r.addr, "/v1/chat/completions")
-                .body(Full::new(Bytes::from(chat_body(40, true))))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    (e, r)
+}
+
+#[tokio::test]
+async fn first_sse_chunk_arrives_before_the_engine_finishes() {
+    let (e, r) = slow_fleet().await;
+    let resp = stream_chat(r.addr, 40).await;
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
     let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
@@ -334,14 +333,7 @@ async fn burst_between_two_polls_spreads_over_ranks() {
     for _ in 0..32 {
         let addr = r.addr;
         tasks.push(tokio::spawn(async move {
-            let resp = client()
-                .request(
-                    post(addr, "/v1/chat/completions")
-                        .body(Full::new(Bytes::from(chat_body(20, true))))
-                        .unwrap(),
-                )
-                .await
-                .unwrap();
+            let resp = stream_chat(addr, 20).await;
             let worker = resp.headers()["x-rankgate-worker"]
                 .to_str()
                 .unwrap()
@@ -387,21 +379,8 @@ async fn engines_are_polled_once_per_interval_not_per_rank() {
 
 #[tokio::test]
 async fn client_disconnect_mid_stream_aborts_engine_work() {
-    let e = engine(SimConfig {
-        decode_tokens_per_sec: 20.0,
-        ..sim(Flavor::Vllm, 1, 0)
-    })
-    .await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
-    wait_state(&r, &[0], "available").await;
-    let resp = client()
-        .request(
-            post(r.addr, "/v1/chat/completions")
-                .body(Full::new(Bytes::from(chat_body(200, true))))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let (e, r) = slow_fleet().await;
+    let resp = stream_chat(r.addr, 200).await;
     let mut body = resp.into_body();
     body.frame().await.unwrap().unwrap();
     assert_eq!(e.running(), [1]);

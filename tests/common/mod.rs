@@ -111,6 +111,18 @@ pub async fn chat(addr: SocketAddr, max_tokens: u64) -> Reply {
     .await
 }
 
+/// Opens a streaming chat completion and returns the response once its headers arrive.
+pub async fn stream_chat(
+    addr: SocketAddr,
+    max_tokens: u64,
+) -> http::Response<hyper::body::Incoming> {
+    let body = Full::new(Bytes::from(chat_body(max_tokens, true)));
+    client()
+        .request(post(addr, "/v1/chat/completions").body(body).unwrap())
+        .await
+        .expect("streaming request")
+}
+
 /// `/workers` from the admin listener.
 pub async fn workers(router: &Router) -> Vec<Value> {
     match get(router.admin_addr, "/workers").await.json() {
