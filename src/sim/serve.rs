@@ -1,0 +1,330 @@
+//! The simulated engine's OpenAI API: rank pinning as the real engines do it, admission into a
+//! rank's KV, and token streaming at the decode rate.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::{lock, read, Seen, Sim, SimFlavor, MAX_REQUEST_BYTES, SEEN_CAP};
+use crate::http::{json_response, openai_error, respond};
+use crate::worker::RankNumbering;
+
+/// Response body of the simulated engine: whole, or SSE chunks as the generator sends them.
+pub enum SimBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::Receiver<Bytes>),
+}
+
+impl From<Bytes> for SimBody {
+    fn from(b: Bytes) -> Self {
+        SimBody::Full(Some(b))
+    }
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            SimBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            SimBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            SimBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            SimBody::Stream(_) => SizeHint::default(),
+        }
+    }
+}
+
+/// What a generation request asks for.
+struct Job {
+    chat: bool,
+    stream: bool,
+    prompt_tokens: u64,
+    max_tokens: u64,
+    id: u64,
+}
+
+impl Sim {
+    pub(super) async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<SimBody>, Infallible> {
+        let path = req.uri().path().to_string();
+        Ok(match (req.method(), path.as_str()) {
+            (&Method::GET, "/health") => respond(StatusCode::OK, "text/plain", ""),
+            (&Method::GET, "/metrics") => {
+                self.telemetry_requests.fetch_add(1, Relaxed);
+                let delay = read(&self.knobs).metrics_delay;
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                respond(
+                    StatusCode::OK,
+                    "text/plain; version=0.0.4",
+                    self.render_metrics(),
+                )
+            }
+            (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
+            (&Method::GET, "/v1/loads") if self.cfg.flavor == SimFlavor::Sglang => {
+                self.telemetry_requests.fetch_add(1, Relaxed);
+                if self.native_failing() {
+                    openai_error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "InternalServerError",
+                        "loads unavailable",
+                    )
+                } else {
+                    self.http_loads(req.uri().query())
+                }
+            }
+            (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings") => {
+                match self.clone().generate(req, path).await {
+                    Ok(r) => r,
+                    Err((status, msg)) => openai_error(status, "BadRequestError", &msg),
+                }
+            }
+            _ => openai_error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                &format!("no route {path}"),
+            ),
+        })
+    }
+
+    fn models(&self) -> Value {
+        json!({"object": "list", "data": [{
+            "id": self.cfg.model, "object": "model", "created": 0,
+            "owned_by": self.cfg.flavor.as_str(), "root": self.cfg.model, "parent": null,
+            "max_model_len": self.cfg.capacity_tokens,
+        }]})
+    }
+
+    /// Parses a pin the way the engine would, returning the local rank index.
+    fn resolve_rank(
+        &self,
+        header: Option<&str>,
+        body_rank: Option<&Value>,
+    ) -> Result<Option<usize>, (StatusCode, String)> {
+        let requested: Option<i64> = match self.cfg.flavor {
+            // vLLM silently ignores a header that is not an integer.
+            SimFlavor::Vllm => header.and_then(|h| h.trim().parse().ok()),
+            SimFlavor::Sglang => match body_rank {
+                Some(v) => Some(v.as_i64().ok_or((
+                    StatusCode::BAD_REQUEST,
+                    format!("data_parallel_rank must be an integer, got {v}"),
+                ))?),
+                None => match header {
+                    Some(h) => Some(h.trim().parse().map_err(|_| {
+                        (
+                            StatusCode::BAD_REQUEST,
+                            format!("X-Data-Parallel-Rank {h:?} is not an integer"),
+                        )
+                    })?),
+                    None => None,
+                },
+            },
+        };
+        let Some(r) = requested else { return Ok(None) };
+        let base = match self.cfg.rank_numbering {
+            RankNumbering::Global => self.cfg.start_rank as i64,
+            RankNumbering::Local => 0,
+        };
+        let local = r - base;
+        if local < 0 || local >= self.cfg.dp_size as i64 {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "data_parallel_rank {r} is out of range [{base}, {}).",
+                    base + self.cfg.dp_size as i64
+                ),
+            ));
+        }
+        Ok(Some(local as usize))
+    }
+
+    /// The engine's own balancing for unpinned requests: the rank with least KV reserved.
+    fn least_loaded(&self) -> usize {
+        (0..self.ranks.len())
+            .min_by_key(|&i| {
+                let r = &self.ranks[i];
+                r.preload + r.counts().reserved
+            })
+            .unwrap_or(0)
+    }
+
+    async fn generate(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        path: String,
+    ) -> Result<Response<SimBody>, (StatusCode, String)> {
+        let header = req
+            .headers()
+            .get("x-data-parallel-rank")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        let body = Limited::new(req.into_body(), MAX_REQUEST_BYTES)
+            .collect()
+            .await
+            .map_err(|e| (StatusCode::BAD_REQUEST, format!("reading body: {e}")))?
+            .to_bytes();
+        let v: Value = serde_json::from_slice(&body)
+            .map_err(|e| (StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))?;
+        let body_rank = v
+            .get("data_parallel_rank")
+            .or_else(|| v.get("routed_dp_rank"))
+            .cloned();
+        let local = self
+            .resolve_rank(header.as_deref(), body_rank.as_ref())?
+            .unwrap_or_else(|| self.least_loaded());
+        {
+            let mut seen = lock(&self.seen);
+            if seen.len() == SEEN_CAP {
+                seen.pop_front();
+            }
+            seen.push_back(Seen {
+                path: path.clone(),
+                rank_header: header,
+                body_rank,
+                rank: self.ranks[local].global,
+            });
+        }
+        let prompt_text_len = match (v.get("messages"), v.get("prompt"), v.get("input")) {
+            (Some(m), _, _) => m.to_string().len(),
+            (_, Some(p), _) | (_, _, Some(p)) => {
+                p.as_str().map_or_else(|| p.to_string().len(), str::len)
+            }
+            _ => 0,
+        };
+        let embeddings = path == "/v1/embeddings";
+        let job = Job {
+            chat: path == "/v1/chat/completions",
+            stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false) && !embeddings,
+            // About four characters per token, as for English text.
+            prompt_tokens: (prompt_text_len as u64 / 4).max(1),
+            max_tokens: if embeddings {
+                0
+            } else {
+                v.get("max_tokens")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(16)
+                    .max(1)
+            },
+            id: self.next_id.fetch_add(1, Relaxed),
+        };
+        if job.stream {
+            let (tx, rx) = mpsc::channel(16);
+            tokio::spawn(async move { self.run(local, job, Some(tx)).await });
+            let mut resp = Response::new(SimBody::Stream(rx));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/event-stream"),
+            );
+            Ok(resp)
+        } else if embeddings {
+            let _adm = self.ranks[local].admit(job.prompt_tokens, 0).await;
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({
+                    "object": "list", "model": self.cfg.model,
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}],
+                    "usage": {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens},
+                }),
+            ))
+        } else {
+            let text = self.run(local, job, None).await;
+            Ok(json_response(StatusCode::OK, &text))
+        }
+    }
+
+    /// Admits the job on its rank and decodes it. Streaming jobs send SSE chunks to `tx` and stop
+    /// early (freeing their KV) if the client goes away; others return the whole completion.
+    async fn run(&self, local: usize, job: Job, tx: Option<mpsc::Sender<Bytes>>) -> Value {
+        let rank = &self.ranks[local];
+        let mut adm = rank.admit(job.prompt_tokens, job.max_tokens).await;
+        let prefill =
+            Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
+        tokio::time::sleep(prefill).await;
+        let kind = if job.chat { "chatcmpl" } else { "cmpl" };
+        let id = format!("{kind}-sim{}", job.id);
+        let mut text = String::new();
+        for i in 0..job.max_tokens {
+            if i > 0 {
+                let running = rank.counts().running.saturating_sub(1) as f64;
+                let itl =
+                    (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
+                tokio::time::sleep(Duration::from_secs_f64(itl)).await;
+            }
+            adm.grow();
+            let token = format!("t{} ", i % 10);
+            if let Some(tx) = &tx {
+                let delta = if job.chat {
+                    json!({"index": 0, "delta": {"content": token}, "logprobs": null, "finish_reason": null})
+                } else {
+                    json!({"index": 0, "text": token, "logprobs": null, "finish_reason": null})
+                };
+                if tx.send(self.chunk(&id, job.chat, delta)).await.is_err() {
+                    return Value::Null;
+                }
+            } else {
+                text.push_str(&token);
+            }
+        }
+        let usage = json!({"prompt_tokens": job.prompt_tokens, "completion_tokens": job.max_tokens,
+            "total_tokens": job.prompt_tokens + job.max_tokens});
+        if let Some(tx) = &tx {
+            let mut last = serde_json::Map::new();
+            last.insert("id".into(), json!(id));
+            last.insert(
+                "object".into(),
+                json!(if job.chat {
+                    "chat.completion.chunk"
+                } else {
+                    "text_completion"
+                }),
+            );
+            last.insert("model".into(), json!(self.cfg.model));
+            last.insert("choices".into(), json!([]));
+            last.insert("usage".into(), usage);
+            let _ = tx
+                .send(Bytes::from(format!("data: {}\n\n", Value::Object(last))))
+                .await;
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            return Value::Null;
+        }
+        let choice = if job.chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": "length"})
+        };
+        json!({"id": id, "object": if job.chat { "chat.completion" } else { "text_completion" },
+            "model": self.cfg.model, "choices": [choice], "usage": usage})
+    }
+
+    fn chunk(&self, id: &str, chat: bool, choice: Value) -> Bytes {
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let v = json!({"id": id, "object": object, "model": self.cfg.model, "choices": [choice]});
+        Bytes::from(format!("data: {v}\n\n"))
+    }
+}
