@@ -20,18 +20,11 @@ use crate::config::{Config, HumanDuration, Policy};
 use crate::load::{self, Api, Arrivals, Burst, Dist, Report, Workload};
 use crate::sim::{SimConfig, SimEngine, SimFlavor};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineFlavor {
-    Vllm,
-    Sglang,
-}
-
 /// One simulated engine of the fleet.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineSpec {
-    pub flavor: EngineFlavor,
+    pub flavor: SimFlavor,
     pub dp_size: u32,
     #[serde(default)]
     pub start_rank: u32,
@@ -234,10 +227,7 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
     let mut engines = Vec::new();
     for spec in &s.engines {
         let cfg = SimConfig {
-            flavor: match spec.flavor {
-                EngineFlavor::Vllm => SimFlavor::Vllm,
-                EngineFlavor::Sglang => SimFlavor::Sglang,
-            },
+            flavor: spec.flavor,
             dp_size: spec.dp_size,
             start_rank: spec.start_rank,
             capacity_tokens: spec.capacity_tokens,
@@ -261,13 +251,10 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
         s.router.stale_after.0.as_millis()
     );
     for (e, spec) in engines.iter().zip(&s.engines) {
-        let flavor = match spec.flavor {
-            EngineFlavor::Vllm => "vllm",
-            EngineFlavor::Sglang => "sglang",
-        };
         toml.push_str(&format!(
-            "[[engines]]\nurl = \"{}\"\nflavor = \"{flavor}\"\ndp_size = {}\nstart_rank = {}\n",
+            "[[engines]]\nurl = \"{}\"\nflavor = \"{}\"\ndp_size = {}\nstart_rank = {}\n",
             e.url(),
+            spec.flavor.as_str(),
             spec.dp_size,
             spec.start_rank
         ));

@@ -30,7 +30,8 @@ pub use serve::SimBody;
 use telemetry::RankReport;
 
 /// Which engine the simulator imitates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum SimFlavor {
     Vllm,
     Sglang,
