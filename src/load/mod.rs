@@ -129,6 +129,23 @@ pub struct Outcome {
     pub worker: Option<String>,
 }
 
+impl Outcome {
+    /// A request that got no usable answer.
+    fn failed(kind: ErrorKind, e2e: Duration) -> Outcome {
+        Outcome {
+            sent: Duration::ZERO,
+            lag: Duration::ZERO,
+            status: 0,
+            error: Some(kind),
+            ttft: None,
+            itl: Vec::new(),
+            e2e,
+            tokens: 0,
+            worker: None,
+        }
+    }
+}
+
 /// One planned request.
 #[derive(Debug, Clone, Copy)]
 struct Planned {
@@ -211,38 +228,23 @@ async fn one(
     stream: bool,
     start: Instant,
 ) -> Outcome {
-    let mut o = Outcome {
-        sent: Duration::ZERO,
-        lag: Duration::ZERO,
-        status: 0,
-        error: None,
-        ttft: None,
-        itl: Vec::new(),
-        e2e: Duration::ZERO,
-        tokens: 0,
-        worker: None,
-    };
     let req = Request::builder()
         .method(Method::POST)
         .uri(uri)
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(body));
     let resp = match req {
-        Ok(r) => client.request(r).await,
-        Err(_) => {
-            o.error = Some(ErrorKind::Connect);
-            return o;
-        }
+        Ok(r) => client.request(r).await.ok(),
+        Err(_) => None,
     };
-    let resp = match resp {
-        Ok(r) => r,
-        Err(_) => {
-            o.error = Some(ErrorKind::Connect);
-            o.e2e = start.elapsed();
-            return o;
-        }
+    let Some(resp) = resp else {
+        return Outcome::failed(ErrorKind::Connect, start.elapsed());
     };
-    o.status = resp.status().as_u16();
+    let mut o = Outcome {
+        status: resp.status().as_u16(),
+        error: None,
+        ..Outcome::failed(ErrorKind::Body, Duration::ZERO)
+    };
     o.worker = resp
         .headers()
         .get("x-rankgate-worker")
@@ -347,20 +349,9 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
         tasks.spawn(async move {
             let t0 = Instant::now();
             let sent = t0 - started;
-            let mut o = match tokio::time::timeout_at(deadline, one(c, u, b, stream, t0)).await {
-                Ok(o) => o,
-                Err(_) => Outcome {
-                    sent,
-                    lag: Duration::ZERO,
-                    status: 0,
-                    error: Some(ErrorKind::Deadline),
-                    ttft: None,
-                    itl: Vec::new(),
-                    e2e: t0.elapsed(),
-                    tokens: 0,
-                    worker: None,
-                },
-            };
+            let mut o = tokio::time::timeout_at(deadline, one(c, u, b, stream, t0))
+                .await
+                .unwrap_or_else(|_| Outcome::failed(ErrorKind::Deadline, t0.elapsed()));
             o.sent = sent;
             o.lag = scheduled.map_or(Duration::ZERO, |at| sent.saturating_sub(at));
             d.fetch_add(1, Relaxed);
