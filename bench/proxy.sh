@@ -8,6 +8,7 @@
 # Needs nginx and wrk (Debian: apt-get install nginx-light wrk). Loopback only; each run is
 # bounded by DURATION. Usage: bench/proxy.sh [DURATION_SECONDS] [CONNECTIONS]
 # PERF_OUT=/tmp/perf.data also records a CPU profile of rankgate during its run.
+# FLAVOR=sglang makes rankgate pin through the body (read, parsed and rewritten per request).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-10}
@@ -53,8 +54,9 @@ listen = "127.0.0.1:$RG"
 admin_listen = "127.0.0.1:$ADMIN"
 [[engines]]
 url = "http://127.0.0.1:$UP"
-flavor = "vllm"
+flavor = "${FLAVOR:-vllm}"
 dp_size = 2
+telemetry = ["prometheus"]
 CONF
 cat > "$work/post.lua" <<'LUA'
 wrk.method = "POST"
@@ -92,7 +94,7 @@ hz=$(getconf CLK_TCK)
 errors=$(grep -E 'Non-2xx|Socket errors' "$work/rankgate.out" || true)
 lat=$(awk '/Latency/ {print $2}' "$work/rankgate.out")
 python3 - "$direct" "$nginx_rps" "$rg" "$t0" "$t1" "$reqs" "$hz" "$lat" "$bare" "$b0" "$b1" "$breqs" <<'PY'
-import sys
+import os, sys
 direct, ngx, rg, t0, t1, reqs, hz, lat, bare, b0, b1, breqs = sys.argv[1:]
 direct, ngx, rg, bare = float(direct), float(ngx), float(rg), float(bare)
 cpu_us = (int(t1) - int(t0)) / int(hz) * 1e6 / int(reqs)
@@ -100,7 +102,7 @@ bare_us = (int(b1) - int(b0)) / int(hz) * 1e6 / int(breqs)
 print(f"direct upstream     {direct:10.0f} req/s")
 print(f"nginx proxy         {ngx:10.0f} req/s  ({ngx/direct:.2f}x direct)")
 print(f"bare hyper proxy    {bare:10.0f} req/s  ({bare/ngx:.2f}x nginx), CPU {bare_us:.1f} us/request")
-print(f"rankgate least_kv   {rg:10.0f} req/s  ({rg/ngx:.2f}x nginx, {rg/bare:.2f}x bare hyper), CPU {cpu_us:.1f} us/request, mean latency {lat}")
+print(f"{'rankgate (' + os.environ.get('FLAVOR', 'vllm') + ')':<20}{rg:10.0f} req/s  ({rg/ngx:.2f}x nginx, {rg/bare:.2f}x bare hyper), CPU {cpu_us:.1f} us/request, mean latency {lat}")
 PY
 [ -z "$errors" ] || echo "rankgate run reported: $errors"
 curl -s "127.0.0.1:$ADMIN/metrics" | grep -E '^rankgate_requests_total.*2xx' || true

@@ -383,7 +383,6 @@ impl Proxy {
                     })?
                     .to_bytes();
                 let rewritten = pin_in_body(&bytes, rank).map_err(fail)?;
-                parts.headers.remove(header::CONTENT_LENGTH);
                 parts
                     .headers
                     .insert(header::CONTENT_LENGTH, HeaderValue::from(rewritten.len()));
