@@ -400,3 +400,28 @@ async fn client_disconnect_mid_stream_aborts_engine_work() {
     }
     assert_eq!(e.kv_usage(), [0.0]);
 }
+
+#[tokio::test]
+async fn shutdown_drains_streams_in_flight() {
+    let (e, r) = slow_fleet().await;
+    let addr = r.addr;
+    let resp = stream_chat(addr, 20).await;
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    // Shut down with a stream mid-flight: no new connections, but this one runs to its end.
+    let stopping = tokio::spawn(r.shutdown());
+    let mut rest = Vec::new();
+    while let Some(f) = body.frame().await {
+        rest.extend_from_slice(&f.unwrap().into_data().unwrap_or_default());
+    }
+    assert!(
+        rest.ends_with(b"data: [DONE]\n\n"),
+        "stream cut short by shutdown"
+    );
+    stopping.await.unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "still accepting after shutdown"
+    );
+    assert_eq!(e.running(), [0]);
+}
