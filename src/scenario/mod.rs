@@ -149,6 +149,27 @@ impl Scenario {
         if s.engines.is_empty() {
             return Err("a scenario needs at least one [[engines]]".into());
         }
+        for (i, e) in s.engines.iter().enumerate() {
+            let bad = if e.dp_size == 0 {
+                Some("dp_size must be at least 1")
+            } else if !(e.decode_rate.is_finite() && e.decode_rate > 0.0) {
+                Some("decode_rate must be a positive number")
+            } else if e.capacity_tokens == 0 || e.capacities.contains(&0) {
+                Some("capacities must be positive")
+            } else if e.preload.iter().any(|p| !(0.0..=1.0).contains(p)) {
+                Some("preload values must be within [0, 1]")
+            } else {
+                None
+            };
+            if let Some(why) = bad {
+                return Err(format!("engines[{i}]: {why}"));
+            }
+        }
+        if s.workload.rate.is_some_and(|r| !(r.is_finite() && r > 0.0))
+            || s.workload.concurrency == Some(0)
+        {
+            return Err("workload `rate` and `concurrency` must be positive".into());
+        }
         if s.workload.rate.is_some() == s.workload.concurrency.is_some() {
             return Err(
                 "workload needs exactly one of `rate` (open loop) or `concurrency` (closed loop)"
@@ -456,6 +477,13 @@ dark = []
         let e = Scenario::parse(&TEXT.replace("rate = 5", "rate = 5\nconcurrency = 2"), None)
             .unwrap_err();
         assert!(e.contains("exactly one"), "{e}");
+        let e = Scenario::parse(
+            &TEXT.replace("dp_size = 2", "dp_size = 2\ndecode_rate = 0"),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.contains("engines[0]: decode_rate"), "{e}");
+        assert!(Scenario::parse(&TEXT.replace("rate = 5", "rate = -1"), None).is_err());
     }
 
     #[test]
