@@ -4,8 +4,10 @@
 //! work not yet visible in that report will take: its waiting queue, and the requests this router
 //! sent it since the poll began (capped by what is still in flight, so nothing the engine already
 //! reports, and nothing already finished, is counted twice). That credit is what spreads a burst
-//! between two polls instead of herding it onto the rank that looked idle. A rank without fresh,
-//! valid telemetry is never scored: unknown is not idle.
+//! between two polls instead of herding it onto the rank that looked idle. Each request is
+//! credited by its size relative to the typical request (its Content-Length against a running
+//! mean, no body read), so a 1500-token prompt weighs like several short ones. A rank without
+//! fresh, valid telemetry is never scored: unknown is not idle.
 //!
 //! The pick is one `ArcSwap` load plus relaxed atomic reads: no lock on the request path.
 
@@ -16,7 +18,7 @@ use rand::Rng;
 use tokio::time::Instant;
 
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
-use crate::table::{InFlight, Snapshot, Table};
+use crate::table::{InFlight, Snapshot, Table, UNIT_WEIGHT};
 
 /// Why no rank was picked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -41,6 +43,38 @@ pub struct Selector {
     policy: Policy,
     no_telemetry: NoTelemetry,
     rr: AtomicU64,
+    sizer: RequestSizer,
+}
+
+/// Weighs requests by body size against a running mean of recent sizes.
+#[derive(Debug, Default)]
+pub struct RequestSizer {
+    /// Exponentially weighted mean of Content-Length, in sixteenths of a byte; 0 = none seen.
+    mean_x16: AtomicU64,
+}
+
+impl RequestSizer {
+    /// A request's weight in thousandths of a typical one: within [1/4, 32], and exactly one
+    /// when its size is unknown (no Content-Length) or nothing has been seen yet.
+    pub fn weight(&self, content_length: Option<u64>) -> u64 {
+        let Some(len) = content_length.filter(|l| *l > 0) else {
+            return UNIT_WEIGHT;
+        };
+        let x = len.saturating_mul(16);
+        let mean = self.mean_x16.load(Relaxed);
+        // Mean over roughly the last 32 requests. Load-then-store can lose an update under
+        // contention; for an estimate that is cheaper than a compare-and-swap loop and harmless.
+        let next = if mean == 0 {
+            x
+        } else {
+            mean - mean / 32 + x / 32
+        };
+        self.mean_x16.store(next.max(1), Relaxed);
+        if mean == 0 {
+            return UNIT_WEIGHT;
+        }
+        (x.saturating_mul(UNIT_WEIGHT) / mean).clamp(UNIT_WEIGHT / 4, 32 * UNIT_WEIGHT)
+    }
 }
 
 impl Selector {
@@ -49,6 +83,7 @@ impl Selector {
             policy: cfg.policy,
             no_telemetry: cfg.no_telemetry,
             rr: AtomicU64::new(0),
+            sizer: RequestSizer::default(),
         }
     }
 
@@ -77,8 +112,8 @@ impl Selector {
         }
     }
 
-    /// Picks a worker and marks one request in flight on it.
-    pub fn pick(&self, table: &Arc<Table>) -> Result<Picked, NoRank> {
+    /// Picks a worker and marks one request, of this body size if known, in flight on it.
+    pub fn pick(&self, table: &Arc<Table>, content_length: Option<u64>) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();
         let mut rng = rand::rng();
         let (choice, skipped) = match self.policy {
@@ -115,7 +150,7 @@ impl Selector {
             }
         };
         Ok(Picked {
-            guard: InFlight::start(table.clone(), choice),
+            guard: InFlight::start(table.clone(), choice, self.sizer.weight(content_length)),
             skipped_unavailable: skipped,
         })
     }
@@ -127,14 +162,13 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
     let view = &snap.ranks[w];
     let load = view.telemetry.fresh(now, table.stale_after)?;
     let live = &table.live[w];
-    let in_flight = live.in_flight();
     let since_poll = live
-        .dispatched
+        .dispatched_weight
         .load(Relaxed)
-        .saturating_sub(view.dispatched_at_poll);
-    let unreported = since_poll.min(in_flight);
-    let queued = load.waiting.unwrap_or(0) as u64;
-    Some(load.kv_usage + (queued + unreported) as f64 * view.kv_per_request)
+        .saturating_sub(view.weight_at_poll);
+    let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
+    let queued = load.waiting.unwrap_or(0) as f64;
+    Some(load.kv_usage + (queued + unreported) * view.kv_per_request)
 }
 
 /// Lowest score among ranks with fresh telemetry, ties broken at random. Returns the worker and
@@ -217,7 +251,7 @@ mod tests {
                 sampled_at: now,
             }),
             reachable: true,
-            dispatched_at_poll: 0,
+            weight_at_poll: 0,
             kv_per_request: 0.02,
             source: "test",
         }
@@ -246,13 +280,13 @@ mod tests {
         let mut guards = Vec::new();
         // Rank 1 starts 0.20 lower; at 0.02 per request it takes ten before rank 0 ties.
         for _ in 0..10 {
-            let p = s.pick(&t).unwrap();
+            let p = s.pick(&t, None).unwrap();
             assert_eq!(p.guard.worker(), 1);
             guards.push(p);
         }
         let mut counts = [0; 2];
         for _ in 0..20 {
-            let p = s.pick(&t).unwrap();
+            let p = s.pick(&t, None).unwrap();
             counts[p.guard.worker()] += 1;
             guards.push(p);
         }
@@ -263,13 +297,37 @@ mod tests {
     }
 
     #[test]
+    fn a_large_request_weighs_like_several_typical_ones() {
+        let t = table(2);
+        let now = Instant::now();
+        set(&t, vec![available(0.10, now), available(0.10, now)]);
+        let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        // Typical requests of 800 bytes set the mean; then one of 8000 bytes lands somewhere.
+        for _ in 0..40 {
+            s.sizer.weight(Some(800));
+        }
+        let big = s.pick(&t, Some(8000)).unwrap();
+        let other = 1 - big.guard.worker();
+        // Its rank now carries about ten typical requests: the next nine go to the other one.
+        let mut guards = Vec::new();
+        for _ in 0..9 {
+            let p = s.pick(&t, Some(800)).unwrap();
+            assert_eq!(p.guard.worker(), other);
+            guards.push(p);
+        }
+        assert_eq!(s.sizer.weight(None), UNIT_WEIGHT);
+        assert_eq!(s.sizer.weight(Some(1)), UNIT_WEIGHT / 4);
+        assert_eq!(s.sizer.weight(Some(10_000_000)), 32 * UNIT_WEIGHT);
+    }
+
+    #[test]
     fn finished_requests_stop_counting() {
         let t = table(2);
         let now = Instant::now();
         set(&t, vec![available(0.30, now), available(0.10, now)]);
         let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
         for _ in 0..50 {
-            let p = s.pick(&t).unwrap();
+            let p = s.pick(&t, None).unwrap();
             assert_eq!(p.guard.worker(), 1, "completed work must not be credited");
         }
     }
@@ -284,11 +342,11 @@ mod tests {
         }
         set(&t, vec![old.clone(), available(0.9, now)]);
         let s = selector(Policy::LeastKv, NoTelemetry::Reject);
-        let p = s.pick(&t).unwrap();
+        let p = s.pick(&t, None).unwrap();
         assert_eq!(p.guard.worker(), 1);
         assert!(p.skipped_unavailable);
         set(&t, vec![old.clone(), old]);
-        assert_eq!(s.pick(&t).unwrap_err(), NoRank::NoTelemetry);
+        assert_eq!(s.pick(&t, None).unwrap_err(), NoRank::NoTelemetry);
     }
 
     #[test]
@@ -299,13 +357,13 @@ mod tests {
         views[2].reachable = true;
         set(&t, views);
         let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
-        let a = s.pick(&t).unwrap();
-        let b = s.pick(&t).unwrap();
+        let a = s.pick(&t, None).unwrap();
+        let b = s.pick(&t, None).unwrap();
         let mut got = [a.guard.worker(), b.guard.worker()];
         got.sort();
         assert_eq!(got, [1, 2]);
         set(&t, vec![RankView::initial(); 3]);
-        assert_eq!(s.pick(&t).unwrap_err(), NoRank::NoneReachable);
+        assert_eq!(s.pick(&t, None).unwrap_err(), NoRank::NoneReachable);
     }
 
     #[test]
@@ -316,7 +374,9 @@ mod tests {
         views[1].reachable = false;
         set(&t, views);
         let s = selector(Policy::RoundRobin, NoTelemetry::LeastInFlight);
-        let picks: Vec<usize> = (0..4).map(|_| s.pick(&t).unwrap().guard.worker()).collect();
+        let picks: Vec<usize> = (0..4)
+            .map(|_| s.pick(&t, None).unwrap().guard.worker())
+            .collect();
         assert_eq!(picks, [0, 2, 2, 0]);
     }
 
@@ -350,11 +410,11 @@ mod tests {
             // Some requests already in flight, to exercise the credit path.
             let mut guards = Vec::new();
             for (w, (_, _, n)) in views.iter().enumerate() {
-                for _ in 0..*n { guards.push(InFlight::start(t.clone(), w)); }
+                for _ in 0..*n { guards.push(InFlight::start(t.clone(), w, UNIT_WEIGHT)); }
             }
             let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
             for _ in 0..picks {
-                let p = s.pick(&t).unwrap();
+                let p = s.pick(&t, None).unwrap();
                 if usable.iter().any(|u| *u) {
                     prop_assert!(usable[p.guard.worker()], "picked unavailable rank {}", p.guard.worker());
                 }

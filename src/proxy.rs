@@ -328,13 +328,14 @@ impl Proxy {
             }
             other => return Err((ProxyError::NotFound(other.to_string()), None)),
         };
-        if content_length(req.headers()).is_some_and(|n| n > self.max_body as u64) {
+        let length = content_length(req.headers());
+        if length.is_some_and(|n| n > self.max_body as u64) {
             return Err((ProxyError::TooLarge(self.max_body), None));
         }
 
         let picked = self
             .selector
-            .pick(&self.table)
+            .pick(&self.table, length)
             .map_err(|e| (e.into(), None))?;
         if picked.skipped_unavailable {
             self.metrics.skipped_unavailable();

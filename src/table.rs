@@ -87,9 +87,9 @@ pub struct RankView {
     /// The engine answered its last poll (with usable numbers or not). Only reachable ranks take
     /// traffic when no rank has telemetry, or under the telemetry-blind policies.
     pub reachable: bool,
-    /// The worker's `dispatched` counter when the poll that produced this view began: requests
+    /// The worker's `dispatched_weight` when the poll that produced this view began: requests
     /// sent after it are ones the engine cannot have reported yet.
-    pub dispatched_at_poll: u64,
+    pub weight_at_poll: u64,
     /// Estimated KV fraction one more request takes on this rank.
     pub kv_per_request: f64,
     /// Which telemetry source produced the numbers.
@@ -101,7 +101,7 @@ impl RankView {
         RankView {
             telemetry: RankTelemetry::unavailable("no telemetry yet: engine not polled"),
             reachable: false,
-            dispatched_at_poll: 0,
+            weight_at_poll: 0,
             kv_per_request: 0.0,
             source: "none",
         }
@@ -116,6 +116,10 @@ pub struct Snapshot {
     pub models: Vec<Arc<[String]>>,
 }
 
+/// The weight of a request of typical size; a request's weight is its size relative to that,
+/// in thousandths, so integer atomics can carry it.
+pub const UNIT_WEIGHT: u64 = 1000;
+
 /// Counters of one worker that change per request.
 #[derive(Debug, Default)]
 #[repr(align(64))]
@@ -124,9 +128,19 @@ pub struct Live {
     pub dispatched: AtomicU64,
     /// Requests whose response body has ended (or failed).
     pub completed: AtomicU64,
+    /// The same two, each request counted by its weight (see [`UNIT_WEIGHT`]).
+    pub dispatched_weight: AtomicU64,
+    pub completed_weight: AtomicU64,
 }
 
 impl Live {
+    /// Weight of the requests in flight.
+    #[inline]
+    pub fn in_flight_weight(&self) -> u64 {
+        let done = self.completed_weight.load(Relaxed);
+        self.dispatched_weight.load(Relaxed).saturating_sub(done)
+    }
+
     #[inline]
     pub fn in_flight(&self) -> u64 {
         // Read `completed` first: a completion racing between the two loads then can only make
@@ -166,12 +180,20 @@ impl Table {
 pub struct InFlight {
     table: Arc<Table>,
     worker: usize,
+    weight: u64,
 }
 
 impl InFlight {
-    pub fn start(table: Arc<Table>, worker: usize) -> InFlight {
-        table.live[worker].dispatched.fetch_add(1, Relaxed);
-        InFlight { table, worker }
+    pub fn start(table: Arc<Table>, worker: usize, weight: u64) -> InFlight {
+        let live = &table.live[worker];
+        // Weight before count: a reader that sees the request counted also sees its weight.
+        live.dispatched_weight.fetch_add(weight, Relaxed);
+        live.dispatched.fetch_add(1, Relaxed);
+        InFlight {
+            table,
+            worker,
+            weight,
+        }
     }
 
     pub fn worker(&self) -> usize {
@@ -185,6 +207,8 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.table.live[self.worker].completed.fetch_add(1, Relaxed);
+        let live = &self.table.live[self.worker];
+        live.completed.fetch_add(1, Relaxed);
+        live.completed_weight.fetch_add(self.weight, Relaxed);
     }
 }

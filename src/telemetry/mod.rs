@@ -46,7 +46,7 @@ impl TelemetryStats {
 pub struct Report {
     engine: usize,
     reachable: bool,
-    dispatched_at_poll: Vec<u64>,
+    weight_at_poll: Vec<u64>,
     ranks: Vec<RankTelemetry>,
     source: &'static str,
     /// The engine's model ids, when this poll read them.
@@ -110,12 +110,12 @@ async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_p
     let mut models = table.snapshot.load().models.clone();
     while let Some(report) = rx.recv().await {
         let range = table.fleet.workers_of(report.engine);
-        for ((w, telemetry), dispatched) in range.zip(report.ranks).zip(report.dispatched_at_poll) {
+        for ((w, telemetry), weight) in range.zip(report.ranks).zip(report.weight_at_poll) {
             log_change(&table, w, &views[w].telemetry, &telemetry);
             views[w] = RankView {
                 telemetry,
                 reachable: report.reachable,
-                dispatched_at_poll: dispatched,
+                weight_at_poll: weight,
                 kv_per_request: 0.0,
                 source: report.source,
             };

@@ -152,9 +152,9 @@ impl Poller {
     /// One poll of the engine through its first answering source.
     pub async fn poll(&mut self) -> Report {
         let workers = self.table.fleet.workers_of(self.e);
-        let dispatched_at_poll: Vec<u64> = workers
+        let weight_at_poll: Vec<u64> = workers
             .clone()
-            .map(|w| self.table.live[w].dispatched.load(Relaxed))
+            .map(|w| self.table.live[w].dispatched_weight.load(Relaxed))
             .collect();
         self.stats.polls.fetch_add(1, Relaxed);
         let mut failures = Vec::new();
@@ -167,7 +167,7 @@ impl Poller {
                     return Report {
                         engine: self.e,
                         reachable: true,
-                        dispatched_at_poll,
+                        weight_at_poll,
                         ranks,
                         source: name,
                         models: None,
@@ -188,7 +188,7 @@ impl Poller {
         Report {
             engine: self.e,
             reachable: answered,
-            dispatched_at_poll,
+            weight_at_poll,
             ranks: vec![RankTelemetry::unavailable(reason); workers.len()],
             source: "none",
             models: None,
