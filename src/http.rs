@@ -93,6 +93,19 @@ where
         .build(connector)
 }
 
+/// Renders an error with its sources, since hyper's top-level message alone ("client error
+/// (Connect)") does not say what went wrong.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
 /// The OpenAI error JSON body.
 pub fn error_json(status: StatusCode, kind: &str, message: &str) -> Bytes {
     let body = serde_json::json!({

@@ -4,10 +4,12 @@
 //! - [`config`]: the TOML config file, parsed then validated; errors name file, key and problem.
 //! - [`worker`]: engines, their expansion into virtual workers, and the `RankId` identity.
 //! - [`table`]: the one telemetry snapshot behind one `ArcSwap`, plus per-worker live counters.
-//! - [`telemetry`]: the monitor polling each engine once per interval; [`telemetry::prom`] reads
-//!   Prometheus text and projects it onto ranks.
+//! - [`telemetry`]: one poller per engine (gRPC `GetLoads`, HTTP loads, Prometheus, in order of
+//!   preference) and the single publisher; [`telemetry::prom`] and [`telemetry::loads`] project
+//!   what engines report onto their ranks.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`proxy`]: the OpenAI-compatible front door: pick, pin, stream.
+//! - [`proto`]: code generated from `proto/` (gRPC load services, health).
 //! - [`admin`]: `/health`, `/ready`, `/workers`, `/metrics`.
 //! - [`metrics`]: rankgate's own counters and histogram.
 //! - [`http`]: accept loop, upstream clients, error bodies.

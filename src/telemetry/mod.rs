@@ -91,19 +91,6 @@ pub fn spawn(
     })
 }
 
-/// Renders an error with its sources, since hyper's top-level message alone ("client error
-/// (Connect)") does not say what went wrong.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut src = e.source();
-    while let Some(s) = src {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        src = s.source();
-    }
-    out
-}
-
 /// The single writer: folds reports into the current views and swaps in each new snapshot.
 async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_per_request: f64) {
     let mut views: Vec<RankView> = table.snapshot.load().ranks.clone();

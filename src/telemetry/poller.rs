@@ -17,8 +17,9 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use super::grpc::LoadsClient;
 use super::loads::{self, LoadsReport, ProjectionNotes};
-use super::{error_chain, prom, Report, TelemetryStats};
+use super::{prom, Report, TelemetryStats};
 use crate::config::TelemetryConfig;
+use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::table::{RankTelemetry, Table};
 use crate::worker::{Engine, Flavor, TelemetrySource};
