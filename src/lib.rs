@@ -10,7 +10,7 @@
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`proxy`]: the OpenAI-compatible front door: pick, pin, stream.
 //! - [`proto`]: code generated from `proto/` (gRPC load services, health).
-//! - [`admin`]: `/health`, `/ready`, `/workers`, `/metrics`.
+//! - [`admin`]: `/health`, `/ready`, `/workers`, `/loads`, `/metrics`.
 //! - [`metrics`]: rankgate's own counters and histogram.
 //! - [`http`]: accept loop, upstream clients, error bodies.
 //! - [`app`]: starts and stops the whole router.
