@@ -95,26 +95,58 @@ pub fn spawn(
 async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_per_request: f64) {
     let mut views: Vec<RankView> = table.snapshot.load().ranks.clone();
     let mut models = table.snapshot.load().models.clone();
-    while let Some(report) = rx.recv().await {
-        let range = table.fleet.workers_of(report.engine);
-        for ((w, telemetry), weight) in range.zip(report.ranks).zip(report.weight_at_poll) {
-            log_change(&table, w, &views[w].telemetry, &telemetry);
-            views[w] = RankView {
-                telemetry,
-                reachable: report.reachable,
-                weight_at_poll: weight,
-                kv_per_request: 0.0,
-                source: report.source,
-            };
+    // Staleness has no report to announce it (a hung engine sends none), so a timer looks for it.
+    let mut stale = vec![false; views.len()];
+    let mut tick = tokio::time::interval(table.stale_after / 4);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            report = rx.recv() => {
+                let Some(report) = report else { return };
+                let range = table.fleet.workers_of(report.engine);
+                for ((w, telemetry), weight) in range.zip(report.ranks).zip(report.weight_at_poll) {
+                    log_change(&table, w, &views[w].telemetry, &telemetry);
+                    views[w] = RankView {
+                        telemetry,
+                        reachable: report.reachable,
+                        weight_at_poll: weight,
+                        kv_per_request: 0.0,
+                        source: report.source,
+                    };
+                }
+                if let Some(m) = report.models {
+                    models[report.engine] = m.into();
+                }
+                estimate_kv_per_request(&mut views, default_kv_per_request);
+                table.snapshot.store(Arc::new(Snapshot {
+                    ranks: views.clone(),
+                    models: models.clone(),
+                }));
+            }
+            _ = tick.tick() => {}
         }
-        if let Some(m) = report.models {
-            models[report.engine] = m.into();
+        log_staleness(&table, &views, &mut stale);
+    }
+}
+
+/// One log line when a rank's last sample ages past `stale_after`, one when fresh numbers return.
+fn log_staleness(table: &Table, views: &[RankView], stale: &mut [bool]) {
+    let now = tokio::time::Instant::now();
+    for (w, v) in views.iter().enumerate() {
+        let RankTelemetry::Available(l) = &v.telemetry else {
+            stale[w] = false;
+            continue;
+        };
+        let is_stale = now.saturating_duration_since(l.sampled_at) > table.stale_after;
+        if is_stale != stale[w] {
+            let id = &table.fleet.workers[w].id_text;
+            if is_stale {
+                tracing::warn!(worker = %id, stale_after_ms = table.stale_after.as_millis() as u64, "telemetry stale");
+            } else {
+                tracing::info!(worker = %id, "telemetry fresh again");
+            }
+            stale[w] = is_stale;
         }
-        estimate_kv_per_request(&mut views, default_kv_per_request);
-        table.snapshot.store(Arc::new(Snapshot {
-            ranks: views.clone(),
-            models: models.clone(),
-        }));
     }
 }
 
