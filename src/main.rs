@@ -50,7 +50,11 @@ fn init_tracing() {
         .unwrap_or_else(|| "info".parse().unwrap_or_default());
     use tracing_subscriber::prelude::*;
     tracing_subscriber::registry()
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
         .with(filter)
         .init();
 }
