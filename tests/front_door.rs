@@ -15,8 +15,6 @@ use rankgate::sim::SimFlavor as Flavor;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const FAST: &str = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
-
 fn assert_openai_error(reply: &Reply, status: u16) {
     assert_eq!(
         reply.status,
@@ -34,8 +32,7 @@ fn assert_openai_error(reply: &Reply, status: u16) {
 
 #[tokio::test]
 async fn unknown_path_wrong_method_and_models() {
-    let e = engine(sim(Flavor::Vllm, 1, 0)).await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
+    let (e, r) = fleet(sim(Flavor::Vllm, 1, 0)).await;
     wait_state(&r, &[0], "available").await;
     assert_openai_error(&get(r.addr, "/v2/nothing").await, 404);
     assert_openai_error(&get(r.addr, "/v1/chat/completions").await, 405);
@@ -86,8 +83,7 @@ async fn oversized_bodies_get_413_declared_or_streamed() {
 
 #[tokio::test]
 async fn sglang_bad_json_is_400_and_nothing_reaches_the_engine() {
-    let e = engine(sim(Flavor::Sglang, 2, 0)).await;
-    let r = router(FAST, &[engine_toml(&e.url(), "sglang", 2, 0)]).await;
+    let (e, r) = fleet(sim(Flavor::Sglang, 2, 0)).await;
     wait_state(&r, &[0, 1], "available").await;
     for bad in ["{not json", "[1, 2]"] {
         let reply = send(
@@ -128,12 +124,11 @@ async fn reject_mode_answers_503_with_retry_after_when_no_rank_has_telemetry() {
 
 #[tokio::test]
 async fn no_telemetry_falls_back_to_least_in_flight_on_reachable_ranks() {
-    let e = engine(SimConfig {
+    let (_e, r) = fleet(SimConfig {
         dark_ranks: vec![0, 1],
         ..sim(Flavor::Vllm, 2, 0)
     })
     .await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_workers(&r, Duration::from_secs(10), |rows| {
         rows[0]["reachable"] == true
     })
@@ -224,8 +219,7 @@ async fn upstream_failure_is_502_naming_the_engine() {
 
 #[tokio::test]
 async fn h2c_clients_are_served() {
-    let e = engine(sim(Flavor::Vllm, 1, 0)).await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
+    let (_e, r) = fleet(sim(Flavor::Vllm, 1, 0)).await;
     wait_state(&r, &[0], "available").await;
     let h2: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .http2_only(true)
@@ -248,8 +242,7 @@ async fn h2c_clients_are_served() {
 
 #[tokio::test]
 async fn admin_endpoints() {
-    let e = engine(sim(Flavor::Vllm, 2, 0)).await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    let (_e, r) = fleet(sim(Flavor::Vllm, 2, 0)).await;
     wait_state(&r, &[0, 1], "available").await;
     assert_eq!(get(r.admin_addr, "/health").await.status, 200);
     assert_eq!(get(r.admin_addr, "/ready").await.status, 200);

@@ -14,8 +14,6 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-const FAST: &str = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
-
 /// A sim engine with its gRPC side started; returns the engine and its gRPC `host:port`.
 async fn grpc_engine(cfg: SimConfig) -> (SimEngine, String) {
     let e = engine(cfg).await;
@@ -253,12 +251,11 @@ async fn gateway_rollup_is_one_worker_never_dp_ranks() {
 
 #[tokio::test]
 async fn rankgate_loads_round_trips_into_another_rankgate() {
-    let e = engine(SimConfig {
+    let (e, inner) = fleet(SimConfig {
         kv_usage: vec![0.3, 0.5],
         ..sim(Flavor::Vllm, 2, 0)
     })
     .await;
-    let inner = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_state(&inner, &[0, 1], "available").await;
     // Models are learnt from /v1/models shortly after the first poll.
     wait_workers(&inner, Duration::from_secs(10), |rows| {

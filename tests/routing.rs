@@ -11,8 +11,6 @@ use http_body_util::{BodyExt, Full};
 use rankgate::sim::SimConfig;
 use rankgate::sim::SimFlavor as Flavor;
 
-const FAST: &str = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
-
 #[tokio::test]
 async fn expands_engines_into_global_rank_workers() {
     let a = engine(sim(Flavor::Vllm, 2, 0)).await;
@@ -79,12 +77,11 @@ async fn expands_engines_into_global_rank_workers() {
 
 #[tokio::test]
 async fn least_kv_rank_receives_the_requests() {
-    let e = engine(SimConfig {
+    let (e, r) = fleet(SimConfig {
         kv_usage: vec![0.7, 0.2, 0.9, 0.5],
         ..sim(Flavor::Vllm, 4, 0)
     })
     .await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 4, 0)]).await;
     wait_state(&r, &[0, 1, 2, 3], "available").await;
     for _ in 0..20 {
         let reply = chat(r.addr, 1).await;
@@ -97,13 +94,12 @@ async fn least_kv_rank_receives_the_requests() {
 #[tokio::test]
 async fn dark_rank_gets_nothing_even_when_it_would_look_idle() {
     // Rank 1 is really idle, but publishes no series: unknown is not idle.
-    let e = engine(SimConfig {
+    let (e, r) = fleet(SimConfig {
         kv_usage: vec![0.6, 0.0, 0.6],
         dark_ranks: vec![1],
         ..sim(Flavor::Vllm, 3, 0)
     })
     .await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 3, 0)]).await;
     let rows = wait_state(&r, &[0, 2], "available").await;
     assert_eq!(rows[1]["telemetry"], "unavailable");
     assert!(
@@ -188,12 +184,11 @@ async fn stale_telemetry_makes_a_rank_unavailable_and_fresh_brings_it_back() {
 
 #[tokio::test]
 async fn vllm_gets_the_header_and_client_rank_header_never_reaches_the_engine() {
-    let e = engine(SimConfig {
+    let (e, r) = fleet(SimConfig {
         kv_usage: vec![0.5, 0.1],
         ..sim(Flavor::Vllm, 2, 0)
     })
     .await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
     for spelling in [
         "X-data-parallel-rank",
@@ -225,12 +220,11 @@ async fn vllm_gets_the_header_and_client_rank_header_never_reaches_the_engine() 
 
 #[tokio::test]
 async fn sglang_gets_the_body_field_and_header() {
-    let e = engine(SimConfig {
+    let (e, r) = fleet(SimConfig {
         kv_usage: vec![0.1, 0.6],
         ..sim(Flavor::Sglang, 2, 0)
     })
     .await;
-    let r = router(FAST, &[engine_toml(&e.url(), "sglang", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
     let body = serde_json::json!({
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -286,12 +280,11 @@ async fn local_rank_numbering_pins_node_local_index() {
 
 /// One rank decoding at 20 tokens/s behind a router, ready.
 async fn slow_fleet() -> (rankgate::sim::SimEngine, rankgate::app::Router) {
-    let e = engine(SimConfig {
+    let (e, r) = fleet(SimConfig {
         decode_tokens_per_sec: 20.0,
         ..sim(Flavor::Vllm, 1, 0)
     })
     .await;
-    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
     wait_state(&r, &[0], "available").await;
     (e, r)
 }

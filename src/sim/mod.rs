@@ -135,7 +135,8 @@ pub(crate) struct Sim {
 const SEEN_CAP: usize = 4096;
 const MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 
-/// A running simulated engine.
+/// A running simulated engine. Dropping it stops the server (the shutdown channel closes), so
+/// tests keep it bound for as long as they need the engine.
 pub struct SimEngine {
     pub addr: SocketAddr,
     sim: Arc<Sim>,

@@ -25,6 +25,21 @@ pub async fn engine(cfg: SimConfig) -> SimEngine {
         .expect("start simulated engine")
 }
 
+/// Telemetry polled every 50 ms, fresh for 2 s: tests see changes quickly.
+pub const FAST: &str = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
+
+/// One simulated engine behind a router that polls it with [`FAST`] telemetry.
+pub async fn fleet(cfg: SimConfig) -> (SimEngine, Router) {
+    let (flavor, dp_size, start_rank) = (cfg.flavor, cfg.dp_size, cfg.start_rank);
+    let e = engine(cfg).await;
+    let r = router(
+        FAST,
+        &[engine_toml(&e.url(), flavor.as_str(), dp_size, start_rank)],
+    )
+    .await;
+    (e, r)
+}
+
 /// One `[[engines]]` table.
 pub fn engine_toml(url: &str, flavor: &str, dp_size: u32, start_rank: u32) -> String {
     format!("[[engines]]\nurl = \"{url}\"\nflavor = \"{flavor}\"\ndp_size = {dp_size}\nstart_rank = {start_rank}\n")
