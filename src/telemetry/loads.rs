@@ -471,6 +471,17 @@ mod tests {
     }
 
     proptest! {
+        /// Arbitrary bytes, or arbitrary JSON values in the entries, never panic the reader.
+        #[test]
+        fn reading_never_panics(body in proptest::collection::vec(any::<u8>(), 0..200), x in any::<f64>(), n in any::<i64>()) {
+            let _ = LoadsReport::from_json(&body);
+            let doc = format!(r#"{{"loads":[{{"dp_rank":{n},"token_usage":{x}}},{{"dp_rank":"{x}"}},7,null],"aggregate":{{"avg_token_usage":{n}}}}}"#);
+            if let Ok(r) = LoadsReport::from_json(doc.as_bytes()) {
+                let _ = project(&r, &engine(2, 0), Instant::now());
+                let _ = rollup(&r, Instant::now());
+            }
+        }
+
         /// Whatever the entries, a rank is Available only with its own valid entry's usage.
         #[test]
         fn projection_never_borrows_another_ranks_numbers(
