@@ -386,3 +386,41 @@ async fn each_engine_is_polled_once_per_interval_whatever_its_dp_size() {
         "{polls} GetLoads in {intervals} intervals"
     );
 }
+
+#[tokio::test]
+async fn a_hanging_preferred_source_is_probed_aside_instead_of_stalling_polls() {
+    // Accepts connections and never answers: each GetLoads waits for the poll timeout.
+    let hang = TcpListener::bind(loopback()).await.unwrap();
+    let hang_addr = hang.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((s, _)) = hang.accept().await {
+            conns.push(s);
+        }
+    });
+    let e = engine(SimConfig {
+        kv_usage: vec![0.25],
+        ..sim(Flavor::Sglang, 1, 0)
+    })
+    .await;
+    let cfg = "[telemetry]\ninterval = \"50ms\"\nstale_after = \"3s\"\ntimeout = \"1s\"\n";
+    let table = with_sources(
+        engine_toml(&e.url(), "sglang", 1, 0),
+        &[&format!("grpc://{hang_addr}"), "http"],
+    );
+    let r = router(cfg, &[table]).await;
+    wait_workers(&r, Duration::from_secs(10), |rows| {
+        rows[0]["source"] == "http"
+    })
+    .await;
+    // While gRPC sits out, polls answer at the interval: samples stay young, far under the
+    // 1 s a poll would take if every one waited for the hanging source first.
+    let mut ages = Vec::new();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        ages.push(workers(&r).await[0]["age_ms"].as_u64().unwrap_or(u64::MAX));
+    }
+    let young = ages.iter().filter(|&&a| a < 400).count();
+    assert!(young >= 7, "sample ages {ages:?}");
+    held.abort();
+}

@@ -4,6 +4,10 @@
 //! A source that fails (transport error, HTTP error, unreadable body, gRPC status) passes the
 //! turn to the next; a source that answers serves every rank, including ranks it reports as
 //! missing or invalid: falling back per rank would mix numbers of different ages and meanings.
+//! A failed source (except the last, which has nothing behind it) is taken out of the polls and
+//! probed in the background instead, every few polls (doubling up to [`MAX_SKIP`]); it rejoins
+//! once a probe gets an answer. So a preferred source that hangs until the timeout costs the
+//! polls nothing while the fallback answers at once.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -26,12 +30,15 @@ use crate::worker::{Engine, Flavor, TelemetrySource};
 
 /// Largest telemetry body accepted; a real vLLM /metrics is ~70 KB.
 const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
+/// Most polls between two background probes of a failed source.
+const MAX_SKIP: u32 = 32;
 /// Models are re-read every this many polls (about a minute at the default interval).
 const MODELS_EVERY: u64 = 240;
 
 pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
 /// A source, ready to be read.
+#[derive(Clone)]
 enum Source {
     Grpc(Box<LoadsClient>),
     Http(http::Uri),
@@ -75,6 +82,67 @@ pub struct Poller {
     dp_size_checked: bool,
     /// Poll number at which the model list was last read.
     models_at: Option<u64>,
+    /// Per source: `Some` while it is out of the polls after a failure.
+    down: Vec<Option<Down>>,
+}
+
+/// A source taken out of the polls, and its background probe.
+struct Down {
+    /// Polls between probes; doubles after each failed probe.
+    every: u32,
+    /// Polls until the next probe starts.
+    wait: u32,
+    probe: Option<tokio::task::JoinHandle<bool>>,
+}
+
+impl Drop for Poller {
+    fn drop(&mut self) {
+        for probe in self
+            .down
+            .iter_mut()
+            .flatten()
+            .filter_map(|d| d.probe.take())
+        {
+            probe.abort();
+        }
+    }
+}
+
+/// What a source answered, before projection.
+enum Raw {
+    Metrics(String),
+    Loads(LoadsReport),
+}
+
+/// Reads one source. Free of the poller so a background probe can run it.
+async fn fetch_source(src: Source, http: HttpClient) -> Result<Raw, Failure> {
+    match src {
+        Source::Prometheus(u) => {
+            let body = fetch(&http, u).await?;
+            String::from_utf8(body.to_vec())
+                .map(Raw::Metrics)
+                .map_err(|_| Failure {
+                    answered: true,
+                    reason: "body is not UTF-8".into(),
+                })
+        }
+        Source::Http(u) => {
+            let body = fetch(&http, u).await?;
+            LoadsReport::from_json(&body)
+                .map(Raw::Loads)
+                .map_err(|reason| Failure {
+                    answered: true,
+                    reason,
+                })
+        }
+        // The gRPC port answering says nothing of the HTTP port traffic goes to, so a gRPC
+        // failure never counts as the engine being reachable.
+        Source::Grpc(client) => client
+            .get_loads(None)
+            .await
+            .map(Raw::Loads)
+            .map_err(Failure::silent),
+    }
 }
 
 fn uri(s: &str) -> Result<http::Uri, String> {
@@ -91,6 +159,7 @@ impl Poller {
         stats: Arc<TelemetryStats>,
     ) -> Result<Poller, String> {
         let engine = table.fleet.engines[e].clone();
+        let engine_sources = engine.telemetry.len();
         let sources = engine
             .telemetry
             .iter()
@@ -116,6 +185,7 @@ impl Poller {
             stats,
             dp_size_checked: false,
             models_at: None,
+            down: (0..engine_sources).map(|_| None).collect(),
         })
     }
 
@@ -160,9 +230,22 @@ impl Poller {
         self.stats.polls.fetch_add(1, Relaxed);
         let mut failures = Vec::new();
         let mut answered = false;
+        let last = self.sources.len().saturating_sub(1);
         for i in 0..self.sources.len() {
             let name = self.sources[i].name();
-            match tokio::time::timeout(self.cfg.timeout, self.read(i)).await {
+            if i < last && !self.back_in_poll(i).await {
+                failures.push(format!("{name}: failed recently, probed in the background"));
+                continue;
+            }
+            let result = tokio::time::timeout(self.cfg.timeout, self.read(i)).await;
+            if i < last && !matches!(result, Ok(Ok(_))) {
+                self.down[i] = Some(Down {
+                    every: 1,
+                    wait: 1,
+                    probe: None,
+                });
+            }
+            match result {
                 Ok(Ok((ranks, notes))) => {
                     self.note(&notes, workers.clone());
                     return Report {
@@ -208,42 +291,55 @@ impl Poller {
     }
 
     async fn read(&mut self, i: usize) -> Result<(Vec<RankTelemetry>, ProjectionNotes), Failure> {
-        match &self.sources[i] {
-            Source::Prometheus(u) => {
-                let body = fetch(&self.http, u.clone()).await?;
-                let text = String::from_utf8(body.to_vec()).map_err(|_| Failure {
-                    answered: true,
-                    reason: "body is not UTF-8".into(),
-                })?;
+        let src = self.sources[i].clone();
+        match fetch_source(src.clone(), self.http.clone()).await? {
+            Raw::Metrics(text) => {
                 let scrape = prom::parse(&text);
                 self.stats
                     .bad_lines
                     .fetch_add(scrape.bad_lines as u64, Relaxed);
-                Ok((
-                    prom::project(&scrape, &self.engine, Instant::now()),
-                    ProjectionNotes::default(),
-                ))
+                let ranks = prom::project(&scrape, &self.engine, Instant::now());
+                Ok((ranks, ProjectionNotes::default()))
             }
-            Source::Http(u) => {
-                let body = fetch(&self.http, u.clone()).await?;
-                let report = LoadsReport::from_json(&body).map_err(|reason| Failure {
-                    answered: true,
-                    reason,
-                })?;
-                Ok(self.project(&report))
-            }
-            Source::Grpc(client) => {
-                let client = (**client).clone();
-                // The gRPC port answering says nothing of the HTTP port traffic goes to, so a
-                // gRPC failure never counts as the engine being reachable.
-                let report = client.get_loads(None).await.map_err(Failure::silent)?;
-                if !self.dp_size_checked {
+            Raw::Loads(report) => {
+                if let (Source::Grpc(client), false) = (&src, self.dp_size_checked) {
                     self.dp_size_checked = true;
-                    self.check_dp_size(&client).await;
+                    self.check_dp_size(client).await;
                 }
                 Ok(self.project(&report))
             }
         }
+    }
+
+    /// Whether source `i` takes part in this poll. A source that is down does not; its probe
+    /// is started every `every` polls, and once one gets an answer the source is back.
+    async fn back_in_poll(&mut self, i: usize) -> bool {
+        let Some(d) = &mut self.down[i] else {
+            return true;
+        };
+        match d.probe.take() {
+            Some(p) if p.is_finished() => {
+                if p.await.unwrap_or(false) {
+                    self.down[i] = None;
+                    return true;
+                }
+                d.every = (d.every * 2).min(MAX_SKIP);
+                d.wait = d.every;
+            }
+            Some(p) => d.probe = Some(p),
+            None if d.wait > 0 => d.wait -= 1,
+            None => {
+                let (src, http, timeout) =
+                    (self.sources[i].clone(), self.http.clone(), self.cfg.timeout);
+                d.probe = Some(tokio::spawn(async move {
+                    matches!(
+                        tokio::time::timeout(timeout, fetch_source(src, http)).await,
+                        Ok(Ok(_))
+                    )
+                }));
+            }
+        }
+        false
     }
 
     fn project(&self, report: &LoadsReport) -> (Vec<RankTelemetry>, ProjectionNotes) {
