@@ -87,10 +87,6 @@ impl Selector {
         }
     }
 
-    pub fn policy(&self) -> Policy {
-        self.policy
-    }
-
     /// True when [`Selector::pick`] would find a rank now (the admin `/ready`).
     pub fn any_routable(&self, table: &Table) -> bool {
         let snap = table.snapshot.load();
