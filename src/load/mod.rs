@@ -25,7 +25,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 pub use dist::{Dist, TraceEntry};
-pub use report::{percentile, Report};
+pub use report::Report;
 
 /// Which OpenAI endpoint to call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]

@@ -24,15 +24,6 @@ pub struct Report {
     pub scheduled_rate: Option<f64>,
 }
 
-/// Percentile (0..=100) of a sorted slice, nearest-rank.
-pub fn percentile(sorted: &[Duration], p: f64) -> Option<Duration> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
-}
-
 /// p50 / p90 / p99 / p99.9 / max in milliseconds, from an HdrHistogram of microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct Percentiles {
@@ -85,17 +76,6 @@ impl Report {
         m
     }
 
-    /// Sorted TTFTs (or end-to-end times) of successful requests, optionally for one worker.
-    pub fn sorted(&self, worker: Option<&str>, ttft: bool) -> Vec<Duration> {
-        let mut v: Vec<Duration> = self
-            .ok()
-            .filter(|o| worker.is_none() || o.worker.as_deref() == worker)
-            .filter_map(|o| if ttft { o.ttft } else { Some(o.e2e) })
-            .collect();
-        v.sort();
-        v
-    }
-
     /// Successful requests per worker.
     pub fn per_worker(&self) -> BTreeMap<String, usize> {
         let mut m = BTreeMap::new();
@@ -107,11 +87,26 @@ impl Report {
     }
 
     pub fn ttft(&self) -> Percentiles {
-        Percentiles::of(self.ok().filter_map(|o| o.ttft))
+        self.ttft_of(None)
     }
 
     pub fn e2e(&self) -> Percentiles {
-        Percentiles::of(self.ok().map(|o| o.e2e))
+        self.e2e_of(None)
+    }
+
+    fn served_by<'a>(&'a self, worker: Option<&'a str>) -> impl Iterator<Item = &'a Outcome> {
+        self.ok()
+            .filter(move |o| worker.is_none() || o.worker.as_deref() == worker)
+    }
+
+    /// TTFT of the successful requests one worker served (all of them for `None`).
+    pub fn ttft_of(&self, worker: Option<&str>) -> Percentiles {
+        Percentiles::of(self.served_by(worker).filter_map(|o| o.ttft))
+    }
+
+    /// End-to-end time of the successful requests one worker served (all for `None`).
+    pub fn e2e_of(&self, worker: Option<&str>) -> Percentiles {
+        Percentiles::of(self.served_by(worker).map(|o| o.e2e))
     }
 
     pub fn itl(&self) -> Percentiles {
@@ -205,11 +200,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn nearest_rank_percentiles() {
+    fn hdr_percentiles() {
         let v: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
-        assert_eq!(percentile(&v, 50.0), Some(Duration::from_millis(50)));
-        assert_eq!(percentile(&v, 99.0), Some(Duration::from_millis(99)));
-        assert_eq!(percentile(&[], 50.0), None);
+        assert_eq!(Percentiles::of(std::iter::empty()).count, 0);
         let p = Percentiles::of(v.iter().copied());
         assert_eq!(p.count, 100);
         assert!(

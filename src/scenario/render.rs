@@ -6,10 +6,15 @@ use std::fmt::Write as _;
 use serde_json::{json, Value};
 
 use super::{PolicyRun, Scenario};
-use crate::load::percentile;
+use crate::load::report::Percentiles;
 
-fn ms(d: Option<std::time::Duration>) -> String {
-    d.map_or("-".into(), |d| format!("{:.0}", d.as_secs_f64() * 1000.0))
+/// Milliseconds, or "-" where the rank served nothing to measure.
+fn ms(p: &Percentiles, v: f64) -> String {
+    if p.count == 0 {
+        "-".into()
+    } else {
+        format!("{v:.0}")
+    }
 }
 
 /// The comparison table and one per-rank table per policy.
@@ -43,8 +48,8 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
         let _ = writeln!(o, "| rank | served | share | peak KV | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
         let _ = writeln!(o, "|---|---|---|---|---|---|---|---|");
         for x in &r.ranks {
-            let ttft = r.report.sorted(Some(&x.id), true);
-            let e2e = r.report.sorted(Some(&x.id), false);
+            let ttft = r.report.ttft_of(Some(&x.id));
+            let e2e = r.report.e2e_of(Some(&x.id));
             let _ = writeln!(
                 o,
                 "| @{} | {} | {:.0}% | {:.0}% | {} | {} | {} | {} |",
@@ -52,10 +57,10 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
                 x.served,
                 100.0 * x.served as f64 / total as f64,
                 100.0 * x.peak_kv,
-                ms(percentile(&ttft, 50.0)),
-                ms(percentile(&ttft, 99.0)),
-                ms(percentile(&e2e, 50.0)),
-                ms(percentile(&e2e, 99.0)),
+                ms(&ttft, ttft.p50),
+                ms(&ttft, ttft.p99),
+                ms(&e2e, e2e.p50),
+                ms(&e2e, e2e.p99),
             );
         }
     }
