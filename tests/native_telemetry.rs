@@ -366,25 +366,23 @@ async fn source_fallback_grpc_then_http_then_prometheus() {
 async fn each_engine_is_polled_once_per_interval_whatever_its_dp_size() {
     let (e, g) = grpc_engine(sim(Flavor::Vllm, 8, 0)).await;
     let cfg = "[telemetry]\ninterval = \"100ms\"\nstale_after = \"2s\"\n";
-    let r = router(
-        cfg,
-        &[with_sources(
-            engine_toml(&e.url(), "vllm", 8, 0),
-            &[&format!("grpc://{g}")],
-        )],
-    )
-    .await;
-    wait_state(&r, &[0, 7], "available").await;
-    let start = e.telemetry_requests();
-    let t0 = tokio::time::Instant::now();
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let polls = e.telemetry_requests() - start;
-    let intervals = t0.elapsed().as_millis() as u64 / 100;
-    // One GetLoads per interval for all eight ranks; per-rank polling would make it eight.
-    assert!(
-        polls >= 1 && polls <= intervals + 1,
-        "{polls} GetLoads in {intervals} intervals"
-    );
+    for source in [format!("grpc://{g}"), "prometheus".to_string()] {
+        let table = with_sources(engine_toml(&e.url(), "vllm", 8, 0), &[&source]);
+        let r = router(cfg, &[table]).await;
+        wait_state(&r, &[0, 7], "available").await;
+        let start = e.telemetry_requests();
+        let t0 = tokio::time::Instant::now();
+        // A fixed window to count in: this measures a rate, it waits for no event.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let polls = e.telemetry_requests() - start;
+        let intervals = t0.elapsed().as_millis() as u64 / 100;
+        // One GetLoads or scrape per interval for all eight ranks; per-rank polling makes eight.
+        assert!(
+            polls >= 1 && polls <= intervals + 1,
+            "{source}: {polls} polls in {intervals} intervals"
+        );
+        r.shutdown().await;
+    }
 }
 
 #[tokio::test]
