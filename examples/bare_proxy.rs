@@ -35,9 +35,8 @@ async fn main() -> anyhow::Result<()> {
             parts.headers.remove(http::header::HOST);
             let resp: Response<rankgate::proxy::ProxyBody> =
                 match client.request(Request::from_parts(parts, body)).await {
-                    Ok(r) => r.map(|b| rankgate::proxy::ProxyBody::Upstream {
-                        body: b,
-                        done: None,
+                    Ok(r) => r.map(|b| {
+                        rankgate::proxy::ProxyBody::upstream(b, false, Duration::from_secs(300))
                     }),
                     Err(e) => rankgate::http::openai_error(
                         StatusCode::BAD_GATEWAY,

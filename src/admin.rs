@@ -26,6 +26,8 @@ pub struct Admin {
     pub metrics: Arc<Metrics>,
     pub telemetry: Arc<TelemetryStats>,
     pub selector: Arc<Selector>,
+    /// Shutdown has begun: not ready for new clients, whatever the fleet.
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Admin {
@@ -43,7 +45,13 @@ impl Admin {
         Ok(match req.uri().path() {
             "/health" => respond(StatusCode::OK, "text/plain", "ok\n"),
             "/ready" => {
-                if self.selector.any_routable(&self.table) {
+                if self.draining.load(std::sync::atomic::Ordering::Relaxed) {
+                    respond(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "text/plain",
+                        "draining: shutting down\n",
+                    )
+                } else if self.selector.any_routable(&self.table) {
                     respond(StatusCode::OK, "text/plain", "ready\n")
                 } else {
                     respond(
@@ -86,7 +94,13 @@ impl Admin {
             .zip(&table.live)
             .map(|((w, view), live)| {
                 let engine = &table.fleet.engines[w.engine];
-                let reason = view.telemetry.unavailable_reason(now, table.stale_after);
+                // An ejected rank takes no traffic whatever its telemetry says, so that is its
+                // state.
+                let reason = live
+                    .outlier
+                    .ejection()
+                    .map(|e| e.to_string())
+                    .or_else(|| view.telemetry.unavailable_reason(now, table.stale_after));
                 let load = match &view.telemetry {
                     RankTelemetry::Available(l) => Some(l),
                     RankTelemetry::Unavailable { .. } => None,
@@ -109,6 +123,7 @@ impl Admin {
                     "upstream_loads": load.and_then(|l| l.upstream.as_deref()),
                     "age_ms": load.map(|l| now.saturating_duration_since(l.sampled_at).as_millis() as u64),
                     "in_flight": live.in_flight(),
+                    "consecutive_failures": live.outlier.failures(),
                     "models": &*snap.models[w.engine],
                 })
             })

@@ -3,17 +3,20 @@
 //! through [`Router::start`], so what the tests exercise is what runs.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
+use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
 use crate::config::Config;
+use crate::http::ServeOptions;
 use crate::metrics::Metrics;
 use crate::policy::Selector;
-use crate::proxy::Proxy;
+use crate::proxy::Shared;
 use crate::table::Table;
 use crate::telemetry::{self, TelemetryStats};
 use crate::worker::Fleet;
@@ -34,8 +37,15 @@ pub struct Router {
     pub table: Arc<Table>,
     pub metrics: Arc<Metrics>,
     pub selector: Arc<Selector>,
-    shutdown: watch::Sender<bool>,
-    tasks: JoinSet<()>,
+    /// Set once shutdown begins: `/ready` answers 503 from then on.
+    draining: Arc<AtomicBool>,
+    shutdown_delay: Duration,
+    /// Stops the front door's accept loop (its connections then drain).
+    stop_front: watch::Sender<bool>,
+    /// Stops telemetry and the admin listener, once the front door has drained.
+    stop_rest: watch::Sender<bool>,
+    front: JoinHandle<()>,
+    rest: Vec<JoinHandle<()>>,
 }
 
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
@@ -64,37 +74,42 @@ impl Router {
         let table = Table::new(fleet, cfg.telemetry.stale_after);
         let metrics = Arc::new(Metrics::new(table.fleet.workers.len()));
         let stats = Arc::new(TelemetryStats::new(table.fleet.workers.len()));
-        let (shutdown, rx) = watch::channel(false);
-        let mut tasks = JoinSet::new();
+        let (stop_front, front_rx) = watch::channel(false);
+        let (stop_rest, rest_rx) = watch::channel(false);
 
         let monitor = telemetry::spawn(
             table.clone(),
             cfg.telemetry.clone(),
             cfg.routing.request_kv_estimate,
             stats.clone(),
-            rx.clone(),
+            rest_rx.clone(),
         );
-        tasks.spawn(async move {
-            let _ = monitor.await;
-        });
 
-        let proxy = Arc::new(Proxy::new(&cfg, table.clone(), metrics.clone()));
-        let selector = proxy.selector().clone();
-        tasks.spawn(crate::http::serve(
+        let shared = Shared::new(&cfg, table.clone(), metrics.clone());
+        let selector = shared.selector.clone();
+        let front_opts = ServeOptions::front_door(&cfg.server);
+        tracing::debug!(
+            max_connections = front_opts.max_connections,
+            "front door limits"
+        );
+        let front = tokio::spawn(crate::http::serve_with(
             listener,
-            move |req| proxy.clone().handle(req),
-            rx.clone(),
+            crate::proxy::stack(&shared),
+            front_rx,
+            front_opts,
         ));
+        let draining = Arc::new(AtomicBool::new(false));
         let admin = Arc::new(Admin {
             table: table.clone(),
             metrics: metrics.clone(),
             telemetry: stats,
             selector: selector.clone(),
+            draining: draining.clone(),
         });
-        tasks.spawn(crate::http::serve(
+        let admin_task = tokio::spawn(crate::http::serve(
             admin_listener,
             move |req| admin.clone().handle(req),
-            rx,
+            rest_rx,
         ));
         tracing::info!(
             %addr, %admin_addr, workers = table.fleet.workers.len(),
@@ -106,14 +121,37 @@ impl Router {
             table,
             metrics,
             selector,
-            shutdown,
-            tasks,
+            draining,
+            shutdown_delay: cfg.server.shutdown_delay,
+            stop_front,
+            stop_rest,
+            front,
+            rest: vec![monitor, admin_task],
         })
     }
 
-    /// Stops accepting, lets requests in flight finish (within the drain grace), then returns.
-    pub async fn shutdown(mut self) {
-        let _ = self.shutdown.send(true);
-        while self.tasks.join_next().await.is_some() {}
+    /// Turns `/ready` to 503, so load balancers stop sending new clients; serving goes on.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Relaxed);
+    }
+
+    /// The rollout's shutdown: `/ready` turns 503 at once; new connections are still accepted
+    /// for `server.shutdown_delay` (while endpoints update), then accepting stops and requests
+    /// and streams in flight get up to `server.drain_grace` to finish; then everything stops.
+    pub async fn shutdown(self) {
+        self.begin_drain();
+        if !self.shutdown_delay.is_zero() {
+            tracing::info!(
+                delay_ms = self.shutdown_delay.as_millis() as u64,
+                "draining: still accepting until endpoints update"
+            );
+            tokio::time::sleep(self.shutdown_delay).await;
+        }
+        let _ = self.stop_front.send(true);
+        let _ = self.front.await;
+        let _ = self.stop_rest.send(true);
+        for task in self.rest {
+            let _ = task.await;
+        }
     }
 }

@@ -8,7 +8,9 @@
 //!   preference) and the single publisher; [`telemetry::prom`] and [`telemetry::loads`] project
 //!   what engines report onto their ranks.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
-//! - [`proxy`]: the OpenAI-compatible front door: pick, pin, stream.
+//! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.
+//! - [`proxy`]: the OpenAI-compatible front door, a stack of tower layers: route, admit, read,
+//!   retry, pick + pin, observe, time out, send.
 //! - [`proto`]: code generated from `proto/` (gRPC load services, health).
 //! - [`admin`]: `/health`, `/ready`, `/workers`, `/loads`, `/metrics`.
 //! - [`metrics`]: rankgate's own counters and histogram.
@@ -26,6 +28,7 @@ pub mod demo;
 pub mod http;
 pub mod load;
 pub mod metrics;
+pub mod outlier;
 pub mod policy;
 pub mod proto;
 pub mod proxy;

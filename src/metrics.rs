@@ -17,12 +17,13 @@ const BUCKETS: [f64; 14] = [
 ];
 
 /// Statuses rankgate answers itself, without reaching an engine.
-pub const OWN_STATUSES: [u16; 6] = [400, 404, 405, 413, 502, 503];
+pub const OWN_STATUSES: [u16; 10] = [400, 404, 405, 408, 413, 429, 500, 502, 503, 504];
 
 #[derive(Debug, Default)]
 struct WorkerCounters {
     /// Responses by status class 1xx..5xx.
     by_class: [AtomicU64; 5],
+    ejections: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -30,6 +31,8 @@ pub struct Metrics {
     workers: Vec<WorkerCounters>,
     own: [AtomicU64; OWN_STATUSES.len()],
     skipped_unavailable: AtomicU64,
+    retries: AtomicU64,
+    retries_refused: AtomicU64,
     buckets: [AtomicU64; BUCKETS.len()],
     latency_count: AtomicU64,
     latency_sum_us: AtomicU64,
@@ -41,6 +44,8 @@ impl Metrics {
             workers: (0..workers).map(|_| WorkerCounters::default()).collect(),
             own: Default::default(),
             skipped_unavailable: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            retries_refused: AtomicU64::new(0),
             buckets: Default::default(),
             latency_count: AtomicU64::new(0),
             latency_sum_us: AtomicU64::new(0),
@@ -62,6 +67,25 @@ impl Metrics {
 
     pub fn skipped_unavailable(&self) {
         self.skipped_unavailable.fetch_add(1, Relaxed);
+    }
+
+    /// A request was sent again, to another rank.
+    pub fn retried(&self) {
+        self.retries.fetch_add(1, Relaxed);
+    }
+
+    /// A retry was called for but the retry budget had none left.
+    pub fn retry_refused(&self) {
+        self.retries_refused.fetch_add(1, Relaxed);
+    }
+
+    pub fn retries_total(&self) -> u64 {
+        self.retries.load(Relaxed)
+    }
+
+    /// A rank was ejected after consecutive failures.
+    pub fn ejected(&self, worker: usize) {
+        self.workers[worker].ejections.fetch_add(1, Relaxed);
     }
 
     pub fn skipped_unavailable_total(&self) -> u64 {
@@ -107,6 +131,33 @@ impl Metrics {
             "rankgate_skipped_unavailable_total {}",
             self.skipped_unavailable_total()
         );
+
+        o.push_str("# HELP rankgate_retries_total Requests sent again to another rank after a failure before the first byte.\n# TYPE rankgate_retries_total counter\n");
+        let _ = writeln!(o, "rankgate_retries_total {}", self.retries.load(Relaxed));
+        o.push_str("# HELP rankgate_retries_refused_total Retries not made because the retry budget was spent.\n# TYPE rankgate_retries_refused_total counter\n");
+        let _ = writeln!(
+            o,
+            "rankgate_retries_refused_total {}",
+            self.retries_refused.load(Relaxed)
+        );
+        o.push_str("# HELP rankgate_ejections_total Times the rank was ejected after consecutive failures.\n# TYPE rankgate_ejections_total counter\n");
+        for (w, c) in workers.iter().zip(&self.workers) {
+            let _ = writeln!(
+                o,
+                "rankgate_ejections_total{{worker=\"{}\"}} {}",
+                w.id_text,
+                c.ejections.load(Relaxed)
+            );
+        }
+        o.push_str("# HELP rankgate_rank_ejected 1 while the rank is ejected.\n# TYPE rankgate_rank_ejected gauge\n");
+        for (w, live) in workers.iter().zip(&table.live) {
+            let _ = writeln!(
+                o,
+                "rankgate_rank_ejected{{worker=\"{}\"}} {}",
+                w.id_text,
+                live.outlier.ejection().is_some() as u8
+            );
+        }
 
         o.push_str("# HELP rankgate_proxy_duration_seconds Time from request arrival to the end of the response body.\n# TYPE rankgate_proxy_duration_seconds histogram\n");
         let mut cumulative = 0;

@@ -9,6 +9,10 @@
 //! mean, no body read), so a 1500-token prompt weighs like several short ones. A rank without
 //! fresh, valid telemetry is never scored: unknown is not idle.
 //!
+//! Every policy passes over ejected ranks (see [`crate::outlier`]) and the ranks a retry must
+//! avoid; `least_kv` also weighs each rank's consecutive failures, so a rank that fails fast
+//! never looks like the idlest one.
+//!
 //! The pick is one `ArcSwap` load plus relaxed atomic reads: no lock on the request path.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -18,6 +22,7 @@ use rand::Rng;
 use tokio::time::Instant;
 
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
+use crate::outlier::{Admit, FAILURE_WEIGHT};
 use crate::table::{InFlight, Snapshot, Table, UNIT_WEIGHT};
 
 /// Why no rank was picked.
@@ -35,6 +40,38 @@ pub struct Picked {
     pub guard: InFlight,
     /// At least one rank was passed over because its telemetry was missing, stale or invalid.
     pub skipped_unavailable: bool,
+    /// The request is the trial of a rank whose ejection ran out.
+    pub trial: bool,
+}
+
+/// Ranks a retry must not land on again: the ones that failed it, and every rank of an engine
+/// that failed it at the transport level. Empty (and allocation-free) on a first attempt.
+#[derive(Debug, Clone, Default)]
+pub struct Avoid {
+    workers: Vec<usize>,
+    engines: Vec<usize>,
+}
+
+impl Avoid {
+    pub fn worker(&mut self, w: usize) {
+        self.workers.push(w);
+    }
+
+    pub fn engine(&mut self, e: usize) {
+        self.engines.push(e);
+    }
+
+    #[inline]
+    fn blocks(&self, table: &Table, w: usize) -> bool {
+        !self.workers.is_empty() && self.workers.contains(&w)
+            || !self.engines.is_empty() && self.engines.contains(&table.fleet.workers[w].engine)
+    }
+}
+
+/// Whether worker `w` may be picked at all: not ejected (or due for its trial), not avoided.
+#[inline]
+fn eligible(table: &Table, w: usize, avoid: &Avoid) -> bool {
+    table.live[w].outlier.admit() != Admit::No && !avoid.blocks(table, w)
 }
 
 /// Chooses ranks according to the configured policy.
@@ -91,34 +128,44 @@ impl Selector {
     pub fn any_routable(&self, table: &Table) -> bool {
         let snap = table.snapshot.load();
         let now = Instant::now();
-        let reachable = snap.ranks.iter().any(|r| r.reachable);
+        let none = Avoid::default();
+        let ok = |w: usize| eligible(table, w, &none);
+        let reachable = (0..snap.ranks.len()).any(|w| ok(w) && snap.ranks[w].reachable);
+        let fresh = || {
+            (0..snap.ranks.len()).any(|w| {
+                ok(w)
+                    && snap.ranks[w]
+                        .telemetry
+                        .fresh(now, table.stale_after)
+                        .is_some()
+            })
+        };
         match (self.policy, self.no_telemetry) {
-            (Policy::LeastKv, NoTelemetry::Reject) => snap
-                .ranks
-                .iter()
-                .any(|r| r.telemetry.fresh(now, table.stale_after).is_some()),
-            (Policy::LeastKv, NoTelemetry::LeastInFlight) => {
-                reachable
-                    || snap
-                        .ranks
-                        .iter()
-                        .any(|r| r.telemetry.fresh(now, table.stale_after).is_some())
-            }
+            (Policy::LeastKv, NoTelemetry::Reject) => fresh(),
+            (Policy::LeastKv, NoTelemetry::LeastInFlight) => reachable || fresh(),
             _ => reachable,
         }
     }
 
-    /// Picks a worker and marks one request, of this body size if known, in flight on it.
-    pub fn pick(&self, table: &Arc<Table>, content_length: Option<u64>) -> Result<Picked, NoRank> {
+    /// Picks a worker, not one of `avoid`'s, and marks one request, of this body size if known,
+    /// in flight on it.
+    pub fn pick(
+        &self,
+        table: &Arc<Table>,
+        content_length: Option<u64>,
+        avoid: &Avoid,
+    ) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();
         let mut rng = rand::rng();
+        let usable = |w: usize| snap.ranks[w].reachable && eligible(table, w, avoid);
         let (choice, skipped) = match self.policy {
-            Policy::LeastKv => match least_kv(table, &snap, Instant::now(), &mut rng) {
+            Policy::LeastKv => match least_kv(table, &snap, Instant::now(), avoid, &mut rng) {
                 Some((w, skipped)) => (w, skipped),
                 None => match self.no_telemetry {
                     NoTelemetry::Reject => return Err(NoRank::NoTelemetry),
                     NoTelemetry::LeastInFlight => (
-                        least_in_flight(table, &snap, &mut rng).ok_or(NoRank::NoneReachable)?,
+                        least_in_flight(table, &snap, avoid, &mut rng)
+                            .ok_or(NoRank::NoneReachable)?,
                         true,
                     ),
                 },
@@ -128,26 +175,29 @@ impl Selector {
                 let start = self.rr.fetch_add(1, Relaxed) as usize;
                 let w = (0..n)
                     .map(|i| (start + i) % n)
-                    .find(|&w| snap.ranks[w].reachable)
+                    .find(|&w| usable(w))
                     .ok_or(NoRank::NoneReachable)?;
                 (w, false)
             }
             Policy::Random => {
-                let reachable = snap.ranks.iter().filter(|r| r.reachable).count();
-                if reachable == 0 {
+                let count = (0..snap.ranks.len()).filter(|&w| usable(w)).count();
+                if count == 0 {
                     return Err(NoRank::NoneReachable);
                 }
-                let k = rng.random_range(0..reachable);
+                let k = rng.random_range(0..count);
                 let w = (0..snap.ranks.len())
-                    .filter(|&w| snap.ranks[w].reachable)
+                    .filter(|&w| usable(w))
                     .nth(k)
                     .ok_or(NoRank::NoneReachable)?;
                 (w, false)
             }
         };
+        let outlier = &table.live[choice].outlier;
+        let trial = outlier.admit() == Admit::Trial && outlier.start_trial();
         Ok(Picked {
             guard: InFlight::start(table.clone(), choice, self.sizer.weight(content_length)),
             skipped_unavailable: skipped,
+            trial,
         })
     }
 }
@@ -164,7 +214,8 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
         .saturating_sub(view.weight_at_poll);
     let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
     let queued = load.waiting.unwrap_or(0) as f64;
-    Some(load.kv_usage + (queued + unreported) * view.kv_per_request)
+    let failing = live.outlier.failures() as f64 * FAILURE_WEIGHT;
+    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing)
 }
 
 /// Lowest score among ranks with fresh telemetry, ties broken at random. Returns the worker and
@@ -173,10 +224,14 @@ fn least_kv(
     table: &Table,
     snap: &Snapshot,
     now: Instant,
+    avoid: &Avoid,
     rng: &mut impl Rng,
 ) -> Option<(usize, bool)> {
     let mut skipped = false;
     let scored = (0..snap.ranks.len()).filter_map(|w| {
+        if !eligible(table, w, avoid) {
+            return None;
+        }
         let s = score(table, snap, w, now);
         skipped |= s.is_none();
         s.map(|s| (w, s))
@@ -186,11 +241,22 @@ fn least_kv(
     best.map(|w| (w, skipped))
 }
 
-/// Fewest requests in flight among reachable ranks, ties at random.
-fn least_in_flight(table: &Table, snap: &Snapshot, rng: &mut impl Rng) -> Option<usize> {
+/// Fewest requests in flight (and recent failures) among reachable ranks, ties at random.
+fn least_in_flight(
+    table: &Table,
+    snap: &Snapshot,
+    avoid: &Avoid,
+    rng: &mut impl Rng,
+) -> Option<usize> {
     let counts = (0..snap.ranks.len())
-        .filter(|&w| snap.ranks[w].reachable)
-        .map(|w| (w, table.live[w].in_flight() as f64));
+        .filter(|&w| snap.ranks[w].reachable && eligible(table, w, avoid))
+        .map(|w| {
+            let live = &table.live[w];
+            (
+                w,
+                (live.in_flight() + live.outlier.failures() as u64) as f64,
+            )
+        });
     min_with_random_ties(counts, 0.0, rng)
 }
 
@@ -264,6 +330,11 @@ mod tests {
             no_telemetry,
             request_kv_estimate: 0.02,
             retry_after_secs: 1,
+            max_attempts: 3,
+            retry_buffer_bytes: 1 << 20,
+            retry_budget: 0.2,
+            eject_after: 5,
+            eject_for: Duration::from_secs(10),
         })
     }
 
@@ -276,13 +347,13 @@ mod tests {
         let mut guards = Vec::new();
         // Rank 1 starts 0.20 lower; at 0.02 per request it takes ten before rank 0 ties.
         for _ in 0..10 {
-            let p = s.pick(&t, None).unwrap();
+            let p = s.pick(&t, None, &Avoid::default()).unwrap();
             assert_eq!(p.guard.worker(), 1);
             guards.push(p);
         }
         let mut counts = [0; 2];
         for _ in 0..20 {
-            let p = s.pick(&t, None).unwrap();
+            let p = s.pick(&t, None, &Avoid::default()).unwrap();
             counts[p.guard.worker()] += 1;
             guards.push(p);
         }
@@ -302,12 +373,12 @@ mod tests {
         for _ in 0..40 {
             s.sizer.weight(Some(800));
         }
-        let big = s.pick(&t, Some(8000)).unwrap();
+        let big = s.pick(&t, Some(8000), &Avoid::default()).unwrap();
         let other = 1 - big.guard.worker();
         // Its rank now carries about ten typical requests: the next nine go to the other one.
         let mut guards = Vec::new();
         for _ in 0..9 {
-            let p = s.pick(&t, Some(800)).unwrap();
+            let p = s.pick(&t, Some(800), &Avoid::default()).unwrap();
             assert_eq!(p.guard.worker(), other);
             guards.push(p);
         }
@@ -323,7 +394,7 @@ mod tests {
         set(&t, vec![available(0.30, now), available(0.10, now)]);
         let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
         for _ in 0..50 {
-            let p = s.pick(&t, None).unwrap();
+            let p = s.pick(&t, None, &Avoid::default()).unwrap();
             assert_eq!(p.guard.worker(), 1, "completed work must not be credited");
         }
     }
@@ -338,11 +409,14 @@ mod tests {
         }
         set(&t, vec![old.clone(), available(0.9, now)]);
         let s = selector(Policy::LeastKv, NoTelemetry::Reject);
-        let p = s.pick(&t, None).unwrap();
+        let p = s.pick(&t, None, &Avoid::default()).unwrap();
         assert_eq!(p.guard.worker(), 1);
         assert!(p.skipped_unavailable);
         set(&t, vec![old.clone(), old]);
-        assert_eq!(s.pick(&t, None).unwrap_err(), NoRank::NoTelemetry);
+        assert_eq!(
+            s.pick(&t, None, &Avoid::default()).unwrap_err(),
+            NoRank::NoTelemetry
+        );
     }
 
     #[test]
@@ -353,13 +427,16 @@ mod tests {
         views[2].reachable = true;
         set(&t, views);
         let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
-        let a = s.pick(&t, None).unwrap();
-        let b = s.pick(&t, None).unwrap();
+        let a = s.pick(&t, None, &Avoid::default()).unwrap();
+        let b = s.pick(&t, None, &Avoid::default()).unwrap();
         let mut got = [a.guard.worker(), b.guard.worker()];
         got.sort();
         assert_eq!(got, [1, 2]);
         set(&t, vec![RankView::initial(); 3]);
-        assert_eq!(s.pick(&t, None).unwrap_err(), NoRank::NoneReachable);
+        assert_eq!(
+            s.pick(&t, None, &Avoid::default()).unwrap_err(),
+            NoRank::NoneReachable
+        );
     }
 
     #[test]
@@ -371,7 +448,7 @@ mod tests {
         set(&t, views);
         let s = selector(Policy::RoundRobin, NoTelemetry::LeastInFlight);
         let picks: Vec<usize> = (0..4)
-            .map(|_| s.pick(&t, None).unwrap().guard.worker())
+            .map(|_| s.pick(&t, None, &Avoid::default()).unwrap().guard.worker())
             .collect();
         assert_eq!(picks, [0, 2, 2, 0]);
     }
@@ -410,7 +487,7 @@ mod tests {
             }
             let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
             for _ in 0..picks {
-                let p = s.pick(&t, None).unwrap();
+                let p = s.pick(&t, None, &Avoid::default()).unwrap();
                 if usable.iter().any(|u| *u) {
                     prop_assert!(usable[p.guard.worker()], "picked unavailable rank {}", p.guard.worker());
                 }

@@ -131,6 +131,8 @@ pub struct Live {
     /// The same two, each request counted by its weight (see [`UNIT_WEIGHT`]).
     pub dispatched_weight: AtomicU64,
     pub completed_weight: AtomicU64,
+    /// Consecutive failures and ejection (see [`crate::outlier`]).
+    pub outlier: crate::outlier::State,
 }
 
 impl Live {

@@ -1,38 +1,73 @@
-//! The proxy's bodies: the request body sent upstream (streamed with a size cap, or rewritten
-//! whole), and the response body that streams the engine's answer back while holding the
-//! request's in-flight guard until its last frame.
+//! The proxy's bodies: the request body sent upstream (kept whole for replays, or streamed with a
+//! size cap and a stall timeout), and the response body that streams the engine's answer back,
+//! bounded by the stream idle timeout, while holding the request's guards until its last frame.
+//!
+//! A stream that breaks after its first byte can no longer become an error status, so when it is
+//! an SSE stream it ends with one final `data: {"error": ...}` event: clients (the OpenAI SDKs
+//! among them) then raise an error instead of hanging or taking a cut answer as complete.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
+use http::StatusCode;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use tokio::time::Instant;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::{Instant, Sleep};
 
 use crate::metrics::Metrics;
 use crate::table::InFlight;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The body of a request sent to an engine.
-#[derive(Debug)]
-pub enum UpstreamBody {
-    /// The client's body, passed through with a size cap.
-    Stream {
-        body: Incoming,
-        remaining: usize,
-    },
-    Full(Option<Bytes>),
-}
-
 /// The client's body outgrew `server.max_body_bytes` while streaming.
 #[derive(Debug, thiserror::Error)]
 #[error("request body exceeds {0} bytes")]
 pub struct BodyTooLarge(pub usize);
 
-impl Body for UpstreamBody {
+/// The client's body broke (cut short, bad chunking) or stalled: the client's fault, never the
+/// engine's, whatever error the upstream client wraps it in.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientBodyError {
+    #[error("reading the request body: {0}")]
+    Broken(String),
+    #[error("request body stalled: no data for {} ms (server.body_read_timeout)", .0.as_millis())]
+    Stalled(Duration),
+}
+
+/// The body of a request sent to an engine.
+#[derive(Debug)]
+pub enum RequestBody {
+    /// The whole body, as the client sent it: cloning it for a replay copies nothing.
+    Full(Bytes),
+    /// A body too large to keep: what was read of it, then the rest as it arrives.
+    Stream(Box<StreamBody>),
+}
+
+#[derive(Debug)]
+pub struct StreamBody {
+    pub prefix: Option<Bytes>,
+    pub body: Incoming,
+    pub remaining: usize,
+    pub stall: Duration,
+    pub timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl RequestBody {
+    /// A copy for another attempt, when the body is kept whole.
+    pub fn replay(&self) -> Option<RequestBody> {
+        match self {
+            RequestBody::Full(b) => Some(RequestBody::Full(b.clone())),
+            RequestBody::Stream(_) => None,
+        }
+    }
+}
+
+impl Body for RequestBody {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -40,46 +75,72 @@ impl Body for UpstreamBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            UpstreamBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            UpstreamBody::Stream { body, remaining } => match Pin::new(body).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => {
-                    if let Some(data) = frame.data_ref() {
-                        if data.len() > *remaining {
-                            return Poll::Ready(Some(Err(Box::new(BodyTooLarge(*remaining)))));
-                        }
-                        *remaining -= data.len();
+        let s = match self.get_mut() {
+            RequestBody::Full(b) if b.is_empty() => return Poll::Ready(None),
+            RequestBody::Full(b) => return Poll::Ready(Some(Ok(Frame::data(std::mem::take(b))))),
+            RequestBody::Stream(s) => s,
+        };
+        if let Some(p) = s.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(p))));
+        }
+        match Pin::new(&mut s.body).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                s.timer = None;
+                if let Some(data) = frame.data_ref() {
+                    if data.len() > s.remaining {
+                        return Poll::Ready(Some(Err(Box::new(BodyTooLarge(s.remaining)))));
                     }
-                    Poll::Ready(Some(Ok(frame)))
+                    s.remaining -= data.len();
                 }
-                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
-                Poll::Ready(None) => Poll::Ready(None),
-                Poll::Pending => Poll::Pending,
-            },
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                Poll::Ready(Some(Err(Box::new(ClientBodyError::Broken(e.to_string())))))
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => {
+                let stall = s.stall;
+                let timer = s
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        Poll::Ready(Some(Err(Box::new(ClientBodyError::Stalled(stall)))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            UpstreamBody::Full(b) => b.is_none(),
-            UpstreamBody::Stream { body, .. } => body.is_end_stream(),
+            RequestBody::Full(b) => b.is_empty(),
+            RequestBody::Stream(s) => s.prefix.is_none() && s.body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            UpstreamBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
-            UpstreamBody::Stream { body, .. } => body.size_hint(),
+            RequestBody::Full(b) => SizeHint::with_exact(b.len() as u64),
+            RequestBody::Stream(s) => {
+                let mut h = s.body.size_hint();
+                let p = s.prefix.as_ref().map_or(0, |p| p.len() as u64);
+                h.set_lower(h.lower() + p);
+                if let Some(u) = h.upper() {
+                    h.set_upper(u + p);
+                }
+                h
+            }
         }
     }
 }
 
-/// Closes the books on one proxied request when the response body ends or is dropped.
+/// Records one proxied request's latency when its response body ends or is dropped.
 #[derive(Debug)]
 pub struct Done {
-    pub(super) _guard: InFlight,
-    pub(super) started: Instant,
-    pub(super) metrics: Arc<Metrics>,
+    pub started: Instant,
+    pub metrics: Arc<Metrics>,
 }
 
 impl Drop for Done {
@@ -88,54 +149,171 @@ impl Drop for Done {
     }
 }
 
+/// What a response holds until its body ends; each layer of the stack puts its own guard here.
+#[derive(Debug, Default)]
+pub struct Holds {
+    /// The request in flight on its rank (pick).
+    pub in_flight: Option<InFlight>,
+    /// A slot under `server.max_in_flight` (admission).
+    pub admitted: Option<super::admit::Admitted>,
+    /// A connection slot under `server.max_engine_connections` (send).
+    pub connection: Option<OwnedSemaphorePermit>,
+    /// Latency, recorded at the end (respond).
+    pub done: Option<Done>,
+    /// Told if the upstream stream breaks (outlier accounting).
+    pub on_break: Option<super::observe::BreakWatch>,
+}
+
 /// The body of a response to the client.
 #[derive(Debug)]
-pub enum ProxyBody {
+pub struct ProxyBody {
+    kind: Kind,
+    pub holds: Holds,
+}
+
+#[derive(Debug)]
+enum Kind {
     Full(Option<Bytes>),
-    /// The engine's body, streamed frame by frame; `done` is released at its end.
-    Upstream {
-        body: Incoming,
-        done: Option<Box<Done>>,
-    },
+    Upstream(Box<Upstream>),
+}
+
+#[derive(Debug)]
+struct Upstream {
+    body: Option<Incoming>,
+    /// SSE: a break ends the stream with an error event instead of cutting it.
+    sse: bool,
+    idle: Duration,
+    last_frame: Instant,
+    /// Armed only once the engine makes the client wait, so a body that is already there costs
+    /// no timer.
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+/// Why an upstream stream ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("engine stream broke: {0}")]
+    Broken(String),
+    #[error("engine sent nothing for {} ms (server.stream_idle_timeout)", .0.as_millis())]
+    Idle(Duration),
+}
+
+impl ProxyBody {
+    /// An engine's response body, streamed back with a limit on the gap between chunks.
+    pub fn upstream(body: Incoming, sse: bool, idle: Duration) -> ProxyBody {
+        ProxyBody {
+            kind: Kind::Upstream(Box::new(Upstream {
+                body: Some(body),
+                sse,
+                idle,
+                last_frame: Instant::now(),
+                timer: None,
+            })),
+            holds: Holds::default(),
+        }
+    }
+
+    /// Ends the stream: releases the engine's body and every guard, and says why.
+    fn broke(&mut self, err: StreamError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(watch) = self.holds.on_break.take() {
+            watch.fire(matches!(err, StreamError::Idle(_)));
+        }
+        tracing::warn!(error = %err, "stream cut after its first byte");
+        self.holds = Holds::default();
+        let Kind::Upstream(up) = &mut self.kind else {
+            return Poll::Ready(None);
+        };
+        up.body = None;
+        if up.sse {
+            let status = match err {
+                StreamError::Idle(_) => StatusCode::GATEWAY_TIMEOUT,
+                StreamError::Broken(_) => StatusCode::BAD_GATEWAY,
+            };
+            let json = crate::http::error_json(status, "UpstreamError", &err.to_string());
+            let mut event = Vec::with_capacity(json.len() + 8);
+            event.extend_from_slice(b"data: ");
+            event.extend_from_slice(&json);
+            event.extend_from_slice(b"\n\n");
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))));
+        }
+        Poll::Ready(Some(Err(Box::new(err))))
+    }
 }
 
 impl From<Bytes> for ProxyBody {
     fn from(b: Bytes) -> Self {
-        ProxyBody::Full(Some(b))
+        ProxyBody {
+            kind: Kind::Full(Some(b)),
+            holds: Holds::default(),
+        }
     }
 }
 
 impl Body for ProxyBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.get_mut() {
-            ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Upstream { body, done } => {
-                let r = Pin::new(body).poll_frame(cx);
-                if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-                    done.take();
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let up = match &mut this.kind {
+            Kind::Full(b) => return Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Kind::Upstream(up) => up,
+        };
+        let Some(body) = &mut up.body else {
+            return Poll::Ready(None);
+        };
+        match Pin::new(body).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if up.timer.is_some() {
+                    up.last_frame = Instant::now();
                 }
-                r
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.broke(StreamError::Broken(crate::http::error_chain(&e)))
+            }
+            Poll::Ready(None) => {
+                up.body = None;
+                this.holds = Holds::default();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                let idle = up.idle;
+                let timer = up.timer.get_or_insert_with(|| {
+                    up.last_frame = Instant::now();
+                    Box::pin(tokio::time::sleep(idle))
+                });
+                // The deadline moves lazily: only when the timer fires is it checked against
+                // the last frame, so a busy stream costs no timer update per chunk.
+                while timer.as_mut().poll(cx).is_ready() {
+                    let due = up.last_frame + idle;
+                    if Instant::now() >= due {
+                        return this.broke(StreamError::Idle(idle));
+                    }
+                    timer.as_mut().reset(due);
+                }
+                Poll::Pending
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        match self {
-            ProxyBody::Full(b) => b.is_none(),
-            ProxyBody::Upstream { body, .. } => body.is_end_stream(),
+        match &self.kind {
+            Kind::Full(b) => b.is_none(),
+            Kind::Upstream(up) => up.body.as_ref().is_none_or(|b| b.is_end_stream()),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self {
-            ProxyBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
-            ProxyBody::Upstream { body, .. } => body.size_hint(),
+        match &self.kind {
+            Kind::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Kind::Upstream(up) => up
+                .body
+                .as_ref()
+                .map_or_else(SizeHint::default, |b| b.size_hint()),
         }
     }
 }

@@ -1,0 +1,81 @@
+//! HTTP plumbing shared by the front door, the admin listener and the simulated engine: the
+//! accept loop ([`serve`]: HTTP/1.1 and h2c, bounded client connections, graceful drain), pooled
+//! upstream clients, and the OpenAI-shaped error body.
+
+mod serve;
+
+pub use serve::{serve, serve_with, shutdown_signalled, ServeOptions, Shutdown, Throttle};
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use hyper::body::Body;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+/// A pooled, keep-alive HTTP/1.1 client for upstream engines.
+pub fn client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
+where
+    B: Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .pool_timer(TokioTimer::new())
+        .build(connector)
+}
+
+/// Renders an error with its sources, since hyper's top-level message alone ("client error
+/// (Connect)") does not say what went wrong.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
+/// The OpenAI error JSON body.
+pub fn error_json(status: StatusCode, kind: &str, message: &str) -> Bytes {
+    let body = serde_json::json!({
+        "error": { "message": message, "type": kind, "param": null, "code": status.as_u16() }
+    });
+    Bytes::from(body.to_string())
+}
+
+/// A response with a whole body of the given content type.
+pub fn respond<B: From<Bytes>>(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<B> {
+    let mut resp = Response::new(B::from(body.into()));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp
+}
+
+/// An error response in the OpenAI error JSON shape.
+pub fn openai_error<B: From<Bytes>>(status: StatusCode, kind: &str, message: &str) -> Response<B> {
+    respond(
+        status,
+        "application/json",
+        error_json(status, kind, message),
+    )
+}
+
+/// A JSON response.
+pub fn json_response<B: From<Bytes>>(status: StatusCode, value: &serde_json::Value) -> Response<B> {
+    respond(status, "application/json", value.to_string())
+}

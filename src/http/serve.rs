@@ -1,0 +1,375 @@
+//! The accept loop: HTTP/1.1 and h2c on one port, every client connection bounded.
+//!
+//! A front door that waits forever on its clients is one a few thousand idle sockets can take
+//! down, so each connection lives under a deadline: its first request's headers must arrive
+//! within `header_read_timeout` (the HTTP version sniff and the h2 preface included, which hyper's
+//! own HTTP/1 header timeout does not cover), and a connection with no request in progress is
+//! closed after `idle_timeout`. Accepting pauses at `max_connections`, whose default leaves file
+//! descriptors for the upstream connections and the admin listener, so the admin listener keeps
+//! answering when the front door is full. Shutdown stops accepting, lets requests and streams in
+//! flight finish for the drain grace, then returns.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::time::Instant;
+
+use crate::config::ServerConfig;
+
+/// A shutdown signal: `true` once shutdown is asked for.
+pub type Shutdown = watch::Receiver<bool>;
+
+/// Resolves when `shutdown` flips to true (or its sender is gone).
+pub async fn shutdown_signalled(shutdown: &mut Shutdown) {
+    while !*shutdown.borrow_and_update() {
+        if shutdown.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// File descriptors kept back from client connections for listeners, telemetry and logs.
+const RESERVED_FDS: usize = 64;
+
+/// Limits on one listener's client connections.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub h2_keepalive: Duration,
+    pub max_header_bytes: usize,
+    pub max_connections: usize,
+    pub drain_grace: Duration,
+}
+
+impl Default for ServeOptions {
+    /// For listeners that only trusted peers use (admin, the simulated engine).
+    fn default() -> Self {
+        ServeOptions {
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            h2_keepalive: Duration::from_secs(20),
+            max_header_bytes: 64 * 1024,
+            max_connections: 256,
+            drain_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+impl ServeOptions {
+    /// The front door's limits, from `[server]`.
+    pub fn front_door(cfg: &ServerConfig) -> ServeOptions {
+        ServeOptions {
+            header_read_timeout: cfg.header_read_timeout,
+            idle_timeout: cfg.idle_timeout,
+            h2_keepalive: cfg.h2_keepalive_interval,
+            max_header_bytes: cfg.max_header_bytes,
+            max_connections: cfg.max_connections.unwrap_or_else(default_max_connections),
+            drain_grace: cfg.drain_grace,
+        }
+    }
+}
+
+/// Half the file descriptors this process may open, less a reserve: each client connection may
+/// need one upstream connection too, and the admin listener must still find one to accept with.
+pub fn default_max_connections() -> usize {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes only into the struct it is given.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX)
+    } else {
+        1024
+    };
+    (soft.saturating_sub(RESERVED_FDS) / 2).clamp(16, 1 << 20)
+}
+
+/// Logs at most once per period, counting what it held back, so a storm of identical failures
+/// (accept errors, 503s) is one line every few seconds instead of thousands.
+#[derive(Debug)]
+pub struct Throttle {
+    period: Duration,
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl Throttle {
+    pub fn new(period: Duration) -> Throttle {
+        Throttle {
+            period,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(suppressed)` when the caller should log now, with how many were held back since.
+    pub fn allow(&self) -> Option<u64> {
+        let now = Instant::now();
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match s.0 {
+            Some(last) if now.saturating_duration_since(last) < self.period => {
+                s.1 += 1;
+                None
+            }
+            _ => {
+                let held = s.1;
+                *s = (Some(now), 0);
+                Some(held)
+            }
+        }
+    }
+}
+
+/// Serves a handler function with the default limits; see [`serve_with`].
+pub async fn serve<F, Fut, B>(listener: TcpListener, handler: F, shutdown: Shutdown)
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<B>, Infallible>> + Send + 'static,
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    serve_with(
+        listener,
+        tower::service_fn(handler),
+        shutdown,
+        ServeOptions::default(),
+    )
+    .await
+}
+
+/// Serves `svc` on `listener` (HTTP/1.1 and h2c on the same port) until `shutdown`, then waits
+/// up to the drain grace for requests in flight to finish.
+pub async fn serve_with<S, B>(
+    listener: TcpListener,
+    svc: S,
+    mut shutdown: Shutdown,
+    opts: ServeOptions,
+) where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .keep_alive(true)
+        .max_buf_size(opts.max_header_bytes)
+        // The connection watch below owns header and idle deadlines; hyper's own HTTP/1 header
+        // timer (it also runs while a keep-alive connection idles) only backs it up.
+        .header_read_timeout(opts.header_read_timeout + opts.idle_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(opts.h2_keepalive)
+        .keep_alive_timeout(opts.h2_keepalive)
+        .max_header_list_size(opts.max_header_bytes as u32);
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(opts.max_connections));
+    let accept_errors = Throttle::new(Duration::from_secs(5));
+    let mut at_cap = false;
+    loop {
+        // Accepting pauses at the cap: the kernel's backlog holds new clients meanwhile.
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(s) => s,
+            Err(_) => {
+                if !std::mem::replace(&mut at_cap, true) {
+                    tracing::warn!(
+                        max_connections = opts.max_connections,
+                        "connection limit reached: accepting paused"
+                    );
+                }
+                tokio::select! {
+                    s = slots.clone().acquire_owned() => match s {
+                        Ok(s) => s,
+                        Err(_) => break,
+                    },
+                    _ = shutdown_signalled(&mut shutdown) => break,
+                }
+            }
+        };
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Out of file descriptors must not end the server, nor flood the log.
+                    if let Some(held) = accept_errors.allow() {
+                        tracing::warn!(error = %e, repeated = held, "accept failed");
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown_signalled(&mut shutdown) => break,
+        };
+        at_cap = false;
+        let _ = stream.set_nodelay(true);
+        let activity = Arc::new(Activity::new());
+        let svc = TowerToHyperService::new(Tracked {
+            inner: svc.clone(),
+            activity: activity.clone(),
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn.into_owned());
+        let opts = opts.clone();
+        tokio::spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            loop {
+                // A busy connection has no deadline here (its bodies have their own timeouts),
+                // but is looked at again later, when it may have gone idle.
+                let wake = activity
+                    .deadline(&opts)
+                    .unwrap_or_else(|| Instant::now() + opts.idle_timeout);
+                tokio::select! {
+                    r = &mut conn => {
+                        if let Err(e) = r {
+                            tracing::debug!(error = %e, "connection ended with error");
+                        }
+                        break;
+                    }
+                    _ = tokio::time::sleep_until(wake) => {
+                        if activity.deadline(&opts).is_some_and(|d| d <= Instant::now()) {
+                            tracing::debug!("client connection closed: no request within its timeout");
+                            break;
+                        }
+                    }
+                }
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(opts.drain_grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("drain grace expired with connections still open");
+    }
+}
+
+/// What the connection watch needs to know of one client connection.
+struct Activity {
+    opened: Instant,
+    /// Requests whose response has not ended yet.
+    active: AtomicUsize,
+    /// Requests ever started on the connection.
+    started: AtomicU64,
+    /// Milliseconds after `opened` when the connection last went idle.
+    idle_since_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            opened: Instant::now(),
+            active: AtomicUsize::new(0),
+            started: AtomicU64::new(0),
+            idle_since_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// When the connection must close if nothing changes, or `None` while a request is in
+    /// progress.
+    fn deadline(&self, opts: &ServeOptions) -> Option<Instant> {
+        if self.active.load(Relaxed) > 0 {
+            return None;
+        }
+        if self.started.load(Relaxed) == 0 {
+            return Some(self.opened + opts.header_read_timeout);
+        }
+        let idle = Duration::from_millis(self.idle_since_ms.load(Relaxed));
+        Some(self.opened + idle + opts.idle_timeout)
+    }
+}
+
+/// Counts a request as active on its connection until its response body ends.
+struct ActiveGuard(Arc<Activity>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        let a = &self.0;
+        a.idle_since_ms
+            .store(a.opened.elapsed().as_millis() as u64, Relaxed);
+        a.active.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Wraps a connection's service to keep its [`Activity`] current.
+#[derive(Clone)]
+struct Tracked<S> {
+    inner: S,
+    activity: Arc<Activity>,
+}
+
+impl<S, B> tower::Service<Request<Incoming>> for Tracked<S>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<TrackedBody<B>>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        self.activity.started.fetch_add(1, Relaxed);
+        self.activity.active.fetch_add(1, Relaxed);
+        let guard = ActiveGuard(self.activity.clone());
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let resp = fut.await?;
+            Ok(resp.map(|body| TrackedBody {
+                body,
+                _guard: guard,
+            }))
+        })
+    }
+}
+
+/// A response body that keeps its request active on the connection until it ends.
+pub struct TrackedBody<B> {
+    body: B,
+    _guard: ActiveGuard,
+}
+
+impl<B: Body + Unpin> Body for TrackedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}

@@ -1,0 +1,151 @@
+//! Outlier accounting: each attempt's outcome is recorded on its rank (see [`crate::outlier`]).
+//! 5xx answers and response timeouts count against the rank, transport failures against every
+//! rank of the engine; 4xx answers, the client's own errors and clients that leave never count.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+
+use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
+use crate::outlier::{Cause, Policy};
+
+#[derive(Clone)]
+pub struct Observe<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> Observe<S> {
+    pub fn new(inner: S, shared: &Arc<Shared>) -> Observe<S> {
+        Observe {
+            inner,
+            shared: shared.clone(),
+        }
+    }
+}
+
+fn policy(shared: &Shared) -> Policy {
+    Policy {
+        after: shared.cfg.routing.eject_after,
+        base: shared.cfg.routing.eject_for,
+    }
+}
+
+/// Records a failure of `cause` on worker `w` (on all of its engine's ranks for the transport).
+fn failure(shared: &Shared, target: Target, cause: Cause) {
+    let table = &shared.table;
+    let ranks = match cause {
+        Cause::Transport => table.fleet.workers_of(target.engine),
+        Cause::Status(_) | Cause::Timeout => target.worker..target.worker + 1,
+    };
+    for w in ranks {
+        if let Some(e) = table.live[w].outlier.failure(cause, policy(shared)) {
+            shared.metrics.ejected(w);
+            tracing::warn!(worker = %table.fleet.workers[w].id_text, reason = %e, "rank ejected");
+        }
+    }
+}
+
+/// A trial that ended without a verdict hands the trial to the next request.
+struct Trial<'a> {
+    shared: &'a Shared,
+    target: Target,
+    open: bool,
+}
+
+impl Drop for Trial<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            self.shared.table.live[self.target.worker]
+                .outlier
+                .abandon_trial();
+        }
+    }
+}
+
+/// Counts a stream that breaks after its headers went out against its engine (or its rank, when
+/// the engine just went quiet).
+#[derive(Debug)]
+pub struct BreakWatch {
+    shared: Arc<Shared>,
+    target: Target,
+}
+
+impl BreakWatch {
+    pub fn fire(self, idle: bool) {
+        let cause = if idle {
+            Cause::Timeout
+        } else {
+            Cause::Transport
+        };
+        failure(&self.shared, self.target, cause);
+    }
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Shared")
+    }
+}
+
+impl<S> tower::Service<Request<RequestBody>> for Observe<S>
+where
+    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
+        let Some(target) = req.extensions().get::<Target>().copied() else {
+            return Box::pin(self.inner.call(req));
+        };
+        let fut = self.inner.call(req);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let mut trial = Trial {
+                shared: &shared,
+                target,
+                open: target.trial,
+            };
+            let mut result = fut.await;
+            let outlier = &shared.table.live[target.worker].outlier;
+            match &mut result {
+                Ok(resp) if resp.status().is_server_error() => {
+                    failure(&shared, target, Cause::Status(resp.status().as_u16()));
+                    trial.open = false;
+                }
+                Ok(resp) if !resp.status().is_client_error() => {
+                    if outlier.success() {
+                        tracing::info!(worker = %shared.table.fleet.workers[target.worker].id_text, "rank re-admitted after a successful trial");
+                    }
+                    trial.open = false;
+                    resp.body_mut().holds.on_break = Some(BreakWatch {
+                        shared: shared.clone(),
+                        target,
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => match e.root() {
+                    ProxyError::Upstream { .. } => {
+                        failure(&shared, target, Cause::Transport);
+                        trial.open = false;
+                    }
+                    ProxyError::Timeout(_) => {
+                        failure(&shared, target, Cause::Timeout);
+                        trial.open = false;
+                    }
+                    _ => {}
+                },
+            }
+            drop(trial);
+            result
+        })
+    }
+}

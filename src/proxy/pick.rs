@@ -1,0 +1,163 @@
+//! Picking the rank and pinning the request to it.
+//!
+//! The pick is the selector's (one snapshot load, never a rank with unknown telemetry while one
+//! has numbers, never an ejected rank, never one a retry avoids). Pinning: vLLM takes the rank in
+//! the `X-data-parallel-rank` header and its body passes untouched; SGLang gets the body field
+//! too, so its body is read whole first. A client's own pin never reaches the engine.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::header::{self, HeaderValue};
+use http::uri::{PathAndQuery, Scheme};
+use http::{Method, Request, Response, Uri, Version};
+
+use super::body::{RequestBody, StreamBody};
+use super::pin::{pin_in_body, strip_hop_by_hop};
+use super::{
+    content_length, read, ready, BoxFuture, ProxyBody, ProxyError, Shared, Target, RANK_HEADER,
+    WORKER_HEADER,
+};
+use crate::policy::Avoid;
+use crate::worker::Flavor;
+
+#[derive(Clone)]
+pub struct Pick<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> Pick<S> {
+    pub fn new(inner: S, shared: &Arc<Shared>) -> Pick<S> {
+        Pick {
+            inner,
+            shared: shared.clone(),
+        }
+    }
+}
+
+impl<S> tower::Service<Request<RequestBody>> for Pick<S>
+where
+    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
+        let shared = &self.shared;
+        let length = match req.body() {
+            RequestBody::Full(b) => Some(b.len() as u64),
+            RequestBody::Stream(_) => content_length(req.headers()),
+        };
+        let avoid = req.extensions_mut().remove::<Avoid>().unwrap_or_default();
+        let picked = match shared.selector.pick(&shared.table, length, &avoid) {
+            Ok(p) => p,
+            Err(e) => return ready(Err(e.into())),
+        };
+        if picked.skipped_unavailable {
+            shared.metrics.skipped_unavailable();
+        }
+        let w = picked.guard.worker();
+        let worker = &shared.table.fleet.workers[w];
+        let e = worker.engine;
+        let target = Target {
+            worker: w,
+            engine: e,
+            trial: picked.trial,
+        };
+
+        let (mut parts, body) = req.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        // The client's own pin never reaches the engine: rankgate decides the rank.
+        parts.headers.remove(&RANK_HEADER);
+        parts.headers.remove(header::HOST);
+        if let Some(rank) = worker.pin_rank {
+            parts.headers.insert(RANK_HEADER, HeaderValue::from(rank));
+        }
+        parts.version = Version::HTTP_11;
+        let pq = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(Scheme::HTTP);
+        uri.authority = Some(shared.authorities[e].clone());
+        uri.path_and_query = Some(pq);
+        parts.uri = match Uri::from_parts(uri) {
+            Ok(u) => u,
+            Err(err) => {
+                return ready(Err(
+                    ProxyError::Internal(format!("building URI: {err}")).at(w)
+                ))
+            }
+        };
+        parts.extensions.insert(target);
+        let body_pin = (shared.table.fleet.engines[e].flavor == Flavor::Sglang
+            && parts.method == Method::POST)
+            .then_some(worker.pin_rank)
+            .flatten();
+        let header = shared.worker_header(w);
+        let max = shared.cfg.server.max_body_bytes;
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            let guard = picked.guard;
+            let body = match body_pin {
+                None => body,
+                Some(rank) => {
+                    let whole = whole(body, max).await.map_err(|err| err.at(w))?;
+                    let pinned = pin_in_body(&whole, rank).map_err(|err| err.at(w))?;
+                    parts
+                        .headers
+                        .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));
+                    RequestBody::Full(pinned)
+                }
+            };
+            let mut resp = inner
+                .call(Request::from_parts(parts, body))
+                .await
+                .map_err(|err| err.at(w))?;
+            resp.body_mut().holds.in_flight = Some(guard);
+            resp.headers_mut().insert(WORKER_HEADER, header);
+            resp.extensions_mut().insert(target);
+            Ok(resp)
+        })
+    }
+}
+
+/// The whole body, reading the rest of one too large to have been kept.
+async fn whole(body: RequestBody, max: usize) -> Result<bytes::Bytes, ProxyError> {
+    match body {
+        RequestBody::Full(b) => Ok(b),
+        RequestBody::Stream(s) => {
+            let StreamBody {
+                prefix,
+                body,
+                remaining,
+                stall,
+                ..
+            } = *s;
+            let read = max - remaining;
+            let rest = match read::read(body, None, remaining, usize::MAX, stall).await? {
+                RequestBody::Full(b) => b,
+                RequestBody::Stream(_) => return Err(ProxyError::TooLarge(max)),
+            };
+            let Some(prefix) = prefix else {
+                return Ok(rest);
+            };
+            let mut all = Vec::with_capacity(read + rest.len());
+            all.extend_from_slice(&prefix);
+            all.extend_from_slice(&rest);
+            Ok(all.into())
+        }
+    }
+}

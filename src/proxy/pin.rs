@@ -1,0 +1,183 @@
+//! Pinning a request to its rank: the header for every flavor, the body field for SGLang, and the
+//! hop-by-hop headers that never cross the proxy.
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName};
+
+use super::ProxyError;
+
+/// SGLang body fields that pin a rank (older and newer name); a client's own are replaced.
+const SGLANG_RANK_FIELDS: [&str; 2] = ["data_parallel_rank", "routed_dp_rank"];
+
+/// Headers that describe one hop, not the message, and so are never forwarded.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    // Headers the Connection header names are hop-by-hop too.
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named.iter().chain(HOP_BY_HOP.iter()) {
+        h.remove(n);
+    }
+}
+
+/// Writes the rank into an SGLang request body, replacing any rank the client set.
+///
+/// Only the top level is parsed: each member's value is kept as its raw JSON text and copied
+/// through, so a long prompt is validated but never built into a tree and printed again.
+pub fn pin_in_body(body: &[u8], rank: u32) -> Result<Bytes, ProxyError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first.is_some() && first != Some(&b'{') {
+        // Valid JSON that is not an object says so; invalid JSON gets the parser's message.
+        return match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            Ok(_) => Err(ProxyError::NotObject),
+            Err(e) => Err(ProxyError::BadJson(e.to_string())),
+        };
+    }
+    let members: Vec<(String, &serde_json::value::RawValue)> =
+        serde_json::from_slice::<RawObject>(body)
+            .map_err(|e| ProxyError::BadJson(e.to_string()))?
+            .0;
+    let mut out = Vec::with_capacity(body.len() + 32);
+    out.push(b'{');
+    for (key, value) in members
+        .iter()
+        .filter(|(k, _)| !SGLANG_RANK_FIELDS.contains(&k.as_str()))
+    {
+        // Re-escaping the key through serde_json keeps it valid whatever it holds.
+        serde_json::to_writer(&mut out, key).map_err(|e| ProxyError::BadJson(e.to_string()))?;
+        out.push(b':');
+        out.extend_from_slice(value.get().as_bytes());
+        out.push(b',');
+    }
+    out.extend_from_slice(format!("\"{}\":{rank}}}", SGLANG_RANK_FIELDS[0]).as_bytes());
+    Ok(Bytes::from(out))
+}
+
+/// A JSON object's members in order, values as raw JSON borrowed from the input.
+struct RawObject<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for RawObject<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Members<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Members<'a> {
+            type Value = RawObject<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(
+                self,
+                mut map: M,
+            ) -> Result<Self::Value, M::Error> {
+                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(8));
+                while let Some(entry) =
+                    map.next_entry::<String, &'de serde_json::value::RawValue>()?
+                {
+                    members.push(entry);
+                }
+                Ok(RawObject(members))
+            }
+        }
+        d.deserialize_map(Members(std::marker::PhantomData))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn pin_in_body_keeps_everything_else_verbatim() {
+        let body = br#" {"model":"m","messages":[{"role":"user","content":"a \"quoted\" \u00e9 prompt"}],"max_tokens":8,"data_parallel_rank":3,"stream":true,"x":{"nested":[1,2.5e3,null]}} "#;
+        let out = pin_in_body(body, 5).unwrap();
+        let got: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let mut want: serde_json::Value = serde_json::from_slice(body).unwrap();
+        want["data_parallel_rank"] = 5.into();
+        assert_eq!(got, want);
+        // Raw values are copied, not re-printed: the escapes survive byte for byte.
+        assert!(std::str::from_utf8(&out)
+            .unwrap()
+            .contains(r#""a \"quoted\" \u00e9 prompt""#));
+        assert!(matches!(pin_in_body(b"", 0), Err(ProxyError::BadJson(_))));
+        assert!(matches!(
+            pin_in_body(b"{\"a\":1} trailing", 0),
+            Err(ProxyError::BadJson(_))
+        ));
+        assert!(matches!(
+            pin_in_body(b"\"str\"", 0),
+            Err(ProxyError::NotObject)
+        ));
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever the object, the result is the same object with only the rank fields changed.
+        #[test]
+        fn pin_in_body_is_a_minimal_edit(
+            members in proptest::collection::btree_map("[a-z_\"\\\\é ]{0,12}", prop_oneof![
+                any::<i64>().prop_map(serde_json::Value::from),
+                "[ -~é\n]{0,20}".prop_map(serde_json::Value::from),
+                any::<bool>().prop_map(serde_json::Value::from),
+            ], 0..8),
+            rank in 0u32..1000,
+        ) {
+            let input = serde_json::Value::Object(members.into_iter().collect());
+            let out = pin_in_body(input.to_string().as_bytes(), rank).unwrap();
+            let got: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            let mut want = input.clone();
+            let obj = want.as_object_mut().unwrap();
+            obj.remove("routed_dp_rank");
+            obj.insert("data_parallel_rank".into(), rank.into());
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn pin_in_body_replaces_client_fields() {
+        let out = pin_in_body(
+            br#"{"model":"m","data_parallel_rank":7,"routed_dp_rank":7}"#,
+            2,
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["data_parallel_rank"], 2);
+        assert!(v.get("routed_dp_rank").is_none());
+        assert_eq!(v["model"], "m");
+        assert!(matches!(pin_in_body(b"[1]", 0), Err(ProxyError::NotObject)));
+        assert!(matches!(pin_in_body(b"{", 0), Err(ProxyError::BadJson(_))));
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert("x-keep", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-keep"));
+    }
+}

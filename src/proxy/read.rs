@@ -1,0 +1,137 @@
+//! Reading the client's request body before anything is sent upstream.
+//!
+//! A body up to `routing.retry_buffer_bytes` is read whole and kept as the `Bytes` the client
+//! sent (a body that arrives in one piece is not copied), so a failed attempt can be replayed to
+//! another rank and SGLang's body can be rewritten after the pick. A larger body streams, under
+//! the same size cap, and is not retried. Every wait on the client is bounded by
+//! `server.body_read_timeout`; a body that breaks or stalls is the client's error (400 / 408),
+//! never the engine's.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use super::body::{ClientBodyError, RequestBody, StreamBody};
+use super::{content_length, ready, BoxFuture, ProxyBody, ProxyError, Shared};
+
+#[derive(Clone)]
+pub struct Read<S> {
+    inner: S,
+    max_body: usize,
+    keep: usize,
+    stall: Duration,
+}
+
+impl<S> Read<S> {
+    pub fn new(inner: S, shared: &Arc<Shared>) -> Read<S> {
+        let cfg = &shared.cfg;
+        Read {
+            inner,
+            max_body: cfg.server.max_body_bytes,
+            keep: cfg.routing.retry_buffer_bytes,
+            stall: cfg.server.body_read_timeout,
+        }
+    }
+}
+
+impl<S> tower::Service<Request<Incoming>> for Read<S>
+where
+    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let length = content_length(req.headers());
+        if length.is_some_and(|n| n > self.max_body as u64) {
+            return ready(Err(ProxyError::TooLarge(self.max_body)));
+        }
+        let mut inner = self.inner.clone();
+        let (max, keep, stall) = (self.max_body, self.keep, self.stall);
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let body = read(body, length, max, keep, stall).await?;
+            inner.call(Request::from_parts(parts, body)).await
+        })
+    }
+}
+
+/// Reads `body` whole if it fits in `keep` bytes, else returns what it read and the rest as a
+/// stream. `length` is the declared Content-Length, if any.
+pub async fn read(
+    mut body: Incoming,
+    length: Option<u64>,
+    max: usize,
+    keep: usize,
+    stall: Duration,
+) -> Result<RequestBody, ProxyError> {
+    let stream = |body, prefix, read: usize| {
+        Ok(RequestBody::Stream(Box::new(StreamBody {
+            prefix,
+            body,
+            remaining: max - read,
+            stall,
+            timer: None,
+        })))
+    };
+    if length.is_some_and(|n| n > keep as u64) {
+        return stream(body, None, 0);
+    }
+    let mut first: Option<Bytes> = None;
+    let mut more: Option<BytesMut> = None;
+    let mut total = 0usize;
+    while !body.is_end_stream() {
+        let frame = match tokio::time::timeout(stall, body.frame()).await {
+            Err(_) => return Err(ClientBodyError::Stalled(stall).into()),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                return Err(ClientBodyError::Broken(crate::http::error_chain(&e)).into())
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        // Trailers carry nothing an engine needs.
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        total += data.len();
+        if total > max {
+            return Err(ProxyError::TooLarge(max));
+        }
+        match (&mut first, &mut more) {
+            (None, _) => first = Some(data),
+            (Some(f), None) => {
+                // A second piece: only now is a copy needed.
+                let mut m = BytesMut::with_capacity(length.map_or(2 * total, |l| l as usize));
+                m.extend_from_slice(f);
+                m.extend_from_slice(&data);
+                more = Some(m);
+            }
+            (Some(_), Some(m)) => m.extend_from_slice(&data),
+        }
+        if total > keep {
+            let read: Bytes = more
+                .take()
+                .map_or_else(|| first.take().unwrap_or_default(), BytesMut::freeze);
+            return stream(body, Some(read), total);
+        }
+    }
+    Ok(RequestBody::Full(match more {
+        Some(m) => m.freeze(),
+        None => first.unwrap_or_default(),
+    }))
+}

@@ -1,0 +1,147 @@
+//! Failover before the first byte: a request whose upstream failed before anything reached the
+//! client (the transport failed, or the engine answered 502/503/504) is sent again to a
+//! different rank, and to a different engine when the transport failed, up to
+//! `routing.max_attempts`. Never after a byte went to the client (this layer only ever sees
+//! response heads), never on 4xx or the client's own errors, never for a client that left (its
+//! future is dropped), never for a body too large to keep.
+//!
+//! Retries draw on a budget (tower's `TpsBudget`: a share of the requests of the last 10 s plus a
+//! small floor), so when the whole fleet fails, retries cannot multiply the outage.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response};
+use tower::retry::budget::{Budget, TpsBudget};
+
+use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
+use crate::policy::Avoid;
+
+/// How far back the budget looks.
+const BUDGET_WINDOW: Duration = Duration::from_secs(10);
+/// Retries per second allowed whatever the traffic, so a quiet router can still fail over.
+const BUDGET_FLOOR_PER_SEC: u32 = 2;
+
+#[derive(Clone)]
+pub struct Retry<S> {
+    inner: S,
+    shared: Arc<Shared>,
+    budget: Arc<TpsBudget>,
+}
+
+impl<S> Retry<S> {
+    pub fn new(inner: S, shared: &Arc<Shared>) -> Retry<S> {
+        let share = shared.cfg.routing.retry_budget as f32;
+        Retry {
+            inner,
+            shared: shared.clone(),
+            budget: Arc::new(TpsBudget::new(BUDGET_WINDOW, BUDGET_FLOOR_PER_SEC, share)),
+        }
+    }
+}
+
+/// Why an attempt may be worth another: the worker it failed on, and whether the transport
+/// failed (then the whole engine is avoided).
+fn failed(result: &Result<Response<ProxyBody>, ProxyError>) -> Option<(usize, bool)> {
+    match result {
+        Ok(resp) if matches!(resp.status().as_u16(), 502..=504) => {
+            resp.extensions().get::<Target>().map(|t| (t.worker, false))
+        }
+        Err(e) if e.retryable() => e.worker().map(|w| (w, true)),
+        _ => None,
+    }
+}
+
+impl<S> tower::Service<Request<RequestBody>> for Retry<S>
+where
+    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
+        self.budget.deposit();
+        let max = self.shared.cfg.routing.max_attempts;
+        // Only a body kept whole can be sent twice; the head is copied only then.
+        let again = (max > 1)
+            .then(|| req.body().replay())
+            .flatten()
+            .map(|body| (head(&req), body));
+        let Some((head, body)) = again else {
+            return Box::pin(self.inner.call(req));
+        };
+        let mut inner = self.inner.clone();
+        let (shared, budget) = (self.shared.clone(), self.budget.clone());
+        Box::pin(async move {
+            let mut result = inner.call(req).await;
+            let mut avoid = Avoid::default();
+            for _ in 1..max {
+                let Some((worker, transport)) = failed(&result) else {
+                    break;
+                };
+                if !budget.withdraw() {
+                    shared.metrics.retry_refused();
+                    break;
+                }
+                if transport {
+                    avoid.engine(shared.table.fleet.workers[worker].engine);
+                } else {
+                    avoid.worker(worker);
+                }
+                let mut next = rebuild(
+                    &head,
+                    body.replay()
+                        .unwrap_or(RequestBody::Full(Default::default())),
+                );
+                next.extensions_mut().insert(avoid.clone());
+                let again = inner.call(next).await;
+                // No other rank to go to: the failure the client gets is the real one.
+                if matches!(
+                    again.as_ref().map_err(ProxyError::root),
+                    Err(ProxyError::NoRank(_))
+                ) {
+                    break;
+                }
+                shared.metrics.retried();
+                result = again;
+            }
+            result
+        })
+    }
+}
+
+/// The request head, for building later attempts.
+struct Head {
+    method: http::Method,
+    uri: http::Uri,
+    version: http::Version,
+    headers: http::HeaderMap,
+}
+
+fn head(req: &Request<RequestBody>) -> Head {
+    Head {
+        method: req.method().clone(),
+        uri: req.uri().clone(),
+        version: req.version(),
+        headers: req.headers().clone(),
+    }
+}
+
+fn rebuild(h: &Head, body: RequestBody) -> Request<RequestBody> {
+    let mut req = Request::new(body);
+    *req.method_mut() = h.method.clone();
+    *req.uri_mut() = h.uri.clone();
+    *req.version_mut() = h.version;
+    *req.headers_mut() = h.headers.clone();
+    req
+}

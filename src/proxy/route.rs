@@ -1,0 +1,54 @@
+//! Routing by path and method: what rankgate proxies, and 404 / 405 for the rest.
+
+use std::task::{Context, Poll};
+
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+
+use super::{ready, BoxFuture, ProxyBody, ProxyError};
+
+#[derive(Clone)]
+pub struct Route<S> {
+    inner: S,
+}
+
+impl<S> Route<S> {
+    pub fn new(inner: S) -> Route<S> {
+        Route { inner }
+    }
+}
+
+/// The method a proxied path takes, or `None` for a path rankgate does not serve.
+fn method_of(path: &str) -> Option<Method> {
+    match path {
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some(Method::POST),
+        "/v1/models" => Some(Method::GET),
+        _ => None,
+    }
+}
+
+impl<S> tower::Service<Request<Incoming>> for Route<S>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<ProxyBody>, Error = ProxyError>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let path = req.uri().path();
+        match method_of(path) {
+            Some(m) if m == req.method() => Box::pin(self.inner.call(req)),
+            Some(_) => ready(Err(ProxyError::MethodNotAllowed {
+                method: req.method().clone(),
+                path: path.to_string(),
+            })),
+            None => ready(Err(ProxyError::NotFound(path.to_string()))),
+        }
+    }
+}

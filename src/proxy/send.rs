@@ -1,0 +1,114 @@
+//! Sending a request to its engine and streaming the answer back.
+//!
+//! Connections to one engine are capped (`server.max_engine_connections`; over HTTP/1 that is
+//! requests in flight on it), so a burst cannot open more sockets than the engine or this
+//! process's file descriptors allow; a request waits for a slot within its response timeout.
+//! Upstream failures are classified here, once: the client's broken body stays the client's.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{header, Request, Response};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use tokio::sync::Semaphore;
+
+use super::body::{BodyTooLarge, ClientBodyError};
+use super::pin::strip_hop_by_hop;
+use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
+
+#[derive(Clone)]
+pub struct Send {
+    shared: Arc<Shared>,
+    client: Client<HttpConnector, RequestBody>,
+    /// Per engine: connection slots.
+    slots: Arc<Vec<Arc<Semaphore>>>,
+    idle: Duration,
+}
+
+impl Send {
+    pub fn new(shared: &Arc<Shared>) -> Send {
+        let server = &shared.cfg.server;
+        let slots = (0..shared.table.fleet.engines.len())
+            .map(|_| Arc::new(Semaphore::new(server.max_engine_connections)))
+            .collect();
+        Send {
+            shared: shared.clone(),
+            client: crate::http::client(server.connect_timeout),
+            slots: Arc::new(slots),
+            idle: server.stream_idle_timeout,
+        }
+    }
+}
+
+/// Turns a client error into the proxy's: the client's own body problems first, then the
+/// transport.
+fn classify(
+    e: hyper_util::client::legacy::Error,
+    engine: &Arc<str>,
+    max_body: usize,
+) -> ProxyError {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(s) = src {
+        if let Some(c) = s.downcast_ref::<ClientBodyError>() {
+            return ProxyError::ClientBody(match c {
+                ClientBodyError::Broken(m) => ClientBodyError::Broken(m.clone()),
+                ClientBodyError::Stalled(d) => ClientBodyError::Stalled(*d),
+            });
+        }
+        if s.is::<BodyTooLarge>() {
+            return ProxyError::TooLarge(max_body);
+        }
+        src = s.source();
+    }
+    ProxyError::Upstream {
+        engine: engine.clone(),
+        reason: crate::http::error_chain(&e),
+    }
+}
+
+impl tower::Service<Request<RequestBody>> for Send {
+    type Response = Response<ProxyBody>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
+        let Some(target) = req.extensions().get::<Target>().copied() else {
+            return super::ready(Err(ProxyError::Internal(
+                "request reached send unpicked".into(),
+            )));
+        };
+        let slots = self.slots[target.engine].clone();
+        let client = self.client.clone();
+        let engine = self.shared.table.fleet.engines[target.engine].url.clone();
+        let max_body = self.shared.cfg.server.max_body_bytes;
+        let idle = self.idle;
+        Box::pin(async move {
+            let slot = match slots.clone().try_acquire_owned() {
+                Ok(s) => s,
+                Err(_) => slots
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| ProxyError::Internal(e.to_string()))?,
+            };
+            let resp = client
+                .request(req)
+                .await
+                .map_err(|e| classify(e, &engine, max_body))?;
+            let (mut parts, body) = resp.into_parts();
+            strip_hop_by_hop(&mut parts.headers);
+            let sse = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            let mut body = ProxyBody::upstream(body, sse, idle);
+            body.holds.connection = Some(slot);
+            Ok(Response::from_parts(parts, body))
+        })
+    }
+}
