@@ -12,6 +12,9 @@ use serde::{Deserialize, Deserializer};
 
 use crate::worker::{Engine, Flavor, RankNumbering, TelemetrySource};
 
+mod rules;
+use rules::{check_rank_overlap, parse_health_path};
+
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);
@@ -22,6 +25,19 @@ pub const DEFAULT_REQUEST_KV_ESTIMATE: f64 = 0.02;
 pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const MAX_DP_SIZE: u32 = 4096;
+/// Health path of vLLM and SGLang engines; a gateway is probed only when it names one.
+pub const DEFAULT_HEALTH_PATH: &str = "/health";
+/// Consecutive failed health probes before an engine's ranks are Unavailable: one missed probe
+/// on a saturated engine is not a verdict.
+pub const DEFAULT_HEALTH_FAILURES: u32 = 2;
+/// Polling faster than this only loads the engines; slower than [`MAX_INTERVAL`] routes on
+/// numbers too old to mean anything.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
+pub const MAX_INTERVAL: Duration = Duration::from_secs(60);
+/// A poll timeout under this fails against any real engine (a loaded vLLM takes seconds).
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(10);
+/// Beyond this a rank's numbers are history, not load.
+pub const MAX_STALE_AFTER: Duration = Duration::from_secs(3600);
 
 /// A config error: names the file, the key and what is wrong.
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +183,7 @@ struct RawTelemetry {
     interval: Option<HumanDuration>,
     stale_after: Option<HumanDuration>,
     timeout: Option<HumanDuration>,
+    health_failures: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -178,6 +195,7 @@ struct RawEngine {
     start_rank: Option<u32>,
     rank_header: Option<RankNumbering>,
     telemetry: Option<Vec<String>>,
+    health_path: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -202,6 +220,8 @@ pub struct TelemetryConfig {
     pub stale_after: Duration,
     /// Longest one poll of one engine may take; a slow engine only delays its own ranks.
     pub timeout: Duration,
+    /// Consecutive failed health probes before an engine counts as unhealthy (>= 1).
+    pub health_failures: u32,
 }
 
 /// A validated config.
@@ -435,8 +455,17 @@ impl Config {
             .telemetry
             .stale_after
             .map_or(DEFAULT_STALE_AFTER, |d| d.0);
-        if interval.is_zero() {
-            return Err(invalid("telemetry.interval", "must be greater than 0"));
+        if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
+            return Err(invalid(
+                "telemetry.interval",
+                format!("{interval:?} must be between {MIN_INTERVAL:?} and {MAX_INTERVAL:?}"),
+            ));
+        }
+        if stale_after > MAX_STALE_AFTER {
+            return Err(invalid(
+                "telemetry.stale_after",
+                format!("{stale_after:?} must be at most {MAX_STALE_AFTER:?}"),
+            ));
         }
         if stale_after <= interval {
             return Err(invalid(
@@ -447,13 +476,27 @@ impl Config {
             ));
         }
         let timeout = raw.telemetry.timeout.map_or(stale_after, |d| d.0);
-        if timeout.is_zero() {
-            return Err(invalid("telemetry.timeout", "must be greater than 0"));
+        if timeout < MIN_TIMEOUT {
+            return Err(invalid(
+                "telemetry.timeout",
+                format!("{timeout:?} must be at least {MIN_TIMEOUT:?}"),
+            ));
+        }
+        let health_failures = raw
+            .telemetry
+            .health_failures
+            .unwrap_or(DEFAULT_HEALTH_FAILURES);
+        if health_failures == 0 {
+            return Err(invalid(
+                "telemetry.health_failures",
+                "must be at least 1 (disable probes per engine with health_path = \"\")",
+            ));
         }
         let telemetry = TelemetryConfig {
             interval,
             stale_after,
             timeout,
+            health_failures,
         };
 
         if raw.engines.is_empty() {
@@ -486,6 +529,7 @@ impl Config {
                 }
             }
             let telemetry = parse_sources(i, e.flavor, &url, e.telemetry.as_deref())?;
+            let health_path = parse_health_path(i, e.flavor, e.health_path.as_deref())?;
             let dp_size = e.dp_size.unwrap_or(1);
             if dp_size == 0 || dp_size > MAX_DP_SIZE {
                 return Err(invalid(
@@ -511,8 +555,10 @@ impl Config {
                 start_rank,
                 rank_header: e.rank_header.unwrap_or_default(),
                 telemetry,
+                health_path,
             });
         }
+        check_rank_overlap(&engines)?;
         Ok(Config {
             server,
             routing,
