@@ -13,7 +13,7 @@ use serde::{Deserialize, Deserializer};
 use crate::worker::{Engine, Flavor, RankNumbering, TelemetrySource};
 
 mod rules;
-use rules::{check_rank_overlap, parse_health_path};
+use rules::{check_rank_overlap, parse_health_path, telemetry_config};
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
@@ -450,54 +450,7 @@ impl Config {
             ));
         }
 
-        let interval = raw.telemetry.interval.map_or(DEFAULT_INTERVAL, |d| d.0);
-        let stale_after = raw
-            .telemetry
-            .stale_after
-            .map_or(DEFAULT_STALE_AFTER, |d| d.0);
-        if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
-            return Err(invalid(
-                "telemetry.interval",
-                format!("{interval:?} must be between {MIN_INTERVAL:?} and {MAX_INTERVAL:?}"),
-            ));
-        }
-        if stale_after > MAX_STALE_AFTER {
-            return Err(invalid(
-                "telemetry.stale_after",
-                format!("{stale_after:?} must be at most {MAX_STALE_AFTER:?}"),
-            ));
-        }
-        if stale_after <= interval {
-            return Err(invalid(
-                "telemetry.stale_after",
-                format!(
-                    "{stale_after:?} must be longer than telemetry.interval ({interval:?}), or every rank goes stale between polls"
-                ),
-            ));
-        }
-        let timeout = raw.telemetry.timeout.map_or(stale_after, |d| d.0);
-        if timeout < MIN_TIMEOUT {
-            return Err(invalid(
-                "telemetry.timeout",
-                format!("{timeout:?} must be at least {MIN_TIMEOUT:?}"),
-            ));
-        }
-        let health_failures = raw
-            .telemetry
-            .health_failures
-            .unwrap_or(DEFAULT_HEALTH_FAILURES);
-        if health_failures == 0 {
-            return Err(invalid(
-                "telemetry.health_failures",
-                "must be at least 1 (disable probes per engine with health_path = \"\")",
-            ));
-        }
-        let telemetry = TelemetryConfig {
-            interval,
-            stale_after,
-            timeout,
-            health_failures,
-        };
+        let telemetry = telemetry_config(raw.telemetry)?;
 
         if raw.engines.is_empty() {
             return Err(invalid(

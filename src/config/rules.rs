@@ -1,5 +1,6 @@
-//! Config rules that look across keys or outside the file: engine health paths, global rank
-//! overlap between engines, and warnings for legal but likely mistaken configs.
+//! Config rules that bound values or look across keys and outside the file: `[telemetry]`
+//! bounds, engine health paths, global rank overlap between engines, and warnings for legal but
+//! likely mistaken configs.
 //!
 //! Errors stay pure (they read only the text). Warnings may resolve host names, so they are a
 //! separate step ([`Config::warnings`]) that `main` runs once at startup, keeping `from_str` free
@@ -8,8 +9,58 @@
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 
-use super::{invalid, Config, ConfigError, DEFAULT_HEALTH_PATH};
+use super::{
+    invalid, Config, ConfigError, RawTelemetry, TelemetryConfig, DEFAULT_HEALTH_FAILURES,
+    DEFAULT_HEALTH_PATH, DEFAULT_INTERVAL, DEFAULT_STALE_AFTER, MAX_INTERVAL, MAX_STALE_AFTER,
+    MIN_INTERVAL, MIN_TIMEOUT,
+};
 use crate::worker::{Engine, Flavor};
+
+/// The `[telemetry]` table, with its bounds: each limit is a named constant in the parent.
+pub(super) fn telemetry_config(raw: RawTelemetry) -> Result<TelemetryConfig, ConfigError> {
+    let interval = raw.interval.map_or(DEFAULT_INTERVAL, |d| d.0);
+    let stale_after = raw.stale_after.map_or(DEFAULT_STALE_AFTER, |d| d.0);
+    if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&interval) {
+        return Err(invalid(
+            "telemetry.interval",
+            format!("{interval:?} must be between {MIN_INTERVAL:?} and {MAX_INTERVAL:?}"),
+        ));
+    }
+    if stale_after > MAX_STALE_AFTER {
+        return Err(invalid(
+            "telemetry.stale_after",
+            format!("{stale_after:?} must be at most {MAX_STALE_AFTER:?}"),
+        ));
+    }
+    if stale_after <= interval {
+        return Err(invalid(
+            "telemetry.stale_after",
+            format!(
+                "{stale_after:?} must be longer than telemetry.interval ({interval:?}), or every rank goes stale between polls"
+            ),
+        ));
+    }
+    let timeout = raw.timeout.map_or(stale_after, |d| d.0);
+    if timeout < MIN_TIMEOUT {
+        return Err(invalid(
+            "telemetry.timeout",
+            format!("{timeout:?} must be at least {MIN_TIMEOUT:?}"),
+        ));
+    }
+    let health_failures = raw.health_failures.unwrap_or(DEFAULT_HEALTH_FAILURES);
+    if health_failures == 0 {
+        return Err(invalid(
+            "telemetry.health_failures",
+            "must be at least 1 (disable probes per engine with health_path = \"\")",
+        ));
+    }
+    Ok(TelemetryConfig {
+        interval,
+        stale_after,
+        timeout,
+        health_failures,
+    })
+}
 
 /// `engines[i].health_path`: the flavor's default when absent (none for a gateway), no probe
 /// when `""`, else an absolute path.

@@ -10,6 +10,7 @@
 pub mod grpc;
 pub mod health;
 pub mod loads;
+mod models;
 mod poller;
 pub mod prom;
 

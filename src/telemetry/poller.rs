@@ -11,8 +11,8 @@
 //!
 //! Beside the sources, each poll probes the engine's health path concurrently (see
 //! [`super::health`]); an engine failing it is Unavailable whatever its numbers say. Every step
-//! of a poll is bounded by `telemetry.timeout`, the model list is read by an owned background
-//! task so a hung `/v1/models` never holds up the polls, and the whole poll is raced against
+//! of a poll is bounded by `telemetry.timeout`, the model list is read aside
+//! ([`super::models`]) so a hung `/v1/models` never holds up the polls, and the whole poll is raced against
 //! shutdown so a stuck engine cannot keep the router from stopping.
 
 use std::sync::atomic::Ordering::Relaxed;
@@ -23,12 +23,12 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::grpc::LoadsClient;
 use super::health::{self, Change, Health};
 use super::loads::{self, LoadsReport, ProjectionNotes};
+use super::models::ModelsReader;
 use super::{prom, Report, TelemetryStats};
 use crate::config::TelemetryConfig;
 use crate::http::error_chain;
@@ -41,10 +41,6 @@ use crate::worker::{Engine, Flavor, TelemetrySource};
 const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
 /// Most polls between two background probes of a failed source.
 const MAX_SKIP: u32 = 32;
-/// Models are re-read every this many polls (about a minute at the default interval).
-const MODELS_EVERY: u64 = 240;
-/// After a failed model-list read, polls until the next attempt.
-const MODELS_RETRY: u64 = 20;
 
 pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -66,7 +62,8 @@ impl Source {
     }
 }
 
-struct Failure {
+/// Why one read of one source failed.
+pub(super) struct Failure {
     /// Something answered (an HTTP status, a gRPC status): the endpoint is up.
     answered: bool,
     reason: String,
@@ -88,16 +85,12 @@ pub struct Poller {
     cfg: TelemetryConfig,
     sources: Vec<Source>,
     http: HttpClient,
-    models_uri: Option<http::Uri>,
+    models: ModelsReader,
     /// `None` when the engine has no health path (gateways by default, or `health_path = ""`).
     health_uri: Option<http::Uri>,
     health: Health,
     stats: Arc<TelemetryStats>,
     dp_size_checked: bool,
-    /// Poll number from which the model list is due again.
-    models_next: u64,
-    /// The model-list read in flight, run aside so a hung `/v1/models` never delays a poll.
-    models_task: Option<JoinHandle<Option<Vec<String>>>>,
     /// Per source: `Some` while it is out of the polls after a failure.
     down: Vec<Option<Down>>,
 }
@@ -120,9 +113,6 @@ impl Drop for Poller {
             .filter_map(|d| d.probe.take())
         {
             probe.abort();
-        }
-        if let Some(t) = self.models_task.take() {
-            t.abort();
         }
     }
 }
@@ -198,7 +188,7 @@ impl Poller {
             None => None,
         };
         Ok(Poller {
-            models_uri: uri(&format!("{}/v1/models", engine.url)).ok(),
+            models: ModelsReader::new(uri(&format!("{}/v1/models", engine.url)).ok()),
             health_uri,
             health: Health::new(cfg.health_failures),
             e,
@@ -209,8 +199,6 @@ impl Poller {
             http,
             stats,
             dp_size_checked: false,
-            models_next: 0,
-            models_task: None,
             down: (0..engine_sources).map(|_| None).collect(),
         })
     }
@@ -256,7 +244,10 @@ impl Poller {
         if let Some(result) = probed {
             self.apply_health(result, &mut report);
         }
-        self.models_step(n, &mut report).await;
+        report.models = self
+            .models
+            .step(n, report.reachable, &self.http, self.cfg.timeout)
+            .await;
         report
     }
 
@@ -294,34 +285,6 @@ impl Poller {
         };
         report.ranks = vec![RankTelemetry::unavailable(reason); report.ranks.len()];
         report.reachable = false;
-    }
-
-    /// Collects a finished model-list read into `report`, and starts the next one when due:
-    /// once the engine answers, then every [`MODELS_EVERY`] polls ([`MODELS_RETRY`] after a
-    /// failure).
-    async fn models_step(&mut self, n: u64, report: &mut Report) {
-        if let Some(task) = self.models_task.take_if(|t| t.is_finished()) {
-            // Finished, so this await returns at once.
-            match task.await.ok().flatten() {
-                Some(models) => {
-                    report.models = Some(models);
-                    self.models_next = n + MODELS_EVERY;
-                }
-                None => self.models_next = n + MODELS_RETRY,
-            }
-        }
-        if self.models_task.is_some() || n < self.models_next || !report.reachable {
-            return;
-        }
-        if let Some(u) = self.models_uri.clone() {
-            let (http, timeout) = (self.http.clone(), self.cfg.timeout);
-            self.models_task = Some(tokio::spawn(async move {
-                tokio::time::timeout(timeout, read_models(&http, u))
-                    .await
-                    .ok()
-                    .flatten()
-            }));
-        }
     }
 
     /// One poll of the engine through its first answering source.
@@ -475,20 +438,7 @@ impl Poller {
     }
 }
 
-/// The engine's model ids from `/v1/models`, for `/loads?model=`.
-async fn read_models(http: &HttpClient, uri: http::Uri) -> Option<Vec<String>> {
-    let body = fetch(http, uri).await.ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-    Some(
-        v.get("data")?
-            .as_array()?
-            .iter()
-            .filter_map(|m| m.get("id")?.as_str().map(str::to_string))
-            .collect(),
-    )
-}
-
-async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
+pub(super) async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
     let resp = client
         .get(uri)
         .await
