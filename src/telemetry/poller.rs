@@ -33,7 +33,7 @@ use super::{prom, Report, TelemetryStats};
 use crate::config::TelemetryConfig;
 use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
-use crate::reason::{Reason, SourceFailure};
+use crate::reason::{HealthFailure, Reason, SourceFailure};
 use crate::table::{RankTelemetry, Table};
 use crate::worker::{Engine, Flavor, TelemetrySource};
 
@@ -253,11 +253,7 @@ impl Poller {
 
     /// Records a probe result; while the engine is unhealthy its ranks are Unavailable and it
     /// counts as unreachable, so neither telemetry nor the no-telemetry fallback picks it.
-    fn apply_health(
-        &mut self,
-        result: Result<(), crate::reason::HealthFailure>,
-        report: &mut Report,
-    ) {
+    fn apply_health(&mut self, result: Result<(), HealthFailure>, report: &mut Report) {
         match self.health.record(result) {
             Change::TurnedUnhealthy => tracing::warn!(
                 engine = %self.engine.url,
