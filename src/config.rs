@@ -12,6 +12,9 @@ use serde::{Deserialize, Deserializer};
 
 use crate::worker::{Engine, Flavor, RankNumbering, TelemetrySource};
 
+mod rules;
+use rules::{check_rank_overlap, parse_health_path, telemetry_config};
+
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);
@@ -44,6 +47,19 @@ pub const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
 /// Longest an ejection lasts however often a rank is ejected in a row.
 pub const MAX_EJECT_FOR: Duration = Duration::from_secs(5 * 60);
 pub const MAX_DP_SIZE: u32 = 4096;
+/// Health path of vLLM and SGLang engines; a gateway is probed only when it names one.
+pub const DEFAULT_HEALTH_PATH: &str = "/health";
+/// Consecutive failed health probes before an engine's ranks are Unavailable: one missed probe
+/// on a saturated engine is not a verdict.
+pub const DEFAULT_HEALTH_FAILURES: u32 = 2;
+/// Polling faster than this only loads the engines; slower than [`MAX_INTERVAL`] routes on
+/// numbers too old to mean anything.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
+pub const MAX_INTERVAL: Duration = Duration::from_secs(60);
+/// A poll timeout under this fails against any real engine (a loaded vLLM takes seconds).
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(10);
+/// Beyond this a rank's numbers are history, not load.
+pub const MAX_STALE_AFTER: Duration = Duration::from_secs(3600);
 
 /// A config error: names the file, the key and what is wrong.
 #[derive(Debug, thiserror::Error)]
@@ -206,6 +222,7 @@ struct RawTelemetry {
     interval: Option<HumanDuration>,
     stale_after: Option<HumanDuration>,
     timeout: Option<HumanDuration>,
+    health_failures: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -217,6 +234,7 @@ struct RawEngine {
     start_rank: Option<u32>,
     rank_header: Option<RankNumbering>,
     telemetry: Option<Vec<String>>,
+    health_path: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -275,6 +293,8 @@ pub struct TelemetryConfig {
     pub stale_after: Duration,
     /// Longest one poll of one engine may take; a slow engine only delays its own ranks.
     pub timeout: Duration,
+    /// Consecutive failed health probes before an engine counts as unhealthy (>= 1).
+    pub health_failures: u32,
 }
 
 /// A validated config.
@@ -655,31 +675,7 @@ impl Config {
             ));
         }
 
-        let interval = raw.telemetry.interval.map_or(DEFAULT_INTERVAL, |d| d.0);
-        let stale_after = raw
-            .telemetry
-            .stale_after
-            .map_or(DEFAULT_STALE_AFTER, |d| d.0);
-        if interval.is_zero() {
-            return Err(invalid("telemetry.interval", "must be greater than 0"));
-        }
-        if stale_after <= interval {
-            return Err(invalid(
-                "telemetry.stale_after",
-                format!(
-                    "{stale_after:?} must be longer than telemetry.interval ({interval:?}), or every rank goes stale between polls"
-                ),
-            ));
-        }
-        let timeout = raw.telemetry.timeout.map_or(stale_after, |d| d.0);
-        if timeout.is_zero() {
-            return Err(invalid("telemetry.timeout", "must be greater than 0"));
-        }
-        let telemetry = TelemetryConfig {
-            interval,
-            stale_after,
-            timeout,
-        };
+        let telemetry = telemetry_config(raw.telemetry)?;
 
         if raw.engines.is_empty() {
             return Err(invalid(
@@ -711,6 +707,7 @@ impl Config {
                 }
             }
             let telemetry = parse_sources(i, e.flavor, &url, e.telemetry.as_deref())?;
+            let health_path = parse_health_path(i, e.flavor, e.health_path.as_deref())?;
             let dp_size = e.dp_size.unwrap_or(1);
             if dp_size == 0 || dp_size > MAX_DP_SIZE {
                 return Err(invalid(
@@ -736,8 +733,10 @@ impl Config {
                 start_rank,
                 rank_header: e.rank_header.unwrap_or_default(),
                 telemetry,
+                health_path,
             });
         }
+        check_rank_overlap(&engines)?;
         Ok(Config {
             server,
             routing,

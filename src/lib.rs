@@ -5,8 +5,11 @@
 //! - [`worker`]: engines, their expansion into virtual workers, and the `RankId` identity.
 //! - [`table`]: the one telemetry snapshot behind one `ArcSwap`, plus per-worker live counters.
 //! - [`telemetry`]: one poller per engine (gRPC `GetLoads`, HTTP loads, Prometheus, in order of
-//!   preference) and the single publisher; [`telemetry::prom`] and [`telemetry::loads`] project
-//!   what engines report onto their ranks.
+//!   preference), health probes, and the single publisher; [`telemetry::prom`] and
+//!   [`telemetry::loads`] project what engines report onto their ranks.
+//! - [`wire`]: the load-report wire types and their JSON reader, shared by `table` and
+//!   `telemetry` (a leaf, so neither imports the other).
+//! - [`reason`]: why a rank is Unavailable, one variant per kind of cause.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.
 //! - [`proxy`]: the OpenAI-compatible front door, a stack of tower layers: route, admit, read,
@@ -32,8 +35,10 @@ pub mod outlier;
 pub mod policy;
 pub mod proto;
 pub mod proxy;
+pub mod reason;
 pub mod scenario;
 pub mod sim;
 pub mod table;
 pub mod telemetry;
+pub mod wire;
 pub mod worker;

@@ -84,6 +84,9 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
+            for w in cfg.warnings() {
+                eprintln!("rankgate: warning: {w}");
+            }
             let fleet = rankgate::worker::Fleet::expand(cfg.engines);
             for w in &fleet.workers {
                 let e = &fleet.engines[w.engine];
@@ -103,6 +106,10 @@ fn main() -> ExitCode {
                 Err(code) => return code,
             };
             init_tracing();
+            // Before any port binds, and before the runtime: resolving names blocks.
+            for w in cfg.warnings() {
+                tracing::warn!("config: {w}");
+            }
             let rt = match runtime() {
                 Ok(rt) => rt,
                 Err(code) => return code,

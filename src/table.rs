@@ -14,6 +14,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
+pub use crate::reason::Reason;
 use crate::worker::Fleet;
 
 /// One rank's numbers, as its engine last reported them.
@@ -29,7 +30,7 @@ pub struct Load {
     /// The engine published no per-rank series, so this is its engine-wide figure.
     pub aggregate: bool,
     /// For an upstream gateway: the entries of its rollup, annotations and all.
-    pub upstream: Option<Arc<[crate::telemetry::loads::RankLoad]>>,
+    pub upstream: Option<Arc<[crate::wire::RankLoad]>>,
     /// When the response carrying these numbers arrived.
     pub sampled_at: Instant,
 }
@@ -39,14 +40,12 @@ pub struct Load {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RankTelemetry {
     Available(Load),
-    Unavailable { reason: String },
+    Unavailable { reason: Reason },
 }
 
 impl RankTelemetry {
-    pub fn unavailable(reason: impl Into<String>) -> Self {
-        RankTelemetry::Unavailable {
-            reason: reason.into(),
-        }
+    pub fn unavailable(reason: Reason) -> Self {
+        RankTelemetry::Unavailable { reason }
     }
 
     /// The load if it is available and younger than `stale_after` at `now`.
@@ -62,19 +61,14 @@ impl RankTelemetry {
         }
     }
 
-    /// Why the rank is not routable by telemetry at `now`, or `None` if it is.
-    pub fn unavailable_reason(&self, now: Instant, stale_after: Duration) -> Option<String> {
+    /// Why the rank is not routable by telemetry at `now` ([`Reason::Stale`] for an old
+    /// sample), or `None` if it is.
+    pub fn unavailable_reason(&self, now: Instant, stale_after: Duration) -> Option<Reason> {
         match self {
             RankTelemetry::Unavailable { reason } => Some(reason.clone()),
             RankTelemetry::Available(l) => {
                 let age = now.saturating_duration_since(l.sampled_at);
-                (age > stale_after).then(|| {
-                    format!(
-                        "stale: last sample {} ms old (stale_after {} ms)",
-                        age.as_millis(),
-                        stale_after.as_millis()
-                    )
-                })
+                (age > stale_after).then_some(Reason::Stale { age, stale_after })
             }
         }
     }
@@ -99,7 +93,7 @@ pub struct RankView {
 impl RankView {
     pub fn initial() -> RankView {
         RankView {
-            telemetry: RankTelemetry::unavailable("no telemetry yet: engine not polled"),
+            telemetry: RankTelemetry::unavailable(Reason::NotPolled),
             reachable: false,
             weight_at_poll: 0,
             kv_per_request: 0.0,

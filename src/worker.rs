@@ -83,6 +83,8 @@ pub struct Engine {
     pub rank_header: RankNumbering,
     /// Telemetry sources in order of preference; the first that answers serves.
     pub telemetry: Vec<TelemetrySource>,
+    /// Path probed with every telemetry poll (`/health`); `None` means no probe.
+    pub health_path: Option<Arc<str>>,
 }
 
 impl Engine {
@@ -192,6 +194,7 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         start_rank,
         rank_header: RankNumbering::Global,
         telemetry: vec![TelemetrySource::Prometheus],
+        health_path: Some("/health".into()),
     }
 }
 

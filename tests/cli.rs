@@ -93,3 +93,19 @@ fn version_and_help() {
         assert!(help.contains(cmd), "{help}");
     }
 }
+
+#[test]
+fn check_warns_about_engines_at_one_address() {
+    let p = config_file(
+        "same-address",
+        "[[engines]]\nurl = \"http://localhost:18003\"\nflavor = \"vllm\"\n\
+         [[engines]]\nurl = \"http://127.0.0.1:18003\"\nflavor = \"vllm\"\nstart_rank = 1\n",
+    );
+    let o = run(&["check", "--config", p.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("warning") && err.contains("127.0.0.1:18003"),
+        "{err}"
+    );
+}

@@ -10,7 +10,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::proto::{sglang, vllm};
-use crate::telemetry::loads::{Aggregate, LoadsReport, RankLoad};
+use crate::wire::{Aggregate, LoadsReport, RankLoad};
 use crate::worker::Flavor;
 
 pub type Transport = Client<HttpConnector, tonic::body::Body>;

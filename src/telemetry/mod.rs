@@ -4,10 +4,13 @@
 //! scrape) only delays its own ranks while their age shows. Pollers never write the snapshot
 //! themselves: they send their projected per-rank results to one publisher task, the single
 //! writer, which builds the next [`Snapshot`] aside and swaps it in. A single writer needs no
-//! compare-and-swap retry loop and owns the per-rank state-change log.
+//! compare-and-swap retry loop and owns the per-rank state-change log. Each poller also probes
+//! its engine's health path ([`health`]) and stops promptly on shutdown, mid-poll or not.
 
 pub mod grpc;
+pub mod health;
 pub mod loads;
+mod models;
 mod poller;
 pub mod prom;
 
@@ -158,7 +161,7 @@ fn log_change(table: &Table, w: usize, old: &RankTelemetry, new: &RankTelemetry)
             tracing::warn!(worker = %id, %reason, "telemetry unavailable");
         }
         (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
-            if kind(a) != kind(b) =>
+            if !a.same_kind(b) =>
         {
             tracing::warn!(worker = %id, reason = %b, "telemetry still unavailable, new reason");
         }
@@ -167,14 +170,6 @@ fn log_change(table: &Table, w: usize, old: &RankTelemetry, new: &RankTelemetry)
         }
         _ => {}
     }
-}
-
-/// The part of a reason before any number, so "invalid KV usage 1.2" and "... 1.3" are one state.
-fn kind(reason: &str) -> &str {
-    let end = reason
-        .find(|c: char| c.is_ascii_digit())
-        .unwrap_or(reason.len());
-    &reason[..end]
 }
 
 /// Sets each rank's estimated KV cost of one more request, used to credit requests the engine has

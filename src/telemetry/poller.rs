@@ -8,6 +8,12 @@
 //! probed in the background instead, every few polls (doubling up to [`MAX_SKIP`]); it rejoins
 //! once a probe gets an answer. So a preferred source that hangs until the timeout costs the
 //! polls nothing while the fallback answers at once.
+//!
+//! Beside the sources, each poll probes the engine's health path concurrently (see
+//! [`super::health`]); an engine failing it is Unavailable whatever its numbers say. Every step
+//! of a poll is bounded by `telemetry.timeout`, the model list is read aside
+//! ([`super::models`]) so a hung `/v1/models` never holds up the polls, and the whole poll is raced against
+//! shutdown so a stuck engine cannot keep the router from stopping.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -20,11 +26,14 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::grpc::LoadsClient;
+use super::health::{self, Change, Health};
 use super::loads::{self, LoadsReport, ProjectionNotes};
+use super::models::ModelsReader;
 use super::{prom, Report, TelemetryStats};
 use crate::config::TelemetryConfig;
 use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
+use crate::reason::{HealthFailure, Reason, SourceFailure};
 use crate::table::{RankTelemetry, Table};
 use crate::worker::{Engine, Flavor, TelemetrySource};
 
@@ -32,8 +41,6 @@ use crate::worker::{Engine, Flavor, TelemetrySource};
 const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
 /// Most polls between two background probes of a failed source.
 const MAX_SKIP: u32 = 32;
-/// Models are re-read every this many polls (about a minute at the default interval).
-const MODELS_EVERY: u64 = 240;
 
 pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -55,7 +62,8 @@ impl Source {
     }
 }
 
-struct Failure {
+/// Why one read of one source failed.
+pub(super) struct Failure {
     /// Something answered (an HTTP status, a gRPC status): the endpoint is up.
     answered: bool,
     reason: String,
@@ -77,11 +85,12 @@ pub struct Poller {
     cfg: TelemetryConfig,
     sources: Vec<Source>,
     http: HttpClient,
-    models_uri: Option<http::Uri>,
+    models: ModelsReader,
+    /// `None` when the engine has no health path (gateways by default, or `health_path = ""`).
+    health_uri: Option<http::Uri>,
+    health: Health,
     stats: Arc<TelemetryStats>,
     dp_size_checked: bool,
-    /// Poll number at which the model list was last read.
-    models_at: Option<u64>,
     /// Per source: `Some` while it is out of the polls after a failure.
     down: Vec<Option<Down>>,
 }
@@ -174,8 +183,14 @@ impl Poller {
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let health_uri = match &engine.health_path {
+            Some(path) => Some(uri(&format!("{}{path}", engine.url))?),
+            None => None,
+        };
         Ok(Poller {
-            models_uri: uri(&format!("{}/v1/models", engine.url)).ok(),
+            models: ModelsReader::new(uri(&format!("{}/v1/models", engine.url)).ok()),
+            health_uri,
+            health: Health::new(cfg.health_failures),
             e,
             engine,
             table,
@@ -184,7 +199,6 @@ impl Poller {
             http,
             stats,
             dp_size_checked: false,
-            models_at: None,
             down: (0..engine_sources).map(|_| None).collect(),
         })
     }
@@ -201,23 +215,72 @@ impl Poller {
                 _ = ticker.tick() => {}
                 _ = shutdown_signalled(&mut shutdown) => return,
             }
-            let mut report = self.poll().await;
-            // Read the model list once the engine answers, then refresh it now and then.
-            let due = match self.models_at {
-                None => report.reachable,
-                Some(at) => n - at >= MODELS_EVERY,
+            // Dropping a poll cancels its requests, so shutdown never waits on a stuck engine.
+            let report = tokio::select! {
+                r = self.poll_engine(n) => r,
+                _ = shutdown_signalled(&mut shutdown) => return,
             };
-            if due {
-                report.models = self.models().await;
-                if report.models.is_some() || self.models_at.is_some() {
-                    self.models_at = Some(n);
-                }
-            }
             n += 1;
-            if tx.send(report).await.is_err() {
-                return;
+            tokio::select! {
+                sent = tx.send(report) => if sent.is_err() { return },
+                _ = shutdown_signalled(&mut shutdown) => return,
             }
         }
+    }
+
+    /// One poll: the sources and the health probe side by side, the health verdict applied, and
+    /// the model list picked up when its background read has finished.
+    async fn poll_engine(&mut self, n: u64) -> Report {
+        let probe = self
+            .health_uri
+            .clone()
+            .map(|u| health::probe(self.http.clone(), u, self.cfg.timeout));
+        let (mut report, probed) = tokio::join!(self.poll(), async {
+            match probe {
+                Some(p) => Some(p.await),
+                None => None,
+            }
+        });
+        if let Some(result) = probed {
+            self.apply_health(result, &mut report);
+        }
+        report.models = self
+            .models
+            .step(n, report.reachable, &self.http, self.cfg.timeout)
+            .await;
+        report
+    }
+
+    /// Records a probe result; while the engine is unhealthy its ranks are Unavailable and it
+    /// counts as unreachable, so neither telemetry nor the no-telemetry fallback picks it.
+    fn apply_health(&mut self, result: Result<(), HealthFailure>, report: &mut Report) {
+        match self.health.record(result) {
+            Change::TurnedUnhealthy => tracing::warn!(
+                engine = %self.engine.url,
+                failure = %self.health.failing().map(ToString::to_string).unwrap_or_default(),
+                consecutive = self.health.consecutive_failures(),
+                "engine unhealthy: its ranks take no traffic"
+            ),
+            Change::Recovered => tracing::info!(engine = %self.engine.url, "engine healthy again"),
+            Change::None => {}
+        }
+        let Some(failure) = self.health.failing() else {
+            return;
+        };
+        // When the sources failed too, keep their failures in the reason: they say more about
+        // an engine that is down than the probe alone.
+        let sources = match report.ranks.first() {
+            Some(RankTelemetry::Unavailable {
+                reason: Reason::SourcesFailed { failures },
+            }) => failures.clone(),
+            _ => Vec::new(),
+        };
+        let reason = Reason::Unhealthy {
+            failure: failure.clone(),
+            sources,
+        };
+        report.ranks = vec![RankTelemetry::unavailable(reason); report.ranks.len()];
+        report.reachable = false;
     }
 
     /// One poll of the engine through its first answering source.
@@ -234,7 +297,10 @@ impl Poller {
         for i in 0..self.sources.len() {
             let name = self.sources[i].name();
             if i < last && !self.back_in_poll(i).await {
-                failures.push(format!("{name}: failed recently, probed in the background"));
+                failures.push(SourceFailure {
+                    source: name,
+                    problem: "failed recently, probed in the background".into(),
+                });
                 continue;
             }
             let result = tokio::time::timeout(self.cfg.timeout, self.read(i)).await;
@@ -248,6 +314,13 @@ impl Poller {
             match result {
                 Ok(Ok((ranks, notes))) => {
                     self.note(&notes, workers.clone());
+                    if let (Source::Grpc(client), false) = (&self.sources[i], self.dp_size_checked)
+                    {
+                        self.dp_size_checked = true;
+                        // Once per engine, and bounded like every other step of a poll.
+                        let _ = tokio::time::timeout(self.cfg.timeout, self.check_dp_size(client))
+                            .await;
+                    }
                     return Report {
                         engine: self.e,
                         reachable: true,
@@ -259,16 +332,19 @@ impl Poller {
                 }
                 Ok(Err(f)) => {
                     answered |= f.answered;
-                    failures.push(format!("{name}: {}", f.reason));
+                    failures.push(SourceFailure {
+                        source: name,
+                        problem: f.reason,
+                    });
                 }
-                Err(_) => failures.push(format!(
-                    "{name}: no answer within {} ms",
-                    self.cfg.timeout.as_millis()
-                )),
+                Err(_) => failures.push(SourceFailure {
+                    source: name,
+                    problem: format!("no answer within {} ms", self.cfg.timeout.as_millis()),
+                }),
             }
         }
         self.stats.poll_failures.fetch_add(1, Relaxed);
-        let reason = format!("every telemetry source failed: {}", failures.join("; "));
+        let reason = Reason::SourcesFailed { failures };
         Report {
             engine: self.e,
             reachable: answered,
@@ -301,13 +377,7 @@ impl Poller {
                 let ranks = prom::project(&scrape, &self.engine, Instant::now());
                 Ok((ranks, ProjectionNotes::default()))
             }
-            Raw::Loads(report) => {
-                if let (Source::Grpc(client), false) = (&src, self.dp_size_checked) {
-                    self.dp_size_checked = true;
-                    self.check_dp_size(client).await;
-                }
-                Ok(self.project(&report))
-            }
+            Raw::Loads(report) => Ok(self.project(&report)),
         }
     }
 
@@ -362,22 +432,9 @@ impl Poller {
             }
         }
     }
-
-    /// The engine's model ids from `/v1/models`, for `/loads?model=`.
-    async fn models(&self) -> Option<Vec<String>> {
-        let body = fetch(&self.http, self.models_uri.clone()?).await.ok()?;
-        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-        Some(
-            v.get("data")?
-                .as_array()?
-                .iter()
-                .filter_map(|m| m.get("id")?.as_str().map(str::to_string))
-                .collect(),
-        )
-    }
 }
 
-async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
+pub(super) async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
     let resp = client
         .get(uri)
         .await

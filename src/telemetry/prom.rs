@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use tokio::time::Instant;
 
+use crate::reason::{Reason, ReportKind};
 use crate::table::{Load, RankTelemetry};
 use crate::worker::Engine;
 
@@ -180,38 +181,42 @@ pub fn project(scrape: &Scrape, engine: &Engine, sampled_at: Instant) -> Vec<Ran
                         .flatten()
                 });
                 match series {
-                    Some(s) => to_telemetry(s, false, sampled_at),
-                    None => {
-                        RankTelemetry::unavailable(format!("no series for rank {rank} in /metrics"))
-                    }
+                    Some(s) => to_telemetry(s, Some(rank), sampled_at),
+                    None => RankTelemetry::unavailable(Reason::Absent {
+                        rank,
+                        report: ReportKind::Metrics,
+                    }),
                 }
             } else if let Some(s) = &scrape.unlabelled {
-                to_telemetry(s, true, sampled_at)
+                to_telemetry(s, None, sampled_at)
             } else {
-                RankTelemetry::unavailable("no KV gauge in /metrics")
+                RankTelemetry::unavailable(Reason::NoKvGauge { rank: None })
             }
         })
         .collect()
 }
 
-fn to_telemetry(s: &Series, aggregate: bool, sampled_at: Instant) -> RankTelemetry {
+/// One series as a rank's telemetry; `rank` is `None` for the engine-wide (unlabelled) series.
+fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelemetry {
+    let aggregate = rank.is_none();
+    let invalid = |problem| RankTelemetry::unavailable(Reason::Invalid { rank, problem });
     let Some(kv) = s.kv else {
-        return RankTelemetry::unavailable("KV usage gauge absent");
+        return RankTelemetry::unavailable(Reason::NoKvGauge { rank });
     };
     if !(0.0..=1.0).contains(&kv) {
         // NaN fails `contains` too.
-        return RankTelemetry::unavailable(format!("invalid KV usage {kv}: must be within [0, 1]"));
+        return invalid(format!("KV usage {kv} must be within [0, 1]"));
     }
     let count = |name: &str, v: Option<f64>| -> Result<Option<u32>, String> {
         match v {
             None => Ok(None),
             Some(x) if x.is_finite() && x >= 0.0 && x <= u32::MAX as f64 => Ok(Some(x as u32)),
-            Some(x) => Err(format!("invalid {name} {x}: must be a finite count >= 0")),
+            Some(x) => Err(format!("{name} {x} must be a finite count >= 0")),
         }
     };
     let (running, waiting) = match (count("running", s.running), count("waiting", s.waiting)) {
         (Ok(r), Ok(w)) => (r, w),
-        (Err(e), _) | (_, Err(e)) => return RankTelemetry::unavailable(e),
+        (Err(e), _) | (_, Err(e)) => return invalid(e),
     };
     let capacity_tokens = s
         .capacity_tokens
@@ -272,7 +277,7 @@ mod tests {
         let ranks = project(&parse(BUSY), &engine(2, 4), Instant::now());
         for t in ranks {
             assert!(
-                matches!(t, RankTelemetry::Unavailable { ref reason } if reason.contains("no series"))
+                matches!(t, RankTelemetry::Unavailable { ref reason } if reason.to_string().contains("no series"))
             );
         }
     }
@@ -285,7 +290,7 @@ mod tests {
         let ranks = project(&s, &engine(2, 0), Instant::now());
         assert_eq!(load(&ranks[0]).kv_usage, 0.5);
         assert!(
-            matches!(&ranks[1], RankTelemetry::Unavailable { reason } if reason.contains("absent"))
+            matches!(&ranks[1], RankTelemetry::Unavailable { reason } if reason.to_string().contains("absent"))
         );
     }
 
@@ -294,14 +299,14 @@ mod tests {
         let text = "vllm:kv_cache_usage_perc{engine=\"0\"} NaN\nvllm:kv_cache_usage_perc{engine=\"1\"} 0.2\nvllm:kv_cache_usage_perc{engine=\"2\"} 1.5\nvllm:kv_cache_usage_perc{engine=\"3\"} 0.1\nvllm:num_requests_running{engine=\"3\"} -1\n";
         let ranks = project(&parse(text), &engine(4, 0), Instant::now());
         assert!(
-            matches!(&ranks[0], RankTelemetry::Unavailable { reason } if reason.contains("NaN"))
+            matches!(&ranks[0], RankTelemetry::Unavailable { reason } if reason.to_string().contains("NaN"))
         );
         assert_eq!(load(&ranks[1]).kv_usage, 0.2);
         assert!(
-            matches!(&ranks[2], RankTelemetry::Unavailable { reason } if reason.contains("1.5"))
+            matches!(&ranks[2], RankTelemetry::Unavailable { reason } if reason.to_string().contains("1.5"))
         );
         assert!(
-            matches!(&ranks[3], RankTelemetry::Unavailable { reason } if reason.contains("running"))
+            matches!(&ranks[3], RankTelemetry::Unavailable { reason } if reason.to_string().contains("running"))
         );
     }
 

@@ -1,0 +1,89 @@
+//! An engine's model list (`/v1/models`, for `/loads?model=`), read aside from the polls.
+//!
+//! The list changes rarely and an engine may hang on it while its telemetry answers, so it is
+//! read by one owned background task at a time, bounded by the poll timeout: a poll only picks
+//! up a finished read and never waits for one.
+
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use super::poller::{fetch, HttpClient};
+
+/// Models are re-read every this many polls (about a minute at the default interval).
+const MODELS_EVERY: u64 = 240;
+/// After a failed read, polls until the next attempt.
+const MODELS_RETRY: u64 = 20;
+
+/// One engine's model-list reader. Dropping it aborts a read in flight.
+pub struct ModelsReader {
+    uri: Option<http::Uri>,
+    /// Poll number from which a read is due again.
+    next: u64,
+    task: Option<JoinHandle<Option<Vec<String>>>>,
+}
+
+impl Drop for ModelsReader {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+impl ModelsReader {
+    /// `uri` is `None` when the engine URL gave no valid models URI: then nothing is read.
+    pub fn new(uri: Option<http::Uri>) -> ModelsReader {
+        ModelsReader {
+            uri,
+            next: 0,
+            task: None,
+        }
+    }
+
+    /// Called once per poll `n`: returns the list if a read has just finished with one, and
+    /// starts the next read when due (first once the engine answers, then every
+    /// [`MODELS_EVERY`] polls, [`MODELS_RETRY`] after a failure).
+    pub async fn step(
+        &mut self,
+        n: u64,
+        reachable: bool,
+        http: &HttpClient,
+        timeout: Duration,
+    ) -> Option<Vec<String>> {
+        let mut got = None;
+        if let Some(task) = self.task.take_if(|t| t.is_finished()) {
+            // Finished, so this await returns at once.
+            got = task.await.ok().flatten();
+            self.next = n + if got.is_some() {
+                MODELS_EVERY
+            } else {
+                MODELS_RETRY
+            };
+        }
+        if self.task.is_none() && n >= self.next && reachable {
+            if let Some(u) = self.uri.clone() {
+                let http = http.clone();
+                self.task = Some(tokio::spawn(async move {
+                    tokio::time::timeout(timeout, read(&http, u))
+                        .await
+                        .ok()
+                        .flatten()
+                }));
+            }
+        }
+        got
+    }
+}
+
+async fn read(http: &HttpClient, uri: http::Uri) -> Option<Vec<String>> {
+    let body = fetch(http, uri).await.ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    Some(
+        v.get("data")?
+            .as_array()?
+            .iter()
+            .filter_map(|m| m.get("id")?.as_str().map(str::to_string))
+            .collect(),
+    )
+}
