@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use crate::http::{json_response, openai_error, respond};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
+use crate::reason::Reason;
 use crate::table::{RankTelemetry, Table};
 use crate::telemetry::TelemetryStats;
 
@@ -99,7 +100,7 @@ impl Admin {
                 let reason = live
                     .outlier
                     .ejection()
-                    .map(|e| e.to_string())
+                    .map(Reason::Ejected)
                     .or_else(|| view.telemetry.unavailable_reason(now, table.stale_after));
                 let load = match &view.telemetry {
                     RankTelemetry::Available(l) => Some(l),

@@ -86,12 +86,8 @@ pub enum Reason {
         failure: HealthFailure,
         sources: Vec<SourceFailure>,
     },
-    /// Taken out after consecutive request failures (circuit breaker); not produced yet.
-    Ejected {
-        cause: String,
-        consecutive: u32,
-        for_ms: u64,
-    },
+    /// Taken out after consecutive request failures (see [`crate::outlier`]).
+    Ejected(crate::outlier::Ejection),
 }
 
 impl Reason {
@@ -108,7 +104,7 @@ impl Reason {
             Reason::SourcesFailed { .. } => "sources_failed",
             Reason::Stale { .. } => "stale",
             Reason::Unhealthy { .. } => "health",
-            Reason::Ejected { .. } => "ejected",
+            Reason::Ejected(_) => "ejected",
         }
     }
 
@@ -176,11 +172,7 @@ impl fmt::Display for Reason {
                 }
                 Ok(())
             }
-            Reason::Ejected {
-                cause,
-                consecutive,
-                for_ms,
-            } => write!(f, "ejected: {consecutive} consecutive {cause} (for {for_ms} ms)"),
+            Reason::Ejected(e) => e.fmt(f),
         }
     }
 }
@@ -269,12 +261,13 @@ mod tests {
                 "health: connection reset",
             ),
             (
-                Reason::Ejected {
-                    cause: "503".into(),
+                Reason::Ejected(crate::outlier::Ejection {
+                    cause: crate::outlier::Cause::Status(503),
                     consecutive: 5,
-                    for_ms: 10_000,
-                },
-                "ejected: 5 consecutive 503 (for 10000 ms)",
+                    length: Duration::from_secs(10),
+                    remaining: Duration::from_secs(4),
+                }),
+                "ejected: 5 consecutive 503 (for 10000 ms, 4000 ms left)",
             ),
         ];
         for (reason, text) in cases {
