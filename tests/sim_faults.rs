@@ -386,3 +386,45 @@ async fn die_after_counts_from_when_it_is_set() {
     timeout(SOON, e.dead()).await.expect("dead in time");
     assert!(refused(e.addr).await);
 }
+
+#[tokio::test]
+async fn scenario_engine_faults_and_a_kill_event_apply_mid_run() {
+    let s = rankgate::scenario::Scenario::parse(
+        r#"
+name = "kill mid-run"
+[[engines]]
+flavor = "vllm"
+dp_size = 1
+fail_percent = 100
+[[engines]]
+flavor = "vllm"
+dp_size = 1
+start_rank = 1
+[workload]
+rate = 20
+requests = 20
+duration = "2s"
+prompt_tokens = 50
+output_tokens = 8
+[[events]]
+at = "300ms"
+engine = 1
+kill = true
+"#,
+        None,
+    )
+    .expect("scenario");
+    let run = timeout(
+        Duration::from_secs(30),
+        rankgate::scenario::run_policy(&s, rankgate::config::Policy::RoundRobin, false),
+    )
+    .await
+    .expect("the run ends although an engine died under it")
+    .expect("run");
+    // Engine 0 fails everything from the start and engine 1 is dead after 300 ms, so whatever
+    // the router does, requests after that cannot all succeed.
+    assert!(
+        run.report.errors() > 0,
+        "no errors although no engine could serve"
+    );
+}

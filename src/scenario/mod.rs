@@ -1,10 +1,12 @@
 //! Routing-quality scenarios: a fleet of simulated engines, a workload and a timeline of events,
 //! described in one TOML file (`configs/scenarios/`), run once per policy against a fresh fleet
-//! and router, with per-rank KV sampled over time.
+//! and router, with per-rank KV sampled over time. Engines can misbehave from the start or from
+//! a point in the timeline (`events`), using the simulator's fault knobs.
 //!
 //! Every policy sees the same arrivals (the workload's seed is fixed) and a fleet started from the
 //! same state, so the differences in the results are the router's doing.
 
+mod events;
 pub mod render;
 
 use std::net::SocketAddr;
@@ -19,6 +21,7 @@ use crate::app::Router;
 use crate::config::{Config, HumanDuration, Policy};
 use crate::load::{self, Api, Arrivals, Burst, Dist, Report, Workload};
 use crate::sim::{SimConfig, SimEngine, SimFlavor};
+pub use events::{Event, Limit};
 
 /// One simulated engine of the fleet.
 #[derive(Debug, Clone, Deserialize)]
@@ -39,6 +42,29 @@ pub struct EngineSpec {
     /// GLOBAL ranks dark for the whole run.
     #[serde(default)]
     pub dark_ranks: Vec<u32>,
+    /// Fault knobs from the start (see `SimConfig`); events can change them mid-run.
+    #[serde(default = "default_fail_status")]
+    pub fail_status: u16,
+    #[serde(default)]
+    pub fail_percent: f64,
+    #[serde(default)]
+    pub hang_requests: bool,
+    #[serde(default)]
+    pub hang_metrics: bool,
+    #[serde(default)]
+    pub hang_models: bool,
+    #[serde(default = "default_health_status")]
+    pub health_status: u16,
+    pub die_after: Option<u64>,
+    pub stall_after_tokens: Option<u64>,
+}
+
+fn default_fail_status() -> u16 {
+    503
+}
+
+fn default_health_status() -> u16 {
+    200
 }
 
 fn default_capacity() -> u64 {
@@ -82,14 +108,6 @@ fn default_true() -> bool {
 
 fn default_seed() -> u64 {
     7
-}
-
-/// At `at`, these GLOBAL ranks stop publishing telemetry (all others publish again).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Event {
-    pub at: HumanDuration,
-    pub dark: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -164,6 +182,11 @@ impl Scenario {
             if let Some(why) = bad {
                 return Err(format!("engines[{i}]: {why}"));
             }
+            events::validate_engine(e).map_err(|why| format!("engines[{i}]: {why}"))?;
+        }
+        for (i, ev) in s.events.iter().enumerate() {
+            ev.validate(s.engines.len())
+                .map_err(|why| format!("events[{i}] (at {:?}): {why}", ev.at.0))?;
         }
         if s.workload.rate.is_some_and(|r| !(r.is_finite() && r > 0.0))
             || s.workload.concurrency == Some(0)
@@ -205,11 +228,16 @@ impl Scenario {
         for e in &self.engines {
             out.extend(e.dark_ranks.iter().map(|&r| (r, Duration::ZERO, end)));
         }
-        let mut events = self.events.clone();
-        events.sort_by_key(|e| e.at.0);
-        for (i, ev) in events.iter().enumerate() {
-            let until = events.get(i + 1).map_or(end, |n| n.at.0);
-            out.extend(ev.dark.iter().map(|&r| (r, ev.at.0, until)));
+        // Only events that say `dark` change the dark set, so only they end a window.
+        let mut events: Vec<(Duration, &[u32])> = self
+            .events
+            .iter()
+            .filter_map(|e| e.dark.as_deref().map(|d| (e.at.0, d)))
+            .collect();
+        events.sort_by_key(|e| e.0);
+        for (i, &(at, dark)) in events.iter().enumerate() {
+            let until = events.get(i + 1).map_or(end, |n| n.0);
+            out.extend(dark.iter().map(|&r| (r, at, until)));
         }
         out
     }
@@ -256,6 +284,14 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
             preload: spec.preload.clone(),
             dark_ranks: spec.dark_ranks.clone(),
             decode_tokens_per_sec: spec.decode_rate,
+            fail_status: spec.fail_status,
+            fail_percent: spec.fail_percent,
+            hang_requests: spec.hang_requests,
+            hang_metrics: spec.hang_metrics,
+            hang_models: spec.hang_models,
+            health_status: spec.health_status,
+            die_after: spec.die_after,
+            stall_after_tokens: spec.stall_after_tokens,
             ..SimConfig::default()
         };
         engines.push(
@@ -308,7 +344,7 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
         .collect();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let sampler = tokio::spawn(sample_kv(engines.clone(), stop_rx.clone()));
-    let timeline = tokio::spawn(play_events(engines.clone(), s.events.clone(), stop_rx));
+    let timeline = tokio::spawn(events::play(engines.clone(), s.events.clone(), stop_rx));
 
     let w = &s.workload;
     let workload = Workload {
@@ -399,24 +435,6 @@ async fn sample_kv(
         }
         let kv: Vec<f64> = engines.iter().flat_map(|e| e.kv_usage()).collect();
         out.push((start.elapsed().as_secs_f64(), kv));
-    }
-}
-
-async fn play_events(
-    engines: Arc<Vec<SimEngine>>,
-    mut events: Vec<Event>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    events.sort_by_key(|e| e.at.0);
-    let start = Instant::now();
-    for ev in events {
-        tokio::select! {
-            _ = tokio::time::sleep_until(start + ev.at.0) => {}
-            _ = stop.changed() => return,
-        }
-        for e in engines.iter() {
-            e.set_dark_ranks(ev.dark.clone());
-        }
     }
 }
 
