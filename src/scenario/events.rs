@@ -6,7 +6,6 @@ use std::sync::Arc;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::EngineSpec;
 use crate::config::HumanDuration;
 use crate::sim::{check_percent, check_status, SimEngine};
 
@@ -127,17 +126,6 @@ impl Event {
             e.kill().await;
         }
     }
-}
-
-/// Checks an engine's own fault keys.
-pub(super) fn validate_engine(e: &EngineSpec) -> Result<(), String> {
-    check_status(e.fail_status).map_err(|x| format!("fail_status: {x}"))?;
-    check_percent(e.fail_percent).map_err(|x| format!("fail_percent: {x}"))?;
-    check_status(e.health_status).map_err(|x| format!("health_status: {x}"))?;
-    if e.die_after == Some(0) {
-        return Err("die_after must be at least 1".into());
-    }
-    Ok(())
 }
 
 /// Plays the timeline against the fleet until it ends or `stop` fires.

@@ -6,6 +6,7 @@
 //! Every policy sees the same arrivals (the workload's seed is fixed) and a fleet started from the
 //! same state, so the differences in the results are the router's doing.
 
+mod engine;
 mod events;
 pub mod render;
 
@@ -20,60 +21,9 @@ use tokio::time::Instant;
 use crate::app::Router;
 use crate::config::{Config, HumanDuration, Policy};
 use crate::load::{self, Api, Arrivals, Burst, Dist, Report, Workload};
-use crate::sim::{SimConfig, SimEngine, SimFlavor};
+use crate::sim::SimEngine;
+pub use engine::EngineSpec;
 pub use events::{Event, Limit};
-
-/// One simulated engine of the fleet.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EngineSpec {
-    pub flavor: SimFlavor,
-    pub dp_size: u32,
-    #[serde(default)]
-    pub start_rank: u32,
-    #[serde(default = "default_capacity")]
-    pub capacity_tokens: u64,
-    #[serde(default)]
-    pub capacities: Vec<u64>,
-    #[serde(default)]
-    pub preload: Vec<f64>,
-    #[serde(default = "default_decode")]
-    pub decode_rate: f64,
-    /// GLOBAL ranks dark for the whole run.
-    #[serde(default)]
-    pub dark_ranks: Vec<u32>,
-    /// Fault knobs from the start (see `SimConfig`); events can change them mid-run.
-    #[serde(default = "default_fail_status")]
-    pub fail_status: u16,
-    #[serde(default)]
-    pub fail_percent: f64,
-    #[serde(default)]
-    pub hang_requests: bool,
-    #[serde(default)]
-    pub hang_metrics: bool,
-    #[serde(default)]
-    pub hang_models: bool,
-    #[serde(default = "default_health_status")]
-    pub health_status: u16,
-    pub die_after: Option<u64>,
-    pub stall_after_tokens: Option<u64>,
-}
-
-fn default_fail_status() -> u16 {
-    503
-}
-
-fn default_health_status() -> u16 {
-    200
-}
-
-fn default_capacity() -> u64 {
-    4096
-}
-
-fn default_decode() -> f64 {
-    100.0
-}
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -168,21 +118,7 @@ impl Scenario {
             return Err("a scenario needs at least one [[engines]]".into());
         }
         for (i, e) in s.engines.iter().enumerate() {
-            let bad = if e.dp_size == 0 {
-                Some("dp_size must be at least 1")
-            } else if !(e.decode_rate.is_finite() && e.decode_rate > 0.0) {
-                Some("decode_rate must be a positive number")
-            } else if e.capacity_tokens == 0 || e.capacities.contains(&0) {
-                Some("capacities must be positive")
-            } else if e.preload.iter().any(|p| !(0.0..=1.0).contains(p)) {
-                Some("preload values must be within [0, 1]")
-            } else {
-                None
-            };
-            if let Some(why) = bad {
-                return Err(format!("engines[{i}]: {why}"));
-            }
-            events::validate_engine(e).map_err(|why| format!("engines[{i}]: {why}"))?;
+            e.validate().map_err(|why| format!("engines[{i}]: {why}"))?;
         }
         for (i, ev) in s.events.iter().enumerate() {
             ev.validate(s.engines.len())
@@ -275,25 +211,7 @@ fn loopback() -> SocketAddr {
 pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<PolicyRun, String> {
     let mut engines = Vec::new();
     for spec in &s.engines {
-        let cfg = SimConfig {
-            flavor: spec.flavor,
-            dp_size: spec.dp_size,
-            start_rank: spec.start_rank,
-            capacity_tokens: spec.capacity_tokens,
-            capacities: spec.capacities.clone(),
-            preload: spec.preload.clone(),
-            dark_ranks: spec.dark_ranks.clone(),
-            decode_tokens_per_sec: spec.decode_rate,
-            fail_status: spec.fail_status,
-            fail_percent: spec.fail_percent,
-            hang_requests: spec.hang_requests,
-            hang_metrics: spec.hang_metrics,
-            hang_models: spec.hang_models,
-            health_status: spec.health_status,
-            die_after: spec.die_after,
-            stall_after_tokens: spec.stall_after_tokens,
-            ..SimConfig::default()
-        };
+        let cfg = spec.sim_config();
         engines.push(
             SimEngine::start(loopback(), cfg)
                 .await
