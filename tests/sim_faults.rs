@@ -428,3 +428,21 @@ kill = true
         "no errors although no engine could serve"
     );
 }
+
+#[tokio::test]
+async fn a_stalled_non_streaming_request_holds_its_kv_and_never_answers() {
+    let e = engine(SimConfig {
+        stall_after_tokens: Some(2),
+        ..sim(Flavor::Sglang, 1, 0)
+    })
+    .await;
+    let mut s = raw(e.addr, "POST", "/v1/chat/completions", &chat_body(8, false)).await;
+    assert_silent(&mut s, "stalled request").await;
+    assert_eq!(e.served(), [1], "a stalled request was admitted");
+    assert_eq!(running(&e), 1);
+    drop(s);
+    until("the stalled request ends with its client", || {
+        e.open_requests() == 0 && running(&e) == 0
+    })
+    .await;
+}
