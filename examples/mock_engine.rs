@@ -3,12 +3,16 @@
 //! cargo run --release --example mock_engine -- --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
 //!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks]
+//!
+//! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
+//! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
+//! With `--die-after` the process exits (status 1) once the engine has died.
 
 use std::net::SocketAddr;
 
 use clap::{Parser, ValueEnum};
 use rankgate::sim::SimFlavor as Flavor;
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate::sim::{check_percent, check_status, SimConfig, SimEngine};
 use rankgate::worker::RankNumbering;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -64,6 +68,30 @@ struct Args {
     decode_rate: f64,
     #[arg(long, default_value = "tiny-llama")]
     model: String,
+    /// Status the failing share of OpenAI API requests is answered with (100..=599).
+    #[arg(long, default_value_t = 503)]
+    fail_status: u16,
+    /// Share of OpenAI API requests that fail at once with --fail-status, in percent [0, 100].
+    #[arg(long, default_value_t = 0.0)]
+    fail_percent: f64,
+    /// Accept generation requests and never answer them.
+    #[arg(long)]
+    hang_requests: bool,
+    /// /metrics, /v1/loads and gRPC GetLoads never answer.
+    #[arg(long)]
+    hang_metrics: bool,
+    /// /v1/models never answers.
+    #[arg(long)]
+    hang_models: bool,
+    /// What /health answers (100..=599).
+    #[arg(long, default_value_t = 200)]
+    health_status: u16,
+    /// Die like kill -9 once N requests have been admitted (N >= 1).
+    #[arg(long)]
+    die_after: Option<u64>,
+    /// Stop generating after K tokens and never finish the response.
+    #[arg(long)]
+    stall_after_tokens: Option<u64>,
 }
 
 #[tokio::main]
@@ -77,6 +105,13 @@ async fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(a.dp_size >= 1, "--dp-size must be at least 1");
     anyhow::ensure!(a.decode_rate > 0.0, "--decode-rate must be positive");
+    check_status(a.fail_status).map_err(|e| anyhow::anyhow!("--fail-status: {e}"))?;
+    check_percent(a.fail_percent).map_err(|e| anyhow::anyhow!("--fail-percent: {e}"))?;
+    check_status(a.health_status).map_err(|e| anyhow::anyhow!("--health-status: {e}"))?;
+    anyhow::ensure!(
+        a.die_after != Some(0),
+        "--die-after must be at least 1 (an engine dead from the start is just a closed port)"
+    );
     let cfg = SimConfig {
         flavor: match a.flavor {
             FlavorArg::Vllm => Flavor::Vllm,
@@ -96,6 +131,14 @@ async fn main() -> anyhow::Result<()> {
         decode_tokens_per_sec: a.decode_rate,
         model: a.model,
         servicer_quirks: a.servicer_quirks,
+        fail_status: a.fail_status,
+        fail_percent: a.fail_percent,
+        hang_requests: a.hang_requests,
+        hang_metrics: a.hang_metrics,
+        hang_models: a.hang_models,
+        health_status: a.health_status,
+        die_after: a.die_after,
+        stall_after_tokens: a.stall_after_tokens,
         ..SimConfig::default()
     };
     let engine = SimEngine::start(a.listen, cfg).await?;
@@ -103,7 +146,13 @@ async fn main() -> anyhow::Result<()> {
     if let Some(g) = a.grpc_listen {
         eprintln!("mock_engine gRPC on {}", engine.start_grpc(g).await?);
     }
-    tokio::signal::ctrl_c().await?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r?,
+        _ = engine.dead() => {
+            anyhow::bail!("mock_engine died after {} admitted requests (--die-after)",
+                a.die_after.unwrap_or(0))
+        }
+    }
     engine.shutdown().await;
     Ok(())
 }

@@ -1,10 +1,13 @@
 //! Routing-quality scenarios: a fleet of simulated engines, a workload and a timeline of events,
 //! described in one TOML file (`configs/scenarios/`), run once per policy against a fresh fleet
-//! and router, with per-rank KV sampled over time.
+//! and router, with per-rank KV sampled over time. Engines can misbehave from the start or from
+//! a point in the timeline (`events`), using the simulator's fault knobs.
 //!
 //! Every policy sees the same arrivals (the workload's seed is fixed) and a fleet started from the
 //! same state, so the differences in the results are the router's doing.
 
+mod engine;
+mod events;
 pub mod render;
 
 use std::net::SocketAddr;
@@ -18,36 +21,9 @@ use tokio::time::Instant;
 use crate::app::Router;
 use crate::config::{Config, HumanDuration, Policy};
 use crate::load::{self, Api, Arrivals, Burst, Dist, Report, Workload};
-use crate::sim::{SimConfig, SimEngine, SimFlavor};
-
-/// One simulated engine of the fleet.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EngineSpec {
-    pub flavor: SimFlavor,
-    pub dp_size: u32,
-    #[serde(default)]
-    pub start_rank: u32,
-    #[serde(default = "default_capacity")]
-    pub capacity_tokens: u64,
-    #[serde(default)]
-    pub capacities: Vec<u64>,
-    #[serde(default)]
-    pub preload: Vec<f64>,
-    #[serde(default = "default_decode")]
-    pub decode_rate: f64,
-    /// GLOBAL ranks dark for the whole run.
-    #[serde(default)]
-    pub dark_ranks: Vec<u32>,
-}
-
-fn default_capacity() -> u64 {
-    4096
-}
-
-fn default_decode() -> f64 {
-    100.0
-}
+use crate::sim::SimEngine;
+pub use engine::EngineSpec;
+pub use events::{Event, Limit};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -82,14 +58,6 @@ fn default_true() -> bool {
 
 fn default_seed() -> u64 {
     7
-}
-
-/// At `at`, these GLOBAL ranks stop publishing telemetry (all others publish again).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Event {
-    pub at: HumanDuration,
-    pub dark: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -150,20 +118,11 @@ impl Scenario {
             return Err("a scenario needs at least one [[engines]]".into());
         }
         for (i, e) in s.engines.iter().enumerate() {
-            let bad = if e.dp_size == 0 {
-                Some("dp_size must be at least 1")
-            } else if !(e.decode_rate.is_finite() && e.decode_rate > 0.0) {
-                Some("decode_rate must be a positive number")
-            } else if e.capacity_tokens == 0 || e.capacities.contains(&0) {
-                Some("capacities must be positive")
-            } else if e.preload.iter().any(|p| !(0.0..=1.0).contains(p)) {
-                Some("preload values must be within [0, 1]")
-            } else {
-                None
-            };
-            if let Some(why) = bad {
-                return Err(format!("engines[{i}]: {why}"));
-            }
+            e.validate().map_err(|why| format!("engines[{i}]: {why}"))?;
+        }
+        for (i, ev) in s.events.iter().enumerate() {
+            ev.validate(s.engines.len())
+                .map_err(|why| format!("events[{i}] (at {:?}): {why}", ev.at.0))?;
         }
         if s.workload.rate.is_some_and(|r| !(r.is_finite() && r > 0.0))
             || s.workload.concurrency == Some(0)
@@ -205,11 +164,16 @@ impl Scenario {
         for e in &self.engines {
             out.extend(e.dark_ranks.iter().map(|&r| (r, Duration::ZERO, end)));
         }
-        let mut events = self.events.clone();
-        events.sort_by_key(|e| e.at.0);
-        for (i, ev) in events.iter().enumerate() {
-            let until = events.get(i + 1).map_or(end, |n| n.at.0);
-            out.extend(ev.dark.iter().map(|&r| (r, ev.at.0, until)));
+        // Only events that say `dark` change the dark set, so only they end a window.
+        let mut events: Vec<(Duration, &[u32])> = self
+            .events
+            .iter()
+            .filter_map(|e| e.dark.as_deref().map(|d| (e.at.0, d)))
+            .collect();
+        events.sort_by_key(|e| e.0);
+        for (i, &(at, dark)) in events.iter().enumerate() {
+            let until = events.get(i + 1).map_or(end, |n| n.0);
+            out.extend(dark.iter().map(|&r| (r, at, until)));
         }
         out
     }
@@ -247,17 +211,7 @@ fn loopback() -> SocketAddr {
 pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<PolicyRun, String> {
     let mut engines = Vec::new();
     for spec in &s.engines {
-        let cfg = SimConfig {
-            flavor: spec.flavor,
-            dp_size: spec.dp_size,
-            start_rank: spec.start_rank,
-            capacity_tokens: spec.capacity_tokens,
-            capacities: spec.capacities.clone(),
-            preload: spec.preload.clone(),
-            dark_ranks: spec.dark_ranks.clone(),
-            decode_tokens_per_sec: spec.decode_rate,
-            ..SimConfig::default()
-        };
+        let cfg = spec.sim_config();
         engines.push(
             SimEngine::start(loopback(), cfg)
                 .await
@@ -308,7 +262,7 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
         .collect();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let sampler = tokio::spawn(sample_kv(engines.clone(), stop_rx.clone()));
-    let timeline = tokio::spawn(play_events(engines.clone(), s.events.clone(), stop_rx));
+    let timeline = tokio::spawn(events::play(engines.clone(), s.events.clone(), stop_rx));
 
     let w = &s.workload;
     let workload = Workload {
@@ -399,24 +353,6 @@ async fn sample_kv(
         }
         let kv: Vec<f64> = engines.iter().flat_map(|e| e.kv_usage()).collect();
         out.push((start.elapsed().as_secs_f64(), kv));
-    }
-}
-
-async fn play_events(
-    engines: Arc<Vec<SimEngine>>,
-    mut events: Vec<Event>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    events.sort_by_key(|e| e.at.0);
-    let start = Instant::now();
-    for ev in events {
-        tokio::select! {
-            _ = tokio::time::sleep_until(start + ev.at.0) => {}
-            _ = stop.changed() => return,
-        }
-        for e in engines.iter() {
-            e.set_dark_ranks(ev.dark.clone());
-        }
     }
 }
 

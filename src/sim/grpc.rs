@@ -1,5 +1,6 @@
 //! The simulated engine's gRPC side: `GetLoads` (and vLLM's `GetServerInfo`) with the servicer
-//! semantics, plus the standard health service, served over h2c by rankgate's own accept loop.
+//! semantics, plus the standard health service, served over h2c by the simulator's accept loop so
+//! that it dies with the engine.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -11,7 +12,7 @@ use hyper::body::Incoming;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 use tower::ServiceExt;
 
-use super::{RankReport, Sim, SimFlavor};
+use super::{net, RankReport, Sim, SimFlavor};
 use crate::http::Shutdown;
 use crate::proto::health::health_server::{Health, HealthServer};
 use crate::proto::health::{
@@ -25,8 +26,13 @@ use crate::proto::{sglang, vllm};
 pub(crate) struct GrpcSim(pub Arc<Sim>);
 
 impl GrpcSim {
-    fn entries(&self, dp_rank: Option<i32>) -> Result<Vec<RankReport>, Status> {
+    async fn entries(&self, dp_rank: Option<i32>) -> Result<Vec<RankReport>, Status> {
         self.0.telemetry_requests.fetch_add(1, Relaxed);
+        if self.0.faults.hang_metrics.load(Relaxed) {
+            // The client's deadline or a shutdown ends the wait; either way nothing is reported.
+            self.0.hold().await;
+            return Err(Status::unavailable("engine shutting down"));
+        }
         if self.0.native_failing() {
             return Err(Status::unavailable("loads unavailable"));
         }
@@ -81,7 +87,8 @@ impl VllmEngine for GrpcSim {
         req: GrpcRequest<vllm::GetLoadsRequest>,
     ) -> Result<GrpcResponse<vllm::GetLoadsResponse>, Status> {
         let loads: Vec<_> = self
-            .entries(req.into_inner().dp_rank)?
+            .entries(req.into_inner().dp_rank)
+            .await?
             .iter()
             .map(vllm::SchedulerLoad::from)
             .collect();
@@ -101,7 +108,8 @@ impl SglangScheduler for GrpcSim {
         req: GrpcRequest<sglang::GetLoadsRequest>,
     ) -> Result<GrpcResponse<sglang::GetLoadsResponse>, Status> {
         let loads: Vec<_> = self
-            .entries(req.into_inner().dp_rank)?
+            .entries(req.into_inner().dp_rank)
+            .await?
             .iter()
             .map(sglang::SchedulerLoad::from)
             .collect();
@@ -129,14 +137,25 @@ impl Health for GrpcSim {
         &self,
         _: GrpcRequest<HealthCheckRequest>,
     ) -> Result<GrpcResponse<HealthCheckResponse>, Status> {
+        let status = if self.0.faults.health().is_success() {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
         Ok(GrpcResponse::new(HealthCheckResponse {
-            status: ServingStatus::Serving as i32,
+            status: status as i32,
         }))
     }
 }
 
-/// Serves the engine's gRPC services on `listener` until `shutdown`.
-pub(crate) async fn serve(listener: tokio::net::TcpListener, sim: Arc<Sim>, shutdown: Shutdown) {
+/// Serves the engine's gRPC services on `listener` until `shutdown` or the engine dies.
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    sim: Arc<Sim>,
+    shutdown: Shutdown,
+    running: net::Running,
+) {
+    let kill = sim.kill.subscribe();
     let grpc = GrpcSim(sim.clone());
     let health = HealthServer::new(grpc.clone());
     let vllm = VllmEngineServer::new(grpc.clone());
@@ -157,7 +176,7 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, sim: Arc<Sim>, shut
             Ok::<_, Infallible>(resp)
         }
     };
-    crate::http::serve(listener, handler, shutdown).await;
+    net::serve(listener, handler, shutdown, kill, running).await;
 }
 
 /// Binds the gRPC listener.

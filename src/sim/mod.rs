@@ -5,11 +5,15 @@
 //! out-of-range -> 400, non-integer ignored; SGLang: `data_parallel_rank` / `routed_dp_rank` body
 //! field or the header), streams tokens at a decode rate while each request holds KV on its rank,
 //! and serves `/metrics` per rank in the real engine's format. Knobs that tests need at run time
-//! (pinned KV, dark ranks, a slow `/metrics`, broken native endpoints) are methods on
+//! (pinned KV, dark ranks, a slow `/metrics`, broken native endpoints) and the fault knobs a
+//! router's resilience is tested with (failing, hanging, stalling, dying) are methods on
 //! [`SimEngine`]. `serve` holds the OpenAI API, `telemetry` what the ranks publish, `grpc` the
-//! `GetLoads` side, `rank` the KV and queue model.
+//! `GetLoads` side, `rank` the KV and queue model, `faults` the fault knobs and `net` the accept
+//! loop that can die like a killed process.
 
+mod faults;
 mod grpc;
+mod net;
 pub mod rank;
 mod serve;
 mod telemetry;
@@ -25,6 +29,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::worker::RankNumbering;
+use faults::Faults;
+pub use faults::{check_percent, check_status, FaultError};
 use rank::Rank;
 pub use serve::SimBody;
 use telemetry::RankReport;
@@ -76,6 +82,22 @@ pub struct SimConfig {
     /// Imitate smg-grpc-servicer 0.14.1: ignore the `dp_rank` filter and report the SUM of the
     /// ranks' capacities in every entry.
     pub servicer_quirks: bool,
+    /// The status the failing share of OpenAI API requests is answered with (100..=599).
+    pub fail_status: u16,
+    /// Share of OpenAI API POSTs answered at once with `fail_status`, in percent; 0 is off.
+    pub fail_percent: f64,
+    /// Generation requests are accepted and never answered.
+    pub hang_requests: bool,
+    /// `/metrics`, `/v1/loads` and gRPC `GetLoads` never answer.
+    pub hang_metrics: bool,
+    /// `/v1/models` never answers.
+    pub hang_models: bool,
+    /// What `/health` answers (gRPC health reports NOT_SERVING unless it is a 2xx).
+    pub health_status: u16,
+    /// Die like `kill -9` once this many OpenAI API requests have been admitted into ranks.
+    pub die_after: Option<u64>,
+    /// Generation stops after this many tokens and the response never ends.
+    pub stall_after_tokens: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -96,6 +118,14 @@ impl Default for SimConfig {
             prefill_tokens_per_sec: 20_000.0,
             model: "tiny-llama".into(),
             servicer_quirks: false,
+            fail_status: 503,
+            fail_percent: 0.0,
+            hang_requests: false,
+            hang_metrics: false,
+            hang_models: false,
+            health_status: 200,
+            die_after: None,
+            stall_after_tokens: None,
         }
     }
 }
@@ -129,6 +159,13 @@ pub(crate) struct Sim {
     seen: Mutex<VecDeque<Seen>>,
     pub(crate) telemetry_requests: AtomicU64,
     next_id: AtomicU64,
+    pub(crate) faults: Faults,
+    /// `true` once the engine is killed; every server and hung request watches it.
+    kill: watch::Sender<bool>,
+    /// Servers (HTTP, gRPC) still running, for [`SimEngine::dead`].
+    servers: watch::Sender<usize>,
+    /// The graceful shutdown signal, which releases hung requests.
+    shutdown: watch::Receiver<bool>,
 }
 
 /// How many requests the engine remembers for [`SimEngine::seen`].
@@ -145,8 +182,11 @@ pub struct SimEngine {
 }
 
 impl SimEngine {
-    /// Binds `listen` (port 0 picks a free port) and starts serving.
+    /// Binds `listen` (port 0 picks a free port) and starts serving. Fault knobs out of range
+    /// are an `InvalidInput` error.
     pub async fn start(listen: SocketAddr, cfg: SimConfig) -> std::io::Result<SimEngine> {
+        let faults = Faults::new(&cfg)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let ranks = (0..cfg.dp_size)
@@ -160,6 +200,7 @@ impl SimEngine {
                 Rank::new(cfg.start_rank + i, capacity.max(1), preload)
             })
             .collect();
+        let (shutdown, shutdown_rx) = watch::channel(false);
         let sim = Arc::new(Sim {
             knobs: RwLock::new(Knobs {
                 kv_usage: cfg.kv_usage.clone(),
@@ -172,13 +213,18 @@ impl SimEngine {
             seen: Mutex::new(VecDeque::new()),
             telemetry_requests: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
+            faults,
+            kill: watch::Sender::new(false),
+            servers: watch::Sender::new(0),
+            shutdown: shutdown_rx.clone(),
         });
-        let (shutdown, rx) = watch::channel(false);
         let s = sim.clone();
-        let task = tokio::spawn(crate::http::serve(
+        let task = tokio::spawn(net::serve(
             listener,
             move |req| s.clone().handle(req),
-            rx,
+            shutdown_rx,
+            sim.kill.subscribe(),
+            net::Running::new(&sim.servers),
         ));
         Ok(SimEngine {
             addr,
@@ -189,13 +235,19 @@ impl SimEngine {
     }
 
     /// Serves the gRPC side (`GetLoads`, `GetServerInfo`, health) on `listen`; returns its address.
+    /// It dies with the engine.
     pub async fn start_grpc(&self, listen: SocketAddr) -> std::io::Result<SocketAddr> {
+        if self.sim.is_dead() {
+            return Err(std::io::Error::other("the simulated engine is dead"));
+        }
         let listener = grpc::bind(listen).await?;
         let addr = listener.local_addr()?;
+        let running = net::Running::new(&self.sim.servers);
         tokio::spawn(grpc::serve(
             listener,
             self.sim.clone(),
             self.shutdown.subscribe(),
+            running,
         ));
         Ok(addr)
     }
@@ -251,6 +303,80 @@ impl SimEngine {
     /// Breaks (or mends) the native load endpoints; `/metrics` keeps working.
     pub fn set_native_failing(&self, failing: bool) {
         write(&self.sim.knobs).native_failing = failing;
+    }
+
+    /// Answers that share (percent, 0..=100; 0 is off) of OpenAI API POSTs at once with
+    /// `status` and an OpenAI error body, admitting nothing. The share restarts counting here:
+    /// 100% fails every request, 50% every second one.
+    pub fn set_fail(&self, status: u16, percent: f64) -> Result<(), FaultError> {
+        self.sim.faults.set_fail(status, percent)
+    }
+
+    /// Accepts generation requests and never answers them (no headers) until the client leaves.
+    pub fn set_hang_requests(&self, hang: bool) {
+        self.sim.faults.hang_requests.store(hang, Relaxed);
+    }
+
+    /// Makes `/metrics`, `/v1/loads` and gRPC `GetLoads` never answer.
+    pub fn set_hang_metrics(&self, hang: bool) {
+        self.sim.faults.hang_metrics.store(hang, Relaxed);
+    }
+
+    /// Makes `/v1/models` never answer.
+    pub fn set_hang_models(&self, hang: bool) {
+        self.sim.faults.hang_models.store(hang, Relaxed);
+    }
+
+    /// What `/health` answers from now on (200 is healthy).
+    pub fn set_health_status(&self, status: u16) -> Result<(), FaultError> {
+        self.sim.faults.set_health(status)
+    }
+
+    /// Dies by itself once `n` more requests have been admitted into ranks (`Some(0)`: now);
+    /// `None` cancels.
+    pub fn die_after(&self, n: Option<u64>) {
+        self.sim.faults.set_die_after(n);
+        if n == Some(0) {
+            self.sim.kill();
+        }
+    }
+
+    /// Generation stops after `k` tokens, streaming or not, and the response never ends (the
+    /// request keeps its KV) until the client leaves; `None` resumes normal decoding.
+    pub fn set_stall_after_tokens(&self, k: Option<u64>) {
+        self.sim.faults.set_stall_after(k);
+    }
+
+    /// OpenAI API POSTs that reached the engine, including failed, hung and rejected ones.
+    pub fn requests_received(&self) -> u64 {
+        self.sim.faults.received.load(Relaxed)
+    }
+
+    /// OpenAI API requests the engine still holds (reading, queued, decoding, hung or stalled).
+    pub fn open_requests(&self) -> u64 {
+        self.sim.faults.open.load(Relaxed)
+    }
+
+    /// Dies like a process under `kill -9` and returns once it is dead: the listeners are closed
+    /// (connecting is refused) and every connection, HTTP and gRPC, was dropped mid-whatever.
+    pub async fn kill(&self) {
+        self.sim.kill();
+        self.dead().await;
+    }
+
+    /// Whether the engine was killed (it may still be closing its connections).
+    pub fn is_dead(&self) -> bool {
+        self.sim.is_dead()
+    }
+
+    /// Resolves once the engine has been killed (by [`SimEngine::kill`] or `die_after`) and
+    /// every server has closed its listener and connections.
+    pub async fn dead(&self) {
+        let mut kill = self.sim.kill.subscribe();
+        net::killed(&mut kill).await;
+        let mut servers = self.sim.servers.subscribe();
+        // The sender lives in `self.sim`, so this cannot fail while `self` is borrowed.
+        let _ = servers.wait_for(|n| *n == 0).await;
     }
 
     pub async fn shutdown(self) {

@@ -1,5 +1,5 @@
 //! The simulated engine's OpenAI API: rank pinning as the real engines do it, admission into a
-//! rank's KV, and token streaming at the decode rate.
+//! rank's KV, and token streaming at the decode rate, with the request-side fault knobs applied.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -16,6 +16,7 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::faults::Open;
 use super::{lock, read, Seen, Sim, SimFlavor, MAX_REQUEST_BYTES, SEEN_CAP};
 use crate::http::{json_response, openai_error, respond};
 use crate::worker::RankNumbering;
@@ -70,9 +71,12 @@ impl Sim {
     ) -> Result<Response<SimBody>, Infallible> {
         let path = req.uri().path().to_string();
         Ok(match (req.method(), path.as_str()) {
-            (&Method::GET, "/health") => respond(StatusCode::OK, "text/plain", ""),
+            (&Method::GET, "/health") => respond(self.faults.health(), "text/plain", ""),
             (&Method::GET, "/metrics") => {
                 self.telemetry_requests.fetch_add(1, Relaxed);
+                if self.faults.hang_metrics.load(Relaxed) {
+                    return Ok(self.hold().await);
+                }
                 let delay = read(&self.knobs).metrics_delay;
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
@@ -83,10 +87,17 @@ impl Sim {
                     self.render_metrics(),
                 )
             }
-            (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
+            (&Method::GET, "/v1/models") => {
+                if self.faults.hang_models.load(Relaxed) {
+                    return Ok(self.hold().await);
+                }
+                json_response(StatusCode::OK, &self.models())
+            }
             (&Method::GET, "/v1/loads") if self.cfg.flavor == SimFlavor::Sglang => {
                 self.telemetry_requests.fetch_add(1, Relaxed);
-                if self.native_failing() {
+                if self.faults.hang_metrics.load(Relaxed) {
+                    self.hold().await
+                } else if self.native_failing() {
                     openai_error(
                         StatusCode::INTERNAL_SERVER_ERROR,
                         "InternalServerError",
@@ -176,6 +187,8 @@ impl Sim {
         req: Request<Incoming>,
         path: String,
     ) -> Result<Response<SimBody>, (StatusCode, String)> {
+        self.faults.received.fetch_add(1, Relaxed);
+        let open = Open::new(&self);
         let header = req
             .headers()
             .get("x-data-parallel-rank")
@@ -185,6 +198,14 @@ impl Sim {
             .await
             .map_err(|e| (StatusCode::BAD_REQUEST, format!("reading body: {e}")))?
             .to_bytes();
+        // Faults come before parsing, as an overloaded or wedged engine answers (or not)
+        // whatever the request says; the body is read first so the connection stays usable.
+        if let Some(resp) = self.injected_failure() {
+            return Ok(resp);
+        }
+        if self.faults.hang_requests.load(Relaxed) {
+            return Ok(self.hold().await);
+        }
         let v: Value = serde_json::from_slice(&body)
             .map_err(|e| (StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))?;
         let body_rank = v
@@ -231,7 +252,15 @@ impl Sim {
         };
         if job.stream {
             let (tx, rx) = mpsc::channel(16);
-            tokio::spawn(async move { self.run(local, job, Some(tx)).await });
+            tokio::spawn(async move {
+                let _open = open;
+                // A client gone while the job still queues or stalls ends it here rather than
+                // at its next token, which may never come.
+                tokio::select! {
+                    _ = self.run(local, job, Some(tx.clone())) => {}
+                    _ = tx.closed() => {}
+                }
+            });
             let mut resp = Response::new(SimBody::Stream(rx));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -240,6 +269,7 @@ impl Sim {
             Ok(resp)
         } else if embeddings {
             let _adm = self.ranks[local].admit(job.prompt_tokens, 0).await;
+            self.admitted();
             Ok(json_response(
                 StatusCode::OK,
                 &json!({
@@ -249,16 +279,21 @@ impl Sim {
                 }),
             ))
         } else {
-            let text = self.run(local, job, None).await;
-            Ok(json_response(StatusCode::OK, &text))
+            match self.run(local, job, None).await {
+                Some(text) => Ok(json_response(StatusCode::OK, &text)),
+                None => Ok(self.hold().await),
+            }
         }
     }
 
     /// Admits the job on its rank and decodes it. Streaming jobs send SSE chunks to `tx` and stop
     /// early (freeing their KV) if the client goes away; others return the whole completion.
-    async fn run(&self, local: usize, job: Job, tx: Option<mpsc::Sender<Bytes>>) -> Value {
+    /// `None` when the completion will not come: the client left, or the job stalled and the
+    /// engine is shutting down.
+    async fn run(&self, local: usize, job: Job, tx: Option<mpsc::Sender<Bytes>>) -> Option<Value> {
         let rank = &self.ranks[local];
         let mut adm = rank.admit(job.prompt_tokens, job.max_tokens).await;
+        self.admitted();
         let prefill =
             Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
         tokio::time::sleep(prefill).await;
@@ -266,6 +301,11 @@ impl Sim {
         let id = format!("{kind}-sim{}", job.id);
         let mut text = String::new();
         for i in 0..job.max_tokens {
+            if self.faults.stalls_at(i) {
+                // Holding `adm` keeps the KV taken, as a wedged request does on a real engine.
+                self.hold().await;
+                return None;
+            }
             if i > 0 {
                 let running = rank.counts().running.saturating_sub(1) as f64;
                 let itl =
@@ -281,11 +321,16 @@ impl Sim {
                     json!({"index": 0, "text": token, "logprobs": null, "finish_reason": null})
                 };
                 if tx.send(self.chunk(&id, job.chat, delta)).await.is_err() {
-                    return Value::Null;
+                    return None;
                 }
             } else {
                 text.push_str(&token);
             }
+        }
+        // A stall at or past the last token still withholds the end: no usage, no `[DONE]`.
+        if self.faults.stalls_at(job.max_tokens) {
+            self.hold().await;
+            return None;
         }
         let usage = json!({"prompt_tokens": job.prompt_tokens, "completion_tokens": job.max_tokens,
             "total_tokens": job.prompt_tokens + job.max_tokens});
@@ -307,15 +352,17 @@ impl Sim {
                 .send(Bytes::from(format!("data: {}\n\n", Value::Object(last))))
                 .await;
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-            return Value::Null;
+            return None;
         }
         let choice = if job.chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
         } else {
             json!({"index": 0, "text": text, "finish_reason": "length"})
         };
-        json!({"id": id, "object": if job.chat { "chat.completion" } else { "text_completion" },
-            "model": self.cfg.model, "choices": [choice], "usage": usage})
+        Some(
+            json!({"id": id, "object": if job.chat { "chat.completion" } else { "text_completion" },
+            "model": self.cfg.model, "choices": [choice], "usage": usage}),
+        )
     }
 
     fn chunk(&self, id: &str, chat: bool, choice: Value) -> Bytes {

@@ -1,0 +1,105 @@
+//! One simulated engine of a scenario's fleet: its shape, its speed, and the fault knobs it
+//! starts with.
+
+use serde::Deserialize;
+
+use crate::sim::{check_percent, check_status, SimConfig, SimFlavor};
+
+/// One simulated engine of the fleet.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSpec {
+    pub flavor: SimFlavor,
+    pub dp_size: u32,
+    #[serde(default)]
+    pub start_rank: u32,
+    #[serde(default = "default_capacity")]
+    pub capacity_tokens: u64,
+    #[serde(default)]
+    pub capacities: Vec<u64>,
+    #[serde(default)]
+    pub preload: Vec<f64>,
+    #[serde(default = "default_decode")]
+    pub decode_rate: f64,
+    /// GLOBAL ranks dark for the whole run.
+    #[serde(default)]
+    pub dark_ranks: Vec<u32>,
+    /// Fault knobs from the start (see `SimConfig`); events can change them mid-run.
+    #[serde(default = "default_fail_status")]
+    pub fail_status: u16,
+    #[serde(default)]
+    pub fail_percent: f64,
+    #[serde(default)]
+    pub hang_requests: bool,
+    #[serde(default)]
+    pub hang_metrics: bool,
+    #[serde(default)]
+    pub hang_models: bool,
+    #[serde(default = "default_health_status")]
+    pub health_status: u16,
+    pub die_after: Option<u64>,
+    pub stall_after_tokens: Option<u64>,
+}
+
+fn default_fail_status() -> u16 {
+    503
+}
+
+fn default_health_status() -> u16 {
+    200
+}
+
+fn default_capacity() -> u64 {
+    4096
+}
+
+fn default_decode() -> f64 {
+    100.0
+}
+
+impl EngineSpec {
+    /// Everything wrong with the spec that would make the run fail or mean nothing.
+    pub(super) fn validate(&self) -> Result<(), String> {
+        if self.dp_size == 0 {
+            return Err("dp_size must be at least 1".into());
+        }
+        if !(self.decode_rate.is_finite() && self.decode_rate > 0.0) {
+            return Err("decode_rate must be a positive number".into());
+        }
+        if self.capacity_tokens == 0 || self.capacities.contains(&0) {
+            return Err("capacities must be positive".into());
+        }
+        if self.preload.iter().any(|p| !(0.0..=1.0).contains(p)) {
+            return Err("preload values must be within [0, 1]".into());
+        }
+        check_status(self.fail_status).map_err(|x| format!("fail_status: {x}"))?;
+        check_percent(self.fail_percent).map_err(|x| format!("fail_percent: {x}"))?;
+        check_status(self.health_status).map_err(|x| format!("health_status: {x}"))?;
+        if self.die_after == Some(0) {
+            return Err("die_after must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    pub(super) fn sim_config(&self) -> SimConfig {
+        SimConfig {
+            flavor: self.flavor,
+            dp_size: self.dp_size,
+            start_rank: self.start_rank,
+            capacity_tokens: self.capacity_tokens,
+            capacities: self.capacities.clone(),
+            preload: self.preload.clone(),
+            dark_ranks: self.dark_ranks.clone(),
+            decode_tokens_per_sec: self.decode_rate,
+            fail_status: self.fail_status,
+            fail_percent: self.fail_percent,
+            hang_requests: self.hang_requests,
+            hang_metrics: self.hang_metrics,
+            hang_models: self.hang_models,
+            health_status: self.health_status,
+            die_after: self.die_after,
+            stall_after_tokens: self.stall_after_tokens,
+            ..SimConfig::default()
+        }
+    }
+}
