@@ -16,7 +16,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::http::{shutdown_signalled, Shutdown, DRAIN_GRACE};
+use crate::http::{shutdown_signalled, Shutdown};
+
+/// How long open connections may finish their requests after a normal shutdown.
+const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Resolves once the engine is killed. A dropped sender means the engine is gone anyway, but
 /// that is a shutdown, not a death, so it never resolves then.
