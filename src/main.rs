@@ -8,6 +8,32 @@ use rankgate::config::Config;
 
 /// Exit code for a config error (EX_DATAERR's neighbour EX_USAGE, as sysexits.h numbers it).
 const EXIT_CONFIG: u8 = 64;
+/// Exit code when a second signal cuts the drain short (128 + SIGINT, as shells report it).
+const EXIT_INTERRUPTED: u8 = 130;
+
+/// SIGTERM (what Kubernetes, systemd and `docker stop` send) and SIGINT (Ctrl-C), as one stream.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// The name of the next signal received.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
 
 #[derive(Parser)]
 #[command(
@@ -122,10 +148,25 @@ fn main() -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 };
-                let _ = tokio::signal::ctrl_c().await;
-                tracing::info!("shutting down: draining requests in flight");
-                router.shutdown().await;
-                ExitCode::SUCCESS
+                let mut signals = match Signals::new() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!("rankgate: cannot listen for signals: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let first = signals.next().await;
+                tracing::info!(signal = first, "shutting down: /ready is 503, draining requests in flight");
+                tokio::select! {
+                    _ = router.shutdown() => {
+                        tracing::info!("drained; exiting");
+                        ExitCode::SUCCESS
+                    }
+                    second = signals.next() => {
+                        tracing::warn!(signal = second, "second signal: exiting without waiting for the drain");
+                        ExitCode::from(EXIT_INTERRUPTED)
+                    }
+                }
             })
         }
         Command::Demo { requests, rate } => {
