@@ -19,6 +19,9 @@
 //! - [`metrics`]: rankgate's own counters and histogram.
 //! - [`http`]: accept loop, upstream clients, error bodies.
 //! - [`app`]: starts and stops the whole router.
+//!
+//! Behind the `sim` feature (on by default; the production build turns it off with
+//! `--no-default-features`, so the router carries none of it):
 //! - [`sim`]: the simulated engine used by tests, the demo and benchmarks.
 //! - [`load`]: the load client (`examples/loadgen.rs`, scenarios, the demo).
 //! - [`scenario`]: routing-quality scenarios: a simulated fleet, a workload, events, per policy.
@@ -27,8 +30,10 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+#[cfg(feature = "sim")]
 pub mod demo;
 pub mod http;
+#[cfg(feature = "sim")]
 pub mod load;
 pub mod metrics;
 pub mod outlier;
@@ -36,7 +41,9 @@ pub mod policy;
 pub mod proto;
 pub mod proxy;
 pub mod reason;
+#[cfg(feature = "sim")]
 pub mod scenario;
+#[cfg(feature = "sim")]
 pub mod sim;
 pub mod table;
 pub mod telemetry;

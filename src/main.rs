@@ -59,6 +59,7 @@ enum Command {
         config: PathBuf,
     },
     /// Self-contained demo: simulated engines, the router, a bounded load run per policy.
+    #[cfg(feature = "sim")]
     Demo {
         /// Requests per policy (default: the demo scenario's 400).
         #[arg(long)]
@@ -169,6 +170,7 @@ fn main() -> ExitCode {
                 }
             })
         }
+        #[cfg(feature = "sim")]
         Command::Demo { requests, rate } => {
             let rt = match runtime() {
                 Ok(rt) => rt,

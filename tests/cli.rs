@@ -89,7 +89,8 @@ fn version_and_help() {
     let o = run(&["--help"]);
     assert!(o.status.success());
     let help = String::from_utf8_lossy(&o.stdout);
-    for cmd in ["serve", "check", "demo"] {
+    let demo = cfg!(feature = "sim").then_some("demo");
+    for cmd in ["serve", "check"].into_iter().chain(demo) {
         assert!(help.contains(cmd), "{help}");
     }
 }

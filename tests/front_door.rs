@@ -1,4 +1,5 @@
 //! The front door's error handling and protocols, over real sockets.
+#![cfg(feature = "sim")] // the simulated engine
 
 mod common;
 

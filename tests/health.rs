@@ -4,6 +4,7 @@
 //!
 //! The fake engine is a few lines of hyper written here, serving a captured vLLM `/metrics`
 //! fixture, so each behaviour (a switchable `/health`, a hanging `/v1/models`) is explicit.
+#![cfg(feature = "sim")] // the simulated engine
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! The load client and the scenario runner, over real sockets against simulated engines.
+#![cfg(feature = "sim")] // the simulated engine
 
 mod common;
 

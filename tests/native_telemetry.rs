@@ -1,5 +1,6 @@
 //! Native per-rank telemetry over real sockets: gRPC GetLoads, SGLang /v1/loads, gateway rollups,
 //! rankgate's own /loads, and source fallback.
+#![cfg(feature = "sim")] // the simulated engine
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! Routing over real sockets: simulated engines on 127.0.0.1:0, a real router in front.
+#![cfg(feature = "sim")] // the simulated engine
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! The simulated engine's fault knobs, proven over real sockets: a failing share of requests,
 //! hung requests and telemetry, a failing `/health`, stalled streams, and an engine that dies
 //! like `kill -9` (on demand or after N admissions).
+#![cfg(feature = "sim")] // the simulated engine
 
 mod common;
 
