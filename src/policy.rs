@@ -30,7 +30,7 @@ use crate::table::{InFlight, Snapshot, Table, UNIT_WEIGHT};
 pub enum NoRank {
     #[error("no rank has fresh telemetry and the router is set to reject (routing.no_telemetry = \"reject\")")]
     NoTelemetry,
-    #[error("no rank is reachable: every engine failed its last telemetry poll or has not been polled yet")]
+    #[error("no rank is reachable: every rank is ejected after failures, failed its last telemetry poll, or has not been polled yet")]
     NoneReachable,
 }
 
@@ -451,6 +451,38 @@ mod tests {
             .map(|_| s.pick(&t, None, &Avoid::default()).unwrap().guard.worker())
             .collect();
         assert_eq!(picks, [0, 2, 2, 0]);
+    }
+
+    #[test]
+    fn ejected_and_avoided_ranks_are_passed_over_by_every_policy() {
+        let t = table(3);
+        let now = Instant::now();
+        set(
+            &t,
+            vec![
+                available(0.0, now),
+                available(0.5, now),
+                available(0.9, now),
+            ],
+        );
+        let policy = crate::outlier::Policy {
+            after: 1,
+            base: Duration::from_secs(60),
+        };
+        t.live[0]
+            .outlier
+            .failure(crate::outlier::Cause::Status(503), policy);
+        let mut avoid = Avoid::default();
+        avoid.worker(1);
+        for p in [Policy::LeastKv, Policy::RoundRobin, Policy::Random] {
+            let s = selector(p, NoTelemetry::LeastInFlight);
+            for _ in 0..10 {
+                assert_eq!(s.pick(&t, None, &avoid).unwrap().guard.worker(), 2, "{p:?}");
+            }
+        }
+        avoid.engine(0);
+        let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        assert_eq!(s.pick(&t, None, &avoid).unwrap_err(), NoRank::NoneReachable);
     }
 
     fn arb_view() -> impl Strategy<Value = (Option<f64>, bool, u8)> {

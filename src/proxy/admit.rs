@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use hyper::body::Incoming;
 
 use super::{ready, BoxFuture, ProxyBody, ProxyError};
 
@@ -37,9 +36,9 @@ impl<S> Admit<S> {
     }
 }
 
-impl<S> tower::Service<Request<Incoming>> for Admit<S>
+impl<S, B> tower::Service<Request<B>> for Admit<S>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<ProxyBody>, Error = ProxyError>,
+    S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = ProxyError>,
     S::Future: Send + 'static,
 {
     type Response = Response<ProxyBody>;
@@ -50,7 +49,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, req: Request<B>) -> Self::Future {
         let Some(limit) = self.limit else {
             return Box::pin(self.inner.call(req));
         };

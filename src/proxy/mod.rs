@@ -42,6 +42,8 @@ mod respond;
 mod retry;
 mod route;
 mod send;
+#[cfg(test)]
+mod tests;
 
 pub use body::{BodyTooLarge, BoxError, ClientBodyError, Holds, ProxyBody, RequestBody};
 pub use pin::pin_in_body;

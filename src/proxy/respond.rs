@@ -7,7 +7,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{header, HeaderValue, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::body::Done;
@@ -34,9 +33,9 @@ impl<S> Respond<S> {
     }
 }
 
-impl<S> tower::Service<Request<Incoming>> for Respond<S>
+impl<S, B> tower::Service<Request<B>> for Respond<S>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<ProxyBody>, Error = ProxyError>,
+    S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = ProxyError>,
     S::Future: Send + 'static,
 {
     type Response = Response<ProxyBody>;
@@ -48,7 +47,7 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, req: Request<B>) -> Self::Future {
         let started = Instant::now();
         let fut = self.inner.call(req);
         let this = self.clone_parts();

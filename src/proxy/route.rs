@@ -3,7 +3,6 @@
 use std::task::{Context, Poll};
 
 use http::{Method, Request, Response};
-use hyper::body::Incoming;
 
 use super::{ready, BoxFuture, ProxyBody, ProxyError};
 
@@ -27,9 +26,9 @@ fn method_of(path: &str) -> Option<Method> {
     }
 }
 
-impl<S> tower::Service<Request<Incoming>> for Route<S>
+impl<S, B> tower::Service<Request<B>> for Route<S>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<ProxyBody>, Error = ProxyError>,
+    S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = ProxyError>,
     S::Future: Send + 'static,
 {
     type Response = Response<ProxyBody>;
@@ -40,7 +39,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, req: Request<B>) -> Self::Future {
         let path = req.uri().path();
         match method_of(path) {
             Some(m) if m == req.method() => Box::pin(self.inner.call(req)),

@@ -1,0 +1,249 @@
+//! The layers, one by one and stacked, driven with `oneshot` against a mock upstream: no sockets.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tokio::time::Instant;
+use tower::{service_fn, Service, ServiceExt};
+
+use super::*;
+use crate::table::{Load, RankTelemetry, RankView, Snapshot};
+use crate::worker::Fleet;
+
+/// Two vLLM engines, one rank each, both with fresh telemetry showing them idle.
+fn shared(extra: &str) -> Arc<Shared> {
+    let text = format!(
+        "{extra}\n[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\n\
+         [[engines]]\nurl = \"http://127.0.0.1:2\"\nflavor = \"vllm\"\nstart_rank = 1\n"
+    );
+    let cfg = Config::from_str(&text).unwrap();
+    let table = Table::new(
+        Fleet::expand(cfg.engines.clone()),
+        cfg.telemetry.stale_after,
+    );
+    let view = RankView {
+        telemetry: RankTelemetry::Available(Load {
+            kv_usage: 0.1,
+            running: Some(0),
+            waiting: Some(0),
+            used_tokens: None,
+            capacity_tokens: None,
+            aggregate: false,
+            upstream: None,
+            sampled_at: Instant::now(),
+        }),
+        reachable: true,
+        weight_at_poll: 0,
+        kv_per_request: 0.02,
+        source: "test",
+    };
+    let models = table.snapshot.load().models.clone();
+    table.snapshot.store(Arc::new(Snapshot {
+        ranks: vec![view.clone(), view],
+        models,
+    }));
+    let metrics = Arc::new(Metrics::new(2));
+    Shared::new(&cfg, table, metrics)
+}
+
+fn chat() -> Request<RequestBody> {
+    Request::post("/v1/chat/completions")
+        .body(RequestBody::Full(Bytes::from_static(b"{\"messages\":[]}")))
+        .unwrap()
+}
+
+fn answer(status: u16) -> Response<ProxyBody> {
+    let mut r = Response::new(ProxyBody::from(Bytes::from_static(b"{}")));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap();
+    r
+}
+
+fn target(req: &Request<RequestBody>) -> Target {
+    *req.extensions()
+        .get::<Target>()
+        .expect("pick sets the target")
+}
+
+#[tokio::test]
+async fn route_answers_404_and_405_and_passes_the_rest() {
+    let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) });
+    let mut route = route::Route::new(inner);
+    let get = |p: &str| Request::get(p).body(()).unwrap();
+    let e = route.call(get("/v2/nothing")).await.unwrap_err();
+    assert_eq!(e.status(), StatusCode::NOT_FOUND);
+    let e = route.call(get("/v1/chat/completions")).await.unwrap_err();
+    assert_eq!(e.status(), StatusCode::METHOD_NOT_ALLOWED);
+    let ok = route.call(get("/v1/models")).await.unwrap();
+    assert_eq!(ok.status(), 200);
+}
+
+#[tokio::test]
+async fn admission_counts_until_the_body_ends() {
+    let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) });
+    let mut admit = admit::Admit::new(inner, Some(1));
+    let held = admit.call(Request::new(())).await.unwrap();
+    let e = admit.call(Request::new(())).await.unwrap_err();
+    assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
+    // The slot is freed when the first response's body ends, not when its headers went out.
+    held.into_body().collect().await.unwrap();
+    assert!(admit.call(Request::new(())).await.is_ok());
+}
+
+#[tokio::test]
+async fn respond_turns_errors_into_openai_answers() {
+    let s = shared("");
+    let inner = service_fn(|_: Request<()>| async {
+        Err::<Response<ProxyBody>, _>(ProxyError::Timeout(Duration::from_millis(5)).at(1))
+    });
+    let resp = respond::Respond::new(inner, &s)
+        .oneshot(Request::new(()))
+        .await
+        .unwrap_or_else(|e: Infallible| match e {});
+    assert_eq!(resp.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(resp.headers()[WORKER_HEADER], "http://127.0.0.1:2@1");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], 504);
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("server.response_timeout") && msg.contains("@1"),
+        "{msg}"
+    );
+}
+
+/// retry → pick → observe over a mock `send` that answers per engine.
+fn failover_stack(
+    s: &Arc<Shared>,
+    answer_for: impl Fn(Target) -> Result<Response<ProxyBody>, ProxyError> + Clone + Send + 'static,
+    calls: Arc<AtomicUsize>,
+) -> impl Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError> {
+    let send = service_fn(move |req: Request<RequestBody>| {
+        calls.fetch_add(1, Relaxed);
+        let r = answer_for(target(&req));
+        async move { r }
+    });
+    retry::Retry::new(pick::Pick::new(observe::Observe::new(send, s), s), s)
+}
+
+#[tokio::test]
+async fn a_503_is_retried_on_the_other_rank_and_the_failing_rank_is_ejected() {
+    let s = shared("[routing]\neject_after = 1\neject_for = \"10s\"\n");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let stack = failover_stack(
+        &s,
+        |t| Ok(answer(if t.engine == 0 { 503 } else { 200 })),
+        calls.clone(),
+    );
+    let mut stack = stack;
+    for _ in 0..20 {
+        let resp = stack.ready().await.unwrap().call(chat()).await.unwrap();
+        assert_eq!(resp.status(), 200, "every request ends on the healthy rank");
+        assert_eq!(resp.extensions().get::<Target>().unwrap().engine, 1);
+    }
+    let live = &s.table.live[0].outlier;
+    let e = live
+        .ejection()
+        .expect("a 503 ejects the rank (eject_after = 1)");
+    assert!(
+        e.to_string().starts_with("ejected: 1 consecutive 503"),
+        "{e}"
+    );
+    // Only the failure that ejected it reached the broken rank.
+    assert!(calls.load(Relaxed) <= 21, "{}", calls.load(Relaxed));
+    assert_eq!(s.metrics.retries_total(), calls.load(Relaxed) as u64 - 20);
+}
+
+#[tokio::test]
+async fn failures_weigh_on_the_score_before_ejection() {
+    let s = shared("[routing]\neject_after = 5\n");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut stack = failover_stack(
+        &s,
+        |t| Ok(answer(if t.engine == 0 { 503 } else { 200 })),
+        calls.clone(),
+    );
+    let mut held = Vec::new();
+    for _ in 0..10 {
+        held.push(stack.ready().await.unwrap().call(chat()).await.unwrap());
+    }
+    // Both ranks look equally idle, yet one failure sends the rest to the healthy rank: a rank
+    // that fails fast never looks like the idlest one.
+    assert!(calls.load(Relaxed) <= 11, "{}", calls.load(Relaxed));
+    assert_eq!(
+        s.table.live[0].outlier.failures(),
+        calls.load(Relaxed) as u32 - 10
+    );
+}
+
+#[tokio::test]
+async fn a_transport_failure_avoids_the_whole_engine_and_4xx_never_counts() {
+    let s = shared("");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut stack = failover_stack(
+        &s,
+        |t| match t.engine {
+            0 => Err(ProxyError::Upstream {
+                engine: "http://127.0.0.1:1".into(),
+                reason: "connection refused".into(),
+            }),
+            _ => Ok(answer(400)),
+        },
+        calls.clone(),
+    );
+    for _ in 0..4 {
+        let resp = stack.ready().await.unwrap().call(chat()).await.unwrap();
+        assert_eq!(
+            resp.status(),
+            400,
+            "the engine's own 4xx is the answer, not retried"
+        );
+    }
+    assert!(s.table.live[0].outlier.failures() >= 1);
+    assert_eq!(s.table.live[1].outlier.failures(), 0, "4xx never counts");
+}
+
+#[tokio::test]
+async fn retries_stop_at_max_attempts_and_keep_the_engines_answer() {
+    let s = shared("[routing]\nmax_attempts = 2\neject_after = 0\n");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut stack = failover_stack(&s, |_| Ok(answer(503)), calls.clone());
+    let resp = stack.ready().await.unwrap().call(chat()).await.unwrap();
+    assert_eq!(resp.status(), 503);
+    assert_eq!(calls.load(Relaxed), 2, "one retry, on the other rank");
+}
+
+#[tokio::test]
+async fn the_retry_budget_caps_extra_load_when_everything_fails() {
+    let s = shared("[routing]\neject_after = 0\nretry_budget = 0.2\n");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut stack = failover_stack(&s, |_| Ok(answer(503)), calls.clone());
+    for _ in 0..200 {
+        let resp = stack.ready().await.unwrap().call(chat()).await.unwrap();
+        assert_eq!(resp.status(), 503);
+    }
+    let extra = calls.load(Relaxed) - 200;
+    // 20% of 200 plus the floor (2 per second over a 10 s window).
+    assert!(extra <= 40 + 20, "{extra} retries for 200 requests");
+    assert!(extra >= 20, "some retries are allowed: {extra}");
+}
+
+#[tokio::test]
+async fn pick_pins_the_rank_header_and_strips_the_clients_own() {
+    let s = shared("");
+    let send = service_fn(|req: Request<RequestBody>| async move {
+        let t = target(&req);
+        assert_eq!(req.headers()[RANK_HEADER], t.worker.to_string());
+        assert!(req.uri().to_string().starts_with("http://127.0.0.1:"));
+        Ok::<_, ProxyError>(answer(200))
+    });
+    let mut req = chat();
+    req.headers_mut()
+        .insert(RANK_HEADER, HeaderValue::from_static("7"));
+    let resp = pick::Pick::new(send, &s).oneshot(req).await.unwrap();
+    let worker = resp.headers()[WORKER_HEADER].to_str().unwrap();
+    assert!(worker.ends_with("@0") || worker.ends_with("@1"), "{worker}");
+}
