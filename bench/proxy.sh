@@ -9,6 +9,8 @@
 # bounded by DURATION. Usage: bench/proxy.sh [DURATION_SECONDS] [CONNECTIONS]
 # PERF_OUT=/tmp/perf.data also records a CPU profile of rankgate during its run.
 # FLAVOR=sglang makes rankgate pin through the body (read, parsed and rewritten per request).
+# BEFORE=/path/to/an/older/rankgate also runs that binary, same config, in the same run: a
+# before/after comparison of the request path measured against the same bare proxy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-10}
@@ -23,6 +25,7 @@ trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 UP=$(free_port); NGX=$(free_port); RG=$(free_port); ADMIN=$(free_port); BARE=$(free_port)
+OLD=$(free_port); OLDADMIN=$(free_port)
 cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
 mkdir -p "$work/tmp"
 
@@ -58,6 +61,7 @@ flavor = "${FLAVOR:-vllm}"
 dp_size = 2
 telemetry = ["prometheus"]
 CONF
+sed -e "s/127.0.0.1:$RG/127.0.0.1:$OLD/" -e "s/127.0.0.1:$ADMIN/127.0.0.1:$OLDADMIN/" "$work/rankgate.toml" > "$work/before.toml"
 cat > "$work/post.lua" <<'LUA'
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -68,8 +72,14 @@ nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
 nginx -c "$work/proxy.conf" -p "$work" & pids+=($!)
 target/release/examples/bare_proxy "127.0.0.1:$BARE" "127.0.0.1:$UP" & BAREPID=$!; pids+=($BAREPID)
 RUST_LOG=error target/release/rankgate serve --config "$work/rankgate.toml" & RGPID=$!; pids+=($RGPID)
+if [ -n "${BEFORE:-}" ]; then
+  RUST_LOG=error "$BEFORE" serve --config "$work/before.toml" & OLDPID=$!; pids+=($OLDPID)
+fi
 for _ in $(seq 100); do curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null && break; sleep 0.1; done
 curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null || { echo "rankgate not ready" >&2; exit 1; }
+if [ -n "${BEFORE:-}" ]; then
+  for _ in $(seq 100); do curl -sf "127.0.0.1:$OLDADMIN/ready" >/dev/null && break; sleep 0.1; done
+fi
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 run() { # name port -> prints "name req/s"
@@ -105,4 +115,18 @@ print(f"bare hyper proxy    {bare:10.0f} req/s  ({bare/ngx:.2f}x nginx), CPU {ba
 print(f"{'rankgate (' + os.environ.get('FLAVOR', 'vllm') + ')':<20}{rg:10.0f} req/s  ({rg/ngx:.2f}x nginx, {rg/bare:.2f}x bare hyper), CPU {cpu_us:.1f} us/request, mean latency {lat}")
 PY
 [ -z "$errors" ] || echo "rankgate run reported: $errors"
+if [ -n "${BEFORE:-}" ]; then
+  wrk -t1 -c"$CONNS" -d2s -s "$work/post.lua" "http://127.0.0.1:$OLD/v1/chat/completions" >/dev/null
+  o0=$(cpu_ticks $OLDPID)
+  old=$(run before "$OLD")
+  o1=$(cpu_ticks $OLDPID)
+  oreqs=$(awk '/requests in/ {print $1}' "$work/before.out")
+  python3 - "$old" "$o0" "$o1" "$oreqs" "$hz" "$bare" "$rg" <<'PY'
+import sys
+old, o0, o1, oreqs, hz, bare, rg = sys.argv[1:]
+old, bare, rg = float(old), float(bare), float(rg)
+us = (int(o1) - int(o0)) / int(hz) * 1e6 / int(oreqs)
+print(f"rankgate BEFORE      {old:10.0f} req/s  ({old/bare:.2f}x bare hyper), CPU {us:.1f} us/request; after/before {rg/old:.2f}x")
+PY
+fi
 curl -s "127.0.0.1:$ADMIN/metrics" | grep -E '^rankgate_requests_total.*2xx' || true

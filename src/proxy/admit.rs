@@ -38,8 +38,12 @@ impl<S> Admit<S> {
 
 impl<S, B> tower::Service<Request<B>> for Admit<S>
 where
-    S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = ProxyError>,
-    S::Future: Send + 'static,
+    S: tower::Service<
+        Request<B>,
+        Response = Response<ProxyBody>,
+        Error = ProxyError,
+        Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>,
+    >,
 {
     type Response = Response<ProxyBody>;
     type Error = ProxyError;
@@ -51,7 +55,7 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let Some(limit) = self.limit else {
-            return Box::pin(self.inner.call(req));
+            return self.inner.call(req);
         };
         if self.count.fetch_add(1, Relaxed) >= limit {
             self.count.fetch_sub(1, Relaxed);

@@ -28,8 +28,12 @@ fn method_of(path: &str) -> Option<Method> {
 
 impl<S, B> tower::Service<Request<B>> for Route<S>
 where
-    S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = ProxyError>,
-    S::Future: Send + 'static,
+    S: tower::Service<
+        Request<B>,
+        Response = Response<ProxyBody>,
+        Error = ProxyError,
+        Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>,
+    >,
 {
     type Response = Response<ProxyBody>;
     type Error = ProxyError;
@@ -42,7 +46,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let path = req.uri().path();
         match method_of(path) {
-            Some(m) if m == req.method() => Box::pin(self.inner.call(req)),
+            Some(m) if m == req.method() => self.inner.call(req),
             Some(_) => ready(Err(ProxyError::MethodNotAllowed {
                 method: req.method().clone(),
                 path: path.to_string(),

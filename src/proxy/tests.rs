@@ -70,7 +70,7 @@ fn target(req: &Request<RequestBody>) -> Target {
 
 #[tokio::test]
 async fn route_answers_404_and_405_and_passes_the_rest() {
-    let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) });
+    let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
     let mut route = route::Route::new(inner);
     let get = |p: &str| Request::get(p).body(()).unwrap();
     let e = route.call(get("/v2/nothing")).await.unwrap_err();
@@ -83,7 +83,7 @@ async fn route_answers_404_and_405_and_passes_the_rest() {
 
 #[tokio::test]
 async fn admission_counts_until_the_body_ends() {
-    let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) });
+    let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
     let mut admit = admit::Admit::new(inner, Some(1));
     let held = admit.call(Request::new(())).await.unwrap();
     let e = admit.call(Request::new(())).await.unwrap_err();
