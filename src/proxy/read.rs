@@ -2,8 +2,9 @@
 //!
 //! A body up to `routing.retry_buffer_bytes` is read whole and kept as the `Bytes` the client
 //! sent (a body that arrives in one piece is not copied), so a failed attempt can be replayed to
-//! another rank and SGLang's body can be rewritten after the pick. A larger body streams, under
-//! the same size cap, and is not retried. Every wait on the client is bounded by
+//! another rank. A larger body streams, under the same size cap, and is not retried. Where the
+//! fleet has SGLang engines every body is read whole (up to `server.max_body_bytes`) before the
+//! pick, since the rank goes inside it: a slow upload then never holds a rank's in-flight slot. Every wait on the client is bounded by
 //! `server.body_read_timeout`; a body that breaks or stalls is the client's error (400 / 408),
 //! never the engine's.
 
@@ -31,10 +32,20 @@ pub struct Read<S> {
 impl<S> Read<S> {
     pub fn new(inner: S, shared: &Arc<Shared>) -> Read<S> {
         let cfg = &shared.cfg;
+        let pins_in_body = shared
+            .table
+            .fleet
+            .engines
+            .iter()
+            .any(|e| e.flavor == crate::worker::Flavor::Sglang);
         Read {
             inner,
             max_body: cfg.server.max_body_bytes,
-            keep: cfg.routing.retry_buffer_bytes,
+            keep: if pins_in_body {
+                cfg.server.max_body_bytes
+            } else {
+                cfg.routing.retry_buffer_bytes
+            },
             stall: cfg.server.body_read_timeout,
         }
     }
