@@ -234,7 +234,10 @@ fn least_kv(
         }
         let s = score(table, snap, w, now);
         skipped |= s.is_none();
-        s.map(|s| (w, s))
+        // A rank due for its ejection trial goes first: its failures would otherwise keep its
+        // score above every healthy rank's, and it would never get the one request that decides.
+        let trial = table.live[w].outlier.admit() == Admit::Trial;
+        s.map(|s| (w, if trial { f64::NEG_INFINITY } else { s }))
     });
     // Scores are sums of floats: within 1e-9 they are the same load.
     let best = min_with_random_ties(scored, 1e-9, rng);
@@ -252,10 +255,11 @@ fn least_in_flight(
         .filter(|&w| snap.ranks[w].reachable && eligible(table, w, avoid))
         .map(|w| {
             let live = &table.live[w];
-            (
-                w,
-                (live.in_flight() + live.outlier.failures() as u64) as f64,
-            )
+            let key = match live.outlier.admit() {
+                Admit::Trial => f64::NEG_INFINITY,
+                _ => (live.in_flight() + live.outlier.failures() as u64) as f64,
+            };
+            (w, key)
         });
     min_with_random_ties(counts, 0.0, rng)
 }
@@ -483,6 +487,44 @@ mod tests {
         avoid.engine(0);
         let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
         assert_eq!(s.pick(&t, None, &avoid).unwrap_err(), NoRank::NoneReachable);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_rank_due_for_its_trial_gets_the_next_request_and_only_that_one() {
+        let t = table(2);
+        let now = Instant::now();
+        set(&t, vec![available(0.0, now), available(0.0, now)]);
+        let policy = crate::outlier::Policy {
+            after: 3,
+            base: Duration::from_millis(100),
+        };
+        for _ in 0..3 {
+            t.live[0]
+                .outlier
+                .failure(crate::outlier::Cause::Status(503), policy);
+        }
+        let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        let none = Avoid::default();
+        assert_eq!(s.pick(&t, None, &none).unwrap().guard.worker(), 1);
+        tokio::time::advance(Duration::from_millis(101)).await;
+        // Fresh telemetry again, after the clock moved.
+        set(
+            &t,
+            vec![
+                available(0.0, Instant::now()),
+                available(0.0, Instant::now()),
+            ],
+        );
+        let trial = s.pick(&t, None, &none).unwrap();
+        assert_eq!(trial.guard.worker(), 0);
+        assert!(trial.trial);
+        for _ in 0..5 {
+            assert_eq!(
+                s.pick(&t, None, &none).unwrap().guard.worker(),
+                1,
+                "one trial at a time"
+            );
+        }
     }
 
     fn arb_view() -> impl Strategy<Value = (Option<f64>, bool, u8)> {
