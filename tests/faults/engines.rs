@@ -414,7 +414,6 @@ async fn streams_that_keep_stalling_eject_the_rank() {
 /// 4. An engine answering 503 to everything while its `/metrics` look idle: clients still
 /// succeed (failover), its ranks are ejected, and once it recovers a trial re-admits them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: an ejected rank's failure weight keeps least_kv from ever picking its trial"]
 async fn failing_engine_is_ejected_then_readmitted() {
     let (bad, good) = (engine(vllm(2, 0)).await, engine(vllm(2, 2)).await);
     let r = router(
