@@ -377,15 +377,15 @@ async fn stalled_stream_ends_with_error_event_after_idle_timeout() {
 }
 
 /// 3b. Streams that keep stalling eject their rank: each stall counts as a failure, and the next
-/// stream's response headers must not wipe that count (the engine sends headers at once).
+/// stream's response headers must not wipe that count (the engine sends headers at once); nor
+/// may a trial stream re-admit the rank on its headers alone.
 #[tokio::test]
-#[ignore = "bug: a stream's headers reset its rank's failure count before the stall counts"]
 async fn streams_that_keep_stalling_eject_the_rank() {
     let e = engine(vllm(1, 0)).await;
     let r = router(
         &format!(
             "stream_idle_timeout = \"200ms\"\n[routing]\neject_after = 2\n\
-             eject_for = \"5s\"\n{FAST}"
+             eject_for = \"300ms\"\n{FAST}"
         ),
         &[toml_of(&e, 1, 0)],
     )
@@ -405,9 +405,34 @@ async fn streams_that_keep_stalling_eject_the_rank() {
     let rows = workers(&r).await;
     assert_eq!(rows[0]["reason_kind"], "ejected", "{:#}", rows[0]);
     assert!(
-        reason(&rows[0]).starts_with("ejected: 2 consecutive response timeouts"),
+        reason(&rows[0]).starts_with("ejected: 2 consecutive response timeouts (for 300 ms"),
         "{}",
         rows[0]
+    );
+    // While ejected the only rank takes nothing (503 from rankgate); then one trial stream, which
+    // stalls too: ejected again, for twice as long.
+    let mut refused = 0;
+    let trial = loop {
+        let resp = timeout(SOON, stream_chat(r.addr, 20)).await.unwrap();
+        if resp.status() == 503 {
+            refused += 1;
+            assert!(refused < 100, "no trial within ~2 s");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
+        break read_stream(resp, SOON).await;
+    };
+    assert!(matches!(trial.end, End::ErrorEvent(_)), "{:?}", trial.end);
+    let rows = workers(&r).await;
+    assert!(
+        reason(&rows[0]).starts_with("ejected: 3 consecutive response timeouts (for 600 ms"),
+        "a stalled trial re-admitted the rank: {}",
+        rows[0]
+    );
+    assert_eq!(
+        e.requests_received(),
+        3,
+        "only the trial reached the engine"
     );
 }
 
