@@ -193,7 +193,17 @@ impl Selector {
             }
         };
         let outlier = &table.live[choice].outlier;
-        let trial = outlier.admit() == Admit::Trial && outlier.start_trial();
+        let trial = match outlier.admit() {
+            Admit::Yes => false,
+            Admit::Trial if outlier.start_trial() => true,
+            // Another request claimed its trial (or ejected it again) since it was chosen: it
+            // takes nothing else, so pick again without it. Each round avoids one more rank.
+            Admit::Trial | Admit::No => {
+                let mut again = avoid.clone();
+                again.worker(choice);
+                return self.pick(table, content_length, &again);
+            }
+        };
         Ok(Picked {
             guard: InFlight::start(table.clone(), choice, self.sizer.weight(content_length)),
             skipped_unavailable: skipped,
