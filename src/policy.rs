@@ -193,7 +193,17 @@ impl Selector {
             }
         };
         let outlier = &table.live[choice].outlier;
-        let trial = outlier.admit() == Admit::Trial && outlier.start_trial();
+        let trial = match outlier.admit() {
+            Admit::Yes => false,
+            Admit::Trial if outlier.start_trial() => true,
+            // Another request claimed its trial (or ejected it again) since it was chosen: it
+            // takes nothing else, so pick again without it. Each round avoids one more rank.
+            Admit::Trial | Admit::No => {
+                let mut again = avoid.clone();
+                again.worker(choice);
+                return self.pick(table, content_length, &again);
+            }
+        };
         Ok(Picked {
             guard: InFlight::start(table.clone(), choice, self.sizer.weight(content_length)),
             skipped_unavailable: skipped,
@@ -214,8 +224,20 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
         .saturating_sub(view.weight_at_poll);
     let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
     let queued = load.waiting.unwrap_or(0) as f64;
-    let failing = live.outlier.failures() as f64 * FAILURE_WEIGHT;
-    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing)
+    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(table, w))
+}
+
+/// The penalty for a rank's consecutive failures. It steers traffic off a rank that fails before
+/// it is ejected; once ejected, the count stays where it was until a trial succeeds, so a weight
+/// that kept counting would keep the trial from ever being picked (from `eject_after` 4 on, it
+/// outweighs any KV usage).
+#[inline]
+fn failing(table: &Table, w: usize) -> f64 {
+    let outlier = &table.live[w].outlier;
+    match outlier.admit() {
+        Admit::Yes => outlier.failures() as f64 * FAILURE_WEIGHT,
+        Admit::Trial | Admit::No => 0.0,
+    }
 }
 
 /// Lowest score among ranks with fresh telemetry, ties broken at random. Returns the worker and
@@ -389,6 +411,36 @@ mod tests {
         assert_eq!(s.sizer.weight(None), UNIT_WEIGHT);
         assert_eq!(s.sizer.weight(Some(1)), UNIT_WEIGHT / 4);
         assert_eq!(s.sizer.weight(Some(10_000_000)), 32 * UNIT_WEIGHT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ejected_rank_gets_its_trial_however_many_failures_it_had() {
+        use crate::outlier::{Cause, Policy as Eject};
+        let t = table(2);
+        let now = Instant::now();
+        // The healthy rank is busy; the failing one looked idle.
+        set(&t, vec![available(0.0, now), available(0.9, now)]);
+        let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        let eject = Eject {
+            after: 5,
+            base: Duration::from_millis(100),
+        };
+        for _ in 0..5 {
+            t.live[0].outlier.failure(Cause::Status(503), eject);
+        }
+        assert_eq!(t.live[0].outlier.admit(), Admit::No);
+        // Refreshed telemetry, so the paused clock does not make it stale.
+        tokio::time::advance(Duration::from_millis(101)).await;
+        let now = Instant::now();
+        set(&t, vec![available(0.0, now), available(0.9, now)]);
+        assert_eq!(t.live[0].outlier.admit(), Admit::Trial);
+        // Five failures weigh 1.25, more than any KV usage: the trial must not wait on them.
+        let p = s.pick(&t, None, &Avoid::default()).unwrap();
+        assert_eq!(p.guard.worker(), 0);
+        assert!(p.trial);
+        // One trial at a time: the next request goes elsewhere.
+        let q = s.pick(&t, None, &Avoid::default()).unwrap();
+        assert_eq!(q.guard.worker(), 1);
     }
 
     #[test]

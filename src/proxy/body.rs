@@ -160,7 +160,7 @@ pub struct Holds {
     pub connection: Option<OwnedSemaphorePermit>,
     /// Latency, recorded at the end (respond).
     pub done: Option<Done>,
-    /// Told if the upstream stream breaks (outlier accounting).
+    /// Told how the upstream body ended: cleanly or broken (outlier accounting).
     pub on_break: Option<super::observe::BreakWatch>,
 }
 
@@ -265,10 +265,16 @@ impl Body for ProxyBody {
         let Some(body) = &mut up.body else {
             return Poll::Ready(None);
         };
-        match Pin::new(body).poll_frame(cx) {
+        match Pin::new(&mut *body).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if up.timer.is_some() {
                     up.last_frame = Instant::now();
+                }
+                // The last frame: hyper may not poll again once the body says it has ended.
+                if body.is_end_stream() {
+                    if let Some(watch) = this.holds.on_break.take() {
+                        watch.ended();
+                    }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -276,6 +282,9 @@ impl Body for ProxyBody {
                 this.broke(StreamError::Broken(crate::http::error_chain(&e)))
             }
             Poll::Ready(None) => {
+                if let Some(watch) = this.holds.on_break.take() {
+                    watch.ended();
+                }
                 up.body = None;
                 this.holds = Holds::default();
                 Poll::Ready(None)

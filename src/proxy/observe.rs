@@ -1,11 +1,14 @@
 //! Outlier accounting: each attempt's outcome is recorded on its rank (see [`crate::outlier`]).
 //! 5xx answers and response timeouts count against the rank, transport failures against every
 //! rank of the engine; 4xx answers, the client's own errors and clients that leave never count.
+//! A response that starts well is judged when its body ends: a clean end is a success, a stream
+//! that breaks or goes quiet a failure.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
+use http_body::Body as _;
 
 use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
 use crate::outlier::{Cause, Policy};
@@ -64,22 +67,50 @@ impl Drop for Trial<'_> {
     }
 }
 
-/// Counts a stream that breaks after its headers went out against its engine (or its rank, when
-/// the engine just went quiet).
+/// The verdict on a response whose headers were fine: success once its body ends cleanly, a
+/// failure if it breaks after its headers went out (against its engine, or its rank when the
+/// engine just went quiet). Judging at the headers would let every new stream of a rank that
+/// stalls mid-way wipe the failure the previous stall counted, so it would never be ejected (and
+/// a trial would re-admit it on headers alone). A body dropped unfinished (the client left) is no
+/// verdict: a trial passes to the next request.
 #[derive(Debug)]
 pub struct BreakWatch {
     shared: Arc<Shared>,
     target: Target,
+    judged: bool,
 }
 
 impl BreakWatch {
-    pub fn fire(self, idle: bool) {
+    pub fn fire(mut self, idle: bool) {
+        self.judged = true;
         let cause = if idle {
             Cause::Timeout
         } else {
             Cause::Transport
         };
         failure(&self.shared, self.target, cause);
+    }
+
+    /// The body ended cleanly.
+    pub fn ended(mut self) {
+        self.judged = true;
+        success(&self.shared, self.target);
+    }
+}
+
+impl Drop for BreakWatch {
+    fn drop(&mut self) {
+        if !self.judged && self.target.trial {
+            self.shared.table.live[self.target.worker]
+                .outlier
+                .abandon_trial();
+        }
+    }
+}
+
+fn success(shared: &Shared, target: Target) {
+    if shared.table.live[target.worker].outlier.success() {
+        tracing::info!(worker = %shared.table.fleet.workers[target.worker].id_text, "rank re-admitted after a successful trial");
     }
 }
 
@@ -115,21 +146,23 @@ where
                 open: target.trial,
             };
             let mut result = fut.await;
-            let outlier = &shared.table.live[target.worker].outlier;
             match &mut result {
                 Ok(resp) if resp.status().is_server_error() => {
                     failure(&shared, target, Cause::Status(resp.status().as_u16()));
                     trial.open = false;
                 }
                 Ok(resp) if !resp.status().is_client_error() => {
-                    if outlier.success() {
-                        tracing::info!(worker = %shared.table.fleet.workers[target.worker].id_text, "rank re-admitted after a successful trial");
-                    }
                     trial.open = false;
-                    resp.body_mut().holds.on_break = Some(BreakWatch {
-                        shared: shared.clone(),
-                        target,
-                    });
+                    if resp.body().is_end_stream() {
+                        // Nothing left to come: hyper may never poll an empty body.
+                        success(&shared, target);
+                    } else {
+                        resp.body_mut().holds.on_break = Some(BreakWatch {
+                            shared: shared.clone(),
+                            target,
+                            judged: false,
+                        });
+                    }
                 }
                 Ok(_) => {}
                 Err(e) => match e.root() {

@@ -6,7 +6,7 @@
 //! future is dropped), never for a body too large to keep.
 //!
 //! Retries draw on a budget (tower's `TpsBudget`: a share of the requests of the last 10 s plus a
-//! small floor), so when the whole fleet fails, retries cannot multiply the outage.
+//! small reserve of 20), so when the whole fleet fails, retries cannot multiply the outage.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -20,7 +20,9 @@ use crate::policy::Avoid;
 
 /// How far back the budget looks.
 const BUDGET_WINDOW: Duration = Duration::from_secs(10);
-/// Retries per second allowed whatever the traffic, so a quiet router can still fail over.
+/// Retries per second allowed whatever the traffic, so a quiet router can still fail over. Tower
+/// keeps it as a reserve of this times [`BUDGET_WINDOW`] (20 retries) that can be spent at once:
+/// over any window, retries <= 20 + `routing.retry_budget` x requests.
 const BUDGET_FLOOR_PER_SEC: u32 = 2;
 
 #[derive(Clone)]
