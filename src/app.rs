@@ -48,10 +48,23 @@ pub struct Router {
     rest: Vec<JoinHandle<()>>,
 }
 
+/// Connections the kernel queues for a listener before it drops SYNs (capped by
+/// `net.core.somaxconn`). `TcpListener::bind` asks for 128: a burst of new clients, or the wait
+/// while accepting is paused at `max_connections`, then overflows it and clients stall for a
+/// SYN retry (1 s, then 2 s, ...).
+const LISTEN_BACKLOG: u32 = 4096;
+
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError { key, addr, source })
+    let err = |source| StartError { key, addr, source };
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(err)?;
+    socket.set_reuseaddr(true).map_err(err)?;
+    socket.bind(addr).map_err(err)?;
+    socket.listen(LISTEN_BACKLOG).map_err(err)
 }
 
 impl Router {

@@ -26,7 +26,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 use tokio::time::Instant;
 
 use crate::config::ServerConfig;
@@ -184,17 +184,22 @@ pub async fn serve_with<S, B>(
         .keep_alive_timeout(opts.h2_keepalive)
         .max_header_list_size(opts.max_header_bytes as u32);
     let graceful = GracefulShutdown::new();
+    // Told when the drain grace expires: connections still open then are cut.
+    let (cut, cut_rx) = watch::channel(false);
     let slots = Arc::new(Semaphore::new(opts.max_connections));
     let accept_errors = Throttle::new(Duration::from_secs(5));
-    let mut at_cap = false;
+    // Throttled too: at the cap with clients coming and going, every freed slot is one accept
+    // and then the cap again, and a line each time was a flood.
+    let cap_reached = Throttle::new(Duration::from_secs(5));
     loop {
         // Accepting pauses at the cap: the kernel's backlog holds new clients meanwhile.
         let slot = match slots.clone().try_acquire_owned() {
             Ok(s) => s,
             Err(_) => {
-                if !std::mem::replace(&mut at_cap, true) {
+                if let Some(held) = cap_reached.allow() {
                     tracing::warn!(
                         max_connections = opts.max_connections,
+                        repeated = held,
                         "connection limit reached: accepting paused"
                     );
                 }
@@ -221,7 +226,6 @@ pub async fn serve_with<S, B>(
             },
             _ = shutdown_signalled(&mut shutdown) => break,
         };
-        at_cap = false;
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
         let svc = TowerToHyperService::new(Tracked {
@@ -231,6 +235,7 @@ pub async fn serve_with<S, B>(
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn.into_owned());
         let opts = opts.clone();
+        let mut cut = cut_rx.clone();
         tokio::spawn(async move {
             let mut conn = std::pin::pin!(conn);
             loop {
@@ -252,17 +257,29 @@ pub async fn serve_with<S, B>(
                             break;
                         }
                     }
+                    // Gone idle: its deadline is now `idle_timeout` away, which may come before
+                    // the wake-up armed earlier (the header deadline, or a busy re-check).
+                    _ = activity.idle.notified() => {}
+                    // The drain grace expired (or the accept loop is gone): dropping the
+                    // connection closes it, streams and all.
+                    _ = cut.wait_for(|c| *c) => break,
                 }
             }
             drop(slot);
         });
     }
     drop(listener);
-    if tokio::time::timeout(opts.drain_grace, graceful.shutdown())
+    let drained = graceful.shutdown();
+    let mut drained = std::pin::pin!(drained);
+    if tokio::time::timeout(opts.drain_grace, &mut drained)
         .await
         .is_err()
     {
-        tracing::warn!("drain grace expired with connections still open");
+        tracing::warn!("drain grace expired with connections still open: closing them");
+        // Without this the connection tasks, streams included, would outlive the server: in
+        // a process that goes on (tests, the demo) they kept streaming after shutdown returned.
+        let _ = cut.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(1), &mut drained).await;
     }
 }
 
@@ -275,6 +292,8 @@ struct Activity {
     started: AtomicU64,
     /// Milliseconds after `opened` when the connection last went idle.
     idle_since_ms: AtomicU64,
+    /// Notified when a response ends, so the connection watch re-arms its idle deadline.
+    idle: Notify,
 }
 
 impl Activity {
@@ -284,6 +303,7 @@ impl Activity {
             active: AtomicUsize::new(0),
             started: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(0),
+            idle: Notify::new(),
         }
     }
 
@@ -310,6 +330,7 @@ impl Drop for ActiveGuard {
         a.idle_since_ms
             .store(a.opened.elapsed().as_millis() as u64, Relaxed);
         a.active.fetch_sub(1, Relaxed);
+        a.idle.notify_one();
     }
 }
 

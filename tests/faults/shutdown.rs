@@ -1,1 +1,472 @@
-//! Placeholder: filled in by the fault tests.
+//! A rollout's shutdown, over real sockets: the real binary under SIGTERM with streams in flight
+//! (`/ready` 503, streams finish, exit 0, new connections refused after `shutdown_delay`), a
+//! second signal (exit 130 at once), and [`Router::shutdown`] in process (waits for streams,
+//! cuts the ones that outlive `drain_grace`).
+//!
+//! [`Rankgate`] runs the binary for these tests and for the fd-limit test in `clients`.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use tokio::sync::watch;
+use tokio::time::{timeout, Instant};
+
+use crate::common::*;
+use rankgate::sim::SimConfig;
+
+/// The `rankgate serve` binary on ports it picked itself (the config says port 0; the bound ports
+/// come from its `rankgate serving` log line), killed when dropped whatever the test did.
+pub struct Rankgate {
+    child: Child,
+    pub pid: i32,
+    pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    /// Every stderr line so far; `lines_seen` ticks with each one.
+    log: Arc<Mutex<Vec<String>>>,
+    lines_seen: watch::Receiver<usize>,
+    config: PathBuf,
+}
+
+impl Drop for Rankgate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+impl Rankgate {
+    /// Starts `rankgate serve` with `config` (which must listen on port 0), optionally under
+    /// RLIMIT_NOFILE `nofile`, and returns once it logs the ports it serves on.
+    pub async fn start(name: &str, config: &str, nofile: Option<u64>) -> Rankgate {
+        let path = std::env::temp_dir().join(format!(
+            "rankgate-faults-{}-{name}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&path, config).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rankgate"));
+        cmd.args(["serve", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(n) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe and touches only the child's limits.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: n as libc::rlim_t,
+                        rlim_max: n as libc::rlim_t,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().expect("spawn rankgate");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, lines_seen) = watch::channel(0usize);
+        {
+            let log = log.clone();
+            // A thread drains stderr so the child never blocks on a full pipe.
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    if std::env::var_os("RANKGATE_TEST_LOG").is_some() {
+                        eprintln!("[rankgate] {line}");
+                    }
+                    let n = {
+                        let mut l = log.lock().unwrap();
+                        l.push(line);
+                        l.len()
+                    };
+                    tx.send_replace(n);
+                }
+            });
+        }
+        let pid = child.id() as i32;
+        let mut rg = Rankgate {
+            child,
+            pid,
+            addr: loopback(),
+            admin_addr: loopback(),
+            log,
+            lines_seen,
+            config: path,
+        };
+        let line = rg
+            .wait_log("rankgate serving", Duration::from_secs(20))
+            .await;
+        let field = |key: &str| -> SocketAddr {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {key} in {line}"))
+        };
+        rg.addr = field("addr=");
+        rg.admin_addr = field("admin_addr=");
+        rg
+    }
+
+    /// The stderr lines so far.
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// How many stderr lines so far contain `needle`.
+    pub fn count(&self, needle: &str) -> usize {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+
+    /// Waits (bounded) for a stderr line containing `needle` and returns it.
+    pub async fn wait_log(&mut self, needle: &str, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+                return l.clone();
+            }
+            let changed = tokio::time::timeout_at(deadline, self.lines_seen.changed()).await;
+            match changed {
+                Ok(Ok(())) => {}
+                // The child closed stderr (it exited): one last look, then give up.
+                Ok(Err(_)) | Err(_) => {
+                    if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+                        return l.clone();
+                    }
+                    panic!(
+                        "no log line with {needle:?} within {limit:?}; stderr:\n{}",
+                        self.log().join("\n")
+                    );
+                }
+            }
+        }
+    }
+
+    pub fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.pid, sig) };
+        assert_eq!(rc, 0, "kill({}, {sig})", self.pid);
+    }
+
+    /// Waits (bounded) for the process to exit.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(st) = self.child.try_wait().expect("try_wait") {
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// GET `path` with a bound: `None` when no answer came (refused, reset, timed out).
+pub async fn try_get(addr: SocketAddr, path: &str, limit: Duration) -> Option<(u16, String)> {
+    let req = http::Request::get(format!("http://{addr}{path}"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let resp = timeout(limit, client().request(req)).await.ok()?.ok()?;
+    let status = resp.status().as_u16();
+    let body = timeout(limit, resp.into_body().collect())
+        .await
+        .ok()?
+        .ok()?
+        .to_bytes();
+    Some((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Polls `path` until it answers `status` (bounded); each check is a real request.
+pub async fn wait_status(addr: SocketAddr, path: &str, status: u16, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    let mut last = None;
+    while Instant::now() < deadline {
+        last = try_get(addr, path, Duration::from_secs(1)).await;
+        if last.as_ref().is_some_and(|(s, _)| *s == status) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{addr}{path} did not answer {status} within {limit:?}; last: {last:?}");
+}
+
+/// A simulated engine decoding `tps` tokens a second whatever its batch, for streams of a known
+/// length.
+pub async fn slow_engine(tps: f64) -> rankgate::sim::SimEngine {
+    engine(SimConfig {
+        decode_tokens_per_sec: tps,
+        batch_slowdown: 0.0,
+        ..SimConfig::default()
+    })
+    .await
+}
+
+/// What a streamed chat came to: its text, and the error that cut it, if any.
+pub struct Streamed {
+    pub text: String,
+    pub error: Option<String>,
+    pub ended: Instant,
+}
+
+impl Streamed {
+    pub fn done(&self) -> bool {
+        self.error.is_none() && self.text.trim_end().ends_with("data: [DONE]")
+    }
+}
+
+/// Opens a streaming chat, waits for its response head (so it is in flight), and returns a task
+/// reading it to the end, bounded by `limit`.
+pub async fn open_stream(
+    addr: SocketAddr,
+    max_tokens: u64,
+    limit: Duration,
+) -> tokio::task::JoinHandle<Streamed> {
+    let resp = timeout(Duration::from_secs(10), stream_chat(addr, max_tokens))
+        .await
+        .expect("stream head within 10 s");
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    tokio::spawn(async move {
+        let mut text = Vec::new();
+        let deadline = Instant::now() + limit;
+        let error = loop {
+            match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => break Some(format!("not ended within {limit:?}")),
+                Ok(None) => break None,
+                Ok(Some(Err(e))) => break Some(e.to_string()),
+                Ok(Some(Ok(f))) => {
+                    if let Ok(d) = f.into_data() {
+                        text.extend_from_slice(&d);
+                    }
+                }
+            }
+        };
+        Streamed {
+            text: String::from_utf8_lossy(&text).into_owned(),
+            error,
+            ended: Instant::now(),
+        }
+    })
+}
+
+fn binary_config(engine_url: &str, server: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{FAST}\n{}",
+        engine_toml(engine_url, "vllm", 2, 0)
+    )
+}
+
+/// SIGTERM with 20 streams in flight: `/ready` turns 503 at once, a request during
+/// `shutdown_delay` is still served, new connections are refused after it, every stream ends
+/// with `[DONE]`, and the process exits 0 right after the last one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_twenty_streams_then_exits_0() {
+    // 40 tokens at 16 tokens/s: each stream lasts 2.5 s.
+    let e = slow_engine(16.0).await;
+    let mut rg = Rankgate::start(
+        "sigterm",
+        &binary_config(&e.url(), "shutdown_delay = \"1s\"\ndrain_grace = \"20s\"\n"),
+        None,
+    )
+    .await;
+    wait_status(rg.admin_addr, "/ready", 200, Duration::from_secs(10)).await;
+
+    let mut streams = Vec::new();
+    for _ in 0..20 {
+        streams.push(open_stream(rg.addr, 40, Duration::from_secs(15)).await);
+    }
+    let opened = Instant::now();
+    rg.signal(libc::SIGTERM);
+    let term = Instant::now();
+
+    // /ready is 503 during the drain (polled: the signal is handled asynchronously).
+    wait_status(rg.admin_addr, "/ready", 503, Duration::from_secs(2)).await;
+    let ready_503 = term.elapsed();
+    // Still inside shutdown_delay: a new client on a new connection is served.
+    let served = timeout(Duration::from_secs(2), chat(rg.addr, 2))
+        .await
+        .expect("request during shutdown_delay");
+    let served_at = term.elapsed();
+    assert_eq!(served.status, 200, "{:?}", served.body);
+    assert!(
+        served_at < Duration::from_secs(1),
+        "the check request came too late ({served_at:?}) to prove serving during shutdown_delay"
+    );
+
+    // After the delay the listener is gone: connecting is refused (bounded poll).
+    let refused_at = {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match tokio::net::TcpStream::connect(rg.addr).await {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    break term.elapsed()
+                }
+                Err(e) => panic!("connect: {e}"),
+                Ok(_) => {}
+            }
+            assert!(
+                Instant::now() < deadline,
+                "still accepting 5 s after SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    assert!(
+        refused_at >= Duration::from_millis(950),
+        "stopped accepting after {refused_at:?}, before shutdown_delay (1 s)"
+    );
+    // The admin listener still answers while streams drain.
+    let r = try_get(rg.admin_addr, "/ready", Duration::from_secs(1)).await;
+    assert_eq!(r.map(|r| r.0), Some(503));
+
+    let mut last_end = opened;
+    for (i, s) in streams.into_iter().enumerate() {
+        let s = s.await.unwrap();
+        assert!(
+            s.done(),
+            "stream {i} did not end with [DONE]: error {:?}, tail {:?}",
+            s.error,
+            &s.text[s.text.len().saturating_sub(200)..]
+        );
+        last_end = last_end.max(s.ended);
+    }
+    let status = rg
+        .wait_exit(Duration::from_secs(5))
+        .await
+        .expect("rankgate exits after the drain");
+    let exit_after_last = last_end.elapsed();
+    assert_eq!(status.code(), Some(0), "{}", rg.log().join("\n"));
+    assert!(
+        exit_after_last < Duration::from_secs(2),
+        "exited {exit_after_last:?} after the last stream ended"
+    );
+    // The reader thread may not have passed on the last lines yet.
+    rg.wait_log("drained; exiting", Duration::from_secs(2))
+        .await;
+    eprintln!(
+        "sigterm: /ready 503 after {ready_503:?}; served during delay at {served_at:?}; \
+         refused from {refused_at:?}; 20 streams [DONE], last {:?} after SIGTERM; \
+         exit 0 {exit_after_last:?} after it",
+        last_end - term
+    );
+}
+
+/// A second signal ends the drain at once: exit 130 with a stream still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_signal_exits_130_at_once() {
+    // 200 tokens at 10 tokens/s: 20 s, far longer than the test.
+    let e = slow_engine(10.0).await;
+    let mut rg = Rankgate::start(
+        "second-signal",
+        &binary_config(&e.url(), "drain_grace = \"60s\"\n"),
+        None,
+    )
+    .await;
+    wait_status(rg.admin_addr, "/ready", 200, Duration::from_secs(10)).await;
+    let stream = open_stream(rg.addr, 200, Duration::from_secs(10)).await;
+    rg.signal(libc::SIGTERM);
+    rg.wait_log("shutting down", Duration::from_secs(5)).await;
+    // Draining, with the stream still going.
+    assert!(!stream.is_finished());
+    let second = Instant::now();
+    rg.signal(libc::SIGINT);
+    let status = rg
+        .wait_exit(Duration::from_secs(3))
+        .await
+        .expect("exit soon after the second signal");
+    let took = second.elapsed();
+    assert_eq!(status.code(), Some(130), "{}", rg.log().join("\n"));
+    assert!(took < Duration::from_secs(1), "exit took {took:?}");
+    let s = stream.await.unwrap();
+    assert!(!s.done(), "the stream cannot have finished: {}", s.text);
+    eprintln!(
+        "second signal: exit 130 {took:?} after it; the open stream was cut ({:?})",
+        s.error
+    );
+}
+
+/// In process: `Router::shutdown` waits for streams in flight, and one longer than
+/// `drain_grace` is cut when the grace expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_shutdown_waits_for_streams_and_cuts_at_grace() {
+    let e = slow_engine(16.0).await;
+    let engines = [engine_toml(&e.url(), "vllm", 2, 0)];
+
+    // Streams shorter than the grace: shutdown returns once they have ended, not before.
+    let r = router(&format!("drain_grace = \"5s\"\n{FAST}"), &engines).await;
+    wait_state(&r, &[0, 1], "available").await;
+    let mut streams = Vec::new();
+    for _ in 0..5 {
+        // 24 tokens at 16 tokens/s: 1.5 s.
+        streams.push(open_stream(r.addr, 24, Duration::from_secs(10)).await);
+    }
+    let t0 = Instant::now();
+    timeout(Duration::from_secs(8), r.shutdown())
+        .await
+        .expect("shutdown within the grace");
+    let returned = Instant::now();
+    let mut last_end = t0;
+    for (i, s) in streams.into_iter().enumerate() {
+        let s = s.await.unwrap();
+        assert!(s.done(), "stream {i}: {:?} {}", s.error, s.text);
+        last_end = last_end.max(s.ended);
+    }
+    assert!(
+        returned + Duration::from_millis(100) >= last_end,
+        "shutdown returned {:?} before the last stream ended",
+        last_end - returned
+    );
+    assert!(
+        returned - last_end < Duration::from_secs(1),
+        "shutdown returned {:?} after the last stream ended",
+        returned - last_end
+    );
+    let waited = returned - t0;
+
+    // A stream longer than the grace: shutdown returns at the grace, and the stream is cut.
+    let r = router(&format!("drain_grace = \"1s\"\n{FAST}"), &engines).await;
+    wait_state(&r, &[0, 1], "available").await;
+    // 160 tokens at 16 tokens/s: 10 s.
+    let long = open_stream(r.addr, 160, Duration::from_secs(15)).await;
+    let t0 = Instant::now();
+    timeout(Duration::from_secs(5), r.shutdown())
+        .await
+        .expect("shutdown within ~drain_grace");
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(950) && took < Duration::from_millis(2000),
+        "shutdown with a 1 s grace took {took:?}"
+    );
+    let s = timeout(Duration::from_secs(2), long)
+        .await
+        .expect("the stream outliving the grace is cut when shutdown returns")
+        .unwrap();
+    assert!(!s.done(), "the long stream cannot have finished");
+    let cut_after = s.ended - t0;
+    assert!(
+        cut_after < Duration::from_millis(1500),
+        "stream cut {cut_after:?} after shutdown began (grace 1 s)"
+    );
+    eprintln!(
+        "Router::shutdown: waited {waited:?} for 5 streams; with a 1 s grace returned after \
+         {took:?}, the 10 s stream cut at {cut_after:?} ({:?})",
+        s.error
+    );
+}
