@@ -106,7 +106,7 @@ pub struct Policy {
 }
 
 /// Milliseconds since the process's first look at the clock; never 0, so 0 can mean "none".
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
     let epoch = *EPOCH.get_or_init(Instant::now);
     Instant::now().saturating_duration_since(epoch).as_millis() as u64 + 1

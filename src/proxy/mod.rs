@@ -3,8 +3,8 @@
 //! ```text
 //! respond   errors -> OpenAI-shaped responses, metrics, latency
 //! route     404 / 405
-//! admit     server.max_in_flight -> 429
 //! read      the request body: 413, 400 when broken, 408 when stalled; kept whole for replays
+//! admit     server.max_in_flight -> 429 (after the body is in: a slow upload holds no slot)
 //! retry     failover before the first byte, to another rank, within a retry budget
 //! pick      the rank (never one with unknown telemetry, never an ejected one), pinned
 //! observe   outlier accounting: consecutive failures eject a rank
@@ -34,6 +34,7 @@ use crate::table::Table;
 
 mod admit;
 mod body;
+mod budget;
 mod observe;
 mod pick;
 mod pin;
@@ -229,8 +230,8 @@ pub fn stack(
     ServiceBuilder::new()
         .layer_fn(|inner| respond::Respond::new(inner, s))
         .layer_fn(route::Route::new)
-        .layer_fn(|inner| admit::Admit::new(inner, s.cfg.server.max_in_flight))
         .layer_fn(|inner| read::Read::new(inner, s))
+        .layer_fn(|inner| admit::Admit::new(inner, s.cfg.server.max_in_flight))
         .layer_fn(|inner| retry::Retry::new(inner, s))
         .layer_fn(|inner| pick::Pick::new(inner, s))
         .layer_fn(|inner| observe::Observe::new(inner, s))

@@ -5,40 +5,31 @@
 //! response heads), never on 4xx or the client's own errors, never for a client that left (its
 //! future is dropped), never for a body too large to keep.
 //!
-//! Retries draw on a budget (tower's `TpsBudget`: a share of the requests of the last 10 s plus a
-//! small reserve of 20), so when the whole fleet fails, retries cannot multiply the outage.
+//! Retries draw on a budget ([`super::budget`]: a share of the requests of the last 10 s plus a
+//! floor of 2 per second), so when the whole fleet fails, retries cannot multiply the outage.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use http::{Request, Response};
-use tower::retry::budget::{Budget, TpsBudget};
 
+use super::budget::RetryBudget;
 use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
 use crate::policy::Avoid;
-
-/// How far back the budget looks.
-const BUDGET_WINDOW: Duration = Duration::from_secs(10);
-/// Retries per second allowed whatever the traffic, so a quiet router can still fail over. Tower
-/// keeps it as a reserve of this times [`BUDGET_WINDOW`] (20 retries) that can be spent at once:
-/// over any window, retries <= 20 + `routing.retry_budget` x requests.
-const BUDGET_FLOOR_PER_SEC: u32 = 2;
 
 #[derive(Clone)]
 pub struct Retry<S> {
     inner: S,
     shared: Arc<Shared>,
-    budget: Arc<TpsBudget>,
+    budget: Arc<RetryBudget>,
 }
 
 impl<S> Retry<S> {
     pub fn new(inner: S, shared: &Arc<Shared>) -> Retry<S> {
-        let share = shared.cfg.routing.retry_budget as f32;
         Retry {
             inner,
             shared: shared.clone(),
-            budget: Arc::new(TpsBudget::new(BUDGET_WINDOW, BUDGET_FLOOR_PER_SEC, share)),
+            budget: Arc::new(RetryBudget::new(shared.cfg.routing.retry_budget)),
         }
     }
 }

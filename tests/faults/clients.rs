@@ -537,13 +537,9 @@ async fn accept_failures_are_throttled_and_survived() {
     );
 }
 
-/// Clients whose bodies stall must not take `max_in_flight` slots from clients that send theirs.
-/// KNOWN BUG (not fixable from src/http): the stack admits before it reads the body
-/// (`Admit` wraps `Read` in `proxy::stack`), so 50 stalled bodies against `max_in_flight = 50`
-/// answer every other client 429 for `body_read_timeout`, and a body trickling a byte per
-/// timeout holds its slot for good. Run with `--ignored` to see it.
+/// Clients whose bodies stall must not take `max_in_flight` slots from clients that send theirs:
+/// the stack reads the body before admission.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: stalled request bodies hold max_in_flight slots (Admit before Read)"]
 async fn stalled_bodies_do_not_take_admission_slots() {
     let e = engine(SimConfig::default()).await;
     let r = router(
