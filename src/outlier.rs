@@ -4,7 +4,8 @@
 //! idle; to `least_kv` such a rank looks like the best one, so without this it would attract the
 //! traffic. Each rank counts its consecutive failures (5xx and timeouts against the rank, transport
 //! errors against every rank of the engine; 4xx and clients that left never count). Until it is
-//! ejected its failures weigh on its score; past `routing.eject_after` it is ejected for
+//! ejected its failures weigh on its score, fading over `eject_for` so that a rank kept off by
+//! its penalty is tried again; past `routing.eject_after` it is ejected for
 //! `routing.eject_for`, doubling with each ejection in a row up to [`MAX_EJECT_FOR`]. When that
 //! runs out, exactly one request is let through as a trial: success re-admits the rank, failure
 //! ejects it again for twice as long.
@@ -123,6 +124,9 @@ pub struct State {
     until_ms: AtomicU64,
     length_ms: AtomicU64,
     trial: AtomicBool,
+    /// When the last failure happened, and over how long its weight fades (`eject_for`).
+    last_failure_ms: AtomicU64,
+    fade_ms: AtomicU64,
 }
 
 impl State {
@@ -130,6 +134,19 @@ impl State {
     #[inline]
     pub fn failures(&self) -> u32 {
         self.consecutive.load(Relaxed)
+    }
+
+    /// Consecutive failures, faded by the time since the last one: the full count right after
+    /// it, nothing once `eject_for` has passed. What the selector weighs.
+    #[inline]
+    pub fn recent_failures(&self) -> f64 {
+        let n = self.consecutive.load(Relaxed);
+        if n == 0 {
+            return 0.0;
+        }
+        let age = now_ms().saturating_sub(self.last_failure_ms.load(Relaxed));
+        let fade = self.fade_ms.load(Relaxed).max(1);
+        n as f64 * (1.0 - (age as f64 / fade as f64)).max(0.0)
     }
 
     #[inline]
@@ -175,6 +192,8 @@ impl State {
     pub fn failure(&self, cause: Cause, policy: Policy) -> Option<Ejection> {
         let n = self.consecutive.fetch_add(1, Relaxed).saturating_add(1);
         self.cause.store(cause.encode(), Relaxed);
+        self.last_failure_ms.store(now_ms(), Relaxed);
+        self.fade_ms.store(policy.base.as_millis() as u64, Relaxed);
         if policy.after == 0 || n < policy.after {
             return None;
         }
@@ -283,6 +302,24 @@ mod tests {
             s.failure(Cause::Timeout, POLICY);
         }
         assert_eq!(s.ejection().unwrap().length, Duration::from_millis(40));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_weight_of_failures_fades_over_eject_for() {
+        let s = State::default();
+        s.failure(Cause::Status(503), POLICY);
+        s.failure(Cause::Status(503), POLICY);
+        assert_eq!(s.recent_failures(), 2.0);
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert!(
+            (s.recent_failures() - 1.0).abs() < 0.1,
+            "{}",
+            s.recent_failures()
+        );
+        tokio::time::advance(Duration::from_millis(21)).await;
+        assert_eq!(s.recent_failures(), 0.0);
+        // The count itself stands until a success: a third failure still ejects.
+        assert!(s.failure(Cause::Status(503), POLICY).is_some());
     }
 
     #[test]

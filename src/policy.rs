@@ -227,15 +227,15 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
     Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(table, w))
 }
 
-/// The penalty for a rank's consecutive failures. It steers traffic off a rank that fails before
-/// it is ejected; once ejected, the count stays where it was until a trial succeeds, so a weight
-/// that kept counting would keep the trial from ever being picked (from `eject_after` 4 on, it
-/// outweighs any KV usage).
+/// The penalty for a rank's recent consecutive failures. It steers traffic off a rank that fails
+/// before it is ejected, and fades (see [`crate::outlier::State::recent_failures`]), since only a
+/// success resets the count and a rank kept off by its penalty gets no request to succeed with.
+/// An ejected rank has no penalty: its trial is what decides.
 #[inline]
 fn failing(table: &Table, w: usize) -> f64 {
     let outlier = &table.live[w].outlier;
     match outlier.admit() {
-        Admit::Yes => outlier.failures() as f64 * FAILURE_WEIGHT,
+        Admit::Yes => outlier.recent_failures() * FAILURE_WEIGHT,
         Admit::Trial | Admit::No => 0.0,
     }
 }
@@ -279,7 +279,7 @@ fn least_in_flight(
             let live = &table.live[w];
             let key = match live.outlier.admit() {
                 Admit::Trial => f64::NEG_INFINITY,
-                _ => (live.in_flight() + live.outlier.failures() as u64) as f64,
+                _ => live.in_flight() as f64 + live.outlier.recent_failures(),
             };
             (w, key)
         });
