@@ -597,14 +597,16 @@ async fn run(fault: Fault) -> Row {
         Duration::ZERO
     } else {
         tokio::time::sleep_until(start + FAULT_AT).await;
+        // Taken before the switch: a kill's effects (cut streams) land while `apply` runs.
+        let at = start.elapsed();
         let notes = apply(fault, &mut fleet).await;
         row.notes.extend(notes);
-        start.elapsed()
+        at
     };
     tokio::time::sleep_until(start + FAULT_AT + FAULT_FOR).await;
+    let clear_at = start.elapsed();
     let notes = clear(fault, &mut fleet).await;
     row.notes.extend(notes);
-    let clear_at = start.elapsed();
 
     let outcomes = match load.await {
         Ok(o) => o,
@@ -641,7 +643,14 @@ async fn run(fault: Fault) -> Row {
             affected_urls.iter().any(|u| r["engine"] == u.as_str())
                 && r["consecutive_failures"].as_u64().unwrap_or(0) > 0
         })
-        .map(|r| format!("rank {}: {}", r["dp_rank"], r["consecutive_failures"]))
+        .map(|r| match r["reason"].as_str() {
+            // An ejection with 0 ms left is a trial that is due but was never run.
+            Some(reason) => format!(
+                "rank {}: {} ({reason})",
+                r["dp_rank"], r["consecutive_failures"]
+            ),
+            None => format!("rank {}: {}", r["dp_rank"], r["consecutive_failures"]),
+        })
         .collect();
     if !left.is_empty() {
         row.notes.push(format!(
@@ -806,29 +815,34 @@ fn timing(
         }
     }
     if fault == Fault::HangRequests {
-        // Requests hung on the engine when it was cleared still wait out response_timeout;
-        // after that nothing may stay counted in flight on its ranks.
-        let zero = samples
-            .iter()
-            .find(|s| s.at >= clear_at && affected_rows(s, urls).iter().all(|r| r.3 == 0));
-        match zero {
-            Some(s) => row.notes.push(format!(
-                "in-flight on engine 0 back to 0 at +{:.2} s after clear",
-                (s.at - clear_at).as_secs_f64()
-            )),
-            None => row
-                .notes
-                .push("in-flight on engine 0 never back to 0 while sampled".into()),
-        }
-        let peak = samples
+        // Hung requests must not stay counted in flight: each is let go at response_timeout,
+        // so in-flight on the hung engine's ranks peaks and then falls back to 0 even while
+        // the engine still hangs (once its ranks are ejected no new ones arrive).
+        let during = samples
             .iter()
             .filter(|s| s.at >= fault_at && s.at < clear_at)
-            .map(|s| affected_rows(s, urls).iter().map(|r| r.3).sum::<u64>())
-            .max()
-            .unwrap_or(0);
-        row.notes.push(format!(
-            "peak in-flight on engine 0 during the hang: {peak}"
-        ));
+            .map(|s| {
+                (
+                    s.at,
+                    affected_rows(s, urls).iter().map(|r| r.3).sum::<u64>(),
+                )
+            });
+        let (peak_at, peak) = during
+            .clone()
+            .max_by_key(|(_, n)| *n)
+            .unwrap_or((fault_at, 0));
+        let zero = samples
+            .iter()
+            .find(|s| s.at > peak_at && affected_rows(s, urls).iter().all(|r| r.3 == 0));
+        match zero {
+            Some(s) => row.notes.push(format!(
+                "in flight on engine 0: peak {peak}, back to 0 at +{:.2} s after the fault started",
+                (s.at - fault_at).as_secs_f64()
+            )),
+            None => row.notes.push(format!(
+                "in flight on engine 0: peak {peak}, never back to 0 while sampled"
+            )),
+        }
     }
 }
 
