@@ -665,6 +665,13 @@ async fn run(fault: Fault) -> Row {
             row.retried = metric_sum(&m, "rankgate_retries_total");
             row.retries_refused = metric_sum(&m, "rankgate_retries_refused_total");
             row.ejections = metric_sum(&m, "rankgate_ejections_total");
+            // 503s rankgate wrote itself: no rank could be picked (all out), no engine reached.
+            let own = metric_sum(&m, "rankgate_rejected_total{status=\"503\"}");
+            if own > 0 {
+                row.notes.push(format!(
+                    "{own} of the 503s from rankgate itself (no rank left)"
+                ));
+            }
         }
         Err(e) => row.notes.push(format!("/metrics: {e}")),
     }
