@@ -8,6 +8,7 @@
 //! `server.body_read_timeout`; a body that breaks or stalls is the client's error (400 / 408),
 //! never the engine's.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -82,6 +83,20 @@ where
     }
 }
 
+/// The body's next frame, or `Err` after `stall` without one. The timer is armed only when the
+/// client makes us wait: a body that is already here (the usual case) costs none.
+async fn next_frame(
+    body: &mut Incoming,
+    stall: Duration,
+) -> Result<Option<Result<http_body::Frame<Bytes>, hyper::Error>>, tokio::time::error::Elapsed> {
+    let mut next = std::pin::pin!(body.frame());
+    let first = std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await;
+    match first {
+        Poll::Ready(frame) => Ok(frame),
+        Poll::Pending => tokio::time::timeout(stall, next).await,
+    }
+}
+
 /// Reads `body` whole if it fits in `keep` bytes, else returns what it read and the rest as a
 /// stream. `length` is the declared Content-Length, if any.
 pub async fn read(
@@ -107,7 +122,7 @@ pub async fn read(
     let mut more: Option<BytesMut> = None;
     let mut total = 0usize;
     while !body.is_end_stream() {
-        let frame = match tokio::time::timeout(stall, body.frame()).await {
+        let frame = match next_frame(&mut body, stall).await {
             Err(_) => return Err(ClientBodyError::Stalled(stall).into()),
             Ok(None) => break,
             Ok(Some(Err(e))) => {

@@ -16,19 +16,18 @@ use crate::http::Throttle;
 #[derive(Clone)]
 pub struct Respond<S> {
     inner: S,
-    shared: Arc<Shared>,
-    /// One log line per few seconds for server-side errors, however many requests hit them.
-    storm: Arc<Throttle>,
-    retry_after: HeaderValue,
+    parts: Arc<Parts>,
 }
 
 impl<S> Respond<S> {
     pub fn new(inner: S, shared: &Arc<Shared>) -> Respond<S> {
         Respond {
             inner,
-            retry_after: HeaderValue::from(shared.cfg.routing.retry_after_secs),
-            shared: shared.clone(),
-            storm: Arc::new(Throttle::new(Duration::from_secs(5))),
+            parts: Arc::new(Parts {
+                retry_after: HeaderValue::from(shared.cfg.routing.retry_after_secs),
+                shared: shared.clone(),
+                storm: Throttle::new(Duration::from_secs(5)),
+            }),
         }
     }
 }
@@ -50,7 +49,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let started = Instant::now();
         let fut = self.inner.call(req);
-        let this = self.clone_parts();
+        let this = self.parts.clone();
         Box::pin(async move {
             Ok(match fut.await {
                 Ok(mut resp) => {
@@ -70,21 +69,13 @@ where
     }
 }
 
-/// What the response future needs of the layer (not its inner service).
+/// What the response future needs of the layer (not its inner service), in one `Arc` since the
+/// layer is cloned per request.
 struct Parts {
     shared: Arc<Shared>,
-    storm: Arc<Throttle>,
+    /// One log line per few seconds for server-side errors, however many requests hit them.
+    storm: Throttle,
     retry_after: HeaderValue,
-}
-
-impl<S> Respond<S> {
-    fn clone_parts(&self) -> Parts {
-        Parts {
-            shared: self.shared.clone(),
-            storm: self.storm.clone(),
-            retry_after: self.retry_after.clone(),
-        }
-    }
 }
 
 impl Parts {

@@ -20,16 +20,15 @@ use crate::policy::Avoid;
 #[derive(Clone)]
 pub struct Retry<S> {
     inner: S,
-    shared: Arc<Shared>,
-    budget: Arc<RetryBudget>,
+    state: Arc<(Arc<Shared>, RetryBudget)>,
 }
 
 impl<S> Retry<S> {
     pub fn new(inner: S, shared: &Arc<Shared>) -> Retry<S> {
+        let budget = RetryBudget::new(shared.cfg.routing.retry_budget);
         Retry {
             inner,
-            shared: shared.clone(),
-            budget: Arc::new(RetryBudget::new(shared.cfg.routing.retry_budget)),
+            state: Arc::new((shared.clone(), budget)),
         }
     }
 }
@@ -63,8 +62,9 @@ where
     }
 
     fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
-        self.budget.deposit();
-        let max = self.shared.cfg.routing.max_attempts;
+        let (shared, budget) = &*self.state;
+        budget.deposit();
+        let max = shared.cfg.routing.max_attempts;
         // Only a body kept whole can be sent twice; the head is copied only then.
         let again = (max > 1)
             .then(|| req.body().replay())
@@ -74,8 +74,9 @@ where
             return Box::pin(self.inner.call(req));
         };
         let mut inner = self.inner.clone();
-        let (shared, budget) = (self.shared.clone(), self.budget.clone());
+        let state = self.state.clone();
         Box::pin(async move {
+            let (shared, budget) = &*state;
             let mut result = inner.call(req).await;
             let mut avoid = Avoid::default();
             for _ in 1..max {

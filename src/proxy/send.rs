@@ -18,12 +18,16 @@ use super::body::{BodyTooLarge, ClientBodyError};
 use super::pin::strip_hop_by_hop;
 use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
 
+/// The layer is cloned for every request (tower's `call` takes `&mut self`, so each layer above
+/// clones what is below it), so all it holds is one `Arc`.
 #[derive(Clone)]
-pub struct Send {
+pub struct Send(Arc<State>);
+
+struct State {
     shared: Arc<Shared>,
     client: Client<HttpConnector, RequestBody>,
     /// Per engine: connection slots.
-    slots: Arc<Vec<Arc<Semaphore>>>,
+    slots: Vec<Arc<Semaphore>>,
     idle: Duration,
 }
 
@@ -33,12 +37,12 @@ impl Send {
         let slots = (0..shared.table.fleet.engines.len())
             .map(|_| Arc::new(Semaphore::new(server.max_engine_connections)))
             .collect();
-        Send {
+        Send(Arc::new(State {
             shared: shared.clone(),
             client: crate::http::client(server.connect_timeout),
-            slots: Arc::new(slots),
+            slots,
             idle: server.stream_idle_timeout,
-        }
+        }))
     }
 }
 
@@ -83,30 +87,28 @@ impl tower::Service<Request<RequestBody>> for Send {
                 "request reached send unpicked".into(),
             )));
         };
-        let slots = self.slots[target.engine].clone();
-        let client = self.client.clone();
-        let engine = self.shared.table.fleet.engines[target.engine].url.clone();
-        let max_body = self.shared.cfg.server.max_body_bytes;
-        let idle = self.idle;
+        let state = self.0.clone();
         Box::pin(async move {
+            let slots = &state.slots[target.engine];
             let slot = match slots.clone().try_acquire_owned() {
                 Ok(s) => s,
                 Err(_) => slots
+                    .clone()
                     .acquire_owned()
                     .await
                     .map_err(|e| ProxyError::Internal(e.to_string()))?,
             };
-            let resp = client
-                .request(req)
-                .await
-                .map_err(|e| classify(e, &engine, max_body))?;
+            let resp = state.client.request(req).await.map_err(|e| {
+                let engine = &state.shared.table.fleet.engines[target.engine].url;
+                classify(e, engine, state.shared.cfg.server.max_body_bytes)
+            })?;
             let (mut parts, body) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
             let sse = parts
                 .headers
                 .get(header::CONTENT_TYPE)
                 .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-            let mut body = ProxyBody::upstream(body, sse, idle);
+            let mut body = ProxyBody::upstream(body, sse, state.idle);
             body.holds.connection = Some(slot);
             Ok(Response::from_parts(parts, body))
         })
