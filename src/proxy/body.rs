@@ -169,6 +169,8 @@ pub struct Holds {
 pub struct ProxyBody {
     kind: Kind,
     pub holds: Holds,
+    /// The rank that answered, once `pick` has one.
+    pub target: Option<super::Target>,
 }
 
 #[derive(Debug)]
@@ -210,6 +212,7 @@ impl ProxyBody {
                 timer: None,
             })),
             holds: Holds::default(),
+            target: None,
         }
     }
 
@@ -245,6 +248,7 @@ impl From<Bytes> for ProxyBody {
         ProxyBody {
             kind: Kind::Full(Some(b)),
             holds: Holds::default(),
+            target: None,
         }
     }
 }

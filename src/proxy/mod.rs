@@ -205,12 +205,21 @@ impl Shared {
 }
 
 /// The worker a request was sent to, and whether it is that rank's ejection trial; set by `pick`
-/// on the request for the layers below it, and on the response for those above.
+/// on the request for the layers below it ([`Picked`]), and on the response body for those
+/// above ([`ProxyBody::target`]). Carried in the types rather than in `http::Extensions`, whose
+/// first insert allocates a map: this is every request's path.
 #[derive(Debug, Clone, Copy)]
 pub struct Target {
     pub worker: usize,
     pub engine: usize,
     pub trial: bool,
+}
+
+/// A request body with the rank it was picked for: what the layers below `pick` take.
+#[derive(Debug)]
+pub struct Picked {
+    pub target: Target,
+    pub body: RequestBody,
 }
 
 /// The front door: the whole stack over `send`, answering every request (errors included).

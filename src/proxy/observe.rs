@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use http_body::Body as _;
 
-use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
+use super::{BoxFuture, Picked, ProxyBody, ProxyError, Shared, Target};
 use crate::outlier::{Cause, Policy};
 
 #[derive(Clone)]
@@ -120,9 +120,9 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-impl<S> tower::Service<Request<RequestBody>> for Observe<S>
+impl<S> tower::Service<Request<Picked>> for Observe<S>
 where
-    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>,
+    S: tower::Service<Request<Picked>, Response = Response<ProxyBody>, Error = ProxyError>,
     S::Future: Send + 'static,
 {
     type Response = Response<ProxyBody>;
@@ -133,10 +133,8 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
-        let Some(target) = req.extensions().get::<Target>().copied() else {
-            return Box::pin(self.inner.call(req));
-        };
+    fn call(&mut self, req: Request<Picked>) -> Self::Future {
+        let target = req.body().target;
         let fut = self.inner.call(req);
         let shared = self.shared.clone();
         Box::pin(async move {

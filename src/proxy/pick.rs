@@ -15,8 +15,8 @@ use http::{Method, Request, Response, Uri, Version};
 use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
 use super::{
-    content_length, read, ready, BoxFuture, ProxyBody, ProxyError, Shared, Target, RANK_HEADER,
-    WORKER_HEADER,
+    content_length, read, ready, BoxFuture, Picked, ProxyBody, ProxyError, Shared, Target,
+    RANK_HEADER, WORKER_HEADER,
 };
 use crate::policy::Avoid;
 use crate::worker::Flavor;
@@ -38,7 +38,7 @@ impl<S> Pick<S> {
 
 impl<S> tower::Service<Request<RequestBody>> for Pick<S>
 where
-    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>
+    S: tower::Service<Request<Picked>, Response = Response<ProxyBody>, Error = ProxyError>
         + Clone
         + Send
         + 'static,
@@ -101,7 +101,6 @@ where
                 ))
             }
         };
-        parts.extensions.insert(target);
         let body_pin = (shared.table.fleet.engines[e].flavor == Flavor::Sglang
             && parts.method == Method::POST)
             .then_some(worker.pin_rank)
@@ -123,12 +122,12 @@ where
                 }
             };
             let mut resp = inner
-                .call(Request::from_parts(parts, body))
+                .call(Request::from_parts(parts, Picked { target, body }))
                 .await
                 .map_err(|err| err.at(w))?;
             resp.body_mut().holds.in_flight = Some(guard);
             resp.headers_mut().insert(WORKER_HEADER, header);
-            resp.extensions_mut().insert(target);
+            resp.body_mut().target = Some(target);
             Ok(resp)
         })
     }

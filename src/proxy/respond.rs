@@ -10,7 +10,7 @@ use http::{header, HeaderValue, Request, Response, StatusCode};
 use tokio::time::Instant;
 
 use super::body::Done;
-use super::{BoxFuture, ProxyBody, ProxyError, Shared, Target, WORKER_HEADER};
+use super::{BoxFuture, ProxyBody, ProxyError, Shared, WORKER_HEADER};
 use crate::http::Throttle;
 
 #[derive(Clone)]
@@ -54,7 +54,7 @@ where
             Ok(match fut.await {
                 Ok(mut resp) => {
                     let metrics = &this.shared.metrics;
-                    if let Some(t) = resp.extensions().get::<Target>() {
+                    if let Some(t) = resp.body().target {
                         metrics.response(t.worker, resp.status().as_u16());
                     }
                     resp.body_mut().holds.done = Some(Done {

@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 
 use super::budget::RetryBudget;
-use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
+use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared};
 use crate::policy::Avoid;
 
 #[derive(Clone)]
@@ -38,7 +38,7 @@ impl<S> Retry<S> {
 fn failed(result: &Result<Response<ProxyBody>, ProxyError>) -> Option<(usize, bool)> {
     match result {
         Ok(resp) if matches!(resp.status().as_u16(), 502..=504) => {
-            resp.extensions().get::<Target>().map(|t| (t.worker, false))
+            resp.body().target.map(|t| (t.worker, false))
         }
         Err(e) if e.retryable() => e.worker().map(|w| (w, true)),
         _ => None,

@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 
 use super::body::{BodyTooLarge, ClientBodyError};
 use super::pin::strip_hop_by_hop;
-use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared, Target};
+use super::{BoxFuture, Picked, ProxyBody, ProxyError, RequestBody, Shared};
 
 /// The layer is cloned for every request (tower's `call` takes `&mut self`, so each layer above
 /// clones what is below it), so all it holds is one `Arc`.
@@ -72,7 +72,7 @@ fn classify(
     }
 }
 
-impl tower::Service<Request<RequestBody>> for Send {
+impl tower::Service<Request<Picked>> for Send {
     type Response = Response<ProxyBody>;
     type Error = ProxyError;
     type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
@@ -81,12 +81,9 @@ impl tower::Service<Request<RequestBody>> for Send {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
-        let Some(target) = req.extensions().get::<Target>().copied() else {
-            return super::ready(Err(ProxyError::Internal(
-                "request reached send unpicked".into(),
-            )));
-        };
+    fn call(&mut self, req: Request<Picked>) -> Self::Future {
+        let target = req.body().target;
+        let req = req.map(|p| p.body);
         let state = self.0.clone();
         Box::pin(async move {
             let slots = &state.slots[target.engine];

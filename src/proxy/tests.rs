@@ -62,10 +62,8 @@ fn answer(status: u16) -> Response<ProxyBody> {
     r
 }
 
-fn target(req: &Request<RequestBody>) -> Target {
-    *req.extensions()
-        .get::<Target>()
-        .expect("pick sets the target")
+fn target(req: &Request<Picked>) -> Target {
+    req.body().target
 }
 
 #[tokio::test]
@@ -121,7 +119,7 @@ fn failover_stack(
     answer_for: impl Fn(Target) -> Result<Response<ProxyBody>, ProxyError> + Clone + Send + 'static,
     calls: Arc<AtomicUsize>,
 ) -> impl Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError> {
-    let send = service_fn(move |req: Request<RequestBody>| {
+    let send = service_fn(move |req: Request<Picked>| {
         calls.fetch_add(1, Relaxed);
         let r = answer_for(target(&req));
         async move { r }
@@ -142,7 +140,7 @@ async fn a_503_is_retried_on_the_other_rank_and_the_failing_rank_is_ejected() {
     for _ in 0..20 {
         let resp = stack.ready().await.unwrap().call(chat()).await.unwrap();
         assert_eq!(resp.status(), 200, "every request ends on the healthy rank");
-        assert_eq!(resp.extensions().get::<Target>().unwrap().engine, 1);
+        assert_eq!(resp.body().target.unwrap().engine, 1);
     }
     let live = &s.table.live[0].outlier;
     let e = live
@@ -243,7 +241,7 @@ async fn the_retry_budget_caps_extra_load_when_everything_fails() {
 #[tokio::test]
 async fn pick_pins_the_rank_header_and_strips_the_clients_own() {
     let s = shared("");
-    let send = service_fn(|req: Request<RequestBody>| async move {
+    let send = service_fn(|req: Request<Picked>| async move {
         let t = target(&req);
         assert_eq!(req.headers()[RANK_HEADER], t.worker.to_string());
         assert!(req.uri().to_string().starts_with("http://127.0.0.1:"));
