@@ -26,7 +26,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
 use crate::config::ServerConfig;
@@ -238,12 +238,15 @@ pub async fn serve_with<S, B>(
         let mut cut = cut_rx.clone();
         tokio::spawn(async move {
             let mut conn = std::pin::pin!(conn);
+            // The watch looks at the connection at least once a period, never once per request:
+            // a deadline is re-armed exactly when a look finds the connection idle, and since a
+            // period is no longer than `idle_timeout`, the look after a request ends always comes
+            // before that request's idle deadline.
+            let period = opts.idle_timeout.min(opts.header_read_timeout);
+            let first = Instant::now() + period;
+            let mut timer = std::pin::pin!(tokio::time::sleep_until(first));
+            let mut cut = std::pin::pin!(cut.wait_for(|c| *c));
             loop {
-                // A busy connection has no deadline here (its bodies have their own timeouts),
-                // but is looked at again later, when it may have gone idle.
-                let wake = activity
-                    .deadline(&opts)
-                    .unwrap_or_else(|| Instant::now() + opts.idle_timeout);
                 tokio::select! {
                     r = &mut conn => {
                         if let Err(e) = r {
@@ -251,18 +254,20 @@ pub async fn serve_with<S, B>(
                         }
                         break;
                     }
-                    _ = tokio::time::sleep_until(wake) => {
-                        if activity.deadline(&opts).is_some_and(|d| d <= Instant::now()) {
-                            tracing::debug!("client connection closed: no request within its timeout");
-                            break;
+                    () = &mut timer => {
+                        let now = Instant::now();
+                        match activity.deadline(&opts) {
+                            Some(d) if d <= now => {
+                                tracing::debug!("client connection closed: no request within its timeout");
+                                break;
+                            }
+                            Some(d) => timer.as_mut().reset(d.min(now + period)),
+                            None => timer.as_mut().reset(now + period),
                         }
                     }
-                    // Gone idle: its deadline is now `idle_timeout` away, which may come before
-                    // the wake-up armed earlier (the header deadline, or a busy re-check).
-                    _ = activity.idle.notified() => {}
                     // The drain grace expired (or the accept loop is gone): dropping the
                     // connection closes it, streams and all.
-                    _ = cut.wait_for(|c| *c) => break,
+                    _ = &mut cut => break,
                 }
             }
             drop(slot);
@@ -292,8 +297,6 @@ struct Activity {
     started: AtomicU64,
     /// Milliseconds after `opened` when the connection last went idle.
     idle_since_ms: AtomicU64,
-    /// Notified when a response ends, so the connection watch re-arms its idle deadline.
-    idle: Notify,
 }
 
 impl Activity {
@@ -303,7 +306,6 @@ impl Activity {
             active: AtomicUsize::new(0),
             started: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(0),
-            idle: Notify::new(),
         }
     }
 
@@ -330,7 +332,6 @@ impl Drop for ActiveGuard {
         a.idle_since_ms
             .store(a.opened.elapsed().as_millis() as u64, Relaxed);
         a.active.fetch_sub(1, Relaxed);
-        a.idle.notify_one();
     }
 }
 
