@@ -215,11 +215,13 @@ pub struct Target {
     pub trial: bool,
 }
 
-/// A request body with the rank it was picked for: what the layers below `pick` take.
+/// A request body with the rank it was picked for, and the request's in-flight mark on that
+/// rank (moved into the response body by `send`): what the layers below `pick` take.
 #[derive(Debug)]
 pub struct Picked {
     pub target: Target,
     pub body: RequestBody,
+    pub guard: crate::table::InFlight,
 }
 
 /// The front door: the whole stack over `send`, answering every request (errors included).

@@ -143,7 +143,8 @@ where
                 target,
                 open: target.trial,
             };
-            let mut result = fut.await;
+            // Errors below are located here, on the attempt's worker.
+            let mut result = fut.await.map_err(|e| e.at(target.worker));
             match &mut result {
                 Ok(resp) if resp.status().is_server_error() => {
                     failure(&shared, target, Cause::Status(resp.status().as_u16()));

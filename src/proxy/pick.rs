@@ -16,7 +16,7 @@ use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
 use super::{
     content_length, read, ready, BoxFuture, Picked, ProxyBody, ProxyError, Shared, Target,
-    RANK_HEADER, WORKER_HEADER,
+    RANK_HEADER,
 };
 use crate::policy::Avoid;
 use crate::worker::Flavor;
@@ -38,8 +38,12 @@ impl<S> Pick<S> {
 
 impl<S> tower::Service<Request<RequestBody>> for Pick<S>
 where
-    S: tower::Service<Request<Picked>, Response = Response<ProxyBody>, Error = ProxyError>
-        + Clone
+    S: tower::Service<
+            Request<Picked>,
+            Response = Response<ProxyBody>,
+            Error = ProxyError,
+            Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>,
+        > + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
@@ -105,31 +109,47 @@ where
             && parts.method == Method::POST)
             .then_some(worker.pin_rank)
             .flatten();
-        let header = shared.worker_header(w);
-        let max = shared.cfg.server.max_body_bytes;
-        let mut inner = self.inner.clone();
-        Box::pin(async move {
-            let guard = picked.guard;
-            let body = match body_pin {
-                None => body,
-                Some(rank) => {
-                    let whole = whole(body, max).await.map_err(|err| err.at(w))?;
-                    let pinned = pin_in_body(&whole, rank).map_err(|err| err.at(w))?;
+        let guard = picked.guard;
+        // The usual case goes straight on: no future of this layer's own. What follows the
+        // response (the guard in its body, the worker header) is done by `send`, which holds
+        // both once the request is `Picked`.
+        let body = match (body_pin, body) {
+            (None, body) => body,
+            (Some(rank), RequestBody::Full(whole)) => match pin_in_body(&whole, rank) {
+                Ok(pinned) => {
                     parts
                         .headers
                         .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));
                     RequestBody::Full(pinned)
                 }
-            };
-            let mut resp = inner
-                .call(Request::from_parts(parts, Picked { target, body }))
-                .await
-                .map_err(|err| err.at(w))?;
-            resp.body_mut().holds.in_flight = Some(guard);
-            resp.headers_mut().insert(WORKER_HEADER, header);
-            resp.body_mut().target = Some(target);
-            Ok(resp)
-        })
+                Err(err) => return ready(Err(err.at(w))),
+            },
+            (Some(rank), streamed) => {
+                // An SGLang body too large to have been read whole yet: read the rest first.
+                let max = shared.cfg.server.max_body_bytes;
+                let mut inner = self.inner.clone();
+                return Box::pin(async move {
+                    let whole = whole(streamed, max).await.map_err(|err| err.at(w))?;
+                    let pinned = pin_in_body(&whole, rank).map_err(|err| err.at(w))?;
+                    parts
+                        .headers
+                        .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));
+                    let body = RequestBody::Full(pinned);
+                    let picked = Picked {
+                        target,
+                        body,
+                        guard,
+                    };
+                    inner.call(Request::from_parts(parts, picked)).await
+                });
+            }
+        };
+        let picked = Picked {
+            target,
+            body,
+            guard,
+        };
+        self.inner.call(Request::from_parts(parts, picked))
     }
 }
 

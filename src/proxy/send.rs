@@ -4,6 +4,8 @@
 //! requests in flight on it), so a burst cannot open more sockets than the engine or this
 //! process's file descriptors allow; a request waits for a slot within its response timeout.
 //! Upstream failures are classified here, once: the client's broken body stays the client's.
+//! The response leaves carrying its rank: the `x-rankgate-worker` header, the target and the
+//! request's in-flight mark in its body.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -16,7 +18,7 @@ use tokio::sync::Semaphore;
 
 use super::body::{BodyTooLarge, ClientBodyError};
 use super::pin::strip_hop_by_hop;
-use super::{BoxFuture, Picked, ProxyBody, ProxyError, RequestBody, Shared};
+use super::{BoxFuture, Picked, ProxyBody, ProxyError, RequestBody, Shared, WORKER_HEADER};
 
 /// The layer is cloned for every request (tower's `call` takes `&mut self`, so each layer above
 /// clones what is below it), so all it holds is one `Arc`.
@@ -82,8 +84,13 @@ impl tower::Service<Request<Picked>> for Send {
     }
 
     fn call(&mut self, req: Request<Picked>) -> Self::Future {
-        let target = req.body().target;
-        let req = req.map(|p| p.body);
+        let (parts, picked) = req.into_parts();
+        let Picked {
+            target,
+            body,
+            guard,
+        } = picked;
+        let req = Request::from_parts(parts, body);
         let state = self.0.clone();
         Box::pin(async move {
             let slots = &state.slots[target.engine];
@@ -105,8 +112,13 @@ impl tower::Service<Request<Picked>> for Send {
                 .headers
                 .get(header::CONTENT_TYPE)
                 .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            parts
+                .headers
+                .insert(WORKER_HEADER, state.shared.worker_header(target.worker));
             let mut body = ProxyBody::upstream(body, sse, state.idle);
             body.holds.connection = Some(slot);
+            body.holds.in_flight = Some(guard);
+            body.target = Some(target);
             Ok(Response::from_parts(parts, body))
         })
     }
