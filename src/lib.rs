@@ -13,7 +13,7 @@
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.
 //! - [`proxy`]: the OpenAI-compatible front door, a stack of tower layers: route, admit, read,
-//!   retry, pick + pin, observe, time out, send.
+//!   retry, pick + pin, observe, send (with its timeouts).
 //! - [`proto`]: code generated from `proto/` (gRPC load services, health).
 //! - [`admin`]: `/health`, `/ready`, `/workers`, `/loads`, `/metrics`.
 //! - [`metrics`]: rankgate's own counters and histogram.

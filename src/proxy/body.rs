@@ -186,9 +186,11 @@ struct Upstream {
     sse: bool,
     idle: Duration,
     last_frame: Instant,
-    /// Armed only once the engine makes the client wait, so a body that is already there costs
-    /// no timer.
+    /// Armed for the idle timeout only once the engine makes the client wait, so a body that
+    /// is already there costs no timer work. May come from `send`, which used it for the
+    /// response timeout (`armed` false until it is reset for the body).
     timer: Option<Pin<Box<Sleep>>>,
+    armed: bool,
 }
 
 /// Why an upstream stream ended early.
@@ -202,14 +204,20 @@ pub enum StreamError {
 
 impl ProxyBody {
     /// An engine's response body, streamed back with a limit on the gap between chunks.
-    pub fn upstream(body: Incoming, sse: bool, idle: Duration) -> ProxyBody {
+    pub fn upstream(
+        body: Incoming,
+        sse: bool,
+        idle: Duration,
+        timer: Option<Pin<Box<Sleep>>>,
+    ) -> ProxyBody {
         ProxyBody {
             kind: Kind::Upstream(Box::new(Upstream {
                 body: Some(body),
                 sse,
                 idle,
                 last_frame: Instant::now(),
-                timer: None,
+                timer,
+                armed: false,
             })),
             holds: Holds::default(),
             target: None,
@@ -271,7 +279,7 @@ impl Body for ProxyBody {
         };
         match Pin::new(&mut *body).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if up.timer.is_some() {
+                if up.armed {
                     up.last_frame = Instant::now();
                 }
                 // The last frame: hyper may not poll again once the body says it has ended.
@@ -295,10 +303,18 @@ impl Body for ProxyBody {
             }
             Poll::Pending => {
                 let idle = up.idle;
-                let timer = up.timer.get_or_insert_with(|| {
+                if !up.armed {
+                    up.armed = true;
                     up.last_frame = Instant::now();
-                    Box::pin(tokio::time::sleep(idle))
-                });
+                    let due = up.last_frame + idle;
+                    match &mut up.timer {
+                        Some(t) => t.as_mut().reset(due),
+                        None => up.timer = Some(Box::pin(tokio::time::sleep_until(due))),
+                    }
+                }
+                let Some(timer) = &mut up.timer else {
+                    return Poll::Pending;
+                };
                 // The deadline moves lazily: only when the timer fires is it checked against
                 // the last frame, so a busy stream costs no timer update per chunk.
                 while timer.as_mut().poll(cx).is_ready() {

@@ -8,8 +8,8 @@
 //! retry     failover before the first byte, to another rank, within a retry budget
 //! pick      the rank (never one with unknown telemetry, never an ejected one), pinned
 //! observe   outlier accounting: consecutive failures eject a rank
-//! timeout   server.response_timeout -> 504 (tower's Timeout)
-//! send      the engine connection (capped per engine), the response streamed back
+//! send      the engine connection (capped per engine); server.response_timeout -> 504; the
+//!           response streamed back under server.stream_idle_timeout
 //! ```
 //!
 //! A request counts as in flight on its rank until the response body ends: the guards ride in the
@@ -236,7 +236,6 @@ pub fn stack(
        + Send
        + 'static {
     let send = send::Send::new(shared);
-    let response_timeout = shared.cfg.server.response_timeout;
     let s = shared;
     ServiceBuilder::new()
         .layer_fn(|inner| respond::Respond::new(inner, s))
@@ -246,14 +245,6 @@ pub fn stack(
         .layer_fn(|inner| retry::Retry::new(inner, s))
         .layer_fn(|inner| pick::Pick::new(inner, s))
         .layer_fn(|inner| observe::Observe::new(inner, s))
-        .map_err(move |e: BoxError| match e.downcast::<ProxyError>() {
-            Ok(e) => *e,
-            Err(e) if e.is::<tower::timeout::error::Elapsed>() => {
-                ProxyError::Timeout(response_timeout)
-            }
-            Err(e) => ProxyError::Internal(e.to_string()),
-        })
-        .timeout(response_timeout)
         .service(send)
 }
 

@@ -1,5 +1,8 @@
 //! Sending a request to its engine and streaming the answer back.
 //!
+//! The response must start within `server.response_timeout` (504 otherwise); the same timer then
+//! bounds the gaps in the body (`server.stream_idle_timeout`).
+//!
 //! Connections to one engine are capped (`server.max_engine_connections`; over HTTP/1 that is
 //! requests in flight on it), so a burst cannot open more sockets than the engine or this
 //! process's file descriptors allow; a request waits for a slot within its response timeout.
@@ -93,19 +96,28 @@ impl tower::Service<Request<Picked>> for Send {
         let req = Request::from_parts(parts, body);
         let state = self.0.clone();
         Box::pin(async move {
+            // One timer serves the whole exchange: the response timeout until the headers, then
+            // (moved into the body) the stream idle timeout, so a request costs one timer.
+            let limit = state.shared.cfg.server.response_timeout;
+            let mut timer = Box::pin(tokio::time::sleep(limit));
             let slots = &state.slots[target.engine];
             let slot = match slots.clone().try_acquire_owned() {
                 Ok(s) => s,
-                Err(_) => slots
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .map_err(|e| ProxyError::Internal(e.to_string()))?,
+                Err(_) => tokio::select! {
+                    s = slots.clone().acquire_owned() => {
+                        s.map_err(|e| ProxyError::Internal(e.to_string()))?
+                    }
+                    () = timer.as_mut() => return Err(ProxyError::Timeout(limit)),
+                },
             };
-            let resp = state.client.request(req).await.map_err(|e| {
-                let engine = &state.shared.table.fleet.engines[target.engine].url;
-                classify(e, engine, state.shared.cfg.server.max_body_bytes)
-            })?;
+            let resp = tokio::select! {
+                biased;
+                r = state.client.request(req) => r.map_err(|e| {
+                    let engine = &state.shared.table.fleet.engines[target.engine].url;
+                    classify(e, engine, state.shared.cfg.server.max_body_bytes)
+                })?,
+                () = timer.as_mut() => return Err(ProxyError::Timeout(limit)),
+            };
             let (mut parts, body) = resp.into_parts();
             strip_hop_by_hop(&mut parts.headers);
             let sse = parts
@@ -115,7 +127,7 @@ impl tower::Service<Request<Picked>> for Send {
             parts
                 .headers
                 .insert(WORKER_HEADER, state.shared.worker_header(target.worker));
-            let mut body = ProxyBody::upstream(body, sse, state.idle);
+            let mut body = ProxyBody::upstream(body, sse, state.idle, Some(timer));
             body.holds.connection = Some(slot);
             body.holds.in_flight = Some(guard);
             body.target = Some(target);
