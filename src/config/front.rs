@@ -1,0 +1,328 @@
+//! The `[server]` and `[routing]` tables: the front door's limits and timeouts, and how requests
+//! are routed, retried and ejected. Every duration has bounds, every limit a floor; an error
+//! names the key.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{invalid, ConfigError, HumanDuration, NoTelemetry, Policy};
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// KV fraction one request is assumed to hold until the fleet's own numbers say otherwise.
+pub const DEFAULT_REQUEST_KV_ESTIMATE: f64 = 0.02;
+pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// A non-streamed vLLM answer sends its headers only when the whole completion is done, so the
+/// wait for response headers must allow for the longest generation.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(5 * 60);
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+pub const DEFAULT_H2_KEEPALIVE: Duration = Duration::from_secs(20);
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+/// hyper cannot read HTTP/1 headers into a smaller buffer than this.
+pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
+pub const DEFAULT_MAX_ENGINE_CONNECTIONS: usize = 1024;
+pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(30);
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+pub const MAX_MAX_ATTEMPTS: u32 = 10;
+pub const DEFAULT_RETRY_BUFFER_BYTES: usize = 4 * 1024 * 1024;
+/// Share of requests that may be retries, over the budget's window.
+pub const DEFAULT_RETRY_BUDGET: f64 = 0.2;
+pub const DEFAULT_EJECT_AFTER: u32 = 5;
+pub const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
+/// Longest an ejection lasts however often a rank is ejected in a row.
+pub const MAX_EJECT_FOR: Duration = Duration::from_secs(5 * 60);
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    listen: Option<String>,
+    admin_listen: Option<String>,
+    max_body_bytes: Option<usize>,
+    connect_timeout: Option<HumanDuration>,
+    response_timeout: Option<HumanDuration>,
+    stream_idle_timeout: Option<HumanDuration>,
+    header_read_timeout: Option<HumanDuration>,
+    body_read_timeout: Option<HumanDuration>,
+    idle_timeout: Option<HumanDuration>,
+    h2_keepalive_interval: Option<HumanDuration>,
+    max_header_bytes: Option<usize>,
+    max_connections: Option<usize>,
+    max_engine_connections: Option<usize>,
+    max_in_flight: Option<usize>,
+    shutdown_delay: Option<HumanDuration>,
+    drain_grace: Option<HumanDuration>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRouting {
+    policy: Option<Policy>,
+    no_telemetry: Option<NoTelemetry>,
+    request_kv_estimate: Option<f64>,
+    retry_after_secs: Option<u32>,
+    max_attempts: Option<u32>,
+    retry_buffer_bytes: Option<usize>,
+    retry_budget: Option<f64>,
+    eject_after: Option<u32>,
+    eject_for: Option<HumanDuration>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub max_body_bytes: usize,
+    pub connect_timeout: Duration,
+    /// Longest wait for an engine's response headers.
+    pub response_timeout: Duration,
+    /// Longest gap between two body chunks of an engine's response.
+    pub stream_idle_timeout: Duration,
+    /// Longest a new client connection may take to deliver its first request's headers
+    /// (HTTP version sniff and h2 preface included).
+    pub header_read_timeout: Duration,
+    /// Longest gap between two chunks of a client's request body.
+    pub body_read_timeout: Duration,
+    /// A client connection with no request in progress for this long is closed.
+    pub idle_timeout: Duration,
+    /// HTTP/2 keep-alive ping interval (and how long a ping may go unanswered).
+    pub h2_keepalive_interval: Duration,
+    pub max_header_bytes: usize,
+    /// Client connections open at once; `None`: derived from the file descriptor limit.
+    pub max_connections: Option<usize>,
+    /// Connections rankgate opens to one engine at once (HTTP/1: requests in flight on it).
+    pub max_engine_connections: usize,
+    /// Requests in flight through the front door at once; `None`: unlimited.
+    pub max_in_flight: Option<usize>,
+    /// After a shutdown signal, how long to keep accepting (while `/ready` says 503).
+    pub shutdown_delay: Duration,
+    /// How long requests and streams in flight may take to finish once accepting stops.
+    pub drain_grace: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct RoutingConfig {
+    pub policy: Policy,
+    pub no_telemetry: NoTelemetry,
+    pub request_kv_estimate: f64,
+    pub retry_after_secs: u32,
+    /// Attempts per request, the first included, when upstreams fail before the first byte.
+    pub max_attempts: u32,
+    /// Bodies up to this size are kept for a replay; larger ones stream and are not retried.
+    pub retry_buffer_bytes: usize,
+    /// Retries allowed as a share of requests (over a 10 s window, plus a small floor).
+    pub retry_budget: f64,
+    /// Consecutive failures that eject a rank; 0 never ejects.
+    pub eject_after: u32,
+    /// First ejection's length; it doubles with each ejection in a row, up to [`MAX_EJECT_FOR`].
+    pub eject_for: Duration,
+}
+
+/// A duration from the config, its default, and the range it must fall in.
+fn duration(
+    key: &str,
+    v: Option<HumanDuration>,
+    default: Duration,
+    min: Duration,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = v.map_or(default, |d| d.0);
+    if d < min || d > max {
+        return Err(invalid(
+            key,
+            format!("{d:?} is outside the sane range [{min:?}, {max:?}]"),
+        ));
+    }
+    Ok(d)
+}
+
+const fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+const fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr, ConfigError> {
+    let s = v.as_deref().unwrap_or(default);
+    s.parse()
+        .map_err(|_| invalid(key, format!("{s:?} is not an IP:port socket address")))
+}
+
+/// Validates `[server]`.
+pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
+    let server = ServerConfig {
+        listen: parse_addr("server.listen", raw.listen, DEFAULT_LISTEN)?,
+        admin_listen: parse_addr(
+            "server.admin_listen",
+            raw.admin_listen,
+            DEFAULT_ADMIN_LISTEN,
+        )?,
+        max_body_bytes: raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+        connect_timeout: duration(
+            "server.connect_timeout",
+            raw.connect_timeout,
+            DEFAULT_CONNECT_TIMEOUT,
+            ms(10),
+            secs(300),
+        )?,
+        response_timeout: duration(
+            "server.response_timeout",
+            raw.response_timeout,
+            DEFAULT_RESPONSE_TIMEOUT,
+            ms(100),
+            secs(24 * 3600),
+        )?,
+        stream_idle_timeout: duration(
+            "server.stream_idle_timeout",
+            raw.stream_idle_timeout,
+            DEFAULT_STREAM_IDLE_TIMEOUT,
+            ms(100),
+            secs(24 * 3600),
+        )?,
+        header_read_timeout: duration(
+            "server.header_read_timeout",
+            raw.header_read_timeout,
+            DEFAULT_HEADER_READ_TIMEOUT,
+            ms(100),
+            secs(600),
+        )?,
+        body_read_timeout: duration(
+            "server.body_read_timeout",
+            raw.body_read_timeout,
+            DEFAULT_BODY_READ_TIMEOUT,
+            ms(100),
+            secs(3600),
+        )?,
+        idle_timeout: duration(
+            "server.idle_timeout",
+            raw.idle_timeout,
+            DEFAULT_IDLE_TIMEOUT,
+            ms(100),
+            secs(3600),
+        )?,
+        h2_keepalive_interval: duration(
+            "server.h2_keepalive_interval",
+            raw.h2_keepalive_interval,
+            DEFAULT_H2_KEEPALIVE,
+            ms(100),
+            secs(3600),
+        )?,
+        max_header_bytes: raw.max_header_bytes.unwrap_or(DEFAULT_MAX_HEADER_BYTES),
+        max_connections: raw.max_connections,
+        max_engine_connections: raw
+            .max_engine_connections
+            .unwrap_or(DEFAULT_MAX_ENGINE_CONNECTIONS),
+        max_in_flight: raw.max_in_flight,
+        shutdown_delay: duration(
+            "server.shutdown_delay",
+            raw.shutdown_delay,
+            Duration::ZERO,
+            Duration::ZERO,
+            secs(600),
+        )?,
+        drain_grace: duration(
+            "server.drain_grace",
+            raw.drain_grace,
+            DEFAULT_DRAIN_GRACE,
+            Duration::ZERO,
+            secs(3600),
+        )?,
+    };
+    if server.max_body_bytes == 0 {
+        return Err(invalid("server.max_body_bytes", "must be greater than 0"));
+    }
+    if server.max_header_bytes < MIN_MAX_HEADER_BYTES {
+        return Err(invalid(
+            "server.max_header_bytes",
+            format!(
+                "{} is below the least hyper can work with ({MIN_MAX_HEADER_BYTES})",
+                server.max_header_bytes
+            ),
+        ));
+    }
+    for (key, v) in [
+        ("server.max_connections", server.max_connections),
+        (
+            "server.max_engine_connections",
+            Some(server.max_engine_connections),
+        ),
+        ("server.max_in_flight", server.max_in_flight),
+    ] {
+        if v == Some(0) {
+            return Err(invalid(
+                key,
+                "must be greater than 0 (leave it out for the default)",
+            ));
+        }
+    }
+    if server.listen == server.admin_listen && server.listen.port() != 0 {
+        return Err(invalid(
+            "server.admin_listen",
+            "must differ from server.listen",
+        ));
+    }
+    Ok(server)
+}
+
+/// Validates `[routing]`; replay buffers never exceed `max_body_bytes`.
+pub(super) fn routing(
+    raw: RawRouting,
+    max_body_bytes: usize,
+) -> Result<RoutingConfig, ConfigError> {
+    let routing = RoutingConfig {
+        policy: raw.policy.unwrap_or_default(),
+        no_telemetry: raw.no_telemetry.unwrap_or_default(),
+        request_kv_estimate: raw
+            .request_kv_estimate
+            .unwrap_or(DEFAULT_REQUEST_KV_ESTIMATE),
+        retry_after_secs: raw.retry_after_secs.unwrap_or(DEFAULT_RETRY_AFTER_SECS),
+        max_attempts: raw.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS),
+        retry_buffer_bytes: raw
+            .retry_buffer_bytes
+            .unwrap_or(DEFAULT_RETRY_BUFFER_BYTES)
+            .min(max_body_bytes),
+        retry_budget: raw.retry_budget.unwrap_or(DEFAULT_RETRY_BUDGET),
+        eject_after: raw.eject_after.unwrap_or(DEFAULT_EJECT_AFTER),
+        eject_for: duration(
+            "routing.eject_for",
+            raw.eject_for,
+            DEFAULT_EJECT_FOR,
+            ms(100),
+            MAX_EJECT_FOR,
+        )?,
+    };
+    if !(1..=MAX_MAX_ATTEMPTS).contains(&routing.max_attempts) {
+        return Err(invalid(
+            "routing.max_attempts",
+            format!(
+                "{} must be between 1 (no retries) and {MAX_MAX_ATTEMPTS}",
+                routing.max_attempts
+            ),
+        ));
+    }
+    if !(0.0..=1.0).contains(&routing.retry_budget) {
+        return Err(invalid(
+            "routing.retry_budget",
+            format!(
+                "{} must be a share of requests in [0, 1]",
+                routing.retry_budget
+            ),
+        ));
+    }
+    let est = routing.request_kv_estimate;
+    if !(est > 0.0 && est <= 1.0) {
+        return Err(invalid(
+            "routing.request_kv_estimate",
+            format!("{est} must be in (0, 1]"),
+        ));
+    }
+    Ok(routing)
+}
