@@ -3,11 +3,10 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use http::{Request, Response};
+use http::Request;
 
-use super::{ready, BoxFuture, ProxyBody, ProxyError};
+use super::{ready, Below, ProxyError};
 
 #[derive(Clone)]
 pub struct Admit<S> {
@@ -38,20 +37,9 @@ impl<S> Admit<S> {
 
 impl<S, B> tower::Service<Request<B>> for Admit<S>
 where
-    S: tower::Service<
-        Request<B>,
-        Response = Response<ProxyBody>,
-        Error = ProxyError,
-        Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>,
-    >,
+    S: Below<B>,
 {
-    type Response = Response<ProxyBody>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        self.inner.poll_ready(cx)
-    }
+    layer_types!();
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let Some(limit) = self.limit else {

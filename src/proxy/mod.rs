@@ -32,6 +32,26 @@ use crate::metrics::Metrics;
 use crate::policy::{NoRank, Selector};
 use crate::table::Table;
 
+/// What every layer below `respond` answers.
+type Answer = Result<Response<ProxyBody>, ProxyError>;
+
+/// The associated types and readiness every layer below `respond` shares: each is always ready
+/// (admission is decided per request, as a 429) and answers with a boxed future.
+macro_rules! layer_types {
+    () => {
+        type Response = http::Response<$crate::proxy::ProxyBody>;
+        type Error = $crate::proxy::ProxyError;
+        type Future = $crate::proxy::BoxFuture<$crate::proxy::Answer>;
+
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), $crate::proxy::ProxyError>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    };
+}
+
 mod admit;
 mod body;
 mod budget;
@@ -250,6 +270,27 @@ pub fn stack(
 
 fn content_length(h: &HeaderMap) -> Option<u64> {
     h.get(header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// The rest of the stack below a layer, for requests with body `B`.
+pub trait Below<B>:
+    tower::Service<
+    Request<B>,
+    Response = Response<ProxyBody>,
+    Error = ProxyError,
+    Future = BoxFuture<Answer>,
+>
+{
+}
+
+impl<B, S> Below<B> for S where
+    S: tower::Service<
+        Request<B>,
+        Response = Response<ProxyBody>,
+        Error = ProxyError,
+        Future = BoxFuture<Answer>,
+    >
+{
 }
 
 /// A future that is already done, boxed like the layers' futures.

@@ -5,12 +5,11 @@
 //! that breaks or goes quiet a failure.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use http::{Request, Response};
+use http::Request;
 use http_body::Body as _;
 
-use super::{BoxFuture, Picked, ProxyBody, ProxyError, Shared, Target};
+use super::{Below, Picked, ProxyError, Shared, Target};
 use crate::outlier::{Cause, Policy};
 
 #[derive(Clone)]
@@ -122,16 +121,9 @@ impl std::fmt::Debug for Shared {
 
 impl<S> tower::Service<Request<Picked>> for Observe<S>
 where
-    S: tower::Service<Request<Picked>, Response = Response<ProxyBody>, Error = ProxyError>,
-    S::Future: Send + 'static,
+    S: Below<Picked>,
 {
-    type Response = Response<ProxyBody>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        self.inner.poll_ready(cx)
-    }
+    layer_types!();
 
     fn call(&mut self, req: Request<Picked>) -> Self::Future {
         let target = req.body().target;

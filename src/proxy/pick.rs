@@ -6,18 +6,14 @@
 //! too, so its body is read whole first. A client's own pin never reaches the engine.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use http::header::{self, HeaderValue};
 use http::uri::{PathAndQuery, Scheme};
-use http::{Method, Request, Response, Uri, Version};
+use http::{Method, Request, Uri, Version};
 
 use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
-use super::{
-    content_length, read, ready, BoxFuture, Picked, ProxyBody, ProxyError, Shared, Target,
-    RANK_HEADER,
-};
+use super::{content_length, read, ready, Below, Picked, ProxyError, Shared, Target, RANK_HEADER};
 use crate::policy::Avoid;
 use crate::worker::Flavor;
 
@@ -38,23 +34,9 @@ impl<S> Pick<S> {
 
 impl<S> tower::Service<Request<RequestBody>> for Pick<S>
 where
-    S: tower::Service<
-            Request<Picked>,
-            Response = Response<ProxyBody>,
-            Error = ProxyError,
-            Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>,
-        > + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Below<Picked> + Clone + Send + 'static,
 {
-    type Response = Response<ProxyBody>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        self.inner.poll_ready(cx)
-    }
+    layer_types!();
 
     fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
         let shared = &self.shared;

@@ -10,17 +10,17 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{Request, Response};
+use http::Request;
 use http_body::Body;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::body::{ClientBodyError, RequestBody, StreamBody};
-use super::{content_length, ready, BoxFuture, ProxyBody, ProxyError, Shared};
+use super::{content_length, ready, Below, ProxyError, Shared};
 
 #[derive(Clone)]
 pub struct Read<S> {
@@ -54,19 +54,9 @@ impl<S> Read<S> {
 
 impl<S> tower::Service<Request<Incoming>> for Read<S>
 where
-    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Below<RequestBody> + Clone + Send + 'static,
 {
-    type Response = Response<ProxyBody>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        self.inner.poll_ready(cx)
-    }
+    layer_types!();
 
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
         let length = content_length(req.headers());

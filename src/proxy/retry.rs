@@ -9,12 +9,11 @@
 //! floor of 2 per second), so when the whole fleet fails, retries cannot multiply the outage.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use http::{Request, Response};
 
 use super::budget::RetryBudget;
-use super::{BoxFuture, ProxyBody, ProxyError, RequestBody, Shared};
+use super::{Below, ProxyBody, ProxyError, RequestBody, Shared};
 use crate::policy::Avoid;
 
 #[derive(Clone)]
@@ -47,19 +46,9 @@ fn failed(result: &Result<Response<ProxyBody>, ProxyError>) -> Option<(usize, bo
 
 impl<S> tower::Service<Request<RequestBody>> for Retry<S>
 where
-    S: tower::Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: Below<RequestBody> + Clone + Send + 'static,
 {
-    type Response = Response<ProxyBody>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        self.inner.poll_ready(cx)
-    }
+    layer_types!();
 
     fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
         let (shared, budget) = &*self.state;

@@ -1,10 +1,8 @@
 //! Routing by path and method: what rankgate proxies, and 404 / 405 for the rest.
 
-use std::task::{Context, Poll};
+use http::{Method, Request};
 
-use http::{Method, Request, Response};
-
-use super::{ready, BoxFuture, ProxyBody, ProxyError};
+use super::{ready, Below, ProxyError};
 
 #[derive(Clone)]
 pub struct Route<S> {
@@ -28,20 +26,9 @@ fn method_of(path: &str) -> Option<Method> {
 
 impl<S, B> tower::Service<Request<B>> for Route<S>
 where
-    S: tower::Service<
-        Request<B>,
-        Response = Response<ProxyBody>,
-        Error = ProxyError,
-        Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>,
-    >,
+    S: Below<B>,
 {
-    type Response = Response<ProxyBody>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        self.inner.poll_ready(cx)
-    }
+    layer_types!();
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let path = req.uri().path();

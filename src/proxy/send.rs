@@ -11,7 +11,6 @@
 //! request's in-flight mark in its body.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{header, Request, Response};
@@ -21,7 +20,7 @@ use tokio::sync::Semaphore;
 
 use super::body::{BodyTooLarge, ClientBodyError};
 use super::pin::strip_hop_by_hop;
-use super::{BoxFuture, Picked, ProxyBody, ProxyError, RequestBody, Shared, WORKER_HEADER};
+use super::{Picked, ProxyBody, ProxyError, RequestBody, Shared, WORKER_HEADER};
 
 /// The layer is cloned for every request (tower's `call` takes `&mut self`, so each layer above
 /// clones what is below it), so all it holds is one `Arc`.
@@ -78,13 +77,7 @@ fn classify(
 }
 
 impl tower::Service<Request<Picked>> for Send {
-    type Response = Response<ProxyBody>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Result<Response<ProxyBody>, ProxyError>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        Poll::Ready(Ok(()))
-    }
+    layer_types!();
 
     fn call(&mut self, req: Request<Picked>) -> Self::Future {
         let (parts, picked) = req.into_parts();

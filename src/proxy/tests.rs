@@ -129,7 +129,8 @@ fn failover_stack(
             resp
         });
         async move { r }
-    });
+    })
+    .boxed_clone();
     retry::Retry::new(pick::Pick::new(observe::Observe::new(send, s), s), s)
 }
 
