@@ -508,6 +508,8 @@ mod tests {
         assert!(e.contains("server.max_in_flight"), "{e}");
         let e = err(&format!("[server]\nmax_header_bytes = 100\n{MIN}"));
         assert!(e.contains("server.max_header_bytes"), "{e}");
+        let e = err(&format!("[server]\nmax_header_bytes = 4294967396\n{MIN}"));
+        assert!(e.contains("server.max_header_bytes"), "{e}");
         let e = err(&format!("[routing]\neject_for = \"10m\"\n{MIN}"));
         assert!(e.contains("routing.eject_for"), "{e}");
     }

@@ -33,6 +33,8 @@ pub struct Metrics {
     skipped_unavailable: AtomicU64,
     retries: AtomicU64,
     retries_refused: AtomicU64,
+    /// Streams cut after their first byte: the engine's stream broke, or went quiet.
+    streams_cut: [AtomicU64; 2],
     buckets: [AtomicU64; BUCKETS.len()],
     latency_count: AtomicU64,
     latency_sum_us: AtomicU64,
@@ -46,6 +48,7 @@ impl Metrics {
             skipped_unavailable: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             retries_refused: AtomicU64::new(0),
+            streams_cut: Default::default(),
             buckets: Default::default(),
             latency_count: AtomicU64::new(0),
             latency_sum_us: AtomicU64::new(0),
@@ -81,6 +84,11 @@ impl Metrics {
 
     pub fn retries_total(&self) -> u64 {
         self.retries.load(Relaxed)
+    }
+
+    /// A response was cut after its first byte (`idle`: by the stream idle timeout).
+    pub fn stream_cut(&self, idle: bool) {
+        self.streams_cut[idle as usize].fetch_add(1, Relaxed);
     }
 
     /// A rank was ejected after consecutive failures.
@@ -140,6 +148,14 @@ impl Metrics {
             "rankgate_retries_refused_total {}",
             self.retries_refused.load(Relaxed)
         );
+        o.push_str("# HELP rankgate_streams_cut_total Responses cut after their first byte (SSE streams end with an error event).\n# TYPE rankgate_streams_cut_total counter\n");
+        for (reason, n) in ["broken", "idle"].iter().zip(&self.streams_cut) {
+            let _ = writeln!(
+                o,
+                "rankgate_streams_cut_total{{reason=\"{reason}\"}} {}",
+                n.load(Relaxed)
+            );
+        }
         o.push_str("# HELP rankgate_ejections_total Times the rank was ejected after consecutive failures.\n# TYPE rankgate_ejections_total counter\n");
         for (w, c) in workers.iter().zip(&self.workers) {
             let _ = writeln!(

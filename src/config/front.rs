@@ -27,6 +27,8 @@ pub const DEFAULT_H2_KEEPALIVE: Duration = Duration::from_secs(20);
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 /// hyper cannot read HTTP/1 headers into a smaller buffer than this.
 pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
+/// Request heads beyond this are an attack, not a client.
+pub const MAX_MAX_HEADER_BYTES: usize = 16 * 1024 * 1024;
 pub const DEFAULT_MAX_ENGINE_CONNECTIONS: usize = 1024;
 pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
@@ -239,11 +241,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
     if server.max_body_bytes == 0 {
         return Err(invalid("server.max_body_bytes", "must be greater than 0"));
     }
-    if server.max_header_bytes < MIN_MAX_HEADER_BYTES {
+    if !(MIN_MAX_HEADER_BYTES..=MAX_MAX_HEADER_BYTES).contains(&server.max_header_bytes) {
         return Err(invalid(
             "server.max_header_bytes",
             format!(
-                "{} is below the least hyper can work with ({MIN_MAX_HEADER_BYTES})",
+                "{} is outside [{MIN_MAX_HEADER_BYTES}, {MAX_MAX_HEADER_BYTES}] (hyper needs the floor; beyond the cap it is an attack)",
                 server.max_header_bytes
             ),
         ));

@@ -43,6 +43,9 @@ pub async fn shutdown_signalled(shutdown: &mut Shutdown) {
     }
 }
 
+/// Most header lines one HTTP/1 request may carry (431 beyond).
+pub const MAX_HEADER_LINES: usize = 512;
+
 /// File descriptors kept back from client connections for listeners, telemetry and logs.
 const RESERVED_FDS: usize = 64;
 
@@ -174,6 +177,9 @@ pub async fn serve_with<S, B>(
         .timer(TokioTimer::new())
         .keep_alive(true)
         .max_buf_size(opts.max_header_bytes)
+        // hyper's default of 100 header lines refuses ordinary clients that carry tracing and
+        // gateway headers; the byte cap is the limit that matters.
+        .max_headers(MAX_HEADER_LINES)
         // The connection watch below owns header and idle deadlines; hyper's own HTTP/1 header
         // timer (it also runs while a keep-alive connection idles) only backs it up.
         .header_read_timeout(opts.header_read_timeout + opts.idle_timeout);
@@ -182,7 +188,7 @@ pub async fn serve_with<S, B>(
         .timer(TokioTimer::new())
         .keep_alive_interval(opts.h2_keepalive)
         .keep_alive_timeout(opts.h2_keepalive)
-        .max_header_list_size(opts.max_header_bytes as u32);
+        .max_header_list_size(u32::try_from(opts.max_header_bytes).unwrap_or(u32::MAX));
     let graceful = GracefulShutdown::new();
     // Told when the drain grace expires: connections still open then are cut.
     let (cut, cut_rx) = watch::channel(false);

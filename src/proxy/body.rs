@@ -226,8 +226,12 @@ impl ProxyBody {
 
     /// Ends the stream: releases the engine's body and every guard, and says why.
     fn broke(&mut self, err: StreamError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let idle = matches!(err, StreamError::Idle(_));
         if let Some(watch) = self.holds.on_break.take() {
-            watch.fire(matches!(err, StreamError::Idle(_)));
+            watch.fire(idle);
+        }
+        if let Some(done) = &self.holds.done {
+            done.metrics.stream_cut(idle);
         }
         tracing::warn!(error = %err, "stream cut after its first byte");
         self.holds = Holds::default();

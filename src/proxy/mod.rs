@@ -101,6 +101,10 @@ pub enum ProxyError {
     Upstream { engine: Arc<str>, reason: String },
     #[error("no response headers within {} ms (server.response_timeout)", .0.as_millis())]
     Timeout(Duration),
+    /// Every connection slot to the engine stayed taken for the whole response timeout: the
+    /// engine was never asked, so this is no verdict on it.
+    #[error("all server.max_engine_connections ({limit}) connections to the engine stayed busy for {} ms", .waited.as_millis())]
+    EngineBusy { limit: usize, waited: Duration },
     #[error("internal error: {0}")]
     Internal(String),
     /// Any of the above, on the worker it happened on.
@@ -148,7 +152,9 @@ impl ProxyError {
             | ProxyError::ClientBody(ClientBodyError::Broken(_)) => StatusCode::BAD_REQUEST,
             ProxyError::ClientBody(ClientBodyError::Stalled(_)) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            ProxyError::NoRank(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::NoRank(_) | ProxyError::EngineBusy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,

@@ -100,7 +100,10 @@ impl tower::Service<Request<Picked>> for Send {
                     s = slots.clone().acquire_owned() => {
                         s.map_err(|e| ProxyError::Internal(e.to_string()))?
                     }
-                    () = timer.as_mut() => return Err(ProxyError::Timeout(limit)),
+                    () = timer.as_mut() => return Err(ProxyError::EngineBusy {
+                        limit: state.shared.cfg.server.max_engine_connections,
+                        waited: limit,
+                    }),
                 },
             };
             let resp = tokio::select! {

@@ -369,6 +369,11 @@ async fn stalled_stream_ends_with_error_event_after_idle_timeout() {
     );
     let rows = wait_workers(&r, SOON, |rows| rows[0]["in_flight"] == 0).await;
     assert_eq!(rows[0]["consecutive_failures"], 1);
+    assert_eq!(
+        metric(&r, "rankgate_streams_cut_total{reason=\"idle\"}").await,
+        1.0,
+        "the cut stream is counted"
+    );
     until("the engine's stalled request is closed", SOON, || {
         e.open_requests() == 0
     })
