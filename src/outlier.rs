@@ -33,8 +33,10 @@ pub enum Cause {
     Status(u16),
     /// Connecting failed or the connection broke.
     Transport,
-    /// No response headers within `server.response_timeout`.
+    /// No response headers within `server.response_timeout`, or a stream gone quiet.
     Timeout,
+    /// The consecutive failures were not all of one kind.
+    Mixed,
 }
 
 impl Cause {
@@ -43,6 +45,7 @@ impl Cause {
             Cause::Status(s) => s as u32,
             Cause::Transport => 1,
             Cause::Timeout => 2,
+            Cause::Mixed => 3,
         }
     }
 
@@ -50,6 +53,7 @@ impl Cause {
         match v {
             1 => Cause::Transport,
             2 => Cause::Timeout,
+            3 => Cause::Mixed,
             s => Cause::Status(s as u16),
         }
     }
@@ -60,7 +64,8 @@ impl fmt::Display for Cause {
         match self {
             Cause::Status(s) => write!(f, "{s}"),
             Cause::Transport => f.write_str("transport errors"),
-            Cause::Timeout => f.write_str("response timeouts"),
+            Cause::Timeout => f.write_str("timeouts"),
+            Cause::Mixed => f.write_str("failures of mixed kinds"),
         }
     }
 }
@@ -89,12 +94,15 @@ impl fmt::Display for Ejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "ejected: {} consecutive {} (for {} ms, {} ms left)",
+            "ejected: {} consecutive {} (for {} ms, ",
             self.consecutive,
             self.cause,
             self.length.as_millis(),
-            self.remaining.as_millis()
-        )
+        )?;
+        match self.remaining.as_millis() {
+            0 => f.write_str("trial due)"),
+            left => write!(f, "{left} ms left)"),
+        }
     }
 }
 
@@ -191,7 +199,13 @@ impl State {
     /// A request on this rank failed. Returns the new ejection if this failure caused one.
     pub fn failure(&self, cause: Cause, policy: Policy) -> Option<Ejection> {
         let n = self.consecutive.fetch_add(1, Relaxed).saturating_add(1);
-        self.cause.store(cause.encode(), Relaxed);
+        // The reason names one kind of failure only when every one in the run was of it.
+        let kind = match (n, Cause::decode(self.cause.load(Relaxed))) {
+            (1, _) => cause,
+            (_, before) if before == cause => cause,
+            _ => Cause::Mixed,
+        };
+        self.cause.store(kind.encode(), Relaxed);
         self.last_failure_ms.store(now_ms(), Relaxed);
         self.fade_ms.store(policy.base.as_millis() as u64, Relaxed);
         if policy.after == 0 || n < policy.after {
@@ -221,7 +235,7 @@ impl State {
         self.length_ms.store(length_ms, Relaxed);
         Some(Ejection {
             consecutive: n,
-            cause,
+            cause: kind,
             length,
             remaining: length,
         })
@@ -320,6 +334,25 @@ mod tests {
         assert_eq!(s.recent_failures(), 0.0);
         // The count itself stands until a success: a third failure still ejects.
         assert!(s.failure(Cause::Status(503), POLICY).is_some());
+    }
+
+    #[test]
+    fn a_run_of_different_failures_is_named_mixed() {
+        let s = State::default();
+        s.failure(Cause::Status(503), POLICY);
+        s.failure(Cause::Status(503), POLICY);
+        let e = s.failure(Cause::Timeout, POLICY).unwrap();
+        assert_eq!(e.cause, Cause::Mixed);
+        assert!(
+            e.to_string()
+                .starts_with("ejected: 3 consecutive failures of mixed kinds"),
+            "{e}"
+        );
+        // After a success the next run starts clean.
+        s.success();
+        s.failure(Cause::Timeout, POLICY);
+        assert_eq!(s.ejection(), None);
+        assert_eq!(Cause::decode(s.cause.load(Relaxed)), Cause::Timeout);
     }
 
     #[test]

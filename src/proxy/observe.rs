@@ -39,7 +39,7 @@ fn failure(shared: &Shared, target: Target, cause: Cause) {
     let table = &shared.table;
     let ranks = match cause {
         Cause::Transport => table.fleet.workers_of(target.engine),
-        Cause::Status(_) | Cause::Timeout => target.worker..target.worker + 1,
+        Cause::Status(_) | Cause::Timeout | Cause::Mixed => target.worker..target.worker + 1,
     };
     for w in ranks {
         if let Some(e) = table.live[w].outlier.failure(cause, policy(shared)) {

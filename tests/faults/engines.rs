@@ -410,7 +410,7 @@ async fn streams_that_keep_stalling_eject_the_rank() {
     let rows = workers(&r).await;
     assert_eq!(rows[0]["reason_kind"], "ejected", "{:#}", rows[0]);
     assert!(
-        reason(&rows[0]).starts_with("ejected: 2 consecutive response timeouts (for 300 ms"),
+        reason(&rows[0]).starts_with("ejected: 2 consecutive timeouts (for 300 ms"),
         "{}",
         rows[0]
     );
@@ -430,7 +430,7 @@ async fn streams_that_keep_stalling_eject_the_rank() {
     assert!(matches!(trial.end, End::ErrorEvent(_)), "{:?}", trial.end);
     let rows = workers(&r).await;
     assert!(
-        reason(&rows[0]).starts_with("ejected: 3 consecutive response timeouts (for 600 ms"),
+        reason(&rows[0]).starts_with("ejected: 3 consecutive timeouts (for 600 ms"),
         "a stalled trial re-admitted the rank: {}",
         rows[0]
     );
