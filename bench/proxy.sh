@@ -11,6 +11,9 @@
 # FLAVOR=sglang makes rankgate pin through the body (read, parsed and rewritten per request).
 # BEFORE=/path/to/an/older/rankgate also runs that binary, same config, in the same run: a
 # before/after comparison of the request path measured against the same bare proxy.
+# ROUNDS=N then repeats bare, rankgate (and BEFORE) back to back N more times and prints each
+# round's ratio and the spread: neighbouring runs share the machine's mood, so per-round ratios
+# are steadier than runs minutes apart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-10}
@@ -127,6 +130,33 @@ old, o0, o1, oreqs, hz, bare, rg = sys.argv[1:]
 old, bare, rg = float(old), float(bare), float(rg)
 us = (int(o1) - int(o0)) / int(hz) * 1e6 / int(oreqs)
 print(f"rankgate BEFORE      {old:10.0f} req/s  ({old/bare:.2f}x bare hyper), CPU {us:.1f} us/request; after/before {rg/old:.2f}x")
+PY
+fi
+if [ "${ROUNDS:-0}" -gt 0 ]; then
+  rounds=()
+  for r in $(seq "$ROUNDS"); do
+    b0=$(cpu_ticks $BAREPID); x=$(run bare "$BARE"); b1=$(cpu_ticks $BAREPID)
+    bn=$(awk '/requests in/ {print $1}' "$work/bare.out")
+    t0=$(cpu_ticks $RGPID); y=$(run rankgate "$RG"); t1=$(cpu_ticks $RGPID)
+    yn=$(awk '/requests in/ {print $1}' "$work/rankgate.out")
+    z=0
+    if [ -n "${BEFORE:-}" ]; then z=$(run before "$OLD"); fi
+    rounds+=("$x,$y,$z,$((b1-b0)),$bn,$((t1-t0)),$yn")
+  done
+  python3 - "$hz" "${rounds[@]}" <<'PY'
+import statistics, sys
+hz = int(sys.argv[1])
+ratios, before = [], []
+for i, r in enumerate(sys.argv[2:], 1):
+    bare, rg, old, bt, bn, rt, rn = (float(v) for v in r.split(","))
+    ratios.append(rg / bare)
+    extra = f", before {old/bare:.2f}x bare" if old else ""
+    if old:
+        before.append(old / bare)
+    print(f"round {i}: bare {bare:8.0f}  rankgate {rg:8.0f} req/s = {rg/bare:.2f}x bare{extra}; CPU {rt/hz*1e6/rn:.1f} vs {bt/hz*1e6/bn:.1f} us/request")
+print(f"rankgate / bare over {len(ratios)} rounds: median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+if before:
+    print(f"before / bare: median {statistics.median(before):.2f}x (min {min(before):.2f}x, max {max(before):.2f}x)")
 PY
 fi
 curl -s "127.0.0.1:$ADMIN/metrics" | grep -E '^rankgate_requests_total.*2xx' || true
