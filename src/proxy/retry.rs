@@ -60,7 +60,7 @@ where
             .flatten()
             .map(|body| (head(&req), body));
         let Some((head, body)) = again else {
-            return Box::pin(self.inner.call(req));
+            return self.inner.call(req);
         };
         let mut inner = self.inner.clone();
         let state = self.state.clone();
