@@ -316,7 +316,7 @@ fn min_with_random_ties(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::{Load, RankTelemetry, RankView};
+    use crate::table::{RankTelemetry, RankView};
     use crate::worker::Fleet;
     use proptest::prelude::*;
     use std::time::Duration;
@@ -327,22 +327,7 @@ mod tests {
     }
 
     fn available(kv: f64, now: Instant) -> RankView {
-        RankView {
-            telemetry: RankTelemetry::Available(Load {
-                kv_usage: kv,
-                running: Some(0),
-                waiting: Some(0),
-                used_tokens: None,
-                capacity_tokens: None,
-                aggregate: false,
-                upstream: None,
-                sampled_at: now,
-            }),
-            reachable: true,
-            weight_at_poll: 0,
-            kv_per_request: 0.02,
-            source: "test",
-        }
+        crate::table::test_view(kv, now)
     }
 
     fn set(table: &Table, ranks: Vec<RankView>) {

@@ -102,6 +102,27 @@ impl RankView {
     }
 }
 
+/// A rank with fresh telemetry showing `kv` usage and nothing queued, for unit tests.
+#[cfg(test)]
+pub fn test_view(kv: f64, now: Instant) -> RankView {
+    RankView {
+        telemetry: RankTelemetry::Available(Load {
+            kv_usage: kv,
+            running: Some(0),
+            waiting: Some(0),
+            used_tokens: None,
+            capacity_tokens: None,
+            aggregate: false,
+            upstream: None,
+            sampled_at: now,
+        }),
+        reachable: true,
+        weight_at_poll: 0,
+        kv_per_request: 0.02,
+        source: "test",
+    }
+}
+
 /// The immutable telemetry snapshot: one view per worker, indexed like `Fleet::workers`.
 #[derive(Debug, Clone)]
 pub struct Snapshot {

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use tower::{service_fn, Service, ServiceExt};
 
 use super::*;
-use crate::table::{Load, RankTelemetry, RankView, Snapshot};
+use crate::table::Snapshot;
 use crate::worker::Fleet;
 
 /// Two vLLM engines, one rank each, both with fresh telemetry showing them idle.
@@ -25,22 +25,7 @@ fn shared(extra: &str) -> Arc<Shared> {
         Fleet::expand(cfg.engines.clone()),
         cfg.telemetry.stale_after,
     );
-    let view = RankView {
-        telemetry: RankTelemetry::Available(Load {
-            kv_usage: 0.1,
-            running: Some(0),
-            waiting: Some(0),
-            used_tokens: None,
-            capacity_tokens: None,
-            aggregate: false,
-            upstream: None,
-            sampled_at: Instant::now(),
-        }),
-        reachable: true,
-        weight_at_poll: 0,
-        kv_per_request: 0.02,
-        source: "test",
-    };
+    let view = crate::table::test_view(0.1, Instant::now());
     let models = table.snapshot.load().models.clone();
     table.snapshot.store(Arc::new(Snapshot {
         ranks: vec![view.clone(), view],
