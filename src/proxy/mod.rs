@@ -195,6 +195,12 @@ pub struct Shared {
     authorities: Vec<Authority>,
 }
 
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Shared")
+    }
+}
+
 impl Shared {
     pub fn new(cfg: &Config, table: Arc<Table>, metrics: Arc<Metrics>) -> Arc<Shared> {
         let worker_headers = table

@@ -113,12 +113,6 @@ fn success(shared: &Shared, target: Target) {
     }
 }
 
-impl std::fmt::Debug for Shared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Shared")
-    }
-}
-
 impl<S> tower::Service<Request<Picked>> for Observe<S>
 where
     S: Below<Picked>,
