@@ -107,7 +107,10 @@ impl Router {
         );
         let front = tokio::spawn(crate::http::serve_with(
             listener,
-            crate::proxy::stack(&shared),
+            {
+                let shared = shared.clone();
+                move || crate::proxy::stack(&shared)
+            },
             front_rx,
             front_opts,
         ));

@@ -148,18 +148,19 @@ where
 {
     serve_with(
         listener,
-        tower::service_fn(handler),
+        move || tower::service_fn(handler.clone()),
         shutdown,
         ServeOptions::default(),
     )
     .await
 }
 
-/// Serves `svc` on `listener` (HTTP/1.1 and h2c on the same port) until `shutdown`, then waits
-/// up to the drain grace for requests in flight to finish.
-pub async fn serve_with<S, B>(
+/// Serves on `listener` (HTTP/1.1 and h2c on the same port) until `shutdown`, then waits up to
+/// the drain grace for requests in flight to finish. Each connection gets its own service from
+/// `make` (hyper clones it for every request; see [`crate::proxy::Ctx`]).
+pub async fn serve_with<M, S, B>(
     listener: TcpListener,
-    svc: S,
+    make: M,
     mut shutdown: Shutdown,
     opts: ServeOptions,
 ) where
@@ -168,6 +169,7 @@ pub async fn serve_with<S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
+    M: Fn() -> S,
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -235,7 +237,7 @@ pub async fn serve_with<S, B>(
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
         let svc = TowerToHyperService::new(Tracked {
-            inner: svc.clone(),
+            inner: make(),
             activity: activity.clone(),
         });
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);

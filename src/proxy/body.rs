@@ -8,7 +8,6 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -16,10 +15,8 @@ use bytes::Bytes;
 use http::StatusCode;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
-use crate::metrics::Metrics;
 use crate::table::InFlight;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -140,12 +137,12 @@ impl Body for RequestBody {
 #[derive(Debug)]
 pub struct Done {
     pub started: Instant,
-    pub metrics: Arc<Metrics>,
+    pub ctx: super::Ctx,
 }
 
 impl Drop for Done {
     fn drop(&mut self) {
-        self.metrics.observe_latency(self.started.elapsed());
+        self.ctx.metrics.observe_latency(self.started.elapsed());
     }
 }
 
@@ -157,7 +154,7 @@ pub struct Holds {
     /// A slot under `server.max_in_flight` (admission).
     pub admitted: Option<super::admit::Admitted>,
     /// A connection slot under `server.max_engine_connections` (send).
-    pub connection: Option<OwnedSemaphorePermit>,
+    pub connection: Option<super::send::Slot>,
     /// Latency, recorded at the end (respond).
     pub done: Option<Done>,
     /// Told how the upstream body ended: cleanly or broken (outlier accounting).
@@ -185,12 +182,12 @@ struct Upstream {
     /// SSE: a break ends the stream with an error event instead of cutting it.
     sse: bool,
     idle: Duration,
-    last_frame: Instant,
+    /// When the last frame came, once the idle timer is armed.
+    last_frame: Option<Instant>,
     /// Armed for the idle timeout only once the engine makes the client wait, so a body that
-    /// is already there costs no timer work. May come from `send`, which used it for the
-    /// response timeout (`armed` false until it is reset for the body).
+    /// is already there costs no timer work (nor a look at the clock). May come from `send`,
+    /// which used it for the response timeout, until it is reset for the body.
     timer: Option<Pin<Box<Sleep>>>,
-    armed: bool,
 }
 
 /// Why an upstream stream ended early.
@@ -215,9 +212,8 @@ impl ProxyBody {
                 body: Some(body),
                 sse,
                 idle,
-                last_frame: Instant::now(),
+                last_frame: None,
                 timer,
-                armed: false,
             })),
             holds: Holds::default(),
             target: None,
@@ -231,7 +227,7 @@ impl ProxyBody {
             watch.fire(idle);
         }
         if let Some(done) = &self.holds.done {
-            done.metrics.stream_cut(idle);
+            done.ctx.metrics.stream_cut(idle);
         }
         tracing::warn!(error = %err, "stream cut after its first byte");
         self.holds = Holds::default();
@@ -283,8 +279,8 @@ impl Body for ProxyBody {
         };
         match Pin::new(&mut *body).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if up.armed {
-                    up.last_frame = Instant::now();
+                if let Some(last) = &mut up.last_frame {
+                    *last = Instant::now();
                 }
                 // The last frame: hyper may not poll again once the body says it has ended.
                 if body.is_end_stream() {
@@ -307,22 +303,25 @@ impl Body for ProxyBody {
             }
             Poll::Pending => {
                 let idle = up.idle;
-                if !up.armed {
-                    up.armed = true;
-                    up.last_frame = Instant::now();
-                    let due = up.last_frame + idle;
-                    match &mut up.timer {
-                        Some(t) => t.as_mut().reset(due),
-                        None => up.timer = Some(Box::pin(tokio::time::sleep_until(due))),
+                let last = match up.last_frame {
+                    Some(last) => last,
+                    None => {
+                        let now = Instant::now();
+                        up.last_frame = Some(now);
+                        match &mut up.timer {
+                            Some(t) => t.as_mut().reset(now + idle),
+                            None => up.timer = Some(Box::pin(tokio::time::sleep_until(now + idle))),
+                        }
+                        now
                     }
-                }
+                };
                 let Some(timer) = &mut up.timer else {
                     return Poll::Pending;
                 };
                 // The deadline moves lazily: only when the timer fires is it checked against
                 // the last frame, so a busy stream costs no timer update per chunk.
                 while timer.as_mut().poll(cx).is_ready() {
-                    let due = up.last_frame + idle;
+                    let due = last + idle;
                     if Instant::now() >= due {
                         return this.broke(StreamError::Idle(idle));
                     }

@@ -18,6 +18,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,9 +26,12 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::uri::Authority;
 use http::{header, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
 use tower::ServiceBuilder;
 
 use crate::config::Config;
+use crate::http::Throttle;
 use crate::metrics::Metrics;
 use crate::policy::{NoRank, Selector};
 use crate::table::Table;
@@ -36,12 +40,12 @@ use crate::table::Table;
 type Answer = Result<Response<ProxyBody>, ProxyError>;
 
 /// The associated types and readiness every layer below `respond` shares: each is always ready
-/// (admission is decided per request, as a 429) and answers with a boxed future.
+/// (admission is decided per request, as a 429); the argument is the layer's future.
 macro_rules! layer_types {
-    () => {
+    ($future:ty) => {
         type Response = http::Response<$crate::proxy::ProxyBody>;
         type Error = $crate::proxy::ProxyError;
-        type Future = $crate::proxy::BoxFuture<$crate::proxy::Answer>;
+        type Future = $future;
 
         fn poll_ready(
             &mut self,
@@ -183,7 +187,9 @@ impl ProxyError {
     }
 }
 
-/// What every layer may read: the table, the selector, the metrics and the config.
+/// What every layer may read, made once for the router: the table, the selector, the metrics
+/// and the config, and the state that must be one for all connections (the retry budget, the
+/// admission count, the engine connection pool and its slots).
 pub struct Shared {
     pub table: Arc<Table>,
     pub selector: Arc<Selector>,
@@ -191,8 +197,21 @@ pub struct Shared {
     pub cfg: Config,
     /// Per worker: the `x-rankgate-worker` value, rendered once.
     worker_headers: Vec<HeaderValue>,
+    /// Per worker: the rank header value that pins it, if the engine takes one.
+    pin_headers: Vec<Option<HeaderValue>>,
     /// Per engine: its authority, parsed once.
     authorities: Vec<Authority>,
+    /// Retries' allowance (retry).
+    budget: budget::RetryBudget,
+    /// Requests admitted now (admit).
+    admitted: AtomicUsize,
+    /// The engine connection pool, and per engine its connection slots (send).
+    client: Client<HttpConnector, RequestBody>,
+    slots: Vec<send::Slots>,
+    /// One log line per few seconds for server-side errors, however many requests hit them
+    /// (respond).
+    storm: Throttle,
+    retry_after: HeaderValue,
 }
 
 impl std::fmt::Debug for Shared {
@@ -211,6 +230,12 @@ impl Shared {
                 HeaderValue::from_str(&w.id_text).unwrap_or(HeaderValue::from_static("invalid"))
             })
             .collect();
+        let pin_headers = table
+            .fleet
+            .workers
+            .iter()
+            .map(|w| w.pin_rank.map(HeaderValue::from))
+            .collect();
         let authorities = table
             .fleet
             .engines
@@ -221,18 +246,58 @@ impl Shared {
                     .unwrap_or(Authority::from_static("invalid.invalid:1"))
             })
             .collect();
+        let server = &cfg.server;
         Arc::new(Shared {
             selector: Arc::new(Selector::new(&cfg.routing)),
             metrics,
             cfg: cfg.clone(),
             worker_headers,
+            pin_headers,
             authorities,
+            budget: budget::RetryBudget::new(cfg.routing.retry_budget),
+            admitted: AtomicUsize::new(0),
+            client: crate::http::client(server.connect_timeout),
+            slots: (0..table.fleet.engines.len())
+                .map(|_| send::Slots::new(server.max_engine_connections))
+                .collect(),
+            storm: Throttle::new(Duration::from_secs(5)),
+            retry_after: HeaderValue::from(cfg.routing.retry_after_secs),
             table,
         })
     }
 
     fn worker_header(&self, w: usize) -> HeaderValue {
         self.worker_headers[w].clone()
+    }
+}
+
+/// A connection's own handle on [`Shared`], what every layer and guard holds.
+///
+/// hyper's adapter clones the whole stack for every request, `read` and `retry` clone what is
+/// below them, and each guard in a response body holds a reference: on one `Arc` shared by all
+/// connections, every one of those reference counts is a cache line bouncing between cores on
+/// every request. Each connection gets its own handle (one allocation per connection), so these
+/// counts stay on the core that runs the connection.
+#[derive(Clone)]
+#[allow(clippy::redundant_allocation)] // the outer `Arc` is the connection's own: the point
+pub struct Ctx(Arc<Arc<Shared>>);
+
+impl Ctx {
+    pub fn new(shared: &Arc<Shared>) -> Ctx {
+        Ctx(Arc::new(shared.clone()))
+    }
+}
+
+impl std::ops::Deref for Ctx {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ctx")
     }
 }
 
@@ -256,7 +321,8 @@ pub struct Picked {
     pub guard: crate::table::InFlight,
 }
 
-/// The front door: the whole stack over `send`, answering every request (errors included).
+/// The front door for one connection: the whole stack over `send`, answering every request
+/// (errors included). Made per connection (see [`Ctx`]).
 pub fn stack(
     shared: &Arc<Shared>,
 ) -> impl tower::Service<
@@ -267,17 +333,17 @@ pub fn stack(
 > + Clone
        + Send
        + 'static {
-    let send = send::Send::new(shared);
-    let s = shared;
+    let ctx = Ctx::new(shared);
+    let c = &ctx;
     ServiceBuilder::new()
-        .layer_fn(|inner| respond::Respond::new(inner, s))
+        .layer_fn(|inner| respond::Respond::new(inner, c))
         .layer_fn(route::Route::new)
-        .layer_fn(|inner| read::Read::new(inner, s))
-        .layer_fn(|inner| admit::Admit::new(inner, s.cfg.server.max_in_flight))
-        .layer_fn(|inner| retry::Retry::new(inner, s))
-        .layer_fn(|inner| pick::Pick::new(inner, s))
-        .layer_fn(|inner| observe::Observe::new(inner, s))
-        .service(send)
+        .layer_fn(|inner| read::Read::new(inner, c))
+        .layer_fn(|inner| admit::Admit::new(inner, c))
+        .layer_fn(|inner| retry::Retry::new(inner, c))
+        .layer_fn(|inner| pick::Pick::new(inner, c))
+        .layer_fn(|inner| observe::Observe::new(inner, c))
+        .service(send::Send::new(c))
 }
 
 fn content_length(h: &HeaderMap) -> Option<u64> {
@@ -290,7 +356,7 @@ pub trait Below<B>:
     Request<B>,
     Response = Response<ProxyBody>,
     Error = ProxyError,
-    Future = BoxFuture<Answer>,
+    Future: Future<Output = Answer> + Send + Unpin + 'static,
 >
 {
 }
@@ -300,12 +366,37 @@ impl<B, S> Below<B> for S where
         Request<B>,
         Response = Response<ProxyBody>,
         Error = ProxyError,
-        Future = BoxFuture<Answer>,
+        Future: Future<Output = Answer> + Send + Unpin + 'static,
     >
 {
 }
 
-/// A future that is already done, boxed like the layers' futures.
+/// A layer's answer: the layer below's future as it is (the usual path, no allocation), or a
+/// boxed one of the layer's own (an error, or work the layer does after the call).
+pub enum Step<F> {
+    Below(F),
+    Own(BoxFuture<Answer>),
+}
+
+impl<F> Step<F> {
+    /// An answer that is already known.
+    fn ready(answer: Answer) -> Step<F> {
+        Step::Own(ready(answer))
+    }
+}
+
+impl<F: Future<Output = Answer> + Unpin> Future for Step<F> {
+    type Output = Answer;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Answer> {
+        match self.get_mut() {
+            Step::Below(f) => Pin::new(f).poll(cx),
+            Step::Own(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
+/// A future that is already done, boxed like the layers' own futures.
 fn ready<T: Send + 'static>(v: T) -> BoxFuture<T> {
     Box::pin(std::future::ready(v))
 }

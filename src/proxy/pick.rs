@@ -5,29 +5,27 @@
 //! the `X-data-parallel-rank` header and its body passes untouched; SGLang gets the body field
 //! too, so its body is read whole first. A client's own pin never reaches the engine.
 
-use std::sync::Arc;
-
 use http::header::{self, HeaderValue};
 use http::uri::{PathAndQuery, Scheme};
 use http::{Method, Request, Uri, Version};
 
 use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
-use super::{content_length, read, ready, Below, Picked, ProxyError, Shared, Target, RANK_HEADER};
+use super::{content_length, read, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER};
 use crate::policy::Avoid;
 use crate::worker::Flavor;
 
 #[derive(Clone)]
 pub struct Pick<S> {
     inner: S,
-    shared: Arc<Shared>,
+    ctx: Ctx,
 }
 
 impl<S> Pick<S> {
-    pub fn new(inner: S, shared: &Arc<Shared>) -> Pick<S> {
+    pub fn new(inner: S, ctx: &Ctx) -> Pick<S> {
         Pick {
             inner,
-            shared: shared.clone(),
+            ctx: ctx.clone(),
         }
     }
 }
@@ -36,10 +34,10 @@ impl<S> tower::Service<Request<RequestBody>> for Pick<S>
 where
     S: Below<Picked> + Clone + Send + 'static,
 {
-    layer_types!();
+    layer_types!(Step<S::Future>);
 
     fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
-        let shared = &self.shared;
+        let shared = &*self.ctx;
         let length = match req.body() {
             RequestBody::Full(b) => Some(b.len() as u64),
             RequestBody::Stream(_) => content_length(req.headers()),
@@ -47,7 +45,7 @@ where
         let avoid = req.extensions_mut().remove::<Avoid>().unwrap_or_default();
         let picked = match shared.selector.pick(&shared.table, length, &avoid) {
             Ok(p) => p,
-            Err(e) => return ready(Err(e.into())),
+            Err(e) => return Step::ready(Err(e.into())),
         };
         if picked.skipped_unavailable {
             shared.metrics.skipped_unavailable();
@@ -66,8 +64,8 @@ where
         // The client's own pin never reaches the engine: rankgate decides the rank.
         parts.headers.remove(&RANK_HEADER);
         parts.headers.remove(header::HOST);
-        if let Some(rank) = worker.pin_rank {
-            parts.headers.insert(RANK_HEADER, HeaderValue::from(rank));
+        if let Some(pin) = &shared.pin_headers[w] {
+            parts.headers.insert(RANK_HEADER, pin.clone());
         }
         parts.version = Version::HTTP_11;
         let pq = parts
@@ -82,7 +80,7 @@ where
         parts.uri = match Uri::from_parts(uri) {
             Ok(u) => u,
             Err(err) => {
-                return ready(Err(
+                return Step::ready(Err(
                     ProxyError::Internal(format!("building URI: {err}")).at(w)
                 ))
             }
@@ -104,13 +102,13 @@ where
                         .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));
                     RequestBody::Full(pinned)
                 }
-                Err(err) => return ready(Err(err.at(w))),
+                Err(err) => return Step::ready(Err(err.at(w))),
             },
             (Some(rank), streamed) => {
                 // An SGLang body too large to have been read whole yet: read the rest first.
                 let max = shared.cfg.server.max_body_bytes;
                 let mut inner = self.inner.clone();
-                return Box::pin(async move {
+                return Step::Own(Box::pin(async move {
                     let whole = whole(streamed, max).await.map_err(|err| err.at(w))?;
                     let pinned = pin_in_body(&whole, rank).map_err(|err| err.at(w))?;
                     parts
@@ -123,7 +121,7 @@ where
                         guard,
                     };
                     inner.call(Request::from_parts(parts, picked)).await
-                });
+                }));
             }
         };
         let picked = Picked {
@@ -131,7 +129,7 @@ where
             body,
             guard,
         };
-        self.inner.call(Request::from_parts(parts, picked))
+        Step::Below(self.inner.call(Request::from_parts(parts, picked)))
     }
 }
 

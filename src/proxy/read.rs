@@ -9,7 +9,6 @@
 //! never the engine's.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -20,7 +19,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::body::{ClientBodyError, RequestBody, StreamBody};
-use super::{content_length, ready, Below, ProxyError, Shared};
+use super::{content_length, Below, Ctx, ProxyError};
 
 #[derive(Clone)]
 pub struct Read<S> {
@@ -31,9 +30,9 @@ pub struct Read<S> {
 }
 
 impl<S> Read<S> {
-    pub fn new(inner: S, shared: &Arc<Shared>) -> Read<S> {
-        let cfg = &shared.cfg;
-        let pins_in_body = shared
+    pub fn new(inner: S, ctx: &Ctx) -> Read<S> {
+        let cfg = &ctx.cfg;
+        let pins_in_body = ctx
             .table
             .fleet
             .engines
@@ -56,12 +55,12 @@ impl<S> tower::Service<Request<Incoming>> for Read<S>
 where
     S: Below<RequestBody> + Clone + Send + 'static,
 {
-    layer_types!();
+    layer_types!(super::BoxFuture<super::Answer>);
 
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
         let length = content_length(req.headers());
         if length.is_some_and(|n| n > self.max_body as u64) {
-            return ready(Err(ProxyError::TooLarge(self.max_body)));
+            return super::ready(Err(ProxyError::TooLarge(self.max_body)));
         }
         let mut inner = self.inner.clone();
         let (max, keep, stall) = (self.max_body, self.keep, self.stall);

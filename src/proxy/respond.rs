@@ -2,32 +2,27 @@
 //! and each request's latency is recorded when its body ends.
 
 use std::convert::Infallible;
-use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Duration;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 
-use http::{header, HeaderValue, Request, Response, StatusCode};
+use http::{header, Request, Response, StatusCode};
 use tokio::time::Instant;
 
 use super::body::Done;
-use super::{BoxFuture, ProxyBody, ProxyError, Shared, WORKER_HEADER};
-use crate::http::Throttle;
+use super::{Answer, Ctx, ProxyBody, ProxyError, WORKER_HEADER};
 
 #[derive(Clone)]
 pub struct Respond<S> {
     inner: S,
-    parts: Arc<Parts>,
+    ctx: Ctx,
 }
 
 impl<S> Respond<S> {
-    pub fn new(inner: S, shared: &Arc<Shared>) -> Respond<S> {
+    pub fn new(inner: S, ctx: &Ctx) -> Respond<S> {
         Respond {
             inner,
-            parts: Arc::new(Parts {
-                retry_after: HeaderValue::from(shared.cfg.routing.retry_after_secs),
-                shared: shared.clone(),
-                storm: Throttle::new(Duration::from_secs(5)),
-            }),
+            ctx: ctx.clone(),
         }
     }
 }
@@ -35,11 +30,11 @@ impl<S> Respond<S> {
 impl<S, B> tower::Service<Request<B>> for Respond<S>
 where
     S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = ProxyError>,
-    S::Future: Send + 'static,
+    S::Future: Unpin,
 {
     type Response = Response<ProxyBody>;
     type Error = Infallible;
-    type Future = BoxFuture<Result<Response<ProxyBody>, Infallible>>;
+    type Future = Responding<S::Future>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         // Every layer below is always ready: admission is decided per request, as a 429.
@@ -47,70 +42,74 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let started = Instant::now();
-        let fut = self.inner.call(req);
-        let this = self.parts.clone();
-        Box::pin(async move {
-            Ok(match fut.await {
-                Ok(mut resp) => {
-                    let metrics = &this.shared.metrics;
-                    if let Some(t) = resp.body().target {
-                        metrics.response(t.worker, resp.status().as_u16());
-                    }
-                    resp.body_mut().holds.done = Some(Done {
-                        started,
-                        metrics: metrics.clone(),
-                    });
-                    resp
+        Responding {
+            started: Instant::now(),
+            inner: self.inner.call(req),
+            ctx: self.ctx.clone(),
+        }
+    }
+}
+
+/// The answer of the layers below, turned into the client's response. A future of its own
+/// rather than a boxed `async` block: this is one allocation less on every request.
+pub struct Responding<F> {
+    inner: F,
+    started: Instant,
+    ctx: Ctx,
+}
+
+impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
+    type Output = Result<Response<ProxyBody>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        Poll::Ready(Ok(match ready!(Pin::new(&mut this.inner).poll(cx)) {
+            Ok(mut resp) => {
+                if let Some(t) = resp.body().target {
+                    this.ctx.metrics.response(t.worker, resp.status().as_u16());
                 }
-                Err(e) => this.error_response(&e),
-            })
-        })
+                resp.body_mut().holds.done = Some(Done {
+                    started: this.started,
+                    ctx: this.ctx.clone(),
+                });
+                resp
+            }
+            Err(e) => error_response(&this.ctx, &e),
+        }))
     }
 }
 
-/// What the response future needs of the layer (not its inner service), in one `Arc` since the
-/// layer is cloned per request.
-struct Parts {
-    shared: Arc<Shared>,
-    /// One log line per few seconds for server-side errors, however many requests hit them.
-    storm: Throttle,
-    retry_after: HeaderValue,
-}
-
-impl Parts {
-    fn error_response(&self, err: &ProxyError) -> Response<ProxyBody> {
-        let status = err.status();
-        let metrics = &self.shared.metrics;
-        let message = match err.worker() {
-            Some(w) => {
-                metrics.response(w, status.as_u16());
-                format!("{}: {err}", self.shared.table.fleet.workers[w].id_text)
-            }
-            None => {
-                metrics.own_response(status.as_u16());
-                err.to_string()
-            }
-        };
-        if status.is_server_error() {
-            if let Some(held) = self.storm.allow() {
-                tracing::warn!(status = status.as_u16(), error = %message, similar_since_last = held, "request failed");
-            }
-        } else {
-            tracing::debug!(status = status.as_u16(), error = %message, "request refused");
+fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
+    let status = err.status();
+    let metrics = &ctx.metrics;
+    let message = match err.worker() {
+        Some(w) => {
+            metrics.response(w, status.as_u16());
+            format!("{}: {err}", ctx.table.fleet.workers[w].id_text)
         }
-        let mut resp: Response<ProxyBody> = crate::http::openai_error(status, err.kind(), &message);
-        if matches!(
-            status,
-            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
-        ) {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, self.retry_after.clone());
+        None => {
+            metrics.own_response(status.as_u16());
+            err.to_string()
         }
-        if let Some(w) = err.worker() {
-            resp.headers_mut()
-                .insert(WORKER_HEADER, self.shared.worker_header(w));
+    };
+    if status.is_server_error() {
+        if let Some(held) = ctx.storm.allow() {
+            tracing::warn!(status = status.as_u16(), error = %message, similar_since_last = held, "request failed");
         }
-        resp
+    } else {
+        tracing::debug!(status = status.as_u16(), error = %message, "request refused");
     }
+    let mut resp: Response<ProxyBody> = crate::http::openai_error(status, err.kind(), &message);
+    if matches!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+    ) {
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, ctx.retry_after.clone());
+    }
+    if let Some(w) = err.worker() {
+        resp.headers_mut()
+            .insert(WORKER_HEADER, ctx.worker_header(w));
+    }
+    resp
 }

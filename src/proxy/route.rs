@@ -2,7 +2,7 @@
 
 use http::{Method, Request};
 
-use super::{ready, Below, ProxyError};
+use super::{Below, ProxyError, Step};
 
 #[derive(Clone)]
 pub struct Route<S> {
@@ -28,17 +28,17 @@ impl<S, B> tower::Service<Request<B>> for Route<S>
 where
     S: Below<B>,
 {
-    layer_types!();
+    layer_types!(Step<S::Future>);
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let path = req.uri().path();
         match method_of(path) {
-            Some(m) if m == req.method() => self.inner.call(req),
-            Some(_) => ready(Err(ProxyError::MethodNotAllowed {
+            Some(m) if m == req.method() => Step::Below(self.inner.call(req)),
+            Some(_) => Step::ready(Err(ProxyError::MethodNotAllowed {
                 method: req.method().clone(),
                 path: path.to_string(),
             })),
-            None => ready(Err(ProxyError::NotFound(path.to_string()))),
+            None => Step::ready(Err(ProxyError::NotFound(path.to_string()))),
         }
     }
 }

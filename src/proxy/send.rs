@@ -10,43 +10,98 @@
 //! The response leaves carrying its rank: the `x-rankgate-worker` header, the target and the
 //! request's in-flight mark in its body.
 
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
-use std::time::Duration;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use http::{header, Request, Response};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use tokio::sync::Semaphore;
+use hyper_util::client::legacy::ResponseFuture;
+use tokio::sync::Notify;
+use tokio::time::Sleep;
 
 use super::body::{BodyTooLarge, ClientBodyError};
 use super::pin::strip_hop_by_hop;
-use super::{Picked, ProxyBody, ProxyError, RequestBody, Shared, WORKER_HEADER};
+use super::{Ctx, Picked, ProxyBody, ProxyError, RequestBody, WORKER_HEADER};
 
-/// The layer is cloned for every request (tower's `call` takes `&mut self`, so each layer above
-/// clones what is below it), so all it holds is one `Arc`.
 #[derive(Clone)]
-pub struct Send(Arc<State>);
-
-struct State {
-    shared: Arc<Shared>,
-    client: Client<HttpConnector, RequestBody>,
-    /// Per engine: connection slots.
-    slots: Vec<Arc<Semaphore>>,
-    idle: Duration,
-}
+pub struct Send(Ctx);
 
 impl Send {
-    pub fn new(shared: &Arc<Shared>) -> Send {
-        let server = &shared.cfg.server;
-        let slots = (0..shared.table.fleet.engines.len())
-            .map(|_| Arc::new(Semaphore::new(server.max_engine_connections)))
-            .collect();
-        Send(Arc::new(State {
-            shared: shared.clone(),
-            client: crate::http::client(server.connect_timeout),
-            slots,
-            idle: server.stream_idle_timeout,
-        }))
+    pub fn new(ctx: &Ctx) -> Send {
+        Send(ctx.clone())
+    }
+}
+
+/// The connection slots to one engine. Taking and giving back a slot is one atomic operation
+/// on the request path; only a request that finds every slot taken waits, and only then is
+/// anyone woken (tokio's `Semaphore` locks its waiter list on every release, from every core).
+#[derive(Debug)]
+pub struct Slots {
+    used: AtomicUsize,
+    limit: usize,
+    /// Requests waiting for a slot, and their wake-up.
+    waiting: AtomicUsize,
+    freed: Notify,
+}
+
+impl Slots {
+    pub fn new(limit: usize) -> Slots {
+        Slots {
+            used: AtomicUsize::new(0),
+            limit,
+            waiting: AtomicUsize::new(0),
+            freed: Notify::new(),
+        }
+    }
+
+    fn try_take(&self) -> bool {
+        self.used
+            .fetch_update(SeqCst, SeqCst, |n| (n < self.limit).then_some(n + 1))
+            .is_ok()
+    }
+
+    async fn take(&self) {
+        self.waiting.fetch_add(1, SeqCst);
+        // Counted as waiting before looking, so a slot given back after the look wakes us.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, SeqCst);
+            }
+        }
+        let _waiting = Waiting(&self.waiting);
+        loop {
+            let freed = self.freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            freed.as_mut().enable();
+            if self.try_take() {
+                return;
+            }
+            freed.await;
+        }
+    }
+
+    fn give_back(&self) {
+        self.used.fetch_sub(1, SeqCst);
+        if self.waiting.load(SeqCst) > 0 {
+            self.freed.notify_one();
+        }
+    }
+}
+
+/// One taken connection slot, given back when dropped (with the response body).
+#[derive(Debug)]
+pub struct Slot {
+    ctx: Ctx,
+    engine: usize,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.ctx.slots[self.engine].give_back();
     }
 }
 
@@ -77,7 +132,7 @@ fn classify(
 }
 
 impl tower::Service<Request<Picked>> for Send {
-    layer_types!();
+    layer_types!(Sending);
 
     fn call(&mut self, req: Request<Picked>) -> Self::Future {
         let (parts, picked) = req.into_parts();
@@ -87,47 +142,158 @@ impl tower::Service<Request<Picked>> for Send {
             guard,
         } = picked;
         let req = Request::from_parts(parts, body);
-        let state = self.0.clone();
-        Box::pin(async move {
-            // One timer serves the whole exchange: the response timeout until the headers, then
-            // (moved into the body) the stream idle timeout, so a request costs one timer.
-            let limit = state.shared.cfg.server.response_timeout;
-            let mut timer = Box::pin(tokio::time::sleep(limit));
-            let slots = &state.slots[target.engine];
-            let slot = match slots.clone().try_acquire_owned() {
-                Ok(s) => s,
-                Err(_) => tokio::select! {
-                    s = slots.clone().acquire_owned() => {
-                        s.map_err(|e| ProxyError::Internal(e.to_string()))?
+        let ctx = &self.0;
+        // One timer serves the whole exchange: the response timeout until the headers, then
+        // (moved into the body) the stream idle timeout, so a request costs one timer.
+        let timer = Box::pin(tokio::time::sleep(ctx.cfg.server.response_timeout));
+        let mut slot = None;
+        let state = if ctx.slots[target.engine].try_take() {
+            slot = Some(Slot {
+                ctx: ctx.clone(),
+                engine: target.engine,
+            });
+            State::Sending(ctx.client.request(req))
+        } else {
+            let (ctx, engine) = (ctx.clone(), target.engine);
+            State::Waiting(Box::new((
+                Box::pin(async move { ctx.slots[engine].take().await }),
+                Some(req),
+            )))
+        };
+        Sending {
+            ctx: self.0.clone(),
+            target,
+            guard: Some(guard),
+            slot,
+            timer: Some(timer),
+            state,
+        }
+    }
+}
+
+/// A request on its way to the engine. A future of its own rather than a boxed `async` block:
+/// one allocation less on every request.
+pub struct Sending {
+    ctx: Ctx,
+    target: super::Target,
+    guard: Option<crate::table::InFlight>,
+    /// The connection slot once taken: given back with the response body, or when this is
+    /// dropped without one.
+    slot: Option<Slot>,
+    timer: Option<Pin<Box<Sleep>>>,
+    state: State,
+}
+
+enum State {
+    /// Every connection slot to the engine is taken: waiting for one (rare, so boxed).
+    Waiting(Box<(super::BoxFuture<()>, Option<Request<RequestBody>>)>),
+    /// Holding a slot, waiting for the response head.
+    Sending(ResponseFuture),
+}
+
+impl Future for Sending {
+    type Output = super::Answer;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<super::Answer> {
+        let this = self.get_mut();
+        let server = &this.ctx.cfg.server;
+        let Some(timer) = &mut this.timer else {
+            return Poll::Ready(Err(ProxyError::Internal("polled after completion".into())));
+        };
+        if let State::Waiting(waiting) = &mut this.state {
+            let (slot, req) = &mut **waiting;
+            match slot.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.slot = Some(Slot {
+                        ctx: this.ctx.clone(),
+                        engine: this.target.engine,
+                    });
+                    let Some(req) = req.take() else {
+                        return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
+                    };
+                    this.state = State::Sending(this.ctx.client.request(req));
+                }
+                Poll::Pending => {
+                    return match timer.as_mut().poll(cx) {
+                        Poll::Ready(()) => Poll::Ready(Err(ProxyError::EngineBusy {
+                            limit: server.max_engine_connections,
+                            waited: server.response_timeout,
+                        })),
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+            }
+        }
+        let State::Sending(response) = &mut this.state else {
+            return Poll::Pending;
+        };
+        let resp = match Pin::new(response).poll(cx) {
+            Poll::Ready(Ok(resp)) => resp,
+            Poll::Ready(Err(e)) => {
+                let engine = &this.ctx.table.fleet.engines[this.target.engine].url;
+                return Poll::Ready(Err(classify(e, engine, server.max_body_bytes)));
+            }
+            Poll::Pending => {
+                return match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        Poll::Ready(Err(ProxyError::Timeout(server.response_timeout)))
                     }
-                    () = timer.as_mut() => return Err(ProxyError::EngineBusy {
-                        limit: state.shared.cfg.server.max_engine_connections,
-                        waited: limit,
-                    }),
-                },
-            };
-            let resp = tokio::select! {
-                biased;
-                r = state.client.request(req) => r.map_err(|e| {
-                    let engine = &state.shared.table.fleet.engines[target.engine].url;
-                    classify(e, engine, state.shared.cfg.server.max_body_bytes)
-                })?,
-                () = timer.as_mut() => return Err(ProxyError::Timeout(limit)),
-            };
-            let (mut parts, body) = resp.into_parts();
-            strip_hop_by_hop(&mut parts.headers);
-            let sse = parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-            parts
-                .headers
-                .insert(WORKER_HEADER, state.shared.worker_header(target.worker));
-            let mut body = ProxyBody::upstream(body, sse, state.idle, Some(timer));
-            body.holds.connection = Some(slot);
-            body.holds.in_flight = Some(guard);
-            body.target = Some(target);
-            Ok(Response::from_parts(parts, body))
+                    Poll::Pending => Poll::Pending,
+                };
+            }
+        };
+        let (mut parts, body) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        parts
+            .headers
+            .insert(WORKER_HEADER, this.ctx.worker_header(this.target.worker));
+        let mut body =
+            ProxyBody::upstream(body, sse, server.stream_idle_timeout, this.timer.take());
+        body.holds.connection = this.slot.take();
+        body.holds.in_flight = this.guard.take();
+        body.target = Some(this.target);
+        Poll::Ready(Ok(Response::from_parts(parts, body)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::Slots;
+
+    #[tokio::test]
+    async fn a_full_engine_makes_the_next_request_wait_until_a_slot_is_given_back() {
+        let slots = Arc::new(Slots::new(2));
+        assert!(slots.try_take() && slots.try_take());
+        assert!(!slots.try_take(), "at the cap");
+        let waiter = {
+            let slots = slots.clone();
+            tokio::spawn(async move { slots.take().await })
+        };
+        // Still waiting: nothing was given back.
+        let waiting = tokio::time::timeout(Duration::from_millis(50), async {
+            while slots.waiting.load(super::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
         })
+        .await;
+        assert!(waiting.is_ok(), "the waiter counts itself");
+        assert!(!waiter.is_finished());
+        slots.give_back();
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("woken by the slot given back")
+            .unwrap();
+        assert!(!slots.try_take(), "the waiter holds the freed slot");
+        assert_eq!(slots.waiting.load(super::SeqCst), 0);
+        slots.give_back();
+        slots.give_back();
+        assert!(slots.try_take() && slots.try_take() && !slots.try_take());
     }
 }

@@ -15,7 +15,7 @@ use crate::table::Snapshot;
 use crate::worker::Fleet;
 
 /// Two vLLM engines, one rank each, both with fresh telemetry showing them idle.
-fn shared(extra: &str) -> Arc<Shared> {
+fn shared(extra: &str) -> Ctx {
     let text = format!(
         "{extra}\n[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\n\
          [[engines]]\nurl = \"http://127.0.0.1:2\"\nflavor = \"vllm\"\nstart_rank = 1\n"
@@ -32,7 +32,7 @@ fn shared(extra: &str) -> Arc<Shared> {
         models,
     }));
     let metrics = Arc::new(Metrics::new(2));
-    Shared::new(&cfg, table, metrics)
+    Ctx::new(&Shared::new(&cfg, table, metrics))
 }
 
 fn chat() -> Request<RequestBody> {
@@ -66,8 +66,9 @@ async fn route_answers_404_and_405_and_passes_the_rest() {
 
 #[tokio::test]
 async fn admission_counts_until_the_body_ends() {
+    let s = shared("[server]\nmax_in_flight = 1\n");
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
-    let mut admit = admit::Admit::new(inner, Some(1));
+    let mut admit = admit::Admit::new(inner, &s);
     let held = admit.call(Request::new(())).await.unwrap();
     let e = admit.call(Request::new(())).await.unwrap_err();
     assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -81,7 +82,8 @@ async fn respond_turns_errors_into_openai_answers() {
     let s = shared("");
     let inner = service_fn(|_: Request<()>| async {
         Err::<Response<ProxyBody>, _>(ProxyError::Timeout(Duration::from_millis(5)).at(1))
-    });
+    })
+    .boxed();
     let resp = respond::Respond::new(inner, &s)
         .oneshot(Request::new(()))
         .await
@@ -100,7 +102,7 @@ async fn respond_turns_errors_into_openai_answers() {
 
 /// retry → pick → observe over a mock `send` that answers per engine.
 fn failover_stack(
-    s: &Arc<Shared>,
+    s: &Ctx,
     answer_for: impl Fn(Target) -> Result<Response<ProxyBody>, ProxyError> + Clone + Send + 'static,
     calls: Arc<AtomicUsize>,
 ) -> impl Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError> {
