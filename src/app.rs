@@ -109,7 +109,7 @@ impl Router {
             listener,
             {
                 let shared = shared.clone();
-                move || crate::proxy::stack(&shared)
+                move |peer| crate::proxy::stack(&shared, peer)
             },
             front_rx,
             front_opts,

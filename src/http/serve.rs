@@ -148,7 +148,7 @@ where
 {
     serve_with(
         listener,
-        move || tower::service_fn(handler.clone()),
+        move |_| tower::service_fn(handler.clone()),
         shutdown,
         ServeOptions::default(),
     )
@@ -157,7 +157,8 @@ where
 
 /// Serves on `listener` (HTTP/1.1 and h2c on the same port) until `shutdown`, then waits up to
 /// the drain grace for requests in flight to finish. Each connection gets its own service from
-/// `make` (hyper clones it for every request; see [`crate::proxy::Ctx`]).
+/// `make`, told the client's address (hyper clones it for every request; see
+/// [`crate::proxy::Ctx`]).
 pub async fn serve_with<M, S, B>(
     listener: TcpListener,
     make: M,
@@ -169,7 +170,7 @@ pub async fn serve_with<M, S, B>(
         + Send
         + 'static,
     S::Future: Send + 'static,
-    M: Fn() -> S,
+    M: Fn(std::net::SocketAddr) -> S,
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -220,7 +221,7 @@ pub async fn serve_with<M, S, B>(
                 }
             }
         };
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(conn) => conn,
                 Err(e) => {
@@ -237,7 +238,7 @@ pub async fn serve_with<M, S, B>(
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
         let svc = TowerToHyperService::new(Tracked {
-            inner: make(),
+            inner: make(peer),
             activity: activity.clone(),
         });
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);

@@ -17,6 +17,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -271,7 +272,8 @@ impl Shared {
     }
 }
 
-/// A connection's own handle on [`Shared`], what every layer and guard holds.
+/// A connection's own handle on [`Shared`], what every layer and guard holds, with what is
+/// known of the connection itself.
 ///
 /// hyper's adapter clones the whole stack for every request, `read` and `retry` clone what is
 /// below them, and each guard in a response body holds a reference: on one `Arc` shared by all
@@ -279,19 +281,31 @@ impl Shared {
 /// every request. Each connection gets its own handle (one allocation per connection), so these
 /// counts stay on the core that runs the connection.
 #[derive(Clone)]
-#[allow(clippy::redundant_allocation)] // the outer `Arc` is the connection's own: the point
-pub struct Ctx(Arc<Arc<Shared>>);
+pub struct Ctx(Arc<Conn>);
+
+pub struct Conn {
+    shared: Arc<Shared>,
+    /// The client's address.
+    pub peer: SocketAddr,
+}
 
 impl Ctx {
-    pub fn new(shared: &Arc<Shared>) -> Ctx {
-        Ctx(Arc::new(shared.clone()))
+    pub fn new(shared: &Arc<Shared>, peer: SocketAddr) -> Ctx {
+        Ctx(Arc::new(Conn {
+            shared: shared.clone(),
+            peer,
+        }))
+    }
+
+    pub fn conn(&self) -> &Conn {
+        &self.0
     }
 }
 
 impl std::ops::Deref for Ctx {
     type Target = Shared;
     fn deref(&self) -> &Shared {
-        &self.0
+        &self.0.shared
     }
 }
 
@@ -325,6 +339,7 @@ pub struct Picked {
 /// (errors included). Made per connection (see [`Ctx`]).
 pub fn stack(
     shared: &Arc<Shared>,
+    peer: SocketAddr,
 ) -> impl tower::Service<
     Request<Incoming>,
     Response = Response<ProxyBody>,
@@ -333,7 +348,7 @@ pub fn stack(
 > + Clone
        + Send
        + 'static {
-    let ctx = Ctx::new(shared);
+    let ctx = Ctx::new(shared, peer);
     let c = &ctx;
     ServiceBuilder::new()
         .layer_fn(|inner| respond::Respond::new(inner, c))

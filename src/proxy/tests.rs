@@ -32,7 +32,10 @@ fn shared(extra: &str) -> Ctx {
         models,
     }));
     let metrics = Arc::new(Metrics::new(2));
-    Ctx::new(&Shared::new(&cfg, table, metrics))
+    Ctx::new(
+        &Shared::new(&cfg, table, metrics),
+        ([127, 0, 0, 1], 9).into(),
+    )
 }
 
 fn chat() -> Request<RequestBody> {
