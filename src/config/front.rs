@@ -60,6 +60,10 @@ pub(super) struct RawServer {
     max_in_flight: Option<usize>,
     shutdown_delay: Option<HumanDuration>,
     drain_grace: Option<HumanDuration>,
+    extra_routes: Option<Vec<String>>,
+    api_keys_env: Option<String>,
+    api_keys_file: Option<std::path::PathBuf>,
+    cors_allow_origins: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -106,6 +110,14 @@ pub struct ServerConfig {
     pub shutdown_delay: Duration,
     /// How long requests and streams in flight may take to finish once accepting stops.
     pub drain_grace: Duration,
+    /// Paths proxied besides the flavors' own route tables (POST, rank pinned by header).
+    pub extra_routes: Vec<String>,
+    /// The environment variable holding the accepted client keys (comma-separated).
+    pub api_keys_env: Option<String>,
+    /// A file with one accepted client key per line.
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// Origins browsers may call from (`*` for any); empty: no CORS.
+    pub cors_allow_origins: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -237,6 +249,10 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             Duration::ZERO,
             secs(3600),
         )?,
+        extra_routes: raw.extra_routes.unwrap_or_default(),
+        api_keys_env: raw.api_keys_env,
+        api_keys_file: raw.api_keys_file,
+        cors_allow_origins: raw.cors_allow_origins.unwrap_or_default(),
     };
     if server.max_body_bytes == 0 {
         return Err(invalid("server.max_body_bytes", "must be greater than 0"));
