@@ -126,7 +126,7 @@ impl Admin {
                     "age_ms": load.map(|l| now.saturating_duration_since(l.sampled_at).as_millis() as u64),
                     "in_flight": live.in_flight(),
                     "consecutive_failures": live.outlier.failures(),
-                    "models": &*snap.models[w.engine],
+                    "models": snap.catalog.of(w.engine).map(|l| l.iter().map(|m| m.id.as_str()).collect::<Vec<_>>()).unwrap_or_default(),
                 })
             })
             .collect();
@@ -145,7 +145,7 @@ impl Admin {
         let mut loads = Vec::new();
         let (mut running, mut waiting, mut usage) = (0u64, 0u64, 0.0);
         for (w, view) in table.fleet.workers.iter().zip(&snap.ranks) {
-            if model.is_some_and(|m| !snap.models[w.engine].iter().any(|x| x == m)) {
+            if model.is_some_and(|m| !snap.catalog.serves(w.engine, m)) {
                 continue;
             }
             let Some(l) = view.telemetry.fresh(now, table.stale_after) else {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-use crate::worker::{Engine, Flavor, RankNumbering, TelemetrySource};
+use crate::worker::{ApiKey, Engine, Flavor, RankNumbering, TelemetrySource};
 
 mod front;
 mod rules;
@@ -174,6 +174,8 @@ struct RawEngine {
     rank_header: Option<RankNumbering>,
     telemetry: Option<Vec<String>>,
     health_path: Option<String>,
+    models: Option<Vec<String>>,
+    api_key_env: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -416,6 +418,20 @@ impl Config {
                     format!("{start_rank} + dp_size overflows the rank range"),
                 ));
             }
+            let models = match e.models {
+                Some(m) if m.is_empty() || m.iter().any(|id| id.trim().is_empty()) => {
+                    return Err(invalid(
+                        format!("engines[{i}].models"),
+                        "must list at least one model, each a non-empty id (leave the key out to read the engine's /v1/models)",
+                    ))
+                }
+                m => m,
+            };
+            let api_key = e
+                .api_key_env
+                .as_deref()
+                .map(|var| engine_key(i, var, std::env::var(var).ok()))
+                .transpose()?;
             engines.push(Engine {
                 url: url.into(),
                 authority: authority.into(),
@@ -425,6 +441,8 @@ impl Config {
                 rank_header: e.rank_header.unwrap_or_default(),
                 telemetry,
                 health_path,
+                models,
+                api_key,
             });
         }
         check_rank_overlap(&engines)?;
@@ -434,6 +452,24 @@ impl Config {
             telemetry,
             engines,
         })
+    }
+}
+
+/// The key in the environment variable `var` that `engines[i].api_key_env` names. The error
+/// names the variable, never a value.
+fn engine_key(i: usize, var: &str, value: Option<String>) -> Result<ApiKey, ConfigError> {
+    let key = format!("engines[{i}].api_key_env");
+    match value.as_deref().map(str::trim) {
+        None | Some("") => Err(invalid(
+            key,
+            format!("environment variable {var:?} is not set or empty"),
+        )),
+        Some(v) => ApiKey::bearer(v).map_err(|_| {
+            invalid(
+                key,
+                format!("environment variable {var:?} holds characters a header cannot carry"),
+            )
+        }),
     }
 }
 

@@ -29,6 +29,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod catalog;
 pub mod config;
 #[cfg(feature = "sim")]
 pub mod demo;

@@ -331,8 +331,8 @@ mod tests {
     }
 
     fn set(table: &Table, ranks: Vec<RankView>) {
-        let models = table.snapshot.load().models.clone();
-        table.snapshot.store(Arc::new(Snapshot { ranks, models }));
+        let catalog = table.snapshot.load().catalog.clone();
+        table.snapshot.store(Arc::new(Snapshot { ranks, catalog }));
     }
 
     fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {

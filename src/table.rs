@@ -14,6 +14,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
+use crate::catalog::{Catalog, Model};
 pub use crate::reason::Reason;
 use crate::worker::Fleet;
 
@@ -127,8 +128,8 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub ranks: Vec<RankView>,
-    /// Per engine: the model ids it serves, as its `/v1/models` last said (empty until known).
-    pub models: Vec<Arc<[String]>>,
+    /// The fleet's models, and which engines serve each.
+    pub catalog: Arc<Catalog>,
 }
 
 /// The weight of a request of typical size; a request's weight is its size relative to that,
@@ -167,6 +168,19 @@ impl Live {
     }
 }
 
+/// Per engine: its models when the config fixes them, else `None` (until `/v1/models` says).
+pub fn fixed_models(fleet: &Fleet) -> Vec<Option<Arc<[Model]>>> {
+    fleet
+        .engines
+        .iter()
+        .map(|e| {
+            e.models
+                .as_ref()
+                .map(|ids| ids.iter().map(|id| Model::named(id)).collect())
+        })
+        .collect()
+}
+
 /// The fleet, the current snapshot and the live counters, shared by proxy, admin and monitor.
 #[derive(Debug)]
 pub struct Table {
@@ -182,7 +196,7 @@ impl Table {
         Arc::new(Table {
             snapshot: ArcSwap::from_pointee(Snapshot {
                 ranks: vec![RankView::initial(); n],
-                models: vec![Arc::from(Vec::new()); fleet.engines.len()],
+                catalog: Arc::new(Catalog::new(fixed_models(&fleet))),
             }),
             live: (0..n).map(|_| Live::default()).collect(),
             fleet,

@@ -85,6 +85,29 @@ pub struct Engine {
     pub telemetry: Vec<TelemetrySource>,
     /// Path probed with every telemetry poll (`/health`); `None` means no probe.
     pub health_path: Option<Arc<str>>,
+    /// The models it serves, when fixed in the config (else its `/v1/models` says).
+    pub models: Option<Vec<String>>,
+    /// The bearer key rankgate sends it, on proxied requests and on its own polls.
+    pub api_key: Option<ApiKey>,
+}
+
+/// An engine's API key: the `Authorization` value, rendered once. Its Debug never shows it.
+#[derive(Clone, PartialEq)]
+pub struct ApiKey(pub http::HeaderValue);
+
+impl ApiKey {
+    /// `Err` when the key cannot be a header value.
+    pub fn bearer(key: &str) -> Result<ApiKey, http::header::InvalidHeaderValue> {
+        let mut v = http::HeaderValue::from_str(&format!("Bearer {key}"))?;
+        v.set_sensitive(true);
+        Ok(ApiKey(v))
+    }
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKey(..)")
+    }
 }
 
 impl Engine {
@@ -195,6 +218,8 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         rank_header: RankNumbering::Global,
         telemetry: vec![TelemetrySource::Prometheus],
         health_path: Some("/health".into()),
+        models: None,
+        api_key: None,
     }
 }
 

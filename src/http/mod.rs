@@ -47,8 +47,18 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// The OpenAI error JSON body.
 pub fn error_json(status: StatusCode, kind: &str, message: &str) -> Bytes {
+    error_json_with(kind, message, None, status.as_u16().into())
+}
+
+/// The OpenAI error JSON with its `param` and `code`.
+pub fn error_json_with(
+    kind: &str,
+    message: &str,
+    param: Option<&str>,
+    code: serde_json::Value,
+) -> Bytes {
     let body = serde_json::json!({
-        "error": { "message": message, "type": kind, "param": null, "code": status.as_u16() }
+        "error": { "message": message, "type": kind, "param": param, "code": code }
     });
     Bytes::from(body.to_string())
 }

@@ -31,6 +31,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use tower::ServiceBuilder;
 
+use crate::catalog::ModelError;
 use crate::config::Config;
 use crate::http::Throttle;
 use crate::metrics::Metrics;
@@ -67,6 +68,8 @@ mod read;
 mod respond;
 mod retry;
 mod route;
+mod scan;
+mod select;
 mod send;
 #[cfg(test)]
 mod tests;
@@ -85,8 +88,16 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 /// A proxy error, classified once and mapped to a status and an OpenAI error body in one place.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    #[error("unknown path {0}: rankgate serves /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models")]
+    #[error("unknown path {0}: rankgate proxies the inference endpoints of vLLM and SGLang (see the route table in the README) and server.extra_routes")]
     NotFound(String),
+    #[error("{0} is served by no engine flavor in this fleet")]
+    NoEngineFor(String),
+    #[error("{0}")]
+    Refused(&'static str),
+    #[error(transparent)]
+    Model(#[from] crate::catalog::ModelError),
+    #[error("reading the request's model: {0}")]
+    Scan(#[from] scan::ScanError),
     #[error("method {method} not allowed on {path}")]
     MethodNotAllowed { method: Method, path: String },
     #[error("request body exceeds server.max_body_bytes ({0} bytes)")]
@@ -149,11 +160,16 @@ impl ProxyError {
 
     pub fn status(&self) -> StatusCode {
         match self.root() {
-            ProxyError::NotFound(_) => StatusCode::NOT_FOUND,
+            ProxyError::NotFound(_)
+            | ProxyError::NoEngineFor(_)
+            | ProxyError::Model(ModelError::NotFound { .. }) => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BadJson(_)
             | ProxyError::NotObject
+            | ProxyError::Refused(_)
+            | ProxyError::Scan(_)
+            | ProxyError::Model(ModelError::Missing(_))
             | ProxyError::ClientBody(ClientBodyError::Broken(_)) => StatusCode::BAD_REQUEST,
             ProxyError::ClientBody(ClientBodyError::Stalled(_)) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -178,6 +194,19 @@ impl ProxyError {
             504 => "GatewayTimeoutError",
             500 => "InternalServerError",
             _ => "UpstreamError",
+        }
+    }
+
+    /// The OpenAI error `param` and `code`: the model's errors say so, the rest give the status.
+    pub fn param_and_code(&self) -> (Option<&'static str>, serde_json::Value) {
+        match self.root() {
+            ProxyError::Model(ModelError::NotFound { .. }) => {
+                (Some("model"), "model_not_found".into())
+            }
+            ProxyError::Model(ModelError::Missing(_)) | ProxyError::Scan(_) => {
+                (Some("model"), self.status().as_u16().into())
+            }
+            _ => (None, self.status().as_u16().into()),
         }
     }
 
@@ -352,8 +381,9 @@ pub fn stack(
     let c = &ctx;
     ServiceBuilder::new()
         .layer_fn(|inner| respond::Respond::new(inner, c))
-        .layer_fn(route::Route::new)
+        .layer_fn(|inner| route::Route::new(inner, c))
         .layer_fn(|inner| read::Read::new(inner, c))
+        .layer_fn(|inner| select::Select::new(inner, c))
         .layer_fn(|inner| admit::Admit::new(inner, c))
         .layer_fn(|inner| retry::Retry::new(inner, c))
         .layer_fn(|inner| pick::Pick::new(inner, c))

@@ -7,11 +7,13 @@
 
 use http::header::{self, HeaderValue};
 use http::uri::{PathAndQuery, Scheme};
-use http::{Method, Request, Uri, Version};
+use http::{Request, Uri, Version};
 
 use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
-use super::{content_length, read, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER};
+use super::{
+    content_length, read, route, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER,
+};
 use crate::policy::Avoid;
 use crate::worker::Flavor;
 
@@ -67,6 +69,11 @@ where
         if let Some(pin) = &shared.pin_headers[w] {
             parts.headers.insert(RANK_HEADER, pin.clone());
         }
+        // An engine with a key of its own gets that key, never the client's.
+        let engine = &shared.table.fleet.engines[e];
+        if let Some(key) = &engine.api_key {
+            parts.headers.insert(header::AUTHORIZATION, key.0.clone());
+        }
         parts.version = Version::HTTP_11;
         let pq = parts
             .uri
@@ -85,10 +92,10 @@ where
                 ))
             }
         };
-        let body_pin = (shared.table.fleet.engines[e].flavor == Flavor::Sglang
-            && parts.method == Method::POST)
-            .then_some(worker.pin_rank)
-            .flatten();
+        let body_pin = (engine.flavor == Flavor::Sglang
+            && route::table(parts.uri.path()).is_some_and(|(_, r)| r.sglang_body_pin))
+        .then_some(worker.pin_rank)
+        .flatten();
         let guard = picked.guard;
         // The usual case goes straight on: no future of this layer's own. What follows the
         // response (the guard in its body, the worker header) is done by `send`, which holds

@@ -24,6 +24,7 @@ use super::{content_length, Below, Ctx, ProxyError};
 #[derive(Clone)]
 pub struct Read<S> {
     inner: S,
+    ctx: Ctx,
     max_body: usize,
     keep: usize,
     stall: Duration,
@@ -40,6 +41,7 @@ impl<S> Read<S> {
             .any(|e| e.flavor == crate::worker::Flavor::Sglang);
         Read {
             inner,
+            ctx: ctx.clone(),
             max_body: cfg.server.max_body_bytes,
             keep: if pins_in_body {
                 cfg.server.max_body_bytes
@@ -63,7 +65,12 @@ where
             return super::ready(Err(ProxyError::TooLarge(self.max_body)));
         }
         let mut inner = self.inner.clone();
-        let (max, keep, stall) = (self.max_body, self.keep, self.stall);
+        // Where the model decides the engine, the model is read from the body: all of it.
+        let keep = match self.ctx.table.snapshot.load().catalog.routes_by_model() {
+            true => self.max_body,
+            false => self.keep,
+        };
+        let (max, stall) = (self.max_body, self.stall);
         Box::pin(async move {
             let (parts, body) = req.into_parts();
             let body = read(body, length, max, keep, stall).await?;

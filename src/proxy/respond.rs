@@ -99,7 +99,9 @@ fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
     } else {
         tracing::debug!(status = status.as_u16(), error = %message, "request refused");
     }
-    let mut resp: Response<ProxyBody> = crate::http::openai_error(status, err.kind(), &message);
+    let (param, code) = err.param_and_code();
+    let body = crate::http::error_json_with(err.kind(), &message, param, code);
+    let mut resp: Response<ProxyBody> = crate::http::respond(status, "application/json", body);
     if matches!(
         status,
         StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS

@@ -62,7 +62,8 @@ where
                 body,
                 inner: self.inner.clone(),
                 ctx: self.ctx.clone(),
-                avoid: Avoid::default(),
+                // Engines ruled out before the first attempt (by model or route) stay out.
+                avoid: req.extensions().get::<Avoid>().cloned().unwrap_or_default(),
                 attempts: 1,
                 last: None,
             });

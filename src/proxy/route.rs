@@ -1,26 +1,171 @@
-//! Routing by path and method: what rankgate proxies, and 404 / 405 for the rest.
+//! What rankgate does with a path: the route table of each engine flavor (what is proxied, where
+//! the request's model is, how the rank is pinned), the fleet's own `/v1/models`, refusals, and
+//! 404 / 405 for the rest.
+//!
+//! The tables list the engines' HTTP servers' inference endpoints (vLLM's OpenAI server, SGLang's
+//! HTTP server); `server.extra_routes` adds paths served by every engine. Administrative
+//! endpoints (cache flushes, adapter loading, profiling) are not proxied: one engine of many
+//! cannot be their target.
 
-use http::{Method, Request};
+use std::sync::Arc;
 
-use super::{Below, ProxyError, Step};
+use http::{Method, Request, StatusCode};
+
+use super::{Answer, Below, Ctx, ProxyError, Step};
+use crate::catalog::ModelError;
+use crate::worker::Flavor;
+
+/// Where a request's model is, for routing by model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Payload {
+    /// A JSON object with a top-level `model`.
+    Json,
+    /// A `multipart/form-data` form with a `model` field (audio).
+    Form,
+    /// No body (a GET): any engine of the route's flavors.
+    Empty,
+}
+
+/// Engine flavors, as a set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flavors(u8);
+
+impl Flavors {
+    pub const VLLM: Flavors = Flavors(1);
+    pub const SGLANG: Flavors = Flavors(2);
+    pub const BOTH: Flavors = Flavors(3);
+
+    /// Whether an engine of `flavor` serves the route. An upstream gateway fronts engines of
+    /// its own and takes whatever it is sent.
+    pub fn has(self, flavor: Flavor) -> bool {
+        match flavor {
+            Flavor::Vllm => self.0 & 1 != 0,
+            Flavor::Sglang => self.0 & 2 != 0,
+            Flavor::Gateway => true,
+        }
+    }
+}
+
+/// A proxied route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Proxied {
+    pub payload: Payload,
+    pub flavors: Flavors,
+    /// SGLang takes the rank in this body too (its generation requests carry the field).
+    pub sglang_body_pin: bool,
+}
+
+const fn post(payload: Payload, flavors: Flavors, sglang_body_pin: bool) -> (Method, Proxied) {
+    (
+        Method::POST,
+        Proxied {
+            payload,
+            flavors,
+            sglang_body_pin,
+        },
+    )
+}
+
+const fn get(flavors: Flavors) -> (Method, Proxied) {
+    (
+        Method::GET,
+        Proxied {
+            payload: Payload::Empty,
+            flavors,
+            sglang_body_pin: false,
+        },
+    )
+}
+
+use Payload::{Form, Json};
+const BOTH: Flavors = Flavors::BOTH;
+const VLLM: Flavors = Flavors::VLLM;
+const SGLANG: Flavors = Flavors::SGLANG;
+
+/// The proxied paths, with their method.
+pub fn table(path: &str) -> Option<(Method, Proxied)> {
+    Some(match path {
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => post(Json, BOTH, true),
+        "/v1/responses" | "/v1/rerank" | "/v1/score" | "/classify" => post(Json, BOTH, false),
+        "/tokenize" | "/detokenize" | "/rerank" | "/v2/rerank" | "/score" | "/pooling"
+        | "/v1/messages" => post(Json, VLLM, false),
+        "/v1/audio/transcriptions" | "/v1/audio/translations" => post(Form, VLLM, false),
+        "/generate" | "/encode" => post(Json, SGLANG, true),
+        "/get_model_info" | "/get_server_info" | "/server_info" => get(SGLANG),
+        _ => return None,
+    })
+}
+
+/// What to do with a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    Proxy(Proxied),
+    /// The fleet's `/v1/models`, answered by rankgate.
+    Models,
+    /// `/v1/models/{id}`.
+    Model(String),
+}
+
+/// Stored responses live on the engine that created them, which rankgate does not track.
+pub const STORED_RESPONSES: &str = "stored responses are kept by the engine that created them, and rankgate does not route by response id: send requests with \"store\": false and the whole conversation instead of previous_response_id";
+
+/// The action for `method` on `path`, or the error the client gets.
+pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyError> {
+    let (want, action) = if let Some((m, p)) = table(path) {
+        (m, Action::Proxy(p))
+    } else if path == "/v1/models" {
+        (Method::GET, Action::Models)
+    } else if let Some(id) = path.strip_prefix("/v1/models/").filter(|id| !id.is_empty()) {
+        (Method::GET, Action::Model(id.to_string()))
+    } else if path.starts_with("/v1/responses/") {
+        return Err(ProxyError::Refused(STORED_RESPONSES));
+    } else if ctx.cfg.server.extra_routes.iter().any(|r| r == path) {
+        let payload = if method == Method::GET {
+            Payload::Empty
+        } else {
+            Json
+        };
+        let p = Proxied {
+            payload,
+            flavors: BOTH,
+            sglang_body_pin: false,
+        };
+        (method.clone(), Action::Proxy(p))
+    } else {
+        return Err(ProxyError::NotFound(path.to_string()));
+    };
+    if want != method {
+        return Err(ProxyError::MethodNotAllowed {
+            method: method.clone(),
+            path: path.to_string(),
+        });
+    }
+    if let Action::Proxy(p) = &action {
+        if !ctx
+            .table
+            .fleet
+            .engines
+            .iter()
+            .any(|e| p.flavors.has(e.flavor))
+        {
+            return Err(ProxyError::NoEngineFor(path.to_string()));
+        }
+    }
+    Ok(action)
+}
 
 #[derive(Clone)]
 pub struct Route<S> {
     inner: S,
+    ctx: Ctx,
 }
 
 impl<S> Route<S> {
-    pub fn new(inner: S) -> Route<S> {
-        Route { inner }
-    }
-}
-
-/// The method a proxied path takes, or `None` for a path rankgate does not serve.
-fn method_of(path: &str) -> Option<Method> {
-    match path {
-        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => Some(Method::POST),
-        "/v1/models" => Some(Method::GET),
-        _ => None,
+    pub fn new(inner: S, ctx: &Ctx) -> Route<S> {
+        Route {
+            inner,
+            ctx: ctx.clone(),
+        }
     }
 }
 
@@ -31,14 +176,64 @@ where
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let path = req.uri().path();
-        match method_of(path) {
-            Some(m) if m == req.method() => Step::Below(self.inner.call(req)),
-            Some(_) => Step::ready(Err(ProxyError::MethodNotAllowed {
-                method: req.method().clone(),
-                path: path.to_string(),
-            })),
-            None => Step::ready(Err(ProxyError::NotFound(path.to_string()))),
+        match lookup(&self.ctx, req.method(), req.uri().path()) {
+            Ok(Action::Proxy(_)) => Step::Below(self.inner.call(req)),
+            Ok(Action::Models) => Step::ready(models(&self.ctx, None)),
+            Ok(Action::Model(id)) => Step::ready(models(&self.ctx, Some(&id))),
+            Err(e) => Step::ready(Err(e)),
         }
+    }
+}
+
+/// The fleet's model list, or one model of it: models of engines with fresh telemetry.
+fn models(ctx: &Ctx, id: Option<&str>) -> Answer {
+    let table = &ctx.table;
+    let snap = table.snapshot.load();
+    let now = tokio::time::Instant::now();
+    let listed = |e: usize| {
+        table.fleet.workers_of(e).any(|w| {
+            snap.ranks[w].reachable
+                && snap.ranks[w]
+                    .telemetry
+                    .fresh(now, table.stale_after)
+                    .is_some()
+        })
+    };
+    let catalog = Arc::clone(&snap.catalog);
+    let listing = catalog.listing(listed);
+    let Some(id) = id else {
+        return Ok(crate::http::json_response(StatusCode::OK, &listing));
+    };
+    match catalog.entry(id, listed) {
+        Some(entry) => Ok(crate::http::json_response(StatusCode::OK, entry)),
+        None => Err(ProxyError::Model(ModelError::NotFound {
+            model: id.to_string(),
+            served: listing["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["id"].as_str().map(str::to_string))
+                .collect(),
+        })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_route_has_one_method_and_the_flavors_that_serve_it() {
+        let (m, p) = table("/v1/audio/transcriptions").unwrap();
+        assert_eq!((m, p.payload, p.flavors), (Method::POST, Form, VLLM));
+        let (m, p) = table("/get_server_info").unwrap();
+        assert_eq!((m, p.payload), (Method::GET, Payload::Empty));
+        assert!(table("/generate").unwrap().1.sglang_body_pin);
+        assert!(!table("/v1/rerank").unwrap().1.sglang_body_pin);
+        assert!(
+            table("/flush_cache").is_none(),
+            "admin endpoints are not proxied"
+        );
+        assert!(Flavors::VLLM.has(Flavor::Gateway) && !Flavors::VLLM.has(Flavor::Sglang));
     }
 }

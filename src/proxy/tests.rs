@@ -26,10 +26,10 @@ fn shared(extra: &str) -> Ctx {
         cfg.telemetry.stale_after,
     );
     let view = crate::table::test_view(0.1, Instant::now());
-    let models = table.snapshot.load().models.clone();
+    let catalog = table.snapshot.load().catalog.clone();
     table.snapshot.store(Arc::new(Snapshot {
         ranks: vec![view.clone(), view],
-        models,
+        catalog,
     }));
     let metrics = Arc::new(Metrics::new(2));
     Ctx::new(
@@ -57,14 +57,26 @@ fn target(req: &Request<Picked>) -> Target {
 #[tokio::test]
 async fn route_answers_404_and_405_and_passes_the_rest() {
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
-    let mut route = route::Route::new(inner);
+    let s = shared("");
+    let mut route = route::Route::new(inner, &s);
     let get = |p: &str| Request::get(p).body(()).unwrap();
     let e = route.call(get("/v2/nothing")).await.unwrap_err();
     assert_eq!(e.status(), StatusCode::NOT_FOUND);
     let e = route.call(get("/v1/chat/completions")).await.unwrap_err();
     assert_eq!(e.status(), StatusCode::METHOD_NOT_ALLOWED);
-    let ok = route.call(get("/v1/models")).await.unwrap();
-    assert_eq!(ok.status(), 200);
+    let ok = route.call(get("/get_server_info")).await;
+    assert_eq!(
+        ok.unwrap_err().status(),
+        StatusCode::NOT_FOUND,
+        "an SGLang route in a vLLM fleet"
+    );
+    let post = |p: &str| Request::post(p).body(()).unwrap();
+    assert_eq!(route.call(post("/tokenize")).await.unwrap().status(), 200);
+    // The fleet's own model list is rankgate's answer, not an engine's.
+    let models = route.call(get("/v1/models")).await.unwrap();
+    let body = models.into_body().collect().await.unwrap().to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["object"], "list");
 }
 
 #[tokio::test]

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use crate::catalog::{Catalog, Model};
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
 use crate::table::{RankTelemetry, RankView, Snapshot, Table};
@@ -52,8 +53,8 @@ pub struct Report {
     weight_at_poll: Vec<u64>,
     ranks: Vec<RankTelemetry>,
     source: &'static str,
-    /// The engine's model ids, when this poll read them.
-    models: Option<Vec<String>>,
+    /// The engine's models, when this poll read them.
+    models: Option<Vec<Model>>,
 }
 
 /// Starts the pollers and the publisher; they run until `shutdown`.
@@ -66,7 +67,7 @@ pub fn spawn(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let (tx, rx) = mpsc::channel(table.fleet.engines.len().max(1) * 2);
-        let http: poller::HttpClient = crate::http::client(cfg.timeout);
+        let http = poller::HttpClient::new(crate::http::client(cfg.timeout));
         let grpc = grpc::transport(cfg.timeout);
         let mut tasks = JoinSet::new();
         for e in 0..table.fleet.engines.len() {
@@ -97,7 +98,9 @@ pub fn spawn(
 /// The single writer: folds reports into the current views and swaps in each new snapshot.
 async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_per_request: f64) {
     let mut views: Vec<RankView> = table.snapshot.load().ranks.clone();
-    let mut models = table.snapshot.load().models.clone();
+    // Per engine: its model list as last read (config-fixed lists are never replaced).
+    let mut models = crate::table::fixed_models(&table.fleet);
+    let mut catalog = table.snapshot.load().catalog.clone();
     // Staleness has no report to announce it (a hung engine sends none), so a timer looks for it.
     let mut stale = vec![false; views.len()];
     let mut tick = tokio::time::interval(table.stale_after / 4);
@@ -118,12 +121,16 @@ async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_p
                     };
                 }
                 if let Some(m) = report.models {
-                    models[report.engine] = m.into();
+                    let e = report.engine;
+                    if table.fleet.engines[e].models.is_none() && models[e].as_deref() != Some(&m[..]) {
+                        models[e] = Some(m.into());
+                        catalog = Arc::new(Catalog::new(models.clone()));
+                    }
                 }
                 estimate_kv_per_request(&mut views, default_kv_per_request);
                 table.snapshot.store(Arc::new(Snapshot {
                     ranks: views.clone(),
-                    models: models.clone(),
+                    catalog: catalog.clone(),
                 }));
             }
             _ = tick.tick() => {}

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use super::poller::{fetch, HttpClient};
+use crate::catalog::Model;
 
 /// Models are re-read every this many polls (about a minute at the default interval).
 const MODELS_EVERY: u64 = 240;
@@ -20,7 +21,7 @@ pub struct ModelsReader {
     uri: Option<http::Uri>,
     /// Poll number from which a read is due again.
     next: u64,
-    task: Option<JoinHandle<Option<Vec<String>>>>,
+    task: Option<JoinHandle<Option<Vec<Model>>>>,
 }
 
 impl Drop for ModelsReader {
@@ -50,7 +51,7 @@ impl ModelsReader {
         reachable: bool,
         http: &HttpClient,
         timeout: Duration,
-    ) -> Option<Vec<String>> {
+    ) -> Option<Vec<Model>> {
         let mut got = None;
         if let Some(task) = self.task.take_if(|t| t.is_finished()) {
             // Finished, so this await returns at once.
@@ -76,14 +77,24 @@ impl ModelsReader {
     }
 }
 
-async fn read(http: &HttpClient, uri: http::Uri) -> Option<Vec<String>> {
+async fn read(http: &HttpClient, uri: http::Uri) -> Option<Vec<Model>> {
     let body = fetch(http, uri).await.ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    parse(&body)
+}
+
+/// The models of a `/v1/models` answer; `None` when it is not one (no `data` list).
+fn parse(body: &[u8]) -> Option<Vec<Model>> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let data = v.get("data")?.as_array()?;
     Some(
-        v.get("data")?
-            .as_array()?
-            .iter()
-            .filter_map(|m| m.get("id")?.as_str().map(str::to_string))
+        data.iter()
+            .filter_map(|m| {
+                let id = m.get("id")?.as_str()?.to_string();
+                Some(Model {
+                    id,
+                    entry: m.clone(),
+                })
+            })
             .collect(),
     )
 }

@@ -35,14 +35,43 @@ use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::reason::{HealthFailure, Reason, SourceFailure};
 use crate::table::{RankTelemetry, Table};
-use crate::worker::{Engine, Flavor, TelemetrySource};
+use crate::worker::{ApiKey, Engine, Flavor, TelemetrySource};
 
 /// Largest telemetry body accepted; a real vLLM /metrics is ~70 KB.
 const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
 /// Most polls between two background probes of a failed source.
 const MAX_SKIP: u32 = 32;
 
-pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+/// The HTTP client of one engine's polls: the shared connection pool, and the engine's own key.
+#[derive(Clone)]
+pub struct HttpClient {
+    client: Client<HttpConnector, Empty<Bytes>>,
+    key: Option<ApiKey>,
+}
+
+impl HttpClient {
+    pub fn new(client: Client<HttpConnector, Empty<Bytes>>) -> HttpClient {
+        HttpClient { client, key: None }
+    }
+
+    fn with_key(&self, key: Option<ApiKey>) -> HttpClient {
+        HttpClient {
+            client: self.client.clone(),
+            key,
+        }
+    }
+
+    /// GET `uri`, with the engine's bearer key when it has one.
+    pub fn get(&self, uri: http::Uri) -> hyper_util::client::legacy::ResponseFuture {
+        let mut req = http::Request::new(Empty::new());
+        *req.uri_mut() = uri;
+        if let Some(key) = &self.key {
+            req.headers_mut()
+                .insert(http::header::AUTHORIZATION, key.0.clone());
+        }
+        self.client.request(req)
+    }
+}
 
 /// A source, ready to be read.
 #[derive(Clone)]
@@ -168,6 +197,7 @@ impl Poller {
         stats: Arc<TelemetryStats>,
     ) -> Result<Poller, String> {
         let engine = table.fleet.engines[e].clone();
+        let http = http.with_key(engine.api_key.clone());
         let engine_sources = engine.telemetry.len();
         let sources = engine
             .telemetry
@@ -188,7 +218,14 @@ impl Poller {
             None => None,
         };
         Ok(Poller {
-            models: ModelsReader::new(uri(&format!("{}/v1/models", engine.url)).ok()),
+            // A model list fixed in the config is never read.
+            models: ModelsReader::new(
+                engine
+                    .models
+                    .is_none()
+                    .then(|| uri(&format!("{}/v1/models", engine.url)).ok())
+                    .flatten(),
+            ),
             health_uri,
             health: Health::new(cfg.health_failures),
             e,

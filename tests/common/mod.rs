@@ -177,6 +177,15 @@ pub async fn wait_state(router: &Router, idx: &[usize], state: &str) -> Vec<Valu
     .await
 }
 
+/// Waits until every worker's engine has told its model list.
+pub async fn wait_models(router: &Router) -> Vec<Value> {
+    wait_workers(router, Duration::from_secs(10), |rows| {
+        rows.iter()
+            .all(|w| w["models"].as_array().is_some_and(|m| !m.is_empty()))
+    })
+    .await
+}
+
 pub fn sim(flavor: rankgate::sim::SimFlavor, dp_size: u32, start_rank: u32) -> SimConfig {
     SimConfig {
         flavor,

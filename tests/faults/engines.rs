@@ -586,7 +586,8 @@ async fn unhealthy_engine_gets_no_traffic() {
 }
 
 /// 6. A hung `/v1/models`: telemetry and traffic go on (the hung engine's ranks stay available
-/// via `/metrics`), and shutdown does not wait for the hung call.
+/// via `/metrics`; requests for the model go to the engine known to serve it), and shutdown
+/// does not wait for the hung call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hung_models_endpoint_blocks_nothing() {
     let hung = engine(SimConfig {
@@ -609,16 +610,13 @@ async fn hung_models_endpoint_blocks_nothing() {
         "{rows:#?}"
     );
     assert_eq!(rows[2]["models"][0], "tiny-llama", "{}", rows[2]);
-    let mut on_hung = 0;
+    // Traffic goes on, to the engine known to serve the model: one whose model list never
+    // came is not assumed to serve it (unknown is never capable), and gets none.
     for _ in 0..24 {
         let reply = chat(r.addr, 1).await;
         assert_eq!(reply.status, 200);
-        on_hung += is_on(&reply.worker(), &hung) as u32;
+        assert!(!is_on(&reply.worker(), &hung), "{}", reply.worker());
     }
-    assert!(
-        on_hung > 0 && on_hung < 24,
-        "{on_hung}/24 on the hung-models engine"
-    );
     let started = Instant::now();
     timeout(Duration::from_secs(2), r.shutdown())
         .await

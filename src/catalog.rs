@@ -1,0 +1,182 @@
+//! What the fleet serves: each engine's models (fixed in its config, else as its `/v1/models`
+//! last said) and, the other way round, which engines serve a model. Part of the snapshot, and
+//! rebuilt only when a model list changes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+/// One model an engine serves, with the engine's own `/v1/models` entry for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    pub id: String,
+    pub entry: Value,
+}
+
+impl Model {
+    /// A model named in the config: its entry says only what rankgate knows.
+    pub fn named(id: &str) -> Model {
+        Model {
+            id: id.to_string(),
+            entry: json!({"id": id, "object": "model", "created": 0, "owned_by": "rankgate"}),
+        }
+    }
+}
+
+/// Why a request's model cannot be served.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ModelError {
+    #[error("the model `{model}` does not exist; this fleet serves: {}", .served.join(", "))]
+    NotFound { model: String, served: Vec<String> },
+    #[error("the request names no model and this fleet serves several: {}", .0.join(", "))]
+    Missing(Vec<String>),
+}
+
+/// The fleet's models.
+#[derive(Debug, Default)]
+pub struct Catalog {
+    /// Per engine: its models, `None` until known.
+    engines: Vec<Option<Arc<[Model]>>>,
+    /// Every model some engine serves, in id order, with the engines serving it.
+    models: BTreeMap<String, Vec<usize>>,
+}
+
+impl Catalog {
+    /// `lists[e]` is engine `e`'s model list, if known.
+    pub fn new(lists: Vec<Option<Arc<[Model]>>>) -> Catalog {
+        let mut models: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (e, list) in lists.iter().enumerate() {
+            for m in list.iter().flat_map(|l| l.iter()) {
+                let engines = models.entry(m.id.clone()).or_default();
+                if engines.last() != Some(&e) {
+                    engines.push(e);
+                }
+            }
+        }
+        Catalog {
+            engines: lists,
+            models,
+        }
+    }
+
+    /// Engine `e`'s models, if known.
+    pub fn of(&self, e: usize) -> Option<&[Model]> {
+        self.engines.get(e)?.as_deref()
+    }
+
+    pub fn serves(&self, e: usize, model: &str) -> bool {
+        self.of(e).is_some_and(|l| l.iter().any(|m| m.id == model))
+    }
+
+    /// Whether a request's model decides where it may go: the fleet serves several models, or
+    /// one while some engine's list is still unknown (it may serve another). With one model
+    /// everywhere, or nothing known at all, any rank will do and the body is not scanned.
+    pub fn routes_by_model(&self) -> bool {
+        let unknown = self.engines.iter().any(Option::is_none);
+        self.models.len() > 1 || (self.models.len() == 1 && unknown)
+    }
+
+    /// The engines that may serve a request for `model` (`None`: the request names none): the
+    /// ones whose list has it, or, when no known list has it, the ones whose list is unknown.
+    /// `Err` when no engine can.
+    pub fn engines_for(&self, model: Option<&str>) -> Result<Vec<usize>, ModelError> {
+        let served = || self.models.keys().cloned().collect::<Vec<_>>();
+        let Some(model) = model else {
+            return match self.models.len() {
+                0 | 1 => Ok((0..self.engines.len()).collect()),
+                _ => Err(ModelError::Missing(served())),
+            };
+        };
+        if let Some(engines) = self.models.get(model) {
+            return Ok(engines.clone());
+        }
+        let unknown: Vec<usize> = (0..self.engines.len())
+            .filter(|&e| self.engines[e].is_none())
+            .collect();
+        if unknown.is_empty() {
+            return Err(ModelError::NotFound {
+                model: model.to_string(),
+                served: served(),
+            });
+        }
+        Ok(unknown)
+    }
+
+    /// The fleet's `/v1/models`: each model once, from the engines `listed` allows (those
+    /// with fresh telemetry), in id order; the first such engine's entry stands for it.
+    pub fn listing(&self, listed: impl Fn(usize) -> bool) -> Value {
+        let data: Vec<&Value> = self
+            .models
+            .iter()
+            .filter_map(|(id, engines)| {
+                let e = *engines.iter().find(|&&e| listed(e))?;
+                self.of(e)?.iter().find(|m| &m.id == id).map(|m| &m.entry)
+            })
+            .collect();
+        json!({"object": "list", "data": data})
+    }
+
+    /// One model's entry, if a listed engine serves it.
+    pub fn entry(&self, id: &str, listed: impl Fn(usize) -> bool) -> Option<&Value> {
+        let e = *self.models.get(id)?.iter().find(|&&e| listed(e))?;
+        self.of(e)?.iter().find(|m| m.id == id).map(|m| &m.entry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(ids: &[&str]) -> Option<Arc<[Model]>> {
+        Some(ids.iter().map(|id| Model::named(id)).collect())
+    }
+
+    #[test]
+    fn a_model_goes_to_the_engines_that_serve_it() {
+        let c = Catalog::new(vec![list(&["a"]), list(&["b", "a"]), list(&["b"])]);
+        assert!(c.routes_by_model());
+        assert_eq!(c.engines_for(Some("a")), Ok(vec![0, 1]));
+        assert_eq!(c.engines_for(Some("b")), Ok(vec![1, 2]));
+        let e = c.engines_for(Some("c")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the model `c` does not exist; this fleet serves: a, b"
+        );
+        assert!(matches!(c.engines_for(None), Err(ModelError::Missing(_))));
+    }
+
+    #[test]
+    fn one_model_everywhere_needs_no_scan_and_no_model() {
+        let c = Catalog::new(vec![list(&["a"]), list(&["a"])]);
+        assert!(!c.routes_by_model());
+        assert_eq!(c.engines_for(None), Ok(vec![0, 1]));
+        assert!(!Catalog::new(vec![None, None]).routes_by_model());
+    }
+
+    #[test]
+    fn an_engine_whose_list_is_unknown_may_serve_what_no_known_list_has() {
+        let c = Catalog::new(vec![list(&["a"]), None]);
+        assert!(
+            c.routes_by_model(),
+            "the unknown engine may serve another model"
+        );
+        assert_eq!(c.engines_for(Some("a")), Ok(vec![0]));
+        assert_eq!(c.engines_for(Some("z")), Ok(vec![1]));
+    }
+
+    #[test]
+    fn the_listing_has_each_model_once_from_listed_engines_only() {
+        let c = Catalog::new(vec![list(&["b", "a"]), list(&["a"]), list(&["c"])]);
+        let v = c.listing(|e| e != 2);
+        let ids: Vec<&str> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["a", "b"]);
+        assert!(c.entry("c", |e| e != 2).is_none());
+        assert_eq!(c.entry("a", |_| true).unwrap()["id"], "a");
+    }
+}

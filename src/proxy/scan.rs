@@ -1,0 +1,319 @@
+//! Reading one field of a request body without parsing the whole of it: a JSON object's
+//! top-level string member (`model`), or a multipart form's field. The body stays the client's
+//! bytes; the scan stops at the member it looks for, skipping the values before it (a long
+//! prompt is stepped over, never built into a tree).
+
+use std::borrow::Cow;
+
+/// Why a body could not be scanned.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ScanError {
+    #[error("request body is not a JSON object")]
+    NotObject,
+    #[error("request body is not valid JSON (at byte {0})")]
+    Invalid(usize),
+    #[error("`{0}` must be a string")]
+    NotString(String),
+    #[error("request body is not a multipart/form-data form with a boundary")]
+    NotForm,
+}
+
+/// The value of the top-level member `key` of the JSON object in `body`, when it is there.
+/// Members before it are skipped, not validated in depth; the scan stops at `key`.
+pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>, ScanError> {
+    let mut s = Scanner { b: body, i: 0 };
+    s.ws();
+    if s.peek() != Some(b'{') {
+        return Err(if s.peek().is_none() {
+            ScanError::Invalid(s.i)
+        } else {
+            ScanError::NotObject
+        });
+    }
+    s.i += 1;
+    s.ws();
+    if s.peek() == Some(b'}') {
+        return Ok(None);
+    }
+    loop {
+        s.ws();
+        let name = s.string()?;
+        s.ws();
+        s.expect(b':')?;
+        s.ws();
+        if name == key {
+            return match s.peek() {
+                Some(b'"') => s.string().map(Some),
+                Some(b'n') if s.b[s.i..].starts_with(b"null") => Ok(None),
+                _ => Err(ScanError::NotString(key.to_string())),
+            };
+        }
+        s.skip_value()?;
+        s.ws();
+        match s.peek() {
+            Some(b',') => s.i += 1,
+            Some(b'}') => return Ok(None),
+            _ => return Err(ScanError::Invalid(s.i)),
+        }
+    }
+}
+
+struct Scanner<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Scanner<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    fn expect(&mut self, c: u8) -> Result<(), ScanError> {
+        if self.peek() != Some(c) {
+            return Err(ScanError::Invalid(self.i));
+        }
+        self.i += 1;
+        Ok(())
+    }
+
+    /// A string at the cursor, unescaped only when it has escapes.
+    fn string(&mut self) -> Result<Cow<'a, str>, ScanError> {
+        let start = self.i;
+        self.expect(b'"')?;
+        let from = self.i;
+        let mut escaped = false;
+        loop {
+            match self.peek() {
+                None => return Err(ScanError::Invalid(self.i)),
+                Some(b'"') => break,
+                Some(b'\\') => {
+                    escaped = true;
+                    self.i += 2;
+                }
+                Some(c) if c < 0x20 => return Err(ScanError::Invalid(self.i)),
+                Some(_) => self.i += 1,
+            }
+        }
+        let raw = self.b.get(from..self.i).ok_or(ScanError::Invalid(self.i))?;
+        self.i += 1;
+        if !escaped {
+            return std::str::from_utf8(raw)
+                .map(Cow::Borrowed)
+                .map_err(|_| ScanError::Invalid(from));
+        }
+        // Rare: let the JSON parser unescape it.
+        serde_json::from_slice::<String>(&self.b[start..self.i])
+            .map(Cow::Owned)
+            .map_err(|_| ScanError::Invalid(start))
+    }
+
+    /// Steps over one value: strings skipped whole, so brackets inside them do not count.
+    fn skip_value(&mut self) -> Result<(), ScanError> {
+        match self.peek() {
+            None => Err(ScanError::Invalid(self.i)),
+            Some(b'"') => self.string().map(drop),
+            Some(b'{' | b'[') => {
+                let mut depth = 0usize;
+                loop {
+                    match self.peek() {
+                        None => return Err(ScanError::Invalid(self.i)),
+                        Some(b'"') => {
+                            self.string()?;
+                        }
+                        Some(b'{' | b'[') => {
+                            depth += 1;
+                            self.i += 1;
+                        }
+                        Some(b'}' | b']') => {
+                            depth -= 1;
+                            self.i += 1;
+                            if depth == 0 {
+                                return Ok(());
+                            }
+                        }
+                        Some(_) => self.i += 1,
+                    }
+                }
+            }
+            Some(_) => {
+                // A number or a literal: up to the separator.
+                let start = self.i;
+                while let Some(c) = self.peek() {
+                    if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                        break;
+                    }
+                    self.i += 1;
+                }
+                if self.i == start {
+                    Err(ScanError::Invalid(start))
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+/// The value of the form field `name` in a `multipart/form-data` body with `boundary`.
+pub fn form_field<'a>(body: &'a [u8], boundary: &str, name: &str) -> Option<Cow<'a, str>> {
+    let delimiter = format!("--{boundary}");
+    let wanted = format!("name=\"{name}\"");
+    let mut at = find(body, delimiter.as_bytes(), 0)?;
+    loop {
+        let part = at + delimiter.len();
+        // The closing delimiter ends the form.
+        if body.get(part..part + 2) == Some(b"--") {
+            return None;
+        }
+        let head_end = find(body, b"\r\n\r\n", part)?;
+        let next = find(body, format!("\r\n{delimiter}").as_bytes(), head_end)?;
+        let head = &body[part..head_end];
+        let named = head.split(|&c| c == b'\n').any(|line| {
+            let line = String::from_utf8_lossy(line).to_ascii_lowercase();
+            line.starts_with("content-disposition:") && line.contains(&wanted.to_ascii_lowercase())
+        });
+        if named {
+            return std::str::from_utf8(&body[head_end + 4..next])
+                .ok()
+                .map(|v| Cow::Borrowed(v.trim()));
+        }
+        at = next + 2;
+    }
+}
+
+/// The boundary of a `multipart/form-data` content type.
+pub fn boundary(content_type: &str) -> Option<&str> {
+    let (kind, params) = content_type.split_once(';')?;
+    if !kind.trim().eq_ignore_ascii_case("multipart/form-data") {
+        return None;
+    }
+    params.split(';').find_map(|p| {
+        let (k, v) = p.split_once('=')?;
+        k.trim()
+            .eq_ignore_ascii_case("boundary")
+            .then(|| v.trim().trim_matches('"'))
+            .filter(|b| !b.is_empty())
+    })
+}
+
+fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
+    let first = *needle.first()?;
+    let mut i = from;
+    while i + needle.len() <= hay.len() {
+        let skip = hay[i..].iter().position(|&c| c == first)?;
+        i += skip;
+        if hay.get(i..i + needle.len())? == needle {
+            return Some(i);
+        }
+        i += 1;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+
+    fn model(body: &str) -> Result<Option<String>, ScanError> {
+        json_member(body.as_bytes(), "model").map(|m| m.map(Cow::into_owned))
+    }
+
+    #[test]
+    fn finds_the_top_level_model_and_nothing_nested() {
+        assert_eq!(model(r#"{"model":"a","x":1}"#), Ok(Some("a".into())));
+        assert_eq!(
+            model(
+                r#" { "messages": [{"model": "inner", "content": "a \"}] model"}], "model" : "b" } "#
+            ),
+            Ok(Some("b".into()))
+        );
+        assert_eq!(model(r#"{"meta":{"model":"inner"}}"#), Ok(None));
+        assert_eq!(
+            model(r#"{"mod\u0065l":"esc\u00e9"}"#),
+            Ok(Some("escé".into()))
+        );
+        assert_eq!(model(r#"{"model":null}"#), Ok(None));
+        assert_eq!(model("{}"), Ok(None));
+        assert_eq!(
+            model(r#"{"model":7}"#),
+            Err(ScanError::NotString("model".into()))
+        );
+        assert_eq!(model("[1]"), Err(ScanError::NotObject));
+        assert!(matches!(model(r#"{"a":"#), Err(ScanError::Invalid(_))));
+        assert!(matches!(model(""), Err(ScanError::Invalid(_))));
+        assert!(matches!(model(r#"{"a" 1}"#), Err(ScanError::Invalid(_))));
+    }
+
+    #[test]
+    fn reads_a_multipart_form_field() {
+        let body = "--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\
+                    Content-Type: audio/wav\r\n\r\nRIFF--XyZ-not-a-delimiter\r\n--XyZ\r\n\
+                    Content-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n";
+        let ct = "multipart/form-data; boundary=XyZ";
+        let b = boundary(ct).unwrap();
+        assert_eq!(
+            form_field(body.as_bytes(), b, "model").as_deref(),
+            Some("whisper-1")
+        );
+        assert_eq!(form_field(body.as_bytes(), b, "language"), None);
+        assert_eq!(boundary("multipart/form-data; boundary=\"q\""), Some("q"));
+        assert_eq!(boundary("application/json"), None);
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            (-1e6f64..1e6).prop_map(|f| json!(f)),
+            "[a-z\"\\\\{}\\[\\],:é ]{0,12}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map("[a-z\"]{0,6}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Whatever else the object holds, and however it is printed, the scan agrees with a
+        /// full parse.
+        #[test]
+        fn agrees_with_a_full_parse(
+            members in prop::collection::vec(("[a-z]{0,6}", json_value()), 0..5),
+            model in proptest::option::of("[a-zA-Z0-9/._\"\\\\-]{0,16}"),
+            at in 0usize..6,
+            pretty in any::<bool>(),
+        ) {
+            let mut obj = serde_json::Map::new();
+            for (i, (k, v)) in members.into_iter().enumerate() {
+                if i == at {
+                    if let Some(m) = &model { obj.insert("model".into(), json!(m)); }
+                }
+                if k != "model" { obj.insert(k, v); }
+            }
+            if let Some(m) = &model { obj.entry("model").or_insert(json!(m)); }
+            let v = Value::Object(obj);
+            let text = if pretty { serde_json::to_string_pretty(&v) } else { serde_json::to_string(&v) }.unwrap();
+            let want = v.get("model").and_then(Value::as_str).map(str::to_string);
+            prop_assert_eq!(json_member(text.as_bytes(), "model").map(|m| m.map(Cow::into_owned)), Ok(want));
+        }
+
+        /// Garbage never panics the scan.
+        #[test]
+        fn any_bytes_are_scanned_without_panic(body in prop::collection::vec(any::<u8>(), 0..64)) {
+            let _ = json_member(&body, "model");
+            let _ = form_field(&body, "b", "model");
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! The engines that may serve a request: those serving its model (read from the body without
+//! parsing it: [`super::scan`]) and its route's flavor. The pick then applies every rule about
+//! ranks within that set; the others are handed down as engines to avoid.
+//!
+//! A fleet serving one model (or whose lists are all unknown) is not scanned at all, and a
+//! fleet of one flavor needs no flavor check: the usual request passes straight through.
+
+use std::borrow::Cow;
+
+use http::{header, Request};
+
+use super::route::{self, Action, Payload, Proxied};
+use super::scan::{self, ScanError};
+use super::{Below, Ctx, ProxyError, RequestBody, Step};
+use crate::policy::Avoid;
+
+#[derive(Clone)]
+pub struct Select<S> {
+    inner: S,
+    ctx: Ctx,
+    /// Engines of more than one flavor: some routes then exclude some engines.
+    mixed: bool,
+}
+
+impl<S> Select<S> {
+    pub fn new(inner: S, ctx: &Ctx) -> Select<S> {
+        let engines = &ctx.table.fleet.engines;
+        let mixed = engines.iter().any(|e| e.flavor != engines[0].flavor);
+        Select {
+            inner,
+            ctx: ctx.clone(),
+            mixed,
+        }
+    }
+}
+
+impl<S> tower::Service<Request<RequestBody>> for Select<S>
+where
+    S: Below<RequestBody>,
+{
+    layer_types!(Step<S::Future>);
+
+    fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
+        match self.avoid(&req) {
+            Ok(None) => {}
+            Ok(Some(avoid)) => {
+                req.extensions_mut().insert(avoid);
+            }
+            Err(e) => return Step::ready(Err(e)),
+        }
+        Step::Below(self.inner.call(req))
+    }
+}
+
+impl<S> Select<S> {
+    /// The engines the request must not go to, if any.
+    fn avoid(&self, req: &Request<RequestBody>) -> Result<Option<Avoid>, ProxyError> {
+        let ctx = &self.ctx;
+        let path = req.uri().path();
+        let Action::Proxy(route) = route::lookup(ctx, req.method(), path)? else {
+            return Ok(None);
+        };
+        if path == "/v1/responses" {
+            if let Some(body) = whole(req) {
+                if scan::json_member(body, "previous_response_id")?.is_some() {
+                    return Err(ProxyError::Refused(route::STORED_RESPONSES));
+                }
+            }
+        }
+        let snap = ctx.table.snapshot.load();
+        let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
+        if !by_model && (!self.mixed || route.flavors == route::Flavors::BOTH) {
+            return Ok(None);
+        }
+        let model = if by_model { model(req, route)? } else { None };
+        let engines = &ctx.table.fleet.engines;
+        let serving = match by_model {
+            true => snap.catalog.engines_for(model.as_deref())?,
+            false => (0..engines.len()).collect(),
+        };
+        let mut avoid = Avoid::default();
+        let mut any = false;
+        for (e, engine) in engines.iter().enumerate() {
+            if serving.contains(&e) && route.flavors.has(engine.flavor) {
+                any = true;
+            } else {
+                avoid.engine(e);
+            }
+        }
+        if !any {
+            let what = match model {
+                Some(m) => format!("{path} for model `{m}`"),
+                None => path.to_string(),
+            };
+            return Err(ProxyError::NoEngineFor(what));
+        }
+        Ok(Some(avoid))
+    }
+}
+
+/// The body, or as much of it as was read (`read` keeps it whole when the fleet routes by
+/// model; only a fleet that began to while this request was read has part of it).
+fn whole(req: &Request<RequestBody>) -> Option<&[u8]> {
+    match req.body() {
+        RequestBody::Full(b) => Some(b),
+        RequestBody::Stream(s) => s.prefix.as_deref(),
+    }
+}
+
+/// The request's `model`, from wherever its route carries it.
+fn model(req: &Request<RequestBody>, route: Proxied) -> Result<Option<Cow<'_, str>>, ScanError> {
+    let body = whole(req).unwrap_or_default();
+    match route.payload {
+        Payload::Json => scan::json_member(body, "model"),
+        Payload::Form => {
+            let boundary = req
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(scan::boundary)
+                .ok_or(ScanError::NotForm)?;
+            Ok(scan::form_field(body, boundary, "model"))
+        }
+        Payload::Empty => Ok(None),
+    }
+}
