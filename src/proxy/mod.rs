@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! respond   errors -> OpenAI-shaped responses, metrics, latency
-//! route     404 / 405
+//! route     the route table: what is proxied to which flavor; the fleet's /v1/models; 404 / 405
 //! read      the request body: 413, 400 when broken, 408 when stalled; kept whole for replays
+//! select    the engines serving the request's model (scanned, not parsed) and route
 //! admit     server.max_in_flight -> 429 (after the body is in: a slow upload holds no slot)
 //! retry     failover before the first byte, to another rank, within a retry budget
 //! pick      the rank (never one with unknown telemetry, never an ejected one), pinned
