@@ -52,6 +52,9 @@ impl SimFlavor {
     }
 }
 
+/// The model a default [`SimConfig`] serves.
+pub const DEFAULT_MODEL: &str = "tiny-llama";
+
 /// How the simulated engine is built.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -78,7 +81,10 @@ pub struct SimConfig {
     pub batch_slowdown: f64,
     /// Prompt tokens per second of prefill.
     pub prefill_tokens_per_sec: f64,
-    pub model: String,
+    /// The model names the engine serves, the first being the default for a request that names
+    /// none. Like `vllm serve --served-model-name a b`: names of one model, all listed by
+    /// `/v1/models`; any other name is answered 404. Never empty ([`SimEngine::start`] refuses).
+    pub models: Vec<String>,
     /// Imitate smg-grpc-servicer 0.14.1: ignore the `dp_rank` filter and report the SUM of the
     /// ranks' capacities in every entry.
     pub servicer_quirks: bool,
@@ -116,7 +122,7 @@ impl Default for SimConfig {
             decode_tokens_per_sec: 200.0,
             batch_slowdown: 0.02,
             prefill_tokens_per_sec: 20_000.0,
-            model: "tiny-llama".into(),
+            models: vec![DEFAULT_MODEL.into()],
             servicer_quirks: false,
             fail_status: 503,
             fail_percent: 0.0,
@@ -183,10 +189,16 @@ pub struct SimEngine {
 
 impl SimEngine {
     /// Binds `listen` (port 0 picks a free port) and starts serving. Fault knobs out of range
-    /// are an `InvalidInput` error.
+    /// and an empty model list are an `InvalidInput` error.
     pub async fn start(listen: SocketAddr, cfg: SimConfig) -> std::io::Result<SimEngine> {
-        let faults = Faults::new(&cfg)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+        let faults = Faults::new(&cfg).map_err(|e| invalid(e.to_string()))?;
+        if cfg.models.is_empty() || cfg.models.iter().any(|m| m.is_empty()) {
+            return Err(invalid(format!(
+                "models must be a non-empty list of non-empty names, got {:?}",
+                cfg.models
+            )));
+        }
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let ranks = (0..cfg.dp_size)
@@ -382,6 +394,17 @@ impl SimEngine {
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
         let _ = self.task.await;
+    }
+}
+
+impl Sim {
+    /// The first served model: what a request that names none gets, and the `model_name` label
+    /// of `/metrics` (vLLM labels its series with the first served name).
+    pub(crate) fn default_model(&self) -> &str {
+        self.cfg
+            .models
+            .first()
+            .map_or(DEFAULT_MODEL, String::as_str)
     }
 }
 

@@ -62,6 +62,8 @@ struct Job {
     prompt_tokens: u64,
     max_tokens: u64,
     id: u64,
+    /// The served model the request named, echoed in the response.
+    model: String,
 }
 
 impl Sim {
@@ -122,11 +124,29 @@ impl Sim {
     }
 
     fn models(&self) -> Value {
-        json!({"object": "list", "data": [{
-            "id": self.cfg.model, "object": "model", "created": 0,
-            "owned_by": self.cfg.flavor.as_str(), "root": self.cfg.model, "parent": null,
+        let data: Vec<Value> = self.cfg.models.iter().map(|m| self.model_card(m)).collect();
+        json!({"object": "list", "data": data})
+    }
+
+    fn model_card(&self, id: &str) -> Value {
+        json!({
+            "id": id, "object": "model", "created": 0,
+            "owned_by": self.cfg.flavor.as_str(), "root": id, "parent": null,
             "max_model_len": self.cfg.capacity_tokens,
-        }]})
+        })
+    }
+
+    /// The model a request names, or the default when it names none; `Err` with the name when
+    /// the engine does not serve it. Both flavors refuse with vLLM's 404: SGLang's own check has
+    /// varied across versions (none at all, or a 400), and one answer keeps routing tests simple.
+    fn served_model(&self, v: &Value) -> Result<String, String> {
+        match v.get("model") {
+            None | Some(Value::Null) => Ok(self.default_model().to_string()),
+            Some(Value::String(m)) if self.cfg.models.contains(m) => Ok(m.clone()),
+            Some(other) => Err(other
+                .as_str()
+                .map_or_else(|| other.to_string(), str::to_string)),
+        }
     }
 
     /// Parses a pin the way the engine would, returning the local rank index.
@@ -227,6 +247,11 @@ impl Sim {
                 rank: self.ranks[local].global,
             });
         }
+        // After recording: a test sees what reached the engine even when it is refused.
+        let model = match self.served_model(&v) {
+            Ok(m) => m,
+            Err(name) => return Ok(model_not_found(&name)),
+        };
         let prompt_text_len = match (v.get("messages"), v.get("prompt"), v.get("input")) {
             (Some(m), _, _) => m.to_string().len(),
             (_, Some(p), _) | (_, _, Some(p)) => {
@@ -240,6 +265,7 @@ impl Sim {
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false) && !embeddings,
             // About four characters per token, as for English text.
             prompt_tokens: (prompt_text_len as u64 / 4).max(1),
+            model,
             max_tokens: if embeddings {
                 0
             } else {
@@ -273,7 +299,7 @@ impl Sim {
             Ok(json_response(
                 StatusCode::OK,
                 &json!({
-                    "object": "list", "model": self.cfg.model,
+                    "object": "list", "model": job.model,
                     "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}],
                     "usage": {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens},
                 }),
@@ -320,7 +346,11 @@ impl Sim {
                 } else {
                     json!({"index": 0, "text": token, "logprobs": null, "finish_reason": null})
                 };
-                if tx.send(self.chunk(&id, job.chat, delta)).await.is_err() {
+                if tx
+                    .send(chunk(&id, &job.model, job.chat, delta))
+                    .await
+                    .is_err()
+                {
                     return None;
                 }
             } else {
@@ -345,7 +375,7 @@ impl Sim {
                     "text_completion"
                 }),
             );
-            last.insert("model".into(), json!(self.cfg.model));
+            last.insert("model".into(), json!(job.model));
             last.insert("choices".into(), json!([]));
             last.insert("usage".into(), usage);
             let _ = tx
@@ -361,17 +391,30 @@ impl Sim {
         };
         Some(
             json!({"id": id, "object": if job.chat { "chat.completion" } else { "text_completion" },
-            "model": self.cfg.model, "choices": [choice], "usage": usage}),
+            "model": job.model, "choices": [choice], "usage": usage}),
         )
     }
+}
 
-    fn chunk(&self, id: &str, chat: bool, choice: Value) -> Bytes {
-        let object = if chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        let v = json!({"id": id, "object": object, "model": self.cfg.model, "choices": [choice]});
-        Bytes::from(format!("data: {v}\n\n"))
-    }
+/// vLLM's answer to a model it does not serve: the OpenAI error shape with `param` naming the
+/// field and `code` the status.
+fn model_not_found(name: &str) -> Response<SimBody> {
+    let status = StatusCode::NOT_FOUND;
+    json_response(
+        status,
+        &json!({"error": {
+            "message": format!("The model `{name}` does not exist."),
+            "type": "NotFoundError", "param": "model", "code": status.as_u16(),
+        }}),
+    )
+}
+
+fn chunk(id: &str, model: &str, chat: bool, choice: Value) -> Bytes {
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let v = json!({"id": id, "object": object, "model": model, "choices": [choice]});
+    Bytes::from(format!("data: {v}\n\n"))
 }

@@ -1,0 +1,85 @@
+//! The simulated engine's HTTP surface over real sockets: served models, API keys, what it
+//! records of each request, and every endpoint it imitates, answered by the rank it was pinned to.
+
+mod common;
+
+use bytes::Bytes;
+use common::{engine, get, post, send, sim, Reply};
+use http::StatusCode;
+use http_body_util::Full;
+use rankgate::sim::{SimConfig, SimEngine, SimFlavor};
+use serde_json::{json, Value};
+
+fn two_models(flavor: SimFlavor) -> SimConfig {
+    SimConfig {
+        models: vec!["alpha".into(), "beta".into()],
+        ..sim(flavor, 2, 0)
+    }
+}
+
+async fn post_json(e: &SimEngine, path: &str, body: Value) -> Reply {
+    send(
+        post(e.addr, path)
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn lists_every_served_model_and_routes_by_name() {
+    let e = engine(two_models(SimFlavor::Vllm)).await;
+    let models = get(e.addr, "/v1/models").await.json();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["alpha", "beta"]);
+    assert_eq!(models["data"][1]["root"], "beta");
+    assert_eq!(models["data"][1]["object"], "model");
+
+    for (named, echoed) in [
+        (Some("beta"), "beta"),
+        (Some("alpha"), "alpha"),
+        (None, "alpha"),
+    ] {
+        let mut body = json!({"prompt": "hi", "max_tokens": 2});
+        if let Some(m) = named {
+            body["model"] = json!(m);
+        }
+        let r = post_json(&e, "/v1/completions", body).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.json()["model"], echoed);
+    }
+}
+
+#[tokio::test]
+async fn unknown_model_is_a_vllm_shaped_404() {
+    for flavor in [SimFlavor::Vllm, SimFlavor::Sglang] {
+        let e = engine(two_models(flavor)).await;
+        let body = json!({"model": "gamma", "messages": [{"role": "user", "content": "hi"}]});
+        let r = post_json(&e, "/v1/chat/completions", body).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+        assert_eq!(
+            r.json(),
+            json!({"error": {"message": "The model `gamma` does not exist.",
+                "type": "NotFoundError", "param": "model", "code": 404}})
+        );
+        assert_eq!(e.served(), [0, 0], "a refused request admits nothing");
+    }
+}
+
+#[tokio::test]
+async fn an_empty_model_list_is_refused() {
+    let cfg = SimConfig {
+        models: Vec::new(),
+        ..SimConfig::default()
+    };
+    let err = SimEngine::start(common::loopback(), cfg)
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+}
