@@ -2,7 +2,7 @@
 //!
 //! cargo run --release --example mock_engine -- --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
-//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks] [--model a,b]
+//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks] [--model a,b] [--api-key K]
 //!
 //! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
 //! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
@@ -69,6 +69,9 @@ struct Args {
     /// Served model names, comma-separated; the first is the default for requests naming none.
     #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
     model: Vec<String>,
+    /// Like `vllm serve --api-key`: guarded paths need `Authorization: Bearer KEY`, else 401.
+    #[arg(long)]
+    api_key: Option<String>,
     /// Status the failing share of OpenAI API requests is answered with (100..=599).
     #[arg(long, default_value_t = 503)]
     fail_status: u16,
@@ -136,6 +139,7 @@ async fn main() -> anyhow::Result<()> {
         garbage_ranks: a.garbage_ranks,
         decode_tokens_per_sec: a.decode_rate,
         models: a.model,
+        api_key: a.api_key,
         servicer_quirks: a.servicer_quirks,
         fail_status: a.fail_status,
         fail_percent: a.fail_percent,

@@ -83,3 +83,66 @@ async fn an_empty_model_list_is_refused() {
         .unwrap();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
 }
+
+fn keyed(flavor: SimFlavor) -> SimConfig {
+    SimConfig {
+        api_key: Some("sekret".into()),
+        ..sim(flavor, 2, 0)
+    }
+}
+
+async fn get_with(e: &SimEngine, path: &str, authorization: Option<&str>) -> Reply {
+    let mut req = http::Request::get(format!("http://{}{path}", e.addr));
+    if let Some(a) = authorization {
+        req = req.header("authorization", a);
+    }
+    send(req.body(Full::new(Bytes::new())).unwrap()).await
+}
+
+#[tokio::test]
+async fn api_key_guards_what_each_engine_guards() {
+    let e = engine(keyed(SimFlavor::Vllm)).await;
+    let r = get_with(&e, "/v1/models", None).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.json(), json!({"error": "Unauthorized"}));
+    assert_eq!(
+        get_with(&e, "/v1/models", Some("Bearer wrong"))
+            .await
+            .status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        get_with(&e, "/v1/models", Some("Bearer sekret"))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    // vLLM leaves its unversioned paths open.
+    assert_eq!(get_with(&e, "/health", None).await.status, StatusCode::OK);
+    assert_eq!(get_with(&e, "/metrics", None).await.status, StatusCode::OK);
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    let chat = |auth: Option<&'static str>| {
+        let mut req = post(e.addr, "/v1/chat/completions");
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        send(req.body(Full::new(Bytes::from(body.to_string()))).unwrap())
+    };
+    assert_eq!(chat(None).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(e.requests_received(), 0, "refused before the handler");
+    assert_eq!(chat(Some("Bearer sekret")).await.status, StatusCode::OK);
+
+    // SGLang guards everything but /health and /metrics, its load report included.
+    let s = engine(keyed(SimFlavor::Sglang)).await;
+    assert_eq!(get_with(&s, "/health", None).await.status, StatusCode::OK);
+    assert_eq!(get_with(&s, "/metrics", None).await.status, StatusCode::OK);
+    let loads = get_with(&s, "/v1/loads", None).await;
+    assert_eq!(loads.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(loads.json(), json!({"error": "Unauthorized"}));
+    assert_eq!(
+        get_with(&s, "/v1/loads", Some("Bearer sekret"))
+            .await
+            .status,
+        StatusCode::OK
+    );
+}

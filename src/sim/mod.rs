@@ -8,9 +8,10 @@
 //! (pinned KV, dark ranks, a slow `/metrics`, broken native endpoints) and the fault knobs a
 //! router's resilience is tested with (failing, hanging, stalling, dying) are methods on
 //! [`SimEngine`]. `serve` holds the OpenAI API, `telemetry` what the ranks publish, `grpc` the
-//! `GetLoads` side, `rank` the KV and queue model, `faults` the fault knobs and `net` the accept
-//! loop that can die like a killed process.
+//! `GetLoads` side, `rank` the KV and queue model, `faults` the fault knobs, `auth` the API key
+//! check and `net` the accept loop that can die like a killed process.
 
+mod auth;
 mod faults;
 mod grpc;
 mod net;
@@ -85,6 +86,9 @@ pub struct SimConfig {
     /// none. Like `vllm serve --served-model-name a b`: names of one model, all listed by
     /// `/v1/models`; any other name is answered 404. Never empty ([`SimEngine::start`] refuses).
     pub models: Vec<String>,
+    /// Like `--api-key`: the requests the engine guards need this key (which paths and headers
+    /// depend on the flavor, see `auth`), or get 401. `None` leaves everything open.
+    pub api_key: Option<String>,
     /// Imitate smg-grpc-servicer 0.14.1: ignore the `dp_rank` filter and report the SUM of the
     /// ranks' capacities in every entry.
     pub servicer_quirks: bool,
@@ -123,6 +127,7 @@ impl Default for SimConfig {
             batch_slowdown: 0.02,
             prefill_tokens_per_sec: 20_000.0,
             models: vec![DEFAULT_MODEL.into()],
+            api_key: None,
             servicer_quirks: false,
             fail_status: 503,
             fail_percent: 0.0,

@@ -16,6 +16,7 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::auth;
 use super::faults::Open;
 use super::{lock, read, Seen, Sim, SimFlavor, MAX_REQUEST_BYTES, SEEN_CAP};
 use crate::http::{json_response, openai_error, respond};
@@ -72,6 +73,18 @@ impl Sim {
         req: Request<Incoming>,
     ) -> Result<Response<SimBody>, Infallible> {
         let path = req.uri().path().to_string();
+        if let Some(key) = &self.cfg.api_key {
+            let flavor = self.cfg.flavor;
+            if auth::guarded(flavor, req.method(), &path)
+                && !auth::accepted(flavor, req.headers(), key)
+            {
+                return Ok(respond(
+                    StatusCode::UNAUTHORIZED,
+                    "application/json",
+                    auth::UNAUTHORIZED,
+                ));
+            }
+        }
         Ok(match (req.method(), path.as_str()) {
             (&Method::GET, "/health") => respond(self.faults.health(), "text/plain", ""),
             (&Method::GET, "/metrics") => {
