@@ -146,3 +146,56 @@ async fn api_key_guards_what_each_engine_guards() {
         StatusCode::OK
     );
 }
+
+#[tokio::test]
+async fn records_what_it_saw_and_names_the_serving_rank() {
+    // Second node of a 2x2 deployment: global ranks 2 and 3.
+    let e = engine(SimConfig {
+        api_key: Some("sekret".into()),
+        ..sim(SimFlavor::Vllm, 2, 2)
+    })
+    .await;
+    let body = json!({"model": "tiny-llama", "prompt": "hi", "max_tokens": 1});
+    let r = send(
+        post(e.addr, "/v1/completions")
+            .header("authorization", "Bearer sekret")
+            .header("x-data-parallel-rank", "3")
+            .header("x-request-id", "req-7")
+            .header("x-forwarded-for", "10.1.2.3")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.headers["x-sim-rank"], "3");
+    let seen = e.seen();
+    let s = &seen[0];
+    assert_eq!(s.method, http::Method::POST);
+    assert_eq!(s.path, "/v1/completions");
+    assert_eq!(s.rank, 3);
+    assert_eq!(s.rank_header.as_deref(), Some("3"));
+    assert_eq!(s.model.as_deref(), Some("tiny-llama"));
+    assert_eq!(s.authorization.as_deref(), Some("Bearer sekret"));
+    assert_eq!(s.request_id.as_deref(), Some("req-7"));
+    assert_eq!(s.forwarded_for.as_deref(), Some("10.1.2.3"));
+
+    // An unpinned request still says where it ran, and a refused model is recorded too.
+    let r = post_json(&e, "/v1/embeddings", json!({"model": "nope", "input": "x"})).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED, "no key, no record");
+    let r = send(
+        post(e.addr, "/v1/embeddings")
+            .header("authorization", "Bearer sekret")
+            .body(Full::new(Bytes::from(
+                json!({"model": "nope", "input": "x"}).to_string(),
+            )))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let rank: u32 = r.headers["x-sim-rank"].to_str().unwrap().parse().unwrap();
+    assert!((2..4).contains(&rank));
+    let seen = e.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[1].model.as_deref(), Some("nope"));
+    assert_eq!(seen[1].request_id, None);
+}
