@@ -2,7 +2,7 @@
 //!
 //! cargo run --release --example mock_engine -- --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
-//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks]
+//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks] [--model a,b] [--api-key K]
 //!
 //! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
 //! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
@@ -66,8 +66,12 @@ struct Args {
     /// Decode rate of one request, tokens per second.
     #[arg(long, default_value_t = 200.0)]
     decode_rate: f64,
-    #[arg(long, default_value = "tiny-llama")]
-    model: String,
+    /// Served model names, comma-separated; the first is the default for requests naming none.
+    #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
+    model: Vec<String>,
+    /// Like `vllm serve --api-key`: guarded paths need `Authorization: Bearer KEY`, else 401.
+    #[arg(long)]
+    api_key: Option<String>,
     /// Status the failing share of OpenAI API requests is answered with (100..=599).
     #[arg(long, default_value_t = 503)]
     fail_status: u16,
@@ -104,6 +108,11 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(a.dp_size >= 1, "--dp-size must be at least 1");
+    anyhow::ensure!(
+        a.model.iter().all(|m| !m.is_empty()),
+        "--model takes non-empty names, got {:?}",
+        a.model
+    );
     anyhow::ensure!(a.decode_rate > 0.0, "--decode-rate must be positive");
     check_status(a.fail_status).map_err(|e| anyhow::anyhow!("--fail-status: {e}"))?;
     check_percent(a.fail_percent).map_err(|e| anyhow::anyhow!("--fail-percent: {e}"))?;
@@ -129,7 +138,8 @@ async fn main() -> anyhow::Result<()> {
         dark_ranks: a.dark_ranks,
         garbage_ranks: a.garbage_ranks,
         decode_tokens_per_sec: a.decode_rate,
-        model: a.model,
+        models: a.model,
+        api_key: a.api_key,
         servicer_quirks: a.servicer_quirks,
         fail_status: a.fail_status,
         fail_percent: a.fail_percent,

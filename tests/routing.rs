@@ -228,7 +228,7 @@ async fn sglang_gets_the_body_field_and_header() {
     .await;
     wait_state(&r, &[0, 1], "available").await;
     let body = serde_json::json!({
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "data_parallel_rank": 1, "routed_dp_rank": 1,
     });
     let reply = send(

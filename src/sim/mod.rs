@@ -8,9 +8,10 @@
 //! (pinned KV, dark ranks, a slow `/metrics`, broken native endpoints) and the fault knobs a
 //! router's resilience is tested with (failing, hanging, stalling, dying) are methods on
 //! [`SimEngine`]. `serve` holds the OpenAI API, `telemetry` what the ranks publish, `grpc` the
-//! `GetLoads` side, `rank` the KV and queue model, `faults` the fault knobs and `net` the accept
-//! loop that can die like a killed process.
+//! `GetLoads` side, `rank` the KV and queue model, `faults` the fault knobs, `auth` the API key
+//! check and `net` the accept loop that can die like a killed process.
 
+mod auth;
 mod faults;
 mod grpc;
 mod net;
@@ -52,6 +53,9 @@ impl SimFlavor {
     }
 }
 
+/// The model a default [`SimConfig`] serves.
+pub const DEFAULT_MODEL: &str = "tiny-llama";
+
 /// How the simulated engine is built.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -78,7 +82,13 @@ pub struct SimConfig {
     pub batch_slowdown: f64,
     /// Prompt tokens per second of prefill.
     pub prefill_tokens_per_sec: f64,
-    pub model: String,
+    /// The model names the engine serves, the first being the default for a request that names
+    /// none. Like `vllm serve --served-model-name a b`: names of one model, all listed by
+    /// `/v1/models`; any other name is answered 404. Never empty ([`SimEngine::start`] refuses).
+    pub models: Vec<String>,
+    /// Like `--api-key`: the requests the engine guards need this key (which paths and headers
+    /// depend on the flavor, see `auth`), or get 401. `None` leaves everything open.
+    pub api_key: Option<String>,
     /// Imitate smg-grpc-servicer 0.14.1: ignore the `dp_rank` filter and report the SUM of the
     /// ranks' capacities in every entry.
     pub servicer_quirks: bool,
@@ -116,7 +126,8 @@ impl Default for SimConfig {
             decode_tokens_per_sec: 200.0,
             batch_slowdown: 0.02,
             prefill_tokens_per_sec: 20_000.0,
-            model: "tiny-llama".into(),
+            models: vec![DEFAULT_MODEL.into()],
+            api_key: None,
             servicer_quirks: false,
             fail_status: 503,
             fail_percent: 0.0,
@@ -130,16 +141,30 @@ impl Default for SimConfig {
     }
 }
 
-/// What the engine saw of one request, for tests to inspect.
+/// The response header naming the GLOBAL rank that served a proxied request, so a client (or a
+/// test behind a router) sees where its request ran.
+pub const SIM_RANK_HEADER: &str = "x-sim-rank";
+
+/// What the engine saw of one proxied request, for tests to inspect. Recorded once the pin is
+/// resolved (a pin the engine refuses leaves no record), before the model is checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Seen {
+    pub method: http::Method,
     pub path: String,
     /// The `X-data-parallel-rank` header as received.
     pub rank_header: Option<String>,
-    /// The body's `data_parallel_rank` as received.
+    /// The body's `data_parallel_rank` (else `routed_dp_rank`) as received.
     pub body_rank: Option<Value>,
     /// The global rank that served it.
     pub rank: u32,
+    /// The body's (or form's) `model` as received; `None` when the request named none.
+    pub model: Option<String>,
+    /// The `Authorization` header as received.
+    pub authorization: Option<String>,
+    /// The `x-request-id` header as received.
+    pub request_id: Option<String>,
+    /// The `x-forwarded-for` header as received.
+    pub forwarded_for: Option<String>,
 }
 
 /// Knobs that change while the engine runs.
@@ -183,10 +208,16 @@ pub struct SimEngine {
 
 impl SimEngine {
     /// Binds `listen` (port 0 picks a free port) and starts serving. Fault knobs out of range
-    /// are an `InvalidInput` error.
+    /// and an empty model list are an `InvalidInput` error.
     pub async fn start(listen: SocketAddr, cfg: SimConfig) -> std::io::Result<SimEngine> {
-        let faults = Faults::new(&cfg)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
+        let faults = Faults::new(&cfg).map_err(|e| invalid(e.to_string()))?;
+        if cfg.models.is_empty() || cfg.models.iter().any(|m| m.is_empty()) {
+            return Err(invalid(format!(
+                "models must be a non-empty list of non-empty names, got {:?}",
+                cfg.models
+            )));
+        }
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let ranks = (0..cfg.dp_size)
@@ -382,6 +413,17 @@ impl SimEngine {
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
         let _ = self.task.await;
+    }
+}
+
+impl Sim {
+    /// The first served model: what a request that names none gets, and the `model_name` label
+    /// of `/metrics` (vLLM labels its series with the first served name).
+    pub(crate) fn default_model(&self) -> &str {
+        self.cfg
+            .models
+            .first()
+            .map_or(DEFAULT_MODEL, String::as_str)
     }
 }
 

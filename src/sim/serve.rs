@@ -9,13 +9,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, Method, Request, Response, StatusCode};
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::auth;
 use super::faults::Open;
 use super::{lock, read, Seen, Sim, SimFlavor, MAX_REQUEST_BYTES, SEEN_CAP};
 use crate::http::{json_response, openai_error, respond};
@@ -62,6 +63,8 @@ struct Job {
     prompt_tokens: u64,
     max_tokens: u64,
     id: u64,
+    /// The served model the request named, echoed in the response.
+    model: String,
 }
 
 impl Sim {
@@ -70,6 +73,18 @@ impl Sim {
         req: Request<Incoming>,
     ) -> Result<Response<SimBody>, Infallible> {
         let path = req.uri().path().to_string();
+        if let Some(key) = &self.cfg.api_key {
+            let flavor = self.cfg.flavor;
+            if auth::guarded(flavor, req.method(), &path)
+                && !auth::accepted(flavor, req.headers(), key)
+            {
+                return Ok(respond(
+                    StatusCode::UNAUTHORIZED,
+                    "application/json",
+                    auth::UNAUTHORIZED,
+                ));
+            }
+        }
         Ok(match (req.method(), path.as_str()) {
             (&Method::GET, "/health") => respond(self.faults.health(), "text/plain", ""),
             (&Method::GET, "/metrics") => {
@@ -108,10 +123,7 @@ impl Sim {
                 }
             }
             (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings") => {
-                match self.clone().generate(req, path).await {
-                    Ok(r) => r,
-                    Err((status, msg)) => openai_error(status, "BadRequestError", &msg),
-                }
+                self.clone().proxied(req).await
             }
             _ => openai_error(
                 StatusCode::NOT_FOUND,
@@ -122,11 +134,29 @@ impl Sim {
     }
 
     fn models(&self) -> Value {
-        json!({"object": "list", "data": [{
-            "id": self.cfg.model, "object": "model", "created": 0,
-            "owned_by": self.cfg.flavor.as_str(), "root": self.cfg.model, "parent": null,
+        let data: Vec<Value> = self.cfg.models.iter().map(|m| self.model_card(m)).collect();
+        json!({"object": "list", "data": data})
+    }
+
+    fn model_card(&self, id: &str) -> Value {
+        json!({
+            "id": id, "object": "model", "created": 0,
+            "owned_by": self.cfg.flavor.as_str(), "root": id, "parent": null,
             "max_model_len": self.cfg.capacity_tokens,
-        }]})
+        })
+    }
+
+    /// The model a request names, or the default when it names none; `Err` with the name when
+    /// the engine does not serve it. Both flavors refuse with vLLM's 404: SGLang's own check has
+    /// varied across versions (none at all, or a 400), and one answer keeps routing tests simple.
+    fn served_model(&self, v: &Value) -> Result<String, String> {
+        match v.get("model") {
+            None | Some(Value::Null) => Ok(self.default_model().to_string()),
+            Some(Value::String(m)) if self.cfg.models.contains(m) => Ok(m.clone()),
+            Some(other) => Err(other
+                .as_str()
+                .map_or_else(|| other.to_string(), str::to_string)),
+        }
     }
 
     /// Parses a pin the way the engine would, returning the local rank index.
@@ -182,51 +212,72 @@ impl Sim {
             .unwrap_or(0)
     }
 
-    async fn generate(
-        self: Arc<Self>,
-        req: Request<Incoming>,
-        path: String,
-    ) -> Result<Response<SimBody>, (StatusCode, String)> {
+    /// A request a router proxies to a rank: fault knobs first, then the pin resolved as the
+    /// engine would, what was seen recorded, the model checked, and the answer marked with the
+    /// rank that served it ([`super::SIM_RANK_HEADER`]).
+    async fn proxied(self: Arc<Self>, req: Request<Incoming>) -> Response<SimBody> {
         self.faults.received.fetch_add(1, Relaxed);
         let open = Open::new(&self);
-        let header = req
-            .headers()
-            .get("x-data-parallel-rank")
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-        let body = Limited::new(req.into_body(), MAX_REQUEST_BYTES)
+        let head = Head::of(&req);
+        let body = match Limited::new(req.into_body(), MAX_REQUEST_BYTES)
             .collect()
             .await
-            .map_err(|e| (StatusCode::BAD_REQUEST, format!("reading body: {e}")))?
-            .to_bytes();
+        {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return bad_request(&format!("reading body: {e}")),
+        };
         // Faults come before parsing, as an overloaded or wedged engine answers (or not)
         // whatever the request says; the body is read first so the connection stays usable.
         if let Some(resp) = self.injected_failure() {
-            return Ok(resp);
+            return resp;
         }
         if self.faults.hang_requests.load(Relaxed) {
-            return Ok(self.hold().await);
+            return self.hold().await;
         }
-        let v: Value = serde_json::from_slice(&body)
-            .map_err(|e| (StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))?;
+        let v: Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => return bad_request(&format!("invalid JSON: {e}")),
+        };
         let body_rank = v
             .get("data_parallel_rank")
             .or_else(|| v.get("routed_dp_rank"))
             .cloned();
-        let local = self
-            .resolve_rank(header.as_deref(), body_rank.as_ref())?
-            .unwrap_or_else(|| self.least_loaded());
-        {
-            let mut seen = lock(&self.seen);
-            if seen.len() == SEEN_CAP {
-                seen.pop_front();
+        let local = match self.resolve_rank(head.rank_header.as_deref(), body_rank.as_ref()) {
+            Ok(pinned) => pinned.unwrap_or_else(|| self.least_loaded()),
+            Err((status, msg)) => return openai_error(status, "BadRequestError", &msg),
+        };
+        let global = self.ranks[local].global;
+        self.record(head.seen(&v, body_rank, global));
+        // After recording: a test sees what reached the engine even when it is refused.
+        let mut resp = match self.served_model(&v) {
+            Ok(model) => {
+                self.clone()
+                    .generate(&head.path, v, local, model, open)
+                    .await
             }
-            seen.push_back(Seen {
-                path: path.clone(),
-                rank_header: header,
-                body_rank,
-                rank: self.ranks[local].global,
-            });
+            Err(name) => model_not_found(&name),
+        };
+        resp.headers_mut()
+            .insert(super::SIM_RANK_HEADER, HeaderValue::from(global));
+        resp
+    }
+
+    fn record(&self, s: Seen) {
+        let mut seen = lock(&self.seen);
+        if seen.len() == SEEN_CAP {
+            seen.pop_front();
         }
+        seen.push_back(s);
+    }
+
+    async fn generate(
+        self: Arc<Self>,
+        path: &str,
+        v: Value,
+        local: usize,
+        model: String,
+        open: Open,
+    ) -> Response<SimBody> {
         let prompt_text_len = match (v.get("messages"), v.get("prompt"), v.get("input")) {
             (Some(m), _, _) => m.to_string().len(),
             (_, Some(p), _) | (_, _, Some(p)) => {
@@ -240,6 +291,7 @@ impl Sim {
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false) && !embeddings,
             // About four characters per token, as for English text.
             prompt_tokens: (prompt_text_len as u64 / 4).max(1),
+            model,
             max_tokens: if embeddings {
                 0
             } else {
@@ -264,24 +316,24 @@ impl Sim {
             let mut resp = Response::new(SimBody::Stream(rx));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
-                http::HeaderValue::from_static("text/event-stream"),
+                HeaderValue::from_static("text/event-stream"),
             );
-            Ok(resp)
+            resp
         } else if embeddings {
             let _adm = self.ranks[local].admit(job.prompt_tokens, 0).await;
             self.admitted();
-            Ok(json_response(
+            json_response(
                 StatusCode::OK,
                 &json!({
-                    "object": "list", "model": self.cfg.model,
+                    "object": "list", "model": job.model,
                     "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}],
                     "usage": {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens},
                 }),
-            ))
+            )
         } else {
             match self.run(local, job, None).await {
-                Some(text) => Ok(json_response(StatusCode::OK, &text)),
-                None => Ok(self.hold().await),
+                Some(text) => json_response(StatusCode::OK, &text),
+                None => self.hold().await,
             }
         }
     }
@@ -320,7 +372,11 @@ impl Sim {
                 } else {
                     json!({"index": 0, "text": token, "logprobs": null, "finish_reason": null})
                 };
-                if tx.send(self.chunk(&id, job.chat, delta)).await.is_err() {
+                if tx
+                    .send(chunk(&id, &job.model, job.chat, delta))
+                    .await
+                    .is_err()
+                {
                     return None;
                 }
             } else {
@@ -345,7 +401,7 @@ impl Sim {
                     "text_completion"
                 }),
             );
-            last.insert("model".into(), json!(self.cfg.model));
+            last.insert("model".into(), json!(job.model));
             last.insert("choices".into(), json!([]));
             last.insert("usage".into(), usage);
             let _ = tx
@@ -361,17 +417,78 @@ impl Sim {
         };
         Some(
             json!({"id": id, "object": if job.chat { "chat.completion" } else { "text_completion" },
-            "model": self.cfg.model, "choices": [choice], "usage": usage}),
+            "model": job.model, "choices": [choice], "usage": usage}),
         )
     }
+}
 
-    fn chunk(&self, id: &str, chat: bool, choice: Value) -> Bytes {
-        let object = if chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
+/// What the engine reads off a proxied request's head before taking its body.
+struct Head {
+    method: Method,
+    path: String,
+    rank_header: Option<String>,
+    authorization: Option<String>,
+    request_id: Option<String>,
+    forwarded_for: Option<String>,
+}
+
+impl Head {
+    fn of(req: &Request<Incoming>) -> Head {
+        let h = req.headers();
+        let text = |name: &str| {
+            h.get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         };
-        let v = json!({"id": id, "object": object, "model": self.cfg.model, "choices": [choice]});
-        Bytes::from(format!("data: {v}\n\n"))
+        Head {
+            method: req.method().clone(),
+            path: req.uri().path().to_string(),
+            rank_header: text("x-data-parallel-rank"),
+            authorization: text("authorization"),
+            request_id: text("x-request-id"),
+            forwarded_for: text("x-forwarded-for"),
+        }
     }
+
+    fn seen(&self, body: &Value, body_rank: Option<Value>, rank: u32) -> Seen {
+        Seen {
+            method: self.method.clone(),
+            path: self.path.clone(),
+            rank_header: self.rank_header.clone(),
+            body_rank,
+            rank,
+            model: body
+                .get("model")
+                .map(|m| m.as_str().map_or_else(|| m.to_string(), str::to_string)),
+            authorization: self.authorization.clone(),
+            request_id: self.request_id.clone(),
+            forwarded_for: self.forwarded_for.clone(),
+        }
+    }
+}
+
+fn bad_request(msg: &str) -> Response<SimBody> {
+    openai_error(StatusCode::BAD_REQUEST, "BadRequestError", msg)
+}
+
+/// vLLM's answer to a model it does not serve: the OpenAI error shape with `param` naming the
+/// field and `code` the status.
+fn model_not_found(name: &str) -> Response<SimBody> {
+    let status = StatusCode::NOT_FOUND;
+    json_response(
+        status,
+        &json!({"error": {
+            "message": format!("The model `{name}` does not exist."),
+            "type": "NotFoundError", "param": "model", "code": status.as_u16(),
+        }}),
+    )
+}
+
+fn chunk(id: &str, model: &str, chat: bool, choice: Value) -> Bytes {
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let v = json!({"id": id, "object": object, "model": model, "choices": [choice]});
+    Bytes::from(format!("data: {v}\n\n"))
 }

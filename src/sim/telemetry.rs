@@ -136,7 +136,7 @@ impl Sim {
                 "dp_rank",
             ),
         };
-        let model = &self.cfg.model;
+        let model = self.default_model();
         let reports = self.rank_reports();
         let mut o = String::new();
         for (name, kind) in [(kv_name, 0), (run_name, 1), (wait_name, 2)] {
