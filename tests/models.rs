@@ -1,0 +1,216 @@
+//! Model-aware routing over real sockets: two simulated engines serving different models behind
+//! one router. Every request reaches an engine that serves its model, and within that set the
+//! least-KV rank; the fleet's `/v1/models` is the union; engine keys replace the client's.
+
+mod common;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use rankgate::sim::{SimConfig, SimEngine, SimFlavor};
+use serde_json::{json, Value};
+
+use common::*;
+
+fn serving(models: &[&str], dp_size: u32, start_rank: u32) -> SimConfig {
+    SimConfig {
+        models: models.iter().map(|m| m.to_string()).collect(),
+        ..sim(SimFlavor::Vllm, dp_size, start_rank)
+    }
+}
+
+async fn post_json(addr: std::net::SocketAddr, path: &str, body: Value) -> Reply {
+    send(
+        post(addr, path)
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap(),
+    )
+    .await
+}
+
+fn chat_for(model: Option<&str>) -> Value {
+    let mut v = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    if let Some(m) = model {
+        v["model"] = json!(m);
+    }
+    v
+}
+
+/// Engine A serves model-a on ranks 0-1, engine B model-b on ranks 2-3. A's rank 1 is the least
+/// loaded rank of the whole fleet.
+async fn two_models() -> (SimEngine, SimEngine, rankgate::app::Router) {
+    let a = engine(serving(&["model-a"], 2, 0)).await;
+    let b = engine(serving(&["model-b"], 2, 2)).await;
+    a.set_kv_usage(vec![0.7, 0.05]);
+    b.set_kv_usage(vec![0.3, 0.6]);
+    let r = router(
+        FAST,
+        &[
+            engine_toml(&a.url(), "vllm", 2, 0),
+            engine_toml(&b.url(), "vllm", 2, 2),
+        ],
+    )
+    .await;
+    wait_state(&r, &[0, 1, 2, 3], "available").await;
+    wait_models(&r).await;
+    (a, b, r)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_model_goes_only_to_its_engines_and_their_least_loaded_rank() {
+    let (a, b, r) = two_models().await;
+    for (model, want_rank) in [("model-a", 1), ("model-b", 2)] {
+        let mut on_best = 0;
+        for _ in 0..100 {
+            let reply = post_json(r.addr, "/v1/chat/completions", chat_for(Some(model))).await;
+            assert_eq!(
+                reply.status,
+                200,
+                "{}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            on_best += reply.worker().ends_with(&format!("@{want_rank}")) as u32;
+        }
+        assert!(on_best >= 90, "{model}: {on_best}/100 on rank {want_rank}");
+    }
+    for (e, model) in [(&a, "model-a"), (&b, "model-b")] {
+        let seen = e.seen();
+        assert_eq!(seen.len(), 100, "each engine got its own model's 100");
+        assert!(seen.iter().all(|s| s.model.as_deref() == Some(model)));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_or_missing_models_are_the_clients_error() {
+    let (a, b, r) = two_models().await;
+    let reply = post_json(r.addr, "/v1/chat/completions", chat_for(Some("model-z"))).await;
+    assert_eq!(reply.status, 404);
+    let err = &reply.json()["error"];
+    assert_eq!(err["code"], "model_not_found");
+    assert_eq!(err["param"], "model");
+    let msg = err["message"].as_str().unwrap();
+    assert!(
+        msg.contains("model-z") && msg.contains("model-a, model-b"),
+        "{msg}"
+    );
+
+    let reply = post_json(r.addr, "/v1/chat/completions", chat_for(None)).await;
+    assert_eq!(reply.status, 400, "several models and none named");
+
+    let reply = post_json(r.addr, "/v1/chat/completions", json!({"model": 7})).await;
+    assert_eq!(reply.status, 400);
+    let reply = send(
+        post(r.addr, "/v1/chat/completions")
+            .body(Full::new(Bytes::from_static(b"{\"model\": \"model-a\"")))
+            .unwrap(),
+    )
+    .await;
+    // The scan stops at `model`: the rest is the engine's to judge (and it refuses it).
+    assert_eq!(reply.status, 400);
+    assert!(reply.worker().starts_with(&a.url()), "{}", reply.worker());
+    assert!(b.seen().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleets_models_are_the_union_of_its_engines() {
+    let (_a, _b, r) = two_models().await;
+    let list = get(r.addr, "/v1/models").await;
+    assert_eq!(list.status, 200);
+    let ids: Vec<String> = list.json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["model-a", "model-b"]);
+    let one = get(r.addr, "/v1/models/model-b").await;
+    assert_eq!(one.status, 200);
+    assert_eq!(one.json()["id"], "model-b");
+    let none = get(r.addr, "/v1/models/model-z").await;
+    assert_eq!(none.status, 404);
+    assert_eq!(none.json()["error"]["code"], "model_not_found");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_fixed_in_the_config_routes_without_asking_the_engine() {
+    let a = engine(serving(&["model-a"], 1, 0)).await;
+    let b = engine(serving(&["model-b"], 1, 1)).await;
+    // B's /v1/models never answers; the config says what it serves.
+    b.set_hang_models(true);
+    let r = router(
+        FAST,
+        &[
+            engine_toml(&a.url(), "vllm", 1, 0),
+            engine_toml(&b.url(), "vllm", 1, 1) + "models = [\"model-b\"]\n",
+        ],
+    )
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    wait_models(&r).await;
+    for _ in 0..10 {
+        let reply = post_json(r.addr, "/v1/chat/completions", chat_for(Some("model-b"))).await;
+        assert_eq!(reply.status, 200);
+        assert!(reply.worker().ends_with("@1"));
+    }
+    assert!(a.seen().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_gets_its_own_key_never_the_clients() {
+    const VAR: &str = "RANKGATE_TEST_ENGINE_KEY_MODELS";
+    // A name no other test uses: set once, before the router reads it.
+    std::env::set_var(VAR, "engine-secret");
+    let e = engine(SimConfig {
+        api_key: Some("engine-secret".into()),
+        ..sim(SimFlavor::Vllm, 2, 0)
+    })
+    .await;
+    let r = router(
+        FAST,
+        &[engine_toml(&e.url(), "vllm", 2, 0) + &format!("api_key_env = \"{VAR}\"\n")],
+    )
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    // The engine guards /v1/models with its key: the list arriving means polls carry it.
+    wait_models(&r).await;
+    let reply = send(
+        post(r.addr, "/v1/chat/completions")
+            .header("authorization", "Bearer client-key")
+            .body(Full::new(Bytes::from(chat_body(1, false))))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let seen = e.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].authorization.as_deref(),
+        Some("Bearer engine-secret")
+    );
+
+    // Without rankgate's key the same engine refuses: the key is what made it work.
+    let direct = send(
+        http::Request::post(format!("{}/v1/chat/completions", e.url()))
+            .header("authorization", "Bearer client-key")
+            .body(Full::new(Bytes::from(chat_body(1, false))))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(direct.status, 401);
+}
+
+#[tokio::test]
+async fn an_engine_key_variable_that_is_unset_is_a_config_error() {
+    let text = "[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\napi_key_env = \"RANKGATE_TEST_UNSET_VARIABLE\"\n";
+    let err = rankgate::config::Config::from_str(text)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("engines[0].api_key_env") && err.contains("RANKGATE_TEST_UNSET_VARIABLE"),
+        "{err}"
+    );
+}
