@@ -16,17 +16,23 @@ use crate::config::Config;
 use crate::http::ServeOptions;
 use crate::metrics::Metrics;
 use crate::policy::Selector;
-use crate::proxy::Shared;
+use crate::proxy::{Keys, KeysError, Shared};
 use crate::table::Table;
 use crate::telemetry::{self, TelemetryStats};
 use crate::worker::Fleet;
 
+/// Why rankgate could not start.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot listen on {key} = {addr}: {source}")]
-pub struct StartError {
-    key: &'static str,
-    addr: SocketAddr,
-    source: std::io::Error,
+pub enum StartError {
+    #[error("cannot listen on {key} = {addr}: {source}")]
+    Listen {
+        key: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    /// The client keys `[server]` points at could not be read (names where, never a key).
+    #[error(transparent)]
+    Keys(#[from] KeysError),
 }
 
 /// A running rankgate.
@@ -55,7 +61,7 @@ pub struct Router {
 const LISTEN_BACKLOG: u32 = 4096;
 
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    let err = |source| StartError { key, addr, source };
+    let err = |source| StartError::Listen { key, addr, source };
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()
     } else {
@@ -70,18 +76,26 @@ async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartE
 impl Router {
     /// Binds both listeners and starts serving. Returns once the ports are bound.
     pub async fn start(cfg: Config) -> Result<Router, StartError> {
+        // Before any port binds: a key source that cannot be read must stop the start, never
+        // leave the door open (or a load balancer routing to a router that refuses everyone).
+        let keys = Keys::load(&cfg.server)?;
+        if let Some(k) = &keys {
+            tracing::info!(keys = ?k, "client API keys required");
+        }
         let listener = bind("server.listen", cfg.server.listen).await?;
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
-        let addr = listener.local_addr().map_err(|source| StartError {
+        let addr = listener.local_addr().map_err(|source| StartError::Listen {
             key: "server.listen",
             addr: cfg.server.listen,
             source,
         })?;
-        let admin_addr = admin_listener.local_addr().map_err(|source| StartError {
-            key: "server.admin_listen",
-            addr: cfg.server.admin_listen,
-            source,
-        })?;
+        let admin_addr = admin_listener
+            .local_addr()
+            .map_err(|source| StartError::Listen {
+                key: "server.admin_listen",
+                addr: cfg.server.admin_listen,
+                source,
+            })?;
 
         let fleet = Fleet::expand(cfg.engines.clone());
         let table = Table::new(fleet, cfg.telemetry.stale_after);
@@ -98,7 +112,7 @@ impl Router {
             rest_rx.clone(),
         );
 
-        let shared = Shared::new(&cfg, table.clone(), metrics.clone());
+        let shared = Shared::new(&cfg, table.clone(), metrics.clone(), keys);
         let selector = shared.selector.clone();
         let front_opts = ServeOptions::front_door(&cfg.server);
         tracing::debug!(

@@ -551,6 +551,34 @@ mod tests {
     }
 
     #[test]
+    fn front_door_access_keys() {
+        let c = Config::from_str(&format!(
+            "[server]\napi_keys_env = \"RG_KEYS\"\napi_keys_file = \"/etc/rg/keys\"\n\
+             cors_allow_origins = [\"https://app.example.com\", \"http://localhost:3000\", \"*\"]\n{MIN}"
+        ))
+        .unwrap();
+        assert_eq!(c.server.api_keys_env.as_deref(), Some("RG_KEYS"));
+        assert_eq!(c.server.cors_allow_origins.len(), 3);
+        let e = err(&format!("[server]\napi_keys_env = \"\"\n{MIN}"));
+        assert!(e.contains("server.api_keys_env"), "{e}");
+        let e = err(&format!("[server]\napi_keys_env = \"A=B\"\n{MIN}"));
+        assert!(e.contains("server.api_keys_env"), "{e}");
+        let e = err(&format!("[server]\napi_keys_file = \"\"\n{MIN}"));
+        assert!(e.contains("server.api_keys_file"), "{e}");
+        for bad in [
+            "app.example.com",
+            "https://app.example.com/",
+            "https://",
+            "https://a b",
+        ] {
+            let e = err(&format!(
+                "[server]\ncors_allow_origins = [\"*\", {bad:?}]\n{MIN}"
+            ));
+            assert!(e.contains("server.cors_allow_origins[1]"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn stale_after_must_exceed_interval() {
         let e = err(&format!(
             "[telemetry]\ninterval = \"1s\"\nstale_after = \"500ms\"\n{MIN}"

@@ -17,7 +17,7 @@ const BUCKETS: [f64; 14] = [
 ];
 
 /// Statuses rankgate answers itself, without reaching an engine.
-pub const OWN_STATUSES: [u16; 10] = [400, 404, 405, 408, 413, 429, 500, 502, 503, 504];
+pub const OWN_STATUSES: [u16; 12] = [400, 401, 403, 404, 405, 408, 413, 429, 500, 502, 503, 504];
 
 #[derive(Debug, Default)]
 struct WorkerCounters {

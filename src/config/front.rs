@@ -281,6 +281,27 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             ));
         }
     }
+    if let Some(var) = &server.api_keys_env {
+        if var.is_empty() || var.contains(['=', '\0']) {
+            return Err(invalid(
+                "server.api_keys_env",
+                format!("{var:?} is not an environment variable name"),
+            ));
+        }
+    }
+    if server
+        .api_keys_file
+        .as_ref()
+        .is_some_and(|p| p.as_os_str().is_empty())
+    {
+        return Err(invalid(
+            "server.api_keys_file",
+            "is empty: name the file, or leave the key out",
+        ));
+    }
+    for (i, o) in server.cors_allow_origins.iter().enumerate() {
+        check_origin(o).map_err(|p| invalid(format!("server.cors_allow_origins[{i}]"), p))?;
+    }
     if server.listen == server.admin_listen && server.listen.port() != 0 {
         return Err(invalid(
             "server.admin_listen",
@@ -288,6 +309,34 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         ));
     }
     Ok(server)
+}
+
+/// An allowed CORS origin is `*` or what a browser sends in `Origin`: `scheme://host[:port]`,
+/// nothing after. Anything else could never match, so it is refused here rather than silently
+/// ignored per request.
+fn check_origin(o: &str) -> Result<(), String> {
+    if o == "*" {
+        return Ok(());
+    }
+    let Some((scheme, host)) = o.split_once("://") else {
+        return Err(format!(
+            "{o:?} is not an origin: write \"scheme://host[:port]\" or \"*\""
+        ));
+    };
+    if scheme.is_empty() || host.is_empty() {
+        return Err(format!("{o:?} lacks a scheme or a host"));
+    }
+    if host.contains('/') {
+        return Err(format!(
+            "{o:?} has a path (or a trailing /): browsers send the origin without one"
+        ));
+    }
+    if !o.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "{o:?} must be ASCII without spaces (browsers send hosts in punycode)"
+        ));
+    }
+    Ok(())
 }
 
 /// Validates `[routing]`; replay buffers never exceed `max_body_bytes`.

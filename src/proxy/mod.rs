@@ -1,7 +1,12 @@
 //! The OpenAI-compatible front door, as a stack of tower layers, each owning one concern:
 //!
 //! ```text
+//! identity  x-request-id (kept or made) to the engine and back; X-Forwarded-For/-Proto
+//! cors      server.cors_allow_origins: preflights answered here (before any key is asked
+//!           for), CORS headers on every answer to an allowed origin
 //! respond   errors -> OpenAI-shaped responses, metrics, latency
+//! auth      server.api_keys_*: 401 without a valid `Authorization: Bearer` key (above route:
+//!           no key, no route table)
 //! route     the route table: what is proxied to which flavor; the fleet's /v1/models; 404 / 405
 //! read      the request body: 413, 400 when broken, 408 when stalled; kept whole for replays
 //! select    the engines serving the request's model (scanned, not parsed) and route
@@ -60,8 +65,11 @@ macro_rules! layer_types {
 }
 
 mod admit;
+mod auth;
 mod body;
 mod budget;
+mod cors;
+mod identity;
 mod observe;
 mod pick;
 mod pin;
@@ -75,7 +83,9 @@ mod send;
 #[cfg(test)]
 mod tests;
 
+pub use auth::{Denied, Keys, KeysError};
 pub use body::{BodyTooLarge, BoxError, ClientBodyError, Holds, ProxyBody, RequestBody};
+pub use identity::REQUEST_ID;
 pub use pin::pin_in_body;
 
 /// The pinning header, spelled as vLLM documents it (header names are case-insensitive; SGLang
@@ -101,6 +111,11 @@ pub enum ProxyError {
     Scan(#[from] scan::ScanError),
     #[error("method {method} not allowed on {path}")]
     MethodNotAllowed { method: Method, path: String },
+    #[error("{0}")]
+    Unauthorized(Denied),
+    /// A CORS preflight from an origin `server.cors_allow_origins` does not list.
+    #[error("origin {0:?} is not allowed (server.cors_allow_origins)")]
+    OriginNotAllowed(String),
     #[error("request body exceeds server.max_body_bytes ({0} bytes)")]
     TooLarge(usize),
     #[error("request body is not valid JSON: {0}")]
@@ -165,6 +180,8 @@ impl ProxyError {
             | ProxyError::NoEngineFor(_)
             | ProxyError::Model(ModelError::NotFound { .. }) => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ProxyError::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
             ProxyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BadJson(_)
             | ProxyError::NotObject
@@ -187,6 +204,8 @@ impl ProxyError {
     pub fn kind(&self) -> &'static str {
         match self.status().as_u16() {
             400 | 413 => "BadRequestError",
+            401 => "AuthenticationError",
+            403 => "PermissionDeniedError",
             404 => "NotFoundError",
             405 => "MethodNotAllowedError",
             408 => "RequestTimeoutError",
@@ -243,6 +262,8 @@ pub struct Shared {
     /// (respond).
     storm: Throttle,
     retry_after: HeaderValue,
+    /// The accepted client keys; `None`: no key is asked for (auth).
+    keys: Option<Keys>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -252,7 +273,13 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
-    pub fn new(cfg: &Config, table: Arc<Table>, metrics: Arc<Metrics>) -> Arc<Shared> {
+    /// `keys` as [`Keys::load`] read them at startup.
+    pub fn new(
+        cfg: &Config,
+        table: Arc<Table>,
+        metrics: Arc<Metrics>,
+        keys: Option<Keys>,
+    ) -> Arc<Shared> {
         let worker_headers = table
             .fleet
             .workers
@@ -293,6 +320,7 @@ impl Shared {
                 .collect(),
             storm: Throttle::new(Duration::from_secs(5)),
             retry_after: HeaderValue::from(cfg.routing.retry_after_secs),
+            keys,
             table,
         })
     }
@@ -317,6 +345,8 @@ pub struct Conn {
     shared: Arc<Shared>,
     /// The client's address.
     pub peer: SocketAddr,
+    /// Its IP as a header value (X-Forwarded-For), rendered once for all of its requests.
+    pub peer_ip: HeaderValue,
 }
 
 impl Ctx {
@@ -324,6 +354,7 @@ impl Ctx {
         Ctx(Arc::new(Conn {
             shared: shared.clone(),
             peer,
+            peer_ip: identity::peer_ip_header(peer),
         }))
     }
 
@@ -381,7 +412,10 @@ pub fn stack(
     let ctx = Ctx::new(shared, peer);
     let c = &ctx;
     ServiceBuilder::new()
+        .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| cors::Cors::new(inner, c))
         .layer_fn(|inner| respond::Respond::new(inner, c))
+        .layer_fn(|inner| auth::Auth::new(inner, c))
         .layer_fn(|inner| route::Route::new(inner, c))
         .layer_fn(|inner| read::Read::new(inner, c))
         .layer_fn(|inner| select::Select::new(inner, c))

@@ -1,12 +1,13 @@
-//! The outermost layer: every error becomes an OpenAI-shaped response, every response is counted,
-//! and each request's latency is recorded when its body ends.
+//! Every error becomes an OpenAI-shaped response, every response is counted, and each request's
+//! latency is recorded when its body ends. The outermost layer that can fail: only `identity`
+//! and `cors` (which add headers, and answer preflights) run outside it.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use http::{header, Request, Response, StatusCode};
+use http::{header, HeaderValue, Request, Response, StatusCode};
 use tokio::time::Instant;
 
 use super::body::Done;
@@ -79,7 +80,8 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
     }
 }
 
-fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
+/// The client's answer to `err` (also for `cors`' refusals, made outside this layer).
+pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
     let status = err.status();
     let metrics = &ctx.metrics;
     let message = match err.worker() {
@@ -108,6 +110,11 @@ fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
     ) {
         resp.headers_mut()
             .insert(header::RETRY_AFTER, ctx.retry_after.clone());
+    }
+    if status == StatusCode::UNAUTHORIZED {
+        // RFC 6750: a 401 names the scheme the client should use.
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     }
     if let Some(w) = err.worker() {
         resp.headers_mut()

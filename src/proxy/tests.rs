@@ -16,6 +16,10 @@ use crate::worker::Fleet;
 
 /// Two vLLM engines, one rank each, both with fresh telemetry showing them idle.
 fn shared(extra: &str) -> Ctx {
+    shared_with_keys(extra, None)
+}
+
+fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Ctx {
     let text = format!(
         "{extra}\n[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\n\
          [[engines]]\nurl = \"http://127.0.0.1:2\"\nflavor = \"vllm\"\nstart_rank = 1\n"
@@ -33,7 +37,7 @@ fn shared(extra: &str) -> Ctx {
     }));
     let metrics = Arc::new(Metrics::new(2));
     Ctx::new(
-        &Shared::new(&cfg, table, metrics),
+        &Shared::new(&cfg, table, metrics, keys),
         ([127, 0, 0, 1], 9).into(),
     )
 }
@@ -113,6 +117,66 @@ async fn respond_turns_errors_into_openai_answers() {
         msg.contains("server.response_timeout") && msg.contains("@1"),
         "{msg}"
     );
+}
+
+#[tokio::test]
+async fn auth_refuses_without_a_key_and_passes_with_one_or_when_none_is_configured() {
+    let inner = || service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
+    let with_auth = |v: Option<&'static str>| {
+        let mut r = Request::new(());
+        if let Some(v) = v {
+            r.headers_mut()
+                .insert(http::header::AUTHORIZATION, HeaderValue::from_static(v));
+        }
+        r
+    };
+    let open = shared("");
+    let ok = auth::Auth::new(inner(), &open)
+        .oneshot(with_auth(None))
+        .await;
+    assert_eq!(ok.unwrap().status(), 200);
+
+    let gated = shared_with_keys("", Some(Keys::new(&["sk-1"])));
+    let e = auth::Auth::new(inner(), &gated)
+        .oneshot(with_auth(None))
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(e.kind(), "AuthenticationError");
+    let ok = auth::Auth::new(inner(), &gated)
+        .oneshot(with_auth(Some("Bearer sk-1")))
+        .await;
+    assert_eq!(ok.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn the_outer_layers_mark_rankgates_own_refusals() {
+    let s = shared_with_keys(
+        "[server]\ncors_allow_origins = [\"https://a.test\"]\n",
+        Some(Keys::new(&["sk-1"])),
+    );
+    let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
+    let stack = identity::Identity::new(
+        cors::Cors::new(respond::Respond::new(auth::Auth::new(inner, &s), &s), &s),
+        &s,
+    );
+    let mut req = Request::new(());
+    req.headers_mut().insert(
+        http::header::ORIGIN,
+        HeaderValue::from_static("https://a.test"),
+    );
+    let resp = stack
+        .oneshot(req)
+        .await
+        .unwrap_or_else(|e: Infallible| match e {});
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    let h = resp.headers();
+    assert_eq!(h[http::header::WWW_AUTHENTICATE], "Bearer");
+    assert_eq!(
+        h[http::header::ACCESS_CONTROL_ALLOW_ORIGIN],
+        "https://a.test"
+    );
+    assert_eq!(h[identity::REQUEST_ID].len(), 32);
 }
 
 /// retry → pick → observe over a mock `send` that answers per engine.

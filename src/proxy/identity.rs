@@ -1,0 +1,232 @@
+//! Request identity, the outermost layer: every request gets an `x-request-id` (the client's
+//! when it sent a usable one, a fresh random one otherwise), sent to the engine and returned to
+//! the client, on rankgate's own error answers too; and the engine learns who asked through
+//! `X-Forwarded-For` and `X-Forwarded-Proto`.
+//!
+//! It runs on every request, so it allocates as little as it can: a generated id is 32 hex
+//! digits written into a stack buffer, and the connection's own address is rendered once per
+//! connection ([`super::Conn::peer_ip`]), so the usual request (no `X-Forwarded-For` of its own)
+//! only clones it.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response};
+
+use super::{Ctx, ProxyBody};
+
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub const FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub const FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// Longest client id kept: longer ones are replaced rather than forwarded into engine logs.
+pub const MAX_REQUEST_ID_BYTES: usize = 128;
+
+/// Whether a client's id can be kept: 1 to 128 visible ASCII characters (no spaces or control
+/// characters, which would break the log lines and headers it is copied into).
+pub fn valid_request_id(v: &[u8]) -> bool {
+    !v.is_empty() && v.len() <= MAX_REQUEST_ID_BYTES && v.iter().all(u8::is_ascii_graphic)
+}
+
+/// A fresh id: 128 random bits as 32 lowercase hex digits.
+pub fn new_request_id() -> HeaderValue {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut n: u128 = rand::random();
+    let mut buf = [0u8; 32];
+    for b in buf.iter_mut().rev() {
+        *b = HEX[(n & 0xf) as usize];
+        n >>= 4;
+    }
+    HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("0"))
+}
+
+/// The request's id: its own single valid `x-request-id`, or a new one put in its place.
+fn request_id(h: &mut HeaderMap) -> HeaderValue {
+    let mut sent = h.get_all(&REQUEST_ID).iter();
+    if let (Some(v), None) = (sent.next(), sent.next()) {
+        if valid_request_id(v.as_bytes()) {
+            return v.clone();
+        }
+    }
+    let id = new_request_id();
+    h.insert(REQUEST_ID, id.clone());
+    id
+}
+
+/// `X-Forwarded-For`: the client's address appended to what earlier proxies wrote (all of the
+/// header's lines, in order), or alone when there is nothing.
+pub fn forward_for(h: &mut HeaderMap, peer_ip: &HeaderValue) {
+    let mut earlier = h.get_all(&FORWARDED_FOR).iter().peekable();
+    if earlier.peek().is_none() {
+        h.insert(FORWARDED_FOR, peer_ip.clone());
+        return;
+    }
+    let mut joined = Vec::with_capacity(64);
+    for v in earlier {
+        let v = v.as_bytes().trim_ascii();
+        if v.is_empty() {
+            continue;
+        }
+        joined.extend_from_slice(v);
+        joined.extend_from_slice(b", ");
+    }
+    joined.extend_from_slice(peer_ip.as_bytes());
+    // Made only of bytes that were valid header values already; should that ever fail, the
+    // client's own address is still right.
+    let v = HeaderValue::from_bytes(&joined).unwrap_or_else(|_| peer_ip.clone());
+    h.insert(FORWARDED_FOR, v);
+}
+
+/// The client's address as a header value, rendered once per connection. An IPv4 client of a
+/// dual-stack listener shows as its IPv4 address, not `::ffff:a.b.c.d`.
+pub fn peer_ip_header(peer: std::net::SocketAddr) -> HeaderValue {
+    HeaderValue::from_str(&peer.ip().to_canonical().to_string())
+        .unwrap_or(HeaderValue::from_static("unknown"))
+}
+
+#[derive(Clone)]
+pub struct Identity<S> {
+    inner: S,
+    ctx: Ctx,
+}
+
+impl<S> Identity<S> {
+    pub fn new(inner: S, ctx: &Ctx) -> Identity<S> {
+        Identity {
+            inner,
+            ctx: ctx.clone(),
+        }
+    }
+}
+
+impl<S, B> tower::Service<Request<B>> for Identity<S>
+where
+    S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = Infallible>,
+    S::Future: Unpin,
+{
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = Identified<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        let h = req.headers_mut();
+        let id = request_id(h);
+        forward_for(h, &self.ctx.conn().peer_ip);
+        h.entry(FORWARDED_PROTO)
+            .or_insert(HeaderValue::from_static("http"));
+        Identified {
+            inner: self.inner.call(req),
+            id: Some(id),
+        }
+    }
+}
+
+/// The answer below, with the request's id on it.
+pub struct Identified<F> {
+    inner: F,
+    id: Option<HeaderValue>,
+}
+
+impl<F> Future for Identified<F>
+where
+    F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Unpin,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut resp = ready!(Pin::new(&mut this.inner).poll(cx))?;
+        if let Some(id) = this.id.take() {
+            // Replaces any the engine echoed: the client hears the id the engine was sent.
+            resp.headers_mut().insert(REQUEST_ID, id);
+        }
+        Poll::Ready(Ok(resp))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_kept_only_when_visible_ascii_and_short() {
+        assert!(valid_request_id(b"abc-123_XYZ.:/="));
+        assert!(valid_request_id(&[b'a'; 128]));
+        assert!(!valid_request_id(&[b'a'; 129]));
+        assert!(!valid_request_id(b""));
+        assert!(!valid_request_id(b"has space"));
+        assert!(!valid_request_id(b"tab\there"));
+        assert!(!valid_request_id("caf\u{e9}".as_bytes()));
+    }
+
+    #[test]
+    fn generated_ids_are_32_hex_digits_and_differ() {
+        let a = new_request_id();
+        let b = new_request_id();
+        assert_eq!(a.len(), 32);
+        assert!(a.as_bytes().iter().all(u8::is_ascii_hexdigit));
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_valid_client_id_is_kept_others_replaced() {
+        let mut h = HeaderMap::new();
+        h.insert(REQUEST_ID, HeaderValue::from_static("client-1"));
+        assert_eq!(request_id(&mut h), "client-1");
+        assert_eq!(h[REQUEST_ID], "client-1");
+
+        let mut h = HeaderMap::new();
+        h.insert(REQUEST_ID, HeaderValue::from_static("has space"));
+        let id = request_id(&mut h);
+        assert_eq!(id.len(), 32);
+        assert_eq!(h[REQUEST_ID], id);
+
+        // Two ids: which one is meant is unknown, so neither is kept.
+        let mut h = HeaderMap::new();
+        h.append(REQUEST_ID, HeaderValue::from_static("one"));
+        h.append(REQUEST_ID, HeaderValue::from_static("two"));
+        let id = request_id(&mut h);
+        assert_eq!(id.len(), 32);
+        assert_eq!(h.get_all(REQUEST_ID).iter().count(), 1);
+
+        let mut h = HeaderMap::new();
+        let id = request_id(&mut h);
+        assert_eq!(h[REQUEST_ID], id);
+    }
+
+    #[test]
+    fn forwarded_for_is_set_or_appended() {
+        let ip = peer_ip_header(([10, 0, 0, 9], 5000).into());
+        let mut h = HeaderMap::new();
+        forward_for(&mut h, &ip);
+        assert_eq!(h[FORWARDED_FOR], "10.0.0.9");
+
+        let mut h = HeaderMap::new();
+        h.insert(FORWARDED_FOR, HeaderValue::from_static("1.1.1.1, 2.2.2.2"));
+        forward_for(&mut h, &ip);
+        assert_eq!(h[FORWARDED_FOR], "1.1.1.1, 2.2.2.2, 10.0.0.9");
+
+        // Several lines are one list, in order.
+        let mut h = HeaderMap::new();
+        h.append(FORWARDED_FOR, HeaderValue::from_static("1.1.1.1"));
+        h.append(FORWARDED_FOR, HeaderValue::from_static("2.2.2.2 "));
+        forward_for(&mut h, &ip);
+        assert_eq!(h.get_all(FORWARDED_FOR).iter().count(), 1);
+        assert_eq!(h[FORWARDED_FOR], "1.1.1.1, 2.2.2.2, 10.0.0.9");
+    }
+
+    #[test]
+    fn peer_ip_is_canonical() {
+        let mapped: std::net::SocketAddr = "[::ffff:10.1.2.3]:80".parse().unwrap();
+        assert_eq!(peer_ip_header(mapped), "10.1.2.3");
+        let v6: std::net::SocketAddr = "[2001:db8::1]:80".parse().unwrap();
+        assert_eq!(peer_ip_header(v6), "2001:db8::1");
+    }
+}
