@@ -7,6 +7,9 @@
 //! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
 //! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
 //! With `--die-after` the process exits (status 1) once the engine has died.
+//!
+//! Every proxied answer (generation, pooling, tokenizer, audio, SGLang's native endpoints) carries
+//! `x-sim-rank: <global rank>`, the rank that served it.
 
 use std::net::SocketAddr;
 

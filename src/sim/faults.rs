@@ -125,7 +125,7 @@ impl Faults {
     }
 }
 
-/// Counts a generation request as open (see [`super::SimEngine::open_requests`]) while alive.
+/// Counts a proxied request as open (see [`super::SimEngine::open_requests`]) while alive.
 pub(crate) struct Open(Arc<Sim>);
 
 impl Open {
@@ -182,7 +182,7 @@ impl Sim {
         )
     }
 
-    /// The injected failure for this generation request, if it is one of the failing share.
+    /// The injected failure for this proxied request, if it is one of the failing share.
     pub(crate) fn injected_failure(&self) -> Option<Response<SimBody>> {
         let status = self.faults.failing()?;
         let kind = match status.as_u16() {

@@ -7,15 +7,28 @@
 //! and serves `/metrics` per rank in the real engine's format. Knobs that tests need at run time
 //! (pinned KV, dark ranks, a slow `/metrics`, broken native endpoints) and the fault knobs a
 //! router's resilience is tested with (failing, hanging, stalling, dying) are methods on
-//! [`SimEngine`]. `serve` holds the OpenAI API, `telemetry` what the ranks publish, `grpc` the
-//! `GetLoads` side, `rank` the KV and queue model, `faults` the fault knobs, `auth` the API key
-//! check and `net` the accept loop that can die like a killed process.
+//! [`SimEngine`].
+//!
+//! Besides the OpenAI API it serves every endpoint a router proxies to vLLM or SGLang (the
+//! Responses and Anthropic Messages APIs, audio, tokenizer, pooling, scoring and reranking,
+//! SGLang's native ones), each pinned like generation is and marked with the rank that served it
+//! ([`SIM_RANK_HEADER`]); it may serve several model names and require an API key. `routes` maps
+//! paths to endpoints, `serve` holds the HTTP surface and the prelude every proxied request goes
+//! through, `generate` the decoding APIs, `pooling` the answers without decoding, `multipart` the
+//! audio forms, `info` what the engine says about itself, `auth` the API key check, `telemetry`
+//! what the ranks publish, `grpc` the `GetLoads` side, `rank` the KV and queue model, `faults`
+//! the fault knobs and `net` the accept loop that can die like a killed process.
 
 mod auth;
 mod faults;
+mod generate;
 mod grpc;
+mod info;
+mod multipart;
 mod net;
+mod pooling;
 pub mod rank;
+mod routes;
 mod serve;
 mod telemetry;
 
@@ -92,11 +105,12 @@ pub struct SimConfig {
     /// Imitate smg-grpc-servicer 0.14.1: ignore the `dp_rank` filter and report the SUM of the
     /// ranks' capacities in every entry.
     pub servicer_quirks: bool,
-    /// The status the failing share of OpenAI API requests is answered with (100..=599).
+    /// The status the failing share of proxied requests is answered with (100..=599).
     pub fail_status: u16,
-    /// Share of OpenAI API POSTs answered at once with `fail_status`, in percent; 0 is off.
+    /// Share of proxied requests (every POST endpoint) answered at once with `fail_status`, in
+    /// percent; 0 is off.
     pub fail_percent: f64,
-    /// Generation requests are accepted and never answered.
+    /// Proxied requests are accepted and never answered.
     pub hang_requests: bool,
     /// `/metrics`, `/v1/loads` and gRPC `GetLoads` never answer.
     pub hang_metrics: bool,
@@ -104,7 +118,7 @@ pub struct SimConfig {
     pub hang_models: bool,
     /// What `/health` answers (gRPC health reports NOT_SERVING unless it is a 2xx).
     pub health_status: u16,
-    /// Die like `kill -9` once this many OpenAI API requests have been admitted into ranks.
+    /// Die like `kill -9` once this many requests have been admitted into ranks.
     pub die_after: Option<u64>,
     /// Generation stops after this many tokens and the response never ends.
     pub stall_after_tokens: Option<u64>,
@@ -336,14 +350,14 @@ impl SimEngine {
         write(&self.sim.knobs).native_failing = failing;
     }
 
-    /// Answers that share (percent, 0..=100; 0 is off) of OpenAI API POSTs at once with
+    /// Answers that share (percent, 0..=100; 0 is off) of proxied requests at once with
     /// `status` and an OpenAI error body, admitting nothing. The share restarts counting here:
     /// 100% fails every request, 50% every second one.
     pub fn set_fail(&self, status: u16, percent: f64) -> Result<(), FaultError> {
         self.sim.faults.set_fail(status, percent)
     }
 
-    /// Accepts generation requests and never answers them (no headers) until the client leaves.
+    /// Accepts proxied requests and never answers them (no headers) until the client leaves.
     pub fn set_hang_requests(&self, hang: bool) {
         self.sim.faults.hang_requests.store(hang, Relaxed);
     }
@@ -378,12 +392,13 @@ impl SimEngine {
         self.sim.faults.set_stall_after(k);
     }
 
-    /// OpenAI API POSTs that reached the engine, including failed, hung and rejected ones.
+    /// Proxied requests that reached the engine, including failed, hung and rejected ones (not
+    /// those refused for a missing API key).
     pub fn requests_received(&self) -> u64 {
         self.sim.faults.received.load(Relaxed)
     }
 
-    /// OpenAI API requests the engine still holds (reading, queued, decoding, hung or stalled).
+    /// Proxied requests the engine still holds (reading, queued, decoding, hung or stalled).
     pub fn open_requests(&self) -> u64 {
         self.sim.faults.open.load(Relaxed)
     }

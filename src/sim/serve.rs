@@ -1,23 +1,25 @@
-//! The simulated engine's OpenAI API: rank pinning as the real engines do it, admission into a
-//! rank's KV, and token streaming at the decode rate, with the request-side fault knobs applied.
+//! The simulated engine's HTTP surface: the API key check, the GET endpoints, and the prelude
+//! every proxied request goes through (fault knobs, rank pinning as the real engines do it, the
+//! record of what was seen, the model check) before `generate` decodes it, `pooling` answers
+//! it, or the tokenizer does. `routes` says which path is which.
 
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::auth;
 use super::faults::Open;
+use super::routes::{self, Endpoint};
+use super::{auth, multipart};
 use super::{lock, read, Seen, Sim, SimFlavor, MAX_REQUEST_BYTES, SEEN_CAP};
 use crate::http::{json_response, openai_error, respond};
 use crate::worker::RankNumbering;
@@ -56,16 +58,8 @@ impl Body for SimBody {
     }
 }
 
-/// What a generation request asks for.
-struct Job {
-    chat: bool,
-    stream: bool,
-    prompt_tokens: u64,
-    max_tokens: u64,
-    id: u64,
-    /// The served model the request named, echoed in the response.
-    model: String,
-}
+/// SGLang's path for one model card, the id following.
+const MODEL_BY_ID: &str = "/v1/models/";
 
 impl Sim {
     pub(super) async fn handle(
@@ -108,6 +102,26 @@ impl Sim {
                 }
                 json_response(StatusCode::OK, &self.models())
             }
+            // vLLM serves no `/v1/models/{id}`; SGLang does.
+            (&Method::GET, p)
+                if self.cfg.flavor == SimFlavor::Sglang && p.starts_with(MODEL_BY_ID) =>
+            {
+                if self.faults.hang_models.load(Relaxed) {
+                    return Ok(self.hold().await);
+                }
+                self.model_by_id(p.strip_prefix(MODEL_BY_ID).unwrap_or(p))
+            }
+            // `/get_*` are SGLang's older names, kept (deprecated) by newer versions.
+            (&Method::GET, "/get_server_info" | "/server_info")
+                if self.cfg.flavor == SimFlavor::Sglang =>
+            {
+                json_response(StatusCode::OK, &self.server_info())
+            }
+            (&Method::GET, "/get_model_info" | "/model_info")
+                if self.cfg.flavor == SimFlavor::Sglang =>
+            {
+                json_response(StatusCode::OK, &self.model_info())
+            }
             (&Method::GET, "/v1/loads") if self.cfg.flavor == SimFlavor::Sglang => {
                 self.telemetry_requests.fetch_add(1, Relaxed);
                 if self.faults.hang_metrics.load(Relaxed) {
@@ -122,27 +136,11 @@ impl Sim {
                     self.http_loads(req.uri().query())
                 }
             }
-            (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings") => {
-                self.clone().proxied(req).await
-            }
-            _ => openai_error(
-                StatusCode::NOT_FOUND,
-                "NotFoundError",
-                &format!("no route {path}"),
-            ),
-        })
-    }
-
-    fn models(&self) -> Value {
-        let data: Vec<Value> = self.cfg.models.iter().map(|m| self.model_card(m)).collect();
-        json!({"object": "list", "data": data})
-    }
-
-    fn model_card(&self, id: &str) -> Value {
-        json!({
-            "id": id, "object": "model", "created": 0,
-            "owned_by": self.cfg.flavor.as_str(), "root": id, "parent": null,
-            "max_model_len": self.cfg.capacity_tokens,
+            (&Method::POST, p) => match routes::route(self.cfg.flavor, p) {
+                Some(endpoint) => self.clone().proxied(req, endpoint).await,
+                None => no_route(&path),
+            },
+            _ => no_route(&path),
         })
     }
 
@@ -215,7 +213,11 @@ impl Sim {
     /// A request a router proxies to a rank: fault knobs first, then the pin resolved as the
     /// engine would, what was seen recorded, the model checked, and the answer marked with the
     /// rank that served it ([`super::SIM_RANK_HEADER`]).
-    async fn proxied(self: Arc<Self>, req: Request<Incoming>) -> Response<SimBody> {
+    async fn proxied(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        endpoint: Endpoint,
+    ) -> Response<SimBody> {
         self.faults.received.fetch_add(1, Relaxed);
         let open = Open::new(&self);
         let head = Head::of(&req);
@@ -234,28 +236,49 @@ impl Sim {
         if self.faults.hang_requests.load(Relaxed) {
             return self.hold().await;
         }
-        let v: Value = match serde_json::from_slice(&body) {
+        let v = match parse_body(endpoint, head.content_type.as_deref(), &body) {
             Ok(v) => v,
-            Err(e) => return bad_request(&format!("invalid JSON: {e}")),
+            Err(msg) => return bad_request(&msg),
         };
-        let body_rank = v
-            .get("data_parallel_rank")
-            .or_else(|| v.get("routed_dp_rank"))
+        // `null` is how an SGLang client leaves the optional field unset.
+        let body_rank = ["data_parallel_rank", "routed_dp_rank"]
+            .iter()
+            .find_map(|k| v.get(*k).filter(|r| !r.is_null()))
             .cloned();
         let local = match self.resolve_rank(head.rank_header.as_deref(), body_rank.as_ref()) {
             Ok(pinned) => pinned.unwrap_or_else(|| self.least_loaded()),
-            Err((status, msg)) => return openai_error(status, "BadRequestError", &msg),
+            Err((status, msg)) => return error(endpoint, status, "BadRequestError", None, &msg),
         };
         let global = self.ranks[local].global;
         self.record(head.seen(&v, body_rank, global));
         // After recording: a test sees what reached the engine even when it is refused.
-        let mut resp = match self.served_model(&v) {
+        let model = if endpoint.checks_model() {
+            self.served_model(&v)
+        } else {
+            Ok(self.default_model().to_string())
+        };
+        let mut resp = match model {
             Ok(model) => {
-                self.clone()
-                    .generate(&head.path, v, local, model, open)
-                    .await
+                let call = Call {
+                    local,
+                    body: v,
+                    model,
+                    open,
+                };
+                match endpoint {
+                    Endpoint::Decode(api) => self.clone().decode(api, call).await,
+                    Endpoint::Pool(kind) => self.pool(kind, call).await,
+                    Endpoint::Tokenize => self.tokenize(&call),
+                    Endpoint::Detokenize => self.detokenize(&call),
+                }
             }
-            Err(name) => model_not_found(&name),
+            Err(name) => error(
+                endpoint,
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                Some("model"),
+                &format!("The model `{name}` does not exist."),
+            ),
         };
         resp.headers_mut()
             .insert(super::SIM_RANK_HEADER, HeaderValue::from(global));
@@ -269,157 +292,6 @@ impl Sim {
         }
         seen.push_back(s);
     }
-
-    async fn generate(
-        self: Arc<Self>,
-        path: &str,
-        v: Value,
-        local: usize,
-        model: String,
-        open: Open,
-    ) -> Response<SimBody> {
-        let prompt_text_len = match (v.get("messages"), v.get("prompt"), v.get("input")) {
-            (Some(m), _, _) => m.to_string().len(),
-            (_, Some(p), _) | (_, _, Some(p)) => {
-                p.as_str().map_or_else(|| p.to_string().len(), str::len)
-            }
-            _ => 0,
-        };
-        let embeddings = path == "/v1/embeddings";
-        let job = Job {
-            chat: path == "/v1/chat/completions",
-            stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false) && !embeddings,
-            // About four characters per token, as for English text.
-            prompt_tokens: (prompt_text_len as u64 / 4).max(1),
-            model,
-            max_tokens: if embeddings {
-                0
-            } else {
-                v.get("max_tokens")
-                    .and_then(Value::as_u64)
-                    .unwrap_or(16)
-                    .max(1)
-            },
-            id: self.next_id.fetch_add(1, Relaxed),
-        };
-        if job.stream {
-            let (tx, rx) = mpsc::channel(16);
-            tokio::spawn(async move {
-                let _open = open;
-                // A client gone while the job still queues or stalls ends it here rather than
-                // at its next token, which may never come.
-                tokio::select! {
-                    _ = self.run(local, job, Some(tx.clone())) => {}
-                    _ = tx.closed() => {}
-                }
-            });
-            let mut resp = Response::new(SimBody::Stream(rx));
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("text/event-stream"),
-            );
-            resp
-        } else if embeddings {
-            let _adm = self.ranks[local].admit(job.prompt_tokens, 0).await;
-            self.admitted();
-            json_response(
-                StatusCode::OK,
-                &json!({
-                    "object": "list", "model": job.model,
-                    "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3, 0.4]}],
-                    "usage": {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens},
-                }),
-            )
-        } else {
-            match self.run(local, job, None).await {
-                Some(text) => json_response(StatusCode::OK, &text),
-                None => self.hold().await,
-            }
-        }
-    }
-
-    /// Admits the job on its rank and decodes it. Streaming jobs send SSE chunks to `tx` and stop
-    /// early (freeing their KV) if the client goes away; others return the whole completion.
-    /// `None` when the completion will not come: the client left, or the job stalled and the
-    /// engine is shutting down.
-    async fn run(&self, local: usize, job: Job, tx: Option<mpsc::Sender<Bytes>>) -> Option<Value> {
-        let rank = &self.ranks[local];
-        let mut adm = rank.admit(job.prompt_tokens, job.max_tokens).await;
-        self.admitted();
-        let prefill =
-            Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
-        tokio::time::sleep(prefill).await;
-        let kind = if job.chat { "chatcmpl" } else { "cmpl" };
-        let id = format!("{kind}-sim{}", job.id);
-        let mut text = String::new();
-        for i in 0..job.max_tokens {
-            if self.faults.stalls_at(i) {
-                // Holding `adm` keeps the KV taken, as a wedged request does on a real engine.
-                self.hold().await;
-                return None;
-            }
-            if i > 0 {
-                let running = rank.counts().running.saturating_sub(1) as f64;
-                let itl =
-                    (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
-                tokio::time::sleep(Duration::from_secs_f64(itl)).await;
-            }
-            adm.grow();
-            let token = format!("t{} ", i % 10);
-            if let Some(tx) = &tx {
-                let delta = if job.chat {
-                    json!({"index": 0, "delta": {"content": token}, "logprobs": null, "finish_reason": null})
-                } else {
-                    json!({"index": 0, "text": token, "logprobs": null, "finish_reason": null})
-                };
-                if tx
-                    .send(chunk(&id, &job.model, job.chat, delta))
-                    .await
-                    .is_err()
-                {
-                    return None;
-                }
-            } else {
-                text.push_str(&token);
-            }
-        }
-        // A stall at or past the last token still withholds the end: no usage, no `[DONE]`.
-        if self.faults.stalls_at(job.max_tokens) {
-            self.hold().await;
-            return None;
-        }
-        let usage = json!({"prompt_tokens": job.prompt_tokens, "completion_tokens": job.max_tokens,
-            "total_tokens": job.prompt_tokens + job.max_tokens});
-        if let Some(tx) = &tx {
-            let mut last = serde_json::Map::new();
-            last.insert("id".into(), json!(id));
-            last.insert(
-                "object".into(),
-                json!(if job.chat {
-                    "chat.completion.chunk"
-                } else {
-                    "text_completion"
-                }),
-            );
-            last.insert("model".into(), json!(job.model));
-            last.insert("choices".into(), json!([]));
-            last.insert("usage".into(), usage);
-            let _ = tx
-                .send(Bytes::from(format!("data: {}\n\n", Value::Object(last))))
-                .await;
-            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-            return None;
-        }
-        let choice = if job.chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
-        } else {
-            json!({"index": 0, "text": text, "finish_reason": "length"})
-        };
-        Some(
-            json!({"id": id, "object": if job.chat { "chat.completion" } else { "text_completion" },
-            "model": job.model, "choices": [choice], "usage": usage}),
-        )
-    }
 }
 
 /// What the engine reads off a proxied request's head before taking its body.
@@ -430,6 +302,7 @@ struct Head {
     authorization: Option<String>,
     request_id: Option<String>,
     forwarded_for: Option<String>,
+    content_type: Option<String>,
 }
 
 impl Head {
@@ -446,6 +319,7 @@ impl Head {
             authorization: text("authorization"),
             request_id: text("x-request-id"),
             forwarded_for: text("x-forwarded-for"),
+            content_type: text("content-type"),
         }
     }
 
@@ -466,29 +340,75 @@ impl Head {
     }
 }
 
+fn no_route(path: &str) -> Response<SimBody> {
+    openai_error(
+        StatusCode::NOT_FOUND,
+        "NotFoundError",
+        &format!("no route {path}"),
+    )
+}
+
 fn bad_request(msg: &str) -> Response<SimBody> {
     openai_error(StatusCode::BAD_REQUEST, "BadRequestError", msg)
 }
 
-/// vLLM's answer to a model it does not serve: the OpenAI error shape with `param` naming the
-/// field and `code` the status.
-fn model_not_found(name: &str) -> Response<SimBody> {
-    let status = StatusCode::NOT_FOUND;
-    json_response(
-        status,
-        &json!({"error": {
-            "message": format!("The model `{name}` does not exist."),
-            "type": "NotFoundError", "param": "model", "code": status.as_u16(),
-        }}),
-    )
+/// A proxied request past the prelude: the local rank that serves it, its body (a form's fields
+/// for a multipart request), and the served model it names (the default when it names none).
+pub(super) struct Call {
+    pub(super) local: usize,
+    pub(super) body: Value,
+    pub(super) model: String,
+    /// Counts the request as open until the answer, stream included, is done.
+    pub(super) open: Open,
 }
 
-fn chunk(id: &str, model: &str, chat: bool, choice: Value) -> Bytes {
-    let object = if chat {
-        "chat.completion.chunk"
+impl Call {
+    /// The prompt's length in tokens, at about four characters per token as for English text,
+    /// from the first prompt-bearing field present; at least one.
+    pub(super) fn prompt_tokens(&self) -> u64 {
+        let v = &self.body;
+        let chars = match v.get("messages") {
+            Some(m) => m.to_string().len(),
+            None => ["prompt", "input", "text", "query"]
+                .iter()
+                .find_map(|k| v.get(*k))
+                .map_or(0, |p| {
+                    p.as_str().map_or_else(|| p.to_string().len(), str::len)
+                }),
+        };
+        (chars as u64 / 4).max(1)
+    }
+}
+
+/// The body as JSON; a multipart form as the object of its fields, which must hold the upload.
+fn parse_body(
+    endpoint: Endpoint,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Result<Value, String> {
+    if !endpoint.is_form() {
+        return serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"));
+    }
+    let fields = multipart::fields(content_type.unwrap_or(""), body).map_err(|e| e.to_string())?;
+    if !fields.contains_key("file") {
+        return Err("the form has no `file` part".into());
+    }
+    Ok(Value::Object(fields))
+}
+
+/// An error as the endpoint answers it: vLLM's OpenAI shape (`param` names the field at fault,
+/// `code` is the status), or Anthropic's for the Messages API, whose router translates it.
+fn error(
+    endpoint: Endpoint,
+    status: StatusCode,
+    kind: &str,
+    param: Option<&str>,
+    message: &str,
+) -> Response<SimBody> {
+    let body = if endpoint.anthropic_errors() {
+        json!({"type": "error", "error": {"type": kind, "message": message}})
     } else {
-        "text_completion"
+        json!({"error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}})
     };
-    let v = json!({"id": id, "object": object, "model": model, "choices": [choice]});
-    Bytes::from(format!("data: {v}\n\n"))
+    json_response(status, &body)
 }

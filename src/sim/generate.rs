@@ -1,0 +1,320 @@
+//! Decoding: a generation request holds KV on its rank while tokens come out at the decode rate,
+//! whole or streamed. The five generation APIs share that one loop and differ only in the fields
+//! that bound the output and in how the text is framed, which [`Job`] owns:
+//!
+//! - chat and completions: bounded by `max_completion_tokens`, else `max_tokens` (default 16);
+//!   stream `data:` chunks, a usage chunk and `data: [DONE]`.
+//! - Responses: `max_output_tokens` (16); events `response.created`, one
+//!   `response.output_text.delta` per token, `response.completed` with the whole response.
+//! - Anthropic Messages: `max_tokens` (16); `message_start`, `content_block_start`, one
+//!   `content_block_delta` per token, `content_block_stop`, `message_delta`, `message_stop`.
+//! - SGLang `/generate`: `sampling_params.max_new_tokens` (128); `data:` lines carrying the text
+//!   so far and `meta_info`, then `data: [DONE]`.
+//!
+//! OpenAI documents `max_completion_tokens` as the newer name of `max_tokens`, winning when both
+//! are given. The simulated engine always decodes exactly the bound, so `usage` reports it.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::routes::Api;
+use super::serve::Call;
+use super::{Sim, SimBody};
+use crate::http::json_response;
+
+/// What a generation request asks for, and how its answer is framed.
+pub(super) struct Job {
+    api: Api,
+    stream: bool,
+    prompt_tokens: u64,
+    max_tokens: u64,
+    /// The response id (`chatcmpl-sim3`, `resp_sim3`, ...).
+    id: String,
+    /// The served model the request named, echoed in the response.
+    model: String,
+}
+
+impl Job {
+    fn new(api: Api, call: &Call, n: u64) -> Job {
+        let v = &call.body;
+        let field = |k: &str| v.get(k).and_then(Value::as_u64);
+        let max_tokens = match api {
+            Api::Chat | Api::Completion => field("max_completion_tokens")
+                .or_else(|| field("max_tokens"))
+                .unwrap_or(16),
+            Api::Responses => field("max_output_tokens").unwrap_or(16),
+            Api::Messages => field("max_tokens").unwrap_or(16),
+            Api::Generate => v
+                .pointer("/sampling_params/max_new_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(128),
+        };
+        let id = match api {
+            Api::Chat => format!("chatcmpl-sim{n}"),
+            Api::Completion => format!("cmpl-sim{n}"),
+            Api::Responses => format!("resp_sim{n}"),
+            Api::Messages => format!("msg_sim{n}"),
+            Api::Generate => format!("sim{n}"),
+        };
+        Job {
+            api,
+            stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
+            prompt_tokens: call.prompt_tokens(),
+            max_tokens: max_tokens.max(1),
+            id,
+            model: call.model.clone(),
+        }
+    }
+
+    /// Events a stream opens with, before any token.
+    fn opening(&self) -> Option<Bytes> {
+        match self.api {
+            Api::Responses => {
+                let mut r = self.whole("");
+                r["status"] = json!("in_progress");
+                r["output"] = json!([]);
+                Some(event(
+                    "response.created",
+                    json!({"type": "response.created", "sequence_number": 0, "response": r}),
+                ))
+            }
+            Api::Messages => {
+                let mut m = self.whole("");
+                m["content"] = json!([]);
+                m["stop_reason"] = Value::Null;
+                m["usage"]["output_tokens"] = json!(0);
+                let mut b = event(
+                    "message_start",
+                    json!({"type": "message_start", "message": m}),
+                )
+                .to_vec();
+                b.extend_from_slice(&event(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": 0,
+                        "content_block": {"type": "text", "text": ""}}),
+                ));
+                Some(b.into())
+            }
+            Api::Chat | Api::Completion | Api::Generate => None,
+        }
+    }
+
+    /// The event carrying token `i` (`token`), `text` being everything decoded so far.
+    fn token(&self, i: u64, token: &str, text: &str) -> Bytes {
+        match self.api {
+            Api::Chat => self.chunk(json!({"index": 0, "delta": {"content": token},
+                "logprobs": null, "finish_reason": null})),
+            Api::Completion => self.chunk(json!({"index": 0, "text": token,
+                "logprobs": null, "finish_reason": null})),
+            Api::Responses => event(
+                "response.output_text.delta",
+                json!({"type": "response.output_text.delta", "sequence_number": i + 1,
+                    "item_id": self.item_id(), "output_index": 0, "content_index": 0,
+                    "delta": token}),
+            ),
+            Api::Messages => event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": token}}),
+            ),
+            // SGLang streams the whole text so far, the last chunk saying why it finished.
+            Api::Generate => data(&json!({"text": text, "meta_info": self.meta_info(i + 1)})),
+        }
+    }
+
+    /// Events a finished stream ends with.
+    fn closing(&self, text: &str) -> Bytes {
+        let done = Bytes::from_static(b"data: [DONE]\n\n");
+        match self.api {
+            Api::Chat | Api::Completion => {
+                let object = self.chunk_object();
+                let mut b = data(
+                    &json!({"id": self.id, "object": object, "model": self.model,
+                    "choices": [], "usage": self.usage()}),
+                )
+                .to_vec();
+                b.extend_from_slice(&done);
+                b.into()
+            }
+            Api::Responses => event(
+                "response.completed",
+                json!({"type": "response.completed", "sequence_number": self.max_tokens + 1,
+                    "response": self.whole(text)}),
+            ),
+            Api::Messages => {
+                let mut b = event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": 0}),
+                )
+                .to_vec();
+                b.extend_from_slice(&event(
+                    "message_delta",
+                    json!({"type": "message_delta",
+                        "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+                        "usage": {"output_tokens": self.max_tokens}}),
+                ));
+                b.extend_from_slice(&event("message_stop", json!({"type": "message_stop"})));
+                b.into()
+            }
+            Api::Generate => done,
+        }
+    }
+
+    /// The whole answer of a request that does not stream.
+    fn whole(&self, text: &str) -> Value {
+        let (p, c) = (self.prompt_tokens, self.max_tokens);
+        match self.api {
+            Api::Chat => json!({"id": self.id, "object": "chat.completion", "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length"}],
+                "usage": self.usage()}),
+            Api::Completion => json!({"id": self.id, "object": "text_completion",
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": self.usage()}),
+            Api::Responses => json!({"id": self.id, "object": "response", "created_at": 0,
+                "model": self.model, "status": "completed",
+                "output": [{"type": "message", "id": self.item_id(), "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+                "usage": {"input_tokens": p, "output_tokens": c, "total_tokens": p + c}}),
+            Api::Messages => json!({"id": self.id, "type": "message", "role": "assistant",
+                "model": self.model, "content": [{"type": "text", "text": text}],
+                "stop_reason": "max_tokens", "stop_sequence": null,
+                "usage": {"input_tokens": p, "output_tokens": c}}),
+            Api::Generate => json!({"text": text, "meta_info": self.meta_info(c)}),
+        }
+    }
+
+    fn usage(&self) -> Value {
+        let (p, c) = (self.prompt_tokens, self.max_tokens);
+        json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+    }
+
+    /// SGLang's per-request report after `done` tokens.
+    fn meta_info(&self, done: u64) -> Value {
+        let finish = (done >= self.max_tokens).then(|| json!({"type": "length", "length": done}));
+        json!({"id": self.id, "finish_reason": finish, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done, "cached_tokens": 0})
+    }
+
+    /// The Responses API's output message id.
+    fn item_id(&self) -> String {
+        format!("msg_{}", self.id)
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        if self.api == Api::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        }
+    }
+
+    fn chunk(&self, choice: Value) -> Bytes {
+        data(
+            &json!({"id": self.id, "object": self.chunk_object(), "model": self.model,
+            "choices": [choice]}),
+        )
+    }
+}
+
+/// One SSE `data:` line.
+fn data(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// One named SSE event.
+fn event(name: &str, v: Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {v}\n\n"))
+}
+
+impl Sim {
+    /// Answers a generation request, streaming or whole.
+    pub(super) async fn decode(self: Arc<Self>, api: Api, call: Call) -> Response<SimBody> {
+        let job = Job::new(api, &call, self.next_id.fetch_add(1, Relaxed));
+        let local = call.local;
+        if !job.stream {
+            return match self.run(local, &job, None).await {
+                Some(v) => json_response(StatusCode::OK, &v),
+                None => self.hold().await,
+            };
+        }
+        let (tx, rx) = mpsc::channel(16);
+        let open = call.open;
+        tokio::spawn(async move {
+            let _open = open;
+            // A client gone while the job still queues or stalls ends it here rather than at
+            // its next token, which may never come.
+            tokio::select! {
+                _ = self.run(local, &job, Some(&tx)) => {}
+                _ = tx.closed() => {}
+            }
+        });
+        let mut resp = Response::new(SimBody::Stream(rx));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        resp
+    }
+
+    /// Admits the job on its rank and decodes it. Streaming jobs send their events to `tx` and
+    /// stop early (freeing their KV) if the client goes away; others return the whole answer.
+    /// `None` when the answer will not come: the client left, or the job stalled and the engine
+    /// is shutting down.
+    async fn run(
+        &self,
+        local: usize,
+        job: &Job,
+        tx: Option<&mpsc::Sender<Bytes>>,
+    ) -> Option<Value> {
+        let rank = &self.ranks[local];
+        if let (Some(tx), Some(open)) = (tx, job.opening()) {
+            tx.send(open).await.ok()?;
+        }
+        let mut adm = rank.admit(job.prompt_tokens, job.max_tokens).await;
+        self.admitted();
+        let prefill =
+            Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
+        tokio::time::sleep(prefill).await;
+        let mut text = String::new();
+        for i in 0..job.max_tokens {
+            if self.faults.stalls_at(i) {
+                // Holding `adm` keeps the KV taken, as a wedged request does on a real engine.
+                self.hold().await;
+                return None;
+            }
+            if i > 0 {
+                let running = rank.counts().running.saturating_sub(1) as f64;
+                let itl =
+                    (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
+                tokio::time::sleep(Duration::from_secs_f64(itl)).await;
+            }
+            adm.grow();
+            let token = format!("t{} ", i % 10);
+            text.push_str(&token);
+            if let Some(tx) = tx {
+                tx.send(job.token(i, &token, &text)).await.ok()?;
+            }
+        }
+        // A stall at or past the last token still withholds the end: no usage, no `[DONE]`.
+        if self.faults.stalls_at(job.max_tokens) {
+            self.hold().await;
+            return None;
+        }
+        match tx {
+            Some(tx) => {
+                let _ = tx.send(job.closing(&text)).await;
+                None
+            }
+            None => Some(job.whole(&text)),
+        }
+    }
+}
