@@ -14,6 +14,9 @@
 # ROUNDS=N then repeats bare, rankgate (and BEFORE) back to back N more times and prints each
 # round's ratio and the spread: neighbouring runs share the machine's mood, so per-round ratios
 # are steadier than runs minutes apart.
+# MODELS=2 puts a second engine serving another model beside the first: rankgate then reads each
+# request's model from its body (the scan) to route it; the default fleet serves one model and
+# is not scanned.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-10}
@@ -27,7 +30,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -r
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-UP=$(free_port); NGX=$(free_port); RG=$(free_port); ADMIN=$(free_port); BARE=$(free_port)
+UP=$(free_port); UP2=$(free_port); NGX=$(free_port); RG=$(free_port); ADMIN=$(free_port); BARE=$(free_port)
 OLD=$(free_port); OLDADMIN=$(free_port)
 cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
 mkdir -p "$work/tmp"
@@ -39,7 +42,13 @@ http {
   access_log off; client_body_temp_path $work/tmp;
   server { listen 127.0.0.1:$UP; keepalive_requests 1000000;
     location = /metrics { default_type text/plain; alias $work/metrics; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}'; }
     location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'; }
+  }
+  server { listen 127.0.0.1:$UP2; keepalive_requests 1000000;
+    location = /metrics { default_type text/plain; alias $work/metrics; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"other-model","object":"model"}]}'; }
+    location / { default_type application/json; return 200 '{"id":"cmpl-2","object":"chat.completion","choices":[]}'; }
   }
 }
 CONF
@@ -64,6 +73,9 @@ flavor = "${FLAVOR:-vllm}"
 dp_size = 2
 telemetry = ["prometheus"]
 CONF
+if [ "${MODELS:-1}" = 2 ]; then
+  printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\nstart_rank = 2\ntelemetry = ["prometheus"]\n' "$UP2" "${FLAVOR:-vllm}" >> "$work/rankgate.toml"
+fi
 sed -e "s/127.0.0.1:$RG/127.0.0.1:$OLD/" -e "s/127.0.0.1:$ADMIN/127.0.0.1:$OLDADMIN/" "$work/rankgate.toml" > "$work/before.toml"
 cat > "$work/post.lua" <<'LUA'
 wrk.method = "POST"
@@ -80,6 +92,9 @@ if [ -n "${BEFORE:-}" ]; then
 fi
 for _ in $(seq 100); do curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null && break; sleep 0.1; done
 curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null || { echo "rankgate not ready" >&2; exit 1; }
+if [ "${MODELS:-1}" = 2 ]; then  # routing by model starts once both model lists are in
+  for _ in $(seq 100); do curl -s "127.0.0.1:$RG/v1/models" | grep -q other-model && break; sleep 0.1; done
+fi
 if [ -n "${BEFORE:-}" ]; then
   for _ in $(seq 100); do curl -sf "127.0.0.1:$OLDADMIN/ready" >/dev/null && break; sleep 0.1; done
 fi

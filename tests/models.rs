@@ -6,17 +6,10 @@ mod common;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimEngine, SimFlavor};
+use rankgate::sim::{SimConfig, SimFlavor};
 use serde_json::{json, Value};
 
 use common::*;
-
-fn serving(models: &[&str], dp_size: u32, start_rank: u32) -> SimConfig {
-    SimConfig {
-        models: models.iter().map(|m| m.to_string()).collect(),
-        ..sim(SimFlavor::Vllm, dp_size, start_rank)
-    }
-}
 
 async fn post_json(addr: std::net::SocketAddr, path: &str, body: Value) -> Reply {
     send(
@@ -33,26 +26,6 @@ fn chat_for(model: Option<&str>) -> Value {
         v["model"] = json!(m);
     }
     v
-}
-
-/// Engine A serves model-a on ranks 0-1, engine B model-b on ranks 2-3. A's rank 1 is the least
-/// loaded rank of the whole fleet.
-async fn two_models() -> (SimEngine, SimEngine, rankgate::app::Router) {
-    let a = engine(serving(&["model-a"], 2, 0)).await;
-    let b = engine(serving(&["model-b"], 2, 2)).await;
-    a.set_kv_usage(vec![0.7, 0.05]);
-    b.set_kv_usage(vec![0.3, 0.6]);
-    let r = router(
-        FAST,
-        &[
-            engine_toml(&a.url(), "vllm", 2, 0),
-            engine_toml(&b.url(), "vllm", 2, 2),
-        ],
-    )
-    .await;
-    wait_state(&r, &[0, 1, 2, 3], "available").await;
-    wait_models(&r).await;
-    (a, b, r)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,4 +186,29 @@ async fn an_engine_key_variable_that_is_unset_is_a_config_error() {
         err.contains("engines[0].api_key_env") && err.contains("RANKGATE_TEST_UNSET_VARIABLE"),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audio_form_goes_to_the_engine_serving_its_model_field() {
+    let (a, b, r) = two_models().await;
+    let form = "--rg\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\
+                Content-Type: audio/wav\r\n\r\nRIFF....\r\n--rg\r\n\
+                Content-Disposition: form-data; name=\"model\"\r\n\r\nmodel-b\r\n--rg--\r\n";
+    for _ in 0..10 {
+        let reply = send(
+            http::Request::post(format!("http://{}/v1/audio/transcriptions", r.addr))
+                .header("content-type", "multipart/form-data; boundary=rg")
+                .body(Full::new(Bytes::from_static(form.as_bytes())))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert!(reply.worker().starts_with(&b.url()), "{}", reply.worker());
+    }
+    assert!(a.seen().is_empty());
 }

@@ -8,6 +8,7 @@
 
 pub mod dist;
 pub mod report;
+pub mod sdk;
 
 use std::io::{IsTerminal, Write as _};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};

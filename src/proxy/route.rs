@@ -86,11 +86,14 @@ const SGLANG: Flavors = Flavors::SGLANG;
 pub fn table(path: &str) -> Option<(Method, Proxied)> {
     Some(match path {
         "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => post(Json, BOTH, true),
-        "/v1/responses" | "/v1/rerank" | "/v1/score" | "/classify" => post(Json, BOTH, false),
-        "/tokenize" | "/detokenize" | "/rerank" | "/v2/rerank" | "/score" | "/pooling"
-        | "/v1/messages" => post(Json, VLLM, false),
+        "/v1/responses" | "/v1/rerank" | "/v1/score" | "/classify" | "/tokenize"
+        | "/detokenize" => post(Json, BOTH, false),
+        "/rerank" | "/v2/rerank" | "/score" | "/pooling" | "/v1/messages" => {
+            post(Json, VLLM, false)
+        }
         "/v1/audio/transcriptions" | "/v1/audio/translations" => post(Form, VLLM, false),
         "/generate" | "/encode" => post(Json, SGLANG, true),
+        "/v1/classify" | "/v1/tokenize" | "/v1/detokenize" => post(Json, SGLANG, false),
         "/get_model_info" | "/get_server_info" | "/server_info" => get(SGLANG),
         _ => return None,
     })

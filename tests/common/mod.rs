@@ -186,6 +186,33 @@ pub async fn wait_models(router: &Router) -> Vec<Value> {
     .await
 }
 
+pub fn serving(models: &[&str], dp_size: u32, start_rank: u32) -> SimConfig {
+    SimConfig {
+        models: models.iter().map(|m| m.to_string()).collect(),
+        ..sim(rankgate::sim::SimFlavor::Vllm, dp_size, start_rank)
+    }
+}
+
+/// Engine A serves model-a on ranks 0-1, engine B model-b on ranks 2-3. A's rank 1 is the least
+/// loaded rank of the whole fleet.
+pub async fn two_models() -> (SimEngine, SimEngine, Router) {
+    let a = engine(serving(&["model-a"], 2, 0)).await;
+    let b = engine(serving(&["model-b"], 2, 2)).await;
+    a.set_kv_usage(vec![0.7, 0.05]);
+    b.set_kv_usage(vec![0.3, 0.6]);
+    let r = router(
+        FAST,
+        &[
+            engine_toml(&a.url(), "vllm", 2, 0),
+            engine_toml(&b.url(), "vllm", 2, 2),
+        ],
+    )
+    .await;
+    wait_state(&r, &[0, 1, 2, 3], "available").await;
+    wait_models(&r).await;
+    (a, b, r)
+}
+
 pub fn sim(flavor: rankgate::sim::SimFlavor, dp_size: u32, start_rank: u32) -> SimConfig {
     SimConfig {
         flavor,

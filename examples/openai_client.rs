@@ -1,0 +1,52 @@
+//! The requests an application using the official `openai` SDK makes first (chat, a streamed
+//! chat, the model list, one model, a response, an embedding), sent as the SDK sends them, to
+//! rankgate or to any OpenAI-compatible server; prints what each got and which rank served it.
+//!
+//!   cargo run --example openai_client -- --base-url http://127.0.0.1:8080 --model tiny-llama [--api-key KEY]
+
+use anyhow::bail;
+use clap::Parser;
+use rankgate::load::sdk;
+
+#[derive(Parser)]
+#[command(about = "The openai SDK's first requests, against rankgate")]
+struct Args {
+    /// Server base URL, without /v1.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    base_url: String,
+    #[arg(long, default_value = "tiny-llama")]
+    model: String,
+    /// Sent as `Authorization: Bearer`, as the SDK always does (it needs some key).
+    #[arg(long, default_value = "EMPTY")]
+    api_key: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let client = rankgate::http::client(std::time::Duration::from_secs(2));
+    let mut failed = 0;
+    for call in sdk::calls(&args.model) {
+        match sdk::send(&client, &args.base_url, &args.api_key, &call).await {
+            Ok(o) => {
+                println!(
+                    "{:<40} {} worker={} request-id={} {} bytes",
+                    call.name,
+                    o.status,
+                    o.worker.as_deref().unwrap_or("-"),
+                    o.request_id.as_deref().unwrap_or("-"),
+                    o.body.len()
+                );
+                failed += !o.status.is_success() as u32;
+            }
+            Err(e) => {
+                println!("{:<40} failed: {e}", call.name);
+                failed += 1;
+            }
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} call(s) failed");
+    }
+    Ok(())
+}
