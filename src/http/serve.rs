@@ -9,6 +9,7 @@
 //! answering when the front door is full. Shutdown stops accepting, lets requests and streams in
 //! flight finish for the drain grace, then returns.
 
+use std::cell::RefCell;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -24,7 +25,6 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
@@ -237,10 +237,10 @@ pub async fn serve_with<M, S, B>(
         };
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
-        let svc = TowerToHyperService::new(Tracked {
-            inner: make(peer),
+        let svc = Tracked {
+            inner: RefCell::new(make(peer)),
             activity: activity.clone(),
-        });
+        };
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn.into_owned());
         let opts = opts.clone();
@@ -344,45 +344,64 @@ impl Drop for ActiveGuard {
     }
 }
 
-/// Wraps a connection's service to keep its [`Activity`] current.
-#[derive(Clone)]
+/// A connection's service, as hyper calls it, keeping the connection's [`Activity`] current.
+///
+/// hyper calls `call` from the connection's own task, one call at a time, so the tower service
+/// (whose `call` wants `&mut self`) sits in a `RefCell` instead of being cloned for every
+/// request, as hyper_util's adapter does: a clone of the whole stack per request. The services
+/// served here are always ready (admission is decided per request), so `poll_ready` is not asked.
 struct Tracked<S> {
-    inner: S,
+    inner: RefCell<S>,
     activity: Arc<Activity>,
 }
 
-impl<S, B> tower::Service<Request<Incoming>> for Tracked<S>
+impl<S, B> hyper::service::Service<Request<Incoming>> for Tracked<S>
 where
     S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>,
-    S::Future: Send + 'static,
 {
     type Response = Response<TrackedBody<B>>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+    type Future = TrackedFuture<S::Future>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, req: Request<Incoming>) -> Self::Future {
         self.activity.started.fetch_add(1, Relaxed);
         self.activity.active.fetch_add(1, Relaxed);
-        let guard = ActiveGuard(self.activity.clone());
-        let fut = self.inner.call(req);
-        Box::pin(async move {
-            let resp = fut.await?;
-            Ok(resp.map(|body| TrackedBody {
-                body,
-                _guard: guard,
-            }))
-        })
+        let guard = Some(ActiveGuard(self.activity.clone()));
+        let fut = self.inner.borrow_mut().call(req);
+        TrackedFuture { fut, guard }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The response, once it comes, with the connection's activity mark moved into its body.
+    pub struct TrackedFuture<F> {
+        #[pin]
+        fut: F,
+        guard: Option<ActiveGuard>,
+    }
+}
+
+impl<F, B> Future for TrackedFuture<F>
+where
+    F: Future<Output = Result<Response<B>, Infallible>>,
+{
+    type Output = Result<Response<TrackedBody<B>>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let resp = std::task::ready!(this.fut.poll(cx))?;
+        let guard = this.guard.take();
+        Poll::Ready(Ok(resp.map(|body| TrackedBody {
+            body,
+            _guard: guard,
+        })))
     }
 }
 
 /// A response body that keeps its request active on the connection until it ends.
 pub struct TrackedBody<B> {
     body: B,
-    _guard: ActiveGuard,
+    _guard: Option<ActiveGuard>,
 }
 
 impl<B: Body + Unpin> Body for TrackedBody<B> {

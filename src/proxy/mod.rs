@@ -251,6 +251,8 @@ pub struct Shared {
     pin_headers: Vec<Option<HeaderValue>>,
     /// Per engine: its authority, parsed once.
     authorities: Vec<Authority>,
+    /// The flavors of the fleet's engines, for routes only some serve.
+    flavors: route::Flavors,
     /// Retries' allowance (retry).
     budget: budget::RetryBudget,
     /// Requests admitted now (admit).
@@ -312,6 +314,7 @@ impl Shared {
             worker_headers,
             pin_headers,
             authorities,
+            flavors: route::Flavors::of(&table.fleet.engines),
             budget: budget::RetryBudget::new(cfg.routing.retry_budget),
             admitted: AtomicUsize::new(0),
             client: crate::http::client(server.connect_timeout),

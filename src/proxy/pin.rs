@@ -9,8 +9,9 @@ use super::ProxyError;
 /// SGLang body fields that pin a rank (older and newer name); a client's own are replaced.
 const SGLANG_RANK_FIELDS: [&str; 2] = ["data_parallel_rank", "routed_dp_rank"];
 
-/// Headers that describe one hop, not the message, and so are never forwarded.
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// Headers that describe one hop, not the message, and so are never forwarded. A `static`:
+/// a `const` array would be built and dropped at every use.
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),

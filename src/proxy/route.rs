@@ -35,6 +35,17 @@ impl Flavors {
     pub const SGLANG: Flavors = Flavors(2);
     pub const BOTH: Flavors = Flavors(3);
 
+    /// The flavors a fleet's engines serve (a gateway: every route).
+    pub fn of(engines: &[crate::worker::Engine]) -> Flavors {
+        Flavors(engines.iter().fold(0, |acc, e| {
+            acc | match e.flavor {
+                Flavor::Vllm => 1,
+                Flavor::Sglang => 2,
+                Flavor::Gateway => 3,
+            }
+        }))
+    }
+
     /// Whether an engine of `flavor` serves the route. An upstream gateway fronts engines of
     /// its own and takes whatever it is sent.
     pub fn has(self, flavor: Flavor) -> bool {
@@ -144,13 +155,7 @@ pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyErr
         });
     }
     if let Action::Proxy(p) = &action {
-        if !ctx
-            .table
-            .fleet
-            .engines
-            .iter()
-            .any(|e| p.flavors.has(e.flavor))
-        {
+        if p.flavors.0 & ctx.flavors.0 == 0 {
             return Err(ProxyError::NoEngineFor(path.to_string()));
         }
     }

@@ -57,6 +57,11 @@ impl<S> Select<S> {
     fn avoid(&self, req: &Request<RequestBody>) -> Result<Option<Avoid>, ProxyError> {
         let ctx = &self.ctx;
         let path = req.uri().path();
+        let snap = ctx.table.snapshot.load();
+        // The usual request: one model, one flavor, nothing to look at.
+        if !snap.catalog.routes_by_model() && !self.mixed && path != "/v1/responses" {
+            return Ok(None);
+        }
         let Action::Proxy(route) = route::lookup(ctx, req.method(), path)? else {
             return Ok(None);
         };
@@ -67,7 +72,6 @@ impl<S> Select<S> {
                 }
             }
         }
-        let snap = ctx.table.snapshot.load();
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
         if !by_model && (!self.mixed || route.flavors == route::Flavors::BOTH) {
             return Ok(None);
