@@ -14,9 +14,9 @@
 # ROUNDS=N then repeats bare, rankgate (and BEFORE) back to back N more times and prints each
 # round's ratio and the spread: neighbouring runs share the machine's mood, so per-round ratios
 # are steadier than runs minutes apart.
-# MODELS=2 puts a second engine serving another model beside the first: rankgate then reads each
-# request's model from its body (the scan) to route it; the default fleet serves one model and
-# is not scanned.
+# MODELS=2 also runs rankgate in front of two engines serving different models, in the same run
+# (in the BEFORE slot, labelled "2 models"): it then reads each request's model from its body
+# (the scan) to route it, where the one-model fleet is not scanned.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-10}
@@ -73,10 +73,12 @@ flavor = "${FLAVOR:-vllm}"
 dp_size = 2
 telemetry = ["prometheus"]
 CONF
-if [ "${MODELS:-1}" = 2 ]; then
-  printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\nstart_rank = 2\ntelemetry = ["prometheus"]\n' "$UP2" "${FLAVOR:-vllm}" >> "$work/rankgate.toml"
-fi
 sed -e "s/127.0.0.1:$RG/127.0.0.1:$OLD/" -e "s/127.0.0.1:$ADMIN/127.0.0.1:$OLDADMIN/" "$work/rankgate.toml" > "$work/before.toml"
+export LABEL=BEFORE
+if [ "${MODELS:-1}" = 2 ]; then
+  BEFORE=target/release/rankgate; LABEL="2 models"
+  printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\nstart_rank = 2\ntelemetry = ["prometheus"]\n' "$UP2" "${FLAVOR:-vllm}" >> "$work/before.toml"
+fi
 cat > "$work/post.lua" <<'LUA'
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -92,11 +94,11 @@ if [ -n "${BEFORE:-}" ]; then
 fi
 for _ in $(seq 100); do curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null && break; sleep 0.1; done
 curl -sf "127.0.0.1:$ADMIN/ready" >/dev/null || { echo "rankgate not ready" >&2; exit 1; }
-if [ "${MODELS:-1}" = 2 ]; then  # routing by model starts once both model lists are in
-  for _ in $(seq 100); do curl -s "127.0.0.1:$RG/v1/models" | grep -q other-model && break; sleep 0.1; done
-fi
 if [ -n "${BEFORE:-}" ]; then
   for _ in $(seq 100); do curl -sf "127.0.0.1:$OLDADMIN/ready" >/dev/null && break; sleep 0.1; done
+fi
+if [ "${MODELS:-1}" = 2 ]; then  # routing by model starts once both model lists are in
+  for _ in $(seq 100); do curl -s "127.0.0.1:$OLD/v1/models" | grep -q other-model && break; sleep 0.1; done
 fi
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
@@ -144,7 +146,9 @@ import sys
 old, o0, o1, oreqs, hz, bare, rg = sys.argv[1:]
 old, bare, rg = float(old), float(bare), float(rg)
 us = (int(o1) - int(o0)) / int(hz) * 1e6 / int(oreqs)
-print(f"rankgate BEFORE      {old:10.0f} req/s  ({old/bare:.2f}x bare hyper), CPU {us:.1f} us/request; after/before {rg/old:.2f}x")
+import os
+label = os.environ["LABEL"]
+print(f"{'rankgate (' + label + ')':<20}{old:10.0f} req/s  ({old/bare:.2f}x bare hyper), CPU {us:.1f} us/request; rankgate/this {rg/old:.2f}x")
 PY
 fi
 if [ "${ROUNDS:-0}" -gt 0 ]; then
@@ -159,19 +163,20 @@ if [ "${ROUNDS:-0}" -gt 0 ]; then
     rounds+=("$x,$y,$z,$((b1-b0)),$bn,$((t1-t0)),$yn")
   done
   python3 - "$hz" "${rounds[@]}" <<'PY'
-import statistics, sys
+import os, statistics, sys
 hz = int(sys.argv[1])
+label = os.environ["LABEL"]
 ratios, before = [], []
 for i, r in enumerate(sys.argv[2:], 1):
     bare, rg, old, bt, bn, rt, rn = (float(v) for v in r.split(","))
     ratios.append(rg / bare)
-    extra = f", before {old/bare:.2f}x bare" if old else ""
+    extra = f", {label} {old/bare:.2f}x bare" if old else ""
     if old:
         before.append(old / bare)
     print(f"round {i}: bare {bare:8.0f}  rankgate {rg:8.0f} req/s = {rg/bare:.2f}x bare{extra}; CPU {rt/hz*1e6/rn:.1f} vs {bt/hz*1e6/bn:.1f} us/request")
 print(f"rankgate / bare over {len(ratios)} rounds: median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
 if before:
-    print(f"before / bare: median {statistics.median(before):.2f}x (min {min(before):.2f}x, max {max(before):.2f}x)")
+    print(f"{label} / bare: median {statistics.median(before):.2f}x (min {min(before):.2f}x, max {max(before):.2f}x)")
 PY
 fi
 curl -s "127.0.0.1:$ADMIN/metrics" | grep -E '^rankgate_requests_total.*2xx' || true
