@@ -44,12 +44,16 @@ pub struct Picked {
     pub trial: bool,
 }
 
-/// Ranks a retry must not land on again: the ones that failed it, and every rank of an engine
-/// that failed it at the transport level. Empty (and allocation-free) on a first attempt.
+/// Ranks a request must not go to: engines that do not serve its model or route, and on a
+/// retry the ranks that failed it (every rank of an engine that failed at the transport level).
+/// Empty (and allocation-free) for the usual request.
 #[derive(Debug, Clone, Default)]
 pub struct Avoid {
+    /// A few at most: one per failed attempt.
     workers: Vec<usize>,
-    engines: Vec<usize>,
+    /// One bit per engine: a model served by one engine of many rules out the rest, and every
+    /// rank of the fleet is checked against it.
+    engines: Vec<u64>,
 }
 
 impl Avoid {
@@ -58,13 +62,20 @@ impl Avoid {
     }
 
     pub fn engine(&mut self, e: usize) {
-        self.engines.push(e);
+        if self.engines.len() <= e / 64 {
+            self.engines.resize(e / 64 + 1, 0);
+        }
+        self.engines[e / 64] |= 1 << (e % 64);
     }
 
     #[inline]
     fn blocks(&self, table: &Table, w: usize) -> bool {
-        !self.workers.is_empty() && self.workers.contains(&w)
-            || !self.engines.is_empty() && self.engines.contains(&table.fleet.workers[w].engine)
+        let e = table.fleet.workers[w].engine;
+        self.workers.contains(&w)
+            || self
+                .engines
+                .get(e / 64)
+                .is_some_and(|bits| bits & (1 << (e % 64)) != 0)
     }
 }
 

@@ -84,8 +84,11 @@ impl<S> Select<S> {
         };
         let mut avoid = Avoid::default();
         let mut any = false;
+        // `serving` is in engine order: one walk over both.
+        let mut next = serving.iter().peekable();
         for (e, engine) in engines.iter().enumerate() {
-            if serving.contains(&e) && route.flavors.has(engine.flavor) {
+            let serves = next.next_if_eq(&&e).is_some();
+            if serves && route.flavors.has(engine.flavor) {
                 any = true;
             } else {
                 avoid.engine(e);
