@@ -191,3 +191,28 @@ async fn a_route_goes_only_to_engines_of_a_flavor_that_serves_it() {
     assert_eq!(get(r2.addr, "/get_server_info").await.status, 404);
     assert_eq!(get(r2.addr, "/flush_cache").await.status, 404);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extra_routes_are_proxied_to_every_engine() {
+    let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
+    let cfg = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nextra_routes = [\"/v1/custom\"]\n{FAST}{}",
+        engine_toml(&e.url(), "vllm", 2, 0)
+    );
+    let r = rankgate::app::Router::start(rankgate::config::Config::from_str(&cfg).unwrap())
+        .await
+        .unwrap();
+    wait_state(&r, &[0, 1], "available").await;
+    // The engine has no such path: its own 404 comes back through a pinned rank, where a path
+    // rankgate does not route gets rankgate's 404 and reaches no engine.
+    let reply = send(post(r.addr, "/v1/custom").body(Full::new(body())).unwrap()).await;
+    assert_eq!(reply.status, 404);
+    assert!(
+        reply.worker().starts_with(&e.url()),
+        "proxied: {:?}",
+        reply.headers
+    );
+    let other = send(post(r.addr, "/v1/other").body(Full::new(body())).unwrap()).await;
+    assert_eq!(other.status, 404);
+    assert!(other.headers.get("x-rankgate-worker").is_none());
+}
