@@ -33,6 +33,14 @@ pub enum ModelError {
     Missing(Vec<String>),
 }
 
+/// A client's model name as an error message repeats it: at most 200 characters.
+pub fn shown(model: &str) -> String {
+    match model.char_indices().nth(200) {
+        Some((cut, _)) => format!("{}...", &model[..cut]),
+        None => model.to_string(),
+    }
+}
+
 /// The fleet's models.
 #[derive(Debug, Default)]
 pub struct Catalog {
@@ -77,26 +85,41 @@ impl Catalog {
         self.models.len() > 1 || (self.models.len() == 1 && unknown)
     }
 
-    /// The engines that may serve a request for `model` (`None`: the request names none): the
-    /// ones whose list has it, or, when no known list has it, the ones whose list is unknown.
-    /// `Err` when no engine can.
-    pub fn engines_for(&self, model: Option<&str>) -> Result<Vec<usize>, ModelError> {
+    /// Among the engines `allowed` (those serving the request's route), the ones that may serve
+    /// a request for `model`, in engine order: those whose list has it, or, when no known list
+    /// has it, those whose list is unknown. A request naming no model may go to any of them as
+    /// long as they serve one model between them. `Err` when no engine can.
+    pub fn engines_for(
+        &self,
+        model: Option<&str>,
+        allowed: impl Fn(usize) -> bool,
+    ) -> Result<Vec<usize>, ModelError> {
         let served = || self.models.keys().cloned().collect::<Vec<_>>();
         let Some(model) = model else {
-            return match self.models.len() {
-                0 | 1 => Ok((0..self.engines.len()).collect()),
-                _ => Err(ModelError::Missing(served())),
+            let engines: Vec<usize> = (0..self.engines.len()).filter(|&e| allowed(e)).collect();
+            let mut theirs: Vec<&str> = engines
+                .iter()
+                .flat_map(|&e| self.of(e).into_iter().flatten())
+                .map(|m| m.id.as_str())
+                .collect();
+            theirs.sort_unstable();
+            theirs.dedup();
+            return match theirs.len() {
+                0 | 1 => Ok(engines),
+                _ => Err(ModelError::Missing(
+                    theirs.into_iter().map(str::to_string).collect(),
+                )),
             };
         };
         if let Some(engines) = self.models.get(model) {
-            return Ok(engines.clone());
+            return Ok(engines.iter().copied().filter(|&e| allowed(e)).collect());
         }
         let unknown: Vec<usize> = (0..self.engines.len())
-            .filter(|&e| self.engines[e].is_none())
+            .filter(|&e| self.engines[e].is_none() && allowed(e))
             .collect();
         if unknown.is_empty() {
             return Err(ModelError::NotFound {
-                model: model.to_string(),
+                model: shown(model),
                 served: served(),
             });
         }
@@ -136,21 +159,27 @@ mod tests {
     fn a_model_goes_to_the_engines_that_serve_it() {
         let c = Catalog::new(vec![list(&["a"]), list(&["b", "a"]), list(&["b"])]);
         assert!(c.routes_by_model());
-        assert_eq!(c.engines_for(Some("a")), Ok(vec![0, 1]));
-        assert_eq!(c.engines_for(Some("b")), Ok(vec![1, 2]));
-        let e = c.engines_for(Some("c")).unwrap_err();
+        assert_eq!(c.engines_for(Some("a"), |_| true), Ok(vec![0, 1]));
+        assert_eq!(c.engines_for(Some("b"), |_| true), Ok(vec![1, 2]));
+        let e = c.engines_for(Some("c"), |_| true).unwrap_err();
         assert_eq!(
             e.to_string(),
             "the model `c` does not exist; this fleet serves: a, b"
         );
-        assert!(matches!(c.engines_for(None), Err(ModelError::Missing(_))));
+        assert!(matches!(
+            c.engines_for(None, |_| true),
+            Err(ModelError::Missing(_))
+        ));
+        // Only engine 2 serves the route: its one model needs no naming.
+        assert_eq!(c.engines_for(None, |e| e == 2), Ok(vec![2]));
+        assert_eq!(c.engines_for(Some("a"), |e| e != 0), Ok(vec![1]));
     }
 
     #[test]
     fn one_model_everywhere_needs_no_scan_and_no_model() {
         let c = Catalog::new(vec![list(&["a"]), list(&["a"])]);
         assert!(!c.routes_by_model());
-        assert_eq!(c.engines_for(None), Ok(vec![0, 1]));
+        assert_eq!(c.engines_for(None, |_| true), Ok(vec![0, 1]));
         assert!(!Catalog::new(vec![None, None]).routes_by_model());
     }
 
@@ -161,8 +190,8 @@ mod tests {
             c.routes_by_model(),
             "the unknown engine may serve another model"
         );
-        assert_eq!(c.engines_for(Some("a")), Ok(vec![0]));
-        assert_eq!(c.engines_for(Some("z")), Ok(vec![1]));
+        assert_eq!(c.engines_for(Some("a"), |_| true), Ok(vec![0]));
+        assert_eq!(c.engines_for(Some("z"), |_| true), Ok(vec![1]));
     }
 
     #[test]

@@ -86,11 +86,18 @@ fn init_tracing() {
         .init();
 }
 
+/// The config, with the client keys it names readable: both are config errors (exit 64), for
+/// `check` as for `serve`. The router reads the keys again when it starts.
 fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
-    Config::load(path).map_err(|e| {
+    let cfg = Config::load(path).map_err(|e| {
         eprintln!("rankgate: {e}");
         ExitCode::from(EXIT_CONFIG)
-    })
+    })?;
+    if let Err(e) = rankgate::proxy::Keys::load(&cfg.server) {
+        eprintln!("rankgate: config file {}: {e}", path.display());
+        return Err(ExitCode::from(EXIT_CONFIG));
+    }
+    Ok(cfg)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {

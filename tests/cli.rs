@@ -62,6 +62,16 @@ fn config_errors_exit_64_naming_file_and_key() {
         ("stale", "[telemetry]\ninterval = \"1s\"\nstale_after = \"1s\"\n[[engines]]\nurl = \"http://h:1\"\nflavor = \"vllm\"\n", "telemetry.stale_after"),
         ("dur", "[telemetry]\ninterval = \"fast\"\n[[engines]]\nurl = \"http://h:1\"\nflavor = \"vllm\"\n", "interval"),
         ("none", "[routing]\npolicy = \"least_kv\"\n", "engines"),
+        (
+            "keyfile",
+            "[server]\napi_keys_file = \"/nonexistent/rankgate-keys\"\n[[engines]]\nurl = \"http://h:1\"\nflavor = \"vllm\"\n",
+            "/nonexistent/rankgate-keys",
+        ),
+        (
+            "enginekey",
+            "[[engines]]\nurl = \"http://h:1\"\nflavor = \"vllm\"\napi_key_env = \"RANKGATE_CLI_TEST_UNSET\"\n",
+            "engines[0].api_key_env",
+        ),
     ];
     for (name, text, key) in cases {
         let p = config_file(name, text);

@@ -77,10 +77,12 @@ async fn unknown_or_missing_models_are_the_clients_error() {
             .unwrap(),
     )
     .await;
-    // The scan stops at `model`: the rest is the engine's to judge (and it refuses it).
+    // The scan reads the object's top level to its end (a later `model` would count): a cut
+    // body is refused before any engine sees it.
     assert_eq!(reply.status, 400);
-    assert!(reply.worker().starts_with(&a.url()), "{}", reply.worker());
-    assert!(b.seen().is_empty());
+    assert!(reply.headers.get("x-rankgate-worker").is_none());
+    assert!(String::from_utf8_lossy(&reply.body).contains("not valid JSON"));
+    assert!(a.seen().is_empty() && b.seen().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -211,4 +213,61 @@ async fn an_audio_form_goes_to_the_engine_serving_its_model_field() {
         assert!(reply.worker().starts_with(&b.url()), "{}", reply.worker());
     }
     assert!(a.seen().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_named_twice_routes_by_the_last_as_the_engine_reads_it() {
+    let (a, b, r) = two_models().await;
+    let body = r#"{"model":"model-a","messages":[{"role":"user","content":"hi"}],"max_tokens":1,"model":"model-b"}"#;
+    let reply = send(
+        post(r.addr, "/v1/chat/completions")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert!(reply.worker().starts_with(&b.url()), "{}", reply.worker());
+    assert!(a.seen().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_native_sglang_request_without_model_goes_to_the_one_sglang_model() {
+    let v = engine(serving(&["model-a"], 1, 0)).await;
+    let s = engine(SimConfig {
+        models: vec!["model-s".into()],
+        ..sim(SimFlavor::Sglang, 1, 1)
+    })
+    .await;
+    let r = router(
+        FAST,
+        &[
+            engine_toml(&v.url(), "vllm", 1, 0),
+            engine_toml(&s.url(), "sglang", 1, 1),
+        ],
+    )
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    wait_models(&r).await;
+    // Only SGLang serves /generate, and it serves one model: no need to name it.
+    let generate = json!({"text": "hi", "sampling_params": {"max_new_tokens": 1}});
+    let reply = post_json(r.addr, "/generate", generate).await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert!(reply.worker().starts_with(&s.url()));
+    // Chat is served by both flavors, so there it must be named.
+    assert_eq!(
+        post_json(r.addr, "/v1/chat/completions", chat_for(None))
+            .await
+            .status,
+        400
+    );
 }

@@ -65,11 +65,11 @@ where
             return super::ready(Err(ProxyError::TooLarge(self.max_body)));
         }
         let mut inner = self.inner.clone();
-        // Where the model decides the engine, the model is read from the body: all of it.
-        let keep = match self.ctx.table.snapshot.load().catalog.routes_by_model() {
-            true => self.max_body,
-            false => self.keep,
-        };
+        // Where the model decides the engine, the model is read from the body: all of it. So
+        // is a response request's, which may refer to a stored response (refused, in select).
+        let whole = self.ctx.table.snapshot.load().catalog.routes_by_model()
+            || req.uri().path() == "/v1/responses";
+        let keep = if whole { self.max_body } else { self.keep };
         let (max, stall) = (self.max_body, self.stall);
         Box::pin(async move {
             let (parts, body) = req.into_parts();

@@ -96,10 +96,10 @@ pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody>
     };
     if status.is_server_error() {
         if let Some(held) = ctx.storm.allow() {
-            tracing::warn!(status = status.as_u16(), error = %message, similar_since_last = held, "request failed");
+            tracing::warn!(status = status.as_u16(), error = ?message, similar_since_last = held, "request failed");
         }
     } else {
-        tracing::debug!(status = status.as_u16(), error = %message, "request refused");
+        tracing::debug!(status = status.as_u16(), error = ?message, "request refused");
     }
     let (param, code) = err.param_and_code();
     let body = crate::http::error_json_with(err.kind(), &message, param, code);

@@ -134,17 +134,17 @@ pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyErr
     } else if path.starts_with("/v1/responses/") {
         return Err(ProxyError::Refused(STORED_RESPONSES));
     } else if ctx.cfg.server.extra_routes.iter().any(|r| r == path) {
-        let payload = if method == Method::GET {
-            Payload::Empty
-        } else {
-            Json
+        // GET without a body, else POST with the model in JSON (anything else gets 405).
+        let (want, payload) = match *method {
+            Method::GET => (Method::GET, Payload::Empty),
+            _ => (Method::POST, Json),
         };
         let p = Proxied {
             payload,
             flavors: BOTH,
             sglang_body_pin: false,
         };
-        (method.clone(), Action::Proxy(p))
+        (want, Action::Proxy(p))
     } else {
         return Err(ProxyError::NotFound(path.to_string()));
     };
@@ -215,7 +215,7 @@ fn models(ctx: &Ctx, id: Option<&str>) -> Answer {
     match catalog.entry(id, listed) {
         Some(entry) => Ok(crate::http::json_response(StatusCode::OK, entry)),
         None => Err(ProxyError::Model(ModelError::NotFound {
-            model: id.to_string(),
+            model: crate::catalog::shown(id),
             served: listing["data"]
                 .as_array()
                 .into_iter()

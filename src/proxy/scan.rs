@@ -19,7 +19,9 @@ pub enum ScanError {
 }
 
 /// The value of the top-level member `key` of the JSON object in `body`, when it is there.
-/// Members before it are skipped, not validated in depth; the scan stops at `key`.
+/// Other members' values are stepped over, not validated in depth. When `key` appears twice the
+/// last one counts, as in the engines' JSON parsers: the scan reads the object's top level to
+/// its end, so a request cannot be routed by one `model` and served by another.
 pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>, ScanError> {
     let mut s = Scanner { b: body, i: 0 };
     s.ws();
@@ -35,6 +37,7 @@ pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>
     if s.peek() == Some(b'}') {
         return Ok(None);
     }
+    let mut found = Ok(None);
     loop {
         s.ws();
         let name = s.string()?;
@@ -42,17 +45,24 @@ pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>
         s.expect(b':')?;
         s.ws();
         if name == key {
-            return match s.peek() {
-                Some(b'"') => s.string().map(Some),
-                Some(b'n') if s.b[s.i..].starts_with(b"null") => Ok(None),
-                _ => Err(ScanError::NotString(key.to_string())),
+            found = match s.peek() {
+                Some(b'"') => Ok(Some(s.string()?)),
+                _ => {
+                    let null = s.b[s.i..].starts_with(b"null");
+                    s.skip_value()?;
+                    match null {
+                        true => Ok(None),
+                        false => Err(ScanError::NotString(key.to_string())),
+                    }
+                }
             };
+        } else {
+            s.skip_value()?;
         }
-        s.skip_value()?;
         s.ws();
         match s.peek() {
             Some(b',') => s.i += 1,
-            Some(b'}') => return Ok(None),
+            Some(b'}') => return found,
             _ => return Err(ScanError::Invalid(s.i)),
         }
     }
@@ -163,28 +173,44 @@ impl<'a> Scanner<'a> {
 /// The value of the form field `name` in a `multipart/form-data` body with `boundary`.
 pub fn form_field<'a>(body: &'a [u8], boundary: &str, name: &str) -> Option<Cow<'a, str>> {
     let delimiter = format!("--{boundary}");
-    let wanted = format!("name=\"{name}\"");
     let mut at = find(body, delimiter.as_bytes(), 0)?;
+    // As for JSON, a field sent twice counts by its last value.
+    let mut found = None;
     loop {
         let part = at + delimiter.len();
         // The closing delimiter ends the form.
         if body.get(part..part + 2) == Some(b"--") {
-            return None;
+            return found;
         }
-        let head_end = find(body, b"\r\n\r\n", part)?;
-        let next = find(body, format!("\r\n{delimiter}").as_bytes(), head_end)?;
-        let head = &body[part..head_end];
-        let named = head.split(|&c| c == b'\n').any(|line| {
-            let line = String::from_utf8_lossy(line).to_ascii_lowercase();
-            line.starts_with("content-disposition:") && line.contains(&wanted.to_ascii_lowercase())
-        });
-        if named {
-            return std::str::from_utf8(&body[head_end + 4..next])
+        let Some(head_end) = find(body, b"\r\n\r\n", part) else {
+            return found;
+        };
+        let Some(next) = find(body, format!("\r\n{delimiter}").as_bytes(), head_end) else {
+            return found;
+        };
+        let head = String::from_utf8_lossy(&body[part..head_end]);
+        if head.lines().any(|line| field_name(line) == Some(name)) {
+            found = std::str::from_utf8(&body[head_end + 4..next])
                 .ok()
                 .map(|v| Cow::Borrowed(v.trim()));
         }
         at = next + 2;
     }
+}
+
+/// The field name a part's `Content-Disposition: form-data; name="..."` line gives: the `name`
+/// parameter itself, never `filename`.
+fn field_name(line: &str) -> Option<&str> {
+    let (header, value) = line.split_once(':')?;
+    if !header.trim().eq_ignore_ascii_case("content-disposition") {
+        return None;
+    }
+    value.split(';').skip(1).find_map(|param| {
+        let (k, v) = param.split_once('=')?;
+        k.trim()
+            .eq_ignore_ascii_case("name")
+            .then(|| v.trim().trim_matches('"'))
+    })
 }
 
 /// The boundary of a `multipart/form-data` content type.
@@ -246,6 +272,11 @@ mod tests {
             model(r#"{"model":7}"#),
             Err(ScanError::NotString("model".into()))
         );
+        assert_eq!(
+            model(r#"{"model":"a","x":[1],"model":"b"}"#),
+            Ok(Some("b".into()))
+        );
+        assert_eq!(model(r#"{"model":7,"model":"b"}"#), Ok(Some("b".into())));
         assert_eq!(model("[1]"), Err(ScanError::NotObject));
         assert!(matches!(model(r#"{"a":"#), Err(ScanError::Invalid(_))));
         assert!(matches!(model(""), Err(ScanError::Invalid(_))));
@@ -264,6 +295,14 @@ mod tests {
             Some("whisper-1")
         );
         assert_eq!(form_field(body.as_bytes(), b, "language"), None);
+        // A file called "model" is not the model field; the last model field counts.
+        let tricky = "--q\r\nContent-Disposition: form-data; name=\"file\"; filename=\"model\"\r\n\r\n\
+                      x\r\n--q\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\na\r\n--q\r\n\
+                      Content-Disposition: form-data; name=\"model\"\r\n\r\nc\r\n--q--\r\n";
+        assert_eq!(
+            form_field(tricky.as_bytes(), "q", "model").as_deref(),
+            Some("c")
+        );
         assert_eq!(boundary("multipart/form-data; boundary=\"q\""), Some("q"));
         assert_eq!(boundary("application/json"), None);
     }

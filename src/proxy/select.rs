@@ -65,11 +65,12 @@ impl<S> Select<S> {
         let Action::Proxy(route) = route::lookup(ctx, req.method(), path)? else {
             return Ok(None);
         };
-        if path == "/v1/responses" {
-            if let Some(body) = whole(req) {
-                if scan::json_member(body, "previous_response_id")?.is_some() {
-                    return Err(ProxyError::Refused(route::STORED_RESPONSES));
-                }
+        // `read` kept this body whole. One that is not JSON is the engine's to refuse.
+        if let (true, RequestBody::Full(body)) = (path == "/v1/responses", req.body()) {
+            if let Ok(Some(_)) | Err(ScanError::NotString(_)) =
+                scan::json_member(body, "previous_response_id")
+            {
+                return Err(ProxyError::Refused(route::STORED_RESPONSES));
             }
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
@@ -79,7 +80,9 @@ impl<S> Select<S> {
         let model = if by_model { model(req, route)? } else { None };
         let engines = &ctx.table.fleet.engines;
         let serving = match by_model {
-            true => snap.catalog.engines_for(model.as_deref())?,
+            true => snap
+                .catalog
+                .engines_for(model.as_deref(), |e| route.flavors.has(engines[e].flavor))?,
             false => (0..engines.len()).collect(),
         };
         let mut avoid = Avoid::default();
@@ -96,7 +99,7 @@ impl<S> Select<S> {
         }
         if !any {
             let what = match model {
-                Some(m) => format!("{path} for model `{m}`"),
+                Some(m) => format!("{path} for model `{}`", crate::catalog::shown(&m)),
                 None => path.to_string(),
             };
             return Err(ProxyError::NoEngineFor(what));

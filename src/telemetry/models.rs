@@ -21,7 +21,12 @@ pub struct ModelsReader {
     uri: Option<http::Uri>,
     /// Poll number from which a read is due again.
     next: u64,
-    task: Option<JoinHandle<Option<Vec<Model>>>>,
+    task: Option<JoinHandle<Result<Vec<Model>, String>>>,
+    /// Whether the engine answered the last poll: one that comes back (perhaps restarted with
+    /// other models) is read again at once.
+    was_reachable: bool,
+    /// Whether the current run of failed reads was logged (once per run, not per retry).
+    warned: bool,
 }
 
 impl Drop for ModelsReader {
@@ -39,6 +44,8 @@ impl ModelsReader {
             uri,
             next: 0,
             task: None,
+            was_reachable: false,
+            warned: false,
         }
     }
 
@@ -55,21 +62,39 @@ impl ModelsReader {
         let mut got = None;
         if let Some(task) = self.task.take_if(|t| t.is_finished()) {
             // Finished, so this await returns at once.
-            got = task.await.ok().flatten();
+            match task.await {
+                Ok(Ok(models)) => {
+                    got = Some(models);
+                    self.warned = false;
+                }
+                Ok(Err(why)) if !self.warned => {
+                    self.warned = true;
+                    let uri = self
+                        .uri
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default();
+                    tracing::warn!(%uri, error = %why, "reading the engine's models failed; requests naming a model go to engines known to serve it (an HTTP 401 means engines[].api_key_env is missing or wrong)");
+                }
+                _ => {}
+            }
             self.next = n + if got.is_some() {
                 MODELS_EVERY
             } else {
                 MODELS_RETRY
             };
         }
+        if reachable && !self.was_reachable {
+            self.next = n;
+        }
+        self.was_reachable = reachable;
         if self.task.is_none() && n >= self.next && reachable {
             if let Some(u) = self.uri.clone() {
                 let http = http.clone();
                 self.task = Some(tokio::spawn(async move {
                     tokio::time::timeout(timeout, read(&http, u))
                         .await
-                        .ok()
-                        .flatten()
+                        .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
                 }));
             }
         }
@@ -77,9 +102,9 @@ impl ModelsReader {
     }
 }
 
-async fn read(http: &HttpClient, uri: http::Uri) -> Option<Vec<Model>> {
-    let body = fetch(http, uri).await.ok()?;
-    parse(&body)
+async fn read(http: &HttpClient, uri: http::Uri) -> Result<Vec<Model>, String> {
+    let body = fetch(http, uri).await.map_err(|f| f.reason)?;
+    parse(&body).ok_or_else(|| "the answer is not a model list (no `data` array)".into())
 }
 
 /// The models of a `/v1/models` answer; `None` when it is not one (no `data` list).

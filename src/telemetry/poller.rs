@@ -95,7 +95,7 @@ impl Source {
 pub(super) struct Failure {
     /// Something answered (an HTTP status, a gRPC status): the endpoint is up.
     answered: bool,
-    reason: String,
+    pub(super) reason: String,
 }
 
 impl Failure {
