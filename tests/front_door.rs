@@ -37,7 +37,9 @@ async fn unknown_path_wrong_method_and_models() {
     wait_state(&r, &[0], "available").await;
     wait_models(&r).await;
     assert_openai_error(&get(r.addr, "/v2/nothing").await, 404);
-    assert_openai_error(&get(r.addr, "/v1/chat/completions").await, 405);
+    let wrong = get(r.addr, "/v1/chat/completions").await;
+    assert_openai_error(&wrong, 405);
+    assert_eq!(wrong.headers["allow"], "POST");
     // The fleet's list, answered by rankgate itself.
     let models = get(r.addr, "/v1/models").await;
     assert_eq!(models.status, 200);

@@ -109,8 +109,12 @@ pub enum ProxyError {
     Model(#[from] crate::catalog::ModelError),
     #[error("reading the request's model: {0}")]
     Scan(#[from] scan::ScanError),
-    #[error("method {method} not allowed on {path}")]
-    MethodNotAllowed { method: Method, path: String },
+    #[error("method {method} not allowed on {path} (it takes {allow})")]
+    MethodNotAllowed {
+        method: Method,
+        path: String,
+        allow: Method,
+    },
     #[error("{0}")]
     Unauthorized(Denied),
     /// A CORS preflight from an origin `server.cors_allow_origins` does not list.

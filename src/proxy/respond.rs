@@ -116,6 +116,11 @@ pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody>
         resp.headers_mut()
             .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     }
+    if let ProxyError::MethodNotAllowed { allow, .. } = err.root() {
+        if let Ok(v) = HeaderValue::from_str(allow.as_str()) {
+            resp.headers_mut().insert(header::ALLOW, v);
+        }
+    }
     if let Some(w) = err.worker() {
         resp.headers_mut()
             .insert(WORKER_HEADER, ctx.worker_header(w));

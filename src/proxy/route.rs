@@ -152,6 +152,7 @@ pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyErr
         return Err(ProxyError::MethodNotAllowed {
             method: method.clone(),
             path: path.to_string(),
+            allow: want,
         });
     }
     if let Action::Proxy(p) = &action {
