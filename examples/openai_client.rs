@@ -37,7 +37,17 @@ async fn main() -> anyhow::Result<()> {
                     o.request_id.as_deref().unwrap_or("-"),
                     o.body.len()
                 );
-                failed += !o.status.is_success() as u32;
+                if !o.status.is_success() {
+                    // The error's own message (OpenAI shape), else the start of the body.
+                    let why = o
+                        .json()
+                        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                        .unwrap_or_else(|| {
+                            String::from_utf8_lossy(&o.body[..o.body.len().min(200)]).into()
+                        });
+                    println!("{:<40} {why}", "");
+                    failed += 1;
+                }
             }
             Err(e) => {
                 println!("{:<40} failed: {e}", call.name);
