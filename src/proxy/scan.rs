@@ -190,7 +190,9 @@ pub fn form_field<'a>(body: &'a [u8], boundary: &str, name: &str) -> Option<Cow<
         };
         let head = String::from_utf8_lossy(&body[part..head_end]);
         if head.lines().any(|line| field_name(line) == Some(name)) {
-            found = std::str::from_utf8(&body[head_end + 4..next])
+            // An empty part's delimiter may begin inside the blank line that ends its head.
+            let value = body.get(head_end + 4..next).unwrap_or_default();
+            found = std::str::from_utf8(value)
                 .ok()
                 .map(|v| Cow::Borrowed(v.trim()));
         }
@@ -303,6 +305,11 @@ mod tests {
             form_field(tricky.as_bytes(), "q", "model").as_deref(),
             Some("c")
         );
+        let empty = "--q\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n--q--\r\n";
+        assert_eq!(
+            form_field(empty.as_bytes(), "q", "model").as_deref(),
+            Some("")
+        );
         assert_eq!(boundary("multipart/form-data; boundary=\"q\""), Some("q"));
         assert_eq!(boundary("application/json"), None);
     }
@@ -346,6 +353,18 @@ mod tests {
             let text = if pretty { serde_json::to_string_pretty(&v) } else { serde_json::to_string(&v) }.unwrap();
             let want = v.get("model").and_then(Value::as_str).map(str::to_string);
             prop_assert_eq!(json_member(text.as_bytes(), "model").map(|m| m.map(Cow::into_owned)), Ok(want));
+        }
+
+        /// Forms put together from the pieces that matter to the parser (delimiters, line ends,
+        /// the model's disposition line, values) in any order never panic it.
+        #[test]
+        fn any_form_shaped_body_is_read_without_panic(
+            pieces in prop::collection::vec(prop::sample::select(vec![
+                "--b", "--b--", "\r\n", "\r\n\r\n", "Content-Disposition: form-data; name=\"model\"",
+                "name=model", "a", "",
+            ]), 0..24)
+        ) {
+            let _ = form_field(pieces.concat().as_bytes(), "b", "model");
         }
 
         /// Garbage never panics the scan.
