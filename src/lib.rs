@@ -38,6 +38,7 @@ pub mod http;
 pub mod load;
 pub mod metrics;
 pub mod outlier;
+pub mod pbwire;
 pub mod policy;
 pub mod proto;
 pub mod proxy;
