@@ -110,7 +110,7 @@ mod tests {
         out
     }
 
-    fn field_strategy() -> impl Strategy<Value = Vec<u8>> {
+    pub(super) fn field_strategy() -> impl Strategy<Value = Vec<u8>> {
         (1u64..40, 0usize..4).prop_flat_map(|(field, kind)| match kind {
             0 => any::<u64>()
                 .prop_map(move |v| {
@@ -201,5 +201,123 @@ mod tests {
         fn any_bytes_never_panic(msg in prop::collection::vec(any::<u8>(), 0..64)) {
             let _ = set_varint(&msg, 9, 1);
         }
+    }
+}
+
+/// Rewrites the messages of a gRPC request body as its chunks arrive: each message is a
+/// length-prefixed frame (1 byte compressed flag, 4 bytes big-endian length, the message), and
+/// chunks split frames anywhere. Each whole message gets `field` set to `value`; the output is
+/// again whole frames.
+#[derive(Debug, Default)]
+pub struct FrameRewriter {
+    pending: Vec<u8>,
+}
+
+/// Why a gRPC body could not be rewritten.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("a compressed gRPC message cannot have its rank set (send it uncompressed)")]
+    Compressed,
+    #[error("gRPC message of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    #[error("{0}")]
+    Message(#[from] WireError),
+    #[error("gRPC body ended inside a message ({0} bytes left over)")]
+    Cut(usize),
+}
+
+impl FrameRewriter {
+    /// Feeds one chunk; returns the rewritten frames it completed (possibly none).
+    pub fn feed(
+        &mut self,
+        chunk: &[u8],
+        field: u64,
+        value: u64,
+        max: usize,
+    ) -> Result<Vec<u8>, FrameError> {
+        self.pending.extend_from_slice(chunk);
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some(head) = self.pending.get(at..at + 5) {
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+            if head[0] != 0 {
+                return Err(FrameError::Compressed);
+            }
+            if len > max {
+                return Err(FrameError::TooLarge(len));
+            }
+            let Some(msg) = self.pending.get(at + 5..at + 5 + len) else {
+                break;
+            };
+            let edited = set_varint(msg, field, value)?;
+            out.push(0);
+            out.extend_from_slice(&(edited.len() as u32).to_be_bytes());
+            out.extend_from_slice(&edited);
+            at += 5 + len;
+        }
+        self.pending.drain(..at);
+        Ok(out)
+    }
+
+    /// At the end of the body: `Err` when a message was cut short.
+    pub fn finish(&self) -> Result<(), FrameError> {
+        match self.pending.len() {
+            0 => Ok(()),
+            n => Err(FrameError::Cut(n)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod frame_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn frame(msg: &[u8]) -> Vec<u8> {
+        let mut f = vec![0];
+        f.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+        f.extend_from_slice(msg);
+        f
+    }
+
+    proptest! {
+        /// However the body is cut into chunks, the frames that come out are the messages
+        /// edited one by one.
+        #[test]
+        fn chunking_does_not_matter(
+            msgs in prop::collection::vec(prop::collection::vec(super::tests::field_strategy(), 0..5).prop_map(|p| p.concat()), 1..4),
+            cuts in prop::collection::vec(1usize..7, 0..10),
+        ) {
+            let body: Vec<u8> = msgs.iter().flat_map(|m| frame(m)).collect();
+            let want: Vec<u8> = msgs.iter().flat_map(|m| frame(&set_varint(m, 9, 1).unwrap())).collect();
+            let mut r = FrameRewriter::default();
+            let mut got = Vec::new();
+            let mut at = 0;
+            for c in cuts {
+                let end = (at + c).min(body.len());
+                got.extend(r.feed(&body[at..end], 9, 1, 1 << 20).unwrap());
+                at = end;
+            }
+            got.extend(r.feed(&body[at..], 9, 1, 1 << 20).unwrap());
+            prop_assert!(r.finish().is_ok());
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_edit() {
+        let mut r = FrameRewriter::default();
+        assert_eq!(
+            r.feed(&[1, 0, 0, 0, 0], 9, 1, 100),
+            Err(FrameError::Compressed)
+        );
+        let mut r = FrameRewriter::default();
+        assert_eq!(
+            r.feed(&[0, 0, 0, 1, 0], 9, 1, 100),
+            Err(FrameError::TooLarge(256))
+        );
+        let mut r = FrameRewriter::default();
+        assert_eq!(r.feed(&[0, 0, 0, 0, 3, 0x0a], 9, 1, 100), Ok(vec![]));
+        assert_eq!(r.finish(), Err(FrameError::Cut(6)));
     }
 }
