@@ -1,18 +1,27 @@
-//! The simulated engine's gRPC side: `GetLoads` (and vLLM's `GetServerInfo`) with the servicer
-//! semantics, plus the standard health service, served over h2c by the simulator's accept loop so
-//! that it dies with the engine.
+//! The simulated engine's gRPC side: `Generate`, `Embed` and `Abort` (run by `grpc_decode`),
+//! `GetLoads` (and vLLM's `GetServerInfo`) with the servicer semantics, plus the standard health
+//! service, served over h2c by the simulator's accept loop so that it dies with the engine.
+//!
+//! The accept loop reads each request body whole before tonic sees it, to keep the message's raw
+//! bytes for [`super::GrpcSeen`]: every RPC served here sends one request message, so nothing
+//! waits on a client stream.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::{Request, Response};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
+use tonic::codegen::tokio_stream::{wrappers::ReceiverStream, StreamExt};
+use tonic::codegen::BoxStream;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 use tower::ServiceExt;
 
-use super::{net, RankReport, Sim, SimFlavor};
+use super::grpc_decode::{first_message, prompt_tokens, Gen, GenJob, RawMessage, EMBED_DIM};
+use super::{net, RankReport, Sim, SimFlavor, MAX_REQUEST_BYTES};
 use crate::http::Shutdown;
 use crate::proto::health::health_server::{Health, HealthServer};
 use crate::proto::health::{
@@ -40,6 +49,18 @@ impl GrpcSim {
             .loads_for(dp_rank.map(i64::from))
             .map_err(Status::invalid_argument)
     }
+}
+
+/// The raw request message the accept loop kept.
+fn raw<T>(req: &GrpcRequest<T>) -> Bytes {
+    req.extensions()
+        .get::<RawMessage>()
+        .map(|r| r.0.clone())
+        .unwrap_or_default()
+}
+
+fn u32_of(n: u64) -> u32 {
+    n.min(u32::MAX as u64) as u32
 }
 
 fn clamp(n: i64) -> i32 {
@@ -70,6 +91,87 @@ from_report!(sglang::SchedulerLoad);
 
 #[tonic::async_trait]
 impl VllmEngine for GrpcSim {
+    type GenerateStream = BoxStream<vllm::GenerateResponse>;
+
+    async fn generate(
+        &self,
+        req: GrpcRequest<vllm::GenerateRequest>,
+    ) -> Result<GrpcResponse<Self::GenerateStream>, Status> {
+        let raw = raw(&req);
+        let r = req.into_inner();
+        let local = self.0.grpc_rank(r.data_parallel_rank)?;
+        self.0.record_grpc("Generate", Some(local), raw);
+        let prompt = match &r.input {
+            Some(vllm::generate_request::Input::Tokenized(t)) => {
+                prompt_tokens(t.input_ids.len(), &t.original_text)
+            }
+            Some(vllm::generate_request::Input::Text(t)) => prompt_tokens(0, t),
+            None => prompt_tokens(0, ""),
+        };
+        let max_tokens = r.sampling_params.and_then(|p| p.max_tokens).unwrap_or(16);
+        let job = GenJob {
+            id: r.request_id,
+            local,
+            prompt_tokens: prompt,
+            max_tokens: u64::from(max_tokens.max(1)),
+            stream: r.stream,
+        };
+        let p = u32_of(prompt);
+        let events = self.0.clone().generate(job);
+        let stream = ReceiverStream::new(events).map(move |g| {
+            use vllm::generate_response::Response as R;
+            let response = match g {
+                Gen::Chunk { token, completion } => R::Chunk(vllm::GenerateStreamChunk {
+                    token_ids: vec![token],
+                    prompt_tokens: p,
+                    completion_tokens: completion,
+                    cached_tokens: 0,
+                }),
+                Gen::Complete { output, reason } => R::Complete(vllm::GenerateComplete {
+                    completion_tokens: output.len() as u32,
+                    output_ids: output,
+                    finish_reason: reason.into(),
+                    prompt_tokens: p,
+                    cached_tokens: 0,
+                }),
+            };
+            Ok(vllm::GenerateResponse {
+                response: Some(response),
+            })
+        });
+        Ok(GrpcResponse::new(Box::pin(stream)))
+    }
+
+    async fn embed(
+        &self,
+        req: GrpcRequest<vllm::EmbedRequest>,
+    ) -> Result<GrpcResponse<vllm::EmbedResponse>, Status> {
+        let raw = raw(&req);
+        let r = req.into_inner();
+        // vLLM's embedding request carries no rank: the engine always balances it.
+        let local = self.0.grpc_rank(None)?;
+        self.0.record_grpc("Embed", Some(local), raw);
+        let prompt = r
+            .tokenized
+            .map_or(1, |t| prompt_tokens(t.input_ids.len(), &t.original_text));
+        let embedding = self.0.embed(local, prompt).await;
+        Ok(GrpcResponse::new(vllm::EmbedResponse {
+            embedding,
+            prompt_tokens: u32_of(prompt),
+            embedding_dim: EMBED_DIM as u32,
+        }))
+    }
+
+    async fn abort(
+        &self,
+        req: GrpcRequest<vllm::AbortRequest>,
+    ) -> Result<GrpcResponse<vllm::AbortResponse>, Status> {
+        self.0.record_grpc("Abort", None, raw(&req));
+        let r = req.into_inner();
+        self.0.abort(r.request_ids.iter().map(String::as_str));
+        Ok(GrpcResponse::new(vllm::AbortResponse {}))
+    }
+
     async fn get_server_info(
         &self,
         _: GrpcRequest<vllm::GetServerInfoRequest>,
@@ -103,6 +205,103 @@ impl VllmEngine for GrpcSim {
 
 #[tonic::async_trait]
 impl SglangScheduler for GrpcSim {
+    type GenerateStream = BoxStream<sglang::GenerateResponse>;
+
+    async fn generate(
+        &self,
+        req: GrpcRequest<sglang::GenerateRequest>,
+    ) -> Result<GrpcResponse<Self::GenerateStream>, Status> {
+        let raw = raw(&req);
+        let r = req.into_inner();
+        let local = self.0.grpc_rank(r.data_parallel_rank)?;
+        self.0.record_grpc("Generate", Some(local), raw);
+        let prompt = r
+            .tokenized
+            .map_or(1, |t| prompt_tokens(t.input_ids.len(), &t.original_text));
+        // SGLang's default bound, as on its HTTP `/generate`.
+        let max_tokens = r
+            .sampling_params
+            .and_then(|p| p.max_new_tokens)
+            .unwrap_or(128);
+        let id = r.request_id;
+        let job = GenJob {
+            id: id.clone(),
+            local,
+            prompt_tokens: prompt,
+            max_tokens: u64::from(max_tokens.max(1)),
+            stream: r.stream,
+        };
+        let p = u32_of(prompt);
+        let events = self.0.clone().generate(job);
+        let stream = ReceiverStream::new(events).map(move |g| {
+            use sglang::generate_response::Response as R;
+            let response = match g {
+                Gen::Chunk { token, completion } => R::Chunk(sglang::GenerateStreamChunk {
+                    token_ids: vec![token],
+                    prompt_tokens: p,
+                    completion_tokens: completion,
+                    cached_tokens: 0,
+                }),
+                Gen::Complete { output, reason } => R::Complete(sglang::GenerateComplete {
+                    completion_tokens: output.len() as u32,
+                    output_ids: output,
+                    finish_reason: reason.into(),
+                    prompt_tokens: p,
+                    cached_tokens: 0,
+                }),
+            };
+            Ok(sglang::GenerateResponse {
+                request_id: id.clone(),
+                response: Some(response),
+            })
+        });
+        Ok(GrpcResponse::new(Box::pin(stream)))
+    }
+
+    async fn embed(
+        &self,
+        req: GrpcRequest<sglang::EmbedRequest>,
+    ) -> Result<GrpcResponse<sglang::EmbedResponse>, Status> {
+        let raw = raw(&req);
+        let r = req.into_inner();
+        // A plain int32: rank 0 is not on the wire, so 0 reads as no pin.
+        let pin = (r.data_parallel_rank != 0).then_some(r.data_parallel_rank);
+        let local = self.0.grpc_rank(pin)?;
+        self.0.record_grpc("Embed", Some(local), raw);
+        let prompt = r
+            .tokenized
+            .map_or(1, |t| prompt_tokens(t.input_ids.len(), &t.original_text));
+        let embedding = self.0.embed(local, prompt).await;
+        Ok(GrpcResponse::new(sglang::EmbedResponse {
+            request_id: r.request_id,
+            response: Some(sglang::embed_response::Response::Complete(
+                sglang::EmbedComplete {
+                    embedding,
+                    prompt_tokens: u32_of(prompt),
+                    cached_tokens: 0,
+                    embedding_dim: EMBED_DIM as u32,
+                },
+            )),
+        }))
+    }
+
+    async fn abort(
+        &self,
+        req: GrpcRequest<sglang::AbortRequest>,
+    ) -> Result<GrpcResponse<sglang::AbortResponse>, Status> {
+        self.0.record_grpc("Abort", None, raw(&req));
+        let r = req.into_inner();
+        let found = self.0.abort([r.request_id.as_str()]);
+        Ok(GrpcResponse::new(sglang::AbortResponse {
+            success: true,
+            message: if found > 0 {
+                "aborted".into()
+            } else {
+                format!("request {} is not running", r.request_id)
+            },
+        }))
+    }
+
     async fn get_loads(
         &self,
         req: GrpcRequest<sglang::GetLoadsRequest>,
@@ -164,6 +363,18 @@ pub(crate) async fn serve(
     let handler = move |req: Request<Incoming>| {
         let (health, vllm, sglang) = (health.clone(), vllm.clone(), sglang.clone());
         async move {
+            let (mut parts, body) = req.into_parts();
+            let body = match Limited::new(body, MAX_REQUEST_BYTES).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => {
+                    let status = Status::invalid_argument(format!("reading request: {e}"));
+                    return Ok::<_, Infallible>(status.into_http());
+                }
+            };
+            if let Some(raw) = first_message(&body) {
+                parts.extensions.insert(RawMessage(raw));
+            }
+            let req = Request::from_parts(parts, Full::new(body));
             let resp: Response<tonic::body::Body> =
                 if req.uri().path().starts_with("/grpc.health.v1.Health/") {
                     health.oneshot(req).await?
@@ -173,7 +384,7 @@ pub(crate) async fn serve(
                         SimFlavor::Sglang => sglang.oneshot(req).await?,
                     }
                 };
-            Ok::<_, Infallible>(resp)
+            Ok(resp)
         }
     };
     net::serve(listener, handler, shutdown, kill, running).await;

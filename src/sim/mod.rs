@@ -16,13 +16,15 @@
 //! paths to endpoints, `serve` holds the HTTP surface and the prelude every proxied request goes
 //! through, `generate` the decoding APIs, `pooling` the answers without decoding, `multipart` the
 //! audio forms, `info` what the engine says about itself, `auth` the API key check, `telemetry`
-//! what the ranks publish, `grpc` the `GetLoads` side, `rank` the KV and queue model, `faults`
-//! the fault knobs and `net` the accept loop that can die like a killed process.
+//! what the ranks publish, `grpc` the gRPC services and `grpc_decode` their inference calls,
+//! `rank` the KV and queue model, `faults` the fault knobs and `net` the accept loop that can die
+//! like a killed process.
 
 mod auth;
 mod faults;
 mod generate;
 mod grpc;
+mod grpc_decode;
 mod info;
 mod multipart;
 mod net;
@@ -45,6 +47,7 @@ use tokio::sync::watch;
 use crate::worker::RankNumbering;
 use faults::Faults;
 pub use faults::{check_percent, check_status, FaultError};
+pub use grpc_decode::GrpcSeen;
 use rank::Rank;
 pub use serve::SimBody;
 use telemetry::RankReport;
@@ -196,6 +199,12 @@ pub(crate) struct Sim {
     pub(crate) ranks: Vec<Rank>,
     knobs: RwLock<Knobs>,
     seen: Mutex<VecDeque<Seen>>,
+    /// What the engine saw of gRPC inference calls.
+    grpc_seen: Mutex<VecDeque<GrpcSeen>>,
+    /// Generations running under a request id, for `Abort`.
+    running: Mutex<grpc_decode::Running>,
+    /// Request ids `Abort` named, oldest first.
+    aborted: Mutex<VecDeque<String>>,
     pub(crate) telemetry_requests: AtomicU64,
     next_id: AtomicU64,
     pub(crate) faults: Faults,
@@ -256,6 +265,9 @@ impl SimEngine {
             cfg,
             ranks,
             seen: Mutex::new(VecDeque::new()),
+            grpc_seen: Mutex::new(VecDeque::new()),
+            running: Mutex::default(),
+            aborted: Mutex::new(VecDeque::new()),
             telemetry_requests: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             faults,
@@ -279,7 +291,8 @@ impl SimEngine {
         })
     }
 
-    /// Serves the gRPC side (`GetLoads`, `GetServerInfo`, health) on `listen`; returns its address.
+    /// Serves the gRPC side (`Generate`, `Embed`, `Abort`, `GetLoads`, vLLM's `GetServerInfo`,
+    /// health) on `listen`; returns its address.
     /// It dies with the engine.
     pub async fn start_grpc(&self, listen: SocketAddr) -> std::io::Result<SocketAddr> {
         if self.sim.is_dead() {
@@ -323,6 +336,17 @@ impl SimEngine {
     /// What the engine saw of recent requests, oldest first.
     pub fn seen(&self) -> Vec<Seen> {
         lock(&self.sim.seen).iter().cloned().collect()
+    }
+
+    /// What the engine saw of recent gRPC inference calls (`Generate`, `Embed`, `Abort`), oldest
+    /// first.
+    pub fn grpc_seen(&self) -> Vec<GrpcSeen> {
+        lock(&self.sim.grpc_seen).iter().cloned().collect()
+    }
+
+    /// The request ids gRPC `Abort` named, running or not, oldest first.
+    pub fn aborted(&self) -> Vec<String> {
+        lock(&self.sim.aborted).iter().cloned().collect()
     }
 
     /// How many telemetry requests (`/metrics`, `/v1/loads`, `GetLoads`) the engine answered.

@@ -183,25 +183,30 @@ impl Sim {
             },
         };
         let Some(r) = requested else { return Ok(None) };
+        self.local_rank(r)
+            .map(Some)
+            .map_err(|msg| (StatusCode::BAD_REQUEST, msg))
+    }
+
+    /// The local rank index a requested rank names, in the numbering the engine validates
+    /// against; out of range is an error naming the rank and the valid range.
+    pub(super) fn local_rank(&self, r: i64) -> Result<usize, String> {
         let base = match self.cfg.rank_numbering {
             RankNumbering::Global => self.cfg.start_rank as i64,
             RankNumbering::Local => 0,
         };
         let local = r - base;
         if local < 0 || local >= self.cfg.dp_size as i64 {
-            return Err((
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "data_parallel_rank {r} is out of range [{base}, {}).",
-                    base + self.cfg.dp_size as i64
-                ),
+            return Err(format!(
+                "data_parallel_rank {r} is out of range [{base}, {}).",
+                base + self.cfg.dp_size as i64
             ));
         }
-        Ok(Some(local as usize))
+        Ok(local as usize)
     }
 
     /// The engine's own balancing for unpinned requests: the rank with least KV reserved.
-    fn least_loaded(&self) -> usize {
+    pub(super) fn least_loaded(&self) -> usize {
         (0..self.ranks.len())
             .min_by_key(|&i| {
                 let r = &self.ranks[i];
