@@ -257,6 +257,10 @@ pub struct Shared {
     authorities: Vec<Authority>,
     /// The flavors of the fleet's engines, for routes only some serve.
     flavors: route::Flavors,
+    /// Engines of more than one flavor: some routes then exclude some engines (select).
+    mixed_flavors: bool,
+    /// SGLang engines take the rank in the body, so bodies are read whole (read).
+    pins_in_body: bool,
     /// Retries' allowance (retry).
     budget: budget::RetryBudget,
     /// Requests admitted now (admit).
@@ -319,6 +323,16 @@ impl Shared {
             pin_headers,
             authorities,
             flavors: route::Flavors::of(&table.fleet.engines),
+            mixed_flavors: table
+                .fleet
+                .engines
+                .windows(2)
+                .any(|w| w[0].flavor != w[1].flavor),
+            pins_in_body: table
+                .fleet
+                .engines
+                .iter()
+                .any(|e| e.flavor == crate::worker::Flavor::Sglang),
             budget: budget::RetryBudget::new(cfg.routing.retry_budget),
             admitted: AtomicUsize::new(0),
             client: crate::http::client(server.connect_timeout),

@@ -33,17 +33,11 @@ pub struct Read<S> {
 impl<S> Read<S> {
     pub fn new(inner: S, ctx: &Ctx) -> Read<S> {
         let cfg = &ctx.cfg;
-        let pins_in_body = ctx
-            .table
-            .fleet
-            .engines
-            .iter()
-            .any(|e| e.flavor == crate::worker::Flavor::Sglang);
         Read {
             inner,
             ctx: ctx.clone(),
             max_body: cfg.server.max_body_bytes,
-            keep: if pins_in_body {
+            keep: if ctx.pins_in_body {
                 cfg.server.max_body_bytes
             } else {
                 cfg.routing.retry_buffer_bytes

@@ -18,18 +18,13 @@ use crate::policy::Avoid;
 pub struct Select<S> {
     inner: S,
     ctx: Ctx,
-    /// Engines of more than one flavor: some routes then exclude some engines.
-    mixed: bool,
 }
 
 impl<S> Select<S> {
     pub fn new(inner: S, ctx: &Ctx) -> Select<S> {
-        let engines = &ctx.table.fleet.engines;
-        let mixed = engines.iter().any(|e| e.flavor != engines[0].flavor);
         Select {
             inner,
             ctx: ctx.clone(),
-            mixed,
         }
     }
 }
@@ -59,7 +54,7 @@ impl<S> Select<S> {
         let path = req.uri().path();
         let snap = ctx.table.snapshot.load();
         // The usual request: one model, one flavor, nothing to look at.
-        if !snap.catalog.routes_by_model() && !self.mixed && path != "/v1/responses" {
+        if !snap.catalog.routes_by_model() && !ctx.mixed_flavors && path != "/v1/responses" {
             return Ok(None);
         }
         let Action::Proxy(route) = route::lookup(ctx, req.method(), path)? else {
@@ -74,7 +69,7 @@ impl<S> Select<S> {
             }
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
-        if !by_model && (!self.mixed || route.flavors == route::Flavors::BOTH) {
+        if !by_model && (!ctx.mixed_flavors || route.flavors == route::Flavors::BOTH) {
             return Ok(None);
         }
         let model = if by_model { model(req, route)? } else { None };
