@@ -68,6 +68,15 @@ impl Catalog {
         }
     }
 
+    /// The same catalog with engine `e`'s list replaced.
+    pub fn with(&self, e: usize, list: Arc<[Model]>) -> Catalog {
+        let mut lists = self.engines.clone();
+        if let Some(slot) = lists.get_mut(e) {
+            *slot = Some(list);
+        }
+        Catalog::new(lists)
+    }
+
     /// Engine `e`'s models, if known.
     pub fn of(&self, e: usize) -> Option<&[Model]> {
         self.engines.get(e)?.as_deref()

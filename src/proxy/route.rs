@@ -7,8 +7,6 @@
 //! endpoints (cache flushes, adapter loading, profiling) are not proxied: one engine of many
 //! cannot be their target.
 
-use std::sync::Arc;
-
 use http::{Method, Request, StatusCode};
 
 use super::{Answer, Below, Ctx, ProxyError, Step};
@@ -208,7 +206,7 @@ fn models(ctx: &Ctx, id: Option<&str>) -> Answer {
                     .is_some()
         })
     };
-    let catalog = Arc::clone(&snap.catalog);
+    let catalog = &snap.catalog;
     let listing = catalog.listing(listed);
     let Some(id) = id else {
         return Ok(crate::http::json_response(StatusCode::OK, &listing));

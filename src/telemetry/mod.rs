@@ -20,7 +20,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use crate::catalog::{Catalog, Model};
+use crate::catalog::Model;
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
 use crate::table::{RankTelemetry, RankView, Snapshot, Table};
@@ -98,8 +98,6 @@ pub fn spawn(
 /// The single writer: folds reports into the current views and swaps in each new snapshot.
 async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_per_request: f64) {
     let mut views: Vec<RankView> = table.snapshot.load().ranks.clone();
-    // Per engine: its model list as last read (config-fixed lists are never replaced).
-    let mut models = crate::table::fixed_models(&table.fleet);
     let mut catalog = table.snapshot.load().catalog.clone();
     // Staleness has no report to announce it (a hung engine sends none), so a timer looks for it.
     let mut stale = vec![false; views.len()];
@@ -122,9 +120,9 @@ async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_p
                 }
                 if let Some(m) = report.models {
                     let e = report.engine;
-                    if table.fleet.engines[e].models.is_none() && models[e].as_deref() != Some(&m[..]) {
-                        models[e] = Some(m.into());
-                        catalog = Arc::new(Catalog::new(models.clone()));
+                    // A list fixed in the config is never replaced.
+                    if table.fleet.engines[e].models.is_none() && catalog.of(e) != Some(&m[..]) {
+                        catalog = Arc::new(catalog.with(e, m.into()));
                     }
                 }
                 estimate_kv_per_request(&mut views, default_kv_per_request);
