@@ -89,8 +89,24 @@ impl Outcome {
     }
 }
 
-/// Makes `call` against `base` (e.g. `http://127.0.0.1:8080`) with the SDK's headers.
+/// Longest a call may take, answer and body included: these calls are short, and a server that
+/// never answers must not hang the example or a test.
+pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Makes `call` against `base` (e.g. `http://127.0.0.1:8080`) with the SDK's headers, within
+/// [`CALL_TIMEOUT`].
 pub async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    base: &str,
+    api_key: &str,
+    call: &Call,
+) -> Result<Outcome, String> {
+    tokio::time::timeout(CALL_TIMEOUT, exchange(client, base, api_key, call))
+        .await
+        .map_err(|_| format!("no complete answer within {CALL_TIMEOUT:?}"))?
+}
+
+async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
     base: &str,
     api_key: &str,
