@@ -52,7 +52,7 @@ impl Admin {
                         "text/plain",
                         "draining: shutting down\n",
                     )
-                } else if self.selector.any_routable(&self.table) {
+                } else if self.selector.any_routable(&self.table, &Default::default()) {
                     respond(StatusCode::OK, "text/plain", "ready\n")
                 } else {
                     respond(

@@ -40,17 +40,19 @@ pub struct Router {
     /// Where the OpenAI-compatible front door listens (the bound port when the config said 0).
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// Where the gRPC front door listens, if `server.grpc_listen` is set.
+    pub grpc_addr: Option<SocketAddr>,
     pub table: Arc<Table>,
     pub metrics: Arc<Metrics>,
     pub selector: Arc<Selector>,
     /// Set once shutdown begins: `/ready` answers 503 from then on.
     draining: Arc<AtomicBool>,
     shutdown_delay: Duration,
-    /// Stops the front door's accept loop (its connections then drain).
+    /// Stops the front doors' accept loops (their connections then drain).
     stop_front: watch::Sender<bool>,
     /// Stops telemetry and the admin listener, once the front door has drained.
     stop_rest: watch::Sender<bool>,
-    front: JoinHandle<()>,
+    front: Vec<JoinHandle<()>>,
     rest: Vec<JoinHandle<()>>,
 }
 
@@ -84,6 +86,20 @@ impl Router {
         }
         let listener = bind("server.listen", cfg.server.listen).await?;
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
+        let grpc_listener = match cfg.server.grpc_listen {
+            Some(a) => Some(bind("server.grpc_listen", a).await?),
+            None => None,
+        };
+        let grpc_addr = grpc_listener
+            .as_ref()
+            .map(|l| {
+                l.local_addr().map_err(|source| StartError::Listen {
+                    key: "server.grpc_listen",
+                    addr: cfg.server.grpc_listen.unwrap_or(cfg.server.listen),
+                    source,
+                })
+            })
+            .transpose()?;
         let addr = listener.local_addr().map_err(|source| StartError::Listen {
             key: "server.listen",
             addr: cfg.server.listen,
@@ -119,16 +135,27 @@ impl Router {
             max_connections = front_opts.max_connections,
             "front door limits"
         );
-        let front = tokio::spawn(crate::http::serve_with(
+        let mut front = vec![tokio::spawn(crate::http::serve_with(
             listener,
             {
                 let shared = shared.clone();
                 move |peer| crate::proxy::stack(&shared, peer)
             },
-            front_rx,
-            front_opts,
-        ));
-        let draining = Arc::new(AtomicBool::new(false));
+            front_rx.clone(),
+            front_opts.clone(),
+        ))];
+        if let Some(l) = grpc_listener {
+            front.push(tokio::spawn(crate::http::serve_with(
+                l,
+                {
+                    let shared = shared.clone();
+                    move |peer| crate::proxy::grpc_stack(&shared, peer)
+                },
+                front_rx,
+                front_opts,
+            )));
+        }
+        let draining = shared.draining.clone();
         let admin = Arc::new(Admin {
             table: table.clone(),
             metrics: metrics.clone(),
@@ -142,12 +169,13 @@ impl Router {
             rest_rx,
         ));
         tracing::info!(
-            %addr, %admin_addr, workers = table.fleet.workers.len(),
+            %addr, %admin_addr, grpc_addr = ?grpc_addr, workers = table.fleet.workers.len(),
             policy = cfg.routing.policy.as_str(), "rankgate serving"
         );
         Ok(Router {
             addr,
             admin_addr,
+            grpc_addr,
             table,
             metrics,
             selector,
@@ -178,7 +206,9 @@ impl Router {
             tokio::time::sleep(self.shutdown_delay).await;
         }
         let _ = self.stop_front.send(true);
-        let _ = self.front.await;
+        for task in self.front {
+            let _ = task.await;
+        }
         let _ = self.stop_rest.send(true);
         for task in self.rest {
             let _ = task.await;

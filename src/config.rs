@@ -167,7 +167,8 @@ struct RawTelemetry {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawEngine {
-    url: String,
+    url: Option<String>,
+    grpc_url: Option<String>,
     flavor: Flavor,
     dp_size: Option<u32>,
     start_rank: Option<u32>,
@@ -236,6 +237,52 @@ fn parse_engine_url(key: &str, url: &str) -> Result<(String, String), ConfigErro
     Ok((format!("http://{authority}"), authority.to_string()))
 }
 
+/// Where an engine is reached: its OpenAI HTTP `url`, its `grpc_url`, or both.
+struct Addresses {
+    /// The engine's identity: its HTTP base URL, or its gRPC one when it has only that.
+    url: String,
+    authority: String,
+    http: bool,
+    /// `host:port` of its gRPC service.
+    grpc: Option<String>,
+}
+
+fn engine_addresses(i: usize, e: &RawEngine) -> Result<Addresses, ConfigError> {
+    let http = e
+        .url
+        .as_deref()
+        .map(|u| parse_engine_url(&format!("engines[{i}].url"), u))
+        .transpose()?;
+    let grpc = e
+        .grpc_url
+        .as_deref()
+        .map(|u| parse_engine_url(&format!("engines[{i}].grpc_url"), u))
+        .transpose()?;
+    if grpc.is_some() && e.flavor == Flavor::Gateway {
+        return Err(invalid(
+            format!("engines[{i}].grpc_url"),
+            "a gateway is fronted over HTTP only: remove this key",
+        ));
+    }
+    let grpc_authority = grpc.as_ref().map(|(_, a)| a.clone());
+    let ((url, authority), http) = match (http, grpc) {
+        (Some(h), _) => (h, true),
+        (None, Some(g)) => (g, false),
+        (None, None) => {
+            return Err(invalid(
+                format!("engines[{i}]"),
+                "needs `url` (its OpenAI HTTP API), `grpc_url` (its gRPC service, http://host:port), or both",
+            ))
+        }
+    };
+    Ok(Addresses {
+        url,
+        authority,
+        http,
+        grpc: grpc_authority,
+    })
+}
+
 /// "line N (`the line`): message": the line names the key, which toml's message may not.
 fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
     let Some(span) = e.span() else {
@@ -247,9 +294,20 @@ fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
     format!("line {line_no} (`{line}`): {}", e.message())
 }
 
-/// Default telemetry sources per flavor: the native per-rank endpoint where the engine has one
-/// without extra configuration, Prometheus as the fallback.
-fn default_sources(flavor: Flavor, url: &str) -> Vec<TelemetrySource> {
+/// Default telemetry sources: `GetLoads` where the engine serves gRPC (per rank, exact), then
+/// per flavor the native per-rank endpoint where the engine has one without extra
+/// configuration, Prometheus as the fallback.
+fn default_sources(flavor: Flavor, url: &str, a: &Addresses) -> Vec<TelemetrySource> {
+    let grpc = a.grpc.iter().map(|authority| TelemetrySource::Grpc {
+        authority: authority.as_str().into(),
+    });
+    if !a.http {
+        return grpc.collect();
+    }
+    grpc.chain(http_sources(flavor, url)).collect()
+}
+
+fn http_sources(flavor: Flavor, url: &str) -> Vec<TelemetrySource> {
     match flavor {
         Flavor::Vllm => vec![TelemetrySource::Prometheus],
         Flavor::Sglang => vec![
@@ -270,12 +328,21 @@ fn parse_sources(
     i: usize,
     flavor: Flavor,
     url: &str,
+    addresses: &Addresses,
     list: Option<&[String]>,
 ) -> Result<Vec<TelemetrySource>, ConfigError> {
     let key = format!("engines[{i}].telemetry");
     let Some(list) = list else {
-        return Ok(default_sources(flavor, url));
+        return Ok(default_sources(flavor, url, addresses));
     };
+    if !addresses.http {
+        if let Some(s) = list.iter().find(|s| *s == "http" || *s == "prometheus") {
+            return Err(invalid(
+                key,
+                format!("{s:?} is read from the engine's url, and this engine has only grpc_url: use \"grpc://host:port\" or an explicit \"http://host:port/path\""),
+            ));
+        }
+    }
     if list.is_empty() {
         return Err(invalid(key, "needs at least one source"));
     }
@@ -306,7 +373,7 @@ fn parse_sources(
                         "vLLM serves no per-rank HTTP loads endpoint (its /load is one in-flight count); use grpc://... or prometheus",
                     ))
                 }
-                _ => match default_sources(flavor, url).into_iter().next() {
+                _ => match http_sources(flavor, url).into_iter().next() {
                     Some(src @ TelemetrySource::Http { .. }) => src,
                     _ => return Err(invalid(key, "no default HTTP loads endpoint for this flavor")),
                 },
@@ -378,11 +445,21 @@ impl Config {
         }
         let mut engines: Vec<Engine> = Vec::with_capacity(raw.engines.len());
         for (i, e) in raw.engines.into_iter().enumerate() {
-            let (url, authority) = parse_engine_url(&format!("engines[{i}].url"), &e.url)?;
+            let addresses = engine_addresses(i, &e)?;
+            let (url, authority) = (addresses.url.clone(), addresses.authority.clone());
             if let Some(j) = engines.iter().position(|o| *o.url == *url) {
                 return Err(invalid(
                     format!("engines[{i}].url"),
                     format!("{url:?} is a duplicate of engines[{j}]"),
+                ));
+            }
+            if let Some(j) = engines
+                .iter()
+                .position(|o| o.grpc.is_some() && o.grpc.as_deref() == addresses.grpc.as_deref())
+            {
+                return Err(invalid(
+                    format!("engines[{i}].grpc_url"),
+                    format!("{:?} is a duplicate of engines[{j}]", e.grpc_url.unwrap_or_default()),
                 ));
             }
             if e.flavor == Flavor::Gateway {
@@ -399,8 +476,18 @@ impl Config {
                     }
                 }
             }
-            let telemetry = parse_sources(i, e.flavor, &url, e.telemetry.as_deref())?;
-            let health_path = parse_health_path(i, e.flavor, e.health_path.as_deref())?;
+            let telemetry =
+                parse_sources(i, e.flavor, &url, &addresses, e.telemetry.as_deref())?;
+            let health_path = match (addresses.http, e.health_path.as_deref()) {
+                (true, path) => parse_health_path(i, e.flavor, path)?,
+                (false, None) => None,
+                (false, Some(_)) => {
+                    return Err(invalid(
+                        format!("engines[{i}].health_path"),
+                        "probes the engine's url, and this engine has only grpc_url: remove this key (its GetLoads polls show whether it answers)",
+                    ))
+                }
+            };
             let dp_size = e.dp_size.unwrap_or(1);
             if dp_size == 0 || dp_size > MAX_DP_SIZE {
                 return Err(invalid(
@@ -443,6 +530,8 @@ impl Config {
                 health_path,
                 models,
                 api_key,
+                http: addresses.http,
+                grpc: addresses.grpc.map(Into::into),
             });
         }
         check_rank_overlap(&engines)?;

@@ -79,16 +79,38 @@ pub fn fields(msg: &[u8]) -> Result<Vec<(u64, usize, usize)>, WireError> {
     Ok(out)
 }
 
+/// The payload of one whole length-delimited field (key, length, payload), as [`fields`] gives
+/// it; `None` for another wire type.
+pub fn payload(field: &[u8]) -> Option<&[u8]> {
+    let (key, at) = varint(field, 0).ok()?;
+    if key & 7 != 2 {
+        return None;
+    }
+    let (len, body) = varint(field, at).ok()?;
+    field.get(body..body.checked_add(usize::try_from(len).ok()?)?)
+}
+
+/// `msg` without the top-level fields `drop` picks (given the field number and the whole
+/// field's bytes); every other field keeps its bytes and order.
+pub fn without(
+    msg: &[u8],
+    mut drop: impl FnMut(u64, &[u8]) -> bool,
+) -> Result<Vec<u8>, WireError> {
+    let mut out = Vec::with_capacity(msg.len());
+    for (f, start, end) in fields(msg)? {
+        if !drop(f, &msg[start..end]) {
+            out.extend_from_slice(&msg[start..end]);
+        }
+    }
+    Ok(out)
+}
+
 /// `msg` with varint field `field` set to `value` (an `int32` / `int64` / `uint` field): any
 /// occurrence of the field is removed and one is appended. Every other field keeps its bytes
 /// and its order. (Appending is valid protobuf: for a scalar the last occurrence wins.)
 pub fn set_varint(msg: &[u8], field: u64, value: u64) -> Result<Vec<u8>, WireError> {
-    let mut out = Vec::with_capacity(msg.len() + 12);
-    for (f, start, end) in fields(msg)? {
-        if f != field {
-            out.extend_from_slice(&msg[start..end]);
-        }
-    }
+    let mut out = without(msg, |f, _| f == field)?;
+    out.reserve(12);
     put_varint(&mut out, field << 3);
     put_varint(&mut out, value);
     Ok(out)

@@ -68,14 +68,17 @@ impl Avoid {
         self.engines[e / 64] |= 1 << (e % 64);
     }
 
+    /// Whether every rank of engine `e` is ruled out.
+    pub fn has_engine(&self, e: usize) -> bool {
+        self.engines
+            .get(e / 64)
+            .is_some_and(|bits| bits & (1 << (e % 64)) != 0)
+    }
+
     #[inline]
     fn blocks(&self, table: &Table, w: usize) -> bool {
         let e = table.fleet.workers[w].engine;
-        self.workers.contains(&w)
-            || self
-                .engines
-                .get(e / 64)
-                .is_some_and(|bits| bits & (1 << (e % 64)) != 0)
+        self.workers.contains(&w) || self.has_engine(e)
     }
 }
 
@@ -136,11 +139,10 @@ impl Selector {
     }
 
     /// True when [`Selector::pick`] would find a rank now (the admin `/ready`).
-    pub fn any_routable(&self, table: &Table) -> bool {
+    pub fn any_routable(&self, table: &Table, avoid: &Avoid) -> bool {
         let snap = table.snapshot.load();
         let now = Instant::now();
-        let none = Avoid::default();
-        let ok = |w: usize| eligible(table, w, &none);
+        let ok = |w: usize| eligible(table, w, avoid);
         let reachable = (0..snap.ranks.len()).any(|w| ok(w) && snap.ranks[w].reachable);
         let fresh = || {
             (0..snap.ranks.len()).any(|w| {

@@ -89,6 +89,11 @@ pub struct Engine {
     pub models: Option<Vec<String>>,
     /// The bearer key rankgate sends it, on proxied requests and on its own polls.
     pub api_key: Option<ApiKey>,
+    /// It serves the OpenAI HTTP API at `url` (an engine started with `--grpc` only does not:
+    /// `url` is then its gRPC address, kept as its identity).
+    pub http: bool,
+    /// `host:port` of its gRPC service (`engines[].grpc_url`), for the gRPC front door.
+    pub grpc: Option<Arc<str>>,
 }
 
 /// An engine's API key: the `Authorization` value, rendered once. Its Debug never shows it.
@@ -220,6 +225,8 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         health_path: Some("/health".into()),
         models: None,
         api_key: None,
+        http: true,
+        grpc: None,
     }
 }
 

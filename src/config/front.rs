@@ -46,6 +46,7 @@ pub const MAX_EJECT_FOR: Duration = Duration::from_secs(5 * 60);
 pub(super) struct RawServer {
     listen: Option<String>,
     admin_listen: Option<String>,
+    grpc_listen: Option<String>,
     max_body_bytes: Option<usize>,
     connect_timeout: Option<HumanDuration>,
     response_timeout: Option<HumanDuration>,
@@ -84,6 +85,8 @@ pub(super) struct RawRouting {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
+    /// The gRPC (h2c) front door, for engines' own gRPC APIs; off when unset.
+    pub grpc_listen: Option<SocketAddr>,
     pub max_body_bytes: usize,
     pub connect_timeout: Duration,
     /// Longest wait for an engine's response headers.
@@ -179,6 +182,10 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             raw.admin_listen,
             DEFAULT_ADMIN_LISTEN,
         )?,
+        grpc_listen: raw
+            .grpc_listen
+            .map(|a| parse_addr("server.grpc_listen", Some(a), ""))
+            .transpose()?,
         max_body_bytes: raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
         connect_timeout: duration(
             "server.connect_timeout",
@@ -307,6 +314,14 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             "server.admin_listen",
             "must differ from server.listen",
         ));
+    }
+    if let Some(g) = server.grpc_listen {
+        if g.port() != 0 && (g == server.listen || g == server.admin_listen) {
+            return Err(invalid(
+                "server.grpc_listen",
+                "must differ from server.listen and server.admin_listen",
+            ));
+        }
     }
     Ok(server)
 }

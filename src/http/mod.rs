@@ -32,6 +32,24 @@ where
         .build(connector)
 }
 
+/// An h2c client (prior knowledge: gRPC over cleartext never upgrades from HTTP/1): one
+/// connection per authority, every call a stream on it.
+pub fn h2_client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
+where
+    B: Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .build(connector)
+}
+
 /// Renders an error with its sources, since hyper's top-level message alone ("client error
 /// (Connect)") does not say what went wrong.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -159,6 +159,8 @@ pub struct Holds {
     pub done: Option<Done>,
     /// Told how the upstream body ended: cleanly or broken (outlier accounting).
     pub on_break: Option<super::observe::BreakWatch>,
+    /// The gRPC request id's entry, for Abort (grpc track).
+    pub request_id: Option<super::grpc::Held>,
 }
 
 /// The body of a response to the client.
@@ -173,14 +175,27 @@ pub struct ProxyBody {
 #[derive(Debug)]
 enum Kind {
     Full(Option<Bytes>),
+    /// rankgate's own gRPC answer: one message, then the trailers with its status.
+    Grpc(Option<Bytes>, Option<http::HeaderMap>),
     Upstream(Box<Upstream>),
+}
+
+/// How a stream that breaks after its first byte ends for the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Cut: the client sees the connection or stream fail.
+    Cut,
+    /// SSE: one final `data: {"error": ...}` event.
+    SseEvent,
+    /// gRPC: trailers with a status (UNAVAILABLE, or DEADLINE_EXCEEDED when idle) naming the
+    /// worker, as a gRPC client expects any call to end.
+    GrpcStatus,
 }
 
 #[derive(Debug)]
 struct Upstream {
     body: Option<Incoming>,
-    /// SSE: a break ends the stream with an error event instead of cutting it.
-    sse: bool,
+    ending: Ending,
     idle: Duration,
     /// When the last frame came, once the idle timer is armed.
     last_frame: Option<Instant>,
@@ -203,14 +218,14 @@ impl ProxyBody {
     /// An engine's response body, streamed back with a limit on the gap between chunks.
     pub fn upstream(
         body: Incoming,
-        sse: bool,
+        ending: Ending,
         idle: Duration,
         timer: Option<Pin<Box<Sleep>>>,
     ) -> ProxyBody {
         ProxyBody {
             kind: Kind::Upstream(Box::new(Upstream {
                 body: Some(body),
-                sse,
+                ending,
                 idle,
                 last_frame: None,
                 timer,
@@ -230,12 +245,29 @@ impl ProxyBody {
             done.ctx.metrics.stream_cut(idle);
         }
         tracing::warn!(error = %err, "stream cut after its first byte");
+        let worker = self
+            .holds
+            .in_flight
+            .as_ref()
+            .map(|g| g.table().fleet.workers[g.worker()].id_text.clone());
         self.holds = Holds::default();
         let Kind::Upstream(up) = &mut self.kind else {
             return Poll::Ready(None);
         };
         up.body = None;
-        if up.sse {
+        if up.ending == Ending::GrpcStatus {
+            let code = match err {
+                StreamError::Idle(_) => tonic::Code::DeadlineExceeded,
+                StreamError::Broken(_) => tonic::Code::Unavailable,
+            };
+            let message = match worker {
+                Some(w) => format!("{w}: {err}"),
+                None => err.to_string(),
+            };
+            let trailers = super::grpc::status_headers(code, &message);
+            return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+        }
+        if up.ending == Ending::SseEvent {
             let status = match err {
                 StreamError::Idle(_) => StatusCode::GATEWAY_TIMEOUT,
                 StreamError::Broken(_) => StatusCode::BAD_GATEWAY,
@@ -248,6 +280,26 @@ impl ProxyBody {
             return Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))));
         }
         Poll::Ready(Some(Err(Box::new(err))))
+    }
+}
+
+impl ProxyBody {
+    /// No body at all.
+    pub fn empty() -> ProxyBody {
+        ProxyBody {
+            kind: Kind::Full(None),
+            holds: Holds::default(),
+            target: None,
+        }
+    }
+
+    /// One gRPC message, then `trailers`.
+    pub fn grpc(message: Option<Bytes>, trailers: http::HeaderMap) -> ProxyBody {
+        ProxyBody {
+            kind: Kind::Grpc(message, Some(trailers)),
+            holds: Holds::default(),
+            target: None,
+        }
     }
 }
 
@@ -272,6 +324,13 @@ impl Body for ProxyBody {
         let this = self.get_mut();
         let up = match &mut this.kind {
             Kind::Full(b) => return Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Kind::Grpc(message, trailers) => {
+                let frame = match message.take() {
+                    Some(m) => Frame::data(m),
+                    None => return Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t)))),
+                };
+                return Poll::Ready(Some(Ok(frame)));
+            }
             Kind::Upstream(up) => up,
         };
         let Some(body) = &mut up.body else {
@@ -335,6 +394,7 @@ impl Body for ProxyBody {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Full(b) => b.is_none(),
+            Kind::Grpc(m, t) => m.is_none() && t.is_none(),
             Kind::Upstream(up) => up.body.as_ref().is_none_or(|b| b.is_end_stream()),
         }
     }
@@ -342,6 +402,7 @@ impl Body for ProxyBody {
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Kind::Grpc(..) => SizeHint::default(),
             Kind::Upstream(up) => up
                 .body
                 .as_ref()

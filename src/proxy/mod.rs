@@ -69,6 +69,7 @@ mod auth;
 mod body;
 mod budget;
 mod cors;
+mod grpc;
 mod identity;
 mod observe;
 mod pick;
@@ -85,6 +86,7 @@ mod tests;
 
 pub use auth::{Denied, Keys, KeysError};
 pub use body::{BodyTooLarge, BoxError, ClientBodyError, Holds, ProxyBody, RequestBody};
+pub use grpc::{Front, GrpcError};
 pub use identity::REQUEST_ID;
 pub use pin::pin_in_body;
 
@@ -143,6 +145,9 @@ pub enum ProxyError {
     EngineBusy { limit: usize, waited: Duration },
     #[error("internal error: {0}")]
     Internal(String),
+    /// What only the gRPC front door refuses, with the status it becomes.
+    #[error(transparent)]
+    Grpc(#[from] GrpcError),
     /// Any of the above, on the worker it happened on.
     #[error("{error}")]
     At {
@@ -201,6 +206,7 @@ impl ProxyError {
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ProxyError::Grpc(g) => grpc::http_status(g.code),
         }
     }
 
@@ -255,6 +261,18 @@ pub struct Shared {
     pin_headers: Vec<Option<HeaderValue>>,
     /// Per engine: its authority, parsed once.
     authorities: Vec<Authority>,
+    /// Per engine: its gRPC authority, if it has one.
+    grpc_authorities: Vec<Option<Authority>>,
+    /// Engines that serve no OpenAI HTTP API (only gRPC): never an HTTP request's target.
+    http_avoid: Option<crate::policy::Avoid>,
+    /// Per flavor (vLLM, SGLang): the engines a gRPC call must not go to (see [`grpc::targets`]).
+    grpc_avoid: [Option<crate::policy::Avoid>; 2],
+    /// In-flight gRPC request ids and their engines (for Abort).
+    grpc_requests: Arc<grpc::Requests>,
+    /// The h2 client for engines' gRPC services: one connection per engine, multiplexed.
+    grpc_client: Client<HttpConnector, RequestBody>,
+    /// Shutdown has begun (the gRPC health service then says NOT_SERVING).
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
     /// The flavors of the fleet's engines, for routes only some serve.
     flavors: route::Flavors,
     /// Engines of more than one flavor: some routes then exclude some engines (select).
@@ -315,22 +333,35 @@ impl Shared {
             })
             .collect();
         let server = &cfg.server;
+        let engines = &table.fleet.engines;
+        let http_engines: Vec<_> = engines.iter().filter(|e| e.http).cloned().collect();
+        let mut http_avoid = crate::policy::Avoid::default();
+        for (e, _) in engines.iter().enumerate().filter(|(_, e)| !e.http) {
+            http_avoid.engine(e);
+        }
         Arc::new(Shared {
+            grpc_authorities: engines
+                .iter()
+                .map(|e| e.grpc.as_deref().and_then(|a| Authority::try_from(a).ok()))
+                .collect(),
+            http_avoid: (http_engines.len() < engines.len()).then_some(http_avoid),
+            grpc_avoid: [
+                grpc::targets(engines, crate::worker::Flavor::Vllm),
+                grpc::targets(engines, crate::worker::Flavor::Sglang),
+            ],
+            grpc_requests: Arc::default(),
+            grpc_client: crate::http::h2_client(server.connect_timeout),
+            draining: Arc::default(),
             selector: Arc::new(Selector::new(&cfg.routing)),
             metrics,
             cfg: cfg.clone(),
             worker_headers,
             pin_headers,
             authorities,
-            flavors: route::Flavors::of(&table.fleet.engines),
-            mixed_flavors: table
-                .fleet
-                .engines
-                .windows(2)
-                .any(|w| w[0].flavor != w[1].flavor),
-            pins_in_body: table
-                .fleet
-                .engines
+            // What the HTTP front door needs to know, of the engines it sends to.
+            flavors: route::Flavors::of(&http_engines),
+            mixed_flavors: http_engines.windows(2).any(|w| w[0].flavor != w[1].flavor),
+            pins_in_body: http_engines
                 .iter()
                 .any(|e| e.flavor == crate::worker::Flavor::Sglang),
             budget: budget::RetryBudget::new(cfg.routing.retry_budget),
@@ -348,6 +379,10 @@ impl Shared {
 
     fn worker_header(&self, w: usize) -> HeaderValue {
         self.worker_headers[w].clone()
+    }
+
+    fn grpc_authority(&self, e: usize) -> Option<Authority> {
+        self.grpc_authorities[e].clone()
     }
 }
 
@@ -368,15 +403,22 @@ pub struct Conn {
     pub peer: SocketAddr,
     /// Its IP as a header value (X-Forwarded-For), rendered once for all of its requests.
     pub peer_ip: HeaderValue,
+    /// The front door it came in through.
+    pub front: Front,
 }
 
 impl Ctx {
-    pub fn new(shared: &Arc<Shared>, peer: SocketAddr) -> Ctx {
+    pub fn new(shared: &Arc<Shared>, peer: SocketAddr, front: Front) -> Ctx {
         Ctx(Arc::new(Conn {
             shared: shared.clone(),
             peer,
             peer_ip: identity::peer_ip_header(peer),
+            front,
         }))
+    }
+
+    fn grpc(&self) -> bool {
+        self.0.front == Front::Grpc
     }
 
     pub fn conn(&self) -> &Conn {
@@ -430,7 +472,7 @@ pub fn stack(
 > + Clone
        + Send
        + 'static {
-    let ctx = Ctx::new(shared, peer);
+    let ctx = Ctx::new(shared, peer, Front::Http);
     let c = &ctx;
     ServiceBuilder::new()
         .layer_fn(|inner| identity::Identity::new(inner, c))
@@ -443,6 +485,35 @@ pub fn stack(
         .layer_fn(|inner| admit::Admit::new(inner, c))
         .layer_fn(|inner| retry::Retry::new(inner, c))
         .layer_fn(|inner| pick::Pick::new(inner, c))
+        .layer_fn(|inner| observe::Observe::new(inner, c))
+        .service(send::Send::new(c))
+}
+
+/// The gRPC front door for one connection (see [`grpc`]): the HTTP stack's lower half under
+/// the gRPC method table, answering every call (errors as gRPC statuses).
+pub fn grpc_stack(
+    shared: &Arc<Shared>,
+    peer: SocketAddr,
+) -> impl tower::Service<
+    Request<Incoming>,
+    Response = Response<ProxyBody>,
+    Error = Infallible,
+    Future = impl Future + Send + 'static,
+> + Clone
+       + Send
+       + 'static {
+    let ctx = Ctx::new(shared, peer, Front::Grpc);
+    let c = &ctx;
+    ServiceBuilder::new()
+        .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| respond::Respond::new(inner, c))
+        .layer_fn(|inner| auth::Auth::new(inner, c))
+        .layer_fn(|inner| grpc::Route::new(inner, c))
+        .layer_fn(|inner| read::Read::new(inner, c))
+        .layer_fn(|inner| admit::Admit::new(inner, c))
+        .layer_fn(|inner| retry::Retry::new(inner, c))
+        .layer_fn(|inner| pick::Pick::new(inner, c))
+        .layer_fn(|inner| grpc::Track::new(inner, c))
         .layer_fn(|inner| observe::Observe::new(inner, c))
         .service(send::Send::new(c))
 }

@@ -12,7 +12,7 @@ use http::{Request, Uri, Version};
 use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
 use super::{
-    content_length, read, route, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER,
+    content_length, grpc, read, route, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER,
 };
 use crate::policy::Avoid;
 use crate::worker::Flavor;
@@ -66,7 +66,8 @@ where
         // The client's own pin never reaches the engine: rankgate decides the rank.
         parts.headers.remove(&RANK_HEADER);
         parts.headers.remove(header::HOST);
-        if let Some(pin) = &shared.pin_headers[w] {
+        let grpc = self.ctx.grpc();
+        if let (Some(pin), false) = (&shared.pin_headers[w], grpc) {
             parts.headers.insert(RANK_HEADER, pin.clone());
         }
         // An engine with a key of its own gets that key, never the client's.
@@ -74,7 +75,17 @@ where
         if let Some(key) = &engine.api_key {
             parts.headers.insert(header::AUTHORIZATION, key.0.clone());
         }
-        parts.version = Version::HTTP_11;
+        let authority = if grpc {
+            // gRPC servers insist on it (it says the client understands trailers).
+            parts
+                .headers
+                .insert(header::TE, HeaderValue::from_static("trailers"));
+            parts.version = Version::HTTP_2;
+            shared.grpc_authority(e)
+        } else {
+            parts.version = Version::HTTP_11;
+            Some(shared.authorities[e].clone())
+        };
         let pq = parts
             .uri
             .path_and_query()
@@ -82,7 +93,7 @@ where
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         let mut uri = http::uri::Parts::default();
         uri.scheme = Some(Scheme::HTTP);
-        uri.authority = Some(shared.authorities[e].clone());
+        uri.authority = authority;
         uri.path_and_query = Some(pq);
         parts.uri = match Uri::from_parts(uri) {
             Ok(u) => u,
@@ -92,17 +103,23 @@ where
                 ))
             }
         };
-        let body_pin = (engine.flavor == Flavor::Sglang
-            && route::table(parts.uri.path()).is_some_and(|(_, r)| r.sglang_body_pin))
-        .then_some(worker.pin_rank)
-        .flatten();
+        let body_pin = match grpc {
+            true => grpc::rank_field(parts.uri.path())
+                .zip(worker.pin_rank)
+                .map(|(field, rank)| BodyPin::Grpc(field, rank)),
+            false => (engine.flavor == Flavor::Sglang
+                && route::table(parts.uri.path()).is_some_and(|(_, r)| r.sglang_body_pin))
+            .then_some(worker.pin_rank)
+            .flatten()
+            .map(BodyPin::Json),
+        };
         let guard = picked.guard;
         // The usual case goes straight on: no future of this layer's own. What follows the
         // response (the guard in its body, the worker header) is done by `send`, which holds
         // both once the request is `Picked`.
         let body = match (body_pin, body) {
             (None, body) => body,
-            (Some(rank), RequestBody::Full(whole)) => match pin_in_body(&whole, rank) {
+            (Some(pin), RequestBody::Full(whole)) => match pin.apply(&whole) {
                 Ok(pinned) => {
                     parts
                         .headers
@@ -111,13 +128,13 @@ where
                 }
                 Err(err) => return Step::ready(Err(err.at(w))),
             },
-            (Some(rank), streamed) => {
+            (Some(pin), streamed) => {
                 // An SGLang body too large to have been read whole yet: read the rest first.
                 let max = shared.cfg.server.max_body_bytes;
                 let mut inner = self.inner.clone();
                 return Step::Own(Box::pin(async move {
                     let whole = whole(streamed, max).await.map_err(|err| err.at(w))?;
-                    let pinned = pin_in_body(&whole, rank).map_err(|err| err.at(w))?;
+                    let pinned = pin.apply(&whole).map_err(|err| err.at(w))?;
                     parts
                         .headers
                         .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));
@@ -137,6 +154,24 @@ where
             guard,
         };
         Step::Below(self.inner.call(Request::from_parts(parts, picked)))
+    }
+}
+
+/// Where a rank goes inside a request body.
+#[derive(Debug, Clone, Copy)]
+enum BodyPin {
+    /// SGLang's JSON `data_parallel_rank`.
+    Json(u32),
+    /// A gRPC request message's rank field (number, rank).
+    Grpc(u64, u32),
+}
+
+impl BodyPin {
+    fn apply(self, whole: &bytes::Bytes) -> Result<bytes::Bytes, ProxyError> {
+        match self {
+            BodyPin::Json(rank) => pin_in_body(whole, rank),
+            BodyPin::Grpc(field, rank) => grpc::pin(whole, field, rank),
+        }
     }
 }
 

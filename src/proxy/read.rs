@@ -37,7 +37,8 @@ impl<S> Read<S> {
             inner,
             ctx: ctx.clone(),
             max_body: cfg.server.max_body_bytes,
-            keep: if ctx.pins_in_body {
+            // gRPC: the rank goes inside the message, which is read whole.
+            keep: if ctx.pins_in_body || ctx.grpc() {
                 cfg.server.max_body_bytes
             } else {
                 cfg.routing.retry_buffer_bytes

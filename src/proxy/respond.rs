@@ -101,6 +101,14 @@ pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody>
     } else {
         tracing::debug!(status = status.as_u16(), error = ?message, "request refused");
     }
+    if ctx.grpc() {
+        let mut resp = super::grpc::status_response(super::grpc::code_of(err), &message);
+        if let Some(w) = err.worker() {
+            resp.headers_mut()
+                .insert(WORKER_HEADER, ctx.worker_header(w));
+        }
+        return resp;
+    }
     let (param, code) = err.param_and_code();
     let body = crate::http::error_json_with(err.kind(), &message, param, code);
     let mut resp: Response<ProxyBody> = crate::http::respond(status, "application/json", body);

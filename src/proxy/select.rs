@@ -53,12 +53,13 @@ impl<S> Select<S> {
         let ctx = &self.ctx;
         let path = req.uri().path();
         let snap = ctx.table.snapshot.load();
-        // The usual request: one model, one flavor, nothing to look at.
+        // The usual request: one model, one flavor, nothing to look at (but the engines that
+        // serve only gRPC, if any).
         if !snap.catalog.routes_by_model() && !ctx.mixed_flavors && path != "/v1/responses" {
-            return Ok(None);
+            return Ok(ctx.http_avoid.clone());
         }
         let Action::Proxy(route) = route::lookup(ctx, req.method(), path)? else {
-            return Ok(None);
+            return Ok(ctx.http_avoid.clone());
         };
         // `read` kept this body whole. One that is not JSON is the engine's to refuse.
         if let (true, RequestBody::Full(body)) = (path == "/v1/responses", req.body()) {
@@ -70,14 +71,16 @@ impl<S> Select<S> {
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
         if !by_model && (!ctx.mixed_flavors || route.flavors == route::Flavors::BOTH) {
-            return Ok(None);
+            return Ok(ctx.http_avoid.clone());
         }
         let model = if by_model { model(req, route)? } else { None };
         let engines = &ctx.table.fleet.engines;
         let serving = match by_model {
             true => snap
                 .catalog
-                .engines_for(model.as_deref(), |e| route.flavors.has(engines[e].flavor))?,
+                .engines_for(model.as_deref(), |e| {
+                    engines[e].http && route.flavors.has(engines[e].flavor)
+                })?,
             false => (0..engines.len()).collect(),
         };
         let mut avoid = Avoid::default();
@@ -86,7 +89,7 @@ impl<S> Select<S> {
         let mut next = serving.iter().peekable();
         for (e, engine) in engines.iter().enumerate() {
             let serves = next.next_if_eq(&&e).is_some();
-            if serves && route.flavors.has(engine.flavor) {
+            if serves && engine.http && route.flavors.has(engine.flavor) {
                 any = true;
             } else {
                 avoid.engine(e);

@@ -22,7 +22,7 @@ use hyper_util::client::legacy::ResponseFuture;
 use tokio::sync::Notify;
 use tokio::time::Sleep;
 
-use super::body::{BodyTooLarge, ClientBodyError};
+use super::body::{BodyTooLarge, ClientBodyError, Ending};
 use super::pin::strip_hop_by_hop;
 use super::{Ctx, Picked, ProxyBody, ProxyError, RequestBody, WORKER_HEADER};
 
@@ -147,7 +147,10 @@ impl tower::Service<Request<Picked>> for Send {
         // (moved into the body) the stream idle timeout, so a request costs one timer.
         let timer = Box::pin(tokio::time::sleep(ctx.cfg.server.response_timeout));
         let mut slot = None;
-        let state = if ctx.slots[target.engine].try_take() {
+        let state = if ctx.grpc() {
+            // gRPC calls are streams on one h2 connection per engine, not connections.
+            State::Sending(ctx.grpc_client.request(req))
+        } else if ctx.slots[target.engine].try_take() {
             slot = Some(Slot {
                 ctx: ctx.clone(),
                 engine: target.engine,
@@ -244,15 +247,22 @@ impl Future for Sending {
         };
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        let sse = parts
+        let ending = if this.ctx.grpc() {
+            Ending::GrpcStatus
+        } else if parts
             .headers
             .get(header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+        {
+            Ending::SseEvent
+        } else {
+            Ending::Cut
+        };
         parts
             .headers
             .insert(WORKER_HEADER, this.ctx.worker_header(this.target.worker));
         let mut body =
-            ProxyBody::upstream(body, sse, server.stream_idle_timeout, this.timer.take());
+            ProxyBody::upstream(body, ending, server.stream_idle_timeout, this.timer.take());
         body.holds.connection = this.slot.take();
         body.holds.in_flight = this.guard.take();
         body.target = Some(this.target);

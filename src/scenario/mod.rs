@@ -238,7 +238,7 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
     let router = Router::start(cfg).await.map_err(|e| e.to_string())?;
     // Bounded wait for the first telemetry, so every policy starts from what a steady router knows.
     for _ in 0..250 {
-        if router.selector.any_routable(&router.table)
+        if router.selector.any_routable(&router.table, &Default::default())
             && router
                 .table
                 .snapshot

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::proto::{sglang, vllm};
 use crate::wire::{Aggregate, LoadsReport, RankLoad};
@@ -22,16 +21,9 @@ pub enum LoadsClient {
     Sglang(sglang::sglang_scheduler_client::SglangSchedulerClient<Transport>),
 }
 
-/// An h2c client for gRPC (prior knowledge: gRPC over cleartext never upgrades from HTTP/1).
+/// An h2c client for gRPC.
 pub fn transport(connect_timeout: Duration) -> Transport {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    Client::builder(TokioExecutor::new())
-        .http2_only(true)
-        .timer(TokioTimer::new())
-        .pool_timer(TokioTimer::new())
-        .build(connector)
+    crate::http::h2_client(connect_timeout)
 }
 
 /// What a `GetLoads` call should ask for.

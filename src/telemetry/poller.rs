@@ -218,11 +218,10 @@ impl Poller {
             None => None,
         };
         Ok(Poller {
-            // A model list fixed in the config is never read.
+            // A model list fixed in the config is never read; a gRPC-only engine has no
+            // HTTP API to read one from (gRPC requests are not routed by model).
             models: ModelsReader::new(
-                engine
-                    .models
-                    .is_none()
+                (engine.models.is_none() && engine.http)
                     .then(|| uri(&format!("{}/v1/models", engine.url)).ok())
                     .flatten(),
             ),

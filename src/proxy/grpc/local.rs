@@ -1,0 +1,293 @@
+//! The calls the gRPC front door answers itself: `GetLoads` from the snapshot, the standard
+//! health service for rankgate, and the two calls that go to chosen engines rather than to a
+//! picked rank: `Abort` (to the engine holding each request id) and `FlushCache` (to all).
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::uri::{PathAndQuery, Scheme};
+use http::{Request, Uri, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use prost::Message;
+use tokio::time::Instant;
+use tonic::Code;
+
+use super::{one_message, ok_response, serving, strings, Answer, GrpcError, HEALTH_SERVICE};
+use crate::proto::health::{health_check_response::ServingStatus, HealthCheckRequest};
+use crate::proto::{health, sglang, vllm};
+use crate::proxy::pin::strip_hop_by_hop;
+use crate::proxy::{content_length, read, Ctx, ProxyError, RequestBody};
+use crate::table::Load;
+use crate::worker::Flavor;
+
+/// The request's one message, read whole (under `server.max_body_bytes`).
+async fn message(ctx: &Ctx, req: Request<Incoming>) -> Result<(http::request::Parts, Bytes), ProxyError> {
+    let server = &ctx.cfg.server;
+    let length = content_length(req.headers());
+    if length.is_some_and(|n| n > server.max_body_bytes as u64) {
+        return Err(ProxyError::TooLarge(server.max_body_bytes));
+    }
+    let (parts, body) = req.into_parts();
+    let max = server.max_body_bytes;
+    let body = match read::read(body, length, max, max, server.body_read_timeout).await? {
+        RequestBody::Full(b) => b,
+        RequestBody::Stream(_) => return Err(ProxyError::TooLarge(max)),
+    };
+    let m = Bytes::copy_from_slice(one_message(&body)?);
+    Ok((parts, m))
+}
+
+fn decode<M: Message + Default>(m: &[u8]) -> Result<M, ProxyError> {
+    M::decode(m).map_err(|e| {
+        GrpcError::new(Code::InvalidArgument, format!("request message: {e}")).into()
+    })
+}
+
+/// `grpc.health.v1.Health/Check`: SERVING while rankgate takes calls for the service (`""`: any)
+/// and has a rank to send them to; NOT_FOUND for a service it does not front.
+pub async fn health(ctx: Ctx, req: Request<Incoming>) -> super::super::Answer {
+    let method = req.uri().path().rsplit('/').next().unwrap_or_default().to_owned();
+    if method != "Check" {
+        return Err(GrpcError::new(
+            Code::Unimplemented,
+            format!("method /{HEALTH_SERVICE}/{method} is not served (Check is)"),
+        )
+        .into());
+    }
+    let (_, m) = message(&ctx, req).await?;
+    let service = decode::<HealthCheckRequest>(&m)?.service;
+    let flavor = match service.as_str() {
+        "" => None,
+        super::VLLM_SERVICE => Some(Flavor::Vllm),
+        super::SGLANG_SERVICE => Some(Flavor::Sglang),
+        other => {
+            return Err(GrpcError::new(Code::NotFound, format!("unknown service {other:?}")).into())
+        }
+    };
+    let status = match serving(&ctx, flavor) {
+        true => ServingStatus::Serving,
+        false => ServingStatus::NotServing,
+    };
+    let reply = health::HealthCheckResponse {
+        status: status as i32,
+    };
+    Ok(ok_response(&reply.encode_to_vec()))
+}
+
+fn clamp(n: u64) -> i32 {
+    n.min(i32::MAX as u64) as i32
+}
+
+/// A rank's entry in a `GetLoads` answer.
+trait Entry {
+    fn of(rank: u32, l: &Load) -> Self;
+}
+
+// The two services' entries differ only in one field number, so one body builds both.
+macro_rules! impl_entry {
+    ($ty:ty) => {
+        impl Entry for $ty {
+            fn of(rank: u32, l: &Load) -> Self {
+                let (running, waiting) = (l.running.unwrap_or(0), l.waiting.unwrap_or(0));
+                Self {
+                    dp_rank: clamp(rank.into()),
+                    num_running_reqs: clamp(running.into()),
+                    num_waiting_reqs: clamp(waiting.into()),
+                    num_total_reqs: clamp(u64::from(running) + u64::from(waiting)),
+                    num_used_tokens: clamp(l.used_tokens.unwrap_or(0)),
+                    max_total_num_tokens: clamp(l.capacity_tokens.unwrap_or(0)),
+                    token_usage: l.kv_usage,
+                    ..Self::default()
+                }
+            }
+        }
+    };
+}
+impl_entry!(vllm::SchedulerLoad);
+impl_entry!(sglang::SchedulerLoad);
+
+/// `GetLoads`, answered from the snapshot: one entry per rank of the flavor's gRPC engines that
+/// has fresh numbers (a rank without is left out, never zero-filled), in global numbering.
+pub async fn get_loads(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
+    let (_, m) = message(&ctx, req).await?;
+    // Field 1 in both services' requests, `optional` in both.
+    let filter = decode::<vllm::GetLoadsRequest>(&m)?.dp_rank;
+    let table = &ctx.table;
+    let snap = table.snapshot.load();
+    let now = Instant::now();
+    let mut managed = 0;
+    let mut fresh = Vec::new();
+    for (w, worker) in table.fleet.workers.iter().enumerate() {
+        let engine = &table.fleet.engines[worker.engine];
+        let (Some(rank), true) = (worker.id.rank, engine.flavor == flavor && engine.grpc.is_some())
+        else {
+            continue;
+        };
+        if filter.is_some_and(|f| i64::from(f) != i64::from(rank)) {
+            continue;
+        }
+        managed += 1;
+        if let Some(l) = snap.ranks[w].telemetry.fresh(now, table.stale_after) {
+            fresh.push((rank, l));
+        }
+    }
+    if let (Some(f), 0) = (filter, managed) {
+        return Err(GrpcError::new(
+            Code::InvalidArgument,
+            format!("dp_rank {f} is not a rank rankgate routes {flavor} gRPC calls to"),
+        )
+        .into());
+    }
+    let version = concat!("rankgate ", env!("CARGO_PKG_VERSION")).to_string();
+    let reply = match flavor {
+        Flavor::Sglang => sglang::GetLoadsResponse {
+            version,
+            dp_rank_count: managed,
+            loads: fresh
+                .iter()
+                .map(|(r, l)| Entry::of(*r, l))
+                .collect(),
+            ..Default::default()
+        }
+        .encode_to_vec(),
+        _ => vllm::GetLoadsResponse {
+            version,
+            dp_rank_count: managed,
+            loads: fresh
+                .iter()
+                .map(|(r, l)| Entry::of(*r, l))
+                .collect(),
+            ..Default::default()
+        }
+        .encode_to_vec(),
+    };
+    Ok(ok_response(&reply))
+}
+
+/// Sends one unary call to engine `e` and reads its whole answer (within
+/// `server.response_timeout`).
+async fn call_engine(
+    ctx: &Ctx,
+    e: usize,
+    parts: &http::request::Parts,
+    message: &[u8],
+) -> Result<Answer, ProxyError> {
+    let engine = &ctx.table.fleet.engines[e];
+    let upstream = |reason: String| ProxyError::Upstream {
+        engine: engine.url.clone(),
+        reason,
+    };
+    let mut headers = parts.headers.clone();
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    if let Some(key) = &engine.api_key {
+        headers.insert(header::AUTHORIZATION, key.0.clone());
+    }
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(Scheme::HTTP);
+    uri.authority = ctx.grpc_authority(e);
+    uri.path_and_query = parts.uri.path_and_query().cloned().or(Some(PathAndQuery::from_static("/")));
+    let uri = Uri::from_parts(uri).map_err(|err| ProxyError::Internal(format!("building URI: {err}")))?;
+    let mut req = Request::new(RequestBody::Full(super::frame(message)));
+    *req.uri_mut() = uri;
+    *req.method_mut() = http::Method::POST;
+    *req.version_mut() = Version::HTTP_2;
+    *req.headers_mut() = headers;
+    let timeout = ctx.cfg.server.response_timeout;
+    let exchange = async {
+        let resp = ctx
+            .grpc_client
+            .request(req)
+            .await
+            .map_err(|err| upstream(crate::http::error_chain(&err)))?;
+        let (mut head, body) = resp.into_parts();
+        strip_hop_by_hop(&mut head.headers);
+        let all = body
+            .collect()
+            .await
+            .map_err(|err| upstream(crate::http::error_chain(&err)))?;
+        let trailers = all.trailers().cloned().unwrap_or_default();
+        Ok(Answer {
+            headers: head.headers,
+            body: all.to_bytes(),
+            trailers,
+        })
+    };
+    tokio::time::timeout(timeout, exchange).await.map_err(|_| {
+        GrpcError::new(
+            Code::DeadlineExceeded,
+            format!("{}: no answer within {} ms (server.response_timeout)", engine.url, timeout.as_millis()),
+        )
+    })?
+}
+
+/// An engine's answer that is not OK, as the error the client gets: the engine's own status,
+/// with the engine named.
+fn engine_status(ctx: &Ctx, e: usize, answer: &Answer) -> Option<ProxyError> {
+    let (code, message) = answer.status();
+    (code != Code::Ok).then(|| {
+        GrpcError::new(code, format!("{}: {message}", ctx.table.fleet.engines[e].url)).into()
+    })
+}
+
+/// `Abort`: each request id goes to the engine that holds it (vLLM's request lists several, and
+/// each engine gets its own, every other field as sent); ids rankgate does not know are done.
+pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
+    let (parts, m) = message(&ctx, req).await?;
+    // vLLM: `repeated string request_ids = 1`; SGLang: `string request_id = 1`. Both field 1.
+    let mut engines: Vec<usize> = strings(&m, 1)
+        .filter_map(|id| ctx.requests().engine_of(id))
+        .collect();
+    engines.sort_unstable();
+    engines.dedup();
+    let mut first = None;
+    for e in engines {
+        let only_its_own = match flavor {
+            Flavor::Sglang => m.to_vec(),
+            _ => crate::pbwire::without(&m, |f, bytes| {
+                f == 1
+                    && crate::pbwire::payload(bytes)
+                        .and_then(|p| std::str::from_utf8(p).ok())
+                        .is_none_or(|id| ctx.requests().engine_of(id) != Some(e))
+            })
+            .map_err(|err| GrpcError::new(Code::InvalidArgument, format!("request message: {err}")))?,
+        };
+        let answer = call_engine(&ctx, e, &parts, &only_its_own).await?;
+        if let Some(err) = engine_status(&ctx, e, &answer) {
+            return Err(err);
+        }
+        first.get_or_insert(answer);
+    }
+    Ok(match first {
+        Some(answer) => answer.into_response(),
+        None => ok_response(&[]),
+    })
+}
+
+/// `FlushCache`: to every engine of the flavor with a gRPC address; fails with the first engine
+/// that fails, else answers as the first engine did.
+pub async fn flush_cache(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
+    let (parts, m) = message(&ctx, req).await?;
+    let engines: Vec<usize> = (0..ctx.table.fleet.engines.len())
+        .filter(|e| ctx.grpc_targets(flavor).is_some_and(|avoid| !avoid.has_engine(*e)))
+        .collect();
+    let mut calls = tokio::task::JoinSet::new();
+    for (i, &e) in engines.iter().enumerate() {
+        let (ctx, parts, m) = (ctx.clone(), parts.clone(), m.clone());
+        calls.spawn(async move { (i, e, call_engine(&ctx, e, &parts, &m).await) });
+    }
+    let mut answers: Vec<Option<Answer>> = (0..engines.len()).map(|_| None).collect();
+    while let Some(done) = calls.join_next().await {
+        let (i, e, answer) = done.map_err(|err| ProxyError::Internal(err.to_string()))?;
+        let answer = answer?;
+        if let Some(err) = engine_status(&ctx, e, &answer) {
+            return Err(err);
+        }
+        answers[i] = Some(answer);
+    }
+    match answers.into_iter().flatten().next() {
+        Some(answer) => Ok(answer.into_response()),
+        None => Ok(ok_response(&[])),
+    }
+}
