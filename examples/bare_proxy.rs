@@ -33,19 +33,22 @@ async fn main() -> anyhow::Result<()> {
             uri.path_and_query = parts.uri.path_and_query().cloned();
             parts.uri = Uri::from_parts(uri).unwrap_or_default();
             parts.headers.remove(http::header::HOST);
-            let resp: Response<rankgate::proxy::ProxyBody> = match client
-                .request(Request::from_parts(parts, body))
-                .await
-            {
-                Ok(r) => r.map(|b| {
-                    rankgate::proxy::ProxyBody::upstream(b, false, Duration::from_secs(300), None)
-                }),
-                Err(e) => rankgate::http::openai_error(
-                    StatusCode::BAD_GATEWAY,
-                    "UpstreamError",
-                    &e.to_string(),
-                ),
-            };
+            let resp: Response<rankgate::proxy::ProxyBody> =
+                match client.request(Request::from_parts(parts, body)).await {
+                    Ok(r) => r.map(|b| {
+                        rankgate::proxy::ProxyBody::upstream(
+                            b,
+                            rankgate::proxy::Ending::Cut,
+                            Duration::from_secs(300),
+                            None,
+                        )
+                    }),
+                    Err(e) => rankgate::http::openai_error(
+                        StatusCode::BAD_GATEWAY,
+                        "UpstreamError",
+                        &e.to_string(),
+                    ),
+                };
             Ok::<_, Infallible>(resp)
         }
     };

@@ -4,6 +4,9 @@
 //!   cargo run --release --example loadgen -- --url http://127.0.0.1:8080 --rate 20 --requests 500 \
 //!       [--concurrency 16] [--api chat|completions] [--no-stream] [--prompt-tokens normal:200:50] \
 //!       [--output-tokens uniform:32:96] [--trace trace.jsonl] [--duration 60s] [--json report.json]
+//! Over gRPC (streaming `Generate` on an engine's gRPC service, or through rankgate's gRPC front
+//! door, whose `x-rankgate-worker` metadata gives the per-worker counts):
+//!   cargo run --release --example loadgen -- --grpc vllm --url http://127.0.0.1:50051 --rate 20
 //! A whole scenario (simulated fleet + router + workload, once per policy):
 //!   cargo run --release --example loadgen -- --scenario configs/scenarios/hot-rank.toml \
 //!       [--policies least_kv,round_robin] [--json out.json] [--svg out.svg] [--markdown out.md]
@@ -15,6 +18,7 @@ use clap::Parser;
 use rankgate::config::{parse_duration, Policy};
 use rankgate::load::{self, Api, Arrivals, Dist, Workload};
 use rankgate::scenario::{self, render, Scenario};
+use rankgate::worker::Flavor;
 
 #[derive(Parser)]
 #[command(
@@ -43,6 +47,9 @@ struct Args {
     duration: String,
     #[arg(long, default_value = "chat")]
     api: String,
+    /// Call `Generate` on this flavor's gRPC service at --url (vllm or sglang) instead of HTTP.
+    #[arg(long)]
+    grpc: Option<String>,
     #[arg(long)]
     no_stream: bool,
     #[arg(long, default_value = "200")]
@@ -120,6 +127,12 @@ async fn main() -> anyhow::Result<()> {
         other => bail!("--api {other:?}: chat or completions"),
     };
     w.stream = !a.no_stream;
+    w.grpc = match a.grpc.as_deref() {
+        None => None,
+        Some("vllm") => Some(Flavor::Vllm),
+        Some("sglang") => Some(Flavor::Sglang),
+        Some(other) => bail!("--grpc {other:?}: vllm or sglang"),
+    };
     w.arrivals = match (a.rate, a.concurrency) {
         (Some(r), _) if r > 0.0 => Arrivals::Poisson(r),
         (None, Some(c)) if c > 0 => Arrivals::Closed(c),

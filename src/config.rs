@@ -459,7 +459,10 @@ impl Config {
             {
                 return Err(invalid(
                     format!("engines[{i}].grpc_url"),
-                    format!("{:?} is a duplicate of engines[{j}]", e.grpc_url.unwrap_or_default()),
+                    format!(
+                        "{:?} is a duplicate of engines[{j}]",
+                        e.grpc_url.unwrap_or_default()
+                    ),
                 ));
             }
             if e.flavor == Flavor::Gateway {
@@ -476,8 +479,7 @@ impl Config {
                     }
                 }
             }
-            let telemetry =
-                parse_sources(i, e.flavor, &url, &addresses, e.telemetry.as_deref())?;
+            let telemetry = parse_sources(i, e.flavor, &url, &addresses, e.telemetry.as_deref())?;
             let health_path = match (addresses.http, e.health_path.as_deref()) {
                 (true, path) => parse_health_path(i, e.flavor, path)?,
                 (false, None) => None,

@@ -92,10 +92,7 @@ pub fn payload(field: &[u8]) -> Option<&[u8]> {
 
 /// `msg` without the top-level fields `drop` picks (given the field number and the whole
 /// field's bytes); every other field keeps its bytes and order.
-pub fn without(
-    msg: &[u8],
-    mut drop: impl FnMut(u64, &[u8]) -> bool,
-) -> Result<Vec<u8>, WireError> {
+pub fn without(msg: &[u8], mut drop: impl FnMut(u64, &[u8]) -> bool) -> Result<Vec<u8>, WireError> {
     let mut out = Vec::with_capacity(msg.len());
     for (f, start, end) in fields(msg)? {
         if !drop(f, &msg[start..end]) {

@@ -7,6 +7,7 @@
 //! `x-rankgate-worker` that served it. Every run is bounded by a request count AND a deadline.
 
 pub mod dist;
+pub mod grpc;
 pub mod report;
 pub mod sdk;
 
@@ -78,6 +79,8 @@ pub struct Workload {
     pub trace: Option<Vec<TraceEntry>>,
     pub bursts: Vec<Burst>,
     pub model: String,
+    /// gRPC instead of HTTP: streaming `Generate` on this flavor's service at `url`.
+    pub grpc: Option<crate::worker::Flavor>,
     pub progress: bool,
     pub seed: u64,
 }
@@ -96,6 +99,7 @@ impl Workload {
             trace: None,
             bursts: Vec::new(),
             model: "tiny-llama".into(),
+            grpc: None,
             progress: false,
             seed: 1,
         }
@@ -222,6 +226,14 @@ fn body(w: &Workload, p: &Planned) -> Bytes {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// Where a run's requests go.
+enum Target {
+    Http(HttpClient, http::Uri),
+    Grpc(grpc::GrpcClient),
+}
+
+type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
+
 async fn one(
     client: HttpClient,
     uri: http::Uri,
@@ -333,7 +345,10 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     let uri: http::Uri = format!("{}{path}", w.url.trim_end_matches('/'))
         .parse()
         .map_err(|e| format!("bad url {:?}: {e}", w.url))?;
-    let client: HttpClient = crate::http::client(Duration::from_secs(2));
+    let target = match w.grpc {
+        Some(flavor) => Target::Grpc(grpc::GrpcClient::new(flavor, w.url.trim_end_matches('/'))?),
+        None => Target::Http(crate::http::client(Duration::from_secs(2)), uri),
+    };
     let planned = plan(w);
     let total = planned.len();
     let started = Instant::now();
@@ -343,14 +358,32 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
         .then(|| spawn_progress(done.clone(), total));
     let mut tasks: JoinSet<Outcome> = JoinSet::new();
 
-    let launch = |tasks: &mut JoinSet<Outcome>, p: &Planned| {
-        let (c, u, d, stream) = (client.clone(), uri.clone(), done.clone(), w.stream);
-        let b = body(w, p);
+    let mut sent_count = 0usize;
+    let mut launch = |tasks: &mut JoinSet<Outcome>, p: &Planned| {
+        sent_count += 1;
+        let d = done.clone();
+        // Each request is timed from when its task starts.
+        let call: Pending = match &target {
+            Target::Http(c, u) => {
+                let (c, u, b, stream) = (c.clone(), u.clone(), body(w, p), w.stream);
+                Box::pin(async move { one(c, u, b, stream, Instant::now()).await })
+            }
+            Target::Grpc(c) => {
+                let c = c.clone();
+                let g = grpc::GenerateCall {
+                    request_id: format!("load-{}-{sent_count}", w.seed),
+                    prompt_tokens: p.prompt,
+                    max_tokens: p.output.min(u32::MAX as u64) as u32,
+                    rank: None,
+                };
+                Box::pin(async move { grpc::one(c, g, Instant::now()).await })
+            }
+        };
         let scheduled = p.at;
         tasks.spawn(async move {
             let t0 = Instant::now();
             let sent = t0 - started;
-            let mut o = tokio::time::timeout_at(deadline, one(c, u, b, stream, t0))
+            let mut o = tokio::time::timeout_at(deadline, call)
                 .await
                 .unwrap_or_else(|_| Outcome::failed(ErrorKind::Deadline, t0.elapsed()));
             o.sent = sent;

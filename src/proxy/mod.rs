@@ -85,7 +85,7 @@ mod send;
 mod tests;
 
 pub use auth::{Denied, Keys, KeysError};
-pub use body::{BodyTooLarge, BoxError, ClientBodyError, Holds, ProxyBody, RequestBody};
+pub use body::{BodyTooLarge, BoxError, ClientBodyError, Ending, Holds, ProxyBody, RequestBody};
 pub use grpc::{Front, GrpcError};
 pub use identity::REQUEST_ID;
 pub use pin::pin_in_body;

@@ -76,11 +76,9 @@ impl<S> Select<S> {
         let model = if by_model { model(req, route)? } else { None };
         let engines = &ctx.table.fleet.engines;
         let serving = match by_model {
-            true => snap
-                .catalog
-                .engines_for(model.as_deref(), |e| {
-                    engines[e].http && route.flavors.has(engines[e].flavor)
-                })?,
+            true => snap.catalog.engines_for(model.as_deref(), |e| {
+                engines[e].http && route.flavors.has(engines[e].flavor)
+            })?,
             false => (0..engines.len()).collect(),
         };
         let mut avoid = Avoid::default();

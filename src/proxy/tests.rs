@@ -39,6 +39,7 @@ fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Ctx {
     Ctx::new(
         &Shared::new(&cfg, table, metrics, keys),
         ([127, 0, 0, 1], 9).into(),
+        super::Front::Http,
     )
 }
 

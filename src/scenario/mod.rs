@@ -46,6 +46,10 @@ pub struct WorkloadSpec {
     pub bursts: Vec<Burst>,
     #[serde(default = "default_seed")]
     pub seed: u64,
+    /// Over gRPC: the engines serve their gRPC side only (`grpc_url`) and the workload streams
+    /// `Generate` calls through rankgate's gRPC front door.
+    #[serde(default)]
+    pub grpc: bool,
 }
 
 fn default_api() -> Api {
@@ -116,6 +120,12 @@ impl Scenario {
         let mut s: Scenario = toml::from_str(text).map_err(|e| e.message().to_string())?;
         if s.engines.is_empty() {
             return Err("a scenario needs at least one [[engines]]".into());
+        }
+        if s.workload.grpc && s.engines.iter().any(|e| e.flavor != s.engines[0].flavor) {
+            return Err(
+                "a gRPC workload calls one flavor's service: give every engine the same flavor"
+                    .into(),
+            );
         }
         for (i, e) in s.engines.iter().enumerate() {
             e.validate().map_err(|why| format!("engines[{i}]: {why}"))?;
@@ -209,26 +219,42 @@ fn loopback() -> SocketAddr {
 /// Starts a fresh fleet and router for `policy`, drives the workload with its events, and tears
 /// everything down.
 pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<PolicyRun, String> {
+    let grpc = s.workload.grpc;
     let mut engines = Vec::new();
+    let mut urls = Vec::new();
     for spec in &s.engines {
         let cfg = spec.sim_config();
-        engines.push(
-            SimEngine::start(loopback(), cfg)
-                .await
-                .map_err(|e| format!("starting simulated engine: {e}"))?,
-        );
+        let e = SimEngine::start(loopback(), cfg)
+            .await
+            .map_err(|err| format!("starting simulated engine: {err}"))?;
+        urls.push(match grpc {
+            true => {
+                let g = e.start_grpc(loopback()).await;
+                format!(
+                    "grpc_url = \"http://{}\"",
+                    g.map_err(|err| err.to_string())?
+                )
+            }
+            false => format!("url = \"{}\"", e.url()),
+        });
+        engines.push(e);
     }
     let mut toml = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[routing]\npolicy = \"{}\"\n\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+         [routing]\npolicy = \"{}\"\n\
          [telemetry]\ninterval = \"{}ms\"\nstale_after = \"{}ms\"\n",
+        if grpc {
+            "grpc_listen = \"127.0.0.1:0\"\n"
+        } else {
+            ""
+        },
         policy.as_str(),
         s.router.interval.0.as_millis(),
         s.router.stale_after.0.as_millis()
     );
-    for (e, spec) in engines.iter().zip(&s.engines) {
+    for (url, spec) in urls.iter().zip(&s.engines) {
         toml.push_str(&format!(
-            "[[engines]]\nurl = \"{}\"\nflavor = \"{}\"\ndp_size = {}\nstart_rank = {}\n",
-            e.url(),
+            "[[engines]]\n{url}\nflavor = \"{}\"\ndp_size = {}\nstart_rank = {}\n",
             spec.flavor.as_str(),
             spec.dp_size,
             spec.start_rank
@@ -238,7 +264,9 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
     let router = Router::start(cfg).await.map_err(|e| e.to_string())?;
     // Bounded wait for the first telemetry, so every policy starts from what a steady router knows.
     for _ in 0..250 {
-        if router.selector.any_routable(&router.table, &Default::default())
+        if router
+            .selector
+            .any_routable(&router.table, &Default::default())
             && router
                 .table
                 .snapshot
@@ -266,7 +294,7 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
 
     let w = &s.workload;
     let workload = Workload {
-        url: format!("http://{}", router.addr),
+        url: format!("http://{}", router.grpc_addr.unwrap_or(router.addr)),
         api: w.api,
         stream: w.stream,
         arrivals: match (w.rate, w.concurrency) {
@@ -280,6 +308,7 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
         trace: s.trace.clone(),
         bursts: w.bursts.clone(),
         model: "tiny-llama".into(),
+        grpc: grpc.then(|| s.engines[0].flavor.into()),
         progress,
         seed: w.seed,
     };

@@ -60,6 +60,15 @@ pub enum SimFlavor {
     Sglang,
 }
 
+impl From<SimFlavor> for crate::worker::Flavor {
+    fn from(f: SimFlavor) -> Self {
+        match f {
+            SimFlavor::Vllm => crate::worker::Flavor::Vllm,
+            SimFlavor::Sglang => crate::worker::Flavor::Sglang,
+        }
+    }
+}
+
 impl SimFlavor {
     pub fn as_str(self) -> &'static str {
         match self {

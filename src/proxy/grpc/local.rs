@@ -12,7 +12,7 @@ use prost::Message;
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::{one_message, ok_response, serving, strings, Answer, GrpcError, HEALTH_SERVICE};
+use super::{ok_response, one_message, serving, strings, Answer, GrpcError, HEALTH_SERVICE};
 use crate::proto::health::{health_check_response::ServingStatus, HealthCheckRequest};
 use crate::proto::{health, sglang, vllm};
 use crate::proxy::pin::strip_hop_by_hop;
@@ -21,7 +21,10 @@ use crate::table::Load;
 use crate::worker::Flavor;
 
 /// The request's one message, read whole (under `server.max_body_bytes`).
-async fn message(ctx: &Ctx, req: Request<Incoming>) -> Result<(http::request::Parts, Bytes), ProxyError> {
+async fn message(
+    ctx: &Ctx,
+    req: Request<Incoming>,
+) -> Result<(http::request::Parts, Bytes), ProxyError> {
     let server = &ctx.cfg.server;
     let length = content_length(req.headers());
     if length.is_some_and(|n| n > server.max_body_bytes as u64) {
@@ -38,15 +41,20 @@ async fn message(ctx: &Ctx, req: Request<Incoming>) -> Result<(http::request::Pa
 }
 
 fn decode<M: Message + Default>(m: &[u8]) -> Result<M, ProxyError> {
-    M::decode(m).map_err(|e| {
-        GrpcError::new(Code::InvalidArgument, format!("request message: {e}")).into()
-    })
+    M::decode(m)
+        .map_err(|e| GrpcError::new(Code::InvalidArgument, format!("request message: {e}")).into())
 }
 
 /// `grpc.health.v1.Health/Check`: SERVING while rankgate takes calls for the service (`""`: any)
 /// and has a rank to send them to; NOT_FOUND for a service it does not front.
 pub async fn health(ctx: Ctx, req: Request<Incoming>) -> super::super::Answer {
-    let method = req.uri().path().rsplit('/').next().unwrap_or_default().to_owned();
+    let method = req
+        .uri()
+        .path()
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
     if method != "Check" {
         return Err(GrpcError::new(
             Code::Unimplemented,
@@ -119,8 +127,10 @@ pub async fn get_loads(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> supe
     let mut fresh = Vec::new();
     for (w, worker) in table.fleet.workers.iter().enumerate() {
         let engine = &table.fleet.engines[worker.engine];
-        let (Some(rank), true) = (worker.id.rank, engine.flavor == flavor && engine.grpc.is_some())
-        else {
+        let (Some(rank), true) = (
+            worker.id.rank,
+            engine.flavor == flavor && engine.grpc.is_some(),
+        ) else {
             continue;
         };
         if filter.is_some_and(|f| i64::from(f) != i64::from(rank)) {
@@ -143,20 +153,14 @@ pub async fn get_loads(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> supe
         Flavor::Sglang => sglang::GetLoadsResponse {
             version,
             dp_rank_count: managed,
-            loads: fresh
-                .iter()
-                .map(|(r, l)| Entry::of(*r, l))
-                .collect(),
+            loads: fresh.iter().map(|(r, l)| Entry::of(*r, l)).collect(),
             ..Default::default()
         }
         .encode_to_vec(),
         _ => vllm::GetLoadsResponse {
             version,
             dp_rank_count: managed,
-            loads: fresh
-                .iter()
-                .map(|(r, l)| Entry::of(*r, l))
-                .collect(),
+            loads: fresh.iter().map(|(r, l)| Entry::of(*r, l)).collect(),
             ..Default::default()
         }
         .encode_to_vec(),
@@ -187,8 +191,13 @@ async fn call_engine(
     let mut uri = http::uri::Parts::default();
     uri.scheme = Some(Scheme::HTTP);
     uri.authority = ctx.grpc_authority(e);
-    uri.path_and_query = parts.uri.path_and_query().cloned().or(Some(PathAndQuery::from_static("/")));
-    let uri = Uri::from_parts(uri).map_err(|err| ProxyError::Internal(format!("building URI: {err}")))?;
+    uri.path_and_query = parts
+        .uri
+        .path_and_query()
+        .cloned()
+        .or(Some(PathAndQuery::from_static("/")));
+    let uri =
+        Uri::from_parts(uri).map_err(|err| ProxyError::Internal(format!("building URI: {err}")))?;
     let mut req = Request::new(RequestBody::Full(super::frame(message)));
     *req.uri_mut() = uri;
     *req.method_mut() = http::Method::POST;
@@ -217,7 +226,11 @@ async fn call_engine(
     tokio::time::timeout(timeout, exchange).await.map_err(|_| {
         GrpcError::new(
             Code::DeadlineExceeded,
-            format!("{}: no answer within {} ms (server.response_timeout)", engine.url, timeout.as_millis()),
+            format!(
+                "{}: no answer within {} ms (server.response_timeout)",
+                engine.url,
+                timeout.as_millis()
+            ),
         )
     })?
 }
@@ -227,7 +240,11 @@ async fn call_engine(
 fn engine_status(ctx: &Ctx, e: usize, answer: &Answer) -> Option<ProxyError> {
     let (code, message) = answer.status();
     (code != Code::Ok).then(|| {
-        GrpcError::new(code, format!("{}: {message}", ctx.table.fleet.engines[e].url)).into()
+        GrpcError::new(
+            code,
+            format!("{}: {message}", ctx.table.fleet.engines[e].url),
+        )
+        .into()
     })
 }
 
@@ -251,7 +268,9 @@ pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::s
                         .and_then(|p| std::str::from_utf8(p).ok())
                         .is_none_or(|id| ctx.requests().engine_of(id) != Some(e))
             })
-            .map_err(|err| GrpcError::new(Code::InvalidArgument, format!("request message: {err}")))?,
+            .map_err(|err| {
+                GrpcError::new(Code::InvalidArgument, format!("request message: {err}"))
+            })?,
         };
         let answer = call_engine(&ctx, e, &parts, &only_its_own).await?;
         if let Some(err) = engine_status(&ctx, e, &answer) {
@@ -270,7 +289,10 @@ pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::s
 pub async fn flush_cache(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
     let (parts, m) = message(&ctx, req).await?;
     let engines: Vec<usize> = (0..ctx.table.fleet.engines.len())
-        .filter(|e| ctx.grpc_targets(flavor).is_some_and(|avoid| !avoid.has_engine(*e)))
+        .filter(|e| {
+            ctx.grpc_targets(flavor)
+                .is_some_and(|avoid| !avoid.has_engine(*e))
+        })
         .collect();
     let mut calls = tokio::task::JoinSet::new();
     for (i, &e) in engines.iter().enumerate() {

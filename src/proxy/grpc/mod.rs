@@ -66,7 +66,9 @@ impl GrpcError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Call {
     /// To a picked rank; the request message gets the rank in this field, if any.
-    Proxy { rank_field: Option<u64> },
+    Proxy {
+        rank_field: Option<u64>,
+    },
     Abort,
     FlushCache,
     GetLoads,
@@ -141,9 +143,12 @@ fn strings(message: &[u8], field: u64) -> impl DoubleEndedIterator<Item = &str> 
 /// uncompressed unary requests.
 pub fn one_message(body: &[u8]) -> Result<&[u8], GrpcError> {
     let bad = |m: String| GrpcError::new(Code::InvalidArgument, m);
-    let head = body
-        .get(..5)
-        .ok_or_else(|| bad(format!("gRPC body of {} bytes holds no message", body.len())))?;
+    let head = body.get(..5).ok_or_else(|| {
+        bad(format!(
+            "gRPC body of {} bytes holds no message",
+            body.len()
+        ))
+    })?;
     if head[0] != 0 {
         return Err(GrpcError::new(
             Code::Unimplemented,
@@ -152,9 +157,7 @@ pub fn one_message(body: &[u8]) -> Result<&[u8], GrpcError> {
     }
     let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
     match body.len() - 5 {
-        n if n < len => Err(bad(format!(
-            "gRPC message cut short: {n} of {len} bytes"
-        ))),
+        n if n < len => Err(bad(format!("gRPC message cut short: {n} of {len} bytes"))),
         n if n > len => Err(bad(
             "more than one request message for a unary-request method".into(),
         )),
@@ -222,9 +225,9 @@ pub fn ok_response(message: &[u8]) -> Response<ProxyBody> {
 pub fn code_of(err: &ProxyError) -> Code {
     match err.root() {
         ProxyError::Grpc(g) => g.code,
-        ProxyError::NotFound(_) | ProxyError::NoEngineFor(_) | ProxyError::MethodNotAllowed { .. } => {
-            Code::Unimplemented
-        }
+        ProxyError::NotFound(_)
+        | ProxyError::NoEngineFor(_)
+        | ProxyError::MethodNotAllowed { .. } => Code::Unimplemented,
         ProxyError::Model(ModelError::NotFound { .. }) => Code::NotFound,
         ProxyError::Unauthorized(_) => Code::Unauthenticated,
         ProxyError::OriginNotAllowed(_) => Code::PermissionDenied,
@@ -313,9 +316,12 @@ where
             .into()));
         }
         let path = req.uri().path().to_owned();
-        let unimplemented = |what: String| Step::ready(Err(GrpcError::new(Code::Unimplemented, what).into()));
+        let unimplemented =
+            |what: String| Step::ready(Err(GrpcError::new(Code::Unimplemented, what).into()));
         let Some((service, method)) = parse_path(&path) else {
-            return unimplemented(format!("{path} is not a gRPC method path (/service/method)"));
+            return unimplemented(format!(
+                "{path} is not a gRPC method path (/service/method)"
+            ));
         };
         if service == HEALTH_SERVICE {
             return Step::Own(Box::pin(local::health(self.ctx.clone(), req)));
@@ -438,12 +444,18 @@ mod tests {
     fn one_message_takes_exactly_one_uncompressed_frame() {
         let f = frame(b"\x0a\x01x");
         assert_eq!(one_message(&f).unwrap(), b"\x0a\x01x");
-        assert_eq!(one_message(&f[..6]).unwrap_err().code, Code::InvalidArgument);
+        assert_eq!(
+            one_message(&f[..6]).unwrap_err().code,
+            Code::InvalidArgument
+        );
         let two = [&f[..], &f[..]].concat();
         assert_eq!(one_message(&two).unwrap_err().code, Code::InvalidArgument);
         let mut compressed = f.to_vec();
         compressed[0] = 1;
-        assert_eq!(one_message(&compressed).unwrap_err().code, Code::Unimplemented);
+        assert_eq!(
+            one_message(&compressed).unwrap_err().code,
+            Code::Unimplemented
+        );
         assert_eq!(one_message(b"").unwrap_err().code, Code::InvalidArgument);
     }
 
@@ -459,10 +471,19 @@ mod tests {
     #[test]
     fn method_table_per_flavor() {
         assert_eq!(rank_field("/vllm.grpc.engine.VllmEngine/Generate"), Some(9));
-        assert_eq!(rank_field("/sglang.grpc.scheduler.SglangScheduler/Generate"), Some(16));
-        assert_eq!(rank_field("/sglang.grpc.scheduler.SglangScheduler/Embed"), Some(8));
+        assert_eq!(
+            rank_field("/sglang.grpc.scheduler.SglangScheduler/Generate"),
+            Some(16)
+        );
+        assert_eq!(
+            rank_field("/sglang.grpc.scheduler.SglangScheduler/Embed"),
+            Some(8)
+        );
         assert_eq!(rank_field("/vllm.grpc.engine.VllmEngine/Embed"), None);
-        assert_eq!(rank_field("/vllm.grpc.engine.VllmEngine/StartProfile"), None);
+        assert_eq!(
+            rank_field("/vllm.grpc.engine.VllmEngine/StartProfile"),
+            None
+        );
         assert_eq!(call(Flavor::Vllm, "SubscribeKvEvents"), None);
     }
 
@@ -470,7 +491,13 @@ mod tests {
     fn request_id_is_field_one() {
         // field 1 "ab", field 9 = 1
         let msg = [0x0a, 2, b'a', b'b', 0x48, 1];
-        assert_eq!(request_id("/vllm.grpc.engine.VllmEngine/Generate", &msg), Some("ab"));
-        assert_eq!(request_id("/vllm.grpc.engine.VllmEngine/GetServerInfo", &msg), None);
+        assert_eq!(
+            request_id("/vllm.grpc.engine.VllmEngine/Generate", &msg),
+            Some("ab")
+        );
+        assert_eq!(
+            request_id("/vllm.grpc.engine.VllmEngine/GetServerInfo", &msg),
+            None
+        );
     }
 }
