@@ -69,6 +69,10 @@ struct Args {
     /// Decode rate of one request, tokens per second.
     #[arg(long, default_value_t = 200.0)]
     decode_rate: f64,
+    /// Prefill rate, prompt tokens per second (a very high rate with a very high --decode-rate
+    /// makes an instant engine, for measuring a proxy's overhead).
+    #[arg(long)]
+    prefill_rate: Option<f64>,
     /// Served model names, comma-separated; the first is the default for requests naming none.
     #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
     model: Vec<String>,
@@ -117,6 +121,10 @@ async fn main() -> anyhow::Result<()> {
         a.model
     );
     anyhow::ensure!(a.decode_rate > 0.0, "--decode-rate must be positive");
+    anyhow::ensure!(
+        a.prefill_rate.is_none_or(|r| r > 0.0),
+        "--prefill-rate must be positive"
+    );
     check_status(a.fail_status).map_err(|e| anyhow::anyhow!("--fail-status: {e}"))?;
     check_percent(a.fail_percent).map_err(|e| anyhow::anyhow!("--fail-percent: {e}"))?;
     check_status(a.health_status).map_err(|e| anyhow::anyhow!("--health-status: {e}"))?;
@@ -141,6 +149,9 @@ async fn main() -> anyhow::Result<()> {
         dark_ranks: a.dark_ranks,
         garbage_ranks: a.garbage_ranks,
         decode_tokens_per_sec: a.decode_rate,
+        prefill_tokens_per_sec: a
+            .prefill_rate
+            .unwrap_or(SimConfig::default().prefill_tokens_per_sec),
         models: a.model,
         api_key: a.api_key,
         servicer_quirks: a.servicer_quirks,

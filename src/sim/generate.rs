@@ -283,7 +283,7 @@ impl Sim {
         self.admitted();
         let prefill =
             Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
-        tokio::time::sleep(prefill).await;
+        super::pause(prefill).await;
         let mut text = String::new();
         for i in 0..job.max_tokens {
             if self.faults.stalls_at(i) {
@@ -295,7 +295,7 @@ impl Sim {
                 let running = rank.counts().running.saturating_sub(1) as f64;
                 let itl =
                     (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
-                tokio::time::sleep(Duration::from_secs_f64(itl)).await;
+                super::pause(Duration::from_secs_f64(itl)).await;
             }
             adm.grow();
             let token = format!("t{} ", i % 10);

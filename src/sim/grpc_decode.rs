@@ -136,13 +136,13 @@ impl Sim {
         self.admitted();
         let prefill =
             Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
-        tokio::time::sleep(prefill).await;
+        super::pause(prefill).await;
         for i in 0..job.max_tokens {
             if i > 0 {
                 let running = rank.counts().running.saturating_sub(1) as f64;
                 let itl =
                     (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
-                tokio::time::sleep(Duration::from_secs_f64(itl)).await;
+                super::pause(Duration::from_secs_f64(itl)).await;
             }
             adm.grow();
             let token = 100 + (i % 10) as u32;

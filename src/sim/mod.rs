@@ -60,6 +60,17 @@ pub enum SimFlavor {
     Sglang,
 }
 
+/// Waits `d` of simulated work. Waits far below the timer's 1 ms tick only yield: an engine set
+/// to decode a million tokens a second (the benchmarks' instant engine) must not take a tick per
+/// token.
+pub(crate) async fn pause(d: Duration) {
+    if d < Duration::from_micros(100) {
+        tokio::task::yield_now().await;
+    } else {
+        tokio::time::sleep(d).await;
+    }
+}
+
 impl From<SimFlavor> for crate::worker::Flavor {
     fn from(f: SimFlavor) -> Self {
         match f {
