@@ -7,7 +7,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BufMut, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderMap, Request, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
 use prost::Message;
@@ -83,6 +83,36 @@ pub fn generate_bytes(flavor: Flavor, id: &str, rank: Option<i32>, max: u32) -> 
     match flavor {
         Flavor::Vllm => vllm_generate(id, rank, max).encode_to_vec(),
         Flavor::Sglang => sglang_generate(id, rank, max).encode_to_vec(),
+    }
+}
+
+pub fn vllm_embed(id: &str) -> vllm::EmbedRequest {
+    vllm::EmbedRequest {
+        request_id: id.into(),
+        tokenized: Some(vllm::TokenizedInput {
+            original_text: String::new(),
+            input_ids: vec![5, 6, 7],
+        }),
+    }
+}
+
+/// SGLang's rank is a plain `int32`: 0 is not on the wire.
+pub fn sglang_embed(id: &str, rank: i32) -> sglang::EmbedRequest {
+    sglang::EmbedRequest {
+        request_id: id.into(),
+        tokenized: Some(sglang::TokenizedInput {
+            original_text: String::new(),
+            input_ids: vec![5, 6, 7],
+        }),
+        data_parallel_rank: rank,
+    }
+}
+
+/// An `EmbedRequest` of the flavor, encoded (the rank is SGLang's only).
+pub fn embed_bytes(flavor: Flavor, id: &str, rank: i32) -> Vec<u8> {
+    match flavor {
+        Flavor::Vllm => vllm_embed(id).encode_to_vec(),
+        Flavor::Sglang => sglang_embed(id, rank).encode_to_vec(),
     }
 }
 
@@ -246,30 +276,14 @@ impl Client {
 
     /// One embedding (the rank is sent by SGLang only: vLLM's request has no rank); its dimension.
     pub async fn embed(&mut self, id: &str, rank: i32) -> Result<usize, Status> {
-        let ids = vec![5, 6, 7];
         match self {
             Client::Vllm(c) => {
-                let req = vllm::EmbedRequest {
-                    request_id: id.into(),
-                    tokenized: Some(vllm::TokenizedInput {
-                        original_text: String::new(),
-                        input_ids: ids,
-                    }),
-                };
-                let r = bounded(c.embed(req)).await?.into_inner();
+                let r = bounded(c.embed(vllm_embed(id))).await?.into_inner();
                 assert_eq!(r.embedding_dim as usize, r.embedding.len());
                 Ok(r.embedding.len())
             }
             Client::Sglang(c) => {
-                let req = sglang::EmbedRequest {
-                    request_id: id.into(),
-                    tokenized: Some(sglang::TokenizedInput {
-                        original_text: String::new(),
-                        input_ids: ids,
-                    }),
-                    data_parallel_rank: rank,
-                };
-                let r = bounded(c.embed(req)).await?.into_inner();
+                let r = bounded(c.embed(sglang_embed(id, rank))).await?.into_inner();
                 assert_eq!(r.request_id, id);
                 match r.response.expect("a response") {
                     sglang::embed_response::Response::Complete(c) => {
