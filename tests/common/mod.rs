@@ -2,6 +2,8 @@
 //! HTTP client, and bounded waits on observable state.
 #![allow(dead_code)]
 
+pub mod grpc;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -1,0 +1,517 @@
+//! rankgate's gRPC front door (`server.grpc_listen`) in front of simulated engines configured
+//! with `grpc_url` only, over real sockets on 127.0.0.1, for both flavors where the behaviour is
+//! per flavor. It proves that:
+//!
+//! - `Generate` goes to the least-KV rank, the rank set in the request message and every other
+//!   byte kept (unknown fields too; a client's own rank is replaced), `x-rankgate-worker` naming
+//!   the rank; SGLang's `Embed` is pinned the same way, vLLM's (no rank field) passes untouched;
+//! - a client that leaves stops the engine's generation, and `Abort` reaches the engine holding
+//!   the id and no other (an unknown id reaches none and is OK);
+//! - no routable rank (engine dead, port refusing) is `UNAVAILABLE`; methods rankgate does not
+//!   serve are `UNIMPLEMENTED`, naming the method;
+//! - `GetLoads` and `grpc.health.v1` are answered from rankgate's own snapshot;
+//! - in a fleet of an HTTP-only and a gRPC-only engine, each front door sends only to its own.
+//!
+//! Every wait polls observable state (`/workers`, the engine's records) within a bound.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::grpc::*;
+use common::*;
+use prost::Message;
+use rankgate::app::Router;
+use rankgate::pbwire::set_varint;
+use rankgate::proto::health::health_check_response::ServingStatus;
+use rankgate::proto::health::health_client::HealthClient;
+use rankgate::proto::health::HealthCheckRequest;
+use rankgate::proto::vllm;
+use rankgate::sim::{SimEngine, SimFlavor as Flavor};
+use rankgate::telemetry::grpc::transport;
+use tonic::{Code, Status};
+
+/// The gRPC listener on an ephemeral port; telemetry polled every 50 ms, fresh for 2 s.
+const GRPC_FAST: &str =
+    "grpc_listen = \"127.0.0.1:0\"\n[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
+
+/// A simulated engine with its gRPC side started; rankgate knows it by `grpc_url` only.
+struct Eng {
+    sim: SimEngine,
+    grpc: SocketAddr,
+    flavor: Flavor,
+    dp_size: u32,
+    start_rank: u32,
+}
+
+impl Eng {
+    async fn start(flavor: Flavor, dp_size: u32, start_rank: u32) -> Eng {
+        let sim = engine(common::sim(flavor, dp_size, start_rank)).await;
+        let grpc = sim.start_grpc(loopback()).await.expect("start gRPC");
+        Eng {
+            sim,
+            grpc,
+            flavor,
+            dp_size,
+            start_rank,
+        }
+    }
+
+    /// Its `grpc_url`, which is also its identity in rankgate (it has no `url`).
+    fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    /// The `x-rankgate-worker` value of one of its ranks.
+    fn worker(&self, rank: u32) -> String {
+        format!("{}@{rank}", self.url())
+    }
+
+    fn toml(&self) -> String {
+        grpc_toml(self.grpc, self.flavor, self.dp_size, self.start_rank)
+    }
+
+    /// Whether it received a `Generate` call.
+    fn generated(&self) -> bool {
+        self.sim.grpc_seen().iter().any(|s| s.method == "Generate")
+    }
+}
+
+/// One `[[engines]]` table with only `grpc_url`.
+fn grpc_toml(grpc: SocketAddr, flavor: Flavor, dp_size: u32, start_rank: u32) -> String {
+    format!(
+        "[[engines]]\ngrpc_url = \"http://{grpc}\"\nflavor = \"{}\"\ndp_size = {dp_size}\nstart_rank = {start_rank}\n",
+        flavor.as_str()
+    )
+}
+
+/// rankgate with its gRPC listener, in front of these engines.
+async fn grpc_router(engines: &[&Eng]) -> Router {
+    let tables: Vec<String> = engines.iter().map(|e| e.toml()).collect();
+    router(GRPC_FAST, &tables).await
+}
+
+/// A client of rankgate's gRPC front door.
+fn front(r: &Router, flavor: Flavor) -> Client {
+    Client::connect(flavor, r.grpc_addr.expect("grpc_listen is set"))
+}
+
+/// Waits until `/workers` shows these KV usages (worker index, usage).
+async fn wait_kv(r: &Router, want: &[(usize, f64)]) {
+    wait_workers(r, Duration::from_secs(10), |rows| {
+        want.iter().all(|&(i, kv)| {
+            rows[i]["kv_usage"]
+                .as_f64()
+                .is_some_and(|v| (v - kv).abs() < 1e-9)
+        })
+    })
+    .await;
+}
+
+/// Waits until rankgate holds nothing in flight on any rank.
+async fn wait_no_in_flight(r: &Router) {
+    wait_workers(r, Duration::from_secs(10), |rows| {
+        rows.iter().all(|w| w["in_flight"] == 0)
+    })
+    .await;
+}
+
+/// The error a generation that must not start gets.
+async fn refused(c: &mut Client, id: &str) -> Status {
+    match c.start(id, None, 3).await {
+        Ok(s) => panic!("{id}: started on {:?}", s.worker),
+        Err(err) => err,
+    }
+}
+
+/// A stream of `n` chunks then `Complete` with reason `length`.
+fn complete(n: u32) -> Vec<Ev> {
+    let mut want: Vec<Ev> = (1..=n).map(|completion| Ev::Chunk { completion }).collect();
+    want.push(Ev::Complete {
+        reason: "length".into(),
+        tokens: n as usize,
+    });
+    want
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// A port on 127.0.0.1 where nothing listens (bound, then released).
+async fn refusing_port() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind(loopback()).await.unwrap();
+    l.local_addr().unwrap()
+}
+
+/// One engine of ranks 2 and 3 reporting KV 0.8 and 0.1, behind rankgate, both ranks available
+/// with those numbers: rank 3 is the pick.
+async fn low_kv_on_rank_3(flavor: Flavor) -> (Eng, Router) {
+    let e = Eng::start(flavor, 2, 2).await;
+    e.sim.set_kv_usage(vec![0.8, 0.1]);
+    let r = grpc_router(&[&e]).await;
+    wait_state(&r, &[0, 1], "available").await;
+    wait_kv(&r, &[(0, 0.8), (1, 0.1)]).await;
+    (e, r)
+}
+
+#[tokio::test]
+async fn generate_goes_to_the_least_kv_rank_with_the_rank_set_in_the_message() {
+    for flavor in FLAVORS {
+        let (e, r) = low_kv_on_rank_3(flavor).await;
+        let mut c = front(&r, flavor);
+        let mut g = c.start("g1", None, 5).await.unwrap();
+        assert_eq!(g.worker, Some(e.worker(3)), "{flavor:?}");
+        assert_eq!(g.stream.all(6).await, complete(5), "{flavor:?}");
+        assert_eq!(
+            e.sim.served(),
+            vec![0, 1],
+            "{flavor:?}: local rank 1 is rank 3"
+        );
+        let seen = e.sim.grpc_seen();
+        assert_eq!(seen.len(), 1, "{flavor:?}");
+        assert_eq!((seen[0].method, seen[0].rank), ("Generate", Some(3)));
+        let want = set_varint(&g.raw, generate_rank_field(flavor), 3).unwrap();
+        assert_eq!(
+            seen[0].raw, want,
+            "{flavor:?}: the message as sent, with the rank field set"
+        );
+    }
+}
+
+#[tokio::test]
+async fn unknown_fields_survive_and_a_client_rank_is_replaced() {
+    for flavor in FLAVORS {
+        let (e, r) = low_kv_on_rank_3(flavor).await;
+        // The client asks for rank 2 (rankgate decides: 3), and adds two fields no proto has:
+        // 99 (bytes) and 50 (varint).
+        let mut raw = generate_bytes(flavor, "raw", Some(2), 3);
+        put_varint(&mut raw, 99 << 3 | 2);
+        put_varint(&mut raw, 4);
+        raw.extend_from_slice(b"\x00\xffok");
+        put_varint(&mut raw, 50 << 3);
+        put_varint(&mut raw, 300);
+
+        let grpc = r.grpc_addr.unwrap();
+        let reply = raw_call(grpc, &method_path(flavor, "Generate"), &raw).await;
+        assert_eq!(reply.code, Code::Ok, "{flavor:?}: {}", reply.message);
+        assert_eq!(reply.worker(), Some(e.worker(3).as_str()), "{flavor:?}");
+        assert_eq!(
+            reply.messages.len(),
+            4,
+            "{flavor:?}: 3 chunks and the final message"
+        );
+
+        let seen = e.sim.grpc_seen();
+        assert_eq!(seen.len(), 1, "{flavor:?}");
+        assert_eq!(seen[0].rank, Some(3), "{flavor:?}");
+        let want = set_varint(&raw, generate_rank_field(flavor), 3).unwrap();
+        assert_eq!(
+            seen[0].raw, want,
+            "{flavor:?}: every byte kept but the rank field"
+        );
+    }
+}
+
+#[tokio::test]
+async fn embed_is_pinned_where_the_request_has_a_rank_field() {
+    for flavor in FLAVORS {
+        let (e, r) = low_kv_on_rank_3(flavor).await;
+        let mut c = front(&r, flavor);
+        assert_eq!(c.embed("e1", 0).await.unwrap(), 8, "{flavor:?}");
+        let seen = e.sim.grpc_seen();
+        assert_eq!(seen.len(), 1, "{flavor:?}");
+        assert_eq!(seen[0].method, "Embed");
+        let sent = embed_bytes(flavor, "e1", 0);
+        match flavor {
+            // SGLang: field 8 set explicitly (even rank 0 would be on the wire).
+            Flavor::Sglang => {
+                assert_eq!(seen[0].rank, Some(3));
+                assert_eq!(seen[0].raw, set_varint(&sent, 8, 3).unwrap());
+            }
+            // vLLM's EmbedRequest has no rank field: the message passes untouched.
+            Flavor::Vllm => assert_eq!(seen[0].raw, sent),
+        }
+        wait_no_in_flight(&r).await;
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_stops_the_engine() {
+    for flavor in FLAVORS {
+        let (e, r) = low_kv_on_rank_3(flavor).await;
+        let mut c = front(&r, flavor);
+        // 100k tokens at 200/s: only the client leaving ends this within the test.
+        let mut g = c.start("gone", None, 100_000).await.unwrap();
+        assert_eq!(g.stream.next().await, Some(Ev::Chunk { completion: 1 }));
+        assert_eq!(e.sim.running(), vec![0, 1], "{flavor:?}");
+        drop(g);
+        wait_idle(&e.sim).await;
+        wait_no_in_flight(&r).await;
+        assert!(e.sim.aborted().is_empty(), "{flavor:?}: a reset, no Abort");
+    }
+}
+
+/// Two engines of one rank each (ranks 0 and 1) behind rankgate, both available.
+async fn two_engines(flavor: Flavor) -> (Eng, Eng, Router) {
+    let a = Eng::start(flavor, 1, 0).await;
+    let b = Eng::start(flavor, 1, 1).await;
+    let r = grpc_router(&[&a, &b]).await;
+    wait_state(&r, &[0, 1], "available").await;
+    (a, b, r)
+}
+
+#[tokio::test]
+async fn abort_reaches_the_engine_holding_the_id_and_no_other() {
+    for flavor in FLAVORS {
+        let (a, b, r) = two_engines(flavor).await;
+        let mut c = front(&r, flavor);
+        let mut g = c.start("x", None, 100_000).await.unwrap();
+        assert_eq!(g.stream.next().await, Some(Ev::Chunk { completion: 1 }));
+        let (holder, other, rank) = match (a.generated(), b.generated()) {
+            (true, false) => (&a, &b, 0),
+            (false, true) => (&b, &a, 1),
+            both => panic!("{flavor:?}: Generate reached (a, b) = {both:?}"),
+        };
+        assert_eq!(g.worker, Some(holder.worker(rank)), "{flavor:?}");
+
+        let success = c.abort("x").await.expect("Abort");
+        assert_ne!(success, Some(false), "{flavor:?}: the engine's answer");
+        let (reason, tokens) = g.stream.until_complete().await.expect("a final message");
+        assert_eq!(reason, "abort", "{flavor:?}");
+        assert!(tokens < 100_000);
+        assert_eq!(g.stream.next().await, None, "{flavor:?}: the stream ends");
+        assert_eq!(holder.sim.aborted(), vec!["x".to_string()], "{flavor:?}");
+        assert!(other.sim.aborted().is_empty(), "{flavor:?}");
+        assert!(
+            other.sim.grpc_seen().iter().all(|s| s.method != "Abort"),
+            "{flavor:?}: the other engine was not asked"
+        );
+        wait_idle(&holder.sim).await;
+    }
+}
+
+#[tokio::test]
+async fn abort_of_an_unknown_id_is_ok_and_reaches_no_engine() {
+    for flavor in FLAVORS {
+        let (a, b, r) = two_engines(flavor).await;
+        let mut c = front(&r, flavor);
+        let success = c
+            .abort("nobody")
+            .await
+            .expect("Abort of an unknown id is OK");
+        for e in [&a, &b] {
+            assert!(e.sim.grpc_seen().is_empty(), "{flavor:?}");
+            assert!(e.sim.aborted().is_empty(), "{flavor:?}");
+        }
+        // SGLang's servicer sends any abort on to its scheduler and answers `success: true`,
+        // running or not (so does the simulator); rankgate, answering for the fleet, should not
+        // tell the client its abort failed.
+        let want = (flavor == Flavor::Sglang).then_some(true);
+        assert_eq!(success, want, "{flavor:?}: AbortResponse.success");
+    }
+}
+
+#[tokio::test]
+async fn vllm_abort_of_ids_on_two_engines_sends_each_engine_only_its_own() {
+    let flavor = Flavor::Vllm;
+    let (a, b, r) = two_engines(flavor).await;
+    let mut c = front(&r, flavor);
+    // "x" to a (the idler), then "y" to b once b is the idler.
+    a.sim.set_kv_usage(vec![0.1]);
+    b.sim.set_kv_usage(vec![0.9]);
+    wait_kv(&r, &[(0, 0.1), (1, 0.9)]).await;
+    let mut x = c.start("x", None, 100_000).await.unwrap();
+    assert_eq!(x.worker, Some(a.worker(0)));
+    a.sim.set_kv_usage(vec![0.9]);
+    b.sim.set_kv_usage(vec![0.1]);
+    wait_kv(&r, &[(0, 0.9), (1, 0.1)]).await;
+    let mut y = c.start("y", None, 100_000).await.unwrap();
+    assert_eq!(y.worker, Some(b.worker(1)));
+    for g in [&mut x, &mut y] {
+        assert_eq!(g.stream.next().await, Some(Ev::Chunk { completion: 1 }));
+    }
+
+    let Client::Vllm(v) = &mut c else {
+        unreachable!()
+    };
+    let ids = ["x", "y", "nobody"].map(String::from).to_vec();
+    bounded(v.abort(vllm::AbortRequest { request_ids: ids }))
+        .await
+        .expect("Abort");
+    for (g, e, id) in [(&mut x, &a, "x"), (&mut y, &b, "y")] {
+        let (reason, _) = g.stream.until_complete().await.expect("a final message");
+        assert_eq!(reason, "abort", "{id}");
+        assert_eq!(e.sim.aborted(), vec![id.to_string()]);
+        let seen = e.sim.grpc_seen();
+        let abort = seen.iter().find(|s| s.method == "Abort").expect("an Abort");
+        let sent = vllm::AbortRequest::decode(abort.raw.clone()).unwrap();
+        assert_eq!(sent.request_ids, vec![id.to_string()], "only its own id");
+    }
+}
+
+#[tokio::test]
+async fn a_dead_engine_leaves_no_routable_rank_unavailable() {
+    for flavor in FLAVORS {
+        let e = Eng::start(flavor, 1, 0).await;
+        let r = grpc_router(&[&e]).await;
+        wait_state(&r, &[0], "available").await;
+        e.sim.kill().await;
+        wait_state(&r, &[0], "unavailable").await;
+        let err = refused(&mut front(&r, flavor), "late").await;
+        assert_eq!(err.code(), Code::Unavailable, "{flavor:?}: {err:?}");
+        assert!(!err.message().is_empty(), "{flavor:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_engine_port_that_refuses_connections_is_unavailable() {
+    for flavor in FLAVORS {
+        let port = refusing_port().await;
+        let r = router(GRPC_FAST, &[grpc_toml(port, flavor, 1, 0)]).await;
+        wait_state(&r, &[0], "unavailable").await;
+        let err = refused(&mut front(&r, flavor), "nowhere").await;
+        assert_eq!(err.code(), Code::Unavailable, "{flavor:?}: {err:?}");
+        assert!(!err.message().is_empty(), "{flavor:?}");
+    }
+}
+
+#[tokio::test]
+async fn get_loads_answers_from_the_snapshot_per_rank() {
+    for flavor in FLAVORS {
+        let (_e, r) = low_kv_on_rank_3(flavor).await;
+        let mut c = front(&r, flavor);
+        let close = |got: &[(i32, f64)], want: &[(i32, f64)]| {
+            got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want)
+                    .all(|(g, w)| g.0 == w.0 && (g.1 - w.1).abs() < 1e-9)
+        };
+
+        let mut all = c.get_loads(None).await.unwrap();
+        all.ranks.sort_by_key(|l| l.0);
+        assert_eq!(all.dp_rank_count, 2, "{flavor:?}");
+        assert!(
+            close(&all.ranks, &[(2, 0.8), (3, 0.1)]),
+            "{flavor:?}: {all:?}"
+        );
+
+        let one = c.get_loads(Some(3)).await.unwrap();
+        assert_eq!(one.dp_rank_count, 1, "{flavor:?}");
+        assert!(close(&one.ranks, &[(3, 0.1)]), "{flavor:?}: {one:?}");
+
+        // 0 is sent explicitly (proto3 `optional`): a filter, not "every rank".
+        for bad in [0, 7, -1] {
+            let err = c.get_loads(Some(bad)).await.unwrap_err();
+            assert_eq!(
+                err.code(),
+                Code::InvalidArgument,
+                "{flavor:?} {bad}: {err:?}"
+            );
+            assert!(
+                err.message().contains(&bad.to_string()),
+                "{}",
+                err.message()
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_method_rankgate_does_not_serve_is_unimplemented() {
+    for flavor in FLAVORS {
+        let e = Eng::start(flavor, 1, 0).await;
+        let r = grpc_router(&[&e]).await;
+        wait_state(&r, &[0], "available").await;
+        let path = method_path(flavor, "StartProfile");
+        let reply = raw_call(r.grpc_addr.unwrap(), &path, &[]).await;
+        assert_eq!(reply.code, Code::Unimplemented, "{flavor:?}: {reply:?}");
+        assert!(reply.message.contains("StartProfile"), "{}", reply.message);
+        assert!(reply.messages.is_empty());
+        assert!(e.sim.grpc_seen().is_empty(), "{flavor:?}");
+    }
+}
+
+/// `grpc.health.v1.Health/Check` on rankgate.
+async fn check(r: &Router, service: &str) -> Result<i32, Status> {
+    let origin: http::Uri = format!("http://{}", r.grpc_addr.unwrap()).parse().unwrap();
+    let mut h = HealthClient::with_origin(transport(Duration::from_secs(2)), origin);
+    let req = HealthCheckRequest {
+        service: service.into(),
+    };
+    Ok(bounded(h.check(req)).await?.into_inner().status)
+}
+
+#[tokio::test]
+async fn health_is_serving_while_a_rank_is_routable() {
+    let e = Eng::start(Flavor::Vllm, 1, 0).await;
+    let r = grpc_router(&[&e]).await;
+    wait_state(&r, &[0], "available").await;
+    let (serving, not) = (
+        ServingStatus::Serving as i32,
+        ServingStatus::NotServing as i32,
+    );
+    assert_eq!(check(&r, "").await.unwrap(), serving);
+    assert_eq!(check(&r, service(Flavor::Vllm)).await.unwrap(), serving);
+    // No SGLang engine in this fleet.
+    assert_eq!(check(&r, service(Flavor::Sglang)).await.unwrap(), not);
+    let err = check(&r, "no.such.Service").await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+
+    e.sim.kill().await;
+    wait_state(&r, &[0], "unavailable").await;
+    assert_eq!(check(&r, "").await.unwrap(), not);
+}
+
+#[tokio::test]
+async fn in_a_mixed_fleet_each_front_door_sends_only_to_its_own_engines() {
+    for flavor in FLAVORS {
+        // Rank 0: OpenAI HTTP only; rank 1: gRPC only.
+        let h = engine(common::sim(flavor, 1, 0)).await;
+        let g = Eng::start(flavor, 1, 1).await;
+        let r = router(
+            GRPC_FAST,
+            &[engine_toml(&h.url(), flavor.as_str(), 1, 0), g.toml()],
+        )
+        .await;
+        wait_state(&r, &[0, 1], "available").await;
+        wait_workers(&r, Duration::from_secs(10), |rows| {
+            rows[0]["models"].as_array().is_some_and(|m| !m.is_empty())
+        })
+        .await;
+
+        // The gRPC engine looks idle: HTTP still goes to the HTTP engine.
+        h.set_kv_usage(vec![0.9]);
+        g.sim.set_kv_usage(vec![0.0]);
+        wait_kv(&r, &[(0, 0.9), (1, 0.0)]).await;
+        for _ in 0..4 {
+            let reply = chat(r.addr, 3).await;
+            assert_eq!(reply.status, 200, "{flavor:?}: {:?}", reply.body);
+            assert_eq!(reply.worker(), format!("{}@0", h.url()), "{flavor:?}");
+        }
+
+        // The HTTP engine looks idle: gRPC still goes to the gRPC engine.
+        h.set_kv_usage(vec![0.0]);
+        g.sim.set_kv_usage(vec![0.9]);
+        wait_kv(&r, &[(0, 0.0), (1, 0.9)]).await;
+        let mut c = front(&r, flavor);
+        for i in 0..4 {
+            let mut s = c.start(&format!("m{i}"), None, 2).await.unwrap();
+            assert_eq!(s.worker, Some(g.worker(1)), "{flavor:?}");
+            assert_eq!(s.stream.all(3).await, complete(2), "{flavor:?}");
+        }
+
+        assert_eq!(h.served(), vec![4], "{flavor:?}");
+        assert_eq!(g.sim.served(), vec![4], "{flavor:?}");
+        assert!(
+            g.sim.seen().is_empty(),
+            "{flavor:?}: no HTTP to the gRPC engine"
+        );
+    }
+}
