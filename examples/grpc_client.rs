@@ -53,7 +53,9 @@ async fn main() -> anyhow::Result<()> {
         println!(
             "Generate {:?}: served by {}",
             a.id,
-            g.worker.as_deref().unwrap_or("(no x-rankgate-worker: not through rankgate)")
+            g.worker
+                .as_deref()
+                .unwrap_or("(no x-rankgate-worker: not through rankgate)")
         );
         let mut first = None;
         while let Some(ev) = g.next().await? {

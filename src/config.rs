@@ -721,6 +721,72 @@ mod tests {
     }
 
     #[test]
+    fn engines_by_http_grpc_or_both() {
+        let grpc = |extra: &str| {
+            format!("[[engines]]\ngrpc_url = \"http://h:9\"\nflavor = \"vllm\"\n{extra}")
+        };
+        let only = Config::from_str(&grpc("")).unwrap();
+        let e = &only.engines[0];
+        assert!(!e.http && e.grpc.as_deref() == Some("h:9"));
+        assert_eq!(&*e.url, "http://h:9", "the gRPC address is its identity");
+        assert_eq!(
+            e.telemetry,
+            [TelemetrySource::Grpc {
+                authority: "h:9".into()
+            }],
+            "polled by GetLoads"
+        );
+        assert_eq!(e.health_path, None, "no HTTP to probe");
+        for bad in ["telemetry = [\"prometheus\"]", "telemetry = [\"http\"]"] {
+            let e = err(&grpc(bad));
+            assert!(
+                e.contains("engines[0].telemetry") && e.contains("grpc_url"),
+                "{e}"
+            );
+        }
+        let e = err(&grpc("health_path = \"/health\""));
+        assert!(e.contains("engines[0].health_path"), "{e}");
+        let both = Config::from_str(&grpc("url = \"http://h:1\"")).unwrap();
+        let e = &both.engines[0];
+        assert!(e.http && &*e.url == "http://h:1");
+        assert_eq!(
+            e.telemetry,
+            [
+                TelemetrySource::Grpc {
+                    authority: "h:9".into()
+                },
+                TelemetrySource::Prometheus
+            ],
+            "GetLoads first, Prometheus behind it"
+        );
+        let e = err("[[engines]]\nflavor = \"vllm\"\n");
+        assert!(e.contains("engines[0]") && e.contains("grpc_url"), "{e}");
+        let e = err("[[engines]]\ngrpc_url = \"grpc://h:9\"\nflavor = \"vllm\"\n");
+        assert!(
+            e.contains("engines[0].grpc_url") && e.contains("http://"),
+            "{e}"
+        );
+        let e = err("[[engines]]\ngrpc_url = \"http://h:9\"\nflavor = \"gateway\"\n");
+        assert!(e.contains("engines[0].grpc_url"), "{e}");
+        let e = err(&format!(
+            "{}{}",
+            grpc(""),
+            grpc("start_rank = 1").replace("h:9\"", "h:9/\"")
+        ));
+        assert!(e.contains("engines[1]") && e.contains("duplicate"), "{e}");
+        let e = err(&format!(
+            "[server]\ngrpc_listen = \"127.0.0.1:8080\"\n{}",
+            grpc("")
+        ));
+        assert!(e.contains("server.grpc_listen"), "{e}");
+        let e = err(&format!(
+            "[server]\ngrpc_listen = \"nowhere\"\n{}",
+            grpc("")
+        ));
+        assert!(e.contains("server.grpc_listen"), "{e}");
+    }
+
+    #[test]
     fn bad_flavor_and_policy_are_named() {
         let e = err("[[engines]]\nurl = \"http://h:1\"\nflavor = \"tgi\"\n");
         assert!(e.contains("tgi"), "{e}");

@@ -124,8 +124,14 @@ fn main() -> ExitCode {
             let fleet = rankgate::worker::Fleet::expand(cfg.engines);
             for w in &fleet.workers {
                 let e = &fleet.engines[w.engine];
+                // Which front doors send to it: the OpenAI HTTP one, the gRPC one, or both.
+                let serves = match (e.http, &e.grpc) {
+                    (true, Some(g)) => format!("http,grpc={g}"),
+                    (false, Some(g)) => format!("grpc={g}"),
+                    (_, None) => "http".to_string(),
+                };
                 println!(
-                    "{}\tengine={}\trank={}\tflavor={}",
+                    "{}\tengine={}\trank={}\tflavor={}\tserves={serves}",
                     w.id,
                     e.url,
                     w.id.rank.map_or("-".to_string(), |r| r.to_string()),

@@ -278,9 +278,17 @@ pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::s
         }
         first.get_or_insert(answer);
     }
-    Ok(match first {
-        Some(answer) => answer.into_response(),
-        None => ok_response(&[]),
+    Ok(match (first, flavor) {
+        (Some(answer), _) => answer.into_response(),
+        // Nothing runs under these ids any more: done, which SGLang's answer says in a field.
+        (None, Flavor::Sglang) => ok_response(
+            &sglang::AbortResponse {
+                success: true,
+                message: String::new(),
+            }
+            .encode_to_vec(),
+        ),
+        (None, _) => ok_response(&[]),
     })
 }
 
