@@ -257,6 +257,53 @@ async fn a_client_that_leaves_stops_the_engine() {
     }
 }
 
+#[tokio::test]
+async fn deadlines_pass_through_and_calls_share_one_connection() {
+    for flavor in FLAVORS {
+        let (e, r) = low_kv_on_rank_3(flavor).await;
+        let grpc = r.grpc_addr.unwrap();
+        let path = method_path(flavor, "Generate");
+        // Eight calls at once, each 20 tokens long (100 ms at the simulated 200 tokens/s), so
+        // they overlap: over HTTP/1 they would need eight connections.
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..8 {
+            let (path, raw) = (
+                path.clone(),
+                generate_bytes(flavor, &format!("c{i}"), None, 20),
+            );
+            calls.spawn(async move {
+                raw_call_with(grpc, &path, &raw, &[("grpc-timeout", "5S")]).await
+            });
+        }
+        while let Some(reply) = calls.join_next().await {
+            let reply = reply.unwrap();
+            assert_eq!(reply.code, Code::Ok, "{flavor:?}: {}", reply.message);
+            assert_eq!(reply.messages.len(), 21, "{flavor:?}");
+        }
+        let seen: Vec<_> = e
+            .sim
+            .grpc_seen()
+            .into_iter()
+            .filter(|s| s.method == "Generate")
+            .collect();
+        assert_eq!(seen.len(), 8, "{flavor:?}");
+        assert!(
+            seen.iter().all(|s| s.timeout.as_deref() == Some("5S")),
+            "{flavor:?}: the client's deadline reaches the engine: {:?}",
+            seen.iter().map(|s| &s.timeout).collect::<Vec<_>>()
+        );
+        let mut peers: Vec<_> = seen.iter().map(|s| s.peer).collect();
+        peers.sort();
+        peers.dedup();
+        assert_eq!(
+            peers.len(),
+            1,
+            "{flavor:?}: one h2 connection carries them all: {peers:?}"
+        );
+        wait_no_in_flight(&r).await;
+    }
+}
+
 /// Two engines of one rank each (ranks 0 and 1) behind rankgate, both available.
 async fn two_engines(flavor: Flavor) -> (Eng, Eng, Router) {
     let a = Eng::start(flavor, 1, 0).await;

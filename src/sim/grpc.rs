@@ -51,12 +51,16 @@ impl GrpcSim {
     }
 }
 
-/// The raw request message the accept loop kept.
-fn raw<T>(req: &GrpcRequest<T>) -> Bytes {
+/// The raw request message and call facts the accept loop kept.
+fn raw<T>(req: &GrpcRequest<T>) -> RawMessage {
     req.extensions()
         .get::<RawMessage>()
-        .map(|r| r.0.clone())
-        .unwrap_or_default()
+        .cloned()
+        .unwrap_or(RawMessage {
+            raw: Bytes::new(),
+            timeout: None,
+            peer: None,
+        })
 }
 
 fn u32_of(n: u64) -> u32 {
@@ -372,7 +376,13 @@ pub(crate) async fn serve(
                 }
             };
             if let Some(raw) = first_message(&body) {
-                parts.extensions.insert(RawMessage(raw));
+                let timeout = parts
+                    .headers
+                    .get("grpc-timeout")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                let peer = parts.extensions.get::<net::Peer>().map(|p| p.0);
+                parts.extensions.insert(RawMessage { raw, timeout, peer });
             }
             let req = Request::from_parts(parts, Full::new(body));
             let resp: Response<tonic::body::Body> =

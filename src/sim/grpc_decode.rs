@@ -32,12 +32,20 @@ pub struct GrpcSeen {
     /// The request message exactly as it came off the wire (the gRPC frame's payload), unknown
     /// fields and field order included.
     pub raw: Bytes,
+    /// The call's `grpc-timeout` header, as sent.
+    pub timeout: Option<String>,
+    /// The client's address: calls from one address came over one connection.
+    pub peer: Option<std::net::SocketAddr>,
 }
 
 /// The raw payload of a request's (only) gRPC message, which the accept loop puts in the request's
 /// extensions before tonic decodes it.
 #[derive(Debug, Clone)]
-pub(crate) struct RawMessage(pub Bytes);
+pub(crate) struct RawMessage {
+    pub raw: Bytes,
+    pub timeout: Option<String>,
+    pub peer: Option<std::net::SocketAddr>,
+}
 
 /// The payload of the first message of a gRPC request body, if the body holds a whole one.
 pub(crate) fn first_message(body: &[u8]) -> Option<Bytes> {
@@ -84,7 +92,7 @@ impl Sim {
         }
     }
 
-    pub(crate) fn record_grpc(&self, method: &'static str, local: Option<usize>, raw: Bytes) {
+    pub(crate) fn record_grpc(&self, method: &'static str, local: Option<usize>, call: RawMessage) {
         let mut seen = lock(&self.grpc_seen);
         if seen.len() == SEEN_CAP {
             seen.pop_front();
@@ -92,7 +100,9 @@ impl Sim {
         seen.push_back(GrpcSeen {
             method,
             rank: local.map(|l| self.ranks[l].global),
-            raw,
+            raw: call.raw,
+            timeout: call.timeout,
+            peer: call.peer,
         });
     }
 

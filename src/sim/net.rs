@@ -69,6 +69,10 @@ impl Drop for Running {
 
 /// Serves `handler` (HTTP/1.1 and h2c) until `shutdown`, draining gracefully, or until `kill`,
 /// closing the listener and dropping every connection without a word.
+/// The client's address, in each request's extensions.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Peer(pub std::net::SocketAddr);
+
 pub(crate) async fn serve<F, Fut, B>(
     listener: TcpListener,
     handler: F,
@@ -88,9 +92,13 @@ pub(crate) async fn serve<F, Fut, B>(
     let drain = loop {
         tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => {
+                Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    let svc = hyper::service::service_fn(handler.clone());
+                    let h = handler.clone();
+                    let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                        req.extensions_mut().insert(Peer(peer));
+                        h(req)
+                    });
                     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
                     let conn = graceful.watch(conn.into_owned());
                     conns.spawn(async move {

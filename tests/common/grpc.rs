@@ -417,13 +417,25 @@ fn percent_decode(s: &str) -> String {
 /// One unary-request gRPC call as raw h2c: `message` (any bytes) framed and POSTed to `path`
 /// with the gRPC headers; the whole answer (every message, status) read within the timeout.
 pub async fn raw_call(addr: SocketAddr, path: &str, message: &[u8]) -> RawReply {
+    raw_call_with(addr, path, message, &[]).await
+}
+
+/// [`raw_call`] with extra request metadata.
+pub async fn raw_call_with(
+    addr: SocketAddr,
+    path: &str,
+    message: &[u8],
+    metadata: &[(&str, &str)],
+) -> RawReply {
     let client = rankgate::http::h2_client::<Full<Bytes>>(Duration::from_secs(2));
-    let req = Request::post(format!("http://{addr}{path}"))
+    let mut req = Request::post(format!("http://{addr}{path}"))
         .version(Version::HTTP_2)
         .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(Full::new(frame(message)))
-        .unwrap();
+        .header("te", "trailers");
+    for (k, v) in metadata {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(frame(message))).unwrap();
     let resp = bounded(client.request(req)).await.expect("h2 request");
     let (parts, body) = resp.into_parts();
     let all = bounded(body.collect()).await.expect("response body");
