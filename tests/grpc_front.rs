@@ -304,6 +304,33 @@ async fn deadlines_pass_through_and_calls_share_one_connection() {
     }
 }
 
+#[tokio::test]
+async fn a_connection_at_its_stream_limit_opens_the_next() {
+    let flavor = Flavor::Vllm;
+    let e = Eng::start(flavor, 2, 2).await;
+    let extra = format!("grpc_streams_per_connection = 2\n{GRPC_FAST}");
+    let r = router(&extra, &[e.toml()]).await;
+    wait_state(&r, &[0, 1], "available").await;
+    let (grpc, path) = (r.grpc_addr.unwrap(), method_path(flavor, "Generate"));
+    // Five overlapping calls (60 tokens: 300 ms each), two streams per connection: three
+    // connections.
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..5 {
+        let (path, raw) = (
+            path.clone(),
+            generate_bytes(flavor, &format!("s{i}"), None, 60),
+        );
+        calls.spawn(async move { raw_call(grpc, &path, &raw).await });
+    }
+    while let Some(reply) = calls.join_next().await {
+        assert_eq!(reply.unwrap().code, Code::Ok);
+    }
+    let mut peers: Vec<_> = e.sim.grpc_seen().iter().map(|s| s.peer).collect();
+    peers.sort();
+    peers.dedup();
+    assert_eq!(peers.len(), 3, "{peers:?}");
+}
+
 /// Two engines of one rank each (ranks 0 and 1) behind rankgate, both available.
 async fn two_engines(flavor: Flavor) -> (Eng, Eng, Router) {
     let a = Eng::start(flavor, 1, 0).await;

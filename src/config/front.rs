@@ -9,6 +9,9 @@ use serde::Deserialize;
 
 use super::{invalid, ConfigError, HumanDuration, NoTelemetry, Policy};
 
+/// The stream limit most gRPC servers advertise or are deployed with; an engine that allows more
+/// only gets a second connection it did not need.
+pub const DEFAULT_GRPC_STREAMS_PER_CONNECTION: usize = 100;
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
@@ -58,6 +61,7 @@ pub(super) struct RawServer {
     max_header_bytes: Option<usize>,
     max_connections: Option<usize>,
     max_engine_connections: Option<usize>,
+    grpc_streams_per_connection: Option<usize>,
     max_in_flight: Option<usize>,
     shutdown_delay: Option<HumanDuration>,
     drain_grace: Option<HumanDuration>,
@@ -107,6 +111,9 @@ pub struct ServerConfig {
     pub max_connections: Option<usize>,
     /// Connections rankgate opens to one engine at once (HTTP/1: requests in flight on it).
     pub max_engine_connections: usize,
+    /// gRPC calls one h2 connection to an engine carries before the next call opens another
+    /// (up to `max_engine_connections`): the engine's SETTINGS_MAX_CONCURRENT_STREAMS, or below.
+    pub grpc_streams_per_connection: usize,
     /// Requests in flight through the front door at once; `None`: unlimited.
     pub max_in_flight: Option<usize>,
     /// After a shutdown signal, how long to keep accepting (while `/ready` says 503).
@@ -241,6 +248,9 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         max_engine_connections: raw
             .max_engine_connections
             .unwrap_or(DEFAULT_MAX_ENGINE_CONNECTIONS),
+        grpc_streams_per_connection: raw
+            .grpc_streams_per_connection
+            .unwrap_or(DEFAULT_GRPC_STREAMS_PER_CONNECTION),
         max_in_flight: raw.max_in_flight,
         shutdown_delay: duration(
             "server.shutdown_delay",
@@ -280,6 +290,10 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             Some(server.max_engine_connections),
         ),
         ("server.max_in_flight", server.max_in_flight),
+        (
+            "server.grpc_streams_per_connection",
+            Some(server.grpc_streams_per_connection),
+        ),
     ] {
         if v == Some(0) {
             return Err(invalid(

@@ -269,8 +269,11 @@ pub struct Shared {
     grpc_avoid: [Option<crate::policy::Avoid>; 2],
     /// In-flight gRPC request ids and their engines (for Abort).
     grpc_requests: Arc<grpc::Requests>,
-    /// The h2 client for engines' gRPC services: one connection per engine, multiplexed.
-    grpc_client: Client<HttpConnector, RequestBody>,
+    /// h2 clients for engines' gRPC services: client `k` holds an engine's `k`th connection,
+    /// opened once the connections before it carry their share of calls (send).
+    grpc_clients: Vec<Client<HttpConnector, RequestBody>>,
+    /// Per engine with a gRPC address: the calls each of its connections carries.
+    grpc_streams: Vec<send::Streams>,
     /// Shutdown has begun (the gRPC health service then says NOT_SERVING).
     pub draining: Arc<std::sync::atomic::AtomicBool>,
     /// The flavors of the fleet's engines, for routes only some serve.
@@ -350,7 +353,23 @@ impl Shared {
                 grpc::targets(engines, crate::worker::Flavor::Sglang),
             ],
             grpc_requests: Arc::default(),
-            grpc_client: crate::http::h2_client(server.connect_timeout),
+            grpc_clients: (0..server
+                .max_engine_connections
+                .min(send::MAX_GRPC_CONNECTIONS))
+                .map(|_| crate::http::h2_client(server.connect_timeout))
+                .collect(),
+            grpc_streams: engines
+                .iter()
+                .map(|e| {
+                    let n = match e.grpc {
+                        Some(_) => server
+                            .max_engine_connections
+                            .min(send::MAX_GRPC_CONNECTIONS),
+                        None => 0,
+                    };
+                    send::Streams::new(n, server.grpc_streams_per_connection)
+                })
+                .collect(),
             draining: Arc::default(),
             selector: Arc::new(Selector::new(&cfg.routing)),
             metrics,

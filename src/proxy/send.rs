@@ -92,16 +92,65 @@ impl Slots {
     }
 }
 
-/// One taken connection slot, given back when dropped (with the response body).
+/// Most h2 connections rankgate opens to one engine's gRPC service.
+pub const MAX_GRPC_CONNECTIONS: usize = 64;
+
+/// The h2 connections to one engine's gRPC service, by the calls each carries: a call goes on
+/// the first connection under the stream limit, so one connection serves until the engine's
+/// stream limit would make calls queue on it, and then the next one opens.
+#[derive(Debug)]
+pub struct Streams {
+    active: Box<[AtomicUsize]>,
+    limit: usize,
+}
+
+impl Streams {
+    pub fn new(connections: usize, limit: usize) -> Streams {
+        Streams {
+            active: (0..connections).map(|_| AtomicUsize::new(0)).collect(),
+            limit,
+        }
+    }
+
+    /// The connection a new call takes. Every one at its limit: the least busy (the call
+    /// queues there, in h2, for a stream).
+    fn take(&self) -> usize {
+        let under = |n: usize| (n < self.limit).then_some(n + 1);
+        if let Some(k) = self
+            .active
+            .iter()
+            .position(|a| a.fetch_update(SeqCst, SeqCst, under).is_ok())
+        {
+            return k;
+        }
+        let k = (0..self.active.len())
+            .min_by_key(|&k| self.active[k].load(SeqCst))
+            .unwrap_or(0);
+        self.active[k].fetch_add(1, SeqCst);
+        k
+    }
+
+    fn give_back(&self, k: usize) {
+        self.active[k].fetch_sub(1, SeqCst);
+    }
+}
+
+/// One taken connection slot (HTTP/1) or stream on a connection (gRPC), given back when
+/// dropped (with the response body).
 #[derive(Debug)]
 pub struct Slot {
     ctx: Ctx,
     engine: usize,
+    /// The gRPC connection the call is a stream on.
+    stream: Option<usize>,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.ctx.slots[self.engine].give_back();
+        match self.stream {
+            Some(k) => self.ctx.grpc_streams[self.engine].give_back(k),
+            None => self.ctx.slots[self.engine].give_back(),
+        }
     }
 }
 
@@ -148,12 +197,19 @@ impl tower::Service<Request<Picked>> for Send {
         let timer = Box::pin(tokio::time::sleep(ctx.cfg.server.response_timeout));
         let mut slot = None;
         let state = if ctx.grpc() {
-            // gRPC calls are streams on one h2 connection per engine, not connections.
-            State::Sending(ctx.grpc_client.request(req))
+            // gRPC calls are streams on an engine's h2 connections, not connections.
+            let k = ctx.grpc_streams[target.engine].take();
+            slot = Some(Slot {
+                ctx: ctx.clone(),
+                engine: target.engine,
+                stream: Some(k),
+            });
+            State::Sending(ctx.grpc_clients[k].request(req))
         } else if ctx.slots[target.engine].try_take() {
             slot = Some(Slot {
                 ctx: ctx.clone(),
                 engine: target.engine,
+                stream: None,
             });
             State::Sending(ctx.client.request(req))
         } else {
@@ -210,6 +266,7 @@ impl Future for Sending {
                     this.slot = Some(Slot {
                         ctx: this.ctx.clone(),
                         engine: this.target.engine,
+                        stream: None,
                     });
                     let Some(req) = req.take() else {
                         return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));

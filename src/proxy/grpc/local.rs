@@ -205,8 +205,7 @@ async fn call_engine(
     *req.headers_mut() = headers;
     let timeout = ctx.cfg.server.response_timeout;
     let exchange = async {
-        let resp = ctx
-            .grpc_client
+        let resp = ctx.grpc_clients[0]
             .request(req)
             .await
             .map_err(|err| upstream(crate::http::error_chain(&err)))?;
