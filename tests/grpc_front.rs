@@ -257,48 +257,57 @@ async fn a_client_that_leaves_stops_the_engine() {
     }
 }
 
+/// `n` Generate calls of `tokens` tokens each through rankgate, all started at once, with
+/// `metadata`; each must end OK with every chunk.
+async fn at_once(
+    r: &Router,
+    flavor: Flavor,
+    n: usize,
+    tokens: u32,
+    metadata: &'static [(&str, &str)],
+) {
+    let (grpc, path) = (r.grpc_addr.unwrap(), method_path(flavor, "Generate"));
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (path, raw) = (
+            path.clone(),
+            generate_bytes(flavor, &format!("c{i}"), None, tokens),
+        );
+        calls.spawn(async move { raw_call_with(grpc, &path, &raw, metadata).await });
+    }
+    while let Some(reply) = calls.join_next().await {
+        let reply = reply.unwrap();
+        assert_eq!(reply.code, Code::Ok, "{flavor:?}: {}", reply.message);
+        assert_eq!(reply.messages.len(), tokens as usize + 1, "{flavor:?}");
+    }
+}
+
+/// The distinct client addresses (connections) the engine's Generate calls came over.
+fn connections(e: &Eng) -> usize {
+    let mut peers: Vec<_> = e.sim.grpc_seen().iter().map(|s| s.peer).collect();
+    peers.sort();
+    peers.dedup();
+    peers.len()
+}
+
 #[tokio::test]
 async fn deadlines_pass_through_and_calls_share_one_connection() {
     for flavor in FLAVORS {
         let (e, r) = low_kv_on_rank_3(flavor).await;
-        let grpc = r.grpc_addr.unwrap();
-        let path = method_path(flavor, "Generate");
-        // Eight calls at once, each 20 tokens long (100 ms at the simulated 200 tokens/s), so
-        // they overlap: over HTTP/1 they would need eight connections.
-        let mut calls = tokio::task::JoinSet::new();
-        for i in 0..8 {
-            let (path, raw) = (
-                path.clone(),
-                generate_bytes(flavor, &format!("c{i}"), None, 20),
-            );
-            calls.spawn(async move {
-                raw_call_with(grpc, &path, &raw, &[("grpc-timeout", "5S")]).await
-            });
-        }
-        while let Some(reply) = calls.join_next().await {
-            let reply = reply.unwrap();
-            assert_eq!(reply.code, Code::Ok, "{flavor:?}: {}", reply.message);
-            assert_eq!(reply.messages.len(), 21, "{flavor:?}");
-        }
-        let seen: Vec<_> = e
-            .sim
-            .grpc_seen()
-            .into_iter()
-            .filter(|s| s.method == "Generate")
-            .collect();
+        // Eight calls of 60 tokens (300 ms at the simulated 200 tokens/s) overlap: over HTTP/1
+        // they would need eight connections.
+        at_once(&r, flavor, 8, 60, &[("grpc-timeout", "5S")]).await;
+        let seen = e.sim.grpc_seen();
         assert_eq!(seen.len(), 8, "{flavor:?}");
         assert!(
             seen.iter().all(|s| s.timeout.as_deref() == Some("5S")),
             "{flavor:?}: the client's deadline reaches the engine: {:?}",
             seen.iter().map(|s| &s.timeout).collect::<Vec<_>>()
         );
-        let mut peers: Vec<_> = seen.iter().map(|s| s.peer).collect();
-        peers.sort();
-        peers.dedup();
         assert_eq!(
-            peers.len(),
+            connections(&e),
             1,
-            "{flavor:?}: one h2 connection carries them all: {peers:?}"
+            "{flavor:?}: one h2 connection carries them all"
         );
         wait_no_in_flight(&r).await;
     }
@@ -311,24 +320,38 @@ async fn a_connection_at_its_stream_limit_opens_the_next() {
     let extra = format!("grpc_streams_per_connection = 2\n{GRPC_FAST}");
     let r = router(&extra, &[e.toml()]).await;
     wait_state(&r, &[0, 1], "available").await;
-    let (grpc, path) = (r.grpc_addr.unwrap(), method_path(flavor, "Generate"));
-    // Five overlapping calls (60 tokens: 300 ms each), two streams per connection: three
-    // connections.
-    let mut calls = tokio::task::JoinSet::new();
-    for i in 0..5 {
-        let (path, raw) = (
-            path.clone(),
-            generate_bytes(flavor, &format!("s{i}"), None, 60),
+    // Five overlapping calls, two streams per connection: three connections.
+    at_once(&r, flavor, 5, 60, &[]).await;
+    assert_eq!(connections(&e), 3);
+}
+
+#[tokio::test]
+async fn an_engine_answering_unavailable_is_failed_over() {
+    for flavor in FLAVORS {
+        let (bad, good) = (
+            Eng::start(flavor, 1, 0).await,
+            Eng::start(flavor, 1, 1).await,
         );
-        calls.spawn(async move { raw_call(grpc, &path, &raw).await });
+        bad.sim.set_fail(503, 100.0).unwrap();
+        // The failing engine looks idler: it is the pick until its failures count.
+        bad.sim.set_kv_usage(vec![0.0]);
+        good.sim.set_kv_usage(vec![0.5]);
+        let r = grpc_router(&[&bad, &good]).await;
+        wait_state(&r, &[0, 1], "available").await;
+        at_once(&r, flavor, 6, 2, &[]).await;
+        assert!(good.generated(), "{flavor:?}");
+        assert!(
+            !bad.generated(),
+            "{flavor:?}: refused calls leave no record"
+        );
+        let rows = workers(&r).await;
+        assert_eq!(rows[0]["in_flight"], 0, "{flavor:?}");
+        assert!(
+            rows[0]["consecutive_failures"].as_u64().unwrap_or(0) > 0,
+            "{flavor:?}: UNAVAILABLE answers count against the rank: {}",
+            rows[0]
+        );
     }
-    while let Some(reply) = calls.join_next().await {
-        assert_eq!(reply.unwrap().code, Code::Ok);
-    }
-    let mut peers: Vec<_> = e.sim.grpc_seen().iter().map(|s| s.peer).collect();
-    peers.sort();
-    peers.dedup();
-    assert_eq!(peers.len(), 3, "{peers:?}");
 }
 
 /// Two engines of one rank each (ranks 0 and 1) behind rankgate, both available.

@@ -146,8 +146,9 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
         let mut result =
             ready!(Pin::new(&mut this.inner).poll(cx)).map_err(|e| e.at(target.worker));
         let judged = match &mut result {
-            Ok(resp) if resp.status().is_server_error() => {
-                failure(ctx, target, Cause::Status(resp.status().as_u16()));
+            Ok(resp) if super::grpc::answered(resp, ctx.grpc()).is_server_error() => {
+                let status = super::grpc::answered(resp, ctx.grpc());
+                failure(ctx, target, Cause::Status(status.as_u16()));
                 true
             }
             Ok(resp) if !resp.status().is_client_error() => {

@@ -34,9 +34,9 @@ impl<S> Retry<S> {
 
 /// Why an attempt may be worth another: the worker it failed on, and whether the transport
 /// failed (then the whole engine is avoided).
-fn failed(result: &Result<Response<ProxyBody>, ProxyError>) -> Option<(usize, bool)> {
+fn failed(result: &Result<Response<ProxyBody>, ProxyError>, grpc: bool) -> Option<(usize, bool)> {
     match result {
-        Ok(resp) if matches!(resp.status().as_u16(), 502..=504) => {
+        Ok(resp) if matches!(super::grpc::answered(resp, grpc).as_u16(), 502..=504) => {
             resp.body().target.map(|t| (t.worker, false))
         }
         Err(e) if e.retryable() => e.worker().map(|w| (w, true)),
@@ -116,7 +116,7 @@ where
                 }
                 a.ctx.metrics.retried();
             }
-            let Some((worker, transport)) = failed(&result) else {
+            let Some((worker, transport)) = failed(&result, a.ctx.grpc()) else {
                 return Poll::Ready(result);
             };
             if a.attempts >= a.ctx.cfg.routing.max_attempts {

@@ -91,7 +91,7 @@ impl Faults {
     }
 
     /// The status this request fails with, if it is one of the failing share.
-    fn failing(&self) -> Option<StatusCode> {
+    pub(crate) fn failing(&self) -> Option<StatusCode> {
         let mut f = lock(&self.fail);
         if f.percent <= 0.0 {
             return None;

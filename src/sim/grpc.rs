@@ -51,6 +51,30 @@ impl GrpcSim {
     }
 }
 
+impl GrpcSim {
+    /// The engine's request faults, as its HTTP side applies them: the failing share answers
+    /// at once with the configured status's gRPC counterpart, a hanging engine never answers.
+    async fn injected(&self) -> Result<(), Status> {
+        let faults = &self.0.faults;
+        faults.received.fetch_add(1, Relaxed);
+        if let Some(status) = faults.failing() {
+            let msg = format!("injected failure (HTTP {status})");
+            return Err(match status.as_u16() {
+                429 => Status::resource_exhausted(msg),
+                503 => Status::unavailable(msg),
+                504 => Status::deadline_exceeded(msg),
+                400..=499 => Status::invalid_argument(msg),
+                _ => Status::internal(msg),
+            });
+        }
+        if faults.hang_requests.load(Relaxed) {
+            self.0.hold().await;
+            return Err(Status::unavailable("engine shutting down"));
+        }
+        Ok(())
+    }
+}
+
 /// The raw request message and call facts the accept loop kept.
 fn raw<T>(req: &GrpcRequest<T>) -> RawMessage {
     req.extensions()
@@ -101,6 +125,7 @@ impl VllmEngine for GrpcSim {
         &self,
         req: GrpcRequest<vllm::GenerateRequest>,
     ) -> Result<GrpcResponse<Self::GenerateStream>, Status> {
+        self.injected().await?;
         let raw = raw(&req);
         let r = req.into_inner();
         let local = self.0.grpc_rank(r.data_parallel_rank)?;
@@ -150,6 +175,7 @@ impl VllmEngine for GrpcSim {
         &self,
         req: GrpcRequest<vllm::EmbedRequest>,
     ) -> Result<GrpcResponse<vllm::EmbedResponse>, Status> {
+        self.injected().await?;
         let raw = raw(&req);
         let r = req.into_inner();
         // vLLM's embedding request carries no rank: the engine always balances it.
@@ -215,6 +241,7 @@ impl SglangScheduler for GrpcSim {
         &self,
         req: GrpcRequest<sglang::GenerateRequest>,
     ) -> Result<GrpcResponse<Self::GenerateStream>, Status> {
+        self.injected().await?;
         let raw = raw(&req);
         let r = req.into_inner();
         let local = self.0.grpc_rank(r.data_parallel_rank)?;
@@ -266,6 +293,7 @@ impl SglangScheduler for GrpcSim {
         &self,
         req: GrpcRequest<sglang::EmbedRequest>,
     ) -> Result<GrpcResponse<sglang::EmbedResponse>, Status> {
+        self.injected().await?;
         let raw = raw(&req);
         let r = req.into_inner();
         // A plain int32: rank 0 is not on the wire, so 0 reads as no pin.

@@ -148,6 +148,11 @@ impl Sim {
             Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
         super::pause(prefill).await;
         for i in 0..job.max_tokens {
+            if self.faults.stalls_at(i) {
+                // Holding `adm` keeps the KV taken, as a wedged request does on a real engine.
+                self.hold().await;
+                return;
+            }
             if i > 0 {
                 let running = rank.counts().running.saturating_sub(1) as f64;
                 let itl =

@@ -266,6 +266,19 @@ pub fn http_status(code: Code) -> StatusCode {
     }
 }
 
+/// The status an engine's answer counts as for failover and outlier accounting. gRPC answers
+/// are all HTTP 200; one that is only a status (trailers-only, so nothing was generated) saying
+/// UNAVAILABLE counts as a 503: the engine could not take the call, another rank may.
+pub fn answered(resp: &Response<ProxyBody>, grpc: bool) -> StatusCode {
+    if !grpc {
+        return resp.status();
+    }
+    match resp.headers().get("grpc-status").map(|v| v.as_bytes()) {
+        Some(b"14") => StatusCode::SERVICE_UNAVAILABLE,
+        _ => resp.status(),
+    }
+}
+
 /// Per flavor, the engines a gRPC call of that flavor must not go to (those of the other flavors
 /// and those without `grpc_url`); `None` when no engine serves the flavor over gRPC.
 pub fn targets(engines: &[crate::worker::Engine], flavor: Flavor) -> Option<Avoid> {
