@@ -12,7 +12,9 @@
 //!   gRPC at all, no method, an unknown service) gets a clear status, never reaches an engine,
 //!   and the next good call is served;
 //! - `server.max_in_flight` and client API keys hold on the gRPC front door;
-//! - a shutdown lets a stream in flight finish and refuses new connections.
+//! - a shutdown lets a stream in flight finish and refuses new connections;
+//! - an engine that answers every call UNAVAILABLE is ejected like one answering 503 over HTTP
+//!   (this fails today: see the test).
 //!
 //! The simulated engine's gRPC side has no knob for a hung or a stalling call (`hang_requests`,
 //! `stall_after_tokens` and `set_fail` act on its HTTP side only), so those engines are
@@ -51,6 +53,9 @@ enum Fault {
     Hang,
     /// Answers with this many `Generate` chunks of its flavor, then goes quiet, stream open.
     StallAfter(u32),
+    /// Answers at once with this status and no message (trailers-only), as a tonic servicer
+    /// does when its handler fails.
+    Status(Code),
 }
 
 /// A gRPC engine that misbehaves in a way the simulator's gRPC side cannot: an h2c server that
@@ -185,6 +190,16 @@ impl FaultyEngine {
                                 .body(FaultBody {
                                     frames: chunks(flavor, k),
                                     end: false,
+                                    _open: open,
+                                })
+                                .unwrap()),
+                            Fault::Status(code) => Ok(Response::builder()
+                                .header("content-type", "application/grpc")
+                                .header("grpc-status", code as i32)
+                                .header("grpc-message", "engine overloaded")
+                                .body(FaultBody {
+                                    frames: Vec::new(),
+                                    end: true,
                                     _open: open,
                                 })
                                 .unwrap()),
@@ -447,6 +462,44 @@ async fn a_client_that_gives_up_on_a_hung_engine_cancels_the_engines_call() {
         call.abort();
         hung.wait_all_closed().await;
         wait_no_in_flight(&r).await;
+    }
+}
+
+#[tokio::test]
+async fn an_engine_that_answers_every_call_unavailable_is_ejected() {
+    for flavor in FLAVORS {
+        // Engine 0 looks idlest (its telemetry, from a simulated engine, says KV 0.1) and
+        // answers every call UNAVAILABLE at once, as a servicer whose scheduler died does: over
+        // HTTP that is a 503, which counts against the rank until it is ejected.
+        let tele = Eng::start(flavor, 1, 0).await;
+        let failing = FaultyEngine::start(flavor, Fault::Status(Code::Unavailable)).await;
+        let b = Eng::start(flavor, 1, 1).await;
+        tele.sim.set_kv_usage(vec![0.1]);
+        b.sim.set_kv_usage(vec![0.9]);
+        let cfg = format!("{GRPC_FAST}[routing]\neject_after = 2\n");
+        let r = router(&cfg, &[failing.toml(&tele), b.toml()]).await;
+        wait_state(&r, &[0, 1], "available").await;
+        wait_kv(&r, &[(0, 0.1), (1, 0.9)]).await;
+
+        let (grpc, path) = (r.grpc_addr.unwrap(), method_path(flavor, "Generate"));
+        let mut replies = Vec::new();
+        for i in 0..6 {
+            let raw = generate_bytes(flavor, &format!("u{i}"), None, 3);
+            let reply = raw_call(grpc, &path, &raw).await;
+            replies.push((reply.code, reply.worker().map(str::to_string)));
+        }
+        let rows = workers(&r).await;
+        assert!(
+            failing.calls() <= 2,
+            "{flavor:?}: with routing.eject_after = 2 the failing engine got {} of 6 calls \
+             (consecutive_failures {}): replies {replies:?}",
+            failing.calls(),
+            rows[0]["consecutive_failures"]
+        );
+        for (code, worker) in &replies[2..] {
+            assert_eq!(*code, Code::Ok, "{flavor:?}: {replies:?}");
+            assert_eq!(worker.as_deref(), Some(b.worker(1).as_str()), "{flavor:?}");
+        }
     }
 }
 
