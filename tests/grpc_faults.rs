@@ -13,8 +13,10 @@
 //!   and the next good call is served;
 //! - `server.max_in_flight` and client API keys hold on the gRPC front door;
 //! - a shutdown lets a stream in flight finish and refuses new connections;
-//! - an engine that answers every call UNAVAILABLE is ejected like one answering 503 over HTTP
-//!   (this fails today: see the test).
+//! - an engine that answers every call UNAVAILABLE is ejected like one answering 503 over HTTP;
+//!   a request that is not gRPC gets HTTP 415 (as the gRPC spec asks), a gRPC call over
+//!   HTTP/1.1 (whose status could never reach the client) is refused before any engine, and an
+//!   Abort that is not protobuf is INVALID_ARGUMENT. These four fail today: see each test.
 //!
 //! The simulated engine's gRPC side has no knob for a hung or a stalling call (`hang_requests`,
 //! `stall_after_tokens` and `set_fail` act on its HTTP side only), so those engines are
@@ -842,5 +844,92 @@ async fn until_refused(addr: SocketAddr) {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
+    }
+}
+
+#[tokio::test]
+async fn a_request_that_is_not_grpc_is_not_answered_200_ok() {
+    // gRPC over HTTP/2 (PROTOCOL-HTTP2.md): "If Content-Type does not begin with
+    // "application/grpc", gRPC servers SHOULD respond with HTTP status of 415 (Unsupported Media
+    // Type). This will prevent other HTTP/2 clients from interpreting a gRPC error response,
+    // which uses status 200 (OK), as successful." An OpenAI client pointed at the gRPC port by
+    // mistake must not read an empty 200 as an answer.
+    let e = Eng::start(Flavor::Vllm, 1, 0).await;
+    let r = grpc_router(&[&e]).await;
+    wait_state(&r, &[0], "available").await;
+    let grpc = r.grpc_addr.unwrap();
+    let json_h2 = raw_request(
+        Request::post(format!("http://{grpc}/v1/chat/completions"))
+            .version(Version::HTTP_2)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap(),
+    )
+    .await;
+    let json_h1 = http1(grpc, "POST", "/v1/chat/completions", "application/json").await;
+    for (what, reply) in [("JSON over h2", json_h2), ("JSON over HTTP/1.1", json_h1)] {
+        assert_eq!(
+            reply.http,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "{what}: answered {} with grpc-status {:?} {:?}",
+            reply.http,
+            reply.code,
+            reply.message
+        );
+    }
+    assert!(e.sim.grpc_seen().is_empty());
+}
+
+#[tokio::test]
+async fn a_grpc_call_over_http1_is_refused_before_any_engine() {
+    // gRPC needs HTTP/2: its status travels in trailers, which rankgate's HTTP/1.1 answers do
+    // not carry. A call that came over HTTP/1.1 must be refused (with its status in the
+    // headers), not run on an engine whose verdict the client can never read.
+    let flavor = Flavor::Vllm;
+    let e = Eng::start(flavor, 1, 0).await;
+    let r = grpc_router(&[&e]).await;
+    wait_state(&r, &[0], "available").await;
+    let grpc = r.grpc_addr.unwrap();
+    let req = Request::post(format!("http://{grpc}{}", method_path(flavor, "Generate")))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(Full::new(frame(&generate_bytes(flavor, "h1", None, 3))))
+        .unwrap();
+    let resp = bounded(client().request(req))
+        .await
+        .expect("HTTP/1.1 request");
+    assert_eq!(resp.version(), Version::HTTP_11);
+    let reply = read_reply(resp).await;
+    let seen = e.sim.grpc_seen();
+    assert!(
+        seen.is_empty(),
+        "the HTTP/1.1 call ran on the engine ({} call(s)); the client got HTTP {}, {} messages \
+         and grpc-status {:?} (none: no trailers over HTTP/1.1)",
+        seen.len(),
+        reply.http,
+        reply.messages.len(),
+        reply.headers.get("grpc-status")
+    );
+    assert!(reply.headers.contains_key("grpc-status"), "{reply:?}");
+    assert_ne!(reply.code, Code::Ok, "{reply:?}");
+}
+
+#[tokio::test]
+async fn an_abort_that_is_not_protobuf_is_invalid_argument() {
+    // GetLoads and Health/Check refuse a message that does not decode (INVALID_ARGUMENT), and so
+    // does the engine's own servicer; Abort must not answer such a message OK, aborting nothing.
+    for flavor in FLAVORS {
+        let e = Eng::start(flavor, 1, 0).await;
+        let r = grpc_router(&[&e]).await;
+        wait_state(&r, &[0], "available").await;
+        let grpc = r.grpc_addr.unwrap();
+        let loads = raw_call(grpc, &method_path(flavor, "GetLoads"), &[0xff; 32]).await;
+        assert_eq!(loads.code, Code::InvalidArgument, "{flavor:?}: {loads:?}");
+        let abort = raw_call(grpc, &method_path(flavor, "Abort"), &[0xff; 32]).await;
+        assert_eq!(
+            abort.code,
+            Code::InvalidArgument,
+            "{flavor:?}: Abort of a message that is not protobuf: {abort:?}"
+        );
     }
 }
