@@ -16,7 +16,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::grpc::*;
@@ -28,94 +27,9 @@ use rankgate::proto::health::health_check_response::ServingStatus;
 use rankgate::proto::health::health_client::HealthClient;
 use rankgate::proto::health::HealthCheckRequest;
 use rankgate::proto::vllm;
-use rankgate::sim::{SimEngine, SimFlavor as Flavor};
+use rankgate::sim::SimFlavor as Flavor;
 use rankgate::telemetry::grpc::transport;
 use tonic::{Code, Status};
-
-/// The gRPC listener on an ephemeral port; telemetry polled every 50 ms, fresh for 2 s.
-const GRPC_FAST: &str =
-    "grpc_listen = \"127.0.0.1:0\"\n[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
-
-/// A simulated engine with its gRPC side started; rankgate knows it by `grpc_url` only.
-struct Eng {
-    sim: SimEngine,
-    grpc: SocketAddr,
-    flavor: Flavor,
-    dp_size: u32,
-    start_rank: u32,
-}
-
-impl Eng {
-    async fn start(flavor: Flavor, dp_size: u32, start_rank: u32) -> Eng {
-        let sim = engine(common::sim(flavor, dp_size, start_rank)).await;
-        let grpc = sim.start_grpc(loopback()).await.expect("start gRPC");
-        Eng {
-            sim,
-            grpc,
-            flavor,
-            dp_size,
-            start_rank,
-        }
-    }
-
-    /// Its `grpc_url`, which is also its identity in rankgate (it has no `url`).
-    fn url(&self) -> String {
-        format!("http://{}", self.grpc)
-    }
-
-    /// The `x-rankgate-worker` value of one of its ranks.
-    fn worker(&self, rank: u32) -> String {
-        format!("{}@{rank}", self.url())
-    }
-
-    fn toml(&self) -> String {
-        grpc_toml(self.grpc, self.flavor, self.dp_size, self.start_rank)
-    }
-
-    /// Whether it received a `Generate` call.
-    fn generated(&self) -> bool {
-        self.sim.grpc_seen().iter().any(|s| s.method == "Generate")
-    }
-}
-
-/// One `[[engines]]` table with only `grpc_url`.
-fn grpc_toml(grpc: SocketAddr, flavor: Flavor, dp_size: u32, start_rank: u32) -> String {
-    format!(
-        "[[engines]]\ngrpc_url = \"http://{grpc}\"\nflavor = \"{}\"\ndp_size = {dp_size}\nstart_rank = {start_rank}\n",
-        flavor.as_str()
-    )
-}
-
-/// rankgate with its gRPC listener, in front of these engines.
-async fn grpc_router(engines: &[&Eng]) -> Router {
-    let tables: Vec<String> = engines.iter().map(|e| e.toml()).collect();
-    router(GRPC_FAST, &tables).await
-}
-
-/// A client of rankgate's gRPC front door.
-fn front(r: &Router, flavor: Flavor) -> Client {
-    Client::connect(flavor, r.grpc_addr.expect("grpc_listen is set"))
-}
-
-/// Waits until `/workers` shows these KV usages (worker index, usage).
-async fn wait_kv(r: &Router, want: &[(usize, f64)]) {
-    wait_workers(r, Duration::from_secs(10), |rows| {
-        want.iter().all(|&(i, kv)| {
-            rows[i]["kv_usage"]
-                .as_f64()
-                .is_some_and(|v| (v - kv).abs() < 1e-9)
-        })
-    })
-    .await;
-}
-
-/// Waits until rankgate holds nothing in flight on any rank.
-async fn wait_no_in_flight(r: &Router) {
-    wait_workers(r, Duration::from_secs(10), |rows| {
-        rows.iter().all(|w| w["in_flight"] == 0)
-    })
-    .await;
-}
 
 /// The error a generation that must not start gets.
 async fn refused(c: &mut Client, id: &str) -> Status {
@@ -125,28 +39,12 @@ async fn refused(c: &mut Client, id: &str) -> Status {
     }
 }
 
-/// A stream of `n` chunks then `Complete` with reason `length`.
-fn complete(n: u32) -> Vec<Ev> {
-    let mut want: Vec<Ev> = (1..=n).map(|completion| Ev::Chunk { completion }).collect();
-    want.push(Ev::Complete {
-        reason: "length".into(),
-        tokens: n as usize,
-    });
-    want
-}
-
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push(v as u8 | 0x80);
         v >>= 7;
     }
     out.push(v as u8);
-}
-
-/// A port on 127.0.0.1 where nothing listens (bound, then released).
-async fn refusing_port() -> SocketAddr {
-    let l = tokio::net::TcpListener::bind(loopback()).await.unwrap();
-    l.local_addr().unwrap()
 }
 
 /// One engine of ranks 2 and 3 reporting KV 0.8 and 0.1, behind rankgate, both ranks available
@@ -352,15 +250,6 @@ async fn an_engine_answering_unavailable_is_failed_over() {
             rows[0]
         );
     }
-}
-
-/// Two engines of one rank each (ranks 0 and 1) behind rankgate, both available.
-async fn two_engines(flavor: Flavor) -> (Eng, Eng, Router) {
-    let a = Eng::start(flavor, 1, 0).await;
-    let b = Eng::start(flavor, 1, 1).await;
-    let r = grpc_router(&[&a, &b]).await;
-    wait_state(&r, &[0, 1], "available").await;
-    (a, b, r)
 }
 
 #[tokio::test]

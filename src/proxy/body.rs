@@ -341,6 +341,17 @@ impl Body for ProxyBody {
                 if let Some(last) = &mut up.last_frame {
                     *last = Instant::now();
                 }
+                // A gRPC call that failed after its first byte says so in its trailers.
+                let unavailable = up.ending == Ending::GrpcStatus
+                    && frame
+                        .trailers_ref()
+                        .and_then(|t| t.get("grpc-status"))
+                        .is_some_and(|s| s == "14");
+                if unavailable {
+                    if let Some(watch) = this.holds.on_break.take() {
+                        watch.failed(503);
+                    }
+                }
                 // The last frame: hyper may not poll again once the body says it has ended.
                 if body.is_end_stream() {
                     if let Some(watch) = this.holds.on_break.take() {

@@ -206,7 +206,7 @@ impl ProxyError {
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            ProxyError::Grpc(g) => grpc::http_status(g.code),
+            ProxyError::Grpc(g) => g.http.unwrap_or(grpc::http_status(g.code)),
         }
     }
 

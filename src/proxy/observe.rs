@@ -80,6 +80,13 @@ impl BreakWatch {
         self.judged = true;
         success(&self.ctx, self.target);
     }
+
+    /// The stream ended with a failure status after its first byte (a gRPC call's trailers
+    /// saying UNAVAILABLE): a failure of the rank, not of the whole engine's transport.
+    pub fn failed(mut self, status: u16) {
+        self.judged = true;
+        failure(&self.ctx, self.target, Cause::Status(status));
+    }
 }
 
 impl Drop for BreakWatch {

@@ -103,6 +103,9 @@ pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody>
     }
     if ctx.grpc() {
         let mut resp = super::grpc::status_response(super::grpc::code_of(err), &message);
+        if let ProxyError::Grpc(super::GrpcError { http: Some(s), .. }) = err.root() {
+            *resp.status_mut() = *s;
+        }
         if let Some(w) = err.worker() {
             resp.headers_mut()
                 .insert(WORKER_HEADER, ctx.worker_header(w));

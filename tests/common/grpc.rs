@@ -11,10 +11,13 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::{HeaderMap, Request, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
 use prost::Message;
+use rankgate::app::Router;
 use rankgate::proto::{sglang, vllm};
 use rankgate::sim::{SimEngine, SimFlavor as Flavor};
 use rankgate::telemetry::grpc::{transport, Transport};
 use tonic::{Code, Status, Streaming};
+
+use super::{engine, loopback, router, wait_state, wait_workers};
 
 pub const FLAVORS: [Flavor; 2] = [Flavor::Vllm, Flavor::Sglang];
 
@@ -136,9 +139,17 @@ pub enum Gen {
 impl Gen {
     /// The next event; `None` once the stream ended with status OK (any other status panics).
     pub async fn next(&mut self) -> Option<Ev> {
-        match self {
+        self.try_next().await.expect("stream")
+    }
+
+    /// The next event; `Ok(None)` once the stream ended with status OK, `Err` with any other
+    /// status (in the trailers, or a transport error as tonic reports it).
+    pub async fn try_next(&mut self) -> Result<Option<Ev>, Status> {
+        Ok(match self {
             Gen::Vllm(s) => {
-                let m = bounded(s.message()).await.expect("stream")?;
+                let Some(m) = bounded(s.message()).await? else {
+                    return Ok(None);
+                };
                 Some(match m.response.expect("a response") {
                     vllm::generate_response::Response::Chunk(c) => Ev::Chunk {
                         completion: c.completion_tokens,
@@ -150,7 +161,9 @@ impl Gen {
                 })
             }
             Gen::Sglang(s) => {
-                let m = bounded(s.message()).await.expect("stream")?;
+                let Some(m) = bounded(s.message()).await? else {
+                    return Ok(None);
+                };
                 Some(match m.response.expect("a response") {
                     sglang::generate_response::Response::Chunk(c) => Ev::Chunk {
                         completion: c.completion_tokens,
@@ -162,7 +175,7 @@ impl Gen {
                     sglang::generate_response::Response::Error(e) => panic!("error {e:?}"),
                 })
             }
-        }
+        })
     }
 
     /// Every event until the stream ends (at most `limit`, or it panics).
@@ -427,16 +440,36 @@ pub async fn raw_call_with(
     message: &[u8],
     metadata: &[(&str, &str)],
 ) -> RawReply {
-    let client = rankgate::http::h2_client::<Full<Bytes>>(Duration::from_secs(2));
-    let mut req = Request::post(format!("http://{addr}{path}"))
-        .version(Version::HTTP_2)
-        .header("content-type", "application/grpc")
-        .header("te", "trailers");
+    let mut req = grpc_request(addr, path);
     for (k, v) in metadata {
         req = req.header(*k, *v);
     }
-    let req = req.body(Full::new(frame(message))).unwrap();
+    raw_request(req.body(Full::new(frame(message))).unwrap()).await
+}
+
+/// A gRPC call's request head as a client sends it over h2c: POST to `path` with the gRPC
+/// content-type and `te: trailers`.
+pub fn grpc_request(addr: SocketAddr, path: &str) -> http::request::Builder {
+    Request::post(format!("http://{addr}{path}"))
+        .version(Version::HTTP_2)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+}
+
+/// Sends `req` over h2c, whatever its body (bytes that are no gRPC frame included), and reads
+/// the whole answer within the timeout.
+pub async fn raw_request<B>(req: Request<B>) -> RawReply
+where
+    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let client = rankgate::http::h2_client::<B>(Duration::from_secs(2));
     let resp = bounded(client.request(req)).await.expect("h2 request");
+    read_reply(resp).await
+}
+
+/// The whole answer to a raw request (HTTP/2 or HTTP/1.1): messages and gRPC status.
+pub async fn read_reply(resp: http::Response<hyper::body::Incoming>) -> RawReply {
     let (parts, body) = resp.into_parts();
     let all = bounded(body.collect()).await.expect("response body");
     let trailers = all.trailers().cloned().unwrap_or_default();
@@ -470,4 +503,120 @@ pub async fn raw_call_with(
         code,
         message,
     }
+}
+
+/// The gRPC listener on an ephemeral port; telemetry polled every 50 ms, fresh for 2 s.
+pub const GRPC_FAST: &str =
+    "grpc_listen = \"127.0.0.1:0\"\n[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n";
+
+/// A simulated engine with its gRPC side started; rankgate knows it by `grpc_url` only.
+pub struct Eng {
+    pub sim: SimEngine,
+    pub grpc: SocketAddr,
+    pub flavor: Flavor,
+    pub dp_size: u32,
+    pub start_rank: u32,
+}
+
+impl Eng {
+    pub async fn start(flavor: Flavor, dp_size: u32, start_rank: u32) -> Eng {
+        let sim = engine(super::sim(flavor, dp_size, start_rank)).await;
+        let grpc = sim.start_grpc(loopback()).await.expect("start gRPC");
+        Eng {
+            sim,
+            grpc,
+            flavor,
+            dp_size,
+            start_rank,
+        }
+    }
+
+    /// Its `grpc_url`, which is also its identity in rankgate (it has no `url`).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    /// The `x-rankgate-worker` value of one of its ranks.
+    pub fn worker(&self, rank: u32) -> String {
+        format!("{}@{rank}", self.url())
+    }
+
+    pub fn toml(&self) -> String {
+        grpc_toml(self.grpc, self.flavor, self.dp_size, self.start_rank)
+    }
+
+    /// Whether it received a `Generate` call.
+    pub fn generated(&self) -> bool {
+        self.sim.grpc_seen().iter().any(|s| s.method == "Generate")
+    }
+}
+
+/// One `[[engines]]` table with only `grpc_url`.
+pub fn grpc_toml(grpc: SocketAddr, flavor: Flavor, dp_size: u32, start_rank: u32) -> String {
+    format!(
+        "[[engines]]\ngrpc_url = \"http://{grpc}\"\nflavor = \"{}\"\ndp_size = {dp_size}\nstart_rank = {start_rank}\n",
+        flavor.as_str()
+    )
+}
+
+/// rankgate with its gRPC listener, in front of these engines.
+pub async fn grpc_router(engines: &[&Eng]) -> Router {
+    let tables: Vec<String> = engines.iter().map(|e| e.toml()).collect();
+    router(GRPC_FAST, &tables).await
+}
+
+/// rankgate with its gRPC listener and these extra `[server]` keys (`key = value` lines), in
+/// front of these `[[engines]]` tables.
+pub async fn grpc_router_with(server_keys: &str, engines: &[String]) -> Router {
+    router(&format!("{server_keys}\n{GRPC_FAST}"), engines).await
+}
+
+/// A client of rankgate's gRPC front door.
+pub fn front(r: &Router, flavor: Flavor) -> Client {
+    Client::connect(flavor, r.grpc_addr.expect("grpc_listen is set"))
+}
+
+/// Waits until `/workers` shows these KV usages (worker index, usage).
+pub async fn wait_kv(r: &Router, want: &[(usize, f64)]) {
+    wait_workers(r, Duration::from_secs(10), |rows| {
+        want.iter().all(|&(i, kv)| {
+            rows[i]["kv_usage"]
+                .as_f64()
+                .is_some_and(|v| (v - kv).abs() < 1e-9)
+        })
+    })
+    .await;
+}
+
+/// Waits until rankgate holds nothing in flight on any rank.
+pub async fn wait_no_in_flight(r: &Router) {
+    wait_workers(r, Duration::from_secs(10), |rows| {
+        rows.iter().all(|w| w["in_flight"] == 0)
+    })
+    .await;
+}
+
+/// A stream of `n` chunks then `Complete` with reason `length`.
+pub fn complete(n: u32) -> Vec<Ev> {
+    let mut want: Vec<Ev> = (1..=n).map(|completion| Ev::Chunk { completion }).collect();
+    want.push(Ev::Complete {
+        reason: "length".into(),
+        tokens: n as usize,
+    });
+    want
+}
+
+/// A port on 127.0.0.1 where nothing listens (bound, then released).
+pub async fn refusing_port() -> SocketAddr {
+    let l = tokio::net::TcpListener::bind(loopback()).await.unwrap();
+    l.local_addr().unwrap()
+}
+
+/// Two engines of one rank each (ranks 0 and 1) behind rankgate, both available.
+pub async fn two_engines(flavor: Flavor) -> (Eng, Eng, Router) {
+    let a = Eng::start(flavor, 1, 0).await;
+    let b = Eng::start(flavor, 1, 1).await;
+    let r = grpc_router(&[&a, &b]).await;
+    wait_state(&r, &[0, 1], "available").await;
+    (a, b, r)
 }

@@ -252,7 +252,8 @@ fn engine_status(ctx: &Ctx, e: usize, answer: &Answer) -> Option<ProxyError> {
 pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
     let (parts, m) = message(&ctx, req).await?;
     // vLLM: `repeated string request_ids = 1`; SGLang: `string request_id = 1`. Both field 1.
-    let mut engines: Vec<usize> = strings(&m, 1)
+    let mut engines: Vec<usize> = strings(&m, 1)?
+        .into_iter()
         .filter_map(|id| ctx.requests().engine_of(id))
         .collect();
     engines.sort_unstable();

@@ -51,6 +51,9 @@ pub enum Front {
 pub struct GrpcError {
     pub code: Code,
     pub message: String,
+    /// The HTTP status of the answer when it is not 200: a request that is no gRPC call gets a
+    /// status any HTTP client reads as an error.
+    pub http: Option<StatusCode>,
 }
 
 impl GrpcError {
@@ -58,6 +61,15 @@ impl GrpcError {
         GrpcError {
             code,
             message: message.into(),
+            http: None,
+        }
+    }
+
+    /// Not a gRPC call at all: answered with HTTP `http` (and the gRPC status too).
+    fn not_grpc(http: StatusCode, message: &str) -> GrpcError {
+        GrpcError {
+            http: Some(http),
+            ..GrpcError::new(Code::InvalidArgument, message)
         }
     }
 }
@@ -124,19 +136,22 @@ fn request_id<'a>(path: &str, message: &'a [u8]) -> Option<&'a str> {
     if !matches!(method, "Generate" | "Embed") {
         return None;
     }
-    strings(message, 1).next_back()
+    strings(message, 1).ok()?.pop()
 }
 
-/// Every string value of length-delimited `field` at the message's top level.
-fn strings(message: &[u8], field: u64) -> impl DoubleEndedIterator<Item = &str> {
-    crate::pbwire::fields(message)
-        .unwrap_or_default()
+/// Every string value of length-delimited `field` at the message's top level; `Err` when the
+/// message is not protobuf.
+fn strings(message: &[u8], field: u64) -> Result<Vec<&str>, GrpcError> {
+    let fields = crate::pbwire::fields(message)
+        .map_err(|e| GrpcError::new(Code::InvalidArgument, format!("request message: {e}")))?;
+    Ok(fields
         .into_iter()
-        .filter(move |(f, _, _)| *f == field)
+        .filter(|(f, _, _)| *f == field)
         .filter_map(|(_, start, end)| {
             let payload = crate::pbwire::payload(&message[start..end])?;
             std::str::from_utf8(payload).ok()
         })
+        .collect())
 }
 
 /// A gRPC body holding exactly one message: the message. The front door edits and reads only
@@ -321,10 +336,21 @@ where
             .headers()
             .get(header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+        // The gRPC protocol (PROTOCOL-HTTP2.md): a request that is not gRPC gets 415, so that no
+        // HTTP client reads the gRPC error's 200 as an answer.
         if req.method() != Method::POST || !is_grpc {
-            return Step::ready(Err(GrpcError::new(
-                Code::InvalidArgument,
+            return Step::ready(Err(GrpcError::not_grpc(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "the gRPC listener takes gRPC calls: POST with content-type application/grpc",
+            )
+            .into()));
+        }
+        // A call's status comes in trailers, which an HTTP/1.1 answer cannot carry: the client
+        // could never read the engine's verdict.
+        if req.version() != http::Version::HTTP_2 {
+            return Step::ready(Err(GrpcError::not_grpc(
+                StatusCode::HTTP_VERSION_NOT_SUPPORTED,
+                "gRPC needs HTTP/2 (h2c, prior knowledge)",
             )
             .into()));
         }
