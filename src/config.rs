@@ -13,8 +13,10 @@ use serde::{Deserialize, Deserializer};
 
 use crate::worker::{ApiKey, Engine, Flavor, RankNumbering, TelemetrySource};
 
+mod discovery;
 mod front;
 mod rules;
+pub use discovery::{Discovery, EngineTemplate, PortRef, Source as DiscoverySource};
 pub use front::*;
 use rules::{check_rank_overlap, parse_health_path, telemetry_config};
 
@@ -153,6 +155,8 @@ struct RawConfig {
     telemetry: RawTelemetry,
     #[serde(default)]
     engines: Vec<RawEngine>,
+    #[serde(default)]
+    discovery: Vec<discovery::RawDiscovery>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -164,9 +168,10 @@ struct RawTelemetry {
     health_failures: Option<u32>,
 }
 
+/// One `[[engines]]` entry as written (also the body of the admin API's `POST /engines`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawEngine {
+pub struct RawEngine {
     url: Option<String>,
     grpc_url: Option<String>,
     flavor: Flavor,
@@ -177,6 +182,85 @@ struct RawEngine {
     health_path: Option<String>,
     models: Option<Vec<String>>,
     api_key_env: Option<String>,
+}
+
+impl RawEngine {
+    /// Validates one engine entry; `at` names it in errors (`engines[2]`, `POST /engines`).
+    pub fn validate(self, at: &str) -> Result<Engine, ConfigError> {
+        let addresses = engine_addresses(at, &self)?;
+        let (url, authority) = (addresses.url.clone(), addresses.authority.clone());
+        if self.flavor == Flavor::Gateway {
+            for (k, set) in [
+                ("dp_size", self.dp_size.is_some()),
+                ("start_rank", self.start_rank.is_some()),
+                ("rank_header", self.rank_header.is_some()),
+            ] {
+                if set {
+                    return Err(invalid(
+                        format!("{at}.{k}"),
+                        "a gateway is one worker without DP ranks: remove this key",
+                    ));
+                }
+            }
+        }
+        let telemetry =
+            parse_sources(at, self.flavor, &url, &addresses, self.telemetry.as_deref())?;
+        let health_path = match (addresses.http, self.health_path.as_deref()) {
+            (true, path) => parse_health_path(at, self.flavor, path)?,
+            (false, None) => None,
+            (false, Some(_)) => {
+                return Err(invalid(
+                    format!("{at}.health_path"),
+                    "probes the engine's url, and this engine has only grpc_url: remove this key (its GetLoads polls show whether it answers)",
+                ))
+            }
+        };
+        let dp_size = self.dp_size.unwrap_or(1);
+        if dp_size == 0 || dp_size > MAX_DP_SIZE {
+            return Err(invalid(
+                format!("{at}.dp_size"),
+                format!("{dp_size} must be between 1 and {MAX_DP_SIZE}"),
+            ));
+        }
+        let start_rank = self.start_rank.unwrap_or(0);
+        if start_rank
+            .checked_add(dp_size)
+            .is_none_or(|end| end > i32::MAX as u32)
+        {
+            return Err(invalid(
+                format!("{at}.start_rank"),
+                format!("{start_rank} + dp_size overflows the rank range"),
+            ));
+        }
+        let models = match self.models {
+            Some(m) if m.is_empty() || m.iter().any(|id| id.trim().is_empty()) => {
+                return Err(invalid(
+                    format!("{at}.models"),
+                    "must list at least one model, each a non-empty id (leave the key out to read the engine's /v1/models)",
+                ))
+            }
+            m => m,
+        };
+        let api_key = self
+            .api_key_env
+            .as_deref()
+            .map(|var| engine_key(at, var, std::env::var(var).ok()))
+            .transpose()?;
+        Ok(Engine {
+            url: url.into(),
+            authority: authority.into(),
+            flavor: self.flavor,
+            dp_size,
+            start_rank,
+            rank_header: self.rank_header.unwrap_or_default(),
+            telemetry,
+            health_path,
+            models,
+            api_key,
+            http: addresses.http,
+            grpc: addresses.grpc.map(Into::into),
+        })
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -196,9 +280,10 @@ pub struct Config {
     pub routing: RoutingConfig,
     pub telemetry: TelemetryConfig,
     pub engines: Vec<Engine>,
+    pub discovery: Vec<Discovery>,
 }
 
-fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         path: String::new(),
         key: key.into(),
@@ -247,20 +332,20 @@ struct Addresses {
     grpc: Option<String>,
 }
 
-fn engine_addresses(i: usize, e: &RawEngine) -> Result<Addresses, ConfigError> {
+fn engine_addresses(at: &str, e: &RawEngine) -> Result<Addresses, ConfigError> {
     let http = e
         .url
         .as_deref()
-        .map(|u| parse_engine_url(&format!("engines[{i}].url"), u))
+        .map(|u| parse_engine_url(&format!("{at}.url"), u))
         .transpose()?;
     let grpc = e
         .grpc_url
         .as_deref()
-        .map(|u| parse_engine_url(&format!("engines[{i}].grpc_url"), u))
+        .map(|u| parse_engine_url(&format!("{at}.grpc_url"), u))
         .transpose()?;
     if grpc.is_some() && e.flavor == Flavor::Gateway {
         return Err(invalid(
-            format!("engines[{i}].grpc_url"),
+            format!("{at}.grpc_url"),
             "a gateway is fronted over HTTP only: remove this key",
         ));
     }
@@ -270,7 +355,7 @@ fn engine_addresses(i: usize, e: &RawEngine) -> Result<Addresses, ConfigError> {
         (None, Some(g)) => (g, false),
         (None, None) => {
             return Err(invalid(
-                format!("engines[{i}]"),
+                at,
                 "needs `url` (its OpenAI HTTP API), `grpc_url` (its gRPC service, http://host:port), or both",
             ))
         }
@@ -325,13 +410,13 @@ fn http_sources(flavor: Flavor, url: &str) -> Vec<TelemetrySource> {
 /// Parses `telemetry = [...]`: `"grpc://host:port"`, `"http"` (the flavor's loads path on the
 /// engine URL), `"http://host:port/path"` (an explicit loads URL), `"prometheus"`.
 fn parse_sources(
-    i: usize,
+    at: &str,
     flavor: Flavor,
     url: &str,
     addresses: &Addresses,
     list: Option<&[String]>,
 ) -> Result<Vec<TelemetrySource>, ConfigError> {
-    let key = format!("engines[{i}].telemetry");
+    let key = format!("{at}.telemetry");
     let Some(list) = list else {
         return Ok(default_sources(flavor, url, addresses));
     };
@@ -437,104 +522,39 @@ impl Config {
 
         let telemetry = telemetry_config(raw.telemetry)?;
 
-        if raw.engines.is_empty() {
+        let discovery = (raw.discovery.into_iter().enumerate())
+            .map(|(i, d)| d.validate(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        // A fleet may start empty when engines can join at runtime: found by discovery, or
+        // added through the admin API.
+        if raw.engines.is_empty() && discovery.is_empty() && server.admin_token_env.is_none() {
             return Err(invalid(
                 "engines",
-                "at least one [[engines]] entry is required",
+                "at least one [[engines]] entry is required (or a [[discovery]] entry, or server.admin_token_env to add engines through the admin API)",
             ));
         }
         let mut engines: Vec<Engine> = Vec::with_capacity(raw.engines.len());
         for (i, e) in raw.engines.into_iter().enumerate() {
-            let addresses = engine_addresses(i, &e)?;
-            let (url, authority) = (addresses.url.clone(), addresses.authority.clone());
-            if let Some(j) = engines.iter().position(|o| *o.url == *url) {
+            let engine = e.validate(&format!("engines[{i}]"))?;
+            if let Some(j) = engines.iter().position(|o| *o.url == *engine.url) {
                 return Err(invalid(
                     format!("engines[{i}].url"),
-                    format!("{url:?} is a duplicate of engines[{j}]"),
+                    format!("{:?} is a duplicate of engines[{j}]", engine.url),
                 ));
             }
             if let Some(j) = engines
                 .iter()
-                .position(|o| o.grpc.is_some() && o.grpc.as_deref() == addresses.grpc.as_deref())
+                .position(|o| o.grpc.is_some() && o.grpc == engine.grpc)
             {
                 return Err(invalid(
                     format!("engines[{i}].grpc_url"),
                     format!(
-                        "{:?} is a duplicate of engines[{j}]",
-                        e.grpc_url.unwrap_or_default()
+                        "\"http://{}\" is a duplicate of engines[{j}]",
+                        engine.grpc.as_deref().unwrap_or_default()
                     ),
                 ));
             }
-            if e.flavor == Flavor::Gateway {
-                for (k, set) in [
-                    ("dp_size", e.dp_size.is_some()),
-                    ("start_rank", e.start_rank.is_some()),
-                    ("rank_header", e.rank_header.is_some()),
-                ] {
-                    if set {
-                        return Err(invalid(
-                            format!("engines[{i}].{k}"),
-                            "a gateway is one worker without DP ranks: remove this key",
-                        ));
-                    }
-                }
-            }
-            let telemetry = parse_sources(i, e.flavor, &url, &addresses, e.telemetry.as_deref())?;
-            let health_path = match (addresses.http, e.health_path.as_deref()) {
-                (true, path) => parse_health_path(i, e.flavor, path)?,
-                (false, None) => None,
-                (false, Some(_)) => {
-                    return Err(invalid(
-                        format!("engines[{i}].health_path"),
-                        "probes the engine's url, and this engine has only grpc_url: remove this key (its GetLoads polls show whether it answers)",
-                    ))
-                }
-            };
-            let dp_size = e.dp_size.unwrap_or(1);
-            if dp_size == 0 || dp_size > MAX_DP_SIZE {
-                return Err(invalid(
-                    format!("engines[{i}].dp_size"),
-                    format!("{dp_size} must be between 1 and {MAX_DP_SIZE}"),
-                ));
-            }
-            let start_rank = e.start_rank.unwrap_or(0);
-            if start_rank
-                .checked_add(dp_size)
-                .is_none_or(|end| end > i32::MAX as u32)
-            {
-                return Err(invalid(
-                    format!("engines[{i}].start_rank"),
-                    format!("{start_rank} + dp_size overflows the rank range"),
-                ));
-            }
-            let models = match e.models {
-                Some(m) if m.is_empty() || m.iter().any(|id| id.trim().is_empty()) => {
-                    return Err(invalid(
-                        format!("engines[{i}].models"),
-                        "must list at least one model, each a non-empty id (leave the key out to read the engine's /v1/models)",
-                    ))
-                }
-                m => m,
-            };
-            let api_key = e
-                .api_key_env
-                .as_deref()
-                .map(|var| engine_key(i, var, std::env::var(var).ok()))
-                .transpose()?;
-            engines.push(Engine {
-                url: url.into(),
-                authority: authority.into(),
-                flavor: e.flavor,
-                dp_size,
-                start_rank,
-                rank_header: e.rank_header.unwrap_or_default(),
-                telemetry,
-                health_path,
-                models,
-                api_key,
-                http: addresses.http,
-                grpc: addresses.grpc.map(Into::into),
-            });
+            engines.push(engine);
         }
         check_rank_overlap(&engines)?;
         Ok(Config {
@@ -542,14 +562,15 @@ impl Config {
             routing,
             telemetry,
             engines,
+            discovery,
         })
     }
 }
 
 /// The key in the environment variable `var` that `engines[i].api_key_env` names. The error
 /// names the variable, never a value.
-fn engine_key(i: usize, var: &str, value: Option<String>) -> Result<ApiKey, ConfigError> {
-    let key = format!("engines[{i}].api_key_env");
+fn engine_key(at: &str, var: &str, value: Option<String>) -> Result<ApiKey, ConfigError> {
+    let key = format!("{at}.api_key_env");
     match value.as_deref().map(str::trim) {
         None | Some("") => Err(invalid(
             key,

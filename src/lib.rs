@@ -33,6 +33,7 @@ pub mod catalog;
 pub mod config;
 #[cfg(feature = "sim")]
 pub mod demo;
+pub mod discovery;
 pub mod http;
 #[cfg(feature = "sim")]
 pub mod load;

@@ -119,14 +119,17 @@ fn config_ports(cfg: &Config) -> [u16; 3] {
         .server
         .grpc_listen
         .expect("the ConfigMap enables the gRPC front door");
-    [cfg.server.listen.port(), cfg.server.admin_listen.port(), grpc.port()]
+    [
+        cfg.server.listen.port(),
+        cfg.server.admin_listen.port(),
+        grpc.port(),
+    ]
 }
 
 #[test]
 fn kustomization_lists_every_manifest_and_names_agree() {
     // Every manifest in the folder is applied by `kubectl apply -k`.
-    let listed: BTreeSet<String> = yaml_docs(&format!("{KUBE}/kustomization.yaml"))[0]
-        ["resources"]
+    let listed: BTreeSet<String> = yaml_docs(&format!("{KUBE}/kustomization.yaml"))[0]["resources"]
         .as_array()
         .unwrap()
         .iter()
@@ -171,7 +174,10 @@ fn kustomization_lists_every_manifest_and_names_agree() {
     };
     assert!(selects(&deploy["spec"]["selector"]["matchLabels"]));
     let svc = one(&docs, "Service");
-    assert!(selects(&svc["spec"]["selector"]), "the Service selects the pods");
+    assert!(
+        selects(&svc["spec"]["selector"]),
+        "the Service selects the pods"
+    );
     assert_eq!(deploy["spec"]["replicas"], 2);
 
     // The ConfigMap the pod mounts is the one applied.
@@ -462,7 +468,11 @@ fn config_for_test(docs: &[Value], engine_url: &str) -> Config {
     assert_eq!(engines.len(), 1, "the example fleet is one engine");
     let url = engines[0]["url"].as_str().expect("engines[0].url");
     let quoted = format!("\"{url}\"");
-    assert_eq!(text.matches(&quoted).count(), 1, "{quoted} once in the text");
+    assert_eq!(
+        text.matches(&quoted).count(),
+        1,
+        "{quoted} once in the text"
+    );
     let mut cfg = Config::from_str(&text.replace(&quoted, &format!("\"{engine_url}\"")))
         .expect("the rewritten config");
     let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
@@ -510,7 +520,10 @@ async fn router_from_the_configmap_answers_the_probes_and_drains() {
     wait_ready(admin, StatusCode::OK, Duration::from_secs(10)).await;
     let rows = workers(&router).await;
     assert_eq!(rows.len(), e.dp_size as usize, "one worker per DP rank");
-    assert!(rows.iter().all(|w| w["telemetry"] == "available"), "{rows:?}");
+    assert!(
+        rows.iter().all(|w| w["telemetry"] == "available"),
+        "{rows:?}"
+    );
     let r = chat(front, 4).await;
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
 

@@ -69,6 +69,7 @@ pub(super) struct RawServer {
     api_keys_env: Option<String>,
     api_keys_file: Option<std::path::PathBuf>,
     cors_allow_origins: Option<Vec<String>>,
+    admin_token_env: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -128,6 +129,9 @@ pub struct ServerConfig {
     pub api_keys_file: Option<std::path::PathBuf>,
     /// Origins browsers may call from (`*` for any); empty: no CORS.
     pub cors_allow_origins: Vec<String>,
+    /// The environment variable holding the bearer token the admin API's mutations need;
+    /// `None`: mutations are refused.
+    pub admin_token_env: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -270,6 +274,7 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         api_keys_env: raw.api_keys_env,
         api_keys_file: raw.api_keys_file,
         cors_allow_origins: raw.cors_allow_origins.unwrap_or_default(),
+        admin_token_env: raw.admin_token_env,
     };
     if server.max_body_bytes == 0 {
         return Err(invalid("server.max_body_bytes", "must be greater than 0"));
@@ -302,12 +307,17 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             ));
         }
     }
-    if let Some(var) = &server.api_keys_env {
-        if var.is_empty() || var.contains(['=', '\0']) {
-            return Err(invalid(
-                "server.api_keys_env",
-                format!("{var:?} is not an environment variable name"),
-            ));
+    for (key, var) in [
+        ("server.api_keys_env", &server.api_keys_env),
+        ("server.admin_token_env", &server.admin_token_env),
+    ] {
+        if let Some(var) = var {
+            if var.is_empty() || var.contains(['=', '\0']) {
+                return Err(invalid(
+                    key,
+                    format!("{var:?} is not an environment variable name"),
+                ));
+            }
         }
     }
     if server

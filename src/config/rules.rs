@@ -65,11 +65,11 @@ pub(super) fn telemetry_config(raw: RawTelemetry) -> Result<TelemetryConfig, Con
 /// `engines[i].health_path`: the flavor's default when absent (none for a gateway), no probe
 /// when `""`, else an absolute path.
 pub(super) fn parse_health_path(
-    i: usize,
+    at: &str,
     flavor: Flavor,
     path: Option<&str>,
 ) -> Result<Option<std::sync::Arc<str>>, ConfigError> {
-    let key = format!("engines[{i}].health_path");
+    let key = format!("{at}.health_path");
     match path {
         None if flavor == Flavor::Gateway => Ok(None),
         None => Ok(Some(DEFAULT_HEALTH_PATH.into())),

@@ -1,0 +1,366 @@
+//! `[[discovery]]`: where engines are found at runtime (DNS names, Kubernetes pods), and the
+//! engine keys every engine found there gets. A found address becomes an `[[engines]]` entry
+//! validated by the same rules as one written in the file.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{invalid, ConfigError, HumanDuration, RawEngine};
+use crate::worker::{Engine, Flavor, RankNumbering};
+
+/// Default re-resolution interval of a DNS discovery.
+pub const DEFAULT_DNS_INTERVAL: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDiscovery {
+    kind: Kind,
+    // dns
+    name: Option<String>,
+    resolver: Option<String>,
+    interval: Option<HumanDuration>,
+    // kubernetes
+    namespace: Option<String>,
+    selector: Option<String>,
+    kubeconfig: Option<PathBuf>,
+    // both
+    port: Option<PortRef>,
+    grpc_port: Option<PortRef>,
+    // the engine keys of what is found
+    flavor: Flavor,
+    dp_size: Option<u32>,
+    start_rank: Option<u32>,
+    rank_header: Option<RankNumbering>,
+    health_path: Option<String>,
+    models: Option<Vec<String>>,
+    api_key_env: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Kind {
+    Dns,
+    Kubernetes,
+}
+
+/// A container port: by number, or (Kubernetes) by its name in the pod spec.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum PortRef {
+    Number(u16),
+    Name(String),
+}
+
+/// One validated `[[discovery]]` entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Discovery {
+    /// `discovery[i]`: names the entry in logs and errors, and the engines it found.
+    pub at: String,
+    pub source: Source,
+    pub template: EngineTemplate,
+}
+
+/// Where a discovery looks.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    /// Every A/AAAA address of `name` is an engine at `port` (and `grpc_port`).
+    Dns {
+        name: String,
+        port: Option<u16>,
+        grpc_port: Option<u16>,
+        /// The DNS server asked (UDP); `None`: the system's (`/etc/resolv.conf`).
+        resolver: Option<SocketAddr>,
+        interval: Duration,
+    },
+    /// Every Ready pod matching `selector` in `namespace` is an engine at its container port.
+    Kubernetes {
+        namespace: String,
+        selector: String,
+        port: Option<PortRef>,
+        grpc_port: Option<PortRef>,
+        /// A kubeconfig file; `None`: in-cluster config, else `KUBECONFIG` / `~/.kube/config`.
+        kubeconfig: Option<PathBuf>,
+    },
+}
+
+/// The `[[engines]]` keys every engine a discovery finds gets; its address comes from the finding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineTemplate {
+    pub flavor: Flavor,
+    pub dp_size: Option<u32>,
+    pub start_rank: Option<u32>,
+    rank_header: Option<RankNumbering>,
+    health_path: Option<String>,
+    models: Option<Vec<String>>,
+    api_key_env: Option<String>,
+}
+
+impl EngineTemplate {
+    /// The engine at `ip:port` (gRPC service at `ip:grpc_port`), with `dp_size` and `start_rank`
+    /// where the finding says (pod annotations), else the entry's. `at` names the finding in
+    /// errors, e.g. `discovery[0] pod vllm-0`.
+    pub fn engine(
+        &self,
+        at: &str,
+        ip: IpAddr,
+        port: Option<u16>,
+        grpc_port: Option<u16>,
+        dp_size: Option<u32>,
+        start_rank: Option<u32>,
+    ) -> Result<Engine, ConfigError> {
+        let url = |p: u16| format!("http://{}", SocketAddr::new(ip, p));
+        RawEngine {
+            url: port.map(url),
+            grpc_url: grpc_port.map(url),
+            flavor: self.flavor,
+            dp_size: dp_size.or(self.dp_size),
+            start_rank: start_rank.or(self.start_rank),
+            rank_header: self.rank_header,
+            telemetry: None,
+            health_path: self.health_path.clone(),
+            models: self.models.clone(),
+            api_key_env: self.api_key_env.clone(),
+        }
+        .validate(at)
+    }
+}
+
+impl RawDiscovery {
+    pub(super) fn validate(self, i: usize) -> Result<Discovery, ConfigError> {
+        let at = format!("discovery[{i}]");
+        let key = |k: &str| format!("{at}.{k}");
+        let dns_keys = [
+            ("name", self.name.is_some()),
+            ("resolver", self.resolver.is_some()),
+            ("interval", self.interval.is_some()),
+        ];
+        let kubernetes_keys = [
+            ("namespace", self.namespace.is_some()),
+            ("selector", self.selector.is_some()),
+            ("kubeconfig", self.kubeconfig.is_some()),
+        ];
+        let foreign = match self.kind {
+            Kind::Dns => kubernetes_keys,
+            Kind::Kubernetes => dns_keys,
+        };
+        if let Some((k, _)) = foreign.iter().find(|(_, set)| *set) {
+            return Err(invalid(
+                key(k),
+                format!("is not a key of kind = \"{}\"", self.kind.as_str()),
+            ));
+        }
+        let port = self.port.clone();
+        let grpc_port = self.grpc_port.clone();
+        if port.is_none() && grpc_port.is_none() {
+            return Err(invalid(
+                at,
+                "needs `port` (the engines' OpenAI HTTP port), `grpc_port`, or both",
+            ));
+        }
+        let source = match self.kind {
+            Kind::Dns => {
+                let number = |k: &str, p: Option<PortRef>| {
+                    match p {
+                    None => Ok(None),
+                    Some(PortRef::Number(0)) => Err(invalid(key(k), "must not be 0")),
+                    Some(PortRef::Number(n)) => Ok(Some(n)),
+                    Some(PortRef::Name(n)) => Err(invalid(
+                        key(k),
+                        format!("{n:?}: a DNS discovery needs a port number (names are for Kubernetes pods)"),
+                    )),
+                }
+                };
+                let name = self.name.clone().unwrap_or_default();
+                if name.trim().is_empty() || name.contains(['/', ':', '@', ' ']) {
+                    return Err(invalid(
+                        key("name"),
+                        format!(
+                            "{name:?}: give a DNS name such as \"vllm.default.svc.cluster.local\""
+                        ),
+                    ));
+                }
+                let resolver = match &self.resolver {
+                    None => None,
+                    Some(r) => Some(r.parse::<SocketAddr>().map_err(|_| {
+                        invalid(
+                            key("resolver"),
+                            format!("{r:?} is not an ip:port (the DNS server to ask, over UDP)"),
+                        )
+                    })?),
+                };
+                let interval = self.interval.map_or(DEFAULT_DNS_INTERVAL, |d| d.0);
+                if interval < Duration::from_millis(100) || interval > Duration::from_secs(3600) {
+                    return Err(invalid(key("interval"), "must be between 100ms and 1h"));
+                }
+                Source::Dns {
+                    name,
+                    port: number("port", port)?,
+                    grpc_port: number("grpc_port", grpc_port)?,
+                    resolver,
+                    interval,
+                }
+            }
+            Kind::Kubernetes => {
+                let namespace = self.namespace.clone().unwrap_or_default();
+                if namespace.trim().is_empty() {
+                    return Err(invalid(
+                        key("namespace"),
+                        "is required: the pods' namespace",
+                    ));
+                }
+                let selector = self.selector.clone().unwrap_or_default();
+                if selector.trim().is_empty() {
+                    return Err(invalid(
+                        key("selector"),
+                        "is required: a label selector such as \"app=vllm\" (every pod of the namespace is rarely an engine)",
+                    ));
+                }
+                for (k, p) in [("port", &port), ("grpc_port", &grpc_port)] {
+                    match p {
+                        Some(PortRef::Number(0)) => return Err(invalid(key(k), "must not be 0")),
+                        Some(PortRef::Name(n)) if n.trim().is_empty() => {
+                            return Err(invalid(key(k), "is an empty port name"))
+                        }
+                        _ => {}
+                    }
+                }
+                Source::Kubernetes {
+                    namespace,
+                    selector,
+                    port,
+                    grpc_port,
+                    kubeconfig: self.kubeconfig.clone(),
+                }
+            }
+        };
+        let template = EngineTemplate {
+            flavor: self.flavor,
+            dp_size: self.dp_size,
+            start_rank: self.start_rank,
+            rank_header: self.rank_header,
+            health_path: self.health_path,
+            models: self.models,
+            api_key_env: self.api_key_env,
+        };
+        // Every key of the template is checked now, on a stand-in address, so a bad one is a
+        // config error at load and not a log line per finding.
+        let (p, g) = match &source {
+            Source::Dns {
+                port, grpc_port, ..
+            } => (*port, *grpc_port),
+            Source::Kubernetes {
+                port, grpc_port, ..
+            } => (port.as_ref().map(|_| 1), grpc_port.as_ref().map(|_| 2)),
+        };
+        template.engine(&at, IpAddr::from([127, 0, 0, 1]), p, g, None, None)?;
+        Ok(Discovery {
+            at,
+            source,
+            template,
+        })
+    }
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Dns => "dns",
+            Kind::Kubernetes => "kubernetes",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+    use super::*;
+
+    fn parse(d: &str) -> Result<Config, String> {
+        Config::from_str(&format!("[[discovery]]\n{d}")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn dns_entry_with_defaults() {
+        let c = parse(
+            "kind = \"dns\"\nname = \"vllm.svc\"\nport = 8000\nflavor = \"vllm\"\ndp_size = 2",
+        )
+        .unwrap();
+        assert!(c.engines.is_empty());
+        let d = &c.discovery[0];
+        assert_eq!(
+            d.source,
+            Source::Dns {
+                name: "vllm.svc".into(),
+                port: Some(8000),
+                grpc_port: None,
+                resolver: None,
+                interval: DEFAULT_DNS_INTERVAL
+            }
+        );
+        let e = d
+            .template
+            .engine(
+                "x",
+                "10.0.0.7".parse().unwrap(),
+                Some(8000),
+                None,
+                None,
+                Some(4),
+            )
+            .unwrap();
+        assert_eq!(&*e.url, "http://10.0.0.7:8000");
+        assert_eq!((e.dp_size, e.start_rank), (2, 4));
+        let v6 = d
+            .template
+            .engine(
+                "x",
+                "fd00::1".parse().unwrap(),
+                Some(8000),
+                Some(50051),
+                None,
+                None,
+            )
+            .unwrap();
+        assert_eq!(&*v6.url, "http://[fd00::1]:8000");
+        assert_eq!(v6.grpc.as_deref(), Some("[fd00::1]:50051"));
+    }
+
+    #[test]
+    fn kubernetes_entry_takes_port_names() {
+        let c = parse(
+            "kind = \"kubernetes\"\nnamespace = \"llm\"\nselector = \"app=vllm\"\nport = \"http\"\ngrpc_port = 50051\nflavor = \"sglang\"",
+        )
+        .unwrap();
+        match &c.discovery[0].source {
+            Source::Kubernetes {
+                port, grpc_port, ..
+            } => {
+                assert_eq!(port, &Some(PortRef::Name("http".into())));
+                assert_eq!(grpc_port, &Some(PortRef::Number(50051)));
+            }
+            s => panic!("{s:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_entries_are_named() {
+        for (text, want) in [
+            ("kind = \"dns\"\nport = 1\nflavor = \"vllm\"", "discovery[0].name"),
+            ("kind = \"dns\"\nname = \"a\"\nflavor = \"vllm\"", "needs `port`"),
+            ("kind = \"dns\"\nname = \"a\"\nport = \"http\"\nflavor = \"vllm\"", "port number"),
+            ("kind = \"dns\"\nname = \"a\"\nport = 1\nresolver = \"x\"\nflavor = \"vllm\"", "discovery[0].resolver"),
+            ("kind = \"dns\"\nname = \"a\"\nport = 1\nnamespace = \"x\"\nflavor = \"vllm\"", "discovery[0].namespace"),
+            ("kind = \"kubernetes\"\nnamespace = \"n\"\nport = 1\nflavor = \"vllm\"", "discovery[0].selector"),
+            ("kind = \"kubernetes\"\nnamespace = \"n\"\nselector = \"a=b\"\nport = 1\nname = \"x\"\nflavor = \"vllm\"", "discovery[0].name"),
+            ("kind = \"dns\"\nname = \"a\"\nport = 1\ndp_size = 0\nflavor = \"vllm\"", "discovery[0].dp_size"),
+            ("kind = \"dns\"\nname = \"a\"\nport = 1\nflavor = \"gateway\"\ndp_size = 2", "discovery[0].dp_size"),
+            ("kind = \"dns\"\nname = \"a\"\nport = 1\nflavor = \"vllm\"\nbogus = 1", "bogus"),
+        ] {
+            let err = parse(text).unwrap_err();
+            assert!(err.contains(want), "{text}: {err}");
+        }
+    }
+}
