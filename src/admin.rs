@@ -1,5 +1,7 @@
-//! The admin listener: `/health`, `/ready`, `/workers`, `/loads` and `/metrics`, all answered
-//! from the cached snapshot and counters; no admin call ever reaches an engine.
+//! The admin listener: `/health`, `/ready`, `/workers`, `/engines`, `/loads` and `/metrics`, all
+//! answered from the cached snapshot and counters (no admin call ever reaches an engine), and the
+//! fleet's changes: `POST /engines`, `DELETE /engines?url=...` and `POST /reload`, which need the
+//! admin token (`server.admin_token_env`; without it they are refused).
 //!
 //! `/loads` speaks the fleet-rollup shape of an upstream gateway (entries annotated with
 //! `worker`, `dp_rank` = global rank, an `aggregate`), so one rankgate can front others.
@@ -14,7 +16,12 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use http_body_util::BodyExt;
+
+use crate::config::RawEngine;
+use crate::control::{Control, Refusal, ReloadError};
 use crate::http::{json_response, openai_error, respond};
+use crate::membership::{Change, MembershipError};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
 use crate::reason::Reason;
@@ -29,6 +36,7 @@ pub struct Admin {
     pub selector: Arc<Selector>,
     /// Shutdown has begun: not ready for new clients, whatever the fleet.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
+    pub control: Arc<Control>,
 }
 
 impl Admin {
@@ -36,16 +44,10 @@ impl Admin {
         self: Arc<Self>,
         req: Request<Incoming>,
     ) -> Result<Response<Full<Bytes>>, Infallible> {
-        if req.method() != Method::GET {
-            return Ok(openai_error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "MethodNotAllowedError",
-                &format!("admin endpoints take GET, not {}", req.method()),
-            ));
-        }
-        Ok(match req.uri().path() {
-            "/health" => respond(StatusCode::OK, "text/plain", "ok\n"),
-            "/ready" => {
+        let path = req.uri().path().to_string();
+        Ok(match (req.method().clone(), path.as_str()) {
+            (Method::GET, "/health") => respond(StatusCode::OK, "text/plain", "ok\n"),
+            (Method::GET, "/ready") => {
                 if self.draining.load(std::sync::atomic::Ordering::Relaxed) {
                     respond(
                         StatusCode::SERVICE_UNAVAILABLE,
@@ -62,24 +64,114 @@ impl Admin {
                     )
                 }
             }
-            "/workers" => json_response(StatusCode::OK, &self.workers()),
-            "/loads" => {
+            (Method::GET, "/workers") => json_response(StatusCode::OK, &self.workers()),
+            (Method::GET, "/engines") => json_response(StatusCode::OK, &self.engines()),
+            (Method::GET, "/loads") => {
                 let model = req.uri().query().and_then(|q| query_param(q, "model"));
                 json_response(StatusCode::OK, &self.loads(model.as_deref()))
             }
-            "/metrics" => respond(
+            (Method::GET, "/metrics") => respond(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
                 self.metrics.render(&self.table, &self.telemetry),
             ),
-            other => openai_error(
+            (Method::POST, "/engines") | (Method::DELETE, "/engines") | (Method::POST, "/reload") => {
+                match self.control.authorize(req.headers()) {
+                    Ok(()) => self.mutate(req).await,
+                    Err(refusal) => refused(refusal),
+                }
+            }
+            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics") => openai_error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowedError",
+                &format!("{path} takes GET, not {m}"),
+            ),
+            (m, "/engines" | "/reload") => openai_error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowedError",
+                &format!("{path} takes {}, not {m}", if path == "/reload" { "POST" } else { "GET, POST or DELETE" }),
+            ),
+            (_, other) => openai_error(
                 StatusCode::NOT_FOUND,
                 "NotFoundError",
                 &format!(
-                    "unknown admin path {other}: try /health, /ready, /workers, /loads or /metrics"
+                    "unknown admin path {other}: try /health, /ready, /workers, /engines, /loads, /metrics or /reload"
                 ),
             ),
         })
+    }
+
+    /// `POST /engines`, `DELETE /engines?url=...`, `POST /reload`, once authorized.
+    async fn mutate(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let bad =
+            |message: String| openai_error(StatusCode::BAD_REQUEST, "BadRequestError", &message);
+        match (req.method().clone(), req.uri().path()) {
+            (Method::POST, "/reload") => match self.control.reload().await {
+                Ok(done) => {
+                    tracing::info!(added = ?done.outcome.added, removed = ?done.outcome.removed, restart_needed = ?done.restart_needed, "config reloaded");
+                    json_response(StatusCode::OK, &json!(done))
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "reload refused: the fleet is unchanged");
+                    match err {
+                        ReloadError::Membership(m) => membership_error(&m),
+                        ReloadError::NoFile => {
+                            openai_error(StatusCode::CONFLICT, "ConflictError", &err.to_string())
+                        }
+                        ReloadError::Config(_) => bad(err.to_string()),
+                    }
+                }
+            },
+            (Method::DELETE, _) => {
+                let Some(url) = req.uri().query().and_then(|q| query_param(q, "url")) else {
+                    return bad(
+                        "DELETE /engines needs ?url=<the engine's url, as GET /engines lists it>"
+                            .into(),
+                    );
+                };
+                self.change(Change::Remove { url }).await
+            }
+            _ => {
+                let body = match read_body(req.into_body()).await {
+                    Ok(b) => b,
+                    Err(message) => return bad(message),
+                };
+                let raw: RawEngine = match serde_json::from_slice(&body) {
+                    Ok(r) => r,
+                    Err(e) => return bad(format!("POST /engines: the body must be one engine as JSON, with the keys of [[engines]]: {e}")),
+                };
+                match raw.validate("POST /engines") {
+                    Ok(engine) => self.change(Change::Add(engine)).await,
+                    Err(e) => bad(e.to_string()),
+                }
+            }
+        }
+    }
+
+    async fn change(&self, change: Change) -> Response<Full<Bytes>> {
+        match self.control.membership.apply(change).await {
+            Ok(outcome) => json_response(StatusCode::OK, &json!(outcome)),
+            Err(e) => membership_error(&e),
+        }
+    }
+
+    /// One object per engine, in fleet order.
+    pub fn engines(&self) -> Value {
+        let snap = self.table.snapshot.load();
+        let rows: Vec<Value> = (snap.fleet.engines.iter())
+            .map(|e| {
+                json!({
+                    "url": e.url.as_ref(),
+                    "grpc_url": e.grpc.as_ref().map(|a| format!("http://{a}")),
+                    "flavor": e.flavor.as_str(),
+                    "dp_size": e.dp_size,
+                    "start_rank": e.start_rank,
+                    "origin": e.origin.to_string(),
+                    "workers": e.members.iter().map(|m| m.id_text.as_ref()).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        Value::Array(rows)
     }
 
     /// One object per virtual worker.
@@ -87,14 +179,11 @@ impl Admin {
         let table = &self.table;
         let snap = table.snapshot.load();
         let now = Instant::now();
-        let rows: Vec<Value> = table
-            .fleet
-            .workers
-            .iter()
+        let rows: Vec<Value> = (snap.fleet.workers.iter())
             .zip(&snap.ranks)
-            .zip(&table.live)
-            .map(|((w, view), live)| {
-                let engine = &table.fleet.engines[w.engine];
+            .map(|(w, view)| {
+                let live = &w.live;
+                let engine = &snap.fleet.engines[w.engine];
                 // An ejected rank takes no traffic whatever its telemetry says, so that is its
                 // state.
                 let reason = live
@@ -144,14 +233,14 @@ impl Admin {
         let now = Instant::now();
         let mut loads = Vec::new();
         let (mut running, mut waiting, mut usage) = (0u64, 0u64, 0.0);
-        for (w, view) in table.fleet.workers.iter().zip(&snap.ranks) {
+        for (w, view) in snap.fleet.workers.iter().zip(&snap.ranks) {
             if model.is_some_and(|m| !snap.catalog.serves(w.engine, m)) {
                 continue;
             }
             let Some(l) = view.telemetry.fresh(now, table.stale_after) else {
                 continue;
             };
-            let engine = &table.fleet.engines[w.engine];
+            let engine = &snap.fleet.engines[w.engine];
             let (r, q) = (l.running.unwrap_or(0), l.waiting.unwrap_or(0));
             running += r as u64;
             waiting += q as u64;
@@ -183,6 +272,49 @@ impl Admin {
                 "avg_utilization": 0.0,
             },
         })
+    }
+}
+
+/// The answer to a mutation refused before it was looked at.
+fn refused(refusal: Refusal) -> Response<Full<Bytes>> {
+    match refusal {
+        Refusal::Disabled => openai_error(
+            StatusCode::FORBIDDEN,
+            "PermissionDeniedError",
+            "admin changes are off: set server.admin_token_env to the environment variable holding the admin token",
+        ),
+        Refusal::Denied(d) => {
+            let mut r = openai_error(StatusCode::UNAUTHORIZED, "AuthenticationError", &d.to_string());
+            r.headers_mut()
+                .insert(http::header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
+            r
+        }
+    }
+}
+
+fn membership_error(e: &MembershipError) -> Response<Full<Bytes>> {
+    let status = match e {
+        MembershipError::Exists { .. } | MembershipError::RankOverlap { .. } => {
+            StatusCode::CONFLICT
+        }
+        MembershipError::NotFound { .. } => StatusCode::NOT_FOUND,
+        MembershipError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    openai_error(status, "MembershipError", &e.to_string())
+}
+
+/// Largest admin request body: one engine's keys.
+const MAX_ADMIN_BODY: usize = 64 * 1024;
+
+/// The whole body of an admin request, within a size and a time limit.
+async fn read_body(body: Incoming) -> Result<Bytes, String> {
+    let limited = http_body_util::Limited::new(body, MAX_ADMIN_BODY);
+    match tokio::time::timeout(std::time::Duration::from_secs(10), limited.collect()).await {
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+        Ok(Err(e)) => Err(format!(
+            "reading the body: {e} (at most {MAX_ADMIN_BODY} bytes)"
+        )),
+        Err(_) => Err("reading the body: not complete within 10 s".into()),
     }
 }
 

@@ -3,6 +3,7 @@
 //! through [`Router::start`], so what the tests exercise is what runs.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,13 +14,16 @@ use tokio::task::JoinHandle;
 
 use crate::admin::Admin;
 use crate::config::Config;
+use crate::control::Control;
 use crate::http::ServeOptions;
+use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::policy::Selector;
+use crate::proxy::send::ConnLimits;
 use crate::proxy::{Keys, KeysError, Shared};
 use crate::table::Table;
 use crate::telemetry::{self, TelemetryStats};
-use crate::worker::Fleet;
+use crate::worker::{EngineEntry, Fleet, Origin};
 
 /// Why rankgate could not start.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +37,8 @@ pub enum StartError {
     /// The client keys `[server]` points at could not be read (names where, never a key).
     #[error(transparent)]
     Keys(#[from] KeysError),
+    #[error(transparent)]
+    AdminToken(#[from] crate::control::TokenError),
 }
 
 /// A running rankgate.
@@ -45,6 +51,9 @@ pub struct Router {
     pub table: Arc<Table>,
     pub metrics: Arc<Metrics>,
     pub selector: Arc<Selector>,
+    /// Changes the fleet at runtime.
+    pub membership: Membership,
+    control: Arc<Control>,
     /// Set once shutdown begins: `/ready` answers 503 from then on.
     draining: Arc<AtomicBool>,
     shutdown_delay: Duration,
@@ -76,8 +85,13 @@ async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartE
 }
 
 impl Router {
-    /// Binds both listeners and starts serving. Returns once the ports are bound.
+    /// Binds the listeners and starts serving. Returns once the ports are bound.
     pub async fn start(cfg: Config) -> Result<Router, StartError> {
+        Router::start_from(cfg, None).await
+    }
+
+    /// [`Router::start`] for a config read from `path`, which reloads re-read.
+    pub async fn start_from(cfg: Config, path: Option<PathBuf>) -> Result<Router, StartError> {
         // Before any port binds: a key source that cannot be read must stop the start, never
         // leave the door open (or a load balancer routing to a router that refuses everyone).
         let keys = Keys::load(&cfg.server)?;
@@ -113,18 +127,30 @@ impl Router {
                 source,
             })?;
 
-        let fleet = Fleet::expand(cfg.engines.clone());
+        let limits = ConnLimits::of(&cfg.server);
+        let fleet = Fleet::new(
+            (cfg.engines.iter())
+                .map(|e| EngineEntry::new(e.clone(), Origin::Config, limits))
+                .collect(),
+        );
+        let workers = fleet.workers.len();
         let table = Table::new(fleet, cfg.telemetry.stale_after);
-        let metrics = Arc::new(Metrics::new(table.fleet.workers.len()));
-        let stats = Arc::new(TelemetryStats::new(table.fleet.workers.len()));
+        let metrics = Arc::new(Metrics::new());
+        let stats = Arc::new(TelemetryStats::default());
         let (stop_front, front_rx) = watch::channel(false);
         let (stop_rest, rest_rx) = watch::channel(false);
 
+        let (membership, changes) = Membership::channel();
+        let control = Arc::new(Control::new(&cfg, path, membership.clone())?);
         let monitor = telemetry::spawn(
             table.clone(),
-            cfg.telemetry.clone(),
-            cfg.routing.request_kv_estimate,
+            telemetry::Settings {
+                telemetry: cfg.telemetry.clone(),
+                default_kv_per_request: cfg.routing.request_kv_estimate,
+                limits,
+            },
             stats.clone(),
+            changes,
             rest_rx.clone(),
         );
 
@@ -162,6 +188,7 @@ impl Router {
             telemetry: stats,
             selector: selector.clone(),
             draining: draining.clone(),
+            control: control.clone(),
         });
         let admin_task = tokio::spawn(crate::http::serve(
             admin_listener,
@@ -169,7 +196,7 @@ impl Router {
             rest_rx,
         ));
         tracing::info!(
-            %addr, %admin_addr, grpc_addr = ?grpc_addr, workers = table.fleet.workers.len(),
+            %addr, %admin_addr, grpc_addr = ?grpc_addr, workers,
             policy = cfg.routing.policy.as_str(), "rankgate serving"
         );
         Ok(Router {
@@ -179,6 +206,8 @@ impl Router {
             table,
             metrics,
             selector,
+            membership,
+            control,
             draining,
             shutdown_delay: cfg.server.shutdown_delay,
             stop_front,
@@ -186,6 +215,11 @@ impl Router {
             front,
             rest: vec![monitor, admin_task],
         })
+    }
+
+    /// Re-reads the config file and applies its engines (SIGHUP).
+    pub async fn reload(&self) -> Result<crate::control::Reloaded, crate::control::ReloadError> {
+        self.control.reload().await
     }
 
     /// Turns `/ready` to 503, so load balancers stop sending new clients; serving goes on.

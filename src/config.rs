@@ -263,7 +263,7 @@ impl RawEngine {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TelemetryConfig {
     pub interval: Duration,
     pub stale_after: Duration,

@@ -31,12 +31,14 @@ pub mod admin;
 pub mod app;
 pub mod catalog;
 pub mod config;
+pub mod control;
 #[cfg(feature = "sim")]
 pub mod demo;
 pub mod discovery;
 pub mod http;
 #[cfg(feature = "sim")]
 pub mod load;
+pub mod membership;
 pub mod metrics;
 pub mod outlier;
 pub mod pbwire;

@@ -11,10 +11,12 @@ const EXIT_CONFIG: u8 = 64;
 /// Exit code when a second signal cuts the drain short (128 + SIGINT, as shells report it).
 const EXIT_INTERRUPTED: u8 = 130;
 
-/// SIGTERM (what Kubernetes, systemd and `docker stop` send) and SIGINT (Ctrl-C), as one stream.
+/// SIGTERM (what Kubernetes, systemd and `docker stop` send) and SIGINT (Ctrl-C), as one
+/// stream; SIGHUP reloads the config file.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -23,14 +25,32 @@ impl Signals {
         Ok(Signals {
             term: signal(SignalKind::terminate())?,
             int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
         })
     }
 
-    /// The name of the next signal received.
-    async fn next(&mut self) -> &'static str {
+    /// The name of the next stopping signal (during the drain: SIGHUP is no longer acted on).
+    async fn stop(&mut self) -> &'static str {
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
+        }
+    }
+
+    /// The name of the next stopping signal received; reloads on each SIGHUP until then.
+    async fn next(&mut self, router: &rankgate::app::Router) -> &'static str {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return "SIGTERM",
+                _ = self.int.recv() => return "SIGINT",
+                _ = self.hup.recv() => match router.reload().await {
+                    Ok(done) => tracing::info!(
+                        added = ?done.outcome.added, removed = ?done.outcome.removed,
+                        restart_needed = ?done.restart_needed, "SIGHUP: config reloaded"
+                    ),
+                    Err(error) => tracing::error!(%error, "SIGHUP: reload refused, the fleet is unchanged"),
+                },
+            }
         }
     }
 }
@@ -155,7 +175,7 @@ fn main() -> ExitCode {
                 Err(code) => return code,
             };
             rt.block_on(async {
-                let router = match rankgate::app::Router::start(cfg).await {
+                let router = match rankgate::app::Router::start_from(cfg, Some(config)).await {
                     Ok(r) => r,
                     Err(e) => {
                         eprintln!("rankgate: {e}");
@@ -169,14 +189,14 @@ fn main() -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 };
-                let first = signals.next().await;
+                let first = signals.next(&router).await;
                 tracing::info!(signal = first, "shutting down: /ready is 503, draining requests in flight");
                 tokio::select! {
                     _ = router.shutdown() => {
                         tracing::info!("drained; exiting");
                         ExitCode::SUCCESS
                     }
-                    second = signals.next() => {
+                    second = signals.stop() => {
                         tracing::warn!(signal = second, "second signal: exiting without waiting for the drain");
                         ExitCode::from(EXIT_INTERRUPTED)
                     }

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use crate::table::Table;
 use crate::telemetry::TelemetryStats;
+use crate::worker::Member;
 
 /// Upper bounds (seconds) of the proxy latency histogram; end-to-end, so streams included.
 const BUCKETS: [f64; 14] = [
@@ -19,16 +20,17 @@ const BUCKETS: [f64; 14] = [
 /// Statuses rankgate answers itself, without reaching an engine.
 pub const OWN_STATUSES: [u16; 12] = [400, 401, 403, 404, 405, 408, 413, 429, 500, 502, 503, 504];
 
+/// One worker's counters; they live in its [`crate::worker::Member`], so they leave `/metrics`
+/// with it.
 #[derive(Debug, Default)]
-struct WorkerCounters {
+pub struct WorkerCounters {
     /// Responses by status class 1xx..5xx.
     by_class: [AtomicU64; 5],
     ejections: AtomicU64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Metrics {
-    workers: Vec<WorkerCounters>,
     own: [AtomicU64; OWN_STATUSES.len()],
     skipped_unavailable: AtomicU64,
     retries: AtomicU64,
@@ -41,24 +43,14 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(workers: usize) -> Metrics {
-        Metrics {
-            workers: (0..workers).map(|_| WorkerCounters::default()).collect(),
-            own: Default::default(),
-            skipped_unavailable: AtomicU64::new(0),
-            retries: AtomicU64::new(0),
-            retries_refused: AtomicU64::new(0),
-            streams_cut: Default::default(),
-            buckets: Default::default(),
-            latency_count: AtomicU64::new(0),
-            latency_sum_us: AtomicU64::new(0),
-        }
+    pub fn new() -> Metrics {
+        Metrics::default()
     }
 
     /// A response (from the engine, or a 502 rankgate wrote for it) on a worker.
-    pub fn response(&self, worker: usize, status: u16) {
+    pub fn response(&self, worker: &Member, status: u16) {
         let class = (status / 100).clamp(1, 5) as usize - 1;
-        self.workers[worker].by_class[class].fetch_add(1, Relaxed);
+        worker.counters.by_class[class].fetch_add(1, Relaxed);
     }
 
     /// A response rankgate answered itself before picking a worker.
@@ -92,8 +84,8 @@ impl Metrics {
     }
 
     /// A rank was ejected after consecutive failures.
-    pub fn ejected(&self, worker: usize) {
-        self.workers[worker].ejections.fetch_add(1, Relaxed);
+    pub fn ejected(&self, worker: &Member) {
+        worker.counters.ejections.fetch_add(1, Relaxed);
     }
 
     pub fn skipped_unavailable_total(&self) -> u64 {
@@ -112,10 +104,11 @@ impl Metrics {
     /// Renders everything in the Prometheus text format.
     pub fn render(&self, table: &Table, telemetry: &TelemetryStats) -> String {
         let mut o = String::with_capacity(4096);
-        let workers = &table.fleet.workers;
+        let snap = table.snapshot.load();
+        let workers = &snap.fleet.workers;
         o.push_str("# HELP rankgate_requests_total Proxied requests by worker and response status class.\n# TYPE rankgate_requests_total counter\n");
-        for (w, c) in workers.iter().zip(&self.workers) {
-            for (i, n) in c.by_class.iter().enumerate() {
+        for w in workers {
+            for (i, n) in w.counters.by_class.iter().enumerate() {
                 let _ = writeln!(
                     o,
                     "rankgate_requests_total{{worker=\"{}\",status=\"{}xx\"}} {}",
@@ -157,21 +150,21 @@ impl Metrics {
             );
         }
         o.push_str("# HELP rankgate_ejections_total Times the rank was ejected after consecutive failures.\n# TYPE rankgate_ejections_total counter\n");
-        for (w, c) in workers.iter().zip(&self.workers) {
+        for w in workers {
             let _ = writeln!(
                 o,
                 "rankgate_ejections_total{{worker=\"{}\"}} {}",
                 w.id_text,
-                c.ejections.load(Relaxed)
+                w.counters.ejections.load(Relaxed)
             );
         }
         o.push_str("# HELP rankgate_rank_ejected 1 while the rank is ejected.\n# TYPE rankgate_rank_ejected gauge\n");
-        for (w, live) in workers.iter().zip(&table.live) {
+        for w in workers {
             let _ = writeln!(
                 o,
                 "rankgate_rank_ejected{{worker=\"{}\"}} {}",
                 w.id_text,
-                live.outlier.ejection().is_some() as u8
+                w.live.outlier.ejection().is_some() as u8
             );
         }
 
@@ -196,7 +189,6 @@ impl Metrics {
         );
         let _ = writeln!(o, "rankgate_proxy_duration_seconds_count {count}");
 
-        let snap = table.snapshot.load();
         let now = Instant::now();
         o.push_str("# HELP rankgate_rank_kv_usage Last reported KV cache usage of the rank (absent while unavailable).\n# TYPE rankgate_rank_kv_usage gauge\n");
         for (w, view) in workers.iter().zip(&snap.ranks) {
@@ -218,12 +210,12 @@ impl Metrics {
             );
         }
         o.push_str("# HELP rankgate_rank_in_flight Requests in flight on the rank through this router.\n# TYPE rankgate_rank_in_flight gauge\n");
-        for (w, live) in workers.iter().zip(&table.live) {
+        for w in workers {
             let _ = writeln!(
                 o,
                 "rankgate_rank_in_flight{{worker=\"{}\"}} {}",
                 w.id_text,
-                live.in_flight()
+                w.live.in_flight()
             );
         }
         o.push_str("# HELP rankgate_telemetry_unavailable_ranks Ranks whose telemetry is unavailable right now.\n# TYPE rankgate_telemetry_unavailable_ranks gauge\n");
@@ -234,12 +226,12 @@ impl Metrics {
             .count();
         let _ = writeln!(o, "rankgate_telemetry_unavailable_ranks {unavailable}");
         o.push_str("# HELP rankgate_telemetry_invalid_entries_total Polls in which the rank's load entry was invalid or duplicated.\n# TYPE rankgate_telemetry_invalid_entries_total counter\n");
-        for (w, n) in workers.iter().zip(&telemetry.invalid_entries) {
+        for w in workers {
             let _ = writeln!(
                 o,
                 "rankgate_telemetry_invalid_entries_total{{worker=\"{}\"}} {}",
                 w.id_text,
-                n.load(Relaxed)
+                w.invalid_entries.load(Relaxed)
             );
         }
         o.push_str("# TYPE rankgate_telemetry_unmanaged_entries_total counter\n");

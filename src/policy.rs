@@ -24,6 +24,7 @@ use tokio::time::Instant;
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
 use crate::outlier::{Admit, FAILURE_WEIGHT};
 use crate::table::{InFlight, Snapshot, Table, UNIT_WEIGHT};
+use crate::worker::{Engine, EngineEntry, EngineId, Flavor, Fleet, Member, Seat, WorkerId};
 
 /// Why no rank was picked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -38,54 +39,91 @@ pub enum NoRank {
 #[derive(Debug)]
 pub struct Picked {
     pub guard: InFlight,
+    /// The engine of the picked worker.
+    pub engine: Arc<EngineEntry>,
     /// At least one rank was passed over because its telemetry was missing, stale or invalid.
     pub skipped_unavailable: bool,
     /// The request is the trial of a rank whose ejection ran out.
     pub trial: bool,
 }
 
-/// Ranks a request must not go to: engines that do not serve its model or route, and on a
-/// retry the ranks that failed it (every rank of an engine that failed at the transport level).
-/// Empty (and allocation-free) for the usual request.
+/// Ranks a request must not go to: those of engines that do not serve its front door, model or
+/// route, and on a retry the ranks that failed it (every rank of an engine that failed at the
+/// transport level). Engines and workers are named by their stable ids, so an `Avoid` made
+/// against one version of the fleet means the same against the next. Empty (and
+/// allocation-free) for the usual request.
 #[derive(Debug, Clone, Default)]
 pub struct Avoid {
+    front: Front,
+    /// When set, the only engines that may serve the request (sorted): those serving its model
+    /// and route. An engine that joined after they were chosen is not among them.
+    only: Option<Vec<EngineId>>,
     /// A few at most: one per failed attempt.
-    workers: Vec<usize>,
-    /// One bit per engine: a model served by one engine of many rules out the rest, and every
-    /// rank of the fleet is checked against it.
-    engines: Vec<u64>,
+    workers: Vec<WorkerId>,
+    engines: Vec<EngineId>,
+}
+
+/// The front door a request came through; only engines serving it may take the request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Front {
+    /// The OpenAI HTTP API (every engine with a `url`).
+    #[default]
+    Http,
+    /// The gRPC service of this flavor (engines of the flavor with a `grpc_url`).
+    Grpc(Flavor),
+}
+
+impl Front {
+    pub fn served_by(self, e: &Engine) -> bool {
+        match self {
+            Front::Http => e.http,
+            Front::Grpc(f) => e.grpc.is_some() && e.flavor == f,
+        }
+    }
 }
 
 impl Avoid {
-    pub fn worker(&mut self, w: usize) {
+    pub fn front(front: Front) -> Avoid {
+        Avoid {
+            front,
+            ..Avoid::default()
+        }
+    }
+
+    pub fn worker(&mut self, w: WorkerId) {
         self.workers.push(w);
     }
 
-    pub fn engine(&mut self, e: usize) {
-        if self.engines.len() <= e / 64 {
-            self.engines.resize(e / 64 + 1, 0);
-        }
-        self.engines[e / 64] |= 1 << (e % 64);
+    pub fn engine(&mut self, e: EngineId) {
+        self.engines.push(e);
     }
 
-    /// Whether every rank of engine `e` is ruled out.
-    pub fn has_engine(&self, e: usize) -> bool {
-        self.engines
-            .get(e / 64)
-            .is_some_and(|bits| bits & (1 << (e % 64)) != 0)
+    /// Only these engines may serve the request.
+    pub fn only(&mut self, mut engines: Vec<EngineId>) {
+        engines.sort_unstable();
+        self.only = Some(engines);
+    }
+
+    /// Whether every rank of `e` is ruled out.
+    pub fn has_engine(&self, e: &EngineEntry) -> bool {
+        !self.front.served_by(e)
+            || self.engines.contains(&e.key)
+            || self
+                .only
+                .as_ref()
+                .is_some_and(|o| o.binary_search(&e.key).is_err())
     }
 
     #[inline]
-    fn blocks(&self, table: &Table, w: usize) -> bool {
-        let e = table.fleet.workers[w].engine;
-        self.workers.contains(&w) || self.has_engine(e)
+    fn blocks(&self, fleet: &Fleet, w: &Seat) -> bool {
+        self.workers.contains(&w.key) || self.has_engine(&fleet.engines[w.engine])
     }
 }
 
 /// Whether worker `w` may be picked at all: not ejected (or due for its trial), not avoided.
 #[inline]
-fn eligible(table: &Table, w: usize, avoid: &Avoid) -> bool {
-    table.live[w].outlier.admit() != Admit::No && !avoid.blocks(table, w)
+fn eligible(fleet: &Fleet, w: &Seat, avoid: &Avoid) -> bool {
+    w.live.outlier.admit() != Admit::No && !avoid.blocks(fleet, w)
 }
 
 /// Chooses ranks according to the configured policy.
@@ -142,7 +180,7 @@ impl Selector {
     pub fn any_routable(&self, table: &Table, avoid: &Avoid) -> bool {
         let snap = table.snapshot.load();
         let now = Instant::now();
-        let ok = |w: usize| eligible(table, w, avoid);
+        let ok = |w: usize| eligible(&snap.fleet, &snap.fleet.workers[w], avoid);
         let reachable = (0..snap.ranks.len()).any(|w| ok(w) && snap.ranks[w].reachable);
         let fresh = || {
             (0..snap.ranks.len()).any(|w| {
@@ -170,15 +208,16 @@ impl Selector {
     ) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();
         let mut rng = rand::rng();
-        let usable = |w: usize| snap.ranks[w].reachable && eligible(table, w, avoid);
+        let fleet = &snap.fleet;
+        let usable =
+            |w: usize| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid);
         let (choice, skipped) = match self.policy {
             Policy::LeastKv => match least_kv(table, &snap, Instant::now(), avoid, &mut rng) {
                 Some((w, skipped)) => (w, skipped),
                 None => match self.no_telemetry {
                     NoTelemetry::Reject => return Err(NoRank::NoTelemetry),
                     NoTelemetry::LeastInFlight => (
-                        least_in_flight(table, &snap, avoid, &mut rng)
-                            .ok_or(NoRank::NoneReachable)?,
+                        least_in_flight(&snap, avoid, &mut rng).ok_or(NoRank::NoneReachable)?,
                         true,
                     ),
                 },
@@ -205,7 +244,8 @@ impl Selector {
                 (w, false)
             }
         };
-        let outlier = &table.live[choice].outlier;
+        let member = &fleet.workers[choice].member;
+        let outlier = &member.live.outlier;
         let trial = match outlier.admit() {
             Admit::Yes => false,
             Admit::Trial if outlier.start_trial() => true,
@@ -213,12 +253,13 @@ impl Selector {
             // takes nothing else, so pick again without it. Each round avoids one more rank.
             Admit::Trial | Admit::No => {
                 let mut again = avoid.clone();
-                again.worker(choice);
+                again.worker(member.key);
                 return self.pick(table, content_length, &again);
             }
         };
         Ok(Picked {
-            guard: InFlight::start(table.clone(), choice, self.sizer.weight(content_length)),
+            guard: InFlight::start(member.clone(), self.sizer.weight(content_length)),
+            engine: fleet.engines[fleet.workers[choice].engine].clone(),
             skipped_unavailable: skipped,
             trial,
         })
@@ -230,14 +271,15 @@ impl Selector {
 pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f64> {
     let view = &snap.ranks[w];
     let load = view.telemetry.fresh(now, table.stale_after)?;
-    let live = &table.live[w];
+    let member = &snap.fleet.workers[w].member;
+    let live = &member.live;
     let since_poll = live
         .dispatched_weight
         .load(Relaxed)
         .saturating_sub(view.weight_at_poll);
     let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
     let queued = load.waiting.unwrap_or(0) as f64;
-    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(table, w))
+    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(member))
 }
 
 /// The penalty for a rank's recent consecutive failures. It steers traffic off a rank that fails
@@ -245,8 +287,8 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
 /// success resets the count and a rank kept off by its penalty gets no request to succeed with.
 /// An ejected rank has no penalty: its trial is what decides.
 #[inline]
-fn failing(table: &Table, w: usize) -> f64 {
-    let outlier = &table.live[w].outlier;
+fn failing(member: &Member) -> f64 {
+    let outlier = &member.live.outlier;
     match outlier.admit() {
         Admit::Yes => outlier.recent_failures() * FAILURE_WEIGHT,
         Admit::Trial | Admit::No => 0.0,
@@ -263,15 +305,16 @@ fn least_kv(
     rng: &mut impl Rng,
 ) -> Option<(usize, bool)> {
     let mut skipped = false;
+    let fleet = &snap.fleet;
     let scored = (0..snap.ranks.len()).filter_map(|w| {
-        if !eligible(table, w, avoid) {
+        if !eligible(fleet, &fleet.workers[w], avoid) {
             return None;
         }
         let s = score(table, snap, w, now);
         skipped |= s.is_none();
         // A rank due for its ejection trial goes first: its failures would otherwise keep its
         // score above every healthy rank's, and it would never get the one request that decides.
-        let trial = table.live[w].outlier.admit() == Admit::Trial;
+        let trial = fleet.workers[w].live.outlier.admit() == Admit::Trial;
         s.map(|s| (w, if trial { f64::NEG_INFINITY } else { s }))
     });
     // Scores are sums of floats: within 1e-9 they are the same load.
@@ -280,16 +323,12 @@ fn least_kv(
 }
 
 /// Fewest requests in flight (and recent failures) among reachable ranks, ties at random.
-fn least_in_flight(
-    table: &Table,
-    snap: &Snapshot,
-    avoid: &Avoid,
-    rng: &mut impl Rng,
-) -> Option<usize> {
+fn least_in_flight(snap: &Snapshot, avoid: &Avoid, rng: &mut impl Rng) -> Option<usize> {
+    let fleet = &snap.fleet;
     let counts = (0..snap.ranks.len())
-        .filter(|&w| snap.ranks[w].reachable && eligible(table, w, avoid))
+        .filter(|&w| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid))
         .map(|w| {
-            let live = &table.live[w];
+            let live = &fleet.workers[w].live;
             let key = match live.outlier.admit() {
                 Admit::Trial => f64::NEG_INFINITY,
                 _ => live.in_flight() as f64 + live.outlier.recent_failures(),
@@ -344,8 +383,18 @@ mod tests {
     }
 
     fn set(table: &Table, ranks: Vec<RankView>) {
-        let catalog = table.snapshot.load().catalog.clone();
-        table.snapshot.store(Arc::new(Snapshot { ranks, catalog }));
+        let snap = table.snapshot.load();
+        let (fleet, catalog) = (snap.fleet.clone(), snap.catalog.clone());
+        table.snapshot.store(Arc::new(Snapshot {
+            fleet,
+            ranks,
+            catalog,
+        }));
+    }
+
+    /// Worker `w` of the current fleet.
+    fn member(table: &Table, w: usize) -> Arc<crate::worker::Member> {
+        table.snapshot.load().fleet.workers[w].member.clone()
     }
 
     fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {
@@ -424,14 +473,17 @@ mod tests {
             base: Duration::from_millis(100),
         };
         for _ in 0..5 {
-            t.live[0].outlier.failure(Cause::Status(503), eject);
+            member(&t, 0)
+                .live
+                .outlier
+                .failure(Cause::Status(503), eject);
         }
-        assert_eq!(t.live[0].outlier.admit(), Admit::No);
+        assert_eq!(member(&t, 0).live.outlier.admit(), Admit::No);
         // Refreshed telemetry, so the paused clock does not make it stale.
         tokio::time::advance(Duration::from_millis(101)).await;
         let now = Instant::now();
         set(&t, vec![available(0.0, now), available(0.9, now)]);
-        assert_eq!(t.live[0].outlier.admit(), Admit::Trial);
+        assert_eq!(member(&t, 0).live.outlier.admit(), Admit::Trial);
         // Five failures weigh 1.25, more than any KV usage: the trial must not wait on them.
         let p = s.pick(&t, None, &Avoid::default()).unwrap();
         assert_eq!(p.guard.worker(), 0);
@@ -523,18 +575,19 @@ mod tests {
             after: 1,
             base: Duration::from_secs(60),
         };
-        t.live[0]
+        member(&t, 0)
+            .live
             .outlier
             .failure(crate::outlier::Cause::Status(503), policy);
         let mut avoid = Avoid::default();
-        avoid.worker(1);
+        avoid.worker(member(&t, 1).key);
         for p in [Policy::LeastKv, Policy::RoundRobin, Policy::Random] {
             let s = selector(p, NoTelemetry::LeastInFlight);
             for _ in 0..10 {
                 assert_eq!(s.pick(&t, None, &avoid).unwrap().guard.worker(), 2, "{p:?}");
             }
         }
-        avoid.engine(0);
+        avoid.engine(t.snapshot.load().fleet.engines[0].key);
         let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
         assert_eq!(s.pick(&t, None, &avoid).unwrap_err(), NoRank::NoneReachable);
     }
@@ -549,7 +602,8 @@ mod tests {
             base: Duration::from_millis(100),
         };
         for _ in 0..3 {
-            t.live[0]
+            member(&t, 0)
+                .live
                 .outlier
                 .failure(crate::outlier::Cause::Status(503), policy);
         }
@@ -607,7 +661,7 @@ mod tests {
             // Some requests already in flight, to exercise the credit path.
             let mut guards = Vec::new();
             for (w, (_, _, n)) in views.iter().enumerate() {
-                for _ in 0..*n { guards.push(InFlight::start(t.clone(), w, UNIT_WEIGHT)); }
+                for _ in 0..*n { guards.push(InFlight::start(member(&t, w), UNIT_WEIGHT)); }
             }
             let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
             for _ in 0..picks {

@@ -1,11 +1,12 @@
-//! The routing table: the fleet's shape, ONE immutable telemetry snapshot behind ONE `ArcSwap`,
-//! and per-worker live counters.
+//! The routing table: ONE immutable snapshot of the fleet and its telemetry behind ONE
+//! `ArcSwap`, and the per-worker live counters.
 //!
-//! Telemetry changes a few times a second and is read on every request, so it lives in an
-//! immutable [`Snapshot`] that the monitor builds aside and swaps in whole: readers never see half
-//! an update and never take a lock. What changes per request (dispatched and completed counts)
-//! cannot wait for the next snapshot, so it lives in atomics beside it, one cache line per worker
-//! so that two ranks' counters never contend.
+//! Telemetry changes a few times a second, membership now and then, and both are read on every
+//! request, so they live in an immutable [`Snapshot`] that the publisher builds aside and swaps
+//! in whole: readers never see half an update, never see a worker without its telemetry, and
+//! never take a lock. What changes per request (dispatched and completed counts) cannot wait for
+//! the next snapshot, so it lives in atomics in each worker's [`Member`], one cache line per
+//! worker so that two ranks' counters never contend.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::catalog::{Catalog, Model};
 pub use crate::reason::Reason;
-use crate::worker::Fleet;
+use crate::worker::{Fleet, Member};
 
 /// One rank's numbers, as its engine last reported them.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,9 +125,11 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
     }
 }
 
-/// The immutable telemetry snapshot: one view per worker, indexed like `Fleet::workers`.
+/// The immutable snapshot: the fleet, one view per worker (indexed like `fleet.workers`) and
+/// the catalog (indexed like `fleet.engines`).
 #[derive(Debug, Clone)]
 pub struct Snapshot {
+    pub fleet: Arc<Fleet>,
     pub ranks: Vec<RankView>,
     /// The fleet's models, and which engines serve each.
     pub catalog: Arc<Catalog>,
@@ -181,27 +184,30 @@ pub fn fixed_models(fleet: &Fleet) -> Vec<Option<Arc<[Model]>>> {
         .collect()
 }
 
-/// The fleet, the current snapshot and the live counters, shared by proxy, admin and monitor.
+/// The current snapshot, shared by proxy, admin and the publisher.
 #[derive(Debug)]
 pub struct Table {
-    pub fleet: Fleet,
     pub snapshot: ArcSwap<Snapshot>,
-    pub live: Vec<Live>,
     pub stale_after: Duration,
 }
 
 impl Table {
     pub fn new(fleet: Fleet, stale_after: Duration) -> Arc<Table> {
-        let n = fleet.workers.len();
         Arc::new(Table {
-            snapshot: ArcSwap::from_pointee(Snapshot {
-                ranks: vec![RankView::initial(); n],
-                catalog: Arc::new(Catalog::new(fixed_models(&fleet))),
-            }),
-            live: (0..n).map(|_| Live::default()).collect(),
-            fleet,
+            snapshot: ArcSwap::from_pointee(Snapshot::initial(fleet)),
             stale_after,
         })
+    }
+}
+
+impl Snapshot {
+    /// `fleet` with nothing polled yet.
+    pub fn initial(fleet: Fleet) -> Snapshot {
+        Snapshot {
+            ranks: vec![RankView::initial(); fleet.workers.len()],
+            catalog: Arc::new(Catalog::new(fixed_models(&fleet))),
+            fleet: Arc::new(fleet),
+        }
     }
 }
 
@@ -209,36 +215,33 @@ impl Table {
 /// streaming request counts until its last chunk, or until the client goes away.
 #[derive(Debug)]
 pub struct InFlight {
-    table: Arc<Table>,
-    worker: usize,
+    member: Arc<Member>,
     weight: u64,
 }
 
 impl InFlight {
-    pub fn start(table: Arc<Table>, worker: usize, weight: u64) -> InFlight {
-        let live = &table.live[worker];
+    pub fn start(member: Arc<Member>, weight: u64) -> InFlight {
+        let live = &member.live;
         // Weight before count: a reader that sees the request counted also sees its weight.
         live.dispatched_weight.fetch_add(weight, Relaxed);
         live.dispatched.fetch_add(1, Relaxed);
-        InFlight {
-            table,
-            worker,
-            weight,
-        }
+        InFlight { member, weight }
     }
 
+    pub fn member(&self) -> &Arc<Member> {
+        &self.member
+    }
+
+    /// Test fleets are one engine whose ranks start at 0: the worker's index is its rank.
+    #[cfg(test)]
     pub fn worker(&self) -> usize {
-        self.worker
-    }
-
-    pub fn table(&self) -> &Arc<Table> {
-        &self.table
+        self.member.id.rank.unwrap_or(0) as usize
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let live = &self.table.live[self.worker];
+        let live = &self.member.live;
         live.completed.fetch_add(1, Relaxed);
         live.completed_weight.fetch_add(self.weight, Relaxed);
     }

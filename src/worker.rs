@@ -7,9 +7,15 @@
 //! load report is a fleet rollup, not one engine's DP ranks.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use http::HeaderValue;
 use serde::Deserialize;
+
+use crate::metrics::WorkerCounters;
+use crate::proxy::send::{ConnLimits, EngineConn};
+use crate::table::Live;
 
 /// Which engine family serves a rank; decides how a request is pinned and how telemetry is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -155,57 +161,195 @@ impl RankId {
     }
 }
 
-/// A virtual worker: its id, the engine it lives on and its index in the fleet tables.
-#[derive(Debug, Clone)]
-pub struct Worker {
+/// A stable name for one engine entry: never reused, so a retry's "not this engine again" or a
+/// report from a poller means the same engine whatever joined or left the fleet since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineId(u64);
+
+/// A stable name for one virtual worker (see [`EngineId`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(u64);
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Relaxed)
+}
+
+/// Where an engine's membership comes from; each source manages only its own engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// `[[engines]]` in the config file (replaced as a whole on reload).
+    Config,
+    /// Added through the admin API.
+    Admin,
+    /// Found by `[[discovery]]` entry `i`.
+    Discovery(usize),
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::Config => f.write_str("config"),
+            Origin::Admin => f.write_str("admin"),
+            Origin::Discovery(i) => write!(f, "discovery[{i}]"),
+        }
+    }
+}
+
+/// One virtual worker for as long as anything refers to it: its identity, what is sent to pin
+/// it, and its counters. A worker whose engine left the fleet lives on in the requests still on
+/// it, which keep counting against it and finish normally.
+#[derive(Debug)]
+pub struct Member {
+    pub key: WorkerId,
     pub id: RankId,
     /// The id pre-rendered once, since every proxied response carries it in a header.
     pub id_text: Arc<str>,
-    /// Index of the engine in [`Fleet::engines`].
-    pub engine: usize,
+    /// The same as an `x-rankgate-worker` header value.
+    pub header: HeaderValue,
     /// Value of the pinning header / body field, per the engine's numbering; `None` for a
     /// gateway, which routes by itself.
     pub pin_rank: Option<u32>,
+    pub pin_header: Option<HeaderValue>,
+    pub live: Live,
+    pub counters: WorkerCounters,
+    /// Polls in which the rank's entry was present but invalid or duplicated.
+    pub invalid_entries: AtomicU64,
 }
 
-/// The static shape of the fleet: engines and their virtual workers, in config order.
+/// One engine in the fleet: its config, where it came from, its connections and its workers.
+#[derive(Debug)]
+pub struct EngineEntry {
+    pub key: EngineId,
+    pub cfg: Engine,
+    pub origin: Origin,
+    pub conn: EngineConn,
+    /// Its virtual workers, one per global rank (a gateway: one).
+    pub members: Box<[Arc<Member>]>,
+}
+
+impl std::ops::Deref for EngineEntry {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        &self.cfg
+    }
+}
+
+impl EngineEntry {
+    /// Expands `cfg` into one worker per global rank (a gateway into one worker).
+    pub fn new(cfg: Engine, origin: Origin, limits: ConnLimits) -> Arc<EngineEntry> {
+        let gateway = cfg.flavor == Flavor::Gateway;
+        let members = cfg
+            .ranks()
+            .map(|rank| {
+                let id = RankId {
+                    engine: cfg.url.clone(),
+                    rank: (!gateway).then_some(rank),
+                };
+                let pin_rank = (!gateway).then_some(match cfg.rank_header {
+                    RankNumbering::Global => rank,
+                    RankNumbering::Local => rank - cfg.start_rank,
+                });
+                let id_text: Arc<str> = id.to_string().into();
+                Arc::new(Member {
+                    key: WorkerId(next_id()),
+                    // Engine URLs are validated header-safe; a failure would be a validation bug.
+                    header: HeaderValue::from_str(&id_text)
+                        .unwrap_or(HeaderValue::from_static("invalid")),
+                    id_text,
+                    id,
+                    pin_rank,
+                    pin_header: pin_rank.map(HeaderValue::from),
+                    live: Live::default(),
+                    counters: WorkerCounters::default(),
+                    invalid_entries: AtomicU64::new(0),
+                })
+            })
+            .collect();
+        Arc::new(EngineEntry {
+            key: EngineId(next_id()),
+            conn: EngineConn::new(&cfg, limits),
+            cfg,
+            origin,
+            members,
+        })
+    }
+}
+
+/// A worker's place in one version of the fleet: the worker and the index of its engine in
+/// that version's [`Fleet::engines`].
 #[derive(Debug, Clone)]
+pub struct Seat {
+    pub member: Arc<Member>,
+    pub engine: usize,
+}
+
+impl std::ops::Deref for Seat {
+    type Target = Member;
+    fn deref(&self) -> &Member {
+        &self.member
+    }
+}
+
+/// One version of the fleet: its engines and their workers, in order (config file first, then
+/// admin additions, then discovered engines). Part of the snapshot, so indices into it are only
+/// meaningful together with the snapshot's other per-worker and per-engine vectors.
+#[derive(Debug, Clone, Default)]
 pub struct Fleet {
-    pub engines: Vec<Engine>,
-    pub workers: Vec<Worker>,
+    pub engines: Vec<Arc<EngineEntry>>,
+    pub workers: Vec<Seat>,
+    /// What the HTTP front door needs to know of the engines that serve it.
+    pub http: HttpShape,
+}
+
+/// The flavors among the engines serving OpenAI HTTP, for routes only some flavors serve.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HttpShape {
+    pub flavors: crate::proxy::route::Flavors,
+    /// More than one flavor: some routes then exclude some engines.
+    pub mixed_flavors: bool,
+    /// Some engine takes the rank in the body (SGLang), so bodies are read whole.
+    pub pins_in_body: bool,
 }
 
 impl Fleet {
-    /// Expands every engine into one worker per global rank (a gateway into one worker).
-    pub fn expand(engines: Vec<Engine>) -> Fleet {
-        let mut workers = Vec::new();
-        for (e, engine) in engines.iter().enumerate() {
-            for rank in engine.ranks() {
-                let gateway = engine.flavor == Flavor::Gateway;
-                let id = RankId {
-                    engine: engine.url.clone(),
-                    rank: (!gateway).then_some(rank),
-                };
-                let pin_rank = (!gateway).then_some(match engine.rank_header {
-                    RankNumbering::Global => rank,
-                    RankNumbering::Local => rank - engine.start_rank,
-                });
-                workers.push(Worker {
-                    id_text: id.to_string().into(),
-                    id,
+    pub fn new(engines: Vec<Arc<EngineEntry>>) -> Fleet {
+        let workers = (engines.iter().enumerate())
+            .flat_map(|(e, entry)| {
+                (entry.members.iter()).map(move |m| Seat {
+                    member: m.clone(),
                     engine: e,
-                    pin_rank,
-                });
-            }
+                })
+            })
+            .collect();
+        let http: Vec<&Engine> = engines.iter().map(|e| &e.cfg).filter(|e| e.http).collect();
+        Fleet {
+            http: HttpShape {
+                flavors: crate::proxy::route::Flavors::of(http.iter().copied()),
+                mixed_flavors: http.windows(2).any(|w| w[0].flavor != w[1].flavor),
+                pins_in_body: http.iter().any(|e| e.flavor == Flavor::Sglang),
+            },
+            engines,
+            workers,
         }
-        Fleet { engines, workers }
     }
 
-    /// Indices of `engine`'s workers in [`Fleet::workers`] (they are contiguous).
+    /// A fleet of config engines, for tests and `check`.
+    pub fn expand(engines: Vec<Engine>) -> Fleet {
+        Fleet::new(
+            engines
+                .into_iter()
+                .map(|e| EngineEntry::new(e, Origin::Config, ConnLimits::default()))
+                .collect(),
+        )
+    }
+
+    /// Indices of engine `e`'s workers in [`Fleet::workers`] (they are contiguous).
     pub fn workers_of(&self, engine: usize) -> std::ops::Range<usize> {
         let start = self.workers.iter().position(|w| w.engine == engine);
         match start {
-            Some(s) => s..s + self.engines[engine].dp_size as usize,
+            Some(s) => s..s + self.engines[engine].members.len(),
             None => 0..0,
         }
     }

@@ -86,7 +86,7 @@ pub(super) struct RawRouting {
     eject_for: Option<HumanDuration>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
@@ -134,7 +134,7 @@ pub struct ServerConfig {
     pub admin_token_env: Option<String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RoutingConfig {
     pub policy: Policy,
     pub no_telemetry: NoTelemetry,

@@ -147,6 +147,11 @@ impl Keys {
         Ok((!keys.is_empty()).then_some(Keys(keys)))
     }
 
+    /// One accepted key (the admin token).
+    pub fn single(key: &[u8]) -> Keys {
+        Keys(vec![key.into()])
+    }
+
     #[cfg(test)]
     pub fn new(keys: &[&str]) -> Keys {
         Keys(keys.iter().map(|k| k.as_bytes().into()).collect())

@@ -249,7 +249,7 @@ impl ProxyBody {
             .holds
             .in_flight
             .as_ref()
-            .map(|g| g.table().fleet.workers[g.worker()].id_text.clone());
+            .map(|g| g.member().id_text.clone());
         self.holds = Holds::default();
         let Kind::Upstream(up) = &mut self.kind else {
             return Poll::Ready(None);

@@ -30,7 +30,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
-use http::uri::Authority;
 use http::{header, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -43,6 +42,7 @@ use crate::http::Throttle;
 use crate::metrics::Metrics;
 use crate::policy::{NoRank, Selector};
 use crate::table::Table;
+use crate::worker::{EngineEntry, Member};
 
 /// What every layer below `respond` answers.
 type Answer = Result<Response<ProxyBody>, ProxyError>;
@@ -77,10 +77,10 @@ mod pin;
 mod read;
 mod respond;
 mod retry;
-mod route;
+pub(crate) mod route;
 mod scan;
 mod select;
-mod send;
+pub(crate) mod send;
 #[cfg(test)]
 mod tests;
 
@@ -151,7 +151,7 @@ pub enum ProxyError {
     /// Any of the above, on the worker it happened on.
     #[error("{error}")]
     At {
-        worker: usize,
+        worker: Arc<Member>,
         error: Box<ProxyError>,
     },
 }
@@ -165,19 +165,19 @@ impl ProxyError {
         }
     }
 
-    pub fn worker(&self) -> Option<usize> {
+    pub fn worker(&self) -> Option<&Arc<Member>> {
         match self {
-            ProxyError::At { worker, .. } => Some(*worker),
+            ProxyError::At { worker, .. } => Some(worker),
             _ => None,
         }
     }
 
     /// Marks the error as happened on `worker`.
-    pub fn at(self, worker: usize) -> ProxyError {
+    pub fn at(self, worker: &Arc<Member>) -> ProxyError {
         match self {
             e @ ProxyError::At { .. } => e,
             e => ProxyError::At {
-                worker,
+                worker: worker.clone(),
                 error: Box::new(e),
             },
         }
@@ -255,40 +255,19 @@ pub struct Shared {
     pub selector: Arc<Selector>,
     pub metrics: Arc<Metrics>,
     pub cfg: Config,
-    /// Per worker: the `x-rankgate-worker` value, rendered once.
-    worker_headers: Vec<HeaderValue>,
-    /// Per worker: the rank header value that pins it, if the engine takes one.
-    pin_headers: Vec<Option<HeaderValue>>,
-    /// Per engine: its authority, parsed once.
-    authorities: Vec<Authority>,
-    /// Per engine: its gRPC authority, if it has one.
-    grpc_authorities: Vec<Option<Authority>>,
-    /// Engines that serve no OpenAI HTTP API (only gRPC): never an HTTP request's target.
-    http_avoid: Option<crate::policy::Avoid>,
-    /// Per flavor (vLLM, SGLang): the engines a gRPC call must not go to (see [`grpc::targets`]).
-    grpc_avoid: [Option<crate::policy::Avoid>; 2],
     /// In-flight gRPC request ids and their engines (for Abort).
     grpc_requests: Arc<grpc::Requests>,
     /// h2 clients for engines' gRPC services: client `k` holds an engine's `k`th connection,
     /// opened once the connections before it carry their share of calls (send).
     grpc_clients: Vec<Client<HttpConnector, RequestBody>>,
-    /// Per engine with a gRPC address: the calls each of its connections carries.
-    grpc_streams: Vec<send::Streams>,
     /// Shutdown has begun (the gRPC health service then says NOT_SERVING).
     pub draining: Arc<std::sync::atomic::AtomicBool>,
-    /// The flavors of the fleet's engines, for routes only some serve.
-    flavors: route::Flavors,
-    /// Engines of more than one flavor: some routes then exclude some engines (select).
-    mixed_flavors: bool,
-    /// SGLang engines take the rank in the body, so bodies are read whole (read).
-    pins_in_body: bool,
     /// Retries' allowance (retry).
     budget: budget::RetryBudget,
     /// Requests admitted now (admit).
     admitted: AtomicUsize,
-    /// The engine connection pool, and per engine its connection slots (send).
+    /// The engine connection pool (send); each engine's slots are in its fleet entry.
     client: Client<HttpConnector, RequestBody>,
-    slots: Vec<send::Slots>,
     /// One log line per few seconds for server-side errors, however many requests hit them
     /// (respond).
     storm: Throttle,
@@ -311,97 +290,26 @@ impl Shared {
         metrics: Arc<Metrics>,
         keys: Option<Keys>,
     ) -> Arc<Shared> {
-        let worker_headers = table
-            .fleet
-            .workers
-            .iter()
-            .map(|w| {
-                HeaderValue::from_str(&w.id_text).unwrap_or(HeaderValue::from_static("invalid"))
-            })
-            .collect();
-        let pin_headers = table
-            .fleet
-            .workers
-            .iter()
-            .map(|w| w.pin_rank.map(HeaderValue::from))
-            .collect();
-        let authorities = table
-            .fleet
-            .engines
-            .iter()
-            // Validated at config load; a failure here would be a bug in validation.
-            .map(|e| {
-                Authority::try_from(&*e.authority)
-                    .unwrap_or(Authority::from_static("invalid.invalid:1"))
-            })
-            .collect();
         let server = &cfg.server;
-        let engines = &table.fleet.engines;
-        let http_engines: Vec<_> = engines.iter().filter(|e| e.http).cloned().collect();
-        let mut http_avoid = crate::policy::Avoid::default();
-        for (e, _) in engines.iter().enumerate().filter(|(_, e)| !e.http) {
-            http_avoid.engine(e);
-        }
         Arc::new(Shared {
-            grpc_authorities: engines
-                .iter()
-                .map(|e| e.grpc.as_deref().and_then(|a| Authority::try_from(a).ok()))
-                .collect(),
-            http_avoid: (http_engines.len() < engines.len()).then_some(http_avoid),
-            grpc_avoid: [
-                grpc::targets(engines, crate::worker::Flavor::Vllm),
-                grpc::targets(engines, crate::worker::Flavor::Sglang),
-            ],
             grpc_requests: Arc::default(),
             grpc_clients: (0..server
                 .max_engine_connections
                 .min(send::MAX_GRPC_CONNECTIONS))
                 .map(|_| crate::http::h2_client(server.connect_timeout))
                 .collect(),
-            grpc_streams: engines
-                .iter()
-                .map(|e| {
-                    let n = match e.grpc {
-                        Some(_) => server
-                            .max_engine_connections
-                            .min(send::MAX_GRPC_CONNECTIONS),
-                        None => 0,
-                    };
-                    send::Streams::new(n, server.grpc_streams_per_connection)
-                })
-                .collect(),
             draining: Arc::default(),
             selector: Arc::new(Selector::new(&cfg.routing)),
             metrics,
             cfg: cfg.clone(),
-            worker_headers,
-            pin_headers,
-            authorities,
-            // What the HTTP front door needs to know, of the engines it sends to.
-            flavors: route::Flavors::of(&http_engines),
-            mixed_flavors: http_engines.windows(2).any(|w| w[0].flavor != w[1].flavor),
-            pins_in_body: http_engines
-                .iter()
-                .any(|e| e.flavor == crate::worker::Flavor::Sglang),
             budget: budget::RetryBudget::new(cfg.routing.retry_budget),
             admitted: AtomicUsize::new(0),
             client: crate::http::client(server.connect_timeout),
-            slots: (0..table.fleet.engines.len())
-                .map(|_| send::Slots::new(server.max_engine_connections))
-                .collect(),
             storm: Throttle::new(Duration::from_secs(5)),
             retry_after: HeaderValue::from(cfg.routing.retry_after_secs),
             keys,
             table,
         })
-    }
-
-    fn worker_header(&self, w: usize) -> HeaderValue {
-        self.worker_headers[w].clone()
-    }
-
-    fn grpc_authority(&self, e: usize) -> Option<Authority> {
-        self.grpc_authorities[e].clone()
     }
 }
 
@@ -462,10 +370,10 @@ impl std::fmt::Debug for Ctx {
 /// on the request for the layers below it ([`Picked`]), and on the response body for those
 /// above ([`ProxyBody::target`]). Carried in the types rather than in `http::Extensions`, whose
 /// first insert allocates a map: this is every request's path.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Target {
-    pub worker: usize,
-    pub engine: usize,
+    pub worker: Arc<Member>,
+    pub engine: Arc<EngineEntry>,
     pub trial: bool,
 }
 

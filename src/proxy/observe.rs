@@ -37,16 +37,15 @@ fn policy(shared: &Shared) -> Policy {
 }
 
 /// Records a failure of `cause` on worker `w` (on all of its engine's ranks for the transport).
-fn failure(shared: &Shared, target: Target, cause: Cause) {
-    let table = &shared.table;
+fn failure(shared: &Shared, target: &Target, cause: Cause) {
     let ranks = match cause {
-        Cause::Transport => table.fleet.workers_of(target.engine),
-        Cause::Status(_) | Cause::Timeout | Cause::Mixed => target.worker..target.worker + 1,
+        Cause::Transport => &target.engine.members[..],
+        Cause::Status(_) | Cause::Timeout | Cause::Mixed => std::slice::from_ref(&target.worker),
     };
     for w in ranks {
-        if let Some(e) = table.live[w].outlier.failure(cause, policy(shared)) {
+        if let Some(e) = w.live.outlier.failure(cause, policy(shared)) {
             shared.metrics.ejected(w);
-            tracing::warn!(worker = %table.fleet.workers[w].id_text, reason = %e, "rank ejected");
+            tracing::warn!(worker = %w.id_text, reason = %e, "rank ejected");
         }
     }
 }
@@ -72,36 +71,34 @@ impl BreakWatch {
         } else {
             Cause::Transport
         };
-        failure(&self.ctx, self.target, cause);
+        failure(&self.ctx, &self.target, cause);
     }
 
     /// The body ended cleanly.
     pub fn ended(mut self) {
         self.judged = true;
-        success(&self.ctx, self.target);
+        success(&self.ctx, &self.target);
     }
 
     /// The stream ended with a failure status after its first byte (a gRPC call's trailers
     /// saying UNAVAILABLE): a failure of the rank, not of the whole engine's transport.
     pub fn failed(mut self, status: u16) {
         self.judged = true;
-        failure(&self.ctx, self.target, Cause::Status(status));
+        failure(&self.ctx, &self.target, Cause::Status(status));
     }
 }
 
 impl Drop for BreakWatch {
     fn drop(&mut self) {
         if !self.judged && self.target.trial {
-            self.ctx.table.live[self.target.worker]
-                .outlier
-                .abandon_trial();
+            self.target.worker.live.outlier.abandon_trial();
         }
     }
 }
 
-fn success(shared: &Shared, target: Target) {
-    if shared.table.live[target.worker].outlier.success() {
-        tracing::info!(worker = %shared.table.fleet.workers[target.worker].id_text, "rank re-admitted after a successful trial");
+fn success(_shared: &Shared, target: &Target) {
+    if target.worker.live.outlier.success() {
+        tracing::info!(worker = %target.worker.id_text, "rank re-admitted after a successful trial");
     }
 }
 
@@ -112,12 +109,12 @@ where
     layer_types!(Observing<S::Future>);
 
     fn call(&mut self, req: Request<Picked>) -> Self::Future {
-        let target = req.body().target;
+        let target = req.body().target.clone();
         Observing {
             inner: self.inner.call(req),
             ctx: self.ctx.clone(),
-            target,
             open: target.trial,
+            target,
         }
     }
 }
@@ -136,9 +133,7 @@ pub struct Observing<F> {
 impl<F> Drop for Observing<F> {
     fn drop(&mut self) {
         if self.open {
-            self.ctx.table.live[self.target.worker]
-                .outlier
-                .abandon_trial();
+            self.target.worker.live.outlier.abandon_trial();
         }
     }
 }
@@ -148,10 +143,10 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer> {
         let this = self.get_mut();
-        let (ctx, target) = (&this.ctx, this.target);
+        let (ctx, target) = (&this.ctx, &this.target);
         // Errors below are located here, on the attempt's worker.
         let mut result =
-            ready!(Pin::new(&mut this.inner).poll(cx)).map_err(|e| e.at(target.worker));
+            ready!(Pin::new(&mut this.inner).poll(cx)).map_err(|e| e.at(&target.worker));
         let judged = match &mut result {
             Ok(resp) if super::grpc::answered(resp, ctx.grpc()).is_server_error() => {
                 let status = super::grpc::answered(resp, ctx.grpc());
@@ -165,7 +160,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
                 } else {
                     resp.body_mut().holds.on_break = Some(BreakWatch {
                         ctx: ctx.clone(),
-                        target,
+                        target: target.clone(),
                         judged: false,
                     });
                 }

@@ -52,14 +52,14 @@ where
         if picked.skipped_unavailable {
             shared.metrics.skipped_unavailable();
         }
-        let w = picked.guard.worker();
-        let worker = &shared.table.fleet.workers[w];
-        let e = worker.engine;
+        let worker = picked.guard.member().clone();
+        let w = &worker;
         let target = Target {
-            worker: w,
-            engine: e,
+            worker: worker.clone(),
+            engine: picked.engine,
             trial: picked.trial,
         };
+        let engine = &target.engine;
 
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -67,11 +67,10 @@ where
         parts.headers.remove(&RANK_HEADER);
         parts.headers.remove(header::HOST);
         let grpc = self.ctx.grpc();
-        if let (Some(pin), false) = (&shared.pin_headers[w], grpc) {
+        if let (Some(pin), false) = (&worker.pin_header, grpc) {
             parts.headers.insert(RANK_HEADER, pin.clone());
         }
         // An engine with a key of its own gets that key, never the client's.
-        let engine = &shared.table.fleet.engines[e];
         if let Some(key) = &engine.api_key {
             parts.headers.insert(header::AUTHORIZATION, key.0.clone());
         }
@@ -81,10 +80,10 @@ where
                 .headers
                 .insert(header::TE, HeaderValue::from_static("trailers"));
             parts.version = Version::HTTP_2;
-            shared.grpc_authority(e)
+            engine.conn.grpc_authority.clone()
         } else {
             parts.version = Version::HTTP_11;
-            Some(shared.authorities[e].clone())
+            Some(engine.conn.authority.clone())
         };
         let pq = parts
             .uri
@@ -133,8 +132,8 @@ where
                 let max = shared.cfg.server.max_body_bytes;
                 let mut inner = self.inner.clone();
                 return Step::Own(Box::pin(async move {
-                    let whole = whole(streamed, max).await.map_err(|err| err.at(w))?;
-                    let pinned = pin.apply(&whole).map_err(|err| err.at(w))?;
+                    let whole = whole(streamed, max).await.map_err(|err| err.at(&worker))?;
+                    let pinned = pin.apply(&whole).map_err(|err| err.at(&worker))?;
                     parts
                         .headers
                         .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));

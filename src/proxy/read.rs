@@ -38,7 +38,9 @@ impl<S> Read<S> {
             ctx: ctx.clone(),
             max_body: cfg.server.max_body_bytes,
             // gRPC: the rank goes inside the message, which is read whole.
-            keep: if ctx.pins_in_body || ctx.grpc() {
+            // A connection opened before the fleet had such engines streams its bodies: `pick`
+            // then reads the rest of one it pins in the body.
+            keep: if ctx.grpc() || ctx.table.snapshot.load().fleet.http.pins_in_body {
                 cfg.server.max_body_bytes
             } else {
                 cfg.routing.retry_buffer_bytes

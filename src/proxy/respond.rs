@@ -66,8 +66,8 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
         let this = self.get_mut();
         Poll::Ready(Ok(match ready!(Pin::new(&mut this.inner).poll(cx)) {
             Ok(mut resp) => {
-                if let Some(t) = resp.body().target {
-                    this.ctx.metrics.response(t.worker, resp.status().as_u16());
+                if let Some(t) = &resp.body().target {
+                    this.ctx.metrics.response(&t.worker, resp.status().as_u16());
                 }
                 resp.body_mut().holds.done = Some(Done {
                     started: this.started,
@@ -87,7 +87,7 @@ pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody>
     let message = match err.worker() {
         Some(w) => {
             metrics.response(w, status.as_u16());
-            format!("{}: {err}", ctx.table.fleet.workers[w].id_text)
+            format!("{}: {err}", w.id_text)
         }
         None => {
             metrics.own_response(status.as_u16());
@@ -107,8 +107,7 @@ pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody>
             *resp.status_mut() = *s;
         }
         if let Some(w) = err.worker() {
-            resp.headers_mut()
-                .insert(WORKER_HEADER, ctx.worker_header(w));
+            resp.headers_mut().insert(WORKER_HEADER, w.header.clone());
         }
         return resp;
     }
@@ -133,8 +132,7 @@ pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody>
         }
     }
     if let Some(w) = err.worker() {
-        resp.headers_mut()
-            .insert(WORKER_HEADER, ctx.worker_header(w));
+        resp.headers_mut().insert(WORKER_HEADER, w.header.clone());
     }
     resp
 }

@@ -16,6 +16,8 @@ use http::{Request, Response};
 
 use super::{Answer, Below, Ctx, ProxyBody, ProxyError, RequestBody};
 use crate::policy::Avoid;
+use crate::worker::Member;
+use std::sync::Arc;
 
 #[derive(Clone)]
 pub struct Retry<S> {
@@ -34,12 +36,17 @@ impl<S> Retry<S> {
 
 /// Why an attempt may be worth another: the worker it failed on, and whether the transport
 /// failed (then the whole engine is avoided).
-fn failed(result: &Result<Response<ProxyBody>, ProxyError>, grpc: bool) -> Option<(usize, bool)> {
+fn failed(
+    result: &Result<Response<ProxyBody>, ProxyError>,
+    grpc: bool,
+) -> Option<(Arc<Member>, bool)> {
     match result {
-        Ok(resp) if matches!(super::grpc::answered(resp, grpc).as_u16(), 502..=504) => {
-            resp.body().target.map(|t| (t.worker, false))
-        }
-        Err(e) if e.retryable() => e.worker().map(|w| (w, true)),
+        Ok(resp) if matches!(super::grpc::answered(resp, grpc).as_u16(), 502..=504) => resp
+            .body()
+            .target
+            .as_ref()
+            .map(|t| (t.worker.clone(), false)),
+        Err(e) if e.retryable() => e.worker().map(|w| (w.clone(), true)),
         _ => None,
     }
 }
@@ -127,9 +134,17 @@ where
                 return Poll::Ready(result);
             }
             if transport {
-                a.avoid.engine(a.ctx.table.fleet.workers[worker].engine);
+                // Every rank of its engine: the worker's engine in the fleet it was picked from
+                // (the worker's ranks are its engine's for as long as either lives).
+                let snap = a.ctx.table.snapshot.load();
+                match (snap.fleet.engines.iter())
+                    .find(|e| e.members.iter().any(|m| m.key == worker.key))
+                {
+                    Some(e) => a.avoid.engine(e.key),
+                    None => a.avoid.worker(worker.key),
+                }
             } else {
-                a.avoid.worker(worker);
+                a.avoid.worker(worker.key);
             }
             let body = a
                 .body

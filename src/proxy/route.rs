@@ -25,7 +25,7 @@ pub enum Payload {
 }
 
 /// Engine flavors, as a set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Flavors(u8);
 
 impl Flavors {
@@ -34,8 +34,8 @@ impl Flavors {
     pub const BOTH: Flavors = Flavors(3);
 
     /// The flavors a fleet's engines serve (a gateway: every route).
-    pub fn of(engines: &[crate::worker::Engine]) -> Flavors {
-        Flavors(engines.iter().fold(0, |acc, e| {
+    pub fn of<'a>(engines: impl IntoIterator<Item = &'a crate::worker::Engine>) -> Flavors {
+        Flavors(engines.into_iter().fold(0, |acc, e| {
             acc | match e.flavor {
                 Flavor::Vllm => 1,
                 Flavor::Sglang => 2,
@@ -154,7 +154,9 @@ pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyErr
         });
     }
     if let Action::Proxy(p) = &action {
-        if p.flavors.0 & ctx.flavors.0 == 0 {
+        let serving = ctx.table.snapshot.load().fleet.http.flavors;
+        // An empty fleet (engines still to be found) answers 503 at the pick, not 404 here.
+        if serving.0 != 0 && p.flavors.0 & serving.0 == 0 {
             return Err(ProxyError::NoEngineFor(path.to_string()));
         }
     }
@@ -198,7 +200,7 @@ fn models(ctx: &Ctx, id: Option<&str>) -> Answer {
     let snap = table.snapshot.load();
     let now = tokio::time::Instant::now();
     let listed = |e: usize| {
-        table.fleet.workers_of(e).any(|w| {
+        snap.fleet.workers_of(e).any(|w| {
             snap.ranks[w].reachable
                 && snap.ranks[w]
                     .telemetry

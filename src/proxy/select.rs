@@ -53,13 +53,14 @@ impl<S> Select<S> {
         let ctx = &self.ctx;
         let path = req.uri().path();
         let snap = ctx.table.snapshot.load();
-        // The usual request: one model, one flavor, nothing to look at (but the engines that
-        // serve only gRPC, if any).
-        if !snap.catalog.routes_by_model() && !ctx.mixed_flavors && path != "/v1/responses" {
-            return Ok(ctx.http_avoid.clone());
+        let mixed_flavors = snap.fleet.http.mixed_flavors;
+        // The usual request: one model, one flavor, nothing to look at (engines that serve no
+        // HTTP are left out by the pick itself).
+        if !snap.catalog.routes_by_model() && !mixed_flavors && path != "/v1/responses" {
+            return Ok(None);
         }
         let Action::Proxy(route) = route::lookup(ctx, req.method(), path)? else {
-            return Ok(ctx.http_avoid.clone());
+            return Ok(None);
         };
         // `read` kept this body whole. One that is not JSON is the engine's to refuse.
         if let (true, RequestBody::Full(body)) = (path == "/v1/responses", req.body()) {
@@ -70,36 +71,30 @@ impl<S> Select<S> {
             }
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
-        if !by_model && (!ctx.mixed_flavors || route.flavors == route::Flavors::BOTH) {
-            return Ok(ctx.http_avoid.clone());
+        if !by_model && (!mixed_flavors || route.flavors == route::Flavors::BOTH) {
+            return Ok(None);
         }
         let model = if by_model { model(req, route)? } else { None };
-        let engines = &ctx.table.fleet.engines;
+        let engines = &snap.fleet.engines;
         let serving = match by_model {
             true => snap.catalog.engines_for(model.as_deref(), |e| {
                 engines[e].http && route.flavors.has(engines[e].flavor)
             })?,
             false => (0..engines.len()).collect(),
         };
-        let mut avoid = Avoid::default();
-        let mut any = false;
-        // `serving` is in engine order: one walk over both.
-        let mut next = serving.iter().peekable();
-        for (e, engine) in engines.iter().enumerate() {
-            let serves = next.next_if_eq(&&e).is_some();
-            if serves && engine.http && route.flavors.has(engine.flavor) {
-                any = true;
-            } else {
-                avoid.engine(e);
-            }
-        }
-        if !any {
+        let only: Vec<_> = (serving.into_iter().map(|e| &engines[e]))
+            .filter(|e| e.http && route.flavors.has(e.flavor))
+            .map(|e| e.key)
+            .collect();
+        if only.is_empty() {
             let what = match model {
                 Some(m) => format!("{path} for model `{}`", crate::catalog::shown(&m)),
                 None => path.to_string(),
             };
             return Err(ProxyError::NoEngineFor(what));
         }
+        let mut avoid = Avoid::default();
+        avoid.only(only);
         Ok(Some(avoid))
     }
 }

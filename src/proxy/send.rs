@@ -25,6 +25,7 @@ use tokio::time::Sleep;
 use super::body::{BodyTooLarge, ClientBodyError, Ending};
 use super::pin::strip_hop_by_hop;
 use super::{Ctx, Picked, ProxyBody, ProxyError, RequestBody, WORKER_HEADER};
+use crate::worker::EngineEntry;
 
 #[derive(Clone)]
 pub struct Send(Ctx);
@@ -95,6 +96,62 @@ impl Slots {
 /// Most h2 connections rankgate opens to one engine's gRPC service.
 pub const MAX_GRPC_CONNECTIONS: usize = 64;
 
+/// How many connections rankgate opens to one engine (`server.max_engine_connections`), and
+/// how many gRPC calls one h2 connection carries before the next opens.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    pub connections: usize,
+    pub streams_per_connection: usize,
+}
+
+impl ConnLimits {
+    pub fn of(server: &crate::config::ServerConfig) -> ConnLimits {
+        ConnLimits {
+            connections: server.max_engine_connections,
+            streams_per_connection: server.grpc_streams_per_connection,
+        }
+    }
+}
+
+impl Default for ConnLimits {
+    fn default() -> ConnLimits {
+        ConnLimits {
+            connections: crate::config::DEFAULT_MAX_ENGINE_CONNECTIONS,
+            streams_per_connection: crate::config::DEFAULT_GRPC_STREAMS_PER_CONNECTION,
+        }
+    }
+}
+
+/// What rankgate needs to reach one engine: its authorities, parsed once, and the slots and
+/// streams its requests take.
+#[derive(Debug)]
+pub struct EngineConn {
+    pub authority: http::uri::Authority,
+    pub grpc_authority: Option<http::uri::Authority>,
+    pub slots: Slots,
+    pub streams: Streams,
+}
+
+impl EngineConn {
+    pub fn new(engine: &crate::worker::Engine, limits: ConnLimits) -> EngineConn {
+        let grpc_connections = match engine.grpc {
+            Some(_) => limits.connections.min(MAX_GRPC_CONNECTIONS),
+            None => 0,
+        };
+        EngineConn {
+            // Validated at config load; a failure here would be a bug in validation.
+            authority: http::uri::Authority::try_from(&*engine.authority)
+                .unwrap_or(http::uri::Authority::from_static("invalid.invalid:1")),
+            grpc_authority: engine
+                .grpc
+                .as_deref()
+                .and_then(|a| http::uri::Authority::try_from(a).ok()),
+            slots: Slots::new(limits.connections),
+            streams: Streams::new(grpc_connections, limits.streams_per_connection),
+        }
+    }
+}
+
 /// The h2 connections to one engine's gRPC service, by the calls each carries: a call goes on
 /// the first connection under the stream limit, so one connection serves until the engine's
 /// stream limit would make calls queue on it, and then the next one opens.
@@ -139,8 +196,7 @@ impl Streams {
 /// dropped (with the response body).
 #[derive(Debug)]
 pub struct Slot {
-    ctx: Ctx,
-    engine: usize,
+    engine: Arc<EngineEntry>,
     /// The gRPC connection the call is a stream on.
     stream: Option<usize>,
 }
@@ -148,8 +204,8 @@ pub struct Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         match self.stream {
-            Some(k) => self.ctx.grpc_streams[self.engine].give_back(k),
-            None => self.ctx.slots[self.engine].give_back(),
+            Some(k) => self.engine.conn.streams.give_back(k),
+            None => self.engine.conn.slots.give_back(),
         }
     }
 }
@@ -198,24 +254,22 @@ impl tower::Service<Request<Picked>> for Send {
         let mut slot = None;
         let state = if ctx.grpc() {
             // gRPC calls are streams on an engine's h2 connections, not connections.
-            let k = ctx.grpc_streams[target.engine].take();
+            let k = target.engine.conn.streams.take();
             slot = Some(Slot {
-                ctx: ctx.clone(),
-                engine: target.engine,
+                engine: target.engine.clone(),
                 stream: Some(k),
             });
             State::Sending(ctx.grpc_clients[k].request(req))
-        } else if ctx.slots[target.engine].try_take() {
+        } else if target.engine.conn.slots.try_take() {
             slot = Some(Slot {
-                ctx: ctx.clone(),
-                engine: target.engine,
+                engine: target.engine.clone(),
                 stream: None,
             });
             State::Sending(ctx.client.request(req))
         } else {
-            let (ctx, engine) = (ctx.clone(), target.engine);
+            let engine = target.engine.clone();
             State::Waiting(Box::new((
-                Box::pin(async move { ctx.slots[engine].take().await }),
+                Box::pin(async move { engine.conn.slots.take().await }),
                 Some(req),
             )))
         };
@@ -264,8 +318,7 @@ impl Future for Sending {
             match slot.as_mut().poll(cx) {
                 Poll::Ready(()) => {
                     this.slot = Some(Slot {
-                        ctx: this.ctx.clone(),
-                        engine: this.target.engine,
+                        engine: this.target.engine.clone(),
                         stream: None,
                     });
                     let Some(req) = req.take() else {
@@ -290,7 +343,7 @@ impl Future for Sending {
         let resp = match Pin::new(response).poll(cx) {
             Poll::Ready(Ok(resp)) => resp,
             Poll::Ready(Err(e)) => {
-                let engine = &this.ctx.table.fleet.engines[this.target.engine].url;
+                let engine = &this.target.engine.url;
                 return Poll::Ready(Err(classify(e, engine, server.max_body_bytes)));
             }
             Poll::Pending => {
@@ -317,12 +370,12 @@ impl Future for Sending {
         };
         parts
             .headers
-            .insert(WORKER_HEADER, this.ctx.worker_header(this.target.worker));
+            .insert(WORKER_HEADER, this.target.worker.header.clone());
         let mut body =
             ProxyBody::upstream(body, ending, server.stream_idle_timeout, this.timer.take());
         body.holds.connection = this.slot.take();
         body.holds.in_flight = this.guard.take();
-        body.target = Some(this.target);
+        body.target = Some(this.target.clone());
         Poll::Ready(Ok(Response::from_parts(parts, body)))
     }
 }

@@ -30,12 +30,14 @@ fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Ctx {
         cfg.telemetry.stale_after,
     );
     let view = crate::table::test_view(0.1, Instant::now());
-    let catalog = table.snapshot.load().catalog.clone();
+    let snap = table.snapshot.load();
+    let (fleet, catalog) = (snap.fleet.clone(), snap.catalog.clone());
     table.snapshot.store(Arc::new(Snapshot {
+        fleet,
         ranks: vec![view.clone(), view],
         catalog,
     }));
-    let metrics = Arc::new(Metrics::new(2));
+    let metrics = Arc::new(Metrics::new());
     Ctx::new(
         &Shared::new(&cfg, table, metrics, keys),
         ([127, 0, 0, 1], 9).into(),
@@ -56,7 +58,17 @@ fn answer(status: u16) -> Response<ProxyBody> {
 }
 
 fn target(req: &Request<Picked>) -> Target {
-    req.body().target
+    req.body().target.clone()
+}
+
+/// Worker `w` of the context's fleet (one rank per engine: `w` is also its engine and rank).
+fn member(s: &Ctx, w: usize) -> Arc<crate::worker::Member> {
+    s.table.snapshot.load().fleet.workers[w].member.clone()
+}
+
+/// The index of a target's engine (= its worker's, in these one-rank engines).
+fn engine(t: &Target) -> u32 {
+    t.worker.id.rank.unwrap_or(0)
 }
 
 #[tokio::test]
@@ -100,8 +112,10 @@ async fn admission_counts_until_the_body_ends() {
 #[tokio::test]
 async fn respond_turns_errors_into_openai_answers() {
     let s = shared("");
-    let inner = service_fn(|_: Request<()>| async {
-        Err::<Response<ProxyBody>, _>(ProxyError::Timeout(Duration::from_millis(5)).at(1))
+    let on = member(&s, 1);
+    let inner = service_fn(move |_: Request<()>| {
+        let e = ProxyError::Timeout(Duration::from_millis(5)).at(&on);
+        async move { Err::<Response<ProxyBody>, _>(e) }
     })
     .boxed();
     let resp = respond::Respond::new(inner, &s)
@@ -190,7 +204,7 @@ fn failover_stack(
         calls.fetch_add(1, Relaxed);
         let picked = req.into_body();
         // As `send` does: the response carries its rank and holds the in-flight mark.
-        let r = answer_for(picked.target).map(|mut resp| {
+        let r = answer_for(picked.target.clone()).map(|mut resp| {
             resp.body_mut().target = Some(picked.target);
             resp.body_mut().holds.in_flight = Some(picked.guard);
             resp
@@ -207,16 +221,16 @@ async fn a_503_is_retried_on_the_other_rank_and_the_failing_rank_is_ejected() {
     let calls = Arc::new(AtomicUsize::new(0));
     let stack = failover_stack(
         &s,
-        |t| Ok(answer(if t.engine == 0 { 503 } else { 200 })),
+        |t| Ok(answer(if engine(&t) == 0 { 503 } else { 200 })),
         calls.clone(),
     );
     let mut stack = stack;
     for _ in 0..20 {
         let resp = stack.ready().await.unwrap().call(chat()).await.unwrap();
         assert_eq!(resp.status(), 200, "every request ends on the healthy rank");
-        assert_eq!(resp.body().target.unwrap().engine, 1);
+        assert_eq!(engine(resp.body().target.as_ref().unwrap()), 1);
     }
-    let live = &s.table.live[0].outlier;
+    let live = &member(&s, 0).live.outlier;
     let e = live
         .ejection()
         .expect("a 503 ejects the rank (eject_after = 1)");
@@ -235,7 +249,7 @@ async fn failures_weigh_on_the_score_before_ejection() {
     let calls = Arc::new(AtomicUsize::new(0));
     let mut stack = failover_stack(
         &s,
-        |t| Ok(answer(if t.engine == 0 { 503 } else { 200 })),
+        |t| Ok(answer(if engine(&t) == 0 { 503 } else { 200 })),
         calls.clone(),
     );
     let mut held = Vec::new();
@@ -246,7 +260,7 @@ async fn failures_weigh_on_the_score_before_ejection() {
     // that fails fast never looks like the idlest one.
     assert!(calls.load(Relaxed) <= 11, "{}", calls.load(Relaxed));
     assert_eq!(
-        s.table.live[0].outlier.failures(),
+        member(&s, 0).live.outlier.failures(),
         calls.load(Relaxed) as u32 - 10
     );
 }
@@ -257,7 +271,7 @@ async fn a_transport_failure_avoids_the_whole_engine_and_4xx_never_counts() {
     let calls = Arc::new(AtomicUsize::new(0));
     let mut stack = failover_stack(
         &s,
-        |t| match t.engine {
+        |t| match engine(&t) {
             0 => Err(ProxyError::Upstream {
                 engine: "http://127.0.0.1:1".into(),
                 reason: "connection refused".into(),
@@ -274,17 +288,17 @@ async fn a_transport_failure_avoids_the_whole_engine_and_4xx_never_counts() {
             400,
             "the engine's own 4xx is the answer, not retried"
         );
-        if s.table.live[0].outlier.failures() > 0 {
+        if member(&s, 0).live.outlier.failures() > 0 {
             break;
         }
     }
-    assert_eq!(s.table.live[0].outlier.failures(), 1);
+    assert_eq!(member(&s, 0).live.outlier.failures(), 1);
     assert_eq!(
         s.metrics.retries_total(),
         1,
         "the refused attempt went to the other engine"
     );
-    assert_eq!(s.table.live[1].outlier.failures(), 0, "4xx never counts");
+    assert_eq!(member(&s, 1).live.outlier.failures(), 0, "4xx never counts");
 }
 
 #[tokio::test]
@@ -317,9 +331,12 @@ async fn pick_pins_the_rank_header_and_strips_the_clients_own() {
     let s = shared("");
     let send = service_fn(|req: Request<Picked>| async move {
         let t = target(&req);
-        assert_eq!(req.headers()[RANK_HEADER], t.worker.to_string());
+        assert_eq!(req.headers()[RANK_HEADER], engine(&t).to_string());
         assert!(req.uri().to_string().starts_with("http://127.0.0.1:"));
-        assert_eq!(req.body().guard.worker(), t.worker, "in flight on its rank");
+        assert!(
+            Arc::ptr_eq(req.body().guard.member(), &t.worker),
+            "in flight on its rank"
+        );
         Ok::<_, ProxyError>(answer(200))
     })
     .boxed_clone();

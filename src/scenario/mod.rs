@@ -281,9 +281,7 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
     }
 
     let engines = Arc::new(engines);
-    let ids: Vec<String> = router
-        .table
-        .fleet
+    let ids: Vec<String> = (router.table.snapshot.load().fleet)
         .workers
         .iter()
         .map(|w| w.id_text.to_string())

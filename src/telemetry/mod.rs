@@ -1,4 +1,5 @@
-//! The telemetry monitor: polls each ENGINE once per interval and publishes the one snapshot.
+//! The telemetry monitor: polls each ENGINE once per interval and publishes the one snapshot,
+//! fleet membership included.
 //!
 //! One poller task per engine, so a slow engine (a saturated vLLM once took ~7 s to answer one
 //! scrape) only delays its own ranks while their age shows. Pollers never write the snapshot
@@ -14,16 +15,20 @@ mod models;
 mod poller;
 pub mod prom;
 
+use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
+use tokio::task::{AbortHandle, JoinSet};
 
-use crate::catalog::Model;
+use crate::catalog::{Catalog, Model};
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
-use crate::table::{RankTelemetry, RankView, Snapshot, Table};
+use crate::membership::{self, Change, MembershipError, Outcome};
+use crate::proxy::send::ConnLimits;
+use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
+use crate::worker::{EngineEntry, EngineId, Fleet, WorkerId};
 
 /// Counters the admin `/metrics` page shows about telemetry itself.
 #[derive(Debug, Default)]
@@ -31,24 +36,13 @@ pub struct TelemetryStats {
     pub polls: AtomicU64,
     pub poll_failures: AtomicU64,
     pub bad_lines: AtomicU64,
-    /// Per worker: polls in which the rank's entry was present but invalid or duplicated.
-    pub invalid_entries: Vec<AtomicU64>,
     /// Entries naming a rank outside their engine's managed set.
     pub unmanaged_entries: AtomicU64,
 }
 
-impl TelemetryStats {
-    pub fn new(workers: usize) -> TelemetryStats {
-        TelemetryStats {
-            invalid_entries: (0..workers).map(|_| AtomicU64::new(0)).collect(),
-            ..TelemetryStats::default()
-        }
-    }
-}
-
 /// One engine's poll, projected onto its ranks.
 pub struct Report {
-    engine: usize,
+    engine: EngineId,
     reachable: bool,
     weight_at_poll: Vec<u64>,
     ranks: Vec<RankTelemetry>,
@@ -57,88 +51,218 @@ pub struct Report {
     models: Option<Vec<Model>>,
 }
 
-/// Starts the pollers and the publisher; they run until `shutdown`.
+/// What the publisher needs besides the table.
+pub struct Settings {
+    pub telemetry: TelemetryConfig,
+    pub default_kv_per_request: f64,
+    pub limits: ConnLimits,
+}
+
+/// Starts the publisher and a poller for every engine of the table's fleet; they run until
+/// `shutdown`. Membership changes arrive on `changes`.
 pub fn spawn(
     table: Arc<Table>,
-    cfg: TelemetryConfig,
-    default_kv_per_request: f64,
+    settings: Settings,
     stats: Arc<TelemetryStats>,
+    changes: mpsc::Receiver<membership::Request>,
     shutdown: Shutdown,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let (tx, rx) = mpsc::channel(table.fleet.engines.len().max(1) * 2);
-        let http = poller::HttpClient::new(crate::http::client(cfg.timeout));
-        let grpc = grpc::transport(cfg.timeout);
-        let mut tasks = JoinSet::new();
-        for e in 0..table.fleet.engines.len() {
-            match poller::Poller::new(
-                e,
-                table.clone(),
-                cfg.clone(),
-                http.clone(),
-                grpc.clone(),
-                stats.clone(),
-            ) {
-                Ok(p) => {
-                    tasks.spawn(p.run(tx.clone(), shutdown.clone()));
-                }
-                // Config validation makes this unreachable; if it is not, the engine's ranks
-                // stay Unavailable ("not polled") instead of taking the router down.
-                Err(err) => {
-                    tracing::error!(engine = %table.fleet.engines[e].url, %err, "engine not polled")
-                }
-            }
-        }
-        drop(tx);
-        publish(table, rx, default_kv_per_request).await;
-        while tasks.join_next().await.is_some() {}
+        let fleet = table.snapshot.load().fleet.clone();
+        let (tx, rx) = mpsc::channel(fleet.engines.len().max(16) * 2);
+        let snap = table.snapshot.load_full();
+        let mut p = Publisher {
+            http: poller::HttpClient::new(crate::http::client(settings.telemetry.timeout)),
+            grpc: grpc::transport(settings.telemetry.timeout),
+            stale: vec![false; snap.ranks.len()],
+            views: snap.ranks.clone(),
+            catalog: snap.catalog.clone(),
+            fleet,
+            table,
+            settings,
+            stats,
+            tx,
+            pollers: HashMap::new(),
+            tasks: JoinSet::new(),
+            shutdown: shutdown.clone(),
+        };
+        p.start_pollers();
+        p.run(rx, changes, shutdown).await;
+        p.tasks.abort_all();
+        while p.tasks.join_next().await.is_some() {}
     })
 }
 
-/// The single writer: folds reports into the current views and swaps in each new snapshot.
-async fn publish(table: Arc<Table>, mut rx: mpsc::Receiver<Report>, default_kv_per_request: f64) {
-    let mut views: Vec<RankView> = table.snapshot.load().ranks.clone();
-    let mut catalog = table.snapshot.load().catalog.clone();
-    // Staleness has no report to announce it (a hung engine sends none), so a timer looks for it.
-    let mut stale = vec![false; views.len()];
-    let mut tick = tokio::time::interval(table.stale_after / 4);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            report = rx.recv() => {
-                let Some(report) = report else { return };
-                let range = table.fleet.workers_of(report.engine);
-                for ((w, telemetry), weight) in range.zip(report.ranks).zip(report.weight_at_poll) {
-                    log_change(&table, w, &views[w].telemetry, &telemetry);
-                    views[w] = RankView {
-                        telemetry,
-                        reachable: report.reachable,
-                        weight_at_poll: weight,
-                        kv_per_request: 0.0,
-                        source: report.source,
-                    };
+/// The snapshot's single writer: folds poll reports and membership changes into the current
+/// fleet and views and swaps in each new snapshot.
+struct Publisher {
+    table: Arc<Table>,
+    settings: Settings,
+    stats: Arc<TelemetryStats>,
+    http: poller::HttpClient,
+    grpc: grpc::Transport,
+    /// Where pollers send their reports.
+    tx: mpsc::Sender<Report>,
+    /// The fleet, views and catalog of the current snapshot.
+    fleet: Arc<Fleet>,
+    views: Vec<RankView>,
+    catalog: Arc<Catalog>,
+    /// Per worker: whether its staleness was logged.
+    stale: Vec<bool>,
+    pollers: HashMap<EngineId, AbortHandle>,
+    tasks: JoinSet<()>,
+    shutdown: Shutdown,
+}
+
+impl Publisher {
+    async fn run(
+        &mut self,
+        mut reports: mpsc::Receiver<Report>,
+        mut changes: mpsc::Receiver<membership::Request>,
+        mut shutdown: Shutdown,
+    ) {
+        // Staleness has no report to announce it (a hung engine sends none), so a timer looks
+        // for it.
+        let mut tick = tokio::time::interval(self.table.stale_after / 4);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                Some(report) = reports.recv() => self.report(report),
+                Some((change, done)) = changes.recv() => {
+                    let _ = done.send(self.change(change));
                 }
-                if let Some(m) = report.models {
-                    let e = report.engine;
-                    // A list fixed in the config is never replaced.
-                    if table.fleet.engines[e].models.is_none() && catalog.of(e) != Some(&m[..]) {
-                        catalog = Arc::new(catalog.with(e, m.into()));
-                    }
-                }
-                estimate_kv_per_request(&mut views, default_kv_per_request);
-                table.snapshot.store(Arc::new(Snapshot {
-                    ranks: views.clone(),
-                    catalog: catalog.clone(),
-                }));
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
             }
-            _ = tick.tick() => {}
+            log_staleness(&self.table, &self.fleet, &self.views, &mut self.stale);
         }
-        log_staleness(&table, &views, &mut stale);
+    }
+
+    fn report(&mut self, report: Report) {
+        // A report of an engine that left the fleet since its poll began.
+        let Some(e) = self
+            .fleet
+            .engines
+            .iter()
+            .position(|x| x.key == report.engine)
+        else {
+            return;
+        };
+        let range = self.fleet.workers_of(e);
+        for ((w, telemetry), weight) in range.zip(report.ranks).zip(report.weight_at_poll) {
+            log_change(&self.fleet, w, &self.views[w].telemetry, &telemetry);
+            self.views[w] = RankView {
+                telemetry,
+                reachable: report.reachable,
+                weight_at_poll: weight,
+                kv_per_request: 0.0,
+                source: report.source,
+            };
+        }
+        if let Some(m) = report.models {
+            // A list fixed in the config is never replaced.
+            if self.fleet.engines[e].models.is_none() && self.catalog.of(e) != Some(&m[..]) {
+                self.catalog = Arc::new(self.catalog.with(e, m.into()));
+            }
+        }
+        self.publish();
+    }
+
+    fn publish(&mut self) {
+        estimate_kv_per_request(&mut self.views, self.settings.default_kv_per_request);
+        self.table.snapshot.store(Arc::new(Snapshot {
+            fleet: self.fleet.clone(),
+            ranks: self.views.clone(),
+            catalog: self.catalog.clone(),
+        }));
+    }
+
+    /// Applies a membership change: the next fleet, with what is known of the engines that
+    /// stay, swapped in; pollers started and stopped.
+    fn change(&mut self, change: Change) -> Result<Outcome, MembershipError> {
+        let plan = membership::plan(&self.fleet.engines, change)?;
+        let old = &self.fleet;
+        let entries: Vec<Arc<EngineEntry>> = (plan.engines.into_iter())
+            .map(|(origin, cfg)| {
+                match old
+                    .engines
+                    .iter()
+                    .find(|e| e.origin == origin && e.cfg == cfg)
+                {
+                    Some(e) => e.clone(),
+                    None => EngineEntry::new(cfg, origin, self.settings.limits),
+                }
+            })
+            .collect();
+        let fleet = Fleet::new(entries);
+        let mut known: HashMap<WorkerId, (RankView, bool)> = (old.workers.iter())
+            .zip(self.views.drain(..).zip(self.stale.drain(..)))
+            .map(|(w, v)| (w.key, v))
+            .collect();
+        (self.views, self.stale) = (fleet.workers.iter())
+            .map(|w| known.remove(&w.key).unwrap_or((RankView::initial(), false)))
+            .unzip();
+        let fixed = fixed_models(&fleet);
+        let lists = (fleet.engines.iter().zip(fixed))
+            .map(|(e, fixed)| {
+                fixed.or_else(|| {
+                    let was = old.engines.iter().position(|o| o.key == e.key)?;
+                    self.catalog.of(was).map(Into::into)
+                })
+            })
+            .collect();
+        self.catalog = Arc::new(Catalog::new(lists));
+        self.fleet = Arc::new(fleet);
+        self.publish();
+        self.start_pollers();
+        let keys: Vec<EngineId> = self.fleet.engines.iter().map(|e| e.key).collect();
+        self.pollers.retain(|k, task| {
+            let stays = keys.contains(k);
+            if !stays {
+                task.abort();
+            }
+            stays
+        });
+        for url in &plan.outcome.added {
+            tracing::info!(engine = %url, "engine joined the fleet");
+        }
+        for url in &plan.outcome.removed {
+            tracing::info!(engine = %url, "engine left the fleet: no new requests, those on it finish");
+        }
+        Ok(plan.outcome)
+    }
+
+    /// A poller for every engine of the fleet that has none.
+    fn start_pollers(&mut self) {
+        for entry in &self.fleet.engines {
+            if self.pollers.contains_key(&entry.key) {
+                continue;
+            }
+            match poller::Poller::new(
+                entry.clone(),
+                self.settings.telemetry.clone(),
+                self.http.clone(),
+                self.grpc.clone(),
+                self.stats.clone(),
+            ) {
+                Ok(p) => {
+                    let task = self
+                        .tasks
+                        .spawn(p.run(self.tx.clone(), self.shutdown.clone()));
+                    self.pollers.insert(entry.key, task);
+                }
+                // Config validation makes this unreachable; if it is not, the engine's ranks
+                // stay Unavailable ("not polled") instead of taking the router down.
+                Err(err) => tracing::error!(engine = %entry.url, %err, "engine not polled"),
+            }
+        }
+        // Finished pollers (aborted ones) leave the set.
+        while self.tasks.try_join_next().is_some() {}
     }
 }
 
 /// One log line when a rank's last sample ages past `stale_after`, one when fresh numbers return.
-fn log_staleness(table: &Table, views: &[RankView], stale: &mut [bool]) {
+fn log_staleness(table: &Table, fleet: &Fleet, views: &[RankView], stale: &mut [bool]) {
     let now = tokio::time::Instant::now();
     for (w, v) in views.iter().enumerate() {
         let RankTelemetry::Available(l) = &v.telemetry else {
@@ -147,7 +271,7 @@ fn log_staleness(table: &Table, views: &[RankView], stale: &mut [bool]) {
         };
         let is_stale = now.saturating_duration_since(l.sampled_at) > table.stale_after;
         if is_stale != stale[w] {
-            let id = &table.fleet.workers[w].id_text;
+            let id = &fleet.workers[w].id_text;
             if is_stale {
                 tracing::warn!(worker = %id, stale_after_ms = table.stale_after.as_millis() as u64, "telemetry stale");
             } else {
@@ -159,8 +283,8 @@ fn log_staleness(table: &Table, views: &[RankView], stale: &mut [bool]) {
 }
 
 /// One log line per state change of a rank, not one per poll.
-fn log_change(table: &Table, w: usize, old: &RankTelemetry, new: &RankTelemetry) {
-    let id = &table.fleet.workers[w].id_text;
+fn log_change(fleet: &Fleet, w: usize, old: &RankTelemetry, new: &RankTelemetry) {
+    let id = &fleet.workers[w].id_text;
     match (old, new) {
         (RankTelemetry::Available(_), RankTelemetry::Unavailable { reason }) => {
             tracing::warn!(worker = %id, %reason, "telemetry unavailable");

@@ -34,7 +34,8 @@ use crate::config::TelemetryConfig;
 use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::reason::{HealthFailure, Reason, SourceFailure};
-use crate::table::{RankTelemetry, Table};
+use crate::table::RankTelemetry;
+use crate::worker::EngineEntry;
 use crate::worker::{ApiKey, Engine, Flavor, TelemetrySource};
 
 /// Largest telemetry body accepted; a real vLLM /metrics is ~70 KB.
@@ -108,9 +109,8 @@ impl Failure {
 }
 
 pub struct Poller {
-    e: usize,
+    entry: Arc<EngineEntry>,
     engine: Engine,
-    table: Arc<Table>,
     cfg: TelemetryConfig,
     sources: Vec<Source>,
     http: HttpClient,
@@ -189,14 +189,13 @@ fn uri(s: &str) -> Result<http::Uri, String> {
 
 impl Poller {
     pub fn new(
-        e: usize,
-        table: Arc<Table>,
+        entry: Arc<EngineEntry>,
         cfg: TelemetryConfig,
         http: HttpClient,
         grpc: super::grpc::Transport,
         stats: Arc<TelemetryStats>,
     ) -> Result<Poller, String> {
-        let engine = table.fleet.engines[e].clone();
+        let engine = entry.cfg.clone();
         let http = http.with_key(engine.api_key.clone());
         let engine_sources = engine.telemetry.len();
         let sources = engine
@@ -227,9 +226,8 @@ impl Poller {
             ),
             health_uri,
             health: Health::new(cfg.health_failures),
-            e,
+            entry,
             engine,
-            table,
             cfg,
             sources,
             http,
@@ -321,10 +319,9 @@ impl Poller {
 
     /// One poll of the engine through its first answering source.
     pub async fn poll(&mut self) -> Report {
-        let workers = self.table.fleet.workers_of(self.e);
-        let weight_at_poll: Vec<u64> = workers
-            .clone()
-            .map(|w| self.table.live[w].dispatched_weight.load(Relaxed))
+        let ranks = self.entry.members.len();
+        let weight_at_poll: Vec<u64> = (self.entry.members.iter())
+            .map(|m| m.live.dispatched_weight.load(Relaxed))
             .collect();
         self.stats.polls.fetch_add(1, Relaxed);
         let mut failures = Vec::new();
@@ -349,7 +346,7 @@ impl Poller {
             }
             match result {
                 Ok(Ok((ranks, notes))) => {
-                    self.note(&notes, workers.clone());
+                    self.note(&notes);
                     if let (Source::Grpc(client), false) = (&self.sources[i], self.dp_size_checked)
                     {
                         self.dp_size_checked = true;
@@ -358,7 +355,7 @@ impl Poller {
                             .await;
                     }
                     return Report {
-                        engine: self.e,
+                        engine: self.entry.key,
                         reachable: true,
                         weight_at_poll,
                         ranks,
@@ -382,19 +379,19 @@ impl Poller {
         self.stats.poll_failures.fetch_add(1, Relaxed);
         let reason = Reason::SourcesFailed { failures };
         Report {
-            engine: self.e,
+            engine: self.entry.key,
             reachable: answered,
             weight_at_poll,
-            ranks: vec![RankTelemetry::unavailable(reason); workers.len()],
+            ranks: vec![RankTelemetry::unavailable(reason); ranks],
             source: "none",
             models: None,
         }
     }
 
-    fn note(&self, notes: &ProjectionNotes, workers: std::ops::Range<usize>) {
-        for (w, bad) in workers.zip(&notes.invalid) {
+    fn note(&self, notes: &ProjectionNotes) {
+        for (m, bad) in self.entry.members.iter().zip(&notes.invalid) {
             if *bad {
-                self.stats.invalid_entries[w].fetch_add(1, Relaxed);
+                m.invalid_entries.fetch_add(1, Relaxed);
             }
         }
         self.stats

@@ -18,7 +18,10 @@ use crate::proto::{health, sglang, vllm};
 use crate::proxy::pin::strip_hop_by_hop;
 use crate::proxy::{content_length, read, Ctx, ProxyError, RequestBody};
 use crate::table::Load;
-use crate::worker::Flavor;
+use std::sync::Arc;
+
+use crate::policy::Front;
+use crate::worker::{EngineEntry, Flavor};
 
 /// The request's one message, read whole (under `server.max_body_bytes`).
 async fn message(
@@ -125,8 +128,8 @@ pub async fn get_loads(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> supe
     let now = Instant::now();
     let mut managed = 0;
     let mut fresh = Vec::new();
-    for (w, worker) in table.fleet.workers.iter().enumerate() {
-        let engine = &table.fleet.engines[worker.engine];
+    for (w, worker) in snap.fleet.workers.iter().enumerate() {
+        let engine = &snap.fleet.engines[worker.engine];
         let (Some(rank), true) = (
             worker.id.rank,
             engine.flavor == flavor && engine.grpc.is_some(),
@@ -172,11 +175,10 @@ pub async fn get_loads(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> supe
 /// `server.response_timeout`).
 async fn call_engine(
     ctx: &Ctx,
-    e: usize,
+    engine: &EngineEntry,
     parts: &http::request::Parts,
     message: &[u8],
 ) -> Result<Answer, ProxyError> {
-    let engine = &ctx.table.fleet.engines[e];
     let upstream = |reason: String| ProxyError::Upstream {
         engine: engine.url.clone(),
         reason,
@@ -190,7 +192,7 @@ async fn call_engine(
     }
     let mut uri = http::uri::Parts::default();
     uri.scheme = Some(Scheme::HTTP);
-    uri.authority = ctx.grpc_authority(e);
+    uri.authority = engine.conn.grpc_authority.clone();
     uri.path_and_query = parts
         .uri
         .path_and_query()
@@ -236,15 +238,9 @@ async fn call_engine(
 
 /// An engine's answer that is not OK, as the error the client gets: the engine's own status,
 /// with the engine named.
-fn engine_status(ctx: &Ctx, e: usize, answer: &Answer) -> Option<ProxyError> {
+fn engine_status(engine: &EngineEntry, answer: &Answer) -> Option<ProxyError> {
     let (code, message) = answer.status();
-    (code != Code::Ok).then(|| {
-        GrpcError::new(
-            code,
-            format!("{}: {message}", ctx.table.fleet.engines[e].url),
-        )
-        .into()
-    })
+    (code != Code::Ok).then(|| GrpcError::new(code, format!("{}: {message}", engine.url)).into())
 }
 
 /// `Abort`: each request id goes to the engine that holds it (vLLM's request lists several, and
@@ -252,12 +248,12 @@ fn engine_status(ctx: &Ctx, e: usize, answer: &Answer) -> Option<ProxyError> {
 pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
     let (parts, m) = message(&ctx, req).await?;
     // vLLM: `repeated string request_ids = 1`; SGLang: `string request_id = 1`. Both field 1.
-    let mut engines: Vec<usize> = strings(&m, 1)?
+    let mut engines: Vec<Arc<EngineEntry>> = strings(&m, 1)?
         .into_iter()
         .filter_map(|id| ctx.requests().engine_of(id))
         .collect();
-    engines.sort_unstable();
-    engines.dedup();
+    engines.sort_unstable_by_key(|e| e.key);
+    engines.dedup_by_key(|e| e.key);
     let mut first = None;
     for e in engines {
         let only_its_own = match flavor {
@@ -266,14 +262,14 @@ pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::s
                 f == 1
                     && crate::pbwire::payload(bytes)
                         .and_then(|p| std::str::from_utf8(p).ok())
-                        .is_none_or(|id| ctx.requests().engine_of(id) != Some(e))
+                        .is_none_or(|id| ctx.requests().engine_of(id).map(|o| o.key) != Some(e.key))
             })
             .map_err(|err| {
                 GrpcError::new(Code::InvalidArgument, format!("request message: {err}"))
             })?,
         };
-        let answer = call_engine(&ctx, e, &parts, &only_its_own).await?;
-        if let Some(err) = engine_status(&ctx, e, &answer) {
+        let answer = call_engine(&ctx, &e, &parts, &only_its_own).await?;
+        if let Some(err) = engine_status(&e, &answer) {
             return Err(err);
         }
         first.get_or_insert(answer);
@@ -296,22 +292,23 @@ pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::s
 /// that fails, else answers as the first engine did.
 pub async fn flush_cache(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
     let (parts, m) = message(&ctx, req).await?;
-    let engines: Vec<usize> = (0..ctx.table.fleet.engines.len())
-        .filter(|e| {
-            ctx.grpc_targets(flavor)
-                .is_some_and(|avoid| !avoid.has_engine(*e))
-        })
+    let engines: Vec<Arc<EngineEntry>> = (ctx.table.snapshot.load().fleet.engines.iter())
+        .filter(|e| Front::Grpc(flavor).served_by(e))
+        .cloned()
         .collect();
     let mut calls = tokio::task::JoinSet::new();
-    for (i, &e) in engines.iter().enumerate() {
-        let (ctx, parts, m) = (ctx.clone(), parts.clone(), m.clone());
-        calls.spawn(async move { (i, e, call_engine(&ctx, e, &parts, &m).await) });
+    for (i, e) in engines.iter().enumerate() {
+        let (ctx, parts, m, e) = (ctx.clone(), parts.clone(), m.clone(), e.clone());
+        calls.spawn(async move {
+            let answer = call_engine(&ctx, &e, &parts, &m).await;
+            (i, e, answer)
+        });
     }
     let mut answers: Vec<Option<Answer>> = (0..engines.len()).map(|_| None).collect();
     while let Some(done) = calls.join_next().await {
         let (i, e, answer) = done.map_err(|err| ProxyError::Internal(err.to_string()))?;
         let answer = answer?;
-        if let Some(err) = engine_status(&ctx, e, &answer) {
+        if let Some(err) = engine_status(&e, &answer) {
             return Err(err);
         }
         answers[i] = Some(answer);

@@ -26,7 +26,7 @@ use tonic::Code;
 
 use super::{Below, Ctx, ProxyBody, ProxyError, Step};
 use crate::catalog::ModelError;
-use crate::policy::Avoid;
+use crate::policy::{self, Avoid};
 use crate::worker::Flavor;
 
 mod local;
@@ -294,19 +294,14 @@ pub fn answered(resp: &Response<ProxyBody>, grpc: bool) -> StatusCode {
     }
 }
 
-/// Per flavor, the engines a gRPC call of that flavor must not go to (those of the other flavors
-/// and those without `grpc_url`); `None` when no engine serves the flavor over gRPC.
-pub fn targets(engines: &[crate::worker::Engine], flavor: Flavor) -> Option<Avoid> {
-    let mut avoid = Avoid::default();
-    let mut any = false;
-    for (e, engine) in engines.iter().enumerate() {
-        if engine.flavor == flavor && engine.grpc.is_some() {
-            any = true;
-        } else {
-            avoid.engine(e);
-        }
-    }
-    any.then_some(avoid)
+/// The ranks a gRPC call of `flavor` may go to: those of engines of the flavor with a
+/// `grpc_url`; `None` when the fleet has no such engine now.
+pub fn targets(ctx: &Ctx, flavor: Flavor) -> Option<Avoid> {
+    let front = policy::Front::Grpc(flavor);
+    let snap = ctx.table.snapshot.load();
+    (snap.fleet.engines.iter())
+        .any(|e| front.served_by(e))
+        .then(|| Avoid::front(front))
 }
 
 /// The method table in front of the rest of the stack.
@@ -370,7 +365,7 @@ where
                 "service {service} is not served: rankgate fronts {VLLM_SERVICE} and {SGLANG_SERVICE}"
             ));
         };
-        let Some(avoid) = self.ctx.grpc_targets(flavor) else {
+        let Some(avoid) = targets(&self.ctx, flavor) else {
             return unimplemented(format!(
                 "service {service}: no {flavor} engine in this fleet has a grpc_url"
             ));
@@ -379,7 +374,7 @@ where
         match call(flavor, method) {
             None => unimplemented(format!("method {path} is not served by rankgate")),
             Some(Call::Proxy { .. }) => {
-                req.extensions_mut().insert(avoid.clone());
+                req.extensions_mut().insert(avoid);
                 Step::Below(self.inner.call(req))
             }
             Some(Call::GetLoads) => Step::Own(Box::pin(local::get_loads(ctx, flavor, req))),
@@ -401,8 +396,7 @@ fn serving(ctx: &Ctx, flavor: Option<Flavor>) -> bool {
         None => &all[..],
     };
     flavors.iter().any(|f| {
-        ctx.grpc_targets(*f)
-            .is_some_and(|avoid| ctx.selector.any_routable(&ctx.table, avoid))
+        targets(ctx, *f).is_some_and(|avoid| ctx.selector.any_routable(&ctx.table, &avoid))
     })
 }
 
@@ -464,11 +458,6 @@ fn percent_decode(s: &str) -> String {
 }
 
 impl Ctx {
-    /// See [`targets`].
-    pub fn grpc_targets(&self, flavor: Flavor) -> Option<&Avoid> {
-        self.grpc_avoid[(flavor == Flavor::Sglang) as usize].as_ref()
-    }
-
     /// The shared request-id map (for `track` and Abort).
     pub fn requests(&self) -> &Arc<Requests> {
         &self.grpc_requests

@@ -11,28 +11,33 @@ use http::Request;
 
 use super::{one_message, request_id};
 use crate::proxy::{Below, Ctx, Picked, RequestBody, Step};
+use crate::worker::EngineEntry;
 
 /// The in-flight request ids: id -> (engine, calls).
 #[derive(Debug, Default)]
-pub struct Requests(Mutex<HashMap<Arc<str>, (usize, u32)>>);
+pub struct Requests(Mutex<HashMap<Arc<str>, Calls>>);
+
+/// The engine holding an id's latest call, and how many calls carry the id.
+type Calls = (Arc<EngineEntry>, u32);
 
 impl Requests {
-    fn enter(self: &Arc<Self>, id: &str, engine: usize) -> Held {
+    fn enter(self: &Arc<Self>, id: &str, engine: &Arc<EngineEntry>) -> Held {
         let id: Arc<str> = id.into();
         let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let entry = map.entry(id.clone()).or_insert((engine, 0));
+        let entry = map.entry(id.clone()).or_insert((engine.clone(), 0));
         // The latest call with an id is the one an Abort means.
-        *entry = (engine, entry.1 + 1);
+        *entry = (engine.clone(), entry.1 + 1);
         Held {
             requests: self.clone(),
             id,
         }
     }
 
-    /// The engine holding `id`, if a call with it is in flight.
-    pub fn engine_of(&self, id: &str) -> Option<usize> {
+    /// The engine holding `id`, if a call with it is in flight (whether or not the engine is
+    /// still in the fleet: its calls are).
+    pub fn engine_of(&self, id: &str) -> Option<Arc<EngineEntry>> {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(id).map(|(e, _)| *e)
+        map.get(id).map(|(e, _)| e.clone())
     }
 
     pub fn len(&self) -> usize {
@@ -95,7 +100,7 @@ where
         let Some(id) = id else {
             return Step::Below(self.inner.call(req));
         };
-        let held = self.ctx.requests().enter(id, picked.target.engine);
+        let held = self.ctx.requests().enter(id, &picked.target.engine);
         let fut = self.inner.call(req);
         Step::Own(Box::pin(async move {
             let mut resp = fut.await?;
@@ -112,13 +117,19 @@ mod tests {
     #[test]
     fn an_id_leaves_with_its_last_call() {
         let r = Arc::new(Requests::default());
-        let a = r.enter("x", 1);
-        let b = r.enter("x", 2);
-        assert_eq!(r.engine_of("x"), Some(2), "the latest call counts");
+        let fleet = crate::worker::Fleet::expand(vec![
+            crate::worker::test_engine("http://a:1", 1, 0),
+            crate::worker::test_engine("http://b:1", 1, 1),
+        ]);
+        let (one, two) = (&fleet.engines[0], &fleet.engines[1]);
+        let of = |id| r.engine_of(id).map(|e| e.key);
+        let a = r.enter("x", one);
+        let b = r.enter("x", two);
+        assert_eq!(of("x"), Some(two.key), "the latest call counts");
         drop(b);
-        assert_eq!(r.engine_of("x"), Some(2));
+        assert_eq!(of("x"), Some(two.key));
         drop(a);
-        assert_eq!(r.engine_of("x"), None);
+        assert_eq!(of("x"), None);
         assert!(r.is_empty());
     }
 }
