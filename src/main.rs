@@ -158,6 +158,17 @@ fn main() -> ExitCode {
                     e.flavor
                 );
             }
+            for d in &cfg.discovery {
+                let source = match &d.source {
+                    rankgate::config::DiscoverySource::Dns { name, .. } => format!("dns {name}"),
+                    rankgate::config::DiscoverySource::Kubernetes {
+                        namespace,
+                        selector,
+                        ..
+                    } => format!("kubernetes pods {namespace}/{selector}"),
+                };
+                println!("{}	finds engines: {source}	flavor={}", d.at, d.template.flavor);
+            }
             ExitCode::SUCCESS
         }
         Command::Serve { config } => {
