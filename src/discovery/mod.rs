@@ -6,6 +6,8 @@
 //! failure to look (DNS server down, API server unreachable) reports nothing, so the fleet keeps
 //! what was last found instead of emptying on a blip.
 
+pub mod dns;
+
 use tokio::sync::mpsc;
 
 use crate::config::Discovery;

@@ -1,0 +1,349 @@
+//! DNS discovery against a real DNS server: an in-process authoritative server (hickory-server)
+//! on a UDP socket bound to 127.0.0.1:0, answering A/AAAA for one name from state each test
+//! changes at runtime, including answering SERVFAIL or not at all.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hickory_server::authority::MessageResponseBuilder;
+use hickory_server::proto::op::{Header, ResponseCode};
+use hickory_server::proto::rr::rdata::{A, AAAA};
+use hickory_server::proto::rr::{LowerName, Name, RData, Record, RecordType};
+use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
+use hickory_server::ServerFuture;
+use rankgate::config::Config;
+use rankgate::discovery::dns;
+use rankgate::worker::Engine;
+use tokio::net::UdpSocket;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+const NAME: &str = "engines.rankgate.test.";
+const INTERVAL: Duration = Duration::from_millis(100);
+/// The longest any test waits for something that should happen.
+const WAIT: Duration = Duration::from_secs(5);
+/// A long TTL on every record: discovery must not cache it.
+const TTL: u32 = 300;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    /// Answer from `ips`: records, or NOERROR with none (NODATA).
+    Answer,
+    /// NXDOMAIN: the name does not exist.
+    Gone,
+    ServFail,
+    /// A answered from `ips`, AAAA SERVFAIL: one family's server trouble.
+    ServFailAaaa,
+    /// Read the query and never answer.
+    Silent,
+}
+
+struct Zone {
+    mode: Mode,
+    ips: Vec<IpAddr>,
+}
+
+/// Answers A and AAAA for [`NAME`] from the shared zone; counts the queries it reads.
+struct Handler {
+    name: LowerName,
+    zone: Arc<Mutex<Zone>>,
+    queries: watch::Sender<u64>,
+}
+
+#[async_trait::async_trait]
+impl RequestHandler for Handler {
+    async fn handle_request<R: ResponseHandler>(
+        &self,
+        request: &Request,
+        mut response: R,
+    ) -> ResponseInfo {
+        self.queries.send_modify(|n| *n += 1);
+        let mut header = Header::response_from_request(request.header());
+        header.set_authoritative(true);
+        let Ok(info) = request.request_info() else {
+            header.set_response_code(ResponseCode::FormErr);
+            return header.into();
+        };
+        let (mode, ips) = {
+            let z = self.zone.lock().unwrap();
+            (z.mode, z.ips.clone())
+        };
+        let mode = match mode {
+            _ if info.query.name() != &self.name => Mode::Gone,
+            Mode::ServFailAaaa if info.query.query_type() == RecordType::AAAA => Mode::ServFail,
+            Mode::ServFailAaaa => Mode::Answer,
+            m => m,
+        };
+        let name = Name::from(info.query.name());
+        let records: Vec<Record> = match mode {
+            Mode::Silent => return header.into(),
+            Mode::Gone => {
+                header.set_response_code(ResponseCode::NXDomain);
+                vec![]
+            }
+            Mode::ServFail | Mode::ServFailAaaa => {
+                header.set_response_code(ResponseCode::ServFail);
+                vec![]
+            }
+            Mode::Answer => ips
+                .iter()
+                .filter_map(|ip| match (ip, info.query.query_type()) {
+                    (IpAddr::V4(a), RecordType::A) => Some(RData::A(A(*a))),
+                    (IpAddr::V6(a), RecordType::AAAA) => Some(RData::AAAA(AAAA(*a))),
+                    _ => None,
+                })
+                .map(|rdata| Record::from_rdata(name.clone(), TTL, rdata))
+                .collect(),
+        };
+        let message = MessageResponseBuilder::from_message_request(request).build(
+            header,
+            &records,
+            &[],
+            &[],
+            &[],
+        );
+        response
+            .send_response(message)
+            .await
+            .unwrap_or(header.into())
+    }
+}
+
+struct DnsServer {
+    addr: SocketAddr,
+    zone: Arc<Mutex<Zone>>,
+    queries: watch::Receiver<u64>,
+    // Dropping it stops the server (its tasks live in its JoinSet).
+    _server: ServerFuture<Handler>,
+}
+
+impl DnsServer {
+    async fn start(mode: Mode, ips: &[&str]) -> DnsServer {
+        let zone = Arc::new(Mutex::new(Zone {
+            mode,
+            ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
+        }));
+        let (queries_tx, queries) = watch::channel(0);
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let mut server = ServerFuture::new(Handler {
+            name: LowerName::from(Name::from_ascii(NAME).unwrap()),
+            zone: zone.clone(),
+            queries: queries_tx,
+        });
+        server.register_socket(socket);
+        DnsServer {
+            addr,
+            zone,
+            queries,
+            _server: server,
+        }
+    }
+
+    fn set(&self, mode: Mode, ips: &[&str]) {
+        let mut z = self.zone.lock().unwrap();
+        z.mode = mode;
+        z.ips = ips.iter().map(|s| s.parse().unwrap()).collect();
+    }
+
+    /// Waits until the server has read `more` queries beyond those read so far.
+    async fn await_queries(&mut self, more: u64) {
+        let target = *self.queries.borrow_and_update() + more;
+        tokio::time::timeout(WAIT, self.queries.wait_for(|n| *n >= target))
+            .await
+            .expect("discovery keeps asking")
+            .unwrap();
+    }
+}
+
+struct Discovery {
+    sets: mpsc::Receiver<Vec<Engine>>,
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+/// Starts DNS discovery of [`NAME`] at `server`, engines on port 8000 with 2 DP ranks.
+fn discover(server: SocketAddr) -> Discovery {
+    let c = Config::from_str(&format!(
+        "[[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{server}\"\ninterval = \"{}ms\"\nport = 8000\nflavor = \"vllm\"\ndp_size = 2",
+        INTERVAL.as_millis()
+    ))
+    .unwrap();
+    let d = c.discovery.into_iter().next().unwrap();
+    let (tx, sets) = mpsc::channel(8);
+    let (shutdown, rx) = watch::channel(false);
+    let task = tokio::spawn(dns::run(d, tx, rx));
+    Discovery {
+        sets,
+        shutdown,
+        task,
+    }
+}
+
+impl Discovery {
+    /// The urls of the next set reported, waiting at most [`WAIT`].
+    async fn next(&mut self) -> Vec<String> {
+        let set = tokio::time::timeout(WAIT, self.sets.recv())
+            .await
+            .expect("a set within the wait")
+            .expect("discovery still running");
+        assert!(set.iter().all(|e| e.dp_size == 2), "{set:?}");
+        set.iter().map(|e| e.url.to_string()).collect()
+    }
+
+    /// Asserts nothing is reported for three intervals.
+    async fn quiet(&mut self) {
+        let got = tokio::time::timeout(INTERVAL * 3, self.sets.recv()).await;
+        assert!(got.is_err(), "expected no set, got {got:?}");
+    }
+}
+
+#[tokio::test]
+async fn records_that_come_and_go_are_engines_that_join_and_leave() {
+    let dns = DnsServer::start(Mode::Answer, &["127.0.0.2", "127.0.0.1"]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(
+        d.next().await,
+        ["http://127.0.0.1:8000", "http://127.0.0.2:8000"]
+    );
+
+    dns.set(Mode::Answer, &["127.0.0.1", "127.0.0.3", "127.0.0.2"]);
+    assert_eq!(
+        d.next().await,
+        [
+            "http://127.0.0.1:8000",
+            "http://127.0.0.2:8000",
+            "http://127.0.0.3:8000"
+        ]
+    );
+
+    dns.set(Mode::Answer, &["127.0.0.3", "127.0.0.1"]);
+    assert_eq!(
+        d.next().await,
+        ["http://127.0.0.1:8000", "http://127.0.0.3:8000"]
+    );
+
+    // NXDOMAIN: the name is gone, and so are its engines.
+    dns.set(Mode::Gone, &[]);
+    assert_eq!(d.next().await, Vec::<String>::new());
+
+    dns.set(Mode::Answer, &["127.0.0.4"]);
+    assert_eq!(d.next().await, ["http://127.0.0.4:8000"]);
+
+    // NODATA: the name exists with no A or AAAA records.
+    dns.set(Mode::Answer, &[]);
+    assert_eq!(d.next().await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn first_answer_is_reported_even_when_empty() {
+    let dns = DnsServer::start(Mode::Gone, &[]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(d.next().await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn aaaa_records_are_engines_with_bracketed_urls() {
+    let dns = DnsServer::start(Mode::Answer, &["::1"]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(d.next().await, ["http://[::1]:8000"]);
+
+    dns.set(Mode::Answer, &["::1", "127.0.0.1"]);
+    assert_eq!(
+        d.next().await,
+        ["http://127.0.0.1:8000", "http://[::1]:8000"]
+    );
+}
+
+#[tokio::test]
+async fn servfail_keeps_the_fleet_until_the_server_answers_again() {
+    let mut dns = DnsServer::start(Mode::Answer, &["127.0.0.1", "127.0.0.2"]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(
+        d.next().await,
+        ["http://127.0.0.1:8000", "http://127.0.0.2:8000"]
+    );
+
+    dns.set(Mode::ServFail, &[]);
+    // Two rounds of A + AAAA failed, and nothing was reported for them.
+    dns.await_queries(4).await;
+    d.quiet().await;
+
+    dns.set(Mode::Answer, &["127.0.0.3"]);
+    assert_eq!(d.next().await, ["http://127.0.0.3:8000"]);
+}
+
+#[tokio::test]
+async fn one_family_failing_keeps_the_whole_fleet() {
+    let mut dns = DnsServer::start(Mode::Answer, &["127.0.0.1", "::1"]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(
+        d.next().await,
+        ["http://127.0.0.1:8000", "http://[::1]:8000"]
+    );
+
+    // A still answers; AAAA fails. The IPv6 engine must not leave on a server error.
+    dns.set(Mode::ServFailAaaa, &["127.0.0.1", "::1"]);
+    dns.await_queries(4).await;
+    d.quiet().await;
+
+    dns.set(Mode::Answer, &["127.0.0.1"]);
+    assert_eq!(d.next().await, ["http://127.0.0.1:8000"]);
+}
+
+#[tokio::test]
+async fn a_silent_server_keeps_the_fleet_until_it_answers_again() {
+    let mut dns = DnsServer::start(Mode::Answer, &["127.0.0.1"]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(d.next().await, ["http://127.0.0.1:8000"]);
+
+    dns.set(Mode::Silent, &[]);
+    // A round is A and AAAA, each tried twice: the fifth query opens the next round, so the
+    // one before it timed out, and nothing may have been reported for it.
+    dns.await_queries(5).await;
+    d.quiet().await;
+
+    dns.set(Mode::Answer, &["127.0.0.1", "::1"]);
+    assert_eq!(
+        d.next().await,
+        ["http://127.0.0.1:8000", "http://[::1]:8000"]
+    );
+}
+
+#[tokio::test]
+async fn shutdown_stops_the_task() {
+    let dns = DnsServer::start(Mode::Answer, &["127.0.0.1"]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(d.next().await, ["http://127.0.0.1:8000"]);
+    d.shutdown.send(true).unwrap();
+    tokio::time::timeout(WAIT, d.task)
+        .await
+        .expect("discovery stops on shutdown")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_interrupts_an_unanswered_lookup() {
+    let mut dns = DnsServer::start(Mode::Silent, &[]).await;
+    let d = discover(dns.addr);
+    dns.await_queries(1).await;
+    d.shutdown.send(true).unwrap();
+    // Under the 1 s query timeout: the task did not wait for the lookup to give up.
+    tokio::time::timeout(Duration::from_millis(900), d.task)
+        .await
+        .expect("discovery stops during a lookup")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn dropping_the_receiver_stops_the_task() {
+    let dns = DnsServer::start(Mode::Answer, &["127.0.0.1"]).await;
+    let mut d = discover(dns.addr);
+    assert_eq!(d.next().await, ["http://127.0.0.1:8000"]);
+    drop(d.sets);
+    tokio::time::timeout(WAIT, d.task)
+        .await
+        .expect("discovery stops when nobody listens")
+        .unwrap();
+}
