@@ -142,6 +142,7 @@ impl Router {
 
         let (membership, changes) = Membership::channel();
         let control = Arc::new(Control::new(&cfg, path, membership.clone())?);
+        let discovery = crate::discovery::spawn(&cfg.discovery, &membership, &rest_rx);
         let monitor = telemetry::spawn(
             table.clone(),
             telemetry::Settings {
@@ -213,7 +214,7 @@ impl Router {
             stop_front,
             stop_rest,
             front,
-            rest: vec![monitor, admin_task],
+            rest: [monitor, admin_task].into_iter().chain(discovery).collect(),
         })
     }
 

@@ -167,7 +167,10 @@ fn main() -> ExitCode {
                         ..
                     } => format!("kubernetes pods {namespace}/{selector}"),
                 };
-                println!("{}	finds engines: {source}	flavor={}", d.at, d.template.flavor);
+                println!(
+                    "{}	finds engines: {source}	flavor={}",
+                    d.at, d.template.flavor
+                );
             }
             ExitCode::SUCCESS
         }

@@ -203,6 +203,14 @@ impl RawDiscovery {
                     interval,
                 }
             }
+            #[cfg(not(feature = "kubernetes"))]
+            Kind::Kubernetes => {
+                return Err(invalid(
+                    key("kind"),
+                    "this rankgate was built without Kubernetes discovery: build it with `--features kubernetes` (the container image is), or use kind = \"dns\" on a headless Service",
+                ))
+            }
+            #[cfg(feature = "kubernetes")]
             Kind::Kubernetes => {
                 let namespace = self.namespace.clone().unwrap_or_default();
                 if namespace.trim().is_empty() {
@@ -328,6 +336,7 @@ mod tests {
         assert_eq!(v6.grpc.as_deref(), Some("[fd00::1]:50051"));
     }
 
+    #[cfg(feature = "kubernetes")]
     #[test]
     fn kubernetes_entry_takes_port_names() {
         let c = parse(
@@ -360,7 +369,11 @@ mod tests {
             ("kind = \"dns\"\nname = \"a\"\nport = 1\nflavor = \"vllm\"\nbogus = 1", "bogus"),
         ] {
             let err = parse(text).unwrap_err();
-            assert!(err.contains(want), "{text}: {err}");
+            // A build without the feature refuses the kind itself.
+            let unbuilt = text.contains("kubernetes")
+                && !cfg!(feature = "kubernetes")
+                && err.contains("built without Kubernetes discovery");
+            assert!(err.contains(want) || unbuilt, "{text}: {err}");
         }
     }
 }

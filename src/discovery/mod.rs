@@ -7,11 +7,16 @@
 //! what was last found instead of emptying on a blip.
 
 pub mod dns;
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes;
 
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
-use crate::config::Discovery;
-use crate::worker::Engine;
+use crate::config::{Discovery, DiscoverySource};
+use crate::http::Shutdown;
+use crate::membership::{Change, Membership};
+use crate::worker::{Engine, Origin};
 
 /// The channel a discovery task reports its sets on.
 pub type Found = mpsc::Sender<Vec<Engine>>;
@@ -31,4 +36,48 @@ impl DiscoveryError {
             message: message.into(),
         }
     }
+}
+
+/// Starts one task per entry, and one that hands each set it reports to membership as the
+/// entry's engines (`Origin::Discovery(i)`). They stop on `shutdown`.
+pub fn spawn(entries: &[Discovery], membership: &Membership, shutdown: &Shutdown) -> Vec<JoinHandle<()>> {
+    let mut tasks = Vec::new();
+    for (i, d) in entries.iter().enumerate() {
+        let (tx, mut rx) = mpsc::channel::<Vec<Engine>>(4);
+        let at = d.at.clone();
+        tasks.push(match &d.source {
+            DiscoverySource::Dns { .. } => tokio::spawn(dns::run(d.clone(), tx, shutdown.clone())),
+            #[cfg(feature = "kubernetes")]
+            DiscoverySource::Kubernetes { .. } => {
+                tokio::spawn(kubernetes::run(d.clone(), tx, shutdown.clone()))
+            }
+            // Refused at config load in a build without the feature.
+            #[cfg(not(feature = "kubernetes"))]
+            DiscoverySource::Kubernetes { .. } => {
+                tracing::error!(discovery = %at, "this build has no Kubernetes discovery");
+                continue;
+            }
+        });
+        let membership = membership.clone();
+        // Ends when the discovery task does (it drops the sender).
+        tasks.push(tokio::spawn(async move {
+            while let Some(engines) = rx.recv().await {
+                let found = engines.len();
+                let change = Change::Replace {
+                    origin: Origin::Discovery(i),
+                    engines,
+                };
+                match membership.apply(change).await {
+                    Ok(o) => tracing::info!(
+                        discovery = %at, found, added = ?o.added, removed = ?o.removed,
+                        skipped = ?o.skipped, "discovered engines applied"
+                    ),
+                    Err(error) => {
+                        tracing::warn!(discovery = %at, %error, "discovered engines not applied")
+                    }
+                }
+            }
+        }));
+    }
+    tasks
 }
