@@ -8,6 +8,9 @@
 
 use tokio::sync::mpsc;
 
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes;
+
 use crate::config::Discovery;
 use crate::worker::Engine;
 
