@@ -108,6 +108,9 @@ async fn connect(at: &str, kubeconfig: Option<&Path>) -> Client {
     }
 }
 
+/// kube's `Config` carries its own connect (30 s) and read (295 s, past the watch's 290 s
+/// server-side timeout) timeouts, so an API server that goes silent fails the watch, which is
+/// then retried, instead of hanging it.
 async fn client(kubeconfig: Option<&Path>) -> Result<Client, String> {
     let config = match kubeconfig {
         Some(path) => {
