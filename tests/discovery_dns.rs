@@ -2,6 +2,8 @@
 //! on a UDP socket bound to 127.0.0.1:0, answering A/AAAA for one name from state each test
 //! changes at runtime, including answering SERVFAIL or not at all.
 
+mod common;
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -348,76 +350,15 @@ async fn dropping_the_receiver_stops_the_task() {
         .unwrap();
 }
 
-/// Two simulated engines on one port, at 127.0.0.2 and 127.0.0.3 (all of 127/8 is loopback),
-/// as a headless Service's pods share their port.
-async fn engines_on_one_port() -> (rankgate::sim::SimEngine, rankgate::sim::SimEngine, u16) {
-    use rankgate::sim::{SimConfig, SimEngine};
-    for _ in 0..20 {
-        let a = SimEngine::start(([127, 0, 0, 2], 0).into(), SimConfig::default())
-            .await
-            .unwrap();
-        let port: u16 = a.url().rsplit(':').next().unwrap().parse().unwrap();
-        // The same port on the other address may be taken: then try another pair.
-        if let Ok(b) = SimEngine::start(([127, 0, 0, 3], port).into(), SimConfig::default()).await {
-            return (a, b, port);
-        }
-    }
-    panic!("no port free on both 127.0.0.2 and 127.0.0.3");
-}
-
-/// `/workers` rows' ids, polled until `want` holds (bounded by [`WAIT`]).
-async fn wait_ids(admin: SocketAddr, want: impl Fn(&[String]) -> bool) -> Vec<String> {
-    let client = rankgate::http::client(Duration::from_secs(2));
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let req = http::Request::get(format!("http://{admin}/workers"))
-            .body(http_body_util::Full::new(bytes::Bytes::new()))
-            .unwrap();
-        let body = http_body_util::BodyExt::collect(client.request(req).await.unwrap().into_body())
-            .await
-            .unwrap()
-            .to_bytes();
-        let rows: Vec<serde_json::Value> = serde_json::from_slice(&body).unwrap();
-        let ids: Vec<String> = rows
-            .iter()
-            .filter(|r| r["telemetry"] == "available")
-            .map(|r| r["id"].as_str().unwrap().to_string())
-            .collect();
-        if want(&ids) {
-            return ids;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "/workers: {ids:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A chat completion through the router: its status and the worker that served it.
-async fn chat(addr: SocketAddr) -> (u16, String) {
-    let client = rankgate::http::client(Duration::from_secs(2));
-    let body =
-        r#"{"model":"tiny-llama","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
-    let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-        .unwrap();
-    let resp = client.request(req).await.unwrap();
-    let worker = resp
-        .headers()
-        .get("x-rankgate-worker")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    (resp.status().as_u16(), worker)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_added_and_removed_change_the_routers_fleet() {
-    let (a, b, port) = engines_on_one_port().await;
-    let dns = DnsServer::start(Mode::Answer, &["127.0.0.2"]).await;
+    let (a, b, port) = common::engines_on_one_port().await;
+    let mut dns = DnsServer::start(Mode::Answer, &["127.0.0.2"]).await;
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\n\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
          [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{}\"\ninterval = \"{}ms\"\n\
          port = {port}\nflavor = \"vllm\"\ndp_size = 2\n",
+        common::FAST,
         dns.addr,
         INTERVAL.as_millis()
     );
@@ -427,38 +368,38 @@ async fn records_added_and_removed_change_the_routers_fleet() {
     let (ea, eb) = (a.url(), b.url());
 
     // The one record: its engine's two ranks, and traffic goes there.
-    let ids = wait_ids(router.admin_addr, |ids| ids.len() == 2).await;
+    let ids = common::wait_available(&router, |ids| ids.len() == 2).await;
     assert_eq!(ids, [format!("{ea}@0"), format!("{ea}@1")]);
-    assert_eq!(chat(router.addr).await.0, 200);
+    assert_eq!(common::chat(router.addr, 2).await.status, 200);
 
     // A second record: its engine joins.
     dns.set(Mode::Answer, &["127.0.0.2", "127.0.0.3"]);
-    wait_ids(router.admin_addr, |ids| ids.len() == 4).await;
+    common::wait_available(&router, |ids| ids.len() == 4).await;
 
     // The first record goes: only the second engine is left, and takes every request.
     dns.set(Mode::Answer, &["127.0.0.3"]);
-    let ids = wait_ids(router.admin_addr, |ids| {
-        ids.len() == 2 && ids[0].starts_with(&eb)
+    let ids = common::wait_available(&router, |ids| {
+        ids.len() == 2 && ids.iter().all(|i| i.starts_with(&eb))
     })
     .await;
     assert_eq!(ids, [format!("{eb}@0"), format!("{eb}@1")]);
+    assert_eq!(common::workers(&router).await.len(), 2);
     let before = a.requests_received();
     for _ in 0..10 {
-        let (status, worker) = chat(router.addr).await;
-        assert_eq!(status, 200);
-        assert!(worker.starts_with(&eb), "{worker}");
+        let reply = common::chat(router.addr, 2).await;
+        assert_eq!(reply.status, 200);
+        assert!(reply.worker().starts_with(&eb), "{}", reply.worker());
     }
     assert_eq!(a.requests_received(), before);
 
     // The DNS server failing keeps the fleet; the name gone empties it.
-    let mut dns = dns;
     dns.set(Mode::ServFail, &[]);
     dns.await_queries(3).await;
-    assert_eq!(wait_ids(router.admin_addr, |_| true).await.len(), 2);
-    assert_eq!(chat(router.addr).await.0, 200);
+    assert_eq!(common::workers(&router).await.len(), 2);
+    assert_eq!(common::chat(router.addr, 2).await.status, 200);
     dns.set(Mode::Gone, &[]);
-    wait_ids(router.admin_addr, |ids| ids.is_empty()).await;
-    let (status, _) = chat(router.addr).await;
+    common::wait_workers(&router, WAIT, |rows| rows.is_empty()).await;
+    let status = common::chat(router.addr, 2).await.status;
     assert_eq!(status, 503, "no engine left: nothing is routable");
     router.shutdown().await;
 }

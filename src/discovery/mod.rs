@@ -40,7 +40,11 @@ impl DiscoveryError {
 
 /// Starts one task per entry, and one that hands each set it reports to membership as the
 /// entry's engines (`Origin::Discovery(i)`). They stop on `shutdown`.
-pub fn spawn(entries: &[Discovery], membership: &Membership, shutdown: &Shutdown) -> Vec<JoinHandle<()>> {
+pub fn spawn(
+    entries: &[Discovery],
+    membership: &Membership,
+    shutdown: &Shutdown,
+) -> Vec<JoinHandle<()>> {
     let mut tasks = Vec::new();
     for (i, d) in entries.iter().enumerate() {
         let (tx, mut rx) = mpsc::channel::<Vec<Engine>>(4);

@@ -223,3 +223,34 @@ pub fn sim(flavor: rankgate::sim::SimFlavor, dp_size: u32, start_rank: u32) -> S
         ..SimConfig::default()
     }
 }
+
+/// Two simulated engines on one port, at 127.0.0.2 and 127.0.0.3 (all of 127/8 is loopback), as
+/// the pods behind one Service share their port: for discovery, which knows one port per entry.
+pub async fn engines_on_one_port() -> (SimEngine, SimEngine, u16) {
+    for _ in 0..20 {
+        let a = SimEngine::start(([127, 0, 0, 2], 0).into(), SimConfig::default())
+            .await
+            .expect("start simulated engine");
+        let port: u16 = a.url().rsplit(':').next().unwrap().parse().unwrap();
+        // The same port on the other address may be taken: then try another pair.
+        if let Ok(b) = SimEngine::start(([127, 0, 0, 3], port).into(), SimConfig::default()).await {
+            return (a, b, port);
+        }
+    }
+    panic!("no port free on both 127.0.0.2 and 127.0.0.3");
+}
+
+/// The ids of the workers with telemetry available, once `want` holds of them (at most 10 s).
+pub async fn wait_available(router: &Router, want: impl Fn(&[String]) -> bool) -> Vec<String> {
+    let available = |rows: &[Value]| -> Vec<String> {
+        rows.iter()
+            .filter(|r| r["telemetry"] == "available")
+            .map(|r| r["id"].as_str().unwrap_or("").to_string())
+            .collect()
+    };
+    let rows = wait_workers(router, Duration::from_secs(10), |rows| {
+        want(&available(rows))
+    })
+    .await;
+    available(&rows)
+}
