@@ -38,6 +38,7 @@ pub mod discovery;
 pub mod http;
 #[cfg(feature = "sim")]
 pub mod load;
+pub mod logging;
 pub mod membership;
 pub mod metrics;
 pub mod outlier;

@@ -72,6 +72,9 @@ enum Command {
     Serve {
         #[arg(long)]
         config: PathBuf,
+        /// Log lines as `text` or `json` (one object per line), on stderr.
+        #[arg(long, default_value = "text")]
+        log_format: rankgate::logging::LogFormat,
     },
     /// Validate a config file and list its virtual workers.
     Check {
@@ -88,22 +91,6 @@ enum Command {
         #[arg(long)]
         rate: Option<f64>,
     },
-}
-
-fn init_tracing() {
-    let filter: tracing_subscriber::filter::Targets = std::env::var("RUST_LOG")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| "info".parse().unwrap_or_default());
-    use tracing_subscriber::prelude::*;
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
-        )
-        .with(filter)
-        .init();
 }
 
 /// The config, with the client keys it names readable: both are config errors (exit 64), for
@@ -174,12 +161,15 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Command::Serve { config } => {
+        Command::Serve { config, log_format } => {
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            init_tracing();
+            if let Err(e) = rankgate::logging::init(log_format) {
+                eprintln!("rankgate: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
             // Before any port binds, and before the runtime: resolving names blocks.
             for w in cfg.warnings() {
                 tracing::warn!("config: {w}");
