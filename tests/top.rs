@@ -22,6 +22,7 @@ use rankgate::top::model::short_id;
 use rankgate::top::{render, State, Top};
 use ratatui::backend::TestBackend;
 use ratatui::buffer::Buffer;
+use ratatui::style::Color;
 use ratatui::Terminal;
 use serde_json::Value;
 use tokio::time::Instant;
@@ -111,6 +112,25 @@ fn recorded_fleet_renders_at_80x24() {
     for line in got.lines() {
         assert!(line.chars().count() <= 80, "{line}");
     }
+    // Colours are not in the text: the state column is green for a rank that takes traffic,
+    // red for one that does not, and so is its reason.
+    let mut term = terminal(80, 24);
+    render(&state, &mut term).unwrap();
+    let buffer = term.backend().buffer();
+    for r in state.rows() {
+        let id = short_id(&r.id, 25);
+        let y = (got.lines().position(|l| l.starts_with(&id)))
+            .unwrap_or_else(|| panic!("{id} not on screen")) as u16;
+        let want = if r.available() {
+            Color::Green
+        } else {
+            Color::Red
+        };
+        assert_eq!(buffer[(26, y)].fg, want, "{id}");
+        if !r.available() {
+            assert_eq!(buffer[(46, y)].fg, Color::Red, "{id}");
+        }
+    }
 }
 
 #[test]
@@ -160,6 +180,11 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
     for r in state.rows() {
         assert!(text.contains(&short_id(&r.id, 25)), "{text}");
     }
+    let dim = term.backend().buffer()[(0, 3)].modifier;
+    assert!(
+        dim.contains(ratatui::style::Modifier::DIM),
+        "stale rows are dimmed"
+    );
 
     // Smaller terminals clip, and nothing panics.
     for (w, h) in [(40, 10), (20, 5), (1, 1), (200, 60)] {
@@ -402,4 +427,33 @@ async fn record_workers_fixture() {
     std::fs::write(fixture("workers.json"), text).unwrap();
     drop(streams);
     r.shutdown().await;
+}
+
+/// The binary: bad arguments are named, and without a terminal it says so and exits at once
+/// (never drawing escape codes into a pipe).
+#[test]
+fn the_subcommand_refuses_what_it_cannot_do() {
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"))
+            .arg("top")
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run rankgate top")
+    };
+    let o = run(&["--admin", "http://127.0.0.1:9"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("not one"), "{err}");
+    assert!(o.stdout.is_empty());
+
+    let o = run(&["--admin", "https://127.0.0.1:9"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("plain HTTP"), "{err}");
+
+    let o = run(&["--admin", "http://127.0.0.1:9", "--interval", "10ms"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("within 100ms and 60s"), "{err}");
 }
