@@ -53,5 +53,7 @@ pub mod scenario;
 pub mod sim;
 pub mod table;
 pub mod telemetry;
+#[cfg(feature = "top")]
+pub mod top;
 pub mod wire;
 pub mod worker;

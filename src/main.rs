@@ -91,6 +91,16 @@ enum Command {
         #[arg(long)]
         rate: Option<f64>,
     },
+    /// Live terminal view of every rank of a running rankgate, read from its admin listener.
+    #[cfg(feature = "top")]
+    Top {
+        /// The admin listener (`server.admin_listen`), e.g. http://127.0.0.1:9090.
+        #[arg(long)]
+        admin: String,
+        /// How often to poll it (100ms to 60s).
+        #[arg(long, default_value = "1s", value_parser = rankgate::top::parse_interval)]
+        interval: std::time::Duration,
+    },
 }
 
 /// The config, with the client keys it names readable: both are config errors (exit 64), for
@@ -219,6 +229,20 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("rankgate demo: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        #[cfg(feature = "top")]
+        Command::Top { admin, interval } => {
+            let rt = match runtime() {
+                Ok(rt) => rt,
+                Err(code) => return code,
+            };
+            match rt.block_on(rankgate::top::run(&admin, interval)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rankgate top: {e}");
                     ExitCode::FAILURE
                 }
             }
