@@ -301,6 +301,44 @@ async fn request_ids_and_forwarded_headers_reach_the_engine_and_come_back() {
     assert_eq!(request_id(&reply), "lost-1");
 }
 
+#[tokio::test]
+async fn the_clients_trace_is_continued_to_the_engine_or_one_is_started() {
+    let (e, r) = header_fleet("").await;
+    let client = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let reply = send(chat_with(
+        r.addr,
+        &[("traceparent", client), ("tracestate", "vendor=opaque")],
+    ))
+    .await;
+    assert_eq!(reply.status, 200);
+    let seen = e.last();
+    let sent = seen["traceparent"].to_str().ok().unwrap().to_string();
+    assert_eq!(&sent[..36], &client[..36], "the client's trace: {sent}");
+    assert_ne!(
+        &sent[36..52],
+        &client[36..52],
+        "rankgate's hop is the engine's parent"
+    );
+    assert!(sent.ends_with("-01"), "{sent}");
+    assert_eq!(seen["tracestate"], "vendor=opaque");
+
+    // None (or a broken one): a trace is started, and the broken one's tracestate dropped.
+    for headers in [
+        vec![],
+        vec![
+            ("traceparent", "00-zz-broken-01"),
+            ("tracestate", "vendor=opaque"),
+        ],
+    ] {
+        assert_eq!(send(chat_with(r.addr, &headers)).await.status, 200);
+        let seen = e.last();
+        let sent = seen["traceparent"].to_str().ok().unwrap();
+        assert_eq!(sent.len(), 55, "{sent}");
+        assert!(sent.starts_with("00-") && sent.ends_with("-01"), "{sent}");
+        assert!(seen.get("tracestate").is_none(), "{seen:?}");
+    }
+}
+
 fn preflight(addr: std::net::SocketAddr, origin: &str) -> Request<Full<Bytes>> {
     Request::builder()
         .method(Method::OPTIONS)

@@ -202,6 +202,8 @@ pub struct Seen {
     pub request_id: Option<String>,
     /// The `x-forwarded-for` header as received.
     pub forwarded_for: Option<String>,
+    /// The `traceparent` header as received.
+    pub traceparent: Option<String>,
 }
 
 /// Knobs that change while the engine runs.

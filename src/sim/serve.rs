@@ -307,6 +307,7 @@ struct Head {
     authorization: Option<String>,
     request_id: Option<String>,
     forwarded_for: Option<String>,
+    traceparent: Option<String>,
     content_type: Option<String>,
 }
 
@@ -324,6 +325,7 @@ impl Head {
             authorization: text("authorization"),
             request_id: text("x-request-id"),
             forwarded_for: text("x-forwarded-for"),
+            traceparent: text("traceparent"),
             content_type: text("content-type"),
         }
     }
@@ -341,6 +343,7 @@ impl Head {
             authorization: self.authorization.clone(),
             request_id: self.request_id.clone(),
             forwarded_for: self.forwarded_for.clone(),
+            traceparent: self.traceparent.clone(),
         }
     }
 }
