@@ -262,6 +262,14 @@ pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<
     }
     let cfg = Config::from_str(&toml).map_err(|e| e.to_string())?;
     let router = Router::start(cfg).await.map_err(|e| e.to_string())?;
+    if progress {
+        // Where to watch it while it runs, from another terminal.
+        let admin = router.admin_addr;
+        eprintln!(
+            "  {}: watch it live with `rankgate top --admin http://{admin}` (or `cargo run --release -- top --admin http://{admin}`); metrics at http://{admin}/metrics",
+            policy.as_str()
+        );
+    }
     // Bounded wait for the first telemetry, so every policy starts from what a steady router knows.
     for _ in 0..250 {
         if router
