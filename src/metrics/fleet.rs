@@ -55,14 +55,12 @@ impl Requests {
         worker: Option<&str>,
     ) -> fmt::Result {
         let core = &self.core;
-        let models = core.models.all();
         let series = counts.snapshot();
         let mut rows: Vec<_> = series.iter().collect();
         rows.sort_unstable_by_key(|(k, _)| (k.labels.model.0, k.labels.route.0, k.status));
         for (key, c) in rows {
-            let model = core.models.name(&models, key.labels.model);
             let labels = [
-                ("model", &*model),
+                ("model", core.models.name(key.labels.model)),
                 ("route", core.routes.name(key.labels.route)),
             ];
             let status = [("status", key.status)];
@@ -100,7 +98,7 @@ impl Collector for Requests {
         )?;
         self.series(&mut m, &self.core.local, None)?;
 
-        let models = self.core.models.all();
+        let models = &self.core.models;
         let mut m = enc.encode_descriptor(
             "rankgate_request_duration_seconds",
             "Time from a request's arrival to the end of its response body (streams included), \
@@ -108,7 +106,7 @@ impl Collector for Requests {
             None,
             MetricType::Histogram,
         )?;
-        for s in models.iter() {
+        for s in models.all() {
             s.duration
                 .encode(m.encode_family(&[("model", &*s.name)])?)?;
         }
@@ -120,7 +118,7 @@ impl Collector for Requests {
             None,
             MetricType::Histogram,
         )?;
-        for s in models.iter() {
+        for s in models.all() {
             s.first_byte
                 .encode(m.encode_family(&[("model", &*s.name)])?)?;
         }
@@ -349,14 +347,16 @@ impl Fleet {
             MetricType::Counter,
         )?;
         for e in engines {
-            for src in &e.telemetry {
-                let Some(s) = SOURCES.iter().position(|n| *n == src.name()) else {
+            // By kind of source: an engine may list two of one kind (two loads URLs), which
+            // count together.
+            for (s, kind) in SOURCES.iter().enumerate() {
+                if !e.telemetry.iter().any(|t| t.name() == *kind) {
                     continue;
-                };
+                }
                 for r in PollResult::ALL {
                     let labels = [
                         ("engine", &*e.url),
-                        ("source", SOURCES[s]),
+                        ("source", kind),
                         ("result", r.as_str()),
                     ];
                     counter(&mut m, &labels, e.polls.reads(s, r))?;

@@ -34,6 +34,7 @@ impl Histogram {
     }
 
     /// Observations so far.
+    #[cfg(test)]
     pub fn count(&self) -> u64 {
         self.counts.iter().map(|c| c.load(Relaxed)).sum()
     }

@@ -10,8 +10,10 @@
 //! interned once per model name and never reused, so an index recorded before a catalog change
 //! still names the same model after it; the per-model histograms live with the interned name.
 
-use std::sync::atomic::{AtomicU16, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{
+    AtomicU16, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use arc_swap::ArcSwap;
 
@@ -95,13 +97,19 @@ pub struct RequestLabels {
     pub route: RouteIdx,
 }
 
+/// Paths ordered by length first: most comparisons in a lookup then end on the lengths,
+/// without comparing bytes.
+fn by_length(a: &str, b: &str) -> std::cmp::Ordering {
+    a.len().cmp(&b.len()).then_with(|| a.cmp(b))
+}
+
 /// Every route label, fixed at startup.
 #[derive(Debug)]
 pub struct Routes {
     /// Every name, indexed by [`RouteIdx`]: the HTTP paths, the gRPC paths, the extra routes,
     /// then `unmatched`.
     names: Vec<Box<str>>,
-    /// Exact HTTP paths (table, own, extra), sorted, with their index.
+    /// Exact HTTP paths (table, `/v1/models`, extra), sorted [`by_length`], with their index.
     http: Vec<(Box<str>, RouteIdx)>,
     models_id: RouteIdx,
     responses_id: RouteIdx,
@@ -140,7 +148,7 @@ impl Routes {
             .chain(extra.iter().map(String::as_str))
             .map(|p| (p.into(), idx(p)))
             .collect();
-        http.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        http.sort_unstable_by(|a, b| by_length(&a.0, &b.0));
         http.dedup_by(|a, b| a.0 == b.0);
         Routes {
             models_id: idx("/v1/models/{id}"),
@@ -157,7 +165,7 @@ impl Routes {
         if grpc {
             return self.grpc_of(path).unwrap_or(self.unmatched);
         }
-        if let Ok(i) = self.http.binary_search_by(|(p, _)| (**p).cmp(path)) {
+        if let Ok(i) = self.http.binary_search_by(|(p, _)| by_length(p, path)) {
             return self.http[i].1;
         }
         if path
@@ -235,23 +243,68 @@ impl Default for ModelIdx {
     }
 }
 
+/// Models per segment of [`Interned`].
+const SEGMENT: usize = 32;
+
+/// Every model ever labelled, indexed by [`ModelIdx`], only ever appended to: a slot once
+/// filled never changes, so the request path reads one with two atomic loads, no lock and no
+/// reference count. Segments are allocated as models arrive.
+struct Interned {
+    segments: [OnceLock<Box<[OnceLock<ModelSeries>; SEGMENT]>>; MAX_MODELS / SEGMENT],
+    len: AtomicUsize,
+}
+
+impl Interned {
+    #[inline]
+    fn get(&self, i: usize) -> Option<&ModelSeries> {
+        self.segments.get(i / SEGMENT)?.get()?[i % SEGMENT].get()
+    }
+
+    /// Appends `s`, if there is room; the caller holds [`Models::grow`].
+    fn push(&self, s: ModelSeries) -> Option<usize> {
+        let i = self.len.load(Acquire);
+        let segment = self.segments.get(i / SEGMENT)?;
+        let segment = segment.get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
+        let _ = segment[i % SEGMENT].set(s);
+        self.len.store(i + 1, Release);
+        Some(i)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &ModelSeries> {
+        (0..self.len.load(Acquire)).filter_map(|i| self.get(i))
+    }
+}
+
+impl std::fmt::Debug for Interned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.iter().map(|s| &s.name))
+            .finish()
+    }
+}
+
 /// Every model ever labelled, and the labels of the current catalog.
 #[derive(Debug)]
 pub struct Models {
-    /// Indexed by [`ModelIdx`]; index 0 is `unknown`. Only grows (under `grow`), copied on
-    /// growth so the request path reads it without a lock.
-    series: ArcSwap<Vec<Arc<ModelSeries>>>,
+    /// Index 0 is `unknown`.
+    interned: Interned,
     current: ArcSwap<CatalogLabels>,
+    /// Held while names are interned.
     grow: Mutex<()>,
 }
 
 impl Default for Models {
     fn default() -> Models {
-        Models {
-            series: ArcSwap::from_pointee(vec![Arc::new(series(UNKNOWN.into()))]),
+        let models = Models {
+            interned: Interned {
+                segments: std::array::from_fn(|_| OnceLock::new()),
+                len: AtomicUsize::new(0),
+            },
             current: ArcSwap::default(),
             grow: Mutex::new(()),
-        }
+        };
+        models.interned.push(series(UNKNOWN.into()));
+        models
     }
 }
 
@@ -303,22 +356,17 @@ impl Models {
             .collect();
         ids.sort_unstable();
         ids.dedup();
-        let mut all: Vec<Arc<ModelSeries>> = self.series.load().to_vec();
-        let known = all.len();
         let mut names = Vec::with_capacity(ids.len());
         for id in ids {
-            let idx = match all.iter().skip(1).position(|s| &*s.name == id) {
-                Some(i) => i + 1,
-                None if all.len() < MAX_MODELS => {
-                    all.push(Arc::new(series(id.into())));
-                    all.len() - 1
-                }
-                None => continue,
+            // A model named `unknown` is counted with the unknown ones: one label value, one
+            // series.
+            let found = self.interned.iter().position(|s| &*s.name == id);
+            let Some(i) = found.or_else(|| self.interned.push(series(id.into()))) else {
+                continue;
             };
-            names.push((all[idx].name.clone(), ModelIdx(idx as u16)));
-        }
-        if all.len() > known {
-            self.series.store(Arc::new(all));
+            if let Some(s) = self.interned.get(i) {
+                names.push((s.name.clone(), ModelIdx(i as u16)));
+            }
         }
         let only = match (catalog.routes_by_model(), names.as_slice()) {
             (false, [(_, idx)]) => *idx,
@@ -332,21 +380,20 @@ impl Models {
         }));
     }
 
-    /// Runs `f` on the series of model `m` without taking a reference count.
+    /// Runs `f` on the series of model `m`.
     #[inline]
     pub fn with<R>(&self, m: ModelIdx, f: impl FnOnce(&ModelSeries) -> R) -> Option<R> {
-        self.series.load().get(m.0 as usize).map(|s| f(s))
+        self.interned.get(m.0 as usize).map(f)
     }
 
     /// Every model ever labelled, `unknown` first.
-    pub fn all(&self) -> Arc<Vec<Arc<ModelSeries>>> {
-        self.series.load_full()
+    pub fn all(&self) -> impl Iterator<Item = &ModelSeries> {
+        self.interned.iter()
     }
 
     /// The name of model `m`.
-    pub fn name(&self, all: &[Arc<ModelSeries>], m: ModelIdx) -> Arc<str> {
-        all.get(m.0 as usize)
-            .map_or_else(|| UNKNOWN.into(), |s| s.name.clone())
+    pub fn name(&self, m: ModelIdx) -> &str {
+        self.interned.get(m.0 as usize).map_or(UNKNOWN, |s| &s.name)
     }
 }
 
@@ -441,13 +488,16 @@ mod tests {
         assert_eq!(l.of("a"), a, "the same name keeps its index");
         let b = l.of("b");
         assert!(b != a && b != ModelIdx::UNKNOWN);
-        let all = models.all();
-        assert_eq!(&*models.name(&all, b), "b");
-        assert_eq!(&*models.name(&all, ModelIdx::UNKNOWN), UNKNOWN);
-        assert_eq!(all.len(), 3);
+        assert_eq!(models.name(b), "b");
+        assert_eq!(models.name(ModelIdx::UNKNOWN), UNKNOWN);
+        assert_eq!(models.all().count(), 3);
         // The same catalog again: nothing resolved anew.
-        assert!(Arc::ptr_eq(&models.all(), &all));
-        let _ = models.labels(&two, 2);
-        assert!(Arc::ptr_eq(&models.all(), &all));
+        let l2 = models.labels(&two, 2);
+        assert!(Arc::ptr_eq(&l, &l2));
+        drop((l, l2));
+        // A model named `unknown` is the unknown one.
+        let l = models.labels(&catalog(&[&["unknown", "c"]]), 1);
+        assert_eq!(l.of(UNKNOWN), ModelIdx::UNKNOWN);
+        assert_eq!(models.all().count(), 4);
     }
 }

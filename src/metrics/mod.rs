@@ -265,21 +265,6 @@ impl Metrics {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Requests rankgate answered itself so far.
-    pub fn local_responses_total(&self) -> u64 {
-        self.core.local.total()
-    }
-
-    /// First-byte observations so far, all models.
-    pub fn first_bytes_total(&self) -> u64 {
-        self.core
-            .models
-            .all()
-            .iter()
-            .map(|s| s.first_byte.count())
-            .sum()
-    }
-
     /// Everything, in the Prometheus text format.
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(16 * 1024);
