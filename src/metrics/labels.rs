@@ -437,6 +437,16 @@ mod tests {
         for p in routed {
             assert!(TABLE_ROUTES.contains(&p), "route {p} has no label");
         }
+        // Likewise the gRPC method table.
+        let src = include_str!("../proxy/grpc/mod.rs");
+        let start = src.find("fn call(").unwrap();
+        let end = start + src[start..].find("\n}\n").unwrap();
+        let methods: Vec<&str> = src[start..end].split('"').skip(1).step_by(2).collect();
+        assert_eq!(methods.len(), GRPC_METHODS.len(), "{methods:?}");
+        assert!(
+            methods.iter().all(|m| GRPC_METHODS.contains(m)),
+            "{methods:?}"
+        );
     }
 
     #[test]

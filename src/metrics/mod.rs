@@ -13,9 +13,15 @@
 //!   answered itself, labelled by small indices ([`labels`]) whose names are looked up only when
 //!   scraped.
 //!
-//! The request path allocates nothing and takes no lock to record a request once its label
+//! The request path takes no lock to record a request, and allocates nothing once its label
 //! combination has been seen: a route and a model are `u16`s, a counter bump is an atomic add
-//! on a map read through an `ArcSwap` (copied only when a new combination appears).
+//! on a map read through an `ArcSwap` (copied only when a new combination appears). The one
+//! exception is a fleet that routes by model: its requests carry a small slot through which
+//! `select` hands back the model it read (see [`ModelSlot`]).
+//!
+//! The page is the Prometheus text format rather than OpenMetrics: `promtool check metrics`
+//! lints the former, and reads an OpenMetrics counter family (named without `_total`) as a
+//! metric without help.
 
 mod counts;
 mod fleet;
