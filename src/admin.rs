@@ -24,6 +24,7 @@ use crate::http::{json_response, openai_error, respond};
 use crate::membership::{Change, MembershipError};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
+use crate::proxy::Denied;
 use crate::reason::Reason;
 use crate::table::{RankTelemetry, Table};
 use crate::telemetry::TelemetryStats;
@@ -81,16 +82,11 @@ impl Admin {
                     Err(refusal) => refused(refusal),
                 }
             }
-            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics") => openai_error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "MethodNotAllowedError",
-                &format!("{path} takes GET, not {m}"),
-            ),
-            (m, "/engines" | "/reload") => openai_error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "MethodNotAllowedError",
-                &format!("{path} takes {}, not {m}", if path == "/reload" { "POST" } else { "GET, POST or DELETE" }),
-            ),
+            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics") => {
+                not_allowed(&path, &m, "GET")
+            }
+            (m, "/engines") => not_allowed(&path, &m, "GET, POST, DELETE"),
+            (m, "/reload") => not_allowed(&path, &m, "POST"),
             (_, other) => openai_error(
                 StatusCode::NOT_FOUND,
                 "NotFoundError",
@@ -118,12 +114,13 @@ impl Admin {
                         ReloadError::NoFile => {
                             openai_error(StatusCode::CONFLICT, "ConflictError", &err.to_string())
                         }
-                        ReloadError::Config(_) => bad(err.to_string()),
+                        ReloadError::Config(e) => bad(e.to_string()),
                     }
                 }
             },
             (Method::DELETE, _) => {
-                let Some(url) = req.uri().query().and_then(|q| query_param(q, "url")) else {
+                let url = req.uri().query().and_then(|q| query_param(q, "url"));
+                let Some(url) = url.filter(|u| !u.is_empty()) else {
                     return bad(
                         "DELETE /engines needs ?url=<the engine's url, as GET /engines lists it>"
                             .into(),
@@ -134,15 +131,21 @@ impl Admin {
             _ => {
                 let body = match read_body(req.into_body()).await {
                     Ok(b) => b,
-                    Err(message) => return bad(message),
+                    Err(r) => return r,
                 };
                 let raw: RawEngine = match serde_json::from_slice(&body) {
                     Ok(r) => r,
-                    Err(e) => return bad(format!("POST /engines: the body must be one engine as JSON, with the keys of [[engines]]: {e}")),
+                    Err(e) => return bad(format!("POST /engines: the body must be one engine as a JSON object, with the keys of [[engines]]: {e}")),
                 };
+                if let Some(var) = raw
+                    .api_key_env()
+                    .filter(|v| !self.control.key_env_allowed(v))
+                {
+                    return bad(format!("POST /engines.api_key_env: {var:?} is not a variable the config file names for an engine's key; the admin API may name only those (so that it cannot send the process's environment elsewhere)"));
+                }
                 match raw.validate("POST /engines") {
                     Ok(engine) => self.change(Change::Add(engine)).await,
-                    Err(e) => bad(e.to_string()),
+                    Err(e) => bad(e.problem()),
                 }
             }
         }
@@ -284,7 +287,12 @@ fn refused(refusal: Refusal) -> Response<Full<Bytes>> {
             "admin changes are off: set server.admin_token_env to the environment variable holding the admin token",
         ),
         Refusal::Denied(d) => {
-            let mut r = openai_error(StatusCode::UNAUTHORIZED, "AuthenticationError", &d.to_string());
+            let message = match d {
+                Denied::Missing => "missing admin token: send `Authorization: Bearer <token>` with the token in server.admin_token_env's variable",
+                Denied::NotBearer => "the Authorization header must read `Bearer <admin token>`",
+                Denied::Wrong => "invalid admin token",
+            };
+            let mut r = openai_error(StatusCode::UNAUTHORIZED, "AuthenticationError", message);
             r.headers_mut()
                 .insert(http::header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
             r
@@ -306,16 +314,39 @@ fn membership_error(e: &MembershipError) -> Response<Full<Bytes>> {
 /// Largest admin request body: one engine's keys.
 const MAX_ADMIN_BODY: usize = 64 * 1024;
 
-/// The whole body of an admin request, within a size and a time limit.
-async fn read_body(body: Incoming) -> Result<Bytes, String> {
+/// The whole body of an admin request, within a size (413) and a time (408) limit.
+async fn read_body(body: Incoming) -> Result<Bytes, Response<Full<Bytes>>> {
     let limited = http_body_util::Limited::new(body, MAX_ADMIN_BODY);
     match tokio::time::timeout(std::time::Duration::from_secs(10), limited.collect()).await {
         Ok(Ok(b)) => Ok(b.to_bytes()),
-        Ok(Err(e)) => Err(format!(
-            "reading the body: {e} (at most {MAX_ADMIN_BODY} bytes)"
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(openai_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "BadRequestError",
+            &format!("the body is over {MAX_ADMIN_BODY} bytes: one engine's keys fit in far less"),
         )),
-        Err(_) => Err("reading the body: not complete within 10 s".into()),
+        Ok(Err(e)) => Err(openai_error(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            &format!("reading the body: {e}"),
+        )),
+        Err(_) => Err(openai_error(
+            StatusCode::REQUEST_TIMEOUT,
+            "TimeoutError",
+            "the body did not arrive within 10 s",
+        )),
     }
+}
+
+/// 405 with the methods the path takes.
+fn not_allowed(path: &str, method: &Method, allow: &'static str) -> Response<Full<Bytes>> {
+    let mut r = openai_error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "MethodNotAllowedError",
+        &format!("{path} takes {allow}, not {method}"),
+    );
+    r.headers_mut()
+        .insert(http::header::ALLOW, http::HeaderValue::from_static(allow));
+    r
 }
 
 /// The value of `key` in a query string, percent-decoded (model ids carry `/`).

@@ -16,7 +16,7 @@ use crate::admin::Admin;
 use crate::config::Config;
 use crate::control::Control;
 use crate::http::ServeOptions;
-use crate::membership::Membership;
+use crate::membership::{Membership, Sources};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
 use crate::proxy::send::ConnLimits;
@@ -37,8 +37,6 @@ pub enum StartError {
     /// The client keys `[server]` points at could not be read (names where, never a key).
     #[error(transparent)]
     Keys(#[from] KeysError),
-    #[error(transparent)]
-    AdminToken(#[from] crate::control::TokenError),
 }
 
 /// A running rankgate.
@@ -130,7 +128,7 @@ impl Router {
         let limits = ConnLimits::of(&cfg.server);
         let fleet = Fleet::new(
             (cfg.engines.iter())
-                .map(|e| EngineEntry::new(e.clone(), Origin::Config, limits))
+                .map(|e| EngineEntry::new(e.clone(), Origin::Config, limits, None))
                 .collect(),
         );
         let workers = fleet.workers.len();
@@ -141,10 +139,11 @@ impl Router {
         let (stop_rest, rest_rx) = watch::channel(false);
 
         let (membership, changes) = Membership::channel();
-        let control = Arc::new(Control::new(&cfg, path, membership.clone())?);
+        let control = Arc::new(Control::new(&cfg, path, membership.clone()));
         let discovery = crate::discovery::spawn(&cfg.discovery, &membership, &rest_rx);
         let monitor = telemetry::spawn(
             table.clone(),
+            Sources::new(cfg.engines.clone()),
             telemetry::Settings {
                 telemetry: cfg.telemetry.clone(),
                 default_kv_per_request: cfg.routing.request_kv_estimate,

@@ -56,6 +56,15 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
+    /// The error without the file it is in: `key: problem` (for a request's errors, not a
+    /// file's).
+    pub fn problem(&self) -> String {
+        match self {
+            ConfigError::Invalid { key, problem, .. } => format!("{key}: {problem}"),
+            e => e.to_string(),
+        }
+    }
+
     fn with_path(self, p: &str) -> ConfigError {
         match self {
             ConfigError::Read { source, .. } => ConfigError::Read {
@@ -185,6 +194,11 @@ pub struct RawEngine {
 }
 
 impl RawEngine {
+    /// The environment variable the entry names for the engine's key, if any.
+    pub fn api_key_env(&self) -> Option<&str> {
+        self.api_key_env.as_deref()
+    }
+
     /// Validates one engine entry; `at` names it in errors (`engines[2]`, `POST /engines`).
     pub fn validate(self, at: &str) -> Result<Engine, ConfigError> {
         let addresses = engine_addresses(at, &self)?;
@@ -281,6 +295,9 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub engines: Vec<Engine>,
     pub discovery: Vec<Discovery>,
+    /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
+    /// the only ones the admin API may name.
+    pub key_vars: Vec<String>,
 }
 
 pub(crate) fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
@@ -316,6 +333,9 @@ fn parse_engine_url(key: &str, url: &str) -> Result<(String, String), ConfigErro
     let uri: http::uri::Authority = authority
         .parse()
         .map_err(|_| invalid(key, format!("{url:?} has no valid host:port")))?;
+    if uri.host().is_empty() {
+        return Err(invalid(key, format!("{url:?} has no host")));
+    }
     if uri.port_u16().is_none() {
         return Err(invalid(key, format!("{url:?} has no port")));
     }
@@ -533,6 +553,16 @@ impl Config {
                 "at least one [[engines]] entry is required (or a [[discovery]] entry, or server.admin_token_env to add engines through the admin API)",
             ));
         }
+        let mut key_vars: Vec<String> = (raw.engines.iter())
+            .filter_map(|e| e.api_key_env.clone())
+            .chain(
+                discovery
+                    .iter()
+                    .filter_map(|d| d.template.api_key_env().map(Into::into)),
+            )
+            .collect();
+        key_vars.sort();
+        key_vars.dedup();
         let mut engines: Vec<Engine> = Vec::with_capacity(raw.engines.len());
         for (i, e) in raw.engines.into_iter().enumerate() {
             let engine = e.validate(&format!("engines[{i}]"))?;
@@ -563,6 +593,7 @@ impl Config {
             telemetry,
             engines,
             discovery,
+            key_vars,
         })
     }
 }

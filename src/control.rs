@@ -35,14 +35,6 @@ pub struct Reloaded {
     pub restart_needed: Vec<&'static str>,
 }
 
-/// Why the admin token could not be read at startup (names the variable, never a value).
-#[derive(Debug, thiserror::Error)]
-#[error("server.admin_token_env: environment variable {var} {problem}")]
-pub struct TokenError {
-    var: String,
-    problem: &'static str,
-}
-
 /// Holds what runtime changes need: the membership handle, the config rankgate started with,
 /// and the admin token.
 pub struct Control {
@@ -63,40 +55,22 @@ pub enum Refusal {
 }
 
 impl Control {
-    /// Reads the admin token named by `server.admin_token_env`: a variable that is named but
-    /// unset or empty stops the start rather than leaving the admin API open or shut by surprise.
-    pub fn new(
-        cfg: &Config,
-        path: Option<PathBuf>,
-        membership: Membership,
-    ) -> Result<Control, TokenError> {
-        let token = match &cfg.server.admin_token_env {
-            None => None,
-            Some(var) => {
-                let err = |problem| TokenError {
-                    var: var.clone(),
-                    problem,
-                };
-                let value = std::env::var(var).map_err(|e| match e {
-                    std::env::VarError::NotPresent => err("is not set"),
-                    std::env::VarError::NotUnicode(_) => err("is not valid UTF-8"),
-                })?;
-                let value = value.trim();
-                if value.is_empty() {
-                    return Err(err("is empty"));
-                }
-                if !value.bytes().all(|b| b.is_ascii_graphic()) {
-                    return Err(err("must be printable ASCII without spaces"));
-                }
-                Some(Keys::single(value.as_bytes()))
-            }
-        };
-        Ok(Control {
+    /// `cfg` as rankgate starts with it (its admin token read at load), read from `path`.
+    pub fn new(cfg: &Config, path: Option<PathBuf>, membership: Membership) -> Control {
+        let token = (cfg.server.admin_token.as_ref()).map(|t| Keys::single(&t.0));
+        Control {
             membership,
             started: cfg.clone(),
             path,
             token,
-        })
+        }
+    }
+
+    /// Whether the admin API may name `var` as an engine's key: only variables the config
+    /// file already names for one. Any other would let the admin token send any of the
+    /// process's environment (the admin token itself included) to an address of its choosing.
+    pub fn key_env_allowed(&self, var: &str) -> bool {
+        self.started.key_vars.iter().any(|v| v == var)
     }
 
     /// Whether a request may change the fleet (constant-time token comparison).
@@ -127,26 +101,82 @@ impl Control {
 /// The settings other than `[[engines]]` that differ between `a` and `b`.
 fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
     let (sa, sb) = (&a.server, &b.server);
-    let mut out = Vec::new();
-    for (key, differs) in [
+    let mut out: Vec<&'static str> = [
         ("server.listen", sa.listen != sb.listen),
         ("server.admin_listen", sa.admin_listen != sb.admin_listen),
         ("server.grpc_listen", sa.grpc_listen != sb.grpc_listen),
-        ("server", sa != sb),
+        (
+            "server.max_body_bytes",
+            sa.max_body_bytes != sb.max_body_bytes,
+        ),
+        (
+            "server.connect_timeout",
+            sa.connect_timeout != sb.connect_timeout,
+        ),
+        (
+            "server.response_timeout",
+            sa.response_timeout != sb.response_timeout,
+        ),
+        (
+            "server.stream_idle_timeout",
+            sa.stream_idle_timeout != sb.stream_idle_timeout,
+        ),
+        (
+            "server.header_read_timeout",
+            sa.header_read_timeout != sb.header_read_timeout,
+        ),
+        (
+            "server.body_read_timeout",
+            sa.body_read_timeout != sb.body_read_timeout,
+        ),
+        ("server.idle_timeout", sa.idle_timeout != sb.idle_timeout),
+        (
+            "server.h2_keepalive_interval",
+            sa.h2_keepalive_interval != sb.h2_keepalive_interval,
+        ),
+        (
+            "server.max_header_bytes",
+            sa.max_header_bytes != sb.max_header_bytes,
+        ),
+        (
+            "server.max_connections",
+            sa.max_connections != sb.max_connections,
+        ),
+        (
+            "server.max_engine_connections",
+            sa.max_engine_connections != sb.max_engine_connections,
+        ),
+        (
+            "server.grpc_streams_per_connection",
+            sa.grpc_streams_per_connection != sb.grpc_streams_per_connection,
+        ),
+        ("server.max_in_flight", sa.max_in_flight != sb.max_in_flight),
+        (
+            "server.shutdown_delay",
+            sa.shutdown_delay != sb.shutdown_delay,
+        ),
+        ("server.drain_grace", sa.drain_grace != sb.drain_grace),
+        ("server.extra_routes", sa.extra_routes != sb.extra_routes),
+        ("server.api_keys_env", sa.api_keys_env != sb.api_keys_env),
+        ("server.api_keys_file", sa.api_keys_file != sb.api_keys_file),
+        (
+            "server.cors_allow_origins",
+            sa.cors_allow_origins != sb.cors_allow_origins,
+        ),
+        (
+            "server.admin_token_env",
+            sa.admin_token_env != sb.admin_token_env,
+        ),
         ("routing", a.routing != b.routing),
         ("telemetry", a.telemetry != b.telemetry),
         ("discovery", a.discovery != b.discovery),
-    ] {
-        // `server` is named as a whole only when something beside its listeners changed.
-        let listeners_only = key == "server" && {
-            let mut c = sb.clone();
-            (c.listen, c.admin_listen, c.grpc_listen) =
-                (sa.listen, sa.admin_listen, sa.grpc_listen);
-            c == *sa
-        };
-        if differs && !listeners_only {
-            out.push(key);
-        }
+    ]
+    .into_iter()
+    .filter_map(|(key, differs)| differs.then_some(key))
+    .collect();
+    // A server key this list does not name still says so.
+    if sa != sb && !out.iter().any(|k| k.starts_with("server.")) {
+        out.push("server");
     }
     out
 }
@@ -168,6 +198,6 @@ mod tests {
         .unwrap();
         assert_eq!(restart_needed(&a, &b), ["server.listen", "routing"]);
         let c = Config::from_str(&format!("[server]\nmax_in_flight = 3\n{base}")).unwrap();
-        assert_eq!(restart_needed(&a, &c), ["server"]);
+        assert_eq!(restart_needed(&a, &c), ["server.max_in_flight"]);
     }
 }

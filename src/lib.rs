@@ -2,8 +2,12 @@
 //!
 //! Module map, and what each owns:
 //! - [`config`]: the TOML config file, parsed then validated; errors name file, key and problem.
-//! - [`worker`]: engines, their expansion into virtual workers, and the `RankId` identity.
-//! - [`table`]: the one telemetry snapshot behind one `ArcSwap`, plus per-worker live counters.
+//! - [`worker`]: engines, their expansion into virtual workers, the `RankId` identity, stable
+//!   `EngineId`/`WorkerId`, and the fleet (`EngineEntry`, `Member`).
+//! - [`table`]: the one snapshot (fleet, telemetry, catalog) behind one `ArcSwap`, and the
+//!   per-worker live counters.
+//! - [`membership`], [`control`], [`discovery`]: fleet changes per source (the file, the admin
+//!   API, DNS and Kubernetes discovery), reload and the admin token.
 //! - [`telemetry`]: one poller per engine (gRPC `GetLoads`, HTTP loads, Prometheus, in order of
 //!   preference), health probes, and the single publisher; [`telemetry::prom`] and
 //!   [`telemetry::loads`] project what engines report onto their ranks.
@@ -15,9 +19,11 @@
 //! - [`proxy`]: the OpenAI-compatible front door, a stack of tower layers: route, admit, read,
 //!   retry, pick + pin, observe, send (with its timeouts).
 //! - [`proto`]: code generated from `proto/` (gRPC load services, health).
-//! - [`admin`]: `/health`, `/ready`, `/workers`, `/loads`, `/metrics`.
+//! - [`admin`]: `/health`, `/ready`, `/workers`, `/engines`, `/loads`, `/metrics`, and the
+//!   admin API's changes.
 //! - [`metrics`]: rankgate's own counters and histogram.
 //! - [`http`]: accept loop, upstream clients, error bodies.
+//! - [`logging`]: text or JSON log lines, the `RUST_LOG` filter with library internals quiet.
 //! - [`app`]: starts and stops the whole router.
 //!
 //! Behind the `sim` feature (on by default; the production build turns it off with
@@ -26,6 +32,9 @@
 //! - [`load`]: the load client (`examples/loadgen.rs`, scenarios, the demo).
 //! - [`scenario`]: routing-quality scenarios: a simulated fleet, a workload, events, per policy.
 //! - [`demo`]: the self-contained demo behind `rankgate demo`.
+//!
+//! Behind the `top` feature (on by default, off in the production build): [`top`], the live
+//! terminal view behind `rankgate top`.
 
 pub mod admin;
 pub mod app;
@@ -38,6 +47,7 @@ pub mod discovery;
 pub mod http;
 #[cfg(feature = "sim")]
 pub mod load;
+pub mod logging;
 pub mod membership;
 pub mod metrics;
 pub mod outlier;
@@ -52,5 +62,7 @@ pub mod scenario;
 pub mod sim;
 pub mod table;
 pub mod telemetry;
+#[cfg(feature = "top")]
+pub mod top;
 pub mod wire;
 pub mod worker;

@@ -72,6 +72,9 @@ enum Command {
     Serve {
         #[arg(long)]
         config: PathBuf,
+        /// Log lines as `text` or `json` (one object per line), on stderr.
+        #[arg(long, default_value = "text")]
+        log_format: rankgate::logging::LogFormat,
     },
     /// Validate a config file and list its virtual workers.
     Check {
@@ -88,22 +91,16 @@ enum Command {
         #[arg(long)]
         rate: Option<f64>,
     },
-}
-
-fn init_tracing() {
-    let filter: tracing_subscriber::filter::Targets = std::env::var("RUST_LOG")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| "info".parse().unwrap_or_default());
-    use tracing_subscriber::prelude::*;
-    tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
-        )
-        .with(filter)
-        .init();
+    /// Live terminal view of every rank of a running rankgate, read from its admin listener.
+    #[cfg(feature = "top")]
+    Top {
+        /// The admin listener (`server.admin_listen`), e.g. http://127.0.0.1:9090.
+        #[arg(long)]
+        admin: String,
+        /// How often to poll it (100ms to 60s).
+        #[arg(long, default_value = "1s", value_parser = rankgate::top::parse_interval)]
+        interval: std::time::Duration,
+    },
 }
 
 /// The config, with the client keys it names readable: both are config errors (exit 64), for
@@ -174,12 +171,15 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Command::Serve { config } => {
+        Command::Serve { config, log_format } => {
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            init_tracing();
+            if let Err(e) = rankgate::logging::init(log_format) {
+                eprintln!("rankgate: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
             // Before any port binds, and before the runtime: resolving names blocks.
             for w in cfg.warnings() {
                 tracing::warn!("config: {w}");
@@ -229,6 +229,20 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("rankgate demo: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        #[cfg(feature = "top")]
+        Command::Top { admin, interval } => {
+            let rt = match runtime() {
+                Ok(rt) => rt,
+                Err(code) => return code,
+            };
+            match rt.block_on(rankgate::top::run(&admin, interval)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rankgate top: {e}");
                     ExitCode::FAILURE
                 }
             }

@@ -11,11 +11,11 @@
 //! Each source owns its engines: a reload does not touch what the admin API added or discovery
 //! found, and discovery never takes over an address the file or the admin API named.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::worker::{Engine, EngineEntry, Flavor, Origin};
+use crate::worker::{Engine, Flavor, Origin};
 
 /// A change to the fleet.
 #[derive(Debug)]
@@ -32,13 +32,16 @@ pub enum Change {
     Remove { url: String },
 }
 
-/// What a change did.
+/// What a change did, by engine URL.
 #[derive(Debug, Default, Clone, PartialEq, serde::Serialize)]
 pub struct Outcome {
     pub added: Vec<String>,
     pub removed: Vec<String>,
-    /// Engines a discovery found but that another source already names (kept as that source
-    /// has them).
+    /// Engines that stay with new keys or under another source (their ranks, counters and
+    /// telemetry carry over).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<String>,
+    /// Engines a source names that an earlier source already names (kept as that one has them).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<String>,
 }
@@ -61,11 +64,128 @@ pub enum MembershipError {
     Stopped,
 }
 
+/// What each source says the fleet holds. The fleet is derived from it: the file's engines,
+/// then the admin API's, then each discovery's, an address an earlier source names shadowing a
+/// later source's entry for it (which comes back if the earlier source lets it go).
+#[derive(Debug, Default, Clone)]
+pub struct Sources {
+    config: Vec<Engine>,
+    admin: Vec<Engine>,
+    /// Per `[[discovery]]` entry: the set it last reported.
+    found: BTreeMap<usize, Vec<Engine>>,
+}
+
+/// An engine and the source it is in the fleet by.
+pub type Listed = (Origin, Engine);
+
 /// The engine list after a change, in fleet order, and what changed.
 #[derive(Debug)]
 pub struct Plan {
+    pub sources: Sources,
     pub engines: Vec<(Origin, Engine)>,
     pub outcome: Outcome,
+}
+
+impl Sources {
+    /// The file's engines, nothing else yet.
+    pub fn new(config: Vec<Engine>) -> Sources {
+        Sources {
+            config,
+            ..Sources::default()
+        }
+    }
+
+    /// The fleet's engines in fleet order, and the shadowed entries (as `url (from origin)`).
+    pub fn engines(&self) -> (Vec<Listed>, Vec<(Origin, String)>) {
+        let listed = (self.config.iter().map(|e| (Origin::Config, e)))
+            .chain(self.admin.iter().map(|e| (Origin::Admin, e)))
+            .chain(
+                (self.found.iter())
+                    .flat_map(|(i, set)| set.iter().map(move |e| (Origin::Discovery(*i), e))),
+            );
+        let mut out: Vec<(Origin, Engine)> = Vec::new();
+        let mut shadowed = Vec::new();
+        for (origin, e) in listed {
+            match out.iter().find(|(_, o)| same_address(o, e)) {
+                Some((by, _)) => shadowed.push((
+                    origin,
+                    format!("{} (already in the fleet from {by})", e.url),
+                )),
+                None => out.push((origin, e.clone())),
+            }
+        }
+        (out, shadowed)
+    }
+}
+
+/// The sources and the engine list after `change` is applied to `sources`.
+pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> {
+    let (before, _) = sources.engines();
+    let mut next = sources.clone();
+    let origin = match change {
+        Change::Add(engine) => {
+            if let Some((origin, _)) = before.iter().find(|(_, o)| same_address(o, &engine)) {
+                return Err(MembershipError::Exists {
+                    url: engine.url.to_string(),
+                    origin: *origin,
+                });
+            }
+            next.admin.push(engine);
+            Origin::Admin
+        }
+        Change::Remove { url } => {
+            let url = url.trim_end_matches('/');
+            let Some((origin, _)) = before.iter().find(|(_, e)| &*e.url == url) else {
+                return Err(MembershipError::NotFound {
+                    url: url.to_string(),
+                });
+            };
+            // From every source, so no shadowed entry takes its place.
+            let keep = |e: &Engine| &*e.url != url;
+            next.config.retain(keep);
+            next.admin.retain(keep);
+            for set in next.found.values_mut() {
+                set.retain(keep);
+            }
+            *origin
+        }
+        Change::Replace { origin, engines } => {
+            match origin {
+                Origin::Config => next.config = engines,
+                Origin::Admin => next.admin = engines,
+                Origin::Discovery(i) => {
+                    next.found.insert(i, engines);
+                }
+            }
+            origin
+        }
+    };
+    let (engines, shadowed) = next.engines();
+    check_overlap(&engines)?;
+    let url_in =
+        |list: &[(Origin, Engine)], url: &str| list.iter().find(|(_, e)| &*e.url == url).cloned();
+    let mut outcome = Outcome::default();
+    for (o, e) in &engines {
+        match url_in(&before, &e.url) {
+            None => outcome.added.push(e.url.to_string()),
+            Some((was, cfg)) if was != *o || cfg != *e => outcome.changed.push(e.url.to_string()),
+            Some(_) => {}
+        }
+    }
+    for (_, e) in &before {
+        if url_in(&engines, &e.url).is_none() {
+            outcome.removed.push(e.url.to_string());
+        }
+    }
+    outcome.skipped = (shadowed.into_iter())
+        .filter(|(o, _)| *o == origin)
+        .map(|(_, text)| text)
+        .collect();
+    Ok(Plan {
+        sources: next,
+        engines,
+        outcome,
+    })
 }
 
 /// Sends changes to the publisher and waits for their outcome. Cheap to clone.
@@ -91,97 +211,6 @@ impl Membership {
             .await
             .map_err(|_| MembershipError::Stopped)?;
         outcome.await.map_err(|_| MembershipError::Stopped)?
-    }
-}
-
-/// The engine list after `change` is applied to `current` (the fleet's engines, in order).
-pub fn plan(current: &[Arc<EngineEntry>], change: Change) -> Result<Plan, MembershipError> {
-    let listed = |e: &Arc<EngineEntry>| (e.origin, e.cfg.clone());
-    let mut outcome = Outcome::default();
-    let mut engines: Vec<(Origin, Engine)> = match change {
-        Change::Add(engine) => {
-            if let Some(o) = current.iter().find(|o| same_address(&o.cfg, &engine)) {
-                return Err(MembershipError::Exists {
-                    url: engine.url.to_string(),
-                    origin: o.origin,
-                });
-            }
-            outcome.added.push(engine.url.to_string());
-            current
-                .iter()
-                .map(listed)
-                .chain([(Origin::Admin, engine)])
-                .collect()
-        }
-        Change::Remove { url } => {
-            let url = url.trim_end_matches('/');
-            let Some(i) = current.iter().position(|e| &*e.url == url) else {
-                return Err(MembershipError::NotFound {
-                    url: url.to_string(),
-                });
-            };
-            outcome.removed.push(url.to_string());
-            (current.iter().enumerate())
-                .filter(|(j, _)| *j != i)
-                .map(|(_, e)| listed(e))
-                .collect()
-        }
-        Change::Replace {
-            origin,
-            engines: new,
-        } => {
-            let mut kept: Vec<(Origin, Engine)> = Vec::new();
-            for e in current.iter().filter(|e| e.origin != origin) {
-                // The file is the operator's word: an address it names leaves the other
-                // sources (and comes back to them if the file drops it and they name it again).
-                if origin == Origin::Config && new.iter().any(|n| same_address(n, &e.cfg)) {
-                    continue;
-                }
-                kept.push(listed(e));
-            }
-            let mut mine: Vec<(Origin, Engine)> = Vec::new();
-            for n in new {
-                if let Some((o, _)) = (kept.iter().chain(&mine)).find(|(_, k)| same_address(k, &n))
-                {
-                    outcome
-                        .skipped
-                        .push(format!("{} (already in the fleet from {o})", n.url));
-                    continue;
-                }
-                mine.push((origin, n));
-            }
-            let at = kept
-                .iter()
-                .position(|(o, _)| rank_of(*o) > rank_of(origin))
-                .unwrap_or(kept.len());
-            kept.splice(at..at, mine);
-            kept
-        }
-    };
-    // Same order whatever the history: the file, the admin API, then discovery.
-    engines.sort_by_key(|(o, _)| rank_of(*o));
-    for (o, e) in &engines {
-        let was = current.iter().find(|c| c.origin == *o && c.cfg == *e);
-        if was.is_none() && !outcome.added.iter().any(|u| **u == *e.url) {
-            outcome.added.push(e.url.to_string());
-        }
-    }
-    for c in current {
-        let still = engines.iter().any(|(o, e)| c.origin == *o && c.cfg == *e);
-        if !still && !outcome.removed.iter().any(|u| **u == *c.url) {
-            outcome.removed.push(c.url.to_string());
-        }
-    }
-    check_overlap(&engines)?;
-    Ok(Plan { engines, outcome })
-}
-
-/// Sources in fleet order.
-fn rank_of(o: Origin) -> usize {
-    match o {
-        Origin::Config => 0,
-        Origin::Admin => 1,
-        Origin::Discovery(i) => 2 + i,
     }
 }
 
@@ -218,14 +247,7 @@ fn check_overlap(engines: &[(Origin, Engine)]) -> Result<(), MembershipError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::send::ConnLimits;
     use crate::worker::test_engine;
-
-    fn entries(list: &[(Origin, Engine)]) -> Vec<Arc<EngineEntry>> {
-        list.iter()
-            .map(|(o, e)| EngineEntry::new(e.clone(), *o, ConnLimits::default()))
-            .collect()
-    }
 
     fn urls(p: &Plan) -> Vec<(Origin, String)> {
         p.engines
@@ -234,13 +256,17 @@ mod tests {
             .collect()
     }
 
+    /// a (file), b (admin), d (discovery 0).
+    fn three() -> Sources {
+        let mut s = Sources::new(vec![test_engine("http://a:1", 2, 0)]);
+        s.admin.push(test_engine("http://b:1", 2, 2));
+        s.found.insert(0, vec![test_engine("http://d:1", 2, 0)]);
+        s
+    }
+
     #[test]
     fn sources_keep_their_own_engines_in_fleet_order() {
-        let cur = entries(&[
-            (Origin::Config, test_engine("http://a:1", 2, 0)),
-            (Origin::Admin, test_engine("http://b:1", 2, 2)),
-            (Origin::Discovery(0), test_engine("http://d:1", 2, 0)),
-        ]);
+        let cur = three();
         // A reload that drops a and adds c leaves b and d alone.
         let p = plan(
             &cur,
@@ -275,28 +301,58 @@ mod tests {
         assert_eq!(p.outcome.added, ["http://e:1"]);
         assert_eq!(p.outcome.removed, ["http://d:1"]);
         assert_eq!(p.outcome.skipped.len(), 1);
-        // The file does take over an address the admin API added.
-        let p = plan(
+    }
+
+    #[test]
+    fn an_address_the_file_takes_over_returns_to_its_source_when_the_file_lets_go() {
+        let mut cur = three();
+        cur.found.insert(
+            0,
+            vec![
+                test_engine("http://d:1", 2, 0),
+                test_engine("http://e:1", 2, 4),
+            ],
+        );
+        let take = |s: &Sources, engines| {
+            plan(
+                s,
+                Change::Replace {
+                    origin: Origin::Config,
+                    engines,
+                },
+            )
+            .unwrap()
+        };
+        // The file names b (admin's) and e (discovery's): both become the file's, unchanged.
+        let p = take(
             &cur,
-            Change::Replace {
-                origin: Origin::Config,
-                engines: vec![
-                    test_engine("http://a:1", 2, 0),
-                    test_engine("http://b:1", 2, 2),
-                ],
-            },
-        )
-        .unwrap();
+            vec![
+                test_engine("http://a:1", 2, 0),
+                test_engine("http://b:1", 2, 2),
+                test_engine("http://e:1", 2, 4),
+            ],
+        );
         assert_eq!(urls(&p)[1], (Origin::Config, "http://b:1".into()));
-        assert_eq!(p.engines.len(), 3);
+        assert_eq!(p.outcome.changed, ["http://b:1", "http://e:1"]);
+        assert!(p.outcome.added.is_empty() && p.outcome.removed.is_empty());
+        // The file lets them go: back to the admin API and to discovery.
+        let p = take(&p.sources, vec![test_engine("http://a:1", 2, 0)]);
+        assert_eq!(
+            urls(&p),
+            [
+                (Origin::Config, "http://a:1".into()),
+                (Origin::Admin, "http://b:1".into()),
+                (Origin::Discovery(0), "http://d:1".into()),
+                (Origin::Discovery(0), "http://e:1".into())
+            ]
+        );
+        assert_eq!(p.outcome.changed, ["http://b:1", "http://e:1"]);
     }
 
     #[test]
     fn admin_changes_are_checked() {
-        let cur = entries(&[
-            (Origin::Config, test_engine("http://a:1", 2, 0)),
-            (Origin::Discovery(0), test_engine("http://d:1", 2, 0)),
-        ]);
+        let mut cur = Sources::new(vec![test_engine("http://a:1", 2, 0)]);
+        cur.found.insert(0, vec![test_engine("http://d:1", 2, 0)]);
         assert!(matches!(
             plan(&cur, Change::Add(test_engine("http://a:1", 1, 9))),
             Err(MembershipError::Exists {

@@ -33,6 +33,8 @@ pub enum NoRank {
     NoTelemetry,
     #[error("no rank is reachable: every rank is ejected after failures, failed its last telemetry poll, or has not been polled yet")]
     NoneReachable,
+    #[error("the fleet has no engine to serve this: none configured, added or discovered (yet)")]
+    NoEngine,
 }
 
 /// A successful pick.
@@ -106,12 +108,14 @@ impl Avoid {
 
     /// Whether every rank of `e` is ruled out.
     pub fn has_engine(&self, e: &EngineEntry) -> bool {
-        !self.front.served_by(e)
-            || self.engines.contains(&e.key)
-            || self
-                .only
-                .as_ref()
-                .is_some_and(|o| o.binary_search(&e.key).is_err())
+        !self.may_serve(e) || self.engines.contains(&e.key)
+    }
+
+    /// Whether `e` is of the engines the request may go to at all (its front door, model and
+    /// route), failures aside.
+    fn may_serve(&self, e: &EngineEntry) -> bool {
+        self.front.served_by(e)
+            && (self.only.as_ref()).is_none_or(|o| o.binary_search(&e.key).is_ok())
     }
 
     #[inline]
@@ -207,6 +211,9 @@ impl Selector {
         avoid: &Avoid,
     ) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();
+        if !(snap.fleet.engines.iter()).any(|e| avoid.may_serve(e) && !e.members.is_empty()) {
+            return Err(NoRank::NoEngine);
+        }
         let mut rng = rand::rng();
         let fleet = &snap.fleet;
         let usable =

@@ -239,8 +239,15 @@ impl std::ops::Deref for EngineEntry {
 }
 
 impl EngineEntry {
-    /// Expands `cfg` into one worker per global rank (a gateway into one worker).
-    pub fn new(cfg: Engine, origin: Origin, limits: ConnLimits) -> Arc<EngineEntry> {
+    /// Expands `cfg` into one worker per global rank (a gateway into one worker). The workers
+    /// of `prev` (the same engine's entry before its keys or source changed) that are the same
+    /// rank pinned the same way carry on, counters, ejections and telemetry included.
+    pub fn new(
+        cfg: Engine,
+        origin: Origin,
+        limits: ConnLimits,
+        prev: Option<&EngineEntry>,
+    ) -> Arc<EngineEntry> {
         let gateway = cfg.flavor == Flavor::Gateway;
         let members = cfg
             .ranks()
@@ -253,6 +260,13 @@ impl EngineEntry {
                     RankNumbering::Global => rank,
                     RankNumbering::Local => rank - cfg.start_rank,
                 });
+                let same = prev
+                    .into_iter()
+                    .flat_map(|p| p.members.iter())
+                    .find(|m| m.id == id && m.pin_rank == pin_rank);
+                if let Some(m) = same {
+                    return m.clone();
+                }
                 let id_text: Arc<str> = id.to_string().into();
                 Arc::new(Member {
                     key: WorkerId(next_id()),
@@ -343,7 +357,7 @@ impl Fleet {
         Fleet::new(
             engines
                 .into_iter()
-                .map(|e| EngineEntry::new(e, Origin::Config, ConnLimits::default()))
+                .map(|e| EngineEntry::new(e, Origin::Config, ConnLimits::default(), None))
                 .collect(),
         )
     }

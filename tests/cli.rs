@@ -120,3 +120,34 @@ fn check_warns_about_engines_at_one_address() {
         "{err}"
     );
 }
+
+#[test]
+fn an_invalid_rust_log_is_reported_not_ignored() {
+    let cfg = config_file(
+        "rust-log.toml",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\n",
+    );
+    let out = bin()
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .env("RUST_LOG", "rankgate=loud")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("\"loud\" in \"rankgate=loud\" is not a level"),
+        "{}",
+        stderr(&out)
+    );
+    let out = bin()
+        .args(["serve", "--log-format", "xml", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        stderr(&out).contains("use text or json"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -313,6 +313,7 @@ async fn changes_need_the_admin_token_and_bad_ones_are_named() {
     for token in [None, Some("wrong"), Some("admin-secret-token-but-longer")] {
         let reply = admin(&r, Method::POST, "/engines", token, Some(add.clone())).await;
         assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{token:?}");
+        assert!(String::from_utf8_lossy(&reply.body).contains("admin token"));
         assert_eq!(reply.headers["www-authenticate"], "Bearer");
     }
     assert_eq!(workers(&r).await.len(), 2, "nothing was added");
@@ -349,7 +350,24 @@ async fn changes_need_the_admin_token_and_bad_ones_are_named() {
         .unwrap();
     let (s, m) = message(send(raw).await);
     assert_eq!(s, StatusCode::BAD_REQUEST);
-    assert!(m.contains("as JSON"), "{m}");
+    assert!(m.contains("as a JSON object"), "{m}");
+    // The admin API may not name an environment variable the file does not name for a key:
+    // it would send that variable's value to the engine it adds.
+    let (s, m) = message(
+        bad(json!({"url": b.url(), "flavor": "vllm", "dp_size": 2, "start_rank": 2, "api_key_env": "HOME"}))
+            .await,
+    );
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(m.contains("POST /engines.api_key_env: \"HOME\""), "{m}");
+    let (s, m) = message(bad(json!({"url": "http://:8000", "flavor": "vllm"})).await);
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(m.contains("no host"), "{m}");
+    assert!(
+        m.starts_with("POST /engines.url:"),
+        "a request's error names no file: {m}"
+    );
+    let big = json!({"url": b.url(), "flavor": "vllm", "models": vec!["x".repeat(1000); 100]});
+    assert_eq!(bad(big).await.status, StatusCode::PAYLOAD_TOO_LARGE);
     let (s, m) = message(
         admin(
             &r,
@@ -369,6 +387,7 @@ async fn changes_need_the_admin_token_and_bad_ones_are_named() {
     assert!(m.contains("without a config file"), "{m}");
     let reply = admin(&r, Method::PUT, "/engines", Some(TOKEN), None).await;
     assert_eq!(reply.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(reply.headers["allow"], "GET, POST, DELETE");
     assert_eq!(workers(&r).await.len(), 2, "nothing changed");
     // Serving went on throughout.
     assert_eq!(chat(r.addr, 2).await.status, StatusCode::OK);

@@ -99,6 +99,11 @@ pub struct EngineTemplate {
 }
 
 impl EngineTemplate {
+    /// The environment variable named for the engines' key, if any.
+    pub fn api_key_env(&self) -> Option<&str> {
+        self.api_key_env.as_deref()
+    }
+
     /// The engine at `ip:port` (gRPC service at `ip:grpc_port`), with `dp_size` and `start_rank`
     /// where the finding says (pod annotations), else the entry's. `at` names the finding in
     /// errors, e.g. `discovery[0] pod vllm-0`.
@@ -174,12 +179,10 @@ impl RawDiscovery {
                 }
                 };
                 let name = self.name.clone().unwrap_or_default();
-                if name.trim().is_empty() || name.contains(['/', ':', '@', ' ']) {
+                if let Err(problem) = dns_name(&name) {
                     return Err(invalid(
                         key("name"),
-                        format!(
-                            "{name:?}: give a DNS name such as \"vllm.default.svc.cluster.local\""
-                        ),
+                        format!("{name:?} {problem}: give a DNS name such as \"vllm.default.svc.cluster.local\""),
                     ));
                 }
                 let resolver = match &self.resolver {
@@ -272,6 +275,31 @@ impl RawDiscovery {
     }
 }
 
+/// Checks a DNS name by the rules of RFC 1035 as resolvers apply them: dot-separated labels of
+/// 1 to 63 letters, digits, `-` or `_` (service names), not starting or ending with `-`, at most
+/// 253 characters, an optional final dot.
+fn dns_name(name: &str) -> Result<(), &'static str> {
+    let bare = name.strip_suffix('.').unwrap_or(name);
+    if bare.is_empty() || bare.len() > 253 {
+        return Err("must be 1 to 253 characters");
+    }
+    for label in bare.split('.') {
+        if label.is_empty() || label.len() > 63 {
+            return Err("has an empty label or one over 63 characters");
+        }
+        if !label
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err("may hold only letters, digits, '-', '_' and dots");
+        }
+        if label.starts_with('-') || label.ends_with('-') {
+            return Err("has a label starting or ending with '-'");
+        }
+    }
+    Ok(())
+}
+
 impl Kind {
     fn as_str(self) -> &'static str {
         match self {
@@ -358,6 +386,9 @@ mod tests {
     fn bad_entries_are_named() {
         for (text, want) in [
             ("kind = \"dns\"\nport = 1\nflavor = \"vllm\"", "discovery[0].name"),
+            ("kind = \"dns\"\nname = \"a..b\"\nport = 1\nflavor = \"vllm\"", "empty label"),
+            ("kind = \"dns\"\nname = \"-a.b\"\nport = 1\nflavor = \"vllm\"", "starting or ending"),
+            ("kind = \"dns\"\nname = \"a b\"\nport = 1\nflavor = \"vllm\"", "only letters"),
             ("kind = \"dns\"\nname = \"a\"\nflavor = \"vllm\"", "needs `port`"),
             ("kind = \"dns\"\nname = \"a\"\nport = \"http\"\nflavor = \"vllm\"", "port number"),
             ("kind = \"dns\"\nname = \"a\"\nport = 1\nresolver = \"x\"\nflavor = \"vllm\"", "discovery[0].resolver"),

@@ -132,6 +132,41 @@ pub struct ServerConfig {
     /// The environment variable holding the bearer token the admin API's mutations need;
     /// `None`: mutations are refused.
     pub admin_token_env: Option<String>,
+    /// Its value, read at load so that `check` catches an unset variable too.
+    pub admin_token: Option<AdminToken>,
+}
+
+/// The admin token. Its Debug never shows it.
+#[derive(Clone, PartialEq)]
+pub struct AdminToken(pub Box<[u8]>);
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(..)")
+    }
+}
+
+/// The token in `var`: printable ASCII without spaces, so a `Bearer` header can carry it. The
+/// error names the variable, never a value.
+fn admin_token(var: &str) -> Result<AdminToken, ConfigError> {
+    let err = |problem: &str| {
+        invalid(
+            "server.admin_token_env",
+            format!("environment variable {var:?} {problem}"),
+        )
+    };
+    let value = std::env::var(var).map_err(|e| match e {
+        std::env::VarError::NotPresent => err("is not set"),
+        std::env::VarError::NotUnicode(_) => err("is not valid UTF-8"),
+    })?;
+    let value = value.trim();
+    if value.is_empty() {
+        return Err(err("is empty"));
+    }
+    if !value.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(err("must hold printable ASCII without spaces"));
+    }
+    Ok(AdminToken(value.as_bytes().into()))
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -186,7 +221,7 @@ fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr,
 
 /// Validates `[server]`.
 pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
-    let server = ServerConfig {
+    let mut server = ServerConfig {
         listen: parse_addr("server.listen", raw.listen, DEFAULT_LISTEN)?,
         admin_listen: parse_addr(
             "server.admin_listen",
@@ -274,6 +309,7 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         api_keys_env: raw.api_keys_env,
         api_keys_file: raw.api_keys_file,
         cors_allow_origins: raw.cors_allow_origins.unwrap_or_default(),
+        admin_token: None,
         admin_token_env: raw.admin_token_env,
     };
     if server.max_body_bytes == 0 {
@@ -320,6 +356,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             }
         }
     }
+    server.admin_token = server
+        .admin_token_env
+        .as_deref()
+        .map(admin_token)
+        .transpose()?;
     if server
         .api_keys_file
         .as_ref()

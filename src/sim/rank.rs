@@ -73,7 +73,12 @@ impl Rank {
     pub async fn admit(&self, prompt: u64, max_tokens: u64) -> Admission<'_> {
         let free = self.capacity.saturating_sub(self.preload).max(1);
         let need = (prompt + max_tokens).min(free);
-        let mut queued = false;
+        // Counted as waiting while queued; a request dropped in the queue (its client left)
+        // stops counting.
+        let mut queued = Queued {
+            rank: self,
+            on: false,
+        };
         loop {
             let notified = self.freed.notified();
             tokio::pin!(notified);
@@ -86,8 +91,9 @@ impl Rank {
                     c.reserved += need;
                     c.used += prompt.min(need);
                     c.running += 1;
-                    if queued {
+                    if queued.on {
                         c.waiting -= 1;
+                        queued.on = false;
                     }
                     self.served.fetch_add(1, Relaxed);
                     return Admission {
@@ -96,12 +102,26 @@ impl Rank {
                         used: prompt.min(need),
                     };
                 }
-                if !queued {
+                if !queued.on {
                     c.waiting += 1;
-                    queued = true;
+                    queued.on = true;
                 }
             }
             notified.await;
+        }
+    }
+}
+
+/// A request's place in a rank's queue.
+struct Queued<'a> {
+    rank: &'a Rank,
+    on: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if self.on {
+            self.rank.lock().waiting -= 1;
         }
     }
 }
@@ -150,6 +170,19 @@ mod tests {
         assert_eq!(rank.counts().running, 1);
         drop(b);
         assert_eq!(rank.counts().reserved, 0);
+    }
+
+    #[tokio::test]
+    async fn a_request_dropped_in_the_queue_stops_waiting() {
+        let rank = Rank::new(0, 100, 0.0);
+        let held = rank.admit(50, 50).await;
+        let mut queued = Box::pin(rank.admit(10, 10));
+        assert!(futures_poll_once(queued.as_mut()).await.is_none());
+        assert_eq!(rank.counts().waiting, 1);
+        // Its client left: the future is dropped while queued.
+        drop(queued);
+        assert_eq!(rank.counts().waiting, 0);
+        drop(held);
     }
 
     async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {

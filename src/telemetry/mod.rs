@@ -25,7 +25,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use crate::catalog::{Catalog, Model};
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
-use crate::membership::{self, Change, MembershipError, Outcome};
+use crate::membership::{self, Change, MembershipError, Outcome, Sources};
 use crate::proxy::send::ConnLimits;
 use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
 use crate::worker::{EngineEntry, EngineId, Fleet, WorkerId};
@@ -62,6 +62,7 @@ pub struct Settings {
 /// `shutdown`. Membership changes arrive on `changes`.
 pub fn spawn(
     table: Arc<Table>,
+    sources: Sources,
     settings: Settings,
     stats: Arc<TelemetryStats>,
     changes: mpsc::Receiver<membership::Request>,
@@ -78,6 +79,7 @@ pub fn spawn(
             views: snap.ranks.clone(),
             catalog: snap.catalog.clone(),
             fleet,
+            sources,
             table,
             settings,
             stats,
@@ -103,6 +105,8 @@ struct Publisher {
     grpc: grpc::Transport,
     /// Where pollers send their reports.
     tx: mpsc::Sender<Report>,
+    /// What each source says the fleet holds (the fleet is derived from it).
+    sources: Sources,
     /// The fleet, views and catalog of the current snapshot.
     fleet: Arc<Fleet>,
     views: Vec<RankView>,
@@ -180,20 +184,20 @@ impl Publisher {
     /// Applies a membership change: the next fleet, with what is known of the engines that
     /// stay, swapped in; pollers started and stopped.
     fn change(&mut self, change: Change) -> Result<Outcome, MembershipError> {
-        let plan = membership::plan(&self.fleet.engines, change)?;
+        let plan = membership::plan(&self.sources, change)?;
         let old = &self.fleet;
+        // An engine that stays (same URL) keeps its entry if nothing about it changed, else
+        // its workers: same ranks, same counters, same telemetry until the next poll.
         let entries: Vec<Arc<EngineEntry>> = (plan.engines.into_iter())
             .map(|(origin, cfg)| {
-                match old
-                    .engines
-                    .iter()
-                    .find(|e| e.origin == origin && e.cfg == cfg)
-                {
-                    Some(e) => e.clone(),
-                    None => EngineEntry::new(cfg, origin, self.settings.limits),
+                let was = old.engines.iter().find(|e| e.url == cfg.url);
+                match was {
+                    Some(e) if e.origin == origin && e.cfg == cfg => e.clone(),
+                    was => EngineEntry::new(cfg, origin, self.settings.limits, was.map(|e| &**e)),
                 }
             })
             .collect();
+        self.sources = plan.sources;
         let fleet = Fleet::new(entries);
         let mut known: HashMap<WorkerId, (RankView, bool)> = (old.workers.iter())
             .zip(self.views.drain(..).zip(self.stale.drain(..)))
@@ -206,7 +210,7 @@ impl Publisher {
         let lists = (fleet.engines.iter().zip(fixed))
             .map(|(e, fixed)| {
                 fixed.or_else(|| {
-                    let was = old.engines.iter().position(|o| o.key == e.key)?;
+                    let was = old.engines.iter().position(|o| o.url == e.url)?;
                     self.catalog.of(was).map(Into::into)
                 })
             })
@@ -225,6 +229,9 @@ impl Publisher {
         });
         for url in &plan.outcome.added {
             tracing::info!(engine = %url, "engine joined the fleet");
+        }
+        for url in &plan.outcome.changed {
+            tracing::info!(engine = %url, "engine changed: its ranks carry on");
         }
         for url in &plan.outcome.removed {
             tracing::info!(engine = %url, "engine left the fleet: no new requests, those on it finish");

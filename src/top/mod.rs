@@ -1,0 +1,552 @@
+//! `rankgate top`: a live terminal view of every rank of a running rankgate, read from its admin
+//! listener (`GET /workers`, and `GET /metrics` for requests per second).
+//!
+//! This module owns the parts that touch the world: the terminal (raw mode and the alternate
+//! screen, always given back, on panic too), the keyboard, the polling task, and the loop that
+//! joins them. What is known lives in [`model`] and how it looks in [`view`], both pure, so
+//! [`Top::poll_once`] and [`render`] drive them headless (tests use ratatui's `TestBackend`).
+//!
+//! The admin listener is read-only here and never trusted to answer: every poll has a timeout,
+//! a failed one keeps the last rows on screen marked stale, and a rank that left the fleet just
+//! loses its row.
+
+pub mod model;
+pub mod view;
+
+use std::io::{self, IsTerminal};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use bytes::Bytes;
+use crossterm::event::{self, Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
+use crossterm::terminal::{self, EnterAlternateScreen, LeaveAlternateScreen};
+use crossterm::{cursor, execute};
+use http::{header, Request, Uri};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use ratatui::backend::{Backend, CrosstermBackend};
+use ratatui::Terminal;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+pub use model::{Row, SortKey, State};
+
+/// `--interval` when none is given.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+/// Bounds of `--interval`: faster is noise for a person, slower is not live.
+const MIN_INTERVAL: Duration = Duration::from_millis(100);
+const MAX_INTERVAL: Duration = Duration::from_secs(60);
+/// Largest `/workers` or `/metrics` body read (a large fleet's `/workers` is a few MB).
+const MAX_BODY: usize = 32 * 1024 * 1024;
+/// How long the input thread blocks for a key before it looks whether it should stop.
+const INPUT_POLL: Duration = Duration::from_millis(100);
+
+#[derive(Debug, thiserror::Error)]
+pub enum TopError {
+    #[error("--admin {url:?}: {problem}")]
+    Admin { url: String, problem: String },
+    #[error("rankgate top draws on a terminal, and standard output is not one")]
+    NotATerminal,
+    #[error("terminal: {0}")]
+    Terminal(#[from] io::Error),
+}
+
+/// Parses `--interval` (`500ms`, `2s`), within 100 ms to 60 s.
+pub fn parse_interval(s: &str) -> Result<Duration, String> {
+    let d = crate::config::parse_duration(s)?;
+    if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&d) {
+        return Err(format!("interval {s:?} must be within 100ms and 60s"));
+    }
+    Ok(d)
+}
+
+/// Reads the admin listener: one GET of `/workers` and one of `/metrics` per poll.
+#[derive(Clone)]
+struct Fetcher {
+    client: Client<HttpConnector, Empty<Bytes>>,
+    workers: Uri,
+    metrics: Uri,
+    timeout: Duration,
+}
+
+/// What one poll read, for [`Top::apply`].
+struct Fetched {
+    at: Instant,
+    workers: Result<Bytes, String>,
+    metrics: Result<String, String>,
+}
+
+impl Fetcher {
+    async fn fetch(&self) -> Fetched {
+        // Both at once, so a slow `/metrics` does not age the rows.
+        let (workers, metrics) = tokio::join!(
+            get(&self.client, &self.workers, self.timeout),
+            get(&self.client, &self.metrics, self.timeout)
+        );
+        Fetched {
+            at: Instant::now(),
+            workers,
+            metrics: metrics.map(|b| String::from_utf8_lossy(&b).into_owned()),
+        }
+    }
+}
+
+/// One GET, the whole body, within `timeout`; the error is short enough for the status line.
+async fn get(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    uri: &Uri,
+    timeout: Duration,
+) -> Result<Bytes, String> {
+    let path = uri.path();
+    let req = Request::get(uri.clone())
+        .header(
+            header::USER_AGENT,
+            concat!("rankgate-top/", env!("CARGO_PKG_VERSION")),
+        )
+        .body(Empty::new())
+        .map_err(|e| format!("GET {path}: {e}"))?;
+    let read = async {
+        let resp = client.request(req).await.map_err(|e| root_cause(&e))?;
+        if resp.status() == http::StatusCode::NOT_FOUND {
+            // The usual mistake: the front door's address for the admin listener's.
+            return Err(format!(
+                "GET {path}: HTTP 404 (is this server.admin_listen?)"
+            ));
+        }
+        if !resp.status().is_success() {
+            return Err(format!("GET {path}: HTTP {}", resp.status()));
+        }
+        let body = Limited::new(resp.into_body(), MAX_BODY).collect().await;
+        body.map(|b| b.to_bytes())
+            .map_err(|e| format!("GET {path}: reading the body: {e}"))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(r) => r,
+        Err(_) => Err(format!(
+            "GET {path}: no answer within {} ms",
+            timeout.as_millis()
+        )),
+    }
+}
+
+/// The innermost error: hyper-util's outer layers ("client error (Connect)") say little, the
+/// last source ("Connection refused") says what happened, in the room a status line has.
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut last = e;
+    // Bounded: error chains are short, and this stops at 16 links whatever they are.
+    for _ in 0..16 {
+        match last.source() {
+            Some(s) => last = s,
+            None => break,
+        }
+    }
+    last.to_string()
+}
+
+/// The admin URL as given (`http://host:port`, or just `host:port`), without its last `/`.
+fn admin_base(admin: &str) -> Result<String, TopError> {
+    let bad = |problem: &str| TopError::Admin {
+        url: admin.to_string(),
+        problem: problem.to_string(),
+    };
+    let (scheme, rest) = admin
+        .trim()
+        .split_once("://")
+        .unwrap_or(("http", admin.trim()));
+    match scheme {
+        "http" => {}
+        "https" => {
+            return Err(bad(
+                "https is not supported: the admin listener speaks plain HTTP",
+            ))
+        }
+        _ => return Err(bad("the admin listener is an http:// URL")),
+    }
+    let base = format!("http://{}", rest.trim_end_matches('/'));
+    let uri: Uri = base
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(bad("no host (expected http://HOST:PORT)"));
+    }
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let after_host = &authority[authority.rfind(']').map_or(0, |i| i + 1)..];
+    if after_host.contains(':') && uri.port_u16().is_none() {
+        return Err(bad("the port is not a number"));
+    }
+    if uri.query().is_some() {
+        return Err(bad(
+            "a query string has no place here (expected http://HOST:PORT)",
+        ));
+    }
+    Ok(base)
+}
+
+/// The view's state and the means to refresh it from one admin listener.
+pub struct Top {
+    fetcher: Fetcher,
+    state: State,
+}
+
+impl Top {
+    /// Checks the admin URL; nothing is sent until [`Top::poll_once`] (or [`run`]).
+    pub fn new(admin: &str, interval: Duration) -> Result<Top, TopError> {
+        let base = admin_base(admin)?;
+        let uri = |path: &str| -> Result<Uri, TopError> {
+            format!("{base}{path}")
+                .parse()
+                .map_err(|e: http::uri::InvalidUri| TopError::Admin {
+                    url: admin.to_string(),
+                    problem: e.to_string(),
+                })
+        };
+        // A poll may take up to its interval, but a short interval still gets a fair chance to
+        // hear from a loaded admin listener, and a long one does not hang that long.
+        let timeout = interval.clamp(Duration::from_secs(2), Duration::from_secs(10));
+        Ok(Top {
+            fetcher: Fetcher {
+                client: crate::http::client(timeout),
+                workers: uri("/workers")?,
+                metrics: uri("/metrics")?,
+                timeout,
+            },
+            state: State::new(base, interval),
+        })
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn state_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+
+    /// Reads `/workers` and `/metrics` once and updates the state: fresh rows, or the last ones
+    /// kept and marked stale with why. Never fails, never panics on what the admin answers.
+    pub async fn poll_once(&mut self) {
+        let fetched = self.fetcher.fetch().await;
+        self.apply(fetched);
+    }
+
+    fn apply(&mut self, f: Fetched) {
+        match f.workers {
+            // A body that does not parse is recorded as the outage by `State::apply` itself.
+            Ok(body) => {
+                let _ = self
+                    .state
+                    .apply(f.at, &body, f.metrics.as_deref().map_err(Clone::clone));
+            }
+            Err(e) => self.state.failed(e),
+        }
+    }
+}
+
+/// Draws `state` on `terminal` (a real one, or a `TestBackend`).
+pub fn render<B: Backend>(state: &State, terminal: &mut Terminal<B>) -> io::Result<()> {
+    let now = Instant::now();
+    terminal.draw(|frame| view::draw(frame, state, now))?;
+    Ok(())
+}
+
+/// What a key asks of the loop.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    Quit,
+}
+
+/// Applies one key press to the state; `page` is how many rows the screen shows.
+pub fn handle_key(state: &mut State, key: KeyEvent, page: usize) -> Action {
+    if key.kind == KeyEventKind::Release {
+        return Action::Continue;
+    }
+    let ctrl = key.modifiers.contains(KeyModifiers::CONTROL);
+    if ctrl && matches!(key.code, KeyCode::Char('c') | KeyCode::Char('d')) {
+        return Action::Quit;
+    }
+    if let Some(text) = &mut state.editing {
+        match key.code {
+            KeyCode::Enter => {
+                state.filter = text.trim().to_string();
+                state.editing = None;
+                state.scroll = 0;
+            }
+            KeyCode::Esc => state.editing = None,
+            KeyCode::Backspace => {
+                text.pop();
+            }
+            KeyCode::Char(c) if !ctrl => text.push(c),
+            _ => {}
+        }
+        return Action::Continue;
+    }
+    let page = page.max(1) as isize;
+    match key.code {
+        KeyCode::Char('q') => return Action::Quit,
+        KeyCode::Char('s') => state.sort = state.sort.next(),
+        KeyCode::Char('S') => state.sort = state.sort.prev(),
+        KeyCode::Char('r') => state.reversed = !state.reversed,
+        KeyCode::Char('/') => state.editing = Some(state.filter.clone()),
+        // Esc clears a filter (there is nothing else to leave).
+        KeyCode::Esc => {
+            state.filter.clear();
+            state.scroll = 0;
+        }
+        KeyCode::Up | KeyCode::Char('k') => state.scroll_by(-1, page as usize),
+        KeyCode::Down | KeyCode::Char('j') => state.scroll_by(1, page as usize),
+        KeyCode::PageUp => state.scroll_by(-page, page as usize),
+        KeyCode::PageDown | KeyCode::Char(' ') => state.scroll_by(page, page as usize),
+        KeyCode::Home | KeyCode::Char('g') => state.scroll = 0,
+        KeyCode::End | KeyCode::Char('G') => state.scroll_by(isize::MAX, page as usize),
+        _ => {}
+    }
+    Action::Continue
+}
+
+/// Whether this process has the terminal in raw mode on the alternate screen right now.
+static TERMINAL_TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// Gives the terminal back: raw mode off, the alternate screen left, the cursor shown. Once,
+/// whoever calls first: the guard's drop or the panic hook.
+fn restore_terminal() {
+    if TERMINAL_TAKEN.swap(false, Ordering::SeqCst) {
+        // Raw mode first: it has the larger effect on a shell left behind.
+        let _ = terminal::disable_raw_mode();
+        let _ = execute!(io::stdout(), LeaveAlternateScreen, cursor::Show);
+    }
+}
+
+/// Holds the terminal in raw mode on the alternate screen; dropping it gives it back. A panic
+/// anywhere gives it back too, before the panic message prints (so the message is readable).
+struct TerminalGuard;
+
+impl TerminalGuard {
+    fn take() -> io::Result<TerminalGuard> {
+        static HOOK: Once = Once::new();
+        HOOK.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                restore_terminal();
+                previous(info);
+            }));
+        });
+        TERMINAL_TAKEN.store(true, Ordering::SeqCst);
+        // From here on a failure gives back whatever was taken (the guard's drop).
+        let guard = TerminalGuard;
+        terminal::enable_raw_mode()?;
+        execute!(io::stdout(), EnterAlternateScreen, cursor::Hide)?;
+        Ok(guard)
+    }
+}
+
+impl Drop for TerminalGuard {
+    fn drop(&mut self) {
+        restore_terminal();
+    }
+}
+
+/// Runs `rankgate top` until `q`, Ctrl-C, SIGTERM or SIGHUP (the SSH session went away).
+pub async fn run(admin: &str, interval: Duration) -> Result<(), TopError> {
+    let mut top = Top::new(admin, interval)?;
+    if !io::stdout().is_terminal() {
+        return Err(TopError::NotATerminal);
+    }
+    let mut signals = Signals::new()?;
+    let guard = TerminalGuard::take()?;
+    let mut terminal = Terminal::new(CrosstermBackend::new(io::stdout()))?;
+    terminal.clear()?;
+
+    // Keys come from a thread: crossterm's reads block. It stops when told, or when the loop
+    // has gone (its channel closed), within one INPUT_POLL.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (keys_tx, mut keys) = mpsc::channel::<io::Result<Event>>(64);
+    let input = {
+        let stop = stop.clone();
+        std::thread::spawn(move || read_input(&keys_tx, &stop))
+    };
+    // Polls come from a task, so a slow admin listener never holds up a key. One poll at a
+    // time; ticks missed while one runs are not made up.
+    let (polls_tx, mut polls) = mpsc::channel::<Fetched>(1);
+    let fetcher = top.fetcher.clone();
+    let poller = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if polls_tx.send(fetcher.fetch().await).await.is_err() {
+                break;
+            }
+        }
+    });
+
+    let result = async {
+        loop {
+            render(top.state(), &mut terminal)?;
+            tokio::select! {
+                fetched = polls.recv() => match fetched {
+                    Some(f) => top.apply(f),
+                    None => return Ok(()),
+                },
+                event = keys.recv() => match event {
+                    Some(Ok(Event::Key(key))) => {
+                        let page = view::rows_on_screen(terminal.size()?.height);
+                        if handle_key(top.state_mut(), key, page) == Action::Quit {
+                            return Ok(());
+                        }
+                    }
+                    // A resize, a mouse event: the next draw fits the new size.
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return Err(TopError::Terminal(e)),
+                    None => return Ok(()),
+                },
+                _ = signals.any() => return Ok(()),
+            }
+        }
+    }
+    .await;
+
+    stop.store(true, Ordering::SeqCst);
+    poller.abort();
+    drop(keys);
+    // Within one INPUT_POLL; joined so that nothing reads the terminal once it is given back.
+    let _ = input.join();
+    drop(terminal);
+    drop(guard);
+    result
+}
+
+/// Sends terminal events until `stop` is set or the receiver is gone.
+fn read_input(tx: &mpsc::Sender<io::Result<Event>>, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) && !tx.is_closed() {
+        let event = match event::poll(INPUT_POLL) {
+            Ok(false) => continue,
+            Ok(true) => event::read(),
+            Err(e) => Err(e),
+        };
+        let failed = event.is_err();
+        if tx.blocking_send(event).is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// The signals that end `top` while the terminal is raw (Ctrl-C then arrives as a key, but
+/// `kill -INT` still comes as a signal).
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    async fn any(&mut self) {
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+            _ = self.hup.recv() => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn press(code: KeyCode) -> KeyEvent {
+        KeyEvent::new(code, KeyModifiers::NONE)
+    }
+
+    #[test]
+    fn admin_urls_are_checked() {
+        assert_eq!(
+            admin_base("http://127.0.0.1:9090/").unwrap(),
+            "http://127.0.0.1:9090"
+        );
+        assert_eq!(
+            admin_base("127.0.0.1:9090").unwrap(),
+            "http://127.0.0.1:9090"
+        );
+        assert_eq!(
+            admin_base("http://[::1]:9090").unwrap(),
+            "http://[::1]:9090"
+        );
+        for bad in [
+            "https://h:1",
+            "ftp://h:1",
+            "http://",
+            "http://h:1/?x=1",
+            "http://h:x",
+        ] {
+            assert!(admin_base(bad).is_err(), "{bad}");
+        }
+        let e = Top::new("https://h:1", DEFAULT_INTERVAL).err().unwrap();
+        assert!(e.to_string().contains("plain HTTP"), "{e}");
+    }
+
+    #[test]
+    fn intervals_are_bounded() {
+        assert_eq!(parse_interval("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_interval("250ms"), Ok(Duration::from_millis(250)));
+        assert!(parse_interval("10ms").is_err());
+        assert!(parse_interval("2m").is_err());
+        assert!(parse_interval("1").is_err());
+    }
+
+    #[test]
+    fn keys_sort_filter_scroll_and_quit() {
+        let mut s = State::new("http://x", DEFAULT_INTERVAL);
+        assert_eq!(
+            handle_key(&mut s, press(KeyCode::Char('s')), 20),
+            Action::Continue
+        );
+        assert_eq!(s.sort, SortKey::Kv);
+        handle_key(&mut s, press(KeyCode::Char('S')), 20);
+        assert_eq!(s.sort, SortKey::Id);
+        handle_key(&mut s, press(KeyCode::Char('r')), 20);
+        assert!(s.reversed);
+        // `/` opens the prompt; `q` typed there is text, not quit.
+        handle_key(&mut s, press(KeyCode::Char('/')), 20);
+        for c in "llqx".chars() {
+            assert_eq!(
+                handle_key(&mut s, press(KeyCode::Char(c)), 20),
+                Action::Continue
+            );
+        }
+        handle_key(&mut s, press(KeyCode::Backspace), 20);
+        assert_eq!(s.editing.as_deref(), Some("llq"));
+        handle_key(&mut s, press(KeyCode::Enter), 20);
+        assert_eq!((s.filter.as_str(), s.editing.is_none()), ("llq", true));
+        // Esc in the prompt keeps the old filter; outside it clears the filter.
+        handle_key(&mut s, press(KeyCode::Char('/')), 20);
+        handle_key(&mut s, press(KeyCode::Char('z')), 20);
+        handle_key(&mut s, press(KeyCode::Esc), 20);
+        assert_eq!(s.filter, "llq");
+        handle_key(&mut s, press(KeyCode::Esc), 20);
+        assert_eq!(s.filter, "");
+        // Releases are not presses.
+        let mut release = press(KeyCode::Char('q'));
+        release.kind = KeyEventKind::Release;
+        assert_eq!(handle_key(&mut s, release, 20), Action::Continue);
+        assert_eq!(
+            handle_key(&mut s, press(KeyCode::Char('q')), 20),
+            Action::Quit
+        );
+        let ctrl_c = KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL);
+        assert_eq!(handle_key(&mut s, ctrl_c, 20), Action::Quit);
+        // Ctrl-C quits from the prompt too.
+        handle_key(&mut s, press(KeyCode::Char('/')), 20);
+        assert_eq!(handle_key(&mut s, ctrl_c, 20), Action::Quit);
+    }
+}

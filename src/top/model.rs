@@ -1,0 +1,728 @@
+//! What `rankgate top` knows, with no terminal and no network: the rows read from the admin
+//! listener's `GET /workers`, requests per second from the deltas of `rankgate_requests_total`
+//! between two polls, the sort order, the filter, and what to say when the admin stops answering.
+//!
+//! Kept pure so every rule (a counter reset, a rank that vanished, a filter over model ids, an id
+//! too long for 80 columns) is a unit test. The admin document is read leniently: unknown fields
+//! are ignored and missing ones are `None`, so a newer or older router still shows what it has.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::time::Instant;
+
+/// The counter whose per-worker deltas are requests per second.
+const REQUESTS_TOTAL: &str = "rankgate_requests_total";
+
+/// A `/workers` document that is not what rankgate's admin listener answers.
+#[derive(Debug, thiserror::Error)]
+#[error("the admin's /workers is not a JSON array of workers: {0}")]
+pub struct WorkersError(#[from] serde_json::Error);
+
+/// One virtual worker as `/workers` reports it; fields the router leaves out are `None`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Row {
+    pub id: String,
+    pub engine: String,
+    pub dp_rank: Option<u32>,
+    pub flavor: String,
+    /// `available` or `unavailable`.
+    pub telemetry: String,
+    pub reason: Option<String>,
+    pub reason_kind: Option<String>,
+    pub source: Option<String>,
+    pub reachable: Option<bool>,
+    pub kv_usage: Option<f64>,
+    pub num_running_reqs: Option<u64>,
+    pub num_waiting_reqs: Option<u64>,
+    pub age_ms: Option<u64>,
+    pub in_flight: u64,
+    pub consecutive_failures: u64,
+    pub models: Vec<String>,
+    /// Not in the document: filled from `/metrics` deltas; `None` until two polls saw the rank.
+    #[serde(skip)]
+    pub req_per_s: Option<f64>,
+}
+
+impl Row {
+    pub fn available(&self) -> bool {
+        self.telemetry == "available"
+    }
+
+    /// A short word for the rank's state: `ok`, or the kind of reason it is unavailable.
+    pub fn state(&self) -> &str {
+        if self.available() {
+            return "ok";
+        }
+        match self.reason_kind.as_deref() {
+            Some("sources_failed") => "failed",
+            Some("not_polled") => "new",
+            Some("no_kv_gauge") => "no-kv",
+            Some("empty_report") => "empty",
+            Some("fleet_rollup") => "rollup",
+            Some(kind) => kind,
+            None => "down",
+        }
+    }
+
+    /// Whether `needle` (already lower case) is in the engine URL, the id or a model id.
+    fn matches(&self, needle: &str) -> bool {
+        let has = |s: &str| s.to_lowercase().contains(needle);
+        has(&self.engine) || has(&self.id) || self.models.iter().any(|m| has(m))
+    }
+}
+
+/// What the rows are ordered by; [`SortKey::next`] cycles through them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SortKey {
+    /// Engine URL, then rank number (so `@10` comes after `@9`).
+    #[default]
+    Id,
+    /// Fullest KV cache first; ranks without a figure last.
+    Kv,
+    /// Most requests in flight first.
+    InFlight,
+    /// Busiest first.
+    ReqPerSec,
+    /// Unavailable ranks first, grouped by reason.
+    State,
+}
+
+impl SortKey {
+    pub const ALL: [SortKey; 5] = [
+        SortKey::Id,
+        SortKey::Kv,
+        SortKey::InFlight,
+        SortKey::ReqPerSec,
+        SortKey::State,
+    ];
+
+    pub fn next(self) -> SortKey {
+        let i = Self::ALL.iter().position(|k| *k == self).unwrap_or(0);
+        Self::ALL[(i + 1) % Self::ALL.len()]
+    }
+
+    pub fn prev(self) -> SortKey {
+        let i = Self::ALL.iter().position(|k| *k == self).unwrap_or(0);
+        Self::ALL[(i + Self::ALL.len() - 1) % Self::ALL.len()]
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SortKey::Id => "id",
+            SortKey::Kv => "kv",
+            SortKey::InFlight => "in-flight",
+            SortKey::ReqPerSec => "req/s",
+            SortKey::State => "state",
+        }
+    }
+}
+
+impl fmt::Display for SortKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Requests per second per worker, from two readings of a monotonic counter.
+#[derive(Debug, Default)]
+pub struct Rates {
+    last: Option<(Instant, HashMap<String, f64>)>,
+}
+
+impl Rates {
+    /// Records a reading taken at `at` and returns each worker's rate since the previous one.
+    /// The first reading has no rates. A worker new since the previous reading counts from zero
+    /// (it joined in between); a counter that went down was reset (the engine was removed and
+    /// added again), so it too counts from zero, as Prometheus' `rate()` does.
+    pub fn update(&mut self, at: Instant, counts: HashMap<String, f64>) -> HashMap<String, f64> {
+        let mut rates = HashMap::new();
+        if let Some((then, prev)) = &self.last {
+            let secs = at.saturating_duration_since(*then).as_secs_f64();
+            if secs > 0.0 {
+                for (worker, now) in &counts {
+                    let before = prev.get(worker).copied().unwrap_or(0.0);
+                    let delta = if *now >= before { now - before } else { *now };
+                    rates.insert(worker.clone(), delta / secs);
+                }
+            }
+        }
+        self.last = Some((at, counts));
+        rates
+    }
+
+    /// Forgets the last reading: the next one starts afresh (after `/metrics` failed once, a
+    /// delta across the gap would still be right, but only if the same router answered).
+    pub fn reset(&mut self) {
+        self.last = None;
+    }
+}
+
+/// Sums `rankgate_requests_total` by its `worker` label over every other label (status class
+/// today; model, route or code should they be added), from Prometheus text exposition.
+pub fn request_counts(metrics: &str) -> HashMap<String, f64> {
+    let mut counts = HashMap::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix(REQUESTS_TOTAL) else {
+            continue;
+        };
+        let Some(labels) = rest.strip_prefix('{') else {
+            continue;
+        };
+        let Some((labels, value)) = split_labels(labels) else {
+            continue;
+        };
+        let Some(worker) = labels
+            .into_iter()
+            .find_map(|(k, v)| (k == "worker").then_some(v))
+        else {
+            continue;
+        };
+        // The sample value, then an optional timestamp.
+        let Some(Ok(value)) = value.split_whitespace().next().map(str::parse::<f64>) else {
+            continue;
+        };
+        if value.is_finite() {
+            *counts.entry(worker).or_insert(0.0) += value;
+        }
+    }
+    counts
+}
+
+/// Splits `name="value",...}rest` into its labels (values unescaped) and what follows the `}`.
+fn split_labels(s: &str) -> Option<(Vec<(String, String)>, &str)> {
+    let mut labels = Vec::new();
+    let mut chars = s.char_indices().peekable();
+    loop {
+        // Skip separators; `}` ends the set.
+        while let Some((_, c)) = chars.peek() {
+            if *c == ',' || c.is_whitespace() {
+                chars.next();
+            } else {
+                break;
+            }
+        }
+        let (start, c) = chars.next()?;
+        if c == '}' {
+            return Some((labels, &s[start + 1..]));
+        }
+        let mut name = String::from(c);
+        loop {
+            match chars.next()? {
+                (_, '=') => break,
+                (_, c) => name.push(c),
+            }
+        }
+        if chars.next()?.1 != '"' {
+            return None;
+        }
+        let mut value = String::new();
+        loop {
+            match chars.next()?.1 {
+                '"' => break,
+                '\\' => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    other => value.push(other),
+                },
+                c => value.push(c),
+            }
+        }
+        labels.push((name.trim().to_string(), value));
+    }
+}
+
+/// Fleet totals over every rank (not only those the filter shows).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Totals {
+    pub available: usize,
+    pub total: usize,
+    /// Mean KV usage over the ranks that report one.
+    pub mean_kv: Option<f64>,
+    pub in_flight: u64,
+    /// `None` until two polls of `/metrics` have been seen.
+    pub req_per_s: Option<f64>,
+}
+
+/// Why the last poll gave no fresh rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outage {
+    pub error: String,
+    /// Polls failed in a row.
+    pub failures: u32,
+}
+
+/// Everything the view draws, and the keys' effects on it.
+#[derive(Debug)]
+pub struct State {
+    /// The admin listener, as shown in the header.
+    pub admin: String,
+    pub interval: Duration,
+    /// The last rows read, in the admin's (fleet) order, with their rates.
+    rows: Vec<Row>,
+    rates: Rates,
+    /// When the rows were read; `None` before the first good poll.
+    pub updated: Option<Instant>,
+    /// Set while the admin cannot be read: the rows are the last ones, and stale.
+    pub outage: Option<Outage>,
+    /// Set when `/metrics` could not be read on the last poll (rates are then unknown).
+    pub metrics_error: Option<String>,
+    pub sort: SortKey,
+    /// Reverses the sort key's natural order.
+    pub reversed: bool,
+    /// Substring matched against engine URL, id and model ids, case-insensitive; empty shows all.
+    pub filter: String,
+    /// The filter being typed after `/`, applied on Enter.
+    pub editing: Option<String>,
+    /// The first visible row, for fleets longer than the screen.
+    pub scroll: usize,
+}
+
+impl State {
+    pub fn new(admin: impl Into<String>, interval: Duration) -> State {
+        State {
+            admin: admin.into(),
+            interval,
+            rows: Vec::new(),
+            rates: Rates::default(),
+            updated: None,
+            outage: None,
+            metrics_error: None,
+            sort: SortKey::default(),
+            reversed: false,
+            filter: String::new(),
+            editing: None,
+            scroll: 0,
+        }
+    }
+
+    /// A good poll: `workers` is the `/workers` body; `metrics` the `/metrics` text, or why it
+    /// could not be read. Rows of ranks that left the fleet simply go. A body that does not
+    /// parse is an outage like a refused connection: the last rows stay, marked stale.
+    pub fn apply(
+        &mut self,
+        at: Instant,
+        workers: &[u8],
+        metrics: Result<&str, String>,
+    ) -> Result<(), WorkersError> {
+        let mut rows: Vec<Row> = match serde_json::from_slice(workers) {
+            Ok(rows) => rows,
+            Err(e) => {
+                let e = WorkersError(e);
+                self.failed(e.to_string());
+                return Err(e);
+            }
+        };
+        let rates = match metrics {
+            Ok(text) => {
+                self.metrics_error = None;
+                self.rates.update(at, request_counts(text))
+            }
+            Err(e) => {
+                self.metrics_error = Some(e);
+                self.rates.reset();
+                HashMap::new()
+            }
+        };
+        for row in &mut rows {
+            row.req_per_s = rates.get(&row.id).copied();
+        }
+        self.rows = rows;
+        self.updated = Some(at);
+        self.outage = None;
+        Ok(())
+    }
+
+    /// A failed poll: the rows stay as they were, marked stale by the outage.
+    pub fn failed(&mut self, error: String) {
+        let failures = self.outage.as_ref().map_or(0, |o| o.failures) + 1;
+        self.outage = Some(Outage { error, failures });
+    }
+
+    /// Every rank of the last good poll, in fleet order.
+    pub fn rows(&self) -> &[Row] {
+        &self.rows
+    }
+
+    /// The rows the filter keeps, in sort order.
+    pub fn visible(&self) -> Vec<&Row> {
+        let needle = self.filter.trim().to_lowercase();
+        let mut rows: Vec<&Row> = (self.rows.iter())
+            .filter(|r| needle.is_empty() || r.matches(&needle))
+            .collect();
+        rows.sort_by(|a, b| {
+            let ord = compare(self.sort, a, b);
+            if self.reversed {
+                ord.reverse()
+            } else {
+                ord
+            }
+        });
+        rows
+    }
+
+    pub fn totals(&self) -> Totals {
+        let kv: Vec<f64> = self.rows.iter().filter_map(|r| r.kv_usage).collect();
+        let rates: Vec<f64> = self.rows.iter().filter_map(|r| r.req_per_s).collect();
+        Totals {
+            available: self.rows.iter().filter(|r| r.available()).count(),
+            total: self.rows.len(),
+            mean_kv: (!kv.is_empty()).then(|| kv.iter().sum::<f64>() / kv.len() as f64),
+            in_flight: self.rows.iter().map(|r| r.in_flight).sum(),
+            req_per_s: (!rates.is_empty()).then(|| rates.iter().sum()),
+        }
+    }
+
+    /// Whether the rows shown are the last ones read before the admin stopped answering.
+    pub fn stale(&self) -> bool {
+        self.outage.is_some()
+    }
+
+    /// Moves the first visible row by `delta`, within what `page` rows on screen can show.
+    pub fn scroll_by(&mut self, delta: isize, page: usize) {
+        let max = self.visible().len().saturating_sub(page.max(1));
+        self.scroll = self.scroll.saturating_add_signed(delta).min(max);
+    }
+}
+
+/// The natural order of `key` (then by id, so equal rows keep a stable place).
+fn compare(key: SortKey, a: &Row, b: &Row) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    let by_id = || {
+        (a.engine.as_str(), a.dp_rank, a.id.as_str()).cmp(&(
+            b.engine.as_str(),
+            b.dp_rank,
+            b.id.as_str(),
+        ))
+    };
+    // Descending, with `None` after every figure.
+    let desc = |x: Option<f64>, y: Option<f64>| match (x, y) {
+        (Some(x), Some(y)) => y.total_cmp(&x),
+        (Some(_), None) => Ordering::Less,
+        (None, Some(_)) => Ordering::Greater,
+        (None, None) => Ordering::Equal,
+    };
+    let first = match key {
+        SortKey::Id => Ordering::Equal,
+        SortKey::Kv => desc(a.kv_usage, b.kv_usage),
+        SortKey::InFlight => b.in_flight.cmp(&a.in_flight),
+        SortKey::ReqPerSec => desc(a.req_per_s, b.req_per_s),
+        SortKey::State => (a.available(), a.state()).cmp(&(b.available(), b.state())),
+    };
+    first.then_with(by_id)
+}
+
+/// `id` in at most `width` characters, for a column. The scheme goes first; then the path; then
+/// the host is cut (marked `…`), keeping `:port@rank`, which tell ranks of one host apart.
+pub fn short_id(id: &str, width: usize) -> String {
+    let bare = id
+        .strip_prefix("http://")
+        .or_else(|| id.strip_prefix("https://"))
+        .unwrap_or(id);
+    let len = |s: &str| s.chars().count();
+    if len(bare) <= width {
+        return bare.to_string();
+    }
+    // `@rank` only when all that follows the last `@` is digits, as RankId::parse reads it.
+    let (base, rank) = match bare.rsplit_once('@') {
+        Some((b, r)) if !r.is_empty() && r.bytes().all(|c| c.is_ascii_digit()) => {
+            (b, &bare[b.len()..])
+        }
+        _ => (bare, ""),
+    };
+    let (authority, path) = base.split_at(base.find('/').unwrap_or(base.len()));
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !p.is_empty() && p.bytes().all(|c| c.is_ascii_digit()) => {
+            (h, &authority[h.len()..])
+        }
+        _ => (authority, ""),
+    };
+    let dropped_path = if path.is_empty() { "" } else { "…" };
+    let tail = format!("{dropped_path}{port}{rank}");
+    if len(host) + len(&tail) <= width {
+        return format!("{host}{tail}");
+    }
+    // Room for at least two characters of host and the `…`; else keep the end of it all.
+    match width.checked_sub(len(&tail) + 1) {
+        Some(room) if room >= 2 => {
+            let head: String = host.chars().take(room).collect();
+            format!("{head}…{port}{rank}")
+        }
+        _ => {
+            let keep = width.saturating_sub(1);
+            let chars: Vec<char> = bare.chars().collect();
+            let tail: String = chars[chars.len().saturating_sub(keep)..].iter().collect();
+            if width == 0 {
+                String::new()
+            } else {
+                format!("…{tail}")
+            }
+        }
+    }
+}
+
+/// `s` in at most `width` characters, cut at the end with `…`.
+pub fn truncate(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        return s.to_string();
+    }
+    if width == 0 {
+        return String::new();
+    }
+    let mut out: String = s.chars().take(width - 1).collect();
+    out.push('…');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: &str, rank: u32, kv: Option<f64>, in_flight: u64) -> Row {
+        let engine = id.rsplit_once('@').map_or(id, |(e, _)| e).to_string();
+        Row {
+            id: id.to_string(),
+            engine,
+            dp_rank: Some(rank),
+            telemetry: if kv.is_some() {
+                "available"
+            } else {
+                "unavailable"
+            }
+            .into(),
+            reason_kind: kv.is_none().then(|| "stale".to_string()),
+            kv_usage: kv,
+            in_flight,
+            ..Row::default()
+        }
+    }
+
+    fn state(rows: Vec<Row>) -> State {
+        let mut s = State::new("http://127.0.0.1:9", Duration::from_secs(1));
+        s.rows = rows;
+        s
+    }
+
+    fn ids(s: &State) -> Vec<String> {
+        s.visible().iter().map(|r| r.id.clone()).collect()
+    }
+
+    #[test]
+    fn sorts_by_each_key_and_reverses() {
+        let mut s = state(vec![
+            row("http://b:1@10", 10, Some(0.2), 1),
+            row("http://b:1@9", 9, None, 0),
+            row("http://a:1@0", 0, Some(0.9), 4),
+        ]);
+        s.rows[0].req_per_s = Some(3.0);
+        s.rows[2].req_per_s = Some(1.0);
+        assert_eq!(ids(&s), ["http://a:1@0", "http://b:1@9", "http://b:1@10"]);
+        s.sort = SortKey::Kv;
+        assert_eq!(ids(&s), ["http://a:1@0", "http://b:1@10", "http://b:1@9"]);
+        s.sort = SortKey::InFlight;
+        assert_eq!(ids(&s), ["http://a:1@0", "http://b:1@10", "http://b:1@9"]);
+        s.sort = SortKey::ReqPerSec;
+        assert_eq!(ids(&s), ["http://b:1@10", "http://a:1@0", "http://b:1@9"]);
+        s.sort = SortKey::State;
+        assert_eq!(ids(&s), ["http://b:1@9", "http://a:1@0", "http://b:1@10"]);
+        s.reversed = true;
+        assert_eq!(ids(&s), ["http://b:1@10", "http://a:1@0", "http://b:1@9"]);
+    }
+
+    #[test]
+    fn sort_keys_cycle_both_ways() {
+        let mut k = SortKey::Id;
+        let mut seen = Vec::new();
+        for _ in 0..SortKey::ALL.len() {
+            seen.push(k);
+            assert_eq!(k.next().prev(), k);
+            k = k.next();
+        }
+        assert_eq!(k, SortKey::Id);
+        assert_eq!(seen, SortKey::ALL);
+    }
+
+    #[test]
+    fn filter_matches_engine_or_model_ignoring_case() {
+        let mut a = row("http://10.0.0.1:8000@0", 0, Some(0.1), 0);
+        a.models = vec!["meta-llama/Llama-3-8B".into()];
+        let mut b = row("http://10.0.0.2:8000@1", 1, Some(0.1), 0);
+        b.models = vec!["Qwen/Qwen2-7B".into()];
+        let mut s = state(vec![a, b]);
+        s.filter = "llama".into();
+        assert_eq!(ids(&s), ["http://10.0.0.1:8000@0"]);
+        s.filter = "10.0.0.2".into();
+        assert_eq!(ids(&s), ["http://10.0.0.2:8000@1"]);
+        s.filter = " QWEN ".into();
+        assert_eq!(ids(&s), ["http://10.0.0.2:8000@1"]);
+        s.filter = "nothing".into();
+        assert!(ids(&s).is_empty());
+        s.filter.clear();
+        assert_eq!(ids(&s).len(), 2);
+        // Totals stay the fleet's whatever the filter.
+        s.filter = "nothing".into();
+        assert_eq!(s.totals().total, 2);
+    }
+
+    #[test]
+    fn request_counts_sum_other_labels_by_worker() {
+        let text = "# HELP rankgate_requests_total x\n# TYPE rankgate_requests_total counter\n\
+            rankgate_requests_total{worker=\"http://a:1@0\",status=\"2xx\"} 5\n\
+            rankgate_requests_total{status=\"5xx\",worker=\"http://a:1@0\"} 2\n\
+            rankgate_requests_total{worker=\"http://a:1@1\",model=\"a \\\"b\\\"\",status=\"2xx\"} 7 1700000000\n\
+            rankgate_requests_total_created{worker=\"http://a:1@0\"} 99\n\
+            rankgate_requests_total 3\n\
+            rankgate_requests_totally{worker=\"x\"} 1\n\
+            rankgate_requests_total{worker=\"broken} 1\n\
+            rankgate_requests_total{worker=\"http://a:1@2\"} NaN\n";
+        let c = request_counts(text);
+        assert_eq!(c.len(), 2, "{c:?}");
+        assert_eq!(c["http://a:1@0"], 7.0);
+        assert_eq!(c["http://a:1@1"], 7.0);
+    }
+
+    #[test]
+    fn rates_are_deltas_over_elapsed_time() {
+        let t0 = Instant::now();
+        let mut r = Rates::default();
+        let counts = |pairs: &[(&str, f64)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect::<HashMap<_, _>>()
+        };
+        assert!(r.update(t0, counts(&[("a", 10.0), ("b", 4.0)])).is_empty());
+        let rates = r.update(
+            t0 + Duration::from_secs(2),
+            counts(&[("a", 20.0), ("b", 1.0), ("c", 3.0)]),
+        );
+        assert_eq!(rates["a"], 5.0);
+        // Went down: reset, counts from zero.
+        assert_eq!(rates["b"], 0.5);
+        // New since the last poll: counts from zero.
+        assert_eq!(rates["c"], 1.5);
+        // No time passed: no rate rather than a division by zero.
+        assert!(r
+            .update(t0 + Duration::from_secs(2), counts(&[("a", 30.0)]))
+            .is_empty());
+    }
+
+    #[test]
+    fn polls_fill_rates_and_vanished_ranks_go() {
+        let t0 = Instant::now();
+        let mut s = State::new("http://x", Duration::from_secs(1));
+        let doc = |ids: &[&str]| {
+            serde_json::to_vec(&ids.iter().map(|i| serde_json::json!({"id": i, "telemetry": "available", "kv_usage": 0.5, "in_flight": 1})).collect::<Vec<_>>()).unwrap()
+        };
+        let metrics = |n: u32| {
+            format!("rankgate_requests_total{{worker=\"a\",status=\"2xx\"}} {n}\nrankgate_requests_total{{worker=\"b\",status=\"2xx\"}} {n}\n")
+        };
+        s.apply(t0, &doc(&["a", "b"]), Ok(&metrics(0))).unwrap();
+        assert_eq!(s.totals().req_per_s, None);
+        s.apply(
+            t0 + Duration::from_secs(1),
+            &doc(&["a", "b"]),
+            Ok(&metrics(3)),
+        )
+        .unwrap();
+        assert_eq!(s.rows()[0].req_per_s, Some(3.0));
+        let t = s.totals();
+        assert_eq!((t.available, t.total, t.in_flight), (2, 2, 2));
+        assert_eq!((t.mean_kv, t.req_per_s), (Some(0.5), Some(6.0)));
+        // b left the fleet: its row goes, nothing else happens.
+        s.apply(t0 + Duration::from_secs(2), &doc(&["a"]), Ok(&metrics(3)))
+            .unwrap();
+        assert_eq!(ids(&s), ["a"]);
+        assert_eq!(s.rows()[0].req_per_s, Some(0.0));
+        // The admin went away: the rows stay, stale; failures are counted.
+        s.failed("connection refused".into());
+        s.failed("connection refused".into());
+        assert!(s.stale());
+        assert_eq!(s.outage.as_ref().unwrap().failures, 2);
+        assert_eq!(ids(&s), ["a"]);
+        // Garbage is an outage too, and keeps the rows.
+        assert!(s.apply(t0, b"<html>", Ok("")).is_err());
+        assert_eq!(s.outage.as_ref().unwrap().failures, 3);
+        assert_eq!(ids(&s), ["a"]);
+        // Back: fresh again; /metrics failing only loses the rates.
+        s.apply(
+            t0 + Duration::from_secs(3),
+            &doc(&["a"]),
+            Err("HTTP 500".into()),
+        )
+        .unwrap();
+        assert!(!s.stale());
+        assert_eq!(s.rows()[0].req_per_s, None);
+        assert_eq!(s.metrics_error.as_deref(), Some("HTTP 500"));
+    }
+
+    #[test]
+    fn rows_read_leniently() {
+        let doc =
+            br#"[{"id":"http://h:1@0","engine":"http://h:1","dp_rank":0,"telemetry":"unavailable",
+            "reason":"stale","reason_kind":"stale","kv_usage":null,"some_new_field":[1,2]},{}]"#;
+        let rows: Vec<Row> = serde_json::from_slice(doc).unwrap();
+        assert_eq!(rows[0].state(), "stale");
+        assert_eq!(rows[0].kv_usage, None);
+        assert_eq!(rows[1].state(), "down");
+    }
+
+    #[test]
+    fn scrolling_stays_within_the_rows() {
+        let mut s = state(
+            (0..10)
+                .map(|i| row(&format!("http://h:1@{i}"), i, Some(0.1), 0))
+                .collect(),
+        );
+        s.scroll_by(-3, 4);
+        assert_eq!(s.scroll, 0);
+        s.scroll_by(100, 4);
+        assert_eq!(s.scroll, 6);
+        s.scroll_by(-2, 4);
+        assert_eq!(s.scroll, 4);
+    }
+
+    #[test]
+    fn ids_truncate_keeping_port_and_rank() {
+        assert_eq!(short_id("http://127.0.0.1:8000@3", 24), "127.0.0.1:8000@3");
+        assert_eq!(
+            short_id("http://vllm-0.vllm.inference.svc.cluster.local:8000@3", 24),
+            "vllm-0.vllm.infe…:8000@3"
+        );
+        // A path goes before the host is cut.
+        assert_eq!(
+            short_id("http://gpu-node-7:8000/prefix/v1@12", 24),
+            "gpu-node-7…:8000@12"
+        );
+        // No rank, no port: the host is cut at the end.
+        assert_eq!(
+            short_id("https://a-very-long-gateway-name.example.com", 16),
+            "a-very-long-gat…"
+        );
+        // IPv6 keeps its port.
+        assert_eq!(
+            short_id("http://[2001:db8::1234:5678]:8000@1", 16),
+            "[2001:db…:8000@1"
+        );
+        // Too narrow for host and tail: the end of it all.
+        assert_eq!(short_id("http://host:8000@1", 6), "…000@1");
+        assert_eq!(short_id("http://host:8000@1", 0), "");
+        for w in 0..30 {
+            assert!(
+                short_id("http://some.long.host.name:65535/x@123", w)
+                    .chars()
+                    .count()
+                    <= w
+            );
+        }
+    }
+
+    #[test]
+    fn truncate_marks_the_cut() {
+        assert_eq!(truncate("abcdef", 6), "abcdef");
+        assert_eq!(truncate("abcdef", 4), "abc…");
+        assert_eq!(truncate("abcdef", 0), "");
+    }
+}

@@ -1,0 +1,507 @@
+//! Drawing `rankgate top`: one [`State`] into one ratatui [`Frame`], nothing else (no clock read,
+//! no input), so a recorded fleet renders to the same cells every time and the snapshot test can
+//! compare them.
+//!
+//! The layout is made for 80x24 over SSH: a header line of fleet totals and the admin URL, a
+//! status line (sort, filter, or why the data is stale), the column titles, one line per rank
+//! and a line of keys. Columns are fixed-width text, widest first for the rank id; an
+//! unavailable rank has no load figures, so its reason takes their place (and up to two lines
+//! below, when every rank still fits on the screen) and is never hidden.
+
+use ratatui::layout::{Constraint, Layout, Position, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::Paragraph;
+use ratatui::Frame;
+use tokio::time::Instant;
+
+use super::model::{short_id, truncate, Row, SortKey, State};
+
+/// Widths of the fixed columns; the rank id takes the rest.
+const STATE_W: usize = 7;
+const INFL_W: usize = 4;
+const REQS_W: usize = 6;
+/// The bar, a space, then `100%`.
+const BAR_W: usize = 8;
+const KV_W: usize = BAR_W + 5;
+const RUN_W: usize = 4;
+const WAIT_W: usize = 4;
+const SRC_W: usize = 4;
+const AGE_W: usize = 5;
+/// The columns after the id, with the space before each.
+const FIXED_W: usize = STATE_W + INFL_W + REQS_W + KV_W + RUN_W + WAIT_W + SRC_W + AGE_W + 8;
+/// Where an unavailable rank's reason goes: the load columns, KV to AGE.
+const REASON_W: usize = KV_W + RUN_W + WAIT_W + SRC_W + AGE_W + 4;
+/// Lines that are not rank rows: header, status, titles, keys.
+const CHROME_H: u16 = 4;
+/// Most lines an unavailable rank's reason takes when there is room.
+const REASON_LINES: usize = 3;
+
+/// How many rank rows fit in a terminal `height` lines high (for paging).
+pub fn rows_on_screen(height: u16) -> usize {
+    height.saturating_sub(CHROME_H) as usize
+}
+
+/// Draws the whole screen. `now` only ages the stale data's timestamp.
+pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
+    let [header, status, titles, body, keys] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Length(1),
+        Constraint::Length(1),
+        Constraint::Min(0),
+        Constraint::Length(1),
+    ])
+    .areas(frame.area());
+    let id_w = (frame.area().width as usize)
+        .saturating_sub(FIXED_W)
+        .max(10);
+    let rows = state.visible();
+    let page = body.height as usize;
+    let first = state.scroll.min(rows.len().saturating_sub(page));
+
+    frame.render_widget(Paragraph::new(header_line(state, header.width)), header);
+    frame.render_widget(
+        Paragraph::new(status_line(
+            state,
+            now,
+            first,
+            page,
+            rows.len(),
+            status.width,
+        )),
+        status,
+    );
+    frame.render_widget(Paragraph::new(title_line(state, id_w)), titles);
+    let lines: Vec<Line> = if rows.is_empty() {
+        vec![Line::styled(
+            match (state.updated, state.rows().is_empty()) {
+                (None, _) => " waiting for the first answer from the admin listener",
+                (Some(_), true) => " the fleet has no ranks",
+                (Some(_), false) => " no rank matches the filter",
+            },
+            Style::new().fg(Color::DarkGray),
+        )]
+    } else {
+        // Reasons wrap onto lines of their own when every row still fits; a fleet longer than
+        // the screen gets one line per rank, reasons cut.
+        let width = body.width as usize;
+        let lines = |wrap: bool| -> Vec<Line<'static>> {
+            (rows.iter().skip(first).take(page))
+                .flat_map(|r| row_lines(r, id_w, width, wrap, state.stale()))
+                .collect()
+        };
+        let wrapped = lines(true);
+        if wrapped.len() <= page {
+            wrapped
+        } else {
+            lines(false)
+        }
+    };
+    frame.render_widget(Paragraph::new(lines), body);
+    draw_keys(frame, state, keys);
+}
+
+/// Fleet totals, then the admin URL in what is left.
+fn header_line(state: &State, width: u16) -> Line<'static> {
+    let t = state.totals();
+    let kv = t
+        .mean_kv
+        .map_or("-".into(), |k| format!("{:.0}%", k * 100.0));
+    let rps = t.req_per_s.map_or("-".into(), fmt_rate);
+    let totals = format!(
+        " ranks {}/{} · kv {kv} · in-flight {} · req/s {rps} · ",
+        t.available, t.total, t.in_flight
+    );
+    let room = (width as usize).saturating_sub(totals.chars().count());
+    let style = Style::new().add_modifier(Modifier::REVERSED);
+    let mut line = Line::from(vec![
+        Span::styled(totals, style),
+        Span::styled(
+            truncate(&state.admin, room),
+            style.add_modifier(Modifier::BOLD),
+        ),
+    ]);
+    line = line.style(style);
+    line
+}
+
+/// Sort and filter, or (in red) why the rows are stale.
+fn status_line(
+    state: &State,
+    now: Instant,
+    first: usize,
+    page: usize,
+    shown: usize,
+    width: u16,
+) -> Line<'static> {
+    let width = width as usize;
+    if let Some(o) = &state.outage {
+        let age = match state.updated {
+            Some(at) => format!(
+                "stale {}",
+                fmt_age(now.saturating_duration_since(at).as_millis() as u64)
+            ),
+            None => "no data yet".into(),
+        };
+        let head = " admin unreachable: ";
+        let tail = format!(" · {age} · {} failed", o.failures);
+        // The error is the part that gives way, so how old the rows are stays in view.
+        let room = width.saturating_sub(head.chars().count() + tail.chars().count());
+        let text = format!("{head}{}{tail}", truncate(&o.error, room));
+        return Line::styled(
+            truncate(&text, width),
+            Style::new()
+                .fg(Color::White)
+                .bg(Color::Red)
+                .add_modifier(Modifier::BOLD),
+        );
+    }
+    let arrow = if state.reversed { "▲" } else { "▼" };
+    let mut text = format!(" sort {} {arrow}", state.sort);
+    if !state.filter.is_empty() {
+        text.push_str(&format!(" · filter \"{}\"", state.filter));
+    }
+    let total = state.rows().len();
+    if shown > page {
+        text.push_str(&format!(
+            " · rows {}-{} of {shown}",
+            first + 1,
+            (first + page).min(shown)
+        ));
+    } else if shown != total {
+        text.push_str(&format!(" · {shown} of {total} ranks"));
+    }
+    text.push_str(&format!(" · every {}", fmt_interval(state)));
+    let mut spans = vec![Span::raw(truncate(&text, width))];
+    if let Some(e) = &state.metrics_error {
+        let room = width.saturating_sub(text.chars().count());
+        spans.push(Span::styled(
+            truncate(&format!(" · /metrics: {e}"), room),
+            Style::new().fg(Color::Yellow),
+        ));
+    }
+    Line::from(spans)
+}
+
+fn fmt_interval(state: &State) -> String {
+    let ms = state.interval.as_millis();
+    if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// Column titles; the sort column's is marked.
+fn title_line(state: &State, id_w: usize) -> Line<'static> {
+    let arrow = if state.reversed { "▲" } else { "▼" };
+    let mark = |key: SortKey, title: &str| {
+        if state.sort == key {
+            format!("{title}{arrow}")
+        } else {
+            title.to_string()
+        }
+    };
+    let text = [
+        pad(&mark(SortKey::Id, "RANK"), id_w),
+        pad(&mark(SortKey::State, "STATE"), STATE_W),
+        lpad(&mark(SortKey::InFlight, "INFL"), INFL_W),
+        lpad(&mark(SortKey::ReqPerSec, "REQ/S"), REQS_W),
+        pad(&mark(SortKey::Kv, "KV"), KV_W),
+        lpad("RUN", RUN_W),
+        lpad("WAIT", WAIT_W),
+        pad("SRC", SRC_W),
+        lpad("AGE", AGE_W),
+    ]
+    .join(" ");
+    Line::styled(
+        text,
+        Style::new().add_modifier(Modifier::BOLD | Modifier::UNDERLINED),
+    )
+}
+
+/// A rank's line, and when `wrap` is set the rest of its reason on up to two more lines, under
+/// the STATE column.
+fn row_lines(r: &Row, id_w: usize, width: usize, wrap: bool, stale: bool) -> Vec<Line<'static>> {
+    let down = Style::new().fg(Color::Red);
+    let num = |v: Option<u64>, w: usize| lpad(&v.map_or("-".into(), |n| n.to_string()), w);
+    let mut spans = vec![
+        Span::raw(pad(&short_id(&r.id, id_w), id_w)),
+        Span::raw(" "),
+        Span::styled(
+            pad(r.state(), STATE_W),
+            if r.available() {
+                Style::new().fg(Color::Green)
+            } else {
+                down.add_modifier(Modifier::BOLD)
+            },
+        ),
+        Span::raw(" "),
+        Span::raw(num(Some(r.in_flight), INFL_W)),
+        Span::raw(" "),
+        Span::raw(lpad(&r.req_per_s.map_or("-".into(), fmt_rate), REQS_W)),
+        Span::raw(" "),
+    ];
+    let mut more = Vec::new();
+    if r.available() {
+        spans.extend(kv_bar(r.kv_usage));
+        spans.extend([
+            Span::raw(" "),
+            Span::raw(num(r.num_running_reqs, RUN_W)),
+            Span::raw(" "),
+            Span::raw(num(r.num_waiting_reqs, WAIT_W)),
+            Span::raw(" "),
+            Span::raw(pad(&short_source(r.source.as_deref()), SRC_W)),
+            Span::raw(" "),
+            Span::raw(lpad(&r.age_ms.map_or("-".into(), fmt_age), AGE_W)),
+        ]);
+    } else {
+        let reason = r.reason.as_deref().unwrap_or("telemetry unavailable");
+        let indent = id_w + 1;
+        let lines = if wrap {
+            wrap_words(reason, REASON_W, width.saturating_sub(indent), REASON_LINES)
+        } else {
+            vec![truncate(reason, REASON_W)]
+        };
+        let mut lines = lines.into_iter();
+        spans.push(Span::styled(
+            pad(&lines.next().unwrap_or_default(), REASON_W),
+            down,
+        ));
+        more.extend(
+            lines.map(|l| Line::from(vec![Span::raw(" ".repeat(indent)), Span::styled(l, down)])),
+        );
+    }
+    let mut out = vec![Line::from(spans)];
+    out.extend(more);
+    if stale {
+        for line in &mut out {
+            *line = std::mem::take(line).style(Style::new().add_modifier(Modifier::DIM));
+        }
+    }
+    out
+}
+
+/// `text` in lines of `first` then `rest` characters, broken between words (a word longer
+/// than a line is split), at most `max_lines` of them, the last ending in `…` if cut.
+fn wrap_words(text: &str, first: usize, rest: usize, max_lines: usize) -> Vec<String> {
+    let width_of = |i: usize| if i == 0 { first } else { rest }.max(1);
+    let mut lines = vec![String::new()];
+    let mut cut = false;
+    'words: for word in text.split_whitespace() {
+        let mut word: Vec<char> = word.chars().collect();
+        // Each turn places the word, places a piece of it, or opens a line (at most
+        // `max_lines`), so it ends.
+        loop {
+            let i = lines.len() - 1;
+            let w = width_of(i);
+            let len = lines[i].chars().count();
+            let sep = usize::from(len > 0);
+            if len + sep + word.len() <= w {
+                if sep == 1 {
+                    lines[i].push(' ');
+                }
+                lines[i].extend(&word);
+                continue 'words;
+            }
+            if len == 0 {
+                lines[i].extend(&word[..w]);
+                word.drain(..w);
+                if word.is_empty() {
+                    continue 'words;
+                }
+            }
+            if lines.len() >= max_lines {
+                cut = true;
+                break 'words;
+            }
+            lines.push(String::new());
+        }
+    }
+    if cut {
+        let w = width_of(lines.len() - 1);
+        if let Some(last) = lines.last_mut() {
+            if last.chars().count() >= w {
+                last.pop();
+            }
+            last.push('…');
+        }
+    }
+    lines
+}
+
+/// The KV bar in eighths of a cell, then the percentage; green, yellow past 70 %, red past 90 %.
+fn kv_bar(kv: Option<f64>) -> [Span<'static>; 2] {
+    const EIGHTHS: [&str; 8] = ["", "▏", "▎", "▍", "▌", "▋", "▊", "▉"];
+    let Some(kv) = kv.filter(|k| k.is_finite()) else {
+        return [Span::raw(" ".repeat(BAR_W)), Span::raw(lpad("-", 5))];
+    };
+    let eighths = (kv.clamp(0.0, 1.0) * (BAR_W * 8) as f64).round() as usize;
+    let (full, part) = (eighths / 8, eighths % 8);
+    let mut bar = "█".repeat(full);
+    bar.push_str(EIGHTHS[part]);
+    let used = full + usize::from(part > 0);
+    let color = if kv >= 0.9 {
+        Color::Red
+    } else if kv >= 0.7 {
+        Color::Yellow
+    } else {
+        Color::Green
+    };
+    bar.push_str(&"░".repeat(BAR_W.saturating_sub(used)));
+    [
+        Span::styled(bar, Style::new().fg(color)),
+        Span::raw(lpad(&format!("{:.0}%", kv * 100.0), 5)),
+    ]
+}
+
+/// The key help, or the filter being typed (with the cursor after it).
+fn draw_keys(frame: &mut Frame, state: &State, area: Rect) {
+    let dim = Style::new().fg(Color::DarkGray);
+    let key = Style::new().add_modifier(Modifier::BOLD);
+    let line = match &state.editing {
+        Some(text) => {
+            let prompt = " filter (engine or model): ";
+            let x = area.x + (prompt.chars().count() + text.chars().count()) as u16;
+            if x < area.x + area.width {
+                frame.set_cursor_position(Position::new(x, area.y));
+            }
+            Line::from(vec![
+                Span::styled(prompt, key),
+                Span::raw(text.clone()),
+                Span::styled("   Enter apply · Esc cancel", dim),
+            ])
+        }
+        None => {
+            let mut spans = vec![Span::raw(" ")];
+            for (k, what) in [
+                ("q", "quit"),
+                ("s", "sort"),
+                ("r", "reverse"),
+                ("/", "filter"),
+                ("↑↓", "scroll"),
+            ] {
+                spans.push(Span::styled(k, key));
+                spans.push(Span::styled(format!(" {what}  "), dim));
+            }
+            spans.push(Span::styled("rankgate top", dim));
+            Line::from(spans)
+        }
+    };
+    frame.render_widget(Paragraph::new(line), area);
+}
+
+fn short_source(s: Option<&str>) -> String {
+    match s {
+        Some("prometheus") => "prom".into(),
+        Some(s) => truncate(s, SRC_W),
+        None => "-".into(),
+    }
+}
+
+/// A rate in at most 6 characters.
+fn fmt_rate(r: f64) -> String {
+    if r < 100.0 {
+        format!("{r:.1}")
+    } else {
+        format!("{r:.0}")
+    }
+}
+
+/// An age in at most 5 characters: `850ms`, `3.2s`, `42s`, `12m`, `5h`, `12d`.
+fn fmt_age(ms: u64) -> String {
+    match ms {
+        0..=999 => format!("{ms}ms"),
+        1_000..=9_999 => format!("{:.1}s", ms as f64 / 1000.0),
+        10_000..=99_999 => format!("{}s", ms / 1000),
+        100_000..=5_999_999 => format!("{}m", ms / 60_000),
+        6_000_000..=359_999_999 => format!("{}h", ms / 3_600_000),
+        _ => format!("{}d", (ms / 86_400_000).min(9_999)),
+    }
+}
+
+/// `s` cut or padded to exactly `w` characters, left-aligned.
+fn pad(s: &str, w: usize) -> String {
+    format!("{:<w$}", truncate(s, w))
+}
+
+/// `s` cut or padded to exactly `w` characters, right-aligned.
+fn lpad(s: &str, w: usize) -> String {
+    format!("{:>w$}", truncate(s, w))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_fit_their_column() {
+        for ms in [
+            0,
+            999,
+            1_000,
+            9_949,
+            9_999,
+            10_000,
+            99_999,
+            100_000,
+            5_999_999,
+            u64::MAX,
+        ] {
+            assert!(
+                fmt_age(ms).chars().count() <= AGE_W,
+                "{ms}: {}",
+                fmt_age(ms)
+            );
+        }
+        assert_eq!(fmt_age(3_210), "3.2s");
+    }
+
+    #[test]
+    fn bars_fill_by_eighths() {
+        let text = |kv| {
+            kv_bar(Some(kv))
+                .iter()
+                .map(|s| s.content.to_string())
+                .collect::<String>()
+        };
+        assert_eq!(text(0.0), "░░░░░░░░   0%");
+        assert_eq!(text(0.5), "████░░░░  50%");
+        assert_eq!(text(0.53), "████▎░░░  53%");
+        assert_eq!(text(1.2), "████████ 120%");
+        assert_eq!(kv_bar(Some(f64::NAN))[1].content, "    -");
+    }
+
+    #[test]
+    fn reasons_wrap_between_words() {
+        let text = "health: client error (Connect): tcp connect error: Connection refused";
+        assert_eq!(
+            wrap_words(text, 20, 30, 3),
+            [
+                "health: client error",
+                "(Connect): tcp connect error:",
+                "Connection refused"
+            ]
+        );
+        assert_eq!(
+            wrap_words(text, 20, 30, 2),
+            ["health: client error", "(Connect): tcp connect error:…"]
+        );
+        assert_eq!(
+            wrap_words("abcdefghij kl", 4, 4, 5),
+            ["abcd", "efgh", "ij", "kl"]
+        );
+        assert_eq!(wrap_words("", 4, 4, 2), [""]);
+        for (first, rest) in [(0, 0), (1, 1), (3, 7)] {
+            for line in wrap_words(text, first, rest, 4) {
+                assert!(line.chars().count() <= first.max(rest).max(1), "{line}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_columns_fill_80() {
+        assert_eq!(80 - FIXED_W, 25);
+        assert_eq!(rows_on_screen(24), 20);
+    }
+}
