@@ -227,8 +227,9 @@ pub struct EngineEntry {
     pub conn: EngineConn,
     /// Its virtual workers, one per global rank (a gateway: one).
     pub members: Box<[Arc<Member>]>,
-    /// Its telemetry polls' counters, here so that they leave `/metrics` with the engine.
-    pub polls: PollCounters,
+    /// Its telemetry polls' counters, here so that they leave `/metrics` with the engine;
+    /// shared with the entry it replaces when its keys or source change, like its workers.
+    pub polls: Arc<PollCounters>,
 }
 
 impl std::ops::Deref for EngineEntry {
@@ -289,7 +290,7 @@ impl EngineEntry {
             cfg,
             origin,
             members,
-            polls: PollCounters::default(),
+            polls: prev.map_or_else(Arc::default, |p| p.polls.clone()),
         })
     }
 }
