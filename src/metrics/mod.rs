@@ -96,6 +96,7 @@ impl Metrics {
         let features: Vec<&str> = [
             (cfg!(feature = "sim"), "sim"),
             (cfg!(feature = "kubernetes"), "kubernetes"),
+            (cfg!(feature = "top"), "top"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))
