@@ -267,10 +267,16 @@ async fn workers(client: &HttpClient, admin: SocketAddr) -> Result<Vec<Value>, S
 
 /// The value of an unlabelled counter, or the sum of a labelled one's series, in `/metrics`.
 fn metric_sum(text: &str, name: &str) -> u64 {
+    metric_sum_with(text, name, "")
+}
+
+/// [`metric_sum`] over the series of `name` whose labels include `label` (`status="503"`).
+fn metric_sum_with(text: &str, name: &str, label: &str) -> u64 {
     text.lines()
         .filter(|l| {
             l.strip_prefix(name)
                 .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+                && l.contains(label)
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
@@ -666,7 +672,7 @@ async fn run(fault: Fault) -> Row {
             row.retries_refused = metric_sum(&m, "rankgate_retries_refused_total");
             row.ejections = metric_sum(&m, "rankgate_ejections_total");
             // 503s rankgate wrote itself: no rank could be picked (all out), no engine reached.
-            let own = metric_sum(&m, "rankgate_rejected_total{status=\"503\"}");
+            let own = metric_sum_with(&m, "rankgate_local_responses_total", "status=\"503\"");
             if own > 0 {
                 row.notes.push(format!(
                     "{own} of the 503s from rankgate itself (no rank left)"

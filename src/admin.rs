@@ -73,8 +73,8 @@ impl Admin {
             }
             (Method::GET, "/metrics") => respond(
                 StatusCode::OK,
-                "text/plain; version=0.0.4",
-                self.metrics.render(&self.table, &self.telemetry),
+                crate::metrics::CONTENT_TYPE,
+                self.metrics.render(),
             ),
             (Method::POST, "/engines") | (Method::DELETE, "/engines") | (Method::POST, "/reload") => {
                 match self.control.authorize(req.headers()) {

@@ -133,7 +133,7 @@ impl Router {
         );
         let workers = fleet.workers.len();
         let table = Table::new(fleet, cfg.telemetry.stale_after);
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::for_router(table.clone(), &cfg.server.extra_routes));
         let stats = Arc::new(TelemetryStats::default());
         let (stop_front, front_rx) = watch::channel(false);
         let (stop_rest, rest_rx) = watch::channel(false);

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use http::HeaderValue;
 use serde::Deserialize;
 
-use crate::metrics::WorkerCounters;
+use crate::metrics::{PollCounters, WorkerCounters};
 use crate::proxy::send::{ConnLimits, EngineConn};
 use crate::table::Live;
 
@@ -227,6 +227,9 @@ pub struct EngineEntry {
     pub conn: EngineConn,
     /// Its virtual workers, one per global rank (a gateway: one).
     pub members: Box<[Arc<Member>]>,
+    /// Its telemetry polls' counters, here so that they leave `/metrics` with the engine;
+    /// shared with the entry it replaces when its keys or source change, like its workers.
+    pub polls: Arc<PollCounters>,
 }
 
 impl std::ops::Deref for EngineEntry {
@@ -287,6 +290,7 @@ impl EngineEntry {
             cfg,
             origin,
             members,
+            polls: prev.map_or_else(Arc::default, |p| p.polls.clone()),
         })
     }
 }

@@ -214,10 +214,12 @@ async fn upstream_failure_is_502_naming_the_engine() {
     assert_eq!(reply.worker(), format!("{url}@0"));
     assert_eq!(workers(&r).await[0]["in_flight"], 0);
     let metrics = String::from_utf8(get(r.admin_addr, "/metrics").await.body.to_vec()).unwrap();
+    // Counted on its worker, with the status rankgate answered for it.
+    let worker = format!("status=\"502\",worker=\"{url}@0\"}} 1");
     assert!(
-        metrics.contains(&format!(
-            "rankgate_requests_total{{worker=\"{url}@0\",status=\"5xx\"}} 1"
-        )),
+        metrics.lines().any(|l| l.starts_with(
+            "rankgate_requests_total{model=\"unknown\",route=\"/v1/chat/completions\","
+        ) && l.ends_with(&worker)),
         "{metrics}"
     );
 }
@@ -254,13 +256,21 @@ async fn admin_endpoints() {
     assert_eq!(chat(r.addr, 1).await.status, 200);
     let m = String::from_utf8(get(r.admin_addr, "/metrics").await.body.to_vec()).unwrap();
     for needle in [
-        "rankgate_requests_total{worker=",
-        "rankgate_proxy_duration_seconds_bucket{le=\"+Inf\"} 1",
-        "rankgate_rank_kv_usage{worker=",
+        "rankgate_requests_total{model=",
+        "rankgate_request_duration_seconds_bucket{model=",
+        "rankgate_rank_kv_usage_ratio{worker=",
         "rankgate_rank_telemetry_available{worker=",
         "rankgate_skipped_unavailable_total 0",
     ] {
         assert!(m.contains(needle), "missing {needle} in\n{m}");
     }
+    // The one chat request, under whichever model label it got (the model list may not have
+    // been read yet when it came).
+    let durations: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("rankgate_request_duration_seconds_count{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(durations, 1.0, "{m}");
     assert_eq!(get(r.admin_addr, "/nope").await.status, 404);
 }

@@ -137,7 +137,7 @@ async fn dark_rank_gets_nothing_even_when_it_would_look_idle() {
         e.url()
     )));
     assert!(metrics.contains(&format!(
-        "rankgate_rank_kv_usage{{worker=\"{}@0\"}} 0.6",
+        "rankgate_rank_kv_usage_ratio{{worker=\"{}@0\"}} 0.6",
         e.url()
     )));
 }

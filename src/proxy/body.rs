@@ -17,6 +17,7 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
+use crate::metrics::ModelIdx;
 use crate::table::InFlight;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -133,16 +134,40 @@ impl Body for RequestBody {
     }
 }
 
-/// Records one proxied request's latency when its response body ends or is dropped.
+/// Records one request's time to first byte when the engine's first chunk passes, and its
+/// duration when its response body ends or is dropped.
 #[derive(Debug)]
 pub struct Done {
-    pub started: Instant,
+    started: Instant,
     pub ctx: super::Ctx,
+    model: ModelIdx,
+    /// The first chunk was seen: one observation per request, however many chunks follow.
+    first_seen: bool,
+}
+
+impl Done {
+    pub fn new(started: Instant, ctx: &super::Ctx, model: ModelIdx) -> Done {
+        Done {
+            started,
+            ctx: ctx.clone(),
+            model,
+            first_seen: false,
+        }
+    }
+
+    /// A frame of the engine's body went to the client.
+    #[inline]
+    fn passed(&mut self, frame: &Frame<Bytes>) {
+        if !self.first_seen && frame.data_ref().is_some_and(|d| !d.is_empty()) {
+            self.first_seen = true;
+            (self.ctx.metrics).first_byte(self.model, self.started.elapsed());
+        }
+    }
 }
 
 impl Drop for Done {
     fn drop(&mut self) {
-        self.ctx.metrics.observe_latency(self.started.elapsed());
+        (self.ctx.metrics).finished(self.model, self.started.elapsed());
     }
 }
 
@@ -155,7 +180,7 @@ pub struct Holds {
     pub admitted: Option<super::admit::Admitted>,
     /// A connection slot under `server.max_engine_connections` (send).
     pub connection: Option<super::send::Slot>,
-    /// Latency, recorded at the end (respond).
+    /// Time to first byte and duration (respond).
     pub done: Option<Done>,
     /// Told how the upstream body ended: cleanly or broken (outlier accounting).
     pub on_break: Option<super::observe::BreakWatch>,
@@ -340,6 +365,9 @@ impl Body for ProxyBody {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(last) = &mut up.last_frame {
                     *last = Instant::now();
+                }
+                if let Some(done) = &mut this.holds.done {
+                    done.passed(&frame);
                 }
                 // A gRPC call that failed after its first byte says so in its trailers.
                 let unavailable = up.ending == Ending::GrpcStatus

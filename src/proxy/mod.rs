@@ -69,7 +69,7 @@ mod auth;
 mod body;
 mod budget;
 mod cors;
-mod grpc;
+pub(crate) mod grpc;
 mod identity;
 mod observe;
 mod pick;

@@ -12,6 +12,7 @@ use http::Request;
 use http_body::Body as _;
 
 use super::{Answer, Below, Ctx, Picked, ProxyError, Shared, Target};
+use crate::metrics::Attempt;
 use crate::outlier::{Cause, Policy};
 
 #[derive(Clone)]
@@ -147,6 +148,19 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
         // Errors below are located here, on the attempt's worker.
         let mut result =
             ready!(Pin::new(&mut this.inner).poll(cx)).map_err(|e| e.at(&target.worker));
+        let attempt = match &result {
+            Ok(resp) if super::grpc::answered(resp, ctx.grpc()).is_server_error() => {
+                Attempt::ServerError
+            }
+            Ok(_) => Attempt::Answered,
+            Err(e) => match e.root() {
+                ProxyError::Upstream { .. } => Attempt::Transport,
+                ProxyError::Timeout(_) => Attempt::Timeout,
+                ProxyError::EngineBusy { .. } => Attempt::Busy,
+                _ => Attempt::Other,
+            },
+        };
+        ctx.metrics.attempt(&target.worker, attempt);
         let judged = match &mut result {
             Ok(resp) if super::grpc::answered(resp, ctx.grpc()).is_server_error() => {
                 let status = super::grpc::answered(resp, ctx.grpc());

@@ -1,6 +1,12 @@
 //! Every error becomes an OpenAI-shaped response, every response is counted, and each request's
 //! latency is recorded when its body ends. The outermost layer that can fail: only `identity`
 //! and `cors` (which add headers, and answer preflights) run outside it.
+//!
+//! A request's labels are resolved here, before anything below runs: its route from its path,
+//! its model from the catalog when the fleet serves one model. Where the fleet routes by model,
+//! `select` reads the model from the body anyway, and writes its label to a slot this layer
+//! reads back with the answer, whatever the answer (so a 503 for a model with no rank still
+//! names the model).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -12,6 +18,7 @@ use tokio::time::Instant;
 
 use super::body::Done;
 use super::{Answer, Ctx, ProxyBody, ProxyError, WORKER_HEADER};
+use crate::metrics::{ModelSlot, RequestLabels};
 
 #[derive(Clone)]
 pub struct Respond<S> {
@@ -42,11 +49,22 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        let started = Instant::now();
+        let ctx = &self.ctx;
+        let (labels, slot) = {
+            let snap = ctx.table.snapshot.load();
+            (ctx.metrics).labels(ctx.grpc(), req.uri().path(), &snap)
+        };
+        if let Some(slot) = &slot {
+            req.extensions_mut().insert(slot.clone());
+        }
         Responding {
-            started: Instant::now(),
+            started,
             inner: self.inner.call(req),
             ctx: self.ctx.clone(),
+            labels,
+            slot,
         }
     }
 }
@@ -57,6 +75,9 @@ pub struct Responding<F> {
     inner: F,
     started: Instant,
     ctx: Ctx,
+    labels: RequestLabels,
+    /// Where `select` writes the request's model, in a fleet that routes by model.
+    slot: Option<ModelSlot>,
 }
 
 impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
@@ -64,35 +85,52 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        Poll::Ready(Ok(match ready!(Pin::new(&mut this.inner).poll(cx)) {
-            Ok(mut resp) => {
-                if let Some(t) = &resp.body().target {
-                    this.ctx.metrics.response(&t.worker, resp.status().as_u16());
+        let answer = ready!(Pin::new(&mut this.inner).poll(cx));
+        let (ctx, mut labels) = (&this.ctx, this.labels);
+        if let Some(slot) = &this.slot {
+            labels.model = slot.get();
+        }
+        let mut resp = match answer {
+            Ok(resp) => {
+                let status = super::grpc::answered(&resp, ctx.grpc()).as_u16();
+                match &resp.body().target {
+                    Some(t) => ctx.metrics.response(&t.worker, labels, status),
+                    None => ctx.metrics.local_response(labels, status),
                 }
-                resp.body_mut().holds.done = Some(Done {
-                    started: this.started,
-                    ctx: this.ctx.clone(),
-                });
                 resp
             }
-            Err(e) => error_response(&this.ctx, &e),
-        }))
+            Err(e) => {
+                count(ctx, &e, labels);
+                render(ctx, &e)
+            }
+        };
+        resp.body_mut().holds.done = Some(Done::new(this.started, ctx, labels.model));
+        Poll::Ready(Ok(resp))
     }
 }
 
-/// The client's answer to `err` (also for `cors`' refusals, made outside this layer).
+/// The client's answer to `err`, counted: for `cors`' refusals, made outside this layer (and
+/// before anything labelled the request).
 pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
+    count(ctx, err, ctx.metrics.unlabelled());
+    render(ctx, err)
+}
+
+/// Counts a request answered with `err`: on its worker, if it reached one.
+fn count(ctx: &Ctx, err: &ProxyError, labels: RequestLabels) {
+    let status = err.status().as_u16();
+    match err.worker() {
+        Some(w) => ctx.metrics.response(w, labels, status),
+        None => ctx.metrics.local_response(labels, status),
+    }
+}
+
+/// The client's answer to `err`.
+fn render(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
     let status = err.status();
-    let metrics = &ctx.metrics;
     let message = match err.worker() {
-        Some(w) => {
-            metrics.response(w, status.as_u16());
-            format!("{}: {err}", w.id_text)
-        }
-        None => {
-            metrics.own_response(status.as_u16());
-            err.to_string()
-        }
+        Some(w) => format!("{}: {err}", w.id_text),
+        None => err.to_string(),
     };
     if status.is_server_error() {
         if let Some(held) = ctx.storm.allow() {

@@ -12,6 +12,7 @@ use http::{header, Request};
 use super::route::{self, Action, Payload, Proxied};
 use super::scan::{self, ScanError};
 use super::{Below, Ctx, ProxyError, RequestBody, Step};
+use crate::metrics::ModelSlot;
 use crate::policy::Avoid;
 
 #[derive(Clone)]
@@ -75,6 +76,10 @@ impl<S> Select<S> {
             return Ok(None);
         }
         let model = if by_model { model(req, route)? } else { None };
+        // `respond` labels the request with its model: one the catalog knows, else `unknown`.
+        if let (Some(slot), Some(m)) = (req.extensions().get::<ModelSlot>(), &model) {
+            slot.set(ctx.metrics.model(m, &snap));
+        }
         let engines = &snap.fleet.engines;
         let serving = match by_model {
             true => snap.catalog.engines_for(model.as_deref(), |e| {

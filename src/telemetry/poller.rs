@@ -33,6 +33,7 @@ use super::{prom, Report, TelemetryStats};
 use crate::config::TelemetryConfig;
 use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
+use crate::metrics::PollResult;
 use crate::reason::{HealthFailure, Reason, SourceFailure};
 use crate::table::RankTelemetry;
 use crate::worker::EngineEntry;
@@ -330,6 +331,7 @@ impl Poller {
         for i in 0..self.sources.len() {
             let name = self.sources[i].name();
             if i < last && !self.back_in_poll(i).await {
+                self.entry.polls.read(name, PollResult::Skipped);
                 failures.push(SourceFailure {
                     source: name,
                     problem: "failed recently, probed in the background".into(),
@@ -337,6 +339,12 @@ impl Poller {
                 continue;
             }
             let result = tokio::time::timeout(self.cfg.timeout, self.read(i)).await;
+            let counted = match &result {
+                Ok(Ok(_)) => PollResult::Ok,
+                Ok(Err(_)) => PollResult::Error,
+                Err(_) => PollResult::Timeout,
+            };
+            self.entry.polls.read(name, counted);
             if i < last && !matches!(result, Ok(Ok(_))) {
                 self.down[i] = Some(Down {
                     every: 1,
@@ -377,6 +385,7 @@ impl Poller {
             }
         }
         self.stats.poll_failures.fetch_add(1, Relaxed);
+        self.entry.polls.failed.fetch_add(1, Relaxed);
         let reason = Reason::SourcesFailed { failures };
         Report {
             engine: self.entry.key,
@@ -397,6 +406,7 @@ impl Poller {
         self.stats
             .unmanaged_entries
             .fetch_add(notes.unmanaged as u64, Relaxed);
+        (self.entry.polls.unmanaged_entries).fetch_add(notes.unmanaged as u64, Relaxed);
     }
 
     async fn read(&mut self, i: usize) -> Result<(Vec<RankTelemetry>, ProjectionNotes), Failure> {
@@ -407,6 +417,7 @@ impl Poller {
                 self.stats
                     .bad_lines
                     .fetch_add(scrape.bad_lines as u64, Relaxed);
+                (self.entry.polls.bad_lines).fetch_add(scrape.bad_lines as u64, Relaxed);
                 let ranks = prom::project(&scrape, &self.engine, Instant::now());
                 Ok((ranks, ProjectionNotes::default()))
             }

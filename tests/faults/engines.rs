@@ -298,7 +298,10 @@ async fn hung_engine_gets_504_after_response_timeout() {
     assert_eq!(
         metric(
             &r,
-            &format!("rankgate_rank_in_flight{{worker=\"{}@0\"}}", e.url())
+            &format!(
+                "rankgate_rank_in_flight_requests{{worker=\"{}@0\"}}",
+                e.url()
+            )
         )
         .await,
         0.0

@@ -1,0 +1,513 @@
+//! The `route` and `model` labels: small indices on the request path, names only at scrape time.
+//!
+//! Clients choose paths and model names, so neither is ever copied into a label: a route is one
+//! of a fixed list (the route table, the fleet's own endpoints, `server.extra_routes`, the gRPC
+//! methods, and `unmatched`), a model one the fleet's catalog knows, or `unknown`. Whatever
+//! clients send, the series stay as many as the fleet has routes and models.
+//!
+//! A request carries its labels as two `u16`s: no string is built, hashed into a map, or
+//! reference-counted per request. Route indices are fixed at startup. Model indices are
+//! interned once per model name and never reused, so an index recorded before a catalog change
+//! still names the same model after it; the per-model histograms live with the interned name.
+
+use std::sync::atomic::{
+    AtomicU16, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use arc_swap::ArcSwap;
+
+use super::histogram::Histogram;
+use crate::catalog::Catalog;
+use crate::proxy::grpc::{HEALTH_SERVICE, SGLANG_SERVICE, VLLM_SERVICE};
+
+/// The `route` label of requests whose path is none of the known ones.
+pub const UNMATCHED: &str = "unmatched";
+/// The `model` label of requests whose model the fleet's catalog does not know (or that name
+/// none where the fleet serves several).
+pub const UNKNOWN: &str = "unknown";
+
+/// Most models ever labelled; past it new names count as `unknown` (a fleet that cycles
+/// through more models than this over one process's life is not one we label well anyway).
+const MAX_MODELS: usize = 1024;
+
+/// The paths of the route table ([`crate::proxy::route::table`]); a unit test checks that each
+/// is routed and that the table routes nothing else.
+pub(crate) const TABLE_ROUTES: [&str; 24] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/rerank",
+    "/v1/score",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+    "/rerank",
+    "/v2/rerank",
+    "/score",
+    "/pooling",
+    "/v1/messages",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/generate",
+    "/encode",
+    "/v1/classify",
+    "/v1/tokenize",
+    "/v1/detokenize",
+    "/get_model_info",
+    "/get_server_info",
+    "/server_info",
+];
+
+/// Paths the front door answers itself, or refuses by prefix.
+const OWN_ROUTES: [&str; 3] = ["/v1/models", "/v1/models/{id}", "/v1/responses/{id}"];
+
+/// The gRPC methods of the engine services (see [`crate::proxy::grpc`]), and the health
+/// service's.
+const GRPC_METHODS: [&str; 9] = [
+    "Generate",
+    "Embed",
+    "HealthCheck",
+    "GetModelInfo",
+    "GetServerInfo",
+    "GetTokenizer",
+    "Abort",
+    "FlushCache",
+    "GetLoads",
+];
+const HEALTH_METHODS: [&str; 2] = ["Check", "Watch"];
+
+/// A request's `route` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RouteIdx(pub(super) u16);
+
+/// A request's `model` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ModelIdx(pub(super) u16);
+
+impl ModelIdx {
+    pub const UNKNOWN: ModelIdx = ModelIdx(0);
+}
+
+/// What a request is labelled with, besides its status and worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestLabels {
+    pub model: ModelIdx,
+    pub route: RouteIdx,
+}
+
+/// Paths ordered by length first: most comparisons in a lookup then end on the lengths,
+/// without comparing bytes.
+fn by_length(a: &str, b: &str) -> std::cmp::Ordering {
+    a.len().cmp(&b.len()).then_with(|| a.cmp(b))
+}
+
+/// Every route label, fixed at startup.
+#[derive(Debug)]
+pub struct Routes {
+    /// Every name, indexed by [`RouteIdx`]: the HTTP paths, the gRPC paths, the extra routes,
+    /// then `unmatched`.
+    names: Vec<Box<str>>,
+    /// Exact HTTP paths (table, `/v1/models`, extra), sorted [`by_length`], with their index.
+    http: Vec<(Box<str>, RouteIdx)>,
+    models_id: RouteIdx,
+    responses_id: RouteIdx,
+    /// Index of the first gRPC path; they are service-major, in [`GRPC_METHODS`] order.
+    grpc: u16,
+    unmatched: RouteIdx,
+}
+
+impl Routes {
+    /// The route table's paths and `extra` (`server.extra_routes`).
+    pub fn new(extra: &[String]) -> Routes {
+        let mut names: Vec<Box<str>> = Vec::new();
+        names.extend(TABLE_ROUTES.iter().map(|p| (*p).into()));
+        names.extend(OWN_ROUTES.iter().map(|p| (*p).into()));
+        let grpc = names.len() as u16;
+        for service in [VLLM_SERVICE, SGLANG_SERVICE] {
+            names.extend(
+                GRPC_METHODS
+                    .iter()
+                    .map(|m| format!("/{service}/{m}").into()),
+            );
+        }
+        names.extend(
+            (HEALTH_METHODS.iter()).map(|m| format!("/{HEALTH_SERVICE}/{m}").into_boxed_str()),
+        );
+        for p in extra {
+            if !names.iter().any(|n| **n == **p) {
+                names.push(p.as_str().into());
+            }
+        }
+        names.push(UNMATCHED.into());
+        let idx =
+            |name: &str| RouteIdx(names.iter().position(|n| &**n == name).unwrap_or(0) as u16);
+        let mut http: Vec<(Box<str>, RouteIdx)> = (TABLE_ROUTES.iter().copied())
+            .chain(["/v1/models"])
+            .chain(extra.iter().map(String::as_str))
+            .map(|p| (p.into(), idx(p)))
+            .collect();
+        http.sort_unstable_by(|a, b| by_length(&a.0, &b.0));
+        http.dedup_by(|a, b| a.0 == b.0);
+        Routes {
+            models_id: idx("/v1/models/{id}"),
+            responses_id: idx("/v1/responses/{id}"),
+            unmatched: RouteIdx(names.len() as u16 - 1),
+            grpc,
+            http,
+            names,
+        }
+    }
+
+    /// The label of a request for `path` on the HTTP front door (`grpc`: the gRPC one).
+    pub fn of(&self, grpc: bool, path: &str) -> RouteIdx {
+        if grpc {
+            return self.grpc_of(path).unwrap_or(self.unmatched);
+        }
+        if let Ok(i) = self.http.binary_search_by(|(p, _)| by_length(p, path)) {
+            return self.http[i].1;
+        }
+        if path
+            .strip_prefix("/v1/models/")
+            .is_some_and(|id| !id.is_empty())
+        {
+            return self.models_id;
+        }
+        if path.starts_with("/v1/responses/") {
+            return self.responses_id;
+        }
+        self.unmatched
+    }
+
+    fn grpc_of(&self, path: &str) -> Option<RouteIdx> {
+        let (service, method) = path.strip_prefix('/')?.split_once('/')?;
+        let n = GRPC_METHODS.len();
+        let at = |s: usize, methods: &[&str]| {
+            let m = methods.iter().position(|x| *x == method)?;
+            Some(RouteIdx(self.grpc + (s * n + m) as u16))
+        };
+        match service {
+            VLLM_SERVICE => at(0, &GRPC_METHODS),
+            SGLANG_SERVICE => at(1, &GRPC_METHODS),
+            HEALTH_SERVICE => at(2, &HEALTH_METHODS),
+            _ => None,
+        }
+    }
+
+    pub fn name(&self, r: RouteIdx) -> &str {
+        self.names.get(r.0 as usize).map_or(UNMATCHED, |n| n)
+    }
+
+    pub fn unmatched(&self) -> RouteIdx {
+        self.unmatched
+    }
+}
+
+/// One model's series: its name and histograms. Never removed: a model that left the fleet
+/// keeps its counts, as a counter must.
+#[derive(Debug)]
+pub struct ModelSeries {
+    pub name: Arc<str>,
+    pub duration: Histogram,
+    pub first_byte: Histogram,
+}
+
+/// The model labels the current catalog allows, resolved once per catalog.
+#[derive(Debug, Default)]
+pub struct CatalogLabels {
+    /// The catalog these are for; held so that its address cannot be reused by another.
+    catalog: Option<Arc<Catalog>>,
+    /// The fleet's one model when it serves one (requests are then not scanned): every
+    /// request's label. `UNKNOWN` otherwise.
+    pub only: ModelIdx,
+    /// Requests' models decide their engines, so each request's is read (by `select`).
+    pub by_model: bool,
+    /// The catalog's model names, sorted, with their index.
+    names: Vec<(Arc<str>, ModelIdx)>,
+}
+
+impl CatalogLabels {
+    /// The label of a request naming `model`.
+    pub fn of(&self, model: &str) -> ModelIdx {
+        match self.names.binary_search_by(|(n, _)| (**n).cmp(model)) {
+            Ok(i) => self.names[i].1,
+            Err(_) => ModelIdx::UNKNOWN,
+        }
+    }
+}
+
+impl Default for ModelIdx {
+    fn default() -> ModelIdx {
+        ModelIdx::UNKNOWN
+    }
+}
+
+/// Models per segment of [`Interned`].
+const SEGMENT: usize = 32;
+
+/// Every model ever labelled, indexed by [`ModelIdx`], only ever appended to: a slot once
+/// filled never changes, so the request path reads one with two atomic loads, no lock and no
+/// reference count. Segments are allocated as models arrive.
+struct Interned {
+    segments: [OnceLock<Box<[OnceLock<ModelSeries>; SEGMENT]>>; MAX_MODELS / SEGMENT],
+    len: AtomicUsize,
+}
+
+impl Interned {
+    #[inline]
+    fn get(&self, i: usize) -> Option<&ModelSeries> {
+        self.segments.get(i / SEGMENT)?.get()?[i % SEGMENT].get()
+    }
+
+    /// Appends `s`, if there is room; the caller holds [`Models::grow`].
+    fn push(&self, s: ModelSeries) -> Option<usize> {
+        let i = self.len.load(Acquire);
+        let segment = self.segments.get(i / SEGMENT)?;
+        let segment = segment.get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
+        let _ = segment[i % SEGMENT].set(s);
+        self.len.store(i + 1, Release);
+        Some(i)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &ModelSeries> {
+        (0..self.len.load(Acquire)).filter_map(|i| self.get(i))
+    }
+}
+
+impl std::fmt::Debug for Interned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.iter().map(|s| &s.name))
+            .finish()
+    }
+}
+
+/// Every model ever labelled, and the labels of the current catalog.
+#[derive(Debug)]
+pub struct Models {
+    /// Index 0 is `unknown`.
+    interned: Interned,
+    current: ArcSwap<CatalogLabels>,
+    /// Held while names are interned.
+    grow: Mutex<()>,
+}
+
+impl Default for Models {
+    fn default() -> Models {
+        let models = Models {
+            interned: Interned {
+                segments: std::array::from_fn(|_| OnceLock::new()),
+                len: AtomicUsize::new(0),
+            },
+            current: ArcSwap::default(),
+            grow: Mutex::new(()),
+        };
+        models.interned.push(series(UNKNOWN.into()));
+        models
+    }
+}
+
+fn series(name: Arc<str>) -> ModelSeries {
+    ModelSeries {
+        name,
+        duration: Histogram::default(),
+        first_byte: Histogram::default(),
+    }
+}
+
+impl Models {
+    /// The labels of `catalog` (of a fleet of `engines` engines): cached, so the usual call is
+    /// one pointer comparison.
+    pub fn labels(
+        &self,
+        catalog: &Arc<Catalog>,
+        engines: usize,
+    ) -> arc_swap::Guard<Arc<CatalogLabels>> {
+        let cur = self.current.load();
+        if cur
+            .catalog
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, catalog))
+        {
+            return cur;
+        }
+        drop(cur);
+        self.resolve(catalog, engines);
+        self.current.load()
+    }
+
+    /// Interns the names of a new catalog.
+    #[cold]
+    fn resolve(&self, catalog: &Arc<Catalog>, engines: usize) {
+        let _grow = self.grow.lock().unwrap_or_else(PoisonError::into_inner);
+        let cur = self.current.load();
+        if cur
+            .catalog
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, catalog))
+        {
+            return;
+        }
+        let mut ids: Vec<&str> = (0..engines)
+            .filter_map(|e| catalog.of(e))
+            .flatten()
+            .map(|m| m.id.as_str())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut names = Vec::with_capacity(ids.len());
+        for id in ids {
+            // A model named `unknown` is counted with the unknown ones: one label value, one
+            // series.
+            let found = self.interned.iter().position(|s| &*s.name == id);
+            let Some(i) = found.or_else(|| self.interned.push(series(id.into()))) else {
+                continue;
+            };
+            if let Some(s) = self.interned.get(i) {
+                names.push((s.name.clone(), ModelIdx(i as u16)));
+            }
+        }
+        let only = match (catalog.routes_by_model(), names.as_slice()) {
+            (false, [(_, idx)]) => *idx,
+            _ => ModelIdx::UNKNOWN,
+        };
+        self.current.store(Arc::new(CatalogLabels {
+            catalog: Some(catalog.clone()),
+            only,
+            by_model: catalog.routes_by_model(),
+            names,
+        }));
+    }
+
+    /// Runs `f` on the series of model `m`.
+    #[inline]
+    pub fn with<R>(&self, m: ModelIdx, f: impl FnOnce(&ModelSeries) -> R) -> Option<R> {
+        self.interned.get(m.0 as usize).map(f)
+    }
+
+    /// Every model ever labelled, `unknown` first.
+    pub fn all(&self) -> impl Iterator<Item = &ModelSeries> {
+        self.interned.iter()
+    }
+
+    /// The name of model `m`.
+    pub fn name(&self, m: ModelIdx) -> &str {
+        self.interned.get(m.0 as usize).map_or(UNKNOWN, |s| &s.name)
+    }
+}
+
+/// Where `select` writes the model it read from a request's body, for `respond` to label the
+/// request with. Only requests of a fleet that routes by model carry one (they already carry
+/// their engines in the request's extensions); the others are labelled from the catalog alone.
+#[derive(Debug, Clone, Default)]
+pub struct ModelSlot(Arc<AtomicU16>);
+
+impl ModelSlot {
+    pub fn set(&self, m: ModelIdx) {
+        self.0.store(m.0, Relaxed);
+    }
+
+    pub fn get(&self) -> ModelIdx {
+        ModelIdx(self.0.load(Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::Model;
+
+    #[test]
+    fn every_table_route_is_routed_and_only_those() {
+        for p in TABLE_ROUTES {
+            assert!(crate::proxy::route::table(p).is_some(), "{p} is not routed");
+        }
+        // The table is a `match` on string literals: every path it routes is one of ours.
+        let src = include_str!("../proxy/route.rs");
+        let start = src.find("pub fn table(").unwrap();
+        let end = start + src[start..].find("\n}\n").unwrap();
+        let routed: Vec<&str> = src[start..end]
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .filter(|s| s.starts_with('/'))
+            .collect();
+        assert!(routed.len() >= TABLE_ROUTES.len(), "{routed:?}");
+        for p in routed {
+            assert!(TABLE_ROUTES.contains(&p), "route {p} has no label");
+        }
+        // Likewise the gRPC method table.
+        let src = include_str!("../proxy/grpc/mod.rs");
+        let start = src.find("fn call(").unwrap();
+        let end = start + src[start..].find("\n}\n").unwrap();
+        let methods: Vec<&str> = src[start..end].split('"').skip(1).step_by(2).collect();
+        assert_eq!(methods.len(), GRPC_METHODS.len(), "{methods:?}");
+        assert!(
+            methods.iter().all(|m| GRPC_METHODS.contains(m)),
+            "{methods:?}"
+        );
+    }
+
+    #[test]
+    fn routes_are_a_fixed_list_whatever_the_path() {
+        let r = Routes::new(&["/v1/custom".into()]);
+        let name = |grpc: bool, p: &str| r.name(r.of(grpc, p)).to_string();
+        assert_eq!(name(false, "/v1/chat/completions"), "/v1/chat/completions");
+        assert_eq!(name(false, "/v1/custom"), "/v1/custom");
+        assert_eq!(name(false, "/v1/models"), "/v1/models");
+        assert_eq!(name(false, "/v1/models/meta/llama"), "/v1/models/{id}");
+        assert_eq!(name(false, "/v1/responses/resp_1"), "/v1/responses/{id}");
+        assert_eq!(name(false, "/v1/chat/completions/x"), UNMATCHED);
+        assert_eq!(name(false, "/anything"), UNMATCHED);
+        let generate = format!("/{SGLANG_SERVICE}/Generate");
+        assert_eq!(name(true, &generate), generate);
+        assert_eq!(
+            name(true, &format!("/{HEALTH_SERVICE}/Check")),
+            format!("/{HEALTH_SERVICE}/Check")
+        );
+        assert_eq!(name(true, &format!("/{VLLM_SERVICE}/Nope")), UNMATCHED);
+        assert_eq!(name(true, "/v1/chat/completions"), UNMATCHED);
+    }
+
+    fn catalog(lists: &[&[&str]]) -> Arc<Catalog> {
+        Arc::new(Catalog::new(
+            lists
+                .iter()
+                .map(|l| Some(l.iter().map(|id| Model::named(id)).collect()))
+                .collect(),
+        ))
+    }
+
+    #[test]
+    fn model_labels_follow_the_catalog_and_indices_are_never_reused() {
+        let models = Models::default();
+        let one = catalog(&[&["a"], &["a"]]);
+        let l = models.labels(&one, 2);
+        assert!(!l.by_model);
+        let a = l.only;
+        assert_ne!(a, ModelIdx::UNKNOWN);
+        assert_eq!(l.of("a"), a);
+        assert_eq!(l.of("zzz"), ModelIdx::UNKNOWN);
+        drop(l);
+
+        let two = catalog(&[&["b"], &["a"]]);
+        let l = models.labels(&two, 2);
+        assert!(l.by_model);
+        assert_eq!(l.only, ModelIdx::UNKNOWN);
+        assert_eq!(l.of("a"), a, "the same name keeps its index");
+        let b = l.of("b");
+        assert!(b != a && b != ModelIdx::UNKNOWN);
+        assert_eq!(models.name(b), "b");
+        assert_eq!(models.name(ModelIdx::UNKNOWN), UNKNOWN);
+        assert_eq!(models.all().count(), 3);
+        // The same catalog again: nothing resolved anew.
+        let l2 = models.labels(&two, 2);
+        assert!(Arc::ptr_eq(&l, &l2));
+        drop((l, l2));
+        // A model named `unknown` is the unknown one.
+        let l = models.labels(&catalog(&[&["unknown", "c"]]), 1);
+        assert_eq!(l.of(UNKNOWN), ModelIdx::UNKNOWN);
+        assert_eq!(models.all().count(), 4);
+    }
+}

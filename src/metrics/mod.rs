@@ -1,0 +1,317 @@
+//! rankgate's own Prometheus metrics, through `prometheus-client`: one [`Registry`] built at
+//! startup, rendered in the Prometheus text format (0.0.4) on the admin listener's `/metrics`.
+//! Every metric is listed, with its labels and example alerts, in `docs/metrics.md`.
+//!
+//! Three kinds of series, by where their numbers live:
+//! - Fixed label sets (retries, cut streams, build info): counters registered once, whose
+//!   handles the request path bumps directly.
+//! - Per worker and per engine ([`counts`]): atomics in the worker's `Member` and the engine's
+//!   `EngineEntry`, and the per-rank gauges of the snapshot, all read at scrape time by a
+//!   collector ([`fleet`]) from the CURRENT snapshot: a worker that left the fleet leaves
+//!   `/metrics` with it.
+//! - Per model: the latency histograms ([`histogram`], kept in atomics), and requests rankgate
+//!   answered itself, labelled by small indices ([`labels`]) whose names are looked up only when
+//!   scraped.
+//!
+//! The request path takes no lock to record a request, and allocates nothing once its label
+//! combination has been seen: a route and a model are `u16`s, a counter bump is an atomic add
+//! on a map read through an `ArcSwap` (copied only when a new combination appears). The one
+//! exception is a fleet that routes by model: its requests carry a small slot through which
+//! `select` hands back the model it read (see [`ModelSlot`]).
+//!
+//! The page is the Prometheus text format rather than OpenMetrics: `promtool check metrics`
+//! lints the former, and reads an OpenMetrics counter family (named without `_total`) as a
+//! metric without help.
+
+mod counts;
+mod fleet;
+mod histogram;
+mod labels;
+mod process;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+
+use crate::table::{Snapshot, Table};
+use crate::worker::Member;
+
+pub use counts::{Attempt, PollCounters, PollResult, RequestCounts, RequestKey, WorkerCounters};
+pub use histogram::BUCKETS;
+pub use labels::{ModelIdx, ModelSlot, RequestLabels, RouteIdx, UNKNOWN, UNMATCHED};
+
+/// The `Content-Type` of `/metrics`.
+pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
+
+/// What the collectors read besides the snapshot: the label names and the series kept per model.
+#[derive(Debug)]
+struct Core {
+    routes: labels::Routes,
+    models: labels::Models,
+    /// Requests rankgate answered itself, without a worker.
+    local: RequestCounts,
+}
+
+/// The registry and the handles the proxy records through.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    core: Arc<Core>,
+    skipped_unavailable: Counter,
+    retries: Counter,
+    retries_refused: Counter,
+    /// Streams cut after their first byte: `[broken, idle]`.
+    streams_cut: [Counter; 2],
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Metrics of no fleet: the request-path counters only (unit tests of the proxy).
+    pub fn new() -> Metrics {
+        Metrics::build(&[], None)
+    }
+
+    /// The router's metrics: the request-path counters, the fleet of `table` as the current
+    /// snapshot has it at each scrape, and `extra_routes` (`server.extra_routes`) as labels.
+    pub fn for_router(table: Arc<Table>, extra_routes: &[String]) -> Metrics {
+        Metrics::build(extra_routes, Some(table))
+    }
+
+    fn build(extra_routes: &[String], table: Option<Arc<Table>>) -> Metrics {
+        let mut registry = Registry::default();
+        let core = Arc::new(Core {
+            routes: labels::Routes::new(extra_routes),
+            models: labels::Models::default(),
+            local: RequestCounts::default(),
+        });
+        let features: Vec<&str> = [
+            (cfg!(feature = "sim"), "sim"),
+            (cfg!(feature = "kubernetes"), "kubernetes"),
+            (cfg!(feature = "top"), "top"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
+        registry.register(
+            "rankgate_build",
+            "rankgate's version and build; always 1",
+            Info::new(vec![
+                ("version", env!("CARGO_PKG_VERSION").to_string()),
+                ("features", features.join(",")),
+                (
+                    "profile",
+                    if cfg!(debug_assertions) {
+                        "debug"
+                    } else {
+                        "release"
+                    }
+                    .to_string(),
+                ),
+            ]),
+        );
+        let counter = |registry: &mut Registry, name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let retries = counter(
+            &mut registry,
+            "rankgate_retries",
+            "Requests sent again to another rank after a failure before the first byte",
+        );
+        let retries_refused = counter(
+            &mut registry,
+            "rankgate_retries_refused",
+            "Retries not made because the retry budget (routing.retry_budget) was spent",
+        );
+        let skipped_unavailable = counter(
+            &mut registry,
+            "rankgate_skipped_unavailable",
+            "Requests routed while passing over ranks whose telemetry was missing, stale or invalid",
+        );
+        let streams_cut = prometheus_client::metrics::family::Family::<
+            [(&'static str, &'static str); 1],
+            Counter,
+        >::default();
+        registry.register(
+            "rankgate_streams_cut",
+            "Responses cut after their first byte, by reason: the engine's stream broke, or went \
+             quiet for server.stream_idle_timeout (SSE streams end with an error event)",
+            streams_cut.clone(),
+        );
+        // The label sets are fixed: resolved once, and both present from the start.
+        let streams_cut = [
+            streams_cut.get_or_create_owned(&[("reason", "broken")]),
+            streams_cut.get_or_create_owned(&[("reason", "idle")]),
+        ];
+        registry.register_collector(Box::new(fleet::Requests {
+            core: core.clone(),
+            table: table.clone(),
+        }));
+        if let Some(table) = table {
+            registry.register_collector(Box::new(fleet::Fleet { table }));
+        }
+        registry.register_collector(Box::new(process::Process));
+        Metrics {
+            registry,
+            core,
+            skipped_unavailable,
+            retries,
+            retries_refused,
+            streams_cut,
+        }
+    }
+
+    /// The labels of a request for `path` (on the gRPC front door if `grpc`) in the fleet of
+    /// `snap`, and, when its model is to be read from its body (a fleet that routes by model),
+    /// the slot `select` writes that model to.
+    pub fn labels(
+        &self,
+        grpc: bool,
+        path: &str,
+        snap: &Snapshot,
+    ) -> (RequestLabels, Option<ModelSlot>) {
+        let catalog = (self.core.models).labels(&snap.catalog, snap.fleet.engines.len());
+        let labels = RequestLabels {
+            model: catalog.only,
+            route: self.core.routes.of(grpc, path),
+        };
+        (labels, (catalog.by_model && !grpc).then(ModelSlot::default))
+    }
+
+    /// The label of a request naming `model` in the fleet of `snap`.
+    pub fn model(&self, model: &str, snap: &Snapshot) -> ModelIdx {
+        (self.core.models)
+            .labels(&snap.catalog, snap.fleet.engines.len())
+            .of(model)
+    }
+
+    /// A request answered on `worker` (by its engine, or by rankgate for its attempt).
+    #[inline]
+    pub fn response(&self, worker: &Member, labels: RequestLabels, status: u16) {
+        worker.counters.requests.inc(RequestKey { labels, status });
+    }
+
+    /// A request rankgate answered itself, without a worker.
+    #[inline]
+    pub fn local_response(&self, labels: RequestLabels, status: u16) {
+        self.core.local.inc(RequestKey { labels, status });
+    }
+
+    /// Labels for what is known of nothing but the status (a CORS refusal, answered before the
+    /// request was looked at).
+    pub fn unlabelled(&self) -> RequestLabels {
+        RequestLabels {
+            model: ModelIdx::UNKNOWN,
+            route: self.core.routes.unmatched(),
+        }
+    }
+
+    /// The first byte of an engine's answer reached the client's body, `since` after the
+    /// request arrived.
+    #[inline]
+    pub fn first_byte(&self, model: ModelIdx, since: Duration) {
+        self.core
+            .models
+            .with(model, |s| s.first_byte.observe(since));
+    }
+
+    /// A request's response body ended (or was dropped), `since` after it arrived.
+    #[inline]
+    pub fn finished(&self, model: ModelIdx, since: Duration) {
+        self.core.models.with(model, |s| s.duration.observe(since));
+    }
+
+    /// One upstream attempt on `worker`.
+    #[inline]
+    pub fn attempt(&self, worker: &Member, a: Attempt) {
+        worker.counters.attempt(a);
+    }
+
+    pub fn skipped_unavailable(&self) {
+        self.skipped_unavailable.inc();
+    }
+
+    pub fn skipped_unavailable_total(&self) -> u64 {
+        self.skipped_unavailable.get()
+    }
+
+    /// A request was sent again, to another rank.
+    pub fn retried(&self) {
+        self.retries.inc();
+    }
+
+    /// A retry was called for but the retry budget had none left.
+    pub fn retry_refused(&self) {
+        self.retries_refused.inc();
+    }
+
+    pub fn retries_total(&self) -> u64 {
+        self.retries.get()
+    }
+
+    /// A response was cut after its first byte (`idle`: by the stream idle timeout).
+    pub fn stream_cut(&self, idle: bool) {
+        self.streams_cut[idle as usize].inc();
+    }
+
+    /// A rank was ejected after consecutive failures.
+    pub fn ejected(&self, worker: &Member) {
+        worker
+            .counters
+            .ejections
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Everything, in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(16 * 1024);
+        // Writing to a String cannot fail; a collector's error would leave the page cut short,
+        // which the scraper then refuses whole.
+        if let Err(e) = prometheus_text::encode(&mut out, &self.registry) {
+            tracing::error!(error = %e, "encoding /metrics failed");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_of_no_fleet_has_the_fixed_series() {
+        let m = Metrics::new();
+        m.retried();
+        m.stream_cut(true);
+        let labels = m.unlabelled();
+        m.local_response(labels, 401);
+        m.finished(ModelIdx::UNKNOWN, Duration::from_millis(3));
+        let page = m.render();
+        for line in [
+            "# TYPE rankgate_retries_total counter",
+            "rankgate_retries_total 1",
+            "rankgate_streams_cut_total{reason=\"idle\"} 1",
+            "rankgate_streams_cut_total{reason=\"broken\"} 0",
+            "rankgate_local_responses_total{model=\"unknown\",route=\"unmatched\",status=\"401\"} 1",
+            "rankgate_request_duration_seconds_bucket{model=\"unknown\",le=\"0.005\"} 1",
+            "rankgate_request_duration_seconds_count{model=\"unknown\"} 1",
+            "# TYPE rankgate_build_info gauge",
+        ] {
+            assert!(page.lines().any(|l| l == line), "no {line:?} in\n{page}");
+        }
+        assert!(page.contains(&format!(
+            "rankgate_build_info{{version=\"{}\"",
+            env!("CARGO_PKG_VERSION")
+        )));
+    }
+}
