@@ -27,13 +27,11 @@ use crate::policy::Selector;
 use crate::proxy::Denied;
 use crate::reason::Reason;
 use crate::table::{RankTelemetry, Table};
-use crate::telemetry::TelemetryStats;
 
 /// What the admin handlers read.
 pub struct Admin {
     pub table: Arc<Table>,
     pub metrics: Arc<Metrics>,
-    pub telemetry: Arc<TelemetryStats>,
     pub selector: Arc<Selector>,
     /// Shutdown has begun: not ready for new clients, whatever the fleet.
     pub draining: Arc<std::sync::atomic::AtomicBool>,

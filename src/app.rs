@@ -22,7 +22,7 @@ use crate::policy::Selector;
 use crate::proxy::send::ConnLimits;
 use crate::proxy::{Keys, KeysError, Shared};
 use crate::table::Table;
-use crate::telemetry::{self, TelemetryStats};
+use crate::telemetry;
 use crate::worker::{EngineEntry, Fleet, Origin};
 
 /// Why rankgate could not start.
@@ -134,7 +134,6 @@ impl Router {
         let workers = fleet.workers.len();
         let table = Table::new(fleet, cfg.telemetry.stale_after);
         let metrics = Arc::new(Metrics::for_router(table.clone(), &cfg.server.extra_routes));
-        let stats = Arc::new(TelemetryStats::default());
         let (stop_front, front_rx) = watch::channel(false);
         let (stop_rest, rest_rx) = watch::channel(false);
 
@@ -149,7 +148,6 @@ impl Router {
                 default_kv_per_request: cfg.routing.request_kv_estimate,
                 limits,
             },
-            stats.clone(),
             changes,
             rest_rx.clone(),
         );
@@ -185,7 +183,6 @@ impl Router {
         let admin = Arc::new(Admin {
             table: table.clone(),
             metrics: metrics.clone(),
-            telemetry: stats,
             selector: selector.clone(),
             draining: draining.clone(),
             control: control.clone(),

@@ -21,7 +21,8 @@
 //! - [`proto`]: code generated from `proto/` (gRPC load services, health).
 //! - [`admin`]: `/health`, `/ready`, `/workers`, `/engines`, `/loads`, `/metrics`, and the
 //!   admin API's changes.
-//! - [`metrics`]: rankgate's own counters and histogram.
+//! - [`metrics`]: rankgate's own metrics on prometheus-client: request counters and histograms
+//!   recorded in atomics, per-rank and per-engine series read from the snapshot at scrape time.
 //! - [`http`]: accept loop, upstream clients, error bodies.
 //! - [`logging`]: text or JSON log lines, the `RUST_LOG` filter with library internals quiet.
 //! - [`app`]: starts and stops the whole router.

@@ -16,7 +16,6 @@ mod poller;
 pub mod prom;
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -29,16 +28,6 @@ use crate::membership::{self, Change, MembershipError, Outcome, Sources};
 use crate::proxy::send::ConnLimits;
 use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
 use crate::worker::{EngineEntry, EngineId, Fleet, WorkerId};
-
-/// Counters the admin `/metrics` page shows about telemetry itself.
-#[derive(Debug, Default)]
-pub struct TelemetryStats {
-    pub polls: AtomicU64,
-    pub poll_failures: AtomicU64,
-    pub bad_lines: AtomicU64,
-    /// Entries naming a rank outside their engine's managed set.
-    pub unmanaged_entries: AtomicU64,
-}
 
 /// One engine's poll, projected onto its ranks.
 pub struct Report {
@@ -64,7 +53,6 @@ pub fn spawn(
     table: Arc<Table>,
     sources: Sources,
     settings: Settings,
-    stats: Arc<TelemetryStats>,
     changes: mpsc::Receiver<membership::Request>,
     shutdown: Shutdown,
 ) -> tokio::task::JoinHandle<()> {
@@ -82,7 +70,6 @@ pub fn spawn(
             sources,
             table,
             settings,
-            stats,
             tx,
             pollers: HashMap::new(),
             tasks: JoinSet::new(),
@@ -100,7 +87,6 @@ pub fn spawn(
 struct Publisher {
     table: Arc<Table>,
     settings: Settings,
-    stats: Arc<TelemetryStats>,
     http: poller::HttpClient,
     grpc: grpc::Transport,
     /// Where pollers send their reports.
@@ -250,7 +236,6 @@ impl Publisher {
                 self.settings.telemetry.clone(),
                 self.http.clone(),
                 self.grpc.clone(),
-                self.stats.clone(),
             ) {
                 Ok(p) => {
                     let task = self

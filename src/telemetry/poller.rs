@@ -29,7 +29,7 @@ use super::grpc::LoadsClient;
 use super::health::{self, Change, Health};
 use super::loads::{self, LoadsReport, ProjectionNotes};
 use super::models::ModelsReader;
-use super::{prom, Report, TelemetryStats};
+use super::{prom, Report};
 use crate::config::TelemetryConfig;
 use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
@@ -119,7 +119,6 @@ pub struct Poller {
     /// `None` when the engine has no health path (gateways by default, or `health_path = ""`).
     health_uri: Option<http::Uri>,
     health: Health,
-    stats: Arc<TelemetryStats>,
     dp_size_checked: bool,
     /// Per source: `Some` while it is out of the polls after a failure.
     down: Vec<Option<Down>>,
@@ -194,7 +193,6 @@ impl Poller {
         cfg: TelemetryConfig,
         http: HttpClient,
         grpc: super::grpc::Transport,
-        stats: Arc<TelemetryStats>,
     ) -> Result<Poller, String> {
         let engine = entry.cfg.clone();
         let http = http.with_key(engine.api_key.clone());
@@ -232,7 +230,6 @@ impl Poller {
             cfg,
             sources,
             http,
-            stats,
             dp_size_checked: false,
             down: (0..engine_sources).map(|_| None).collect(),
         })
@@ -324,7 +321,6 @@ impl Poller {
         let weight_at_poll: Vec<u64> = (self.entry.members.iter())
             .map(|m| m.live.dispatched_weight.load(Relaxed))
             .collect();
-        self.stats.polls.fetch_add(1, Relaxed);
         let mut failures = Vec::new();
         let mut answered = false;
         let last = self.sources.len().saturating_sub(1);
@@ -384,7 +380,6 @@ impl Poller {
                 }),
             }
         }
-        self.stats.poll_failures.fetch_add(1, Relaxed);
         self.entry.polls.failed.fetch_add(1, Relaxed);
         let reason = Reason::SourcesFailed { failures };
         Report {
@@ -403,9 +398,6 @@ impl Poller {
                 m.invalid_entries.fetch_add(1, Relaxed);
             }
         }
-        self.stats
-            .unmanaged_entries
-            .fetch_add(notes.unmanaged as u64, Relaxed);
         (self.entry.polls.unmanaged_entries).fetch_add(notes.unmanaged as u64, Relaxed);
     }
 
@@ -414,9 +406,6 @@ impl Poller {
         match fetch_source(src.clone(), self.http.clone()).await? {
             Raw::Metrics(text) => {
                 let scrape = prom::parse(&text);
-                self.stats
-                    .bad_lines
-                    .fetch_add(scrape.bad_lines as u64, Relaxed);
                 (self.entry.polls.bad_lines).fetch_add(scrape.bad_lines as u64, Relaxed);
                 let ranks = prom::project(&scrape, &self.engine, Instant::now());
                 Ok((ranks, ProjectionNotes::default()))

@@ -161,7 +161,7 @@ impl Rates {
     }
 }
 
-/// Sums `rankgate_requests_total` by its `worker` label over every other label (status class
+/// Sums `rankgate_requests_total` by its `worker` label over every other label (status code
 /// today; model, route or code should they be added), from Prometheus text exposition.
 pub fn request_counts(metrics: &str) -> HashMap<String, f64> {
     let mut counts = HashMap::new();
