@@ -167,6 +167,7 @@ fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
             "server.admin_token_env",
             sa.admin_token_env != sb.admin_token_env,
         ),
+        ("server.access_log", sa.access_log != sb.access_log),
         ("routing", a.routing != b.routing),
         ("telemetry", a.telemetry != b.telemetry),
         ("discovery", a.discovery != b.discovery),

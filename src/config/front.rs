@@ -70,6 +70,7 @@ pub(super) struct RawServer {
     api_keys_file: Option<std::path::PathBuf>,
     cors_allow_origins: Option<Vec<String>>,
     admin_token_env: Option<String>,
+    access_log: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -134,6 +135,8 @@ pub struct ServerConfig {
     pub admin_token_env: Option<String>,
     /// Its value, read at load so that `check` catches an unset variable too.
     pub admin_token: Option<AdminToken>,
+    /// One log line per request (target `rankgate::access`, at info).
+    pub access_log: bool,
 }
 
 /// The admin token. Its Debug never shows it.
@@ -310,6 +313,7 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         api_keys_file: raw.api_keys_file,
         cors_allow_origins: raw.cors_allow_origins.unwrap_or_default(),
         admin_token: None,
+        access_log: raw.access_log.unwrap_or(false),
         admin_token_env: raw.admin_token_env,
     };
     if server.max_body_bytes == 0 {

@@ -189,6 +189,11 @@ impl Metrics {
     }
 
     /// The label of a request naming `model` in the fleet of `snap`.
+    /// The name a model label stands for (`unknown` for the unknown one).
+    pub fn model_name(&self, m: ModelIdx) -> &str {
+        self.core.models.name(m)
+    }
+
     pub fn model(&self, model: &str, snap: &Snapshot) -> ModelIdx {
         (self.core.models)
             .labels(&snap.catalog, snap.fleet.engines.len())

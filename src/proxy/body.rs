@@ -143,6 +143,23 @@ pub struct Done {
     model: ModelIdx,
     /// The first chunk was seen: one observation per request, however many chunks follow.
     first_seen: bool,
+    /// The access log line, when `server.access_log` is on.
+    pub access: Option<Box<Access>>,
+}
+
+/// What the access log line says of a request: gathered on its way through `respond`, finished
+/// when its body ends (or is dropped: a client that left is logged too).
+#[derive(Debug)]
+pub struct Access {
+    pub method: http::Method,
+    pub path: String,
+    pub request_id: Option<http::HeaderValue>,
+    pub status: u16,
+    pub worker: Option<std::sync::Arc<str>>,
+    /// Attempts on engines (retries included); 0 for rankgate's own answers.
+    pub attempts: u32,
+    pub bytes: u64,
+    pub ttfb: Option<Duration>,
 }
 
 impl Done {
@@ -152,22 +169,49 @@ impl Done {
             ctx: ctx.clone(),
             model,
             first_seen: false,
+            access: None,
         }
     }
 
     /// A frame of the engine's body went to the client.
     #[inline]
     fn passed(&mut self, frame: &Frame<Bytes>) {
-        if !self.first_seen && frame.data_ref().is_some_and(|d| !d.is_empty()) {
+        let len = frame.data_ref().map_or(0, |d| d.len());
+        if !self.first_seen && len > 0 {
             self.first_seen = true;
-            (self.ctx.metrics).first_byte(self.model, self.started.elapsed());
+            let since = self.started.elapsed();
+            (self.ctx.metrics).first_byte(self.model, since);
+            if let Some(a) = &mut self.access {
+                a.ttfb = Some(since);
+            }
+        }
+        if let Some(a) = &mut self.access {
+            a.bytes += len as u64;
         }
     }
 }
 
 impl Drop for Done {
     fn drop(&mut self) {
-        (self.ctx.metrics).finished(self.model, self.started.elapsed());
+        let took = self.started.elapsed();
+        (self.ctx.metrics).finished(self.model, took);
+        if let Some(a) = self.access.take() {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            tracing::info!(
+                target: "rankgate::access",
+                method = %a.method,
+                path = %a.path,
+                model = self.ctx.metrics.model_name(self.model),
+                worker = a.worker.as_deref().unwrap_or("-"),
+                status = a.status,
+                bytes = a.bytes,
+                duration_ms = ms(took),
+                ttfb_ms = a.ttfb.map(ms),
+                request_id = a.request_id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
+                attempts = a.attempts,
+                "request"
+            );
+        }
     }
 }
 
@@ -182,6 +226,8 @@ pub struct Holds {
     pub connection: Option<super::send::Slot>,
     /// Time to first byte and duration (respond).
     pub done: Option<Done>,
+    /// Attempts on engines this answer took (retry); 0 until set.
+    pub attempts: u32,
     /// Told how the upstream body ended: cleanly or broken (outlier accounting).
     pub on_break: Option<super::observe::BreakWatch>,
     /// The gRPC request id's entry, for Abort (grpc track).

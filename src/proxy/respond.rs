@@ -16,7 +16,7 @@ use std::task::{ready, Context, Poll};
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use tokio::time::Instant;
 
-use super::body::Done;
+use super::body::{Access, Done};
 use super::{Answer, Ctx, ProxyBody, ProxyError, WORKER_HEADER};
 use crate::metrics::{ModelSlot, RequestLabels};
 
@@ -59,12 +59,25 @@ where
         if let Some(slot) = &slot {
             req.extensions_mut().insert(slot.clone());
         }
+        let access = ctx.cfg.server.access_log.then(|| {
+            Box::new(Access {
+                method: req.method().clone(),
+                path: req.uri().path().to_string(),
+                request_id: req.headers().get(super::REQUEST_ID).cloned(),
+                status: 0,
+                worker: None,
+                attempts: 0,
+                bytes: 0,
+                ttfb: None,
+            })
+        });
         Responding {
             started,
             inner: self.inner.call(req),
             ctx: self.ctx.clone(),
             labels,
             slot,
+            access,
         }
     }
 }
@@ -78,6 +91,7 @@ pub struct Responding<F> {
     labels: RequestLabels,
     /// Where `select` writes the request's model, in a fleet that routes by model.
     slot: Option<ModelSlot>,
+    access: Option<Box<Access>>,
 }
 
 impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
@@ -90,6 +104,14 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
         if let Some(slot) = &this.slot {
             labels.model = slot.get();
         }
+        let worker = match &answer {
+            Ok(resp) => resp
+                .body()
+                .target
+                .as_ref()
+                .map(|t| t.worker.id_text.clone()),
+            Err(e) => e.worker().map(|w| w.id_text.clone()),
+        };
         let mut resp = match answer {
             Ok(resp) => {
                 let status = super::grpc::answered(&resp, ctx.grpc()).as_u16();
@@ -104,7 +126,14 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
                 render(ctx, &e)
             }
         };
-        resp.body_mut().holds.done = Some(Done::new(this.started, ctx, labels.model));
+        let mut done = Done::new(this.started, ctx, labels.model);
+        if let Some(mut a) = this.access.take() {
+            a.status = super::grpc::answered(&resp, ctx.grpc()).as_u16();
+            a.worker = worker;
+            a.attempts = resp.body().holds.attempts;
+            done.access = Some(a);
+        }
+        resp.body_mut().holds.done = Some(done);
         Poll::Ready(Ok(resp))
     }
 }

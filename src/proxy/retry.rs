@@ -111,7 +111,7 @@ where
         loop {
             let result = ready!(Pin::new(&mut this.attempt).poll(cx));
             let Some(a) = &mut this.again else {
-                return Poll::Ready(result);
+                return Poll::Ready(attempted(result, 1));
             };
             if let Some(last) = a.last.take() {
                 // No other rank to go to: the failure the client gets is the real one.
@@ -119,19 +119,19 @@ where
                     result.as_ref().map_err(ProxyError::root),
                     Err(ProxyError::NoRank(_))
                 ) {
-                    return Poll::Ready(last);
+                    return Poll::Ready(attempted(last, a.attempts - 1));
                 }
                 a.ctx.metrics.retried();
             }
             let Some((worker, transport)) = failed(&result, a.ctx.grpc()) else {
-                return Poll::Ready(result);
+                return Poll::Ready(attempted(result, a.attempts));
             };
             if a.attempts >= a.ctx.cfg.routing.max_attempts {
-                return Poll::Ready(result);
+                return Poll::Ready(attempted(result, a.attempts));
             }
             if !a.ctx.budget.withdraw() {
                 a.ctx.metrics.retry_refused();
-                return Poll::Ready(result);
+                return Poll::Ready(attempted(result, a.attempts));
             }
             if transport {
                 // Every rank of its engine: the worker's engine in the fleet it was picked from
@@ -157,6 +157,14 @@ where
             this.attempt = a.inner.call(next);
         }
     }
+}
+
+/// Notes on an answer how many attempts it took (for the access log).
+fn attempted(mut answer: Answer, attempts: u32) -> Answer {
+    if let Ok(resp) = &mut answer {
+        resp.body_mut().holds.attempts = attempts;
+    }
+    answer
 }
 
 /// The request head, for building later attempts.
