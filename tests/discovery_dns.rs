@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::admin::{admin, token_env, TempConfig, TOKEN};
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -402,4 +404,86 @@ async fn records_added_and_removed_change_the_routers_fleet() {
     let status = common::chat(router.addr, 2).await.status;
     assert_eq!(status, 503, "no engine left: nothing is routable");
     router.shutdown().await;
+}
+
+/// `(url, origin)` of every engine, from `GET /engines`.
+async fn engine_origins(r: &rankgate::app::Router) -> Vec<(String, String)> {
+    let rows = common::get(r.admin_addr, "/engines").await.json();
+    (rows.as_array().expect("/engines is an array").iter())
+        .map(|e| {
+            let text = |k: &str| e[k].as_str().unwrap_or("").to_string();
+            (text("url"), text("origin"))
+        })
+        .collect()
+}
+
+/// An address the file takes over from discovery returns to discovery when the file drops it,
+/// although DNS discovery (like Kubernetes) reports only when its set changes: membership keeps
+/// each source's last set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discovered_engine_the_file_drops_again_returns_to_discovery() {
+    let a = common::engine(rankgate::sim::SimConfig::default()).await;
+    let port: u16 = a.url().rsplit(':').next().unwrap().parse().unwrap();
+    let server = DnsServer::start(Mode::Answer, &["127.0.0.1"]).await;
+    let dns = server.addr;
+
+    let head = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{}\
+         [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{dns}\"\n\
+         interval = \"100ms\"\nport = {port}\nflavor = \"vllm\"\ndp_size = 2\n",
+        token_env(),
+        common::FAST
+    );
+    let file = TempConfig::new(&head);
+    let r = rankgate::app::Router::start_from(Config::load(&file.0).unwrap(), Some(file.0.clone()))
+        .await
+        .unwrap();
+    let discovered = vec![(a.url(), "discovery[0]".to_string())];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while engine_origins(&r).await != discovered {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never discovered: {:?}",
+            engine_origins(&r).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The file names it (taking it over), then no longer does.
+    file.write(&format!(
+        "{head}{}",
+        common::engine_toml(&a.url(), "vllm", 2, 0)
+    ));
+    assert_eq!(
+        admin(&r, http::Method::POST, "/reload", Some(TOKEN), None)
+            .await
+            .status,
+        http::StatusCode::OK
+    );
+    assert_eq!(engine_origins(&r).await, [(a.url(), "config".to_string())]);
+    file.write(&head);
+    assert_eq!(
+        admin(&r, http::Method::POST, "/reload", Some(TOKEN), None)
+            .await
+            .status,
+        http::StatusCode::OK
+    );
+
+    // DNS still answers with its address: within 20 discovery intervals it is back.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let now = engine_origins(&r).await;
+        if now == discovered {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "DNS still names {} but the fleet is {now:?}",
+            a.url()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(common::chat(r.addr, 2).await.status, http::StatusCode::OK);
+    r.shutdown().await;
+    drop(server);
 }

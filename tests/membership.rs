@@ -3,11 +3,10 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::admin::*;
 use common::*;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -15,20 +14,6 @@ use rankgate::app::Router;
 use rankgate::config::Config;
 use rankgate::sim::{SimConfig, SimEngine};
 use serde_json::{json, Value};
-
-const TOKEN: &str = "admin-secret-token";
-
-/// A fresh environment variable holding [`TOKEN`], and the `[server]` key naming it.
-fn token_env() -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let var = format!(
-        "RANKGATE_TEST_ADMIN_TOKEN_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Relaxed)
-    );
-    std::env::set_var(&var, TOKEN);
-    format!("admin_token_env = \"{var}\"\n")
-}
 
 /// A router whose admin API takes [`TOKEN`], polling every `interval`.
 async fn admin_router(interval: &str, engines: &[String]) -> Router {
@@ -40,24 +25,6 @@ async fn admin_router(interval: &str, engines: &[String]) -> Router {
     );
     let cfg = Config::from_str(&text).unwrap_or_else(|e| panic!("config: {e}\n{text}"));
     Router::start(cfg).await.expect("start router")
-}
-
-/// An admin request, with `token` as its bearer token if given.
-async fn admin(
-    r: &Router,
-    method: Method,
-    path: &str,
-    token: Option<&str>,
-    body: Option<Value>,
-) -> Reply {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(format!("http://{}{path}", r.admin_addr));
-    if let Some(t) = token {
-        req = req.header("authorization", format!("Bearer {t}"));
-    }
-    let body = body.map_or(Bytes::new(), |b| Bytes::from(b.to_string()));
-    send(req.body(Full::new(body)).unwrap()).await
 }
 
 fn engine_json(e: &SimEngine, dp_size: u32, start_rank: u32) -> Value {
@@ -197,32 +164,6 @@ async fn an_engine_removed_mid_stream_finishes_its_streams_and_gets_no_new_reque
     }
     assert_eq!(b.open_requests(), 0);
     r.shutdown().await;
-}
-
-/// A config file in the temp directory, removed when dropped.
-struct TempConfig(PathBuf);
-
-impl TempConfig {
-    fn new(text: &str) -> TempConfig {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "rankgate-membership-{}-{}.toml",
-            std::process::id(),
-            N.fetch_add(1, Relaxed)
-        ));
-        std::fs::write(&path, text).unwrap();
-        TempConfig(path)
-    }
-
-    fn write(&self, text: &str) {
-        std::fs::write(&self.0, text).unwrap();
-    }
-}
-
-impl Drop for TempConfig {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,6 +2,7 @@
 //! HTTP client, and bounded waits on observable state.
 #![allow(dead_code)]
 
+pub mod admin;
 pub mod grpc;
 
 use std::net::SocketAddr;
