@@ -16,9 +16,11 @@ use crate::worker::{ApiKey, Engine, Flavor, RankNumbering, TelemetrySource};
 mod discovery;
 mod front;
 mod rules;
+mod traces;
 pub use discovery::{Discovery, EngineTemplate, PortRef, Source as DiscoverySource};
 pub use front::*;
 use rules::{check_rank_overlap, parse_health_path, telemetry_config};
+pub use traces::TracingConfig;
 
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);
 pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(2);
@@ -166,6 +168,8 @@ struct RawConfig {
     engines: Vec<RawEngine>,
     #[serde(default)]
     discovery: Vec<discovery::RawDiscovery>,
+    #[serde(default)]
+    tracing: traces::RawTracing,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -295,6 +299,7 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub engines: Vec<Engine>,
     pub discovery: Vec<Discovery>,
+    pub tracing: TracingConfig,
     /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
     /// the only ones the admin API may name.
     pub key_vars: Vec<String>,
@@ -541,6 +546,7 @@ impl Config {
         let routing = front::routing(raw.routing, server.max_body_bytes)?;
 
         let telemetry = telemetry_config(raw.telemetry)?;
+        let tracing = traces::tracing_config(raw.tracing)?;
 
         let discovery = (raw.discovery.into_iter().enumerate())
             .map(|(i, d)| d.validate(i))
@@ -593,6 +599,7 @@ impl Config {
             telemetry,
             engines,
             discovery,
+            tracing,
             key_vars,
         })
     }

@@ -171,6 +171,7 @@ fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
         ("routing", a.routing != b.routing),
         ("telemetry", a.telemetry != b.telemetry),
         ("discovery", a.discovery != b.discovery),
+        ("tracing", a.tracing != b.tracing),
     ]
     .into_iter()
     .filter_map(|(key, differs)| differs.then_some(key))

@@ -25,6 +25,7 @@
 //!   recorded in atomics, per-rank and per-engine series read from the snapshot at scrape time.
 //! - [`http`]: accept loop, upstream clients, error bodies.
 //! - [`logging`]: text or JSON log lines, the `RUST_LOG` filter with library internals quiet.
+//! - `otlp` (feature `otlp`): the request spans exported over OTLP/HTTP.
 //! - [`app`]: starts and stops the whole router.
 //!
 //! Behind the `sim` feature (on by default; the production build turns it off with
@@ -51,6 +52,8 @@ pub mod load;
 pub mod logging;
 pub mod membership;
 pub mod metrics;
+#[cfg(feature = "otlp")]
+pub mod otlp;
 pub mod outlier;
 pub mod pbwire;
 pub mod policy;

@@ -2,6 +2,10 @@
 //! `RUST_LOG` (default `info`), with the HTTP/2, hyper, TLS and client-library internals quiet
 //! unless `RUST_LOG` names them: at `debug`, their frame-by-frame lines from every telemetry poll
 //! would drown rankgate's own. A `RUST_LOG` that does not parse is an error, never ignored.
+//!
+//! The request spans (target `rankgate::trace`) are off in the logs unless `RUST_LOG` names
+//! that target; then each prints one line when it closes, with the pick it made. OTLP export
+//! (feature `otlp`) takes them whatever `RUST_LOG` says.
 
 use std::str::FromStr;
 
@@ -76,32 +80,78 @@ pub fn filter(rust_log: Option<&str>) -> Result<Targets, String> {
             None => targets = targets.with_default(level),
         }
     }
+    let asked = |target: &str| {
+        (named.iter()).any(|n| *n == target || n.starts_with(&format!("{target}::")))
+    };
     for quiet in QUIET {
-        let asked = named
-            .iter()
-            .any(|n| *n == quiet || n.starts_with(&format!("{quiet}::")));
-        if !asked {
+        if !asked(quiet) {
             targets = targets.with_target(quiet, LevelFilter::WARN);
         }
+    }
+    if !asked(TRACE) {
+        targets = targets.with_target(TRACE, LevelFilter::OFF);
     }
     Ok(targets)
 }
 
-/// Installs the subscriber: `format` lines on stderr, filtered by `RUST_LOG`.
-pub fn init(format: LogFormat) -> Result<(), String> {
-    use tracing_subscriber::prelude::*;
-    let filter = filter(std::env::var("RUST_LOG").ok().as_deref())?;
-    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let registry = tracing_subscriber::registry().with(filter);
-    match format {
-        LogFormat::Text => registry
-            .with(layer.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())))
-            .init(),
-        LogFormat::Json => registry
-            .with(layer.json().flatten_event(true).with_current_span(true))
-            .init(),
+/// The request and upstream spans' target.
+const TRACE: &str = "rankgate::trace";
+
+/// What logging keeps running until the process ends: the OTLP export, flushed by
+/// [`Logging::finish`].
+#[derive(Default)]
+pub struct Logging {
+    #[cfg(feature = "otlp")]
+    export: Option<crate::otlp::Export>,
+}
+
+impl Logging {
+    /// Flushes what is still to be exported. Blocks: call it outside the runtime's tasks, with
+    /// the runtime still running.
+    pub fn finish(self) {
+        #[cfg(feature = "otlp")]
+        if let Some(e) = self.export {
+            e.shutdown();
+        }
     }
-    Ok(())
+}
+
+/// Installs the subscriber: `format` lines on stderr, filtered by `RUST_LOG`; and, when
+/// `tracing` asks for it, the OTLP export (its HTTP requests run on `runtime`).
+pub fn init(
+    format: LogFormat,
+    tracing: &crate::config::TracingConfig,
+    runtime: &tokio::runtime::Handle,
+) -> Result<Logging, String> {
+    use tracing_subscriber::fmt::format::FmtSpan;
+    use tracing_subscriber::prelude::*;
+    use tracing_subscriber::{Layer, Registry};
+    let filter = filter(std::env::var("RUST_LOG").ok().as_deref())?;
+    let layer = (tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with_span_events(FmtSpan::CLOSE);
+    let lines: Box<dyn Layer<Registry> + Send + Sync> = match format {
+        LogFormat::Text => layer
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_filter(filter)
+            .boxed(),
+        LogFormat::Json => layer
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_filter(filter)
+            .boxed(),
+    };
+    let registry = tracing_subscriber::registry().with(lines);
+    #[cfg(feature = "otlp")]
+    if let Some((export, running)) = crate::otlp::layer(tracing, runtime.clone())? {
+        registry.with(export).init();
+        return Ok(Logging {
+            export: Some(running),
+        });
+    }
+    let _ = (tracing, runtime);
+    registry.init();
+    Ok(Logging::default())
 }
 
 #[cfg(test)]
@@ -126,6 +176,17 @@ mod tests {
         let t = filter(None).unwrap();
         assert!(enabled(&t, "rankgate", Level::INFO));
         assert!(!enabled(&t, "rankgate", Level::DEBUG));
+    }
+
+    #[test]
+    fn request_spans_are_off_unless_named() {
+        for spec in [None, Some("debug"), Some("trace"), Some("rankgate=trace")] {
+            let t = filter(spec).unwrap();
+            assert!(!enabled(&t, "rankgate::trace", Level::INFO), "{spec:?}");
+        }
+        let t = filter(Some("info,rankgate::trace=info")).unwrap();
+        assert!(enabled(&t, "rankgate::trace", Level::INFO));
+        assert!(!enabled(&t, "h2", Level::INFO));
     }
 
     #[test]

@@ -176,19 +176,22 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            if let Err(e) = rankgate::logging::init(log_format) {
-                eprintln!("rankgate: {e}");
-                return ExitCode::from(EXIT_CONFIG);
-            }
-            // Before any port binds, and before the runtime: resolving names blocks.
-            for w in cfg.warnings() {
-                tracing::warn!("config: {w}");
-            }
             let rt = match runtime() {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
-            rt.block_on(async {
+            let logging = match rankgate::logging::init(log_format, &cfg.tracing, rt.handle()) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("rankgate: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            // Before any port binds, and outside the runtime's tasks: resolving names blocks.
+            for w in cfg.warnings() {
+                tracing::warn!("config: {w}");
+            }
+            let code = rt.block_on(async {
                 let router = match rankgate::app::Router::start_from(cfg, Some(config)).await {
                     Ok(r) => r,
                     Err(e) => {
@@ -215,7 +218,10 @@ fn main() -> ExitCode {
                         ExitCode::from(EXIT_INTERRUPTED)
                     }
                 }
-            })
+            });
+            // The last spans go out while the runtime still runs.
+            logging.finish();
+            code
         }
         #[cfg(feature = "sim")]
         Command::Demo { requests, rate } => {

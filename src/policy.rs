@@ -26,6 +26,11 @@ use crate::outlier::{Admit, FAILURE_WEIGHT};
 use crate::table::{InFlight, Snapshot, Table, UNIT_WEIGHT};
 use crate::worker::{Engine, EngineEntry, EngineId, Flavor, Fleet, Member, Seat, WorkerId};
 
+mod explain;
+
+use explain::explain_pick;
+pub use explain::{By, Candidate, Explanation, Skipped};
+
 /// Why no rank was picked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum NoRank {
@@ -210,47 +215,72 @@ impl Selector {
         content_length: Option<u64>,
         avoid: &Avoid,
     ) -> Result<Picked, NoRank> {
+        self.pick_explained(table, content_length, avoid, None)
+    }
+
+    /// [`Selector::pick`], writing why it went where it did (or nowhere) to `explain` when
+    /// given: from the same snapshot and instant the pick used.
+    pub fn pick_explained(
+        &self,
+        table: &Arc<Table>,
+        content_length: Option<u64>,
+        avoid: &Avoid,
+        mut explain: Option<&mut Explanation>,
+    ) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();
+        let now = Instant::now();
         if !(snap.fleet.engines.iter()).any(|e| avoid.may_serve(e) && !e.members.is_empty()) {
+            if let Some(x) = explain {
+                *x = Explanation::new(self.policy, By::Kv);
+                x.not_serving = snap.ranks.len();
+            }
             return Err(NoRank::NoEngine);
         }
         let mut rng = rand::rng();
         let fleet = &snap.fleet;
         let usable =
             |w: usize| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid);
-        let (choice, skipped) = match self.policy {
-            Policy::LeastKv => match least_kv(table, &snap, Instant::now(), avoid, &mut rng) {
-                Some((w, skipped)) => (w, skipped),
+        let (choice, by) = match self.policy {
+            Policy::LeastKv => match least_kv(table, &snap, now, avoid, &mut rng) {
+                Some((w, skipped)) => (Ok((w, skipped)), By::Kv),
                 None => match self.no_telemetry {
-                    NoTelemetry::Reject => return Err(NoRank::NoTelemetry),
+                    NoTelemetry::Reject => (Err(NoRank::NoTelemetry), By::Kv),
                     NoTelemetry::LeastInFlight => (
-                        least_in_flight(&snap, avoid, &mut rng).ok_or(NoRank::NoneReachable)?,
-                        true,
+                        least_in_flight(&snap, avoid, &mut rng)
+                            .map(|w| (w, true))
+                            .ok_or(NoRank::NoneReachable),
+                        By::InFlight,
                     ),
                 },
             },
             Policy::RoundRobin => {
                 let n = snap.ranks.len();
                 let start = self.rr.fetch_add(1, Relaxed) as usize;
-                let w = (0..n)
-                    .map(|i| (start + i) % n)
-                    .find(|&w| usable(w))
-                    .ok_or(NoRank::NoneReachable)?;
-                (w, false)
+                let w = (0..n).map(|i| (start + i) % n).find(|&w| usable(w));
+                (
+                    w.map(|w| (w, false)).ok_or(NoRank::NoneReachable),
+                    By::Reachable,
+                )
             }
             Policy::Random => {
                 let count = (0..snap.ranks.len()).filter(|&w| usable(w)).count();
-                if count == 0 {
-                    return Err(NoRank::NoneReachable);
-                }
-                let k = rng.random_range(0..count);
-                let w = (0..snap.ranks.len())
-                    .filter(|&w| usable(w))
-                    .nth(k)
-                    .ok_or(NoRank::NoneReachable)?;
-                (w, false)
+                let w = (count > 0)
+                    .then(|| rng.random_range(0..count))
+                    .and_then(|k| (0..snap.ranks.len()).filter(|&w| usable(w)).nth(k));
+                (
+                    w.map(|w| (w, false)).ok_or(NoRank::NoneReachable),
+                    By::Reachable,
+                )
             }
         };
+        if let Some(x) = explain.as_deref_mut() {
+            *x = explain_pick(table, &snap, now, avoid, self.policy, by);
+            x.picked = choice
+                .as_ref()
+                .ok()
+                .map(|(w, _)| fleet.workers[*w].id_text.to_string());
+        }
+        let (choice, skipped) = choice?;
         let member = &fleet.workers[choice].member;
         let outlier = &member.live.outlier;
         let trial = match outlier.admit() {
@@ -261,7 +291,7 @@ impl Selector {
             Admit::Trial | Admit::No => {
                 let mut again = avoid.clone();
                 again.worker(member.key);
-                return self.pick(table, content_length, &again);
+                return self.pick_explained(table, content_length, &again, explain);
             }
         };
         Ok(Picked {

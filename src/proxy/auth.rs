@@ -203,19 +203,19 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// The layer. Holds the connection's handle only when keys are configured: without them a
-/// request costs one `match` here.
+/// The layer. Without keys a request costs a `match` and a header lookup here (for
+/// `x-rankgate-debug`, whose admin token is checked here too).
 #[derive(Clone)]
 pub struct Auth<S> {
     inner: S,
-    ctx: Option<Ctx>,
+    ctx: Ctx,
 }
 
 impl<S> Auth<S> {
     pub fn new(inner: S, ctx: &Ctx) -> Auth<S> {
         Auth {
             inner,
-            ctx: ctx.keys.is_some().then(|| ctx.clone()),
+            ctx: ctx.clone(),
         }
     }
 }
@@ -227,15 +227,14 @@ where
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let denied = self
-            .ctx
-            .as_ref()
-            .and_then(|c| c.keys.as_ref())
-            .and_then(|keys| keys.check(req.headers()).err());
-        match denied {
-            None => Step::Below(self.inner.call(req)),
-            Some(d) => Step::ready(Err(ProxyError::Unauthorized(d))),
+        let ctx = &self.ctx;
+        if let Some(Err(d)) = ctx.keys.as_ref().map(|k| k.check(req.headers())) {
+            return Step::ready(Err(ProxyError::Unauthorized(d)));
         }
+        if let Some(Err(refused)) = super::trace::debug_allowed(ctx, req.headers()) {
+            return Step::ready(Err(refused.into()));
+        }
+        Step::Below(self.inner.call(req))
     }
 }
 

@@ -140,7 +140,7 @@ impl Body for RequestBody {
 pub struct Done {
     started: Instant,
     pub ctx: super::Ctx,
-    model: ModelIdx,
+    pub model: ModelIdx,
     /// The first chunk was seen: one observation per request, however many chunks follow.
     first_seen: bool,
     /// The access log line, when `server.access_log` is on.
@@ -232,6 +232,8 @@ pub struct Holds {
     pub on_break: Option<super::observe::BreakWatch>,
     /// The gRPC request id's entry, for Abort (grpc track).
     pub request_id: Option<super::grpc::Held>,
+    /// A traced request's span, which ends with the body (trace).
+    pub span: Option<Box<tracing::Span>>,
 }
 
 /// The body of a response to the client.

@@ -1,9 +1,7 @@
 //! Request identity, the outermost layer: every request gets an `x-request-id` (the client's
 //! when it sent a usable one, a fresh random one otherwise), sent to the engine and returned to
 //! the client, on rankgate's own error answers too; the engine learns who asked through
-//! `X-Forwarded-For` and `X-Forwarded-Proto`; and the W3C trace context is continued (the
-//! client's trace, with rankgate's hop as the parent the engine sees) or started, so an engine
-//! that traces (vLLM `--otlp-traces-endpoint`) joins the client's trace.
+//! `X-Forwarded-For` and `X-Forwarded-Proto`. (The trace context is [`super::trace`]'s.)
 //!
 //! It runs on every request, so it allocates as little as it can: a generated id is 32 hex
 //! digits written into a stack buffer, and the connection's own address is rendered once per
@@ -23,8 +21,6 @@ use super::{Ctx, ProxyBody};
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub const FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub const FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
-pub const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 /// Longest client id kept: longer ones are replaced rather than forwarded into engine logs.
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
@@ -37,13 +33,8 @@ pub fn valid_request_id(v: &[u8]) -> bool {
 
 /// A fresh id: 128 random bits as 32 lowercase hex digits.
 pub fn new_request_id() -> HeaderValue {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut n: u128 = rand::random();
     let mut buf = [0u8; 32];
-    for b in buf.iter_mut().rev() {
-        *b = HEX[(n & 0xf) as usize];
-        n >>= 4;
-    }
+    hex_into(rand::random(), &mut buf);
     HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("0"))
 }
 
@@ -61,66 +52,11 @@ fn request_id(h: &mut HeaderMap) -> HeaderValue {
 }
 
 /// Lowercase hex of `n`'s low `N / 2` bytes into `out`.
-fn hex_into<const N: usize>(mut n: u128, out: &mut [u8; N]) {
+pub(super) fn hex_into<const N: usize>(mut n: u128, out: &mut [u8; N]) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     for b in out.iter_mut().rev() {
         *b = HEX[(n & 0xf) as usize];
         n >>= 4;
-    }
-}
-
-/// The trace id and flags of a valid `traceparent` (W3C Trace Context level 1): version `00`
-/// exactly `00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>`, ids not all zero, lowercase;
-/// a later version may append fields after the four it shares with `00`.
-fn parse_traceparent(v: &[u8]) -> Option<([u8; 32], [u8; 2])> {
-    let hex = |s: &[u8]| {
-        s.iter()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
-    };
-    let zero = |s: &[u8]| s.iter().all(|b| *b == b'0');
-    if v.len() < 55 || !hex(&v[..2]) || &v[..2] == b"ff" || (&v[..2] == b"00" && v.len() != 55) {
-        return None;
-    }
-    if v.len() > 55 && v[55] != b'-' {
-        return None;
-    }
-    let (trace, parent, flags) = (&v[3..35], &v[36..52], &v[53..55]);
-    let dashes = v[2] == b'-' && v[35] == b'-' && v[52] == b'-';
-    if !dashes || !hex(trace) || !hex(parent) || !hex(flags) || zero(trace) || zero(parent) {
-        return None;
-    }
-    Some((trace.try_into().ok()?, flags.try_into().ok()?))
-}
-
-/// Continues the client's trace with rankgate's own hop as the engine's parent, or starts one
-/// (sampled, so a tracing engine records it). An invalid `traceparent` is replaced, and its
-/// `tracestate` dropped with it, as the spec requires.
-fn trace_context(h: &mut HeaderMap) {
-    let mut sent = h.get_all(&TRACEPARENT).iter();
-    let valid = match (sent.next(), sent.next()) {
-        (Some(v), None) => parse_traceparent(v.as_bytes()),
-        _ => None,
-    };
-    let (trace, flags) = match valid {
-        Some(t) => t,
-        None => {
-            h.remove(&TRACESTATE);
-            let mut trace = [0u8; 32];
-            hex_into(rand::random::<u128>() | 1, &mut trace);
-            (trace, *b"01")
-        }
-    };
-    let mut span = [0u8; 16];
-    hex_into(u128::from(rand::random::<u64>() | 1), &mut span);
-    let mut v = [0u8; 55];
-    v[..3].copy_from_slice(b"00-");
-    v[3..35].copy_from_slice(&trace);
-    v[35] = b'-';
-    v[36..52].copy_from_slice(&span);
-    v[52] = b'-';
-    v[53..].copy_from_slice(&flags);
-    if let Ok(v) = HeaderValue::from_bytes(&v) {
-        h.insert(TRACEPARENT, v);
     }
 }
 
@@ -186,7 +122,6 @@ where
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let h = req.headers_mut();
         let id = request_id(h);
-        trace_context(h);
         forward_for(h, &self.ctx.conn().peer_ip);
         h.entry(FORWARDED_PROTO)
             .or_insert(HeaderValue::from_static("http"));
@@ -223,55 +158,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_valid_trace_is_continued_with_a_new_parent_and_an_invalid_one_replaced() {
-        let client = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        let mut h = HeaderMap::new();
-        h.insert(TRACEPARENT, HeaderValue::from_static(client));
-        h.insert(TRACESTATE, HeaderValue::from_static("congo=t61rcWkgMzE"));
-        trace_context(&mut h);
-        let v = h[&TRACEPARENT].to_str().unwrap().to_string();
-        assert_eq!(&v[..36], &client[..36], "same version and trace id");
-        assert_ne!(
-            &v[36..52],
-            &client[36..52],
-            "rankgate's own hop is the parent"
-        );
-        assert_eq!(&v[52..], "-01");
-        assert_eq!(h[&TRACESTATE], "congo=t61rcWkgMzE");
-        assert!(parse_traceparent(v.as_bytes()).is_some());
-
-        for bad in [
-            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
-            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
-            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
-            "garbage",
-        ] {
-            let mut h = HeaderMap::new();
-            h.insert(TRACEPARENT, HeaderValue::from_str(bad).unwrap());
-            h.insert(TRACESTATE, HeaderValue::from_static("a=b"));
-            trace_context(&mut h);
-            let v = h[&TRACEPARENT].to_str().unwrap();
-            assert_ne!(
-                &v[3..35],
-                bad.get(3..35).unwrap_or(""),
-                "{bad}: a new trace"
-            );
-            assert!(parse_traceparent(v.as_bytes()).is_some(), "{bad} -> {v}");
-            assert!(
-                !h.contains_key(&TRACESTATE),
-                "{bad}: its tracestate goes with it"
-            );
-        }
-        // A later version's extra fields are allowed.
-        assert!(parse_traceparent(
-            b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-comes-later"
-        )
-        .is_some());
-    }
 
     #[test]
     fn request_ids_kept_only_when_visible_ascii_and_short() {

@@ -2,17 +2,19 @@
 //!
 //! ```text
 //! identity  x-request-id (kept or made) to the engine and back; X-Forwarded-For/-Proto
+//! trace     W3C trace context continued or started; the request's span; x-rankgate-debug
 //! cors      server.cors_allow_origins: preflights answered here (before any key is asked
 //!           for), CORS headers on every answer to an allowed origin
 //! respond   errors -> OpenAI-shaped responses, metrics, latency
 //! auth      server.api_keys_*: 401 without a valid `Authorization: Bearer` key (above route:
-//!           no key, no route table)
+//!           no key, no route table); x-rankgate-debug only with the admin token
 //! route     the route table: what is proxied to which flavor; the fleet's /v1/models; 404 / 405
 //! read      the request body: 413, 400 when broken, 408 when stalled; kept whole for replays
 //! select    the engines serving the request's model (scanned, not parsed) and route
 //! admit     server.max_in_flight -> 429 (after the body is in: a slow upload holds no slot)
 //! retry     failover before the first byte, to another rank, within a retry budget
-//! pick      the rank (never one with unknown telemetry, never an ejected one), pinned
+//! pick      the rank (never one with unknown telemetry, never an ejected one), pinned; an
+//!           `upstream` span per attempt of a traced request
 //! observe   outlier accounting: consecutive failures eject a rank
 //! send      the engine connection (capped per engine); server.response_timeout -> 504; the
 //!           response streamed back under server.stream_idle_timeout
@@ -83,6 +85,7 @@ mod select;
 pub(crate) mod send;
 #[cfg(test)]
 mod tests;
+pub(crate) mod trace;
 
 pub use auth::{Denied, Keys, KeysError};
 pub use body::{BodyTooLarge, BoxError, ClientBodyError, Ending, Holds, ProxyBody, RequestBody};
@@ -119,6 +122,8 @@ pub enum ProxyError {
     },
     #[error("{0}")]
     Unauthorized(Denied),
+    #[error("{0}")]
+    Debug(trace::DebugRefused),
     /// A CORS preflight from an origin `server.cors_allow_origins` does not list.
     #[error("origin {0:?} is not allowed (server.cors_allow_origins)")]
     OriginNotAllowed(String),
@@ -153,6 +158,8 @@ pub enum ProxyError {
     At {
         worker: Arc<Member>,
         error: Box<ProxyError>,
+        /// Attempts on engines the request made, this one included (set by retry; 0 before).
+        attempts: u32,
     },
 }
 
@@ -179,7 +186,16 @@ impl ProxyError {
             e => ProxyError::At {
                 worker: worker.clone(),
                 error: Box::new(e),
+                attempts: 0,
             },
+        }
+    }
+
+    /// Attempts on engines the request made before failing with this (0: it reached none).
+    pub fn attempts(&self) -> u32 {
+        match self {
+            ProxyError::At { attempts, .. } => (*attempts).max(1),
+            _ => 0,
         }
     }
 
@@ -190,6 +206,13 @@ impl ProxyError {
             | ProxyError::Model(ModelError::NotFound { .. }) => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ProxyError::Debug(d) => match d {
+                trace::DebugRefused::NotOne => StatusCode::BAD_REQUEST,
+                trace::DebugRefused::Off => StatusCode::FORBIDDEN,
+                trace::DebugRefused::Missing | trace::DebugRefused::Wrong => {
+                    StatusCode::UNAUTHORIZED
+                }
+            },
             ProxyError::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
             ProxyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BadJson(_)
@@ -274,6 +297,8 @@ pub struct Shared {
     retry_after: HeaderValue,
     /// The accepted client keys; `None`: no key is asked for (auth).
     keys: Option<Keys>,
+    /// The admin token, which `x-rankgate-debug` needs (auth); `None`: debugging is off.
+    debug_token: Option<Keys>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -308,6 +333,7 @@ impl Shared {
             storm: Throttle::new(Duration::from_secs(5)),
             retry_after: HeaderValue::from(cfg.routing.retry_after_secs),
             keys,
+            debug_token: (server.admin_token.as_ref()).map(|t| Keys::single(&t.0)),
             table,
         })
     }
@@ -403,6 +429,7 @@ pub fn stack(
     let c = &ctx;
     ServiceBuilder::new()
         .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| trace::Trace::new(inner, c))
         .layer_fn(|inner| cors::Cors::new(inner, c))
         .layer_fn(|inner| respond::Respond::new(inner, c))
         .layer_fn(|inner| auth::Auth::new(inner, c))
@@ -433,6 +460,7 @@ pub fn grpc_stack(
     let c = &ctx;
     ServiceBuilder::new()
         .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| trace::Trace::new(inner, c))
         .layer_fn(|inner| respond::Respond::new(inner, c))
         .layer_fn(|inner| auth::Auth::new(inner, c))
         .layer_fn(|inner| grpc::Route::new(inner, c))

@@ -11,10 +11,11 @@ use http::{Request, Uri, Version};
 
 use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
+use super::trace::{self, Traced};
 use super::{
     content_length, grpc, read, route, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER,
 };
-use crate::policy::Avoid;
+use crate::policy::{Avoid, Explanation};
 use crate::worker::Flavor;
 
 #[derive(Clone)]
@@ -45,10 +46,20 @@ where
             RequestBody::Stream(_) => content_length(req.headers()),
         };
         let avoid = req.extensions_mut().remove::<Avoid>().unwrap_or_default();
-        let picked = match shared.selector.pick(&shared.table, length, &avoid) {
-            Ok(p) => p,
-            Err(e) => return Step::ready(Err(e.into())),
-        };
+        // A traced request's pick is explained (see `trace`); the usual one's is not.
+        let traced = req.extensions().get::<Traced>().cloned();
+        let mut explained = traced.as_ref().map(|_| Explanation::default());
+        let table = &shared.table;
+        let picked =
+            match (shared.selector).pick_explained(table, length, &avoid, explained.as_mut()) {
+                Ok(p) => p,
+                Err(e) => {
+                    if let (Some(t), Some(x)) = (&traced, &explained) {
+                        t.picked(x, None);
+                    }
+                    return Step::ready(Err(e.into()));
+                }
+            };
         if picked.skipped_unavailable {
             shared.metrics.skipped_unavailable();
         }
@@ -60,9 +71,19 @@ where
             trial: picked.trial,
         };
         let engine = &target.engine;
+        let attempt = (traced.as_ref().zip(explained.as_ref()))
+            .and_then(|(t, x)| t.picked(x, Some((w, engine, target.trial))));
 
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        // The debugging client's admin token is for rankgate alone.
+        parts.headers.remove(&trace::ADMIN_TOKEN);
+        parts.headers.remove(&trace::DEBUG);
+        #[cfg(feature = "otlp")]
+        if let Some(v) = attempt.as_ref().and_then(crate::otlp::traceparent) {
+            // The engine's spans are children of this attempt's.
+            parts.headers.insert(trace::TRACEPARENT, v);
+        }
         // The client's own pin never reaches the engine: rankgate decides the rank.
         parts.headers.remove(&RANK_HEADER);
         parts.headers.remove(header::HOST);
@@ -131,20 +152,23 @@ where
                 // An SGLang body too large to have been read whole yet: read the rest first.
                 let max = shared.cfg.server.max_body_bytes;
                 let mut inner = self.inner.clone();
-                return Step::Own(Box::pin(async move {
-                    let whole = whole(streamed, max).await.map_err(|err| err.at(&worker))?;
-                    let pinned = pin.apply(&whole).map_err(|err| err.at(&worker))?;
-                    parts
-                        .headers
-                        .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));
-                    let body = RequestBody::Full(pinned);
-                    let picked = Picked {
-                        target,
-                        body,
-                        guard,
-                    };
-                    inner.call(Request::from_parts(parts, picked)).await
-                }));
+                return in_span(
+                    attempt,
+                    Step::Own(Box::pin(async move {
+                        let whole = whole(streamed, max).await.map_err(|err| err.at(&worker))?;
+                        let pinned = pin.apply(&whole).map_err(|err| err.at(&worker))?;
+                        parts
+                            .headers
+                            .insert(header::CONTENT_LENGTH, HeaderValue::from(pinned.len()));
+                        let body = RequestBody::Full(pinned);
+                        let picked = Picked {
+                            target,
+                            body,
+                            guard,
+                        };
+                        inner.call(Request::from_parts(parts, picked)).await
+                    })),
+                );
             }
         };
         let picked = Picked {
@@ -152,7 +176,21 @@ where
             body,
             guard,
         };
-        Step::Below(self.inner.call(Request::from_parts(parts, picked)))
+        in_span(
+            attempt,
+            Step::Below(self.inner.call(Request::from_parts(parts, picked))),
+        )
+    }
+}
+
+/// The attempt, inside its span when the request is traced.
+fn in_span<F>(span: Option<tracing::Span>, step: Step<F>) -> Step<F>
+where
+    F: std::future::Future<Output = super::Answer> + Send + Unpin + 'static,
+{
+    match span {
+        Some(span) => Step::Own(Box::pin(trace::attempt(span, step))),
+        None => step,
     }
 }
 

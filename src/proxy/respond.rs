@@ -104,13 +104,12 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
         if let Some(slot) = &this.slot {
             labels.model = slot.get();
         }
-        let worker = match &answer {
-            Ok(resp) => resp
-                .body()
-                .target
-                .as_ref()
-                .map(|t| t.worker.id_text.clone()),
-            Err(e) => e.worker().map(|w| w.id_text.clone()),
+        let (worker, attempts) = match &answer {
+            Ok(resp) => (
+                (resp.body().target.as_ref()).map(|t| t.worker.id_text.clone()),
+                resp.body().holds.attempts,
+            ),
+            Err(e) => (e.worker().map(|w| w.id_text.clone()), e.attempts()),
         };
         let mut resp = match answer {
             Ok(resp) => {
@@ -126,11 +125,12 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
                 render(ctx, &e)
             }
         };
+        resp.body_mut().holds.attempts = attempts;
         let mut done = Done::new(this.started, ctx, labels.model);
         if let Some(mut a) = this.access.take() {
             a.status = super::grpc::answered(&resp, ctx.grpc()).as_u16();
             a.worker = worker;
-            a.attempts = resp.body().holds.attempts;
+            a.attempts = attempts;
             done.access = Some(a);
         }
         resp.body_mut().holds.done = Some(done);

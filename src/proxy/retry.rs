@@ -14,6 +14,7 @@ use std::task::{ready, Context, Poll};
 
 use http::{Request, Response};
 
+use super::trace::Traced;
 use super::{Answer, Below, Ctx, ProxyBody, ProxyError, RequestBody};
 use crate::policy::Avoid;
 use crate::worker::Member;
@@ -161,8 +162,10 @@ where
 
 /// Notes on an answer how many attempts it took (for the access log).
 fn attempted(mut answer: Answer, attempts: u32) -> Answer {
-    if let Ok(resp) = &mut answer {
-        resp.body_mut().holds.attempts = attempts;
+    match &mut answer {
+        Ok(resp) => resp.body_mut().holds.attempts = attempts,
+        Err(ProxyError::At { attempts: n, .. }) => *n = attempts,
+        Err(_) => {}
     }
     answer
 }
@@ -173,6 +176,8 @@ struct Head {
     uri: http::Uri,
     version: http::Version,
     headers: http::HeaderMap,
+    /// A traced request's span: each attempt's span is its child.
+    traced: Option<Traced>,
 }
 
 fn head(req: &Request<RequestBody>) -> Head {
@@ -181,6 +186,7 @@ fn head(req: &Request<RequestBody>) -> Head {
         uri: req.uri().clone(),
         version: req.version(),
         headers: req.headers().clone(),
+        traced: req.extensions().get::<Traced>().cloned(),
     }
 }
 
@@ -190,5 +196,8 @@ fn rebuild(h: &Head, body: RequestBody) -> Request<RequestBody> {
     *req.uri_mut() = h.uri.clone();
     *req.version_mut() = h.version;
     *req.headers_mut() = h.headers.clone();
+    if let Some(t) = &h.traced {
+        req.extensions_mut().insert(t.clone());
+    }
     req
 }

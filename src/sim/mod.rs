@@ -204,6 +204,8 @@ pub struct Seen {
     pub forwarded_for: Option<String>,
     /// The `traceparent` header as received.
     pub traceparent: Option<String>,
+    /// The names of every header received (lowercase).
+    pub header_names: Vec<String>,
 }
 
 /// Knobs that change while the engine runs.

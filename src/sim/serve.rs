@@ -309,6 +309,7 @@ struct Head {
     forwarded_for: Option<String>,
     traceparent: Option<String>,
     content_type: Option<String>,
+    header_names: Vec<String>,
 }
 
 impl Head {
@@ -327,6 +328,7 @@ impl Head {
             forwarded_for: text("x-forwarded-for"),
             traceparent: text("traceparent"),
             content_type: text("content-type"),
+            header_names: h.keys().map(|k| k.as_str().to_string()).collect(),
         }
     }
 
@@ -344,6 +346,7 @@ impl Head {
             request_id: self.request_id.clone(),
             forwarded_for: self.forwarded_for.clone(),
             traceparent: self.traceparent.clone(),
+            header_names: self.header_names.clone(),
         }
     }
 }

@@ -50,8 +50,13 @@ pub fn engine_toml(url: &str, flavor: &str, dp_size: u32, start_rank: u32) -> St
 
 /// A router on ephemeral ports with the given extra config (routing/telemetry tables) and engines.
 pub async fn router(extra: &str, engines: &[String]) -> Router {
+    router_with("", extra, engines).await
+}
+
+/// [`router`] with more `[server]` keys (`server`, one per line).
+pub async fn router_with(server: &str, extra: &str, engines: &[String]) -> Router {
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{extra}\n{}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{extra}\n{}",
         engines.concat()
     );
     let cfg = Config::from_str(&text).unwrap_or_else(|e| panic!("config: {e}\n{text}"));

@@ -236,6 +236,8 @@ pub fn ok_response(message: &[u8]) -> Response<ProxyBody> {
     resp
 }
 
+use super::trace::DebugRefused;
+
 /// The gRPC status an error becomes.
 pub fn code_of(err: &ProxyError) -> Code {
     match err.root() {
@@ -245,6 +247,11 @@ pub fn code_of(err: &ProxyError) -> Code {
         | ProxyError::MethodNotAllowed { .. } => Code::Unimplemented,
         ProxyError::Model(ModelError::NotFound { .. }) => Code::NotFound,
         ProxyError::Unauthorized(_) => Code::Unauthenticated,
+        ProxyError::Debug(d) => match d {
+            DebugRefused::NotOne => Code::InvalidArgument,
+            DebugRefused::Off => Code::PermissionDenied,
+            DebugRefused::Missing | DebugRefused::Wrong => Code::Unauthenticated,
+        },
         ProxyError::OriginNotAllowed(_) => Code::PermissionDenied,
         ProxyError::TooLarge(_) | ProxyError::Overloaded(_) => Code::ResourceExhausted,
         ProxyError::ClientBody(super::ClientBodyError::Stalled(_)) | ProxyError::Timeout(_) => {

@@ -1,0 +1,189 @@
+//! Why a pick went where it did: every rank the request could have gone to, scored, or passed
+//! over with the reason. Built only for a request that asks (a traced request's span, or
+//! `x-rankgate-debug`), from the snapshot and the instant the pick itself used, so it never
+//! tells a different story from the pick. The usual request never builds one.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+use tokio::time::Instant;
+
+use super::{eligible, score, Avoid};
+use crate::config::Policy;
+use crate::outlier::Admit;
+use crate::table::{Snapshot, Table};
+
+/// What the candidates were ranked by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum By {
+    /// `least_kv`'s score: reported KV usage plus the work sent since the poll.
+    #[default]
+    Kv,
+    /// Requests in flight: `least_kv` when no rank has fresh telemetry and
+    /// `routing.no_telemetry = "least_in_flight"`.
+    InFlight,
+    /// Nothing: `round_robin` and `random` take any reachable rank.
+    Reachable,
+}
+
+/// A pick, explained.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Explanation {
+    pub policy: &'static str,
+    pub by: By,
+    /// The worker chosen; `None` when no rank could take the request.
+    pub picked: Option<String>,
+    /// The ranks that could have taken it, lowest score (the best) first.
+    pub candidates: Vec<Candidate>,
+    /// The ranks passed over, and why.
+    pub skipped: Vec<Skipped>,
+    /// Ranks of engines that do not serve this request at all (its front door, model or
+    /// route): not candidates, so not listed one by one.
+    pub not_serving: usize,
+    /// Entries left out of the two lists to keep the explanation within its size.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub omitted: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Candidate {
+    pub worker: String,
+    /// Lower wins; none under `round_robin` and `random`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub score: Option<f64>,
+    /// Its ejection ran out and this request may be its trial: it goes first.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub trial: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Skipped {
+    pub worker: String,
+    pub why: String,
+}
+
+impl Explanation {
+    pub(super) fn new(policy: Policy, by: By) -> Explanation {
+        Explanation {
+            policy: policy.as_str(),
+            by,
+            ..Explanation::default()
+        }
+    }
+
+    /// The candidates as `worker=score` pairs (a span attribute).
+    pub fn candidates_text(&self) -> String {
+        let mut out = String::new();
+        for c in &self.candidates {
+            let sep = if out.is_empty() { "" } else { " " };
+            let _ = match c.score {
+                Some(s) => write!(out, "{sep}{}={s:.4}", c.worker),
+                None => write!(out, "{sep}{}", c.worker),
+            };
+            if c.trial {
+                out.push_str("(trial)");
+            }
+        }
+        out
+    }
+
+    /// The skipped ranks as `worker: why` lines joined by `; ` (a span attribute).
+    pub fn skipped_text(&self) -> String {
+        let mut out = String::new();
+        for s in &self.skipped {
+            let sep = if out.is_empty() { "" } else { "; " };
+            let _ = write!(out, "{sep}{}: {}", s.worker, s.why);
+        }
+        out
+    }
+
+    /// One line of JSON of at most `max` bytes: when the whole would be longer (a large
+    /// fleet), the lists keep their first entries (the best candidates) and `omitted` says how
+    /// many were left out.
+    pub fn to_json(&self, max: usize) -> String {
+        let mut x = self.clone();
+        loop {
+            let text = serde_json::to_string(&x).unwrap_or_default();
+            if text.len() <= max || (x.candidates.is_empty() && x.skipped.is_empty()) {
+                return text;
+            }
+            // Halve the longer list; a few rounds reach any size.
+            let list = if x.skipped.len() >= x.candidates.len() {
+                x.skipped.len()
+            } else {
+                x.candidates.len()
+            };
+            let keep = list / 2;
+            x.omitted += list - keep;
+            if x.skipped.len() >= x.candidates.len() {
+                x.skipped.truncate(keep);
+            } else {
+                x.candidates.truncate(keep);
+            }
+        }
+    }
+}
+
+/// Explains a pick made by `policy` ranking by `by` over `snap` at `now`.
+pub(super) fn explain_pick(
+    table: &Table,
+    snap: &Snapshot,
+    now: Instant,
+    avoid: &Avoid,
+    policy: Policy,
+    by: By,
+) -> Explanation {
+    let mut x = Explanation::new(policy, by);
+    let fleet = &snap.fleet;
+    for (w, seat) in fleet.workers.iter().enumerate() {
+        let engine = &fleet.engines[seat.engine];
+        if !avoid.may_serve(engine) {
+            x.not_serving += 1;
+            continue;
+        }
+        let worker = seat.id_text.to_string();
+        let view = &snap.ranks[w];
+        let admit = seat.live.outlier.admit();
+        let why = if avoid.workers.contains(&seat.key) {
+            Some("failed an earlier attempt of this request".to_string())
+        } else if avoid.engines.contains(&engine.key) {
+            Some("its engine failed an earlier attempt of this request (transport)".to_string())
+        } else if !eligible(fleet, seat, avoid) {
+            Some("ejected after consecutive failures".to_string())
+        } else {
+            match by {
+                By::Kv => view
+                    .telemetry
+                    .unavailable_reason(now, table.stale_after)
+                    .map(|r| format!("telemetry: {r}")),
+                By::InFlight | By::Reachable => (!view.reachable)
+                    .then(|| "unreachable: its engine did not answer the last poll".to_string()),
+            }
+        };
+        if let Some(why) = why {
+            x.skipped.push(Skipped { worker, why });
+            continue;
+        }
+        let live = &seat.live;
+        let score = match by {
+            By::Kv => score(table, snap, w, now),
+            By::InFlight => Some(live.in_flight() as f64 + live.outlier.recent_failures()),
+            By::Reachable => None,
+        };
+        x.candidates.push(Candidate {
+            worker,
+            score,
+            trial: admit == Admit::Trial,
+        });
+    }
+    // Trials first (they are picked first), then by score.
+    x.candidates.sort_by(|a, b| {
+        (b.trial.cmp(&a.trial)).then(a.score.unwrap_or(0.0).total_cmp(&b.score.unwrap_or(0.0)))
+    });
+    x
+}
