@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod admin;
+pub mod binary;
 pub mod grpc;
 
 use std::net::SocketAddr;

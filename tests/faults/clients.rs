@@ -13,8 +13,9 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 use tokio::time::{timeout, timeout_at, Instant};
 
+use crate::common::binary::Rankgate;
 use crate::common::*;
-use crate::shutdown::{try_get, wait_status, Rankgate};
+use crate::shutdown::{try_get, wait_status};
 use rankgate::sim::SimConfig;
 
 /// This process's soft RLIMIT_NOFILE.
