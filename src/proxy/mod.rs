@@ -80,7 +80,7 @@ mod read;
 mod respond;
 mod retry;
 pub(crate) mod route;
-mod scan;
+pub(crate) mod scan;
 mod select;
 pub(crate) mod send;
 #[cfg(test)]
