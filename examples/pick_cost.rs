@@ -110,7 +110,8 @@ fn main() {
         let other: Vec<u64> = (0..32).map(|i| (w as u64) << 32 | i).collect();
         seat.prefixes.record(&other, 4096);
         if w % 16 == 0 {
-            seat.prefixes.record(&prompts[0][..prompts[0].len() / 2], 4096);
+            seat.prefixes
+                .record(&prompts[0][..prompts[0].len() / 2], 4096);
         }
     }
 
