@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
 use crate::outlier::{Admit, FAILURE_WEIGHT};
-use crate::table::{InFlight, Snapshot, Table, UNIT_WEIGHT};
+use crate::table::{InFlight, RankView, Snapshot, Table, UNIT_WEIGHT};
 use crate::worker::{Engine, EngineEntry, EngineId, Flavor, Fleet, Member, Seat, WorkerId};
 
 mod explain;
@@ -331,9 +331,26 @@ impl Selector {
 /// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry.
 #[inline]
 pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f64> {
-    let view = &snap.ranks[w];
-    let load = view.telemetry.fresh(now, table.stale_after)?;
     let member = &snap.fleet.workers[w].member;
+    score_of(
+        table,
+        &snap.ranks[w],
+        member,
+        member.live.outlier.admit(),
+        now,
+    )
+}
+
+/// [`score`] of a rank whose view, worker and admission are at hand.
+#[inline]
+fn score_of(
+    table: &Table,
+    view: &RankView,
+    member: &Member,
+    admit: Admit,
+    now: Instant,
+) -> Option<f64> {
+    let load = view.telemetry.fresh(now, table.stale_after)?;
     let live = &member.live;
     let since_poll = live
         .dispatched_weight
@@ -341,7 +358,7 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
         .saturating_sub(view.weight_at_poll);
     let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
     let queued = load.waiting.unwrap_or(0) as f64;
-    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(member))
+    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(member, admit))
 }
 
 /// The penalty for a rank's recent consecutive failures. It steers traffic off a rank that fails
@@ -349,9 +366,9 @@ pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f
 /// success resets the count and a rank kept off by its penalty gets no request to succeed with.
 /// An ejected rank has no penalty: its trial is what decides.
 #[inline]
-fn failing(member: &Member) -> f64 {
+fn failing(member: &Member, admit: Admit) -> f64 {
     let outlier = &member.live.outlier;
-    match outlier.admit() {
+    match admit {
         Admit::Yes => outlier.recent_failures() * FAILURE_WEIGHT,
         Admit::Trial | Admit::No => 0.0,
     }
@@ -382,18 +399,22 @@ impl Selector {
             scores.clear();
             let mut skipped = false;
             let fleet = &snap.fleet;
-            for (w, seat) in fleet.workers.iter().enumerate() {
-                if !eligible(fleet, seat, avoid) {
+            // An engine's ranks are consecutive: its verdict is looked up once per engine.
+            let mut engine_ok = (usize::MAX, false);
+            for (w, (seat, view)) in fleet.workers.iter().zip(&snap.ranks).enumerate() {
+                if engine_ok.0 != seat.engine {
+                    engine_ok = (seat.engine, !avoid.has_engine(&fleet.engines[seat.engine]));
+                }
+                let admit = seat.live.outlier.admit();
+                if !engine_ok.1 || admit == Admit::No || avoid.workers.contains(&seat.key) {
                     continue;
                 }
-                match score(table, snap, w, now) {
+                match score_of(table, view, seat, admit, now) {
                     None => skipped = true,
                     // A rank due for its ejection trial goes first: its failures would
                     // otherwise keep its score above every healthy rank's, and it would never
                     // get the one request that decides.
-                    Some(_) if seat.live.outlier.admit() == Admit::Trial => {
-                        scores.push((w, f64::NEG_INFINITY))
-                    }
+                    Some(_) if admit == Admit::Trial => scores.push((w, f64::NEG_INFINITY)),
                     Some(s) => scores.push((w, s)),
                 }
             }

@@ -194,12 +194,9 @@ impl Publisher {
     }
 
     fn publish(&mut self) {
-        estimate_kv_per_request(&mut self.views, self.settings.default_kv_per_request);
-        self.table.snapshot.store(Arc::new(Snapshot {
-            fleet: self.fleet.clone(),
-            ranks: self.views.clone(),
-            catalog: self.catalog.clone(),
-        }));
+        let default = self.settings.default_kv_per_request;
+        let next = next_snapshot(&self.fleet, &mut self.views, &self.catalog, default);
+        self.table.snapshot.store(Arc::new(next));
     }
 
     /// Applies a membership change: the next fleet, with what is known of the engines that
@@ -285,6 +282,22 @@ impl Publisher {
         }
         // Finished pollers (aborted ones) leave the set.
         while self.tasks.try_join_next().is_some() {}
+    }
+}
+
+/// The snapshot the publisher swaps in: the fleet with `views`, each rank's KV estimate
+/// refreshed first. (Public for `benches/telemetry.rs`: this is what one publish costs.)
+pub fn next_snapshot(
+    fleet: &Arc<Fleet>,
+    views: &mut [RankView],
+    catalog: &Arc<Catalog>,
+    default_kv_per_request: f64,
+) -> Snapshot {
+    estimate_kv_per_request(views, default_kv_per_request);
+    Snapshot {
+        fleet: fleet.clone(),
+        ranks: views.to_vec(),
+        catalog: catalog.clone(),
     }
 }
 
