@@ -152,6 +152,7 @@ impl Router {
             rest_rx.clone(),
         );
 
+        let memory = crate::memory::spawn(table.clone(), rest_rx.clone());
         let shared = Shared::new(&cfg, table.clone(), metrics.clone(), keys);
         let selector = shared.selector.clone();
         let front_opts = ServeOptions::front_door(&cfg.server);
@@ -210,7 +211,10 @@ impl Router {
             stop_front,
             stop_rest,
             front,
-            rest: [monitor, admin_task].into_iter().chain(discovery).collect(),
+            rest: [monitor, admin_task, memory]
+                .into_iter()
+                .chain(discovery)
+                .collect(),
         })
     }
 

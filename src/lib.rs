@@ -51,6 +51,7 @@ pub mod http;
 pub mod load;
 pub mod logging;
 pub mod membership;
+pub mod memory;
 pub mod metrics;
 #[cfg(feature = "otlp")]
 pub mod otlp;

@@ -1,0 +1,66 @@
+//! Giving memory back after a burst. glibc's allocator keeps what a burst of connections and
+//! streams freed inside its arenas, and returns it to the system only from the top of each
+//! heap: one long-lived allocation above the freed pages pins them all, so after 5,000
+//! concurrent streams the process stayed at its peak RSS for good. A task asks the allocator
+//! every few seconds to release the free pages it holds (`malloc_trim`, which releases them
+//! wherever they are in the heap), but only once the traffic that grew the heap has gone (a
+//! trim takes the arenas' locks, and is pointless while the memory is in use anyway), and for a
+//! minute after: the burst's idle connections close over the next seconds (engine connections
+//! after the pool's idle timeout, client ones after theirs), each freeing more.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::http::Shutdown;
+use crate::table::Table;
+
+/// How often the task looks.
+const EVERY: Duration = Duration::from_secs(5);
+/// How long after a burst it keeps trimming.
+const AFTER: Duration = Duration::from_secs(75);
+
+/// Trims while the number of requests in flight is well below the high mark since the last
+/// trim. Runs until `shutdown`. Does nothing where the allocator is not glibc's.
+pub fn spawn(table: Arc<Table>, mut shutdown: Shutdown) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut high = 0u64;
+        let mut until: Option<tokio::time::Instant> = None;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => return,
+            }
+            let in_flight: u64 = {
+                let snap = table.snapshot.load();
+                snap.fleet.workers.iter().map(|w| w.live.in_flight()).sum()
+            };
+            high = high.max(in_flight);
+            let now = tokio::time::Instant::now();
+            // A burst is over when what is left in flight is under a quarter of its peak.
+            if high > 0 && in_flight <= high / 4 {
+                until = Some(now + AFTER);
+                high = in_flight;
+            }
+            match until {
+                Some(t) if now <= t => {
+                    let freed = tokio::task::spawn_blocking(trim).await.unwrap_or(false);
+                    tracing::debug!(in_flight, freed, "allocator trimmed after a burst");
+                }
+                _ => until = None,
+            }
+        }
+    })
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim() -> bool {
+    // SAFETY: malloc_trim only walks and releases the allocator's own free pages.
+    unsafe { libc::malloc_trim(0) == 1 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim() -> bool {
+    false
+}
