@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# Per-core proxy benchmark, the way operators compare proxies: the proxy under test alone on
+# CPU 0 (taskset), wrk and the fake engine (nginx `return 200`, also serving a real vLLM DP=2
+# /metrics capture for rankgate's telemetry) on CPU 1. Targets, in alternating rounds:
+#   nginx      nginx as a reverse proxy, 1 worker, keep-alive upstream pool (the reference)
+#   bare       examples/bare_proxy.rs: a hyper proxy with no routing logic
+#   vllm       rankgate, vLLM flavor: rank in a header, body streamed through
+#   sglang     rankgate, SGLang flavor: body read, rank written into it
+#   models     rankgate in front of two engines serving different models: the body is scanned
+#              for `model` on every request
+# Per target and round: req/s, CPU µs per request (the process's user+system time over the
+# requests wrk completed), wrk's p50/p99 latency, and the process's peak RSS; then each target's
+# median over the rounds, as ratios to nginx's in the same rounds, with the spread.
+#
+# Needs nginx, wrk, taskset and 2+ CPUs. Loopback only; every run bounded by DURATION.
+# Usage: bench/pinned.sh [DURATION_SECONDS=8] [CONNECTIONS=64] [ROUNDS=3]
+# TARGETS="nginx vllm" limits the targets. The unpinned variant is bench/proxy.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION=${1:-8}
+CONNS=${2:-64}
+ROUNDS=${3:-3}
+TARGETS=${TARGETS:-nginx bare vllm sglang models}
+for t in nginx wrk taskset python3 curl; do
+  command -v "$t" >/dev/null || { echo "needs $t" >&2; exit 2; }
+done
+[ "$(nproc --all)" -ge 2 ] || { echo "needs 2 CPUs" >&2; exit 2; }
+cargo build --release --quiet --bin rankgate --example bare_proxy
+
+work=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+UP=$(free_port); UP2=$(free_port)
+declare -A PORT ADMIN PID
+for t in nginx bare vllm sglang models; do PORT[$t]=$(free_port); ADMIN[$t]=$(free_port); done
+cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
+mkdir -p "$work/tmp"
+
+cat > "$work/upstream.conf" <<CONF
+worker_processes 1; daemon off; pid $work/up.pid; error_log $work/up.err;
+events { worker_connections 8192; }
+http {
+  access_log off; client_body_temp_path $work/tmp;
+  server { listen 127.0.0.1:$UP; keepalive_requests 10000000;
+    location = /metrics { default_type text/plain; alias $work/metrics; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}'; }
+    location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'; }
+  }
+  server { listen 127.0.0.1:$UP2; keepalive_requests 10000000;
+    location = /metrics { default_type text/plain; alias $work/metrics; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"other-model","object":"model"}]}'; }
+    location / { default_type application/json; return 200 '{"id":"cmpl-2","object":"chat.completion","choices":[]}'; }
+  }
+}
+CONF
+cat > "$work/nginx.conf" <<CONF
+worker_processes 1; daemon off; pid $work/px.pid; error_log $work/px.err;
+events { worker_connections 8192; }
+http {
+  access_log off; client_body_temp_path $work/tmp; proxy_temp_path $work/tmp;
+  upstream engine { server 127.0.0.1:$UP; keepalive 256; }
+  server { listen 127.0.0.1:${PORT[nginx]}; keepalive_requests 10000000;
+    location / { proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection ""; }
+  }
+}
+CONF
+rankgate_conf() { # target flavor extra-engine
+  printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "${PORT[$1]}" "${ADMIN[$1]}"
+  printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\ntelemetry = ["prometheus"]\n' "$UP" "$2"
+  if [ -n "${3:-}" ]; then
+    printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\nstart_rank = 2\ntelemetry = ["prometheus"]\n' "$UP2" "$2"
+  fi
+}
+rankgate_conf vllm vllm > "$work/vllm.toml"
+rankgate_conf sglang sglang > "$work/sglang.toml"
+rankgate_conf models vllm two > "$work/models.toml"
+cat > "$work/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"tiny-llama","messages":[{"role":"user","content":"hello"}],"max_tokens":8}'
+LUA
+
+# The engines and the load generator on CPU 1; every proxy on CPU 0.
+taskset -c 1 nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
+for t in $TARGETS; do
+  case $t in
+    nginx) taskset -c 0 nginx -c "$work/nginx.conf" -p "$work" & ;;
+    bare) taskset -c 0 target/release/examples/bare_proxy "127.0.0.1:${PORT[bare]}" "127.0.0.1:$UP" & ;;
+    vllm|sglang|models) RUST_LOG=error taskset -c 0 target/release/rankgate serve --config "$work/$t.toml" & ;;
+    *) echo "unknown target $t" >&2; exit 2 ;;
+  esac
+  pids+=($!); PID[$t]=$!
+done
+for t in $TARGETS; do
+  case $t in vllm|sglang|models)
+    for _ in $(seq 100); do curl -sf "127.0.0.1:${ADMIN[$t]}/ready" >/dev/null && break; sleep 0.1; done
+    curl -sf "127.0.0.1:${ADMIN[$t]}/ready" >/dev/null || { echo "$t not ready" >&2; exit 1; } ;;
+  esac
+done
+if [[ " $TARGETS " == *" models "* ]]; then  # routing by model starts once both lists are in
+  for _ in $(seq 100); do curl -s "127.0.0.1:${PORT[models]}/v1/models" | grep -q other-model && break; sleep 0.1; done
+fi
+# nginx's master process forks its worker: measure the worker (the one child).
+if [[ " $TARGETS " == *" nginx "* ]]; then
+  for _ in $(seq 50); do w=$(pgrep -P "${PID[nginx]}" | head -1 || true); [ -n "$w" ] && break; sleep 0.1; done
+  PID[nginx]=$w
+fi
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+peak_kb() { awk '/VmHWM/ {print $2}' "/proc/$1/status"; }
+load() { taskset -c 1 wrk -t1 -c"$CONNS" -d"$2" --latency -s "$work/post.lua" "http://127.0.0.1:${PORT[$1]}/v1/chat/completions"; }
+for t in $TARGETS; do load "$t" 2s >/dev/null; done   # warm pools and caches
+hz=$(getconf CLK_TCK)
+results=()
+for r in $(seq "$ROUNDS"); do
+  for t in $TARGETS; do
+    c0=$(cpu_ticks "${PID[$t]}")
+    load "$t" "${DURATION}s" > "$work/out"
+    c1=$(cpu_ticks "${PID[$t]}")
+    rps=$(awk '/Requests\/sec/ {print $2}' "$work/out")
+    n=$(awk '/requests in/ {print $1}' "$work/out")
+    p50=$(awk '$1 == "50%" {print $2}' "$work/out")
+    p99=$(awk '$1 == "99%" {print $2}' "$work/out")
+    errs=$(grep -cE 'Non-2xx|Socket errors' "$work/out" || true)
+    results+=("$r,$t,$rps,$((c1 - c0)),$n,$p50,$p99,$(peak_kb "${PID[$t]}"),$errs")
+  done
+done
+python3 - "$hz" "$DURATION" "$CONNS" "${results[@]}" <<'PY'
+import statistics, sys
+from collections import defaultdict
+hz, duration, conns = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def ms(v):
+    for unit, f in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
+        if v.endswith(unit):
+            return float(v[: -len(unit)]) * f
+    return float(v)
+rows = defaultdict(dict)
+order = []
+for line in sys.argv[4:]:
+    r, t, rps, ticks, n, p50, p99, hwm, errs = line.split(",")
+    if t not in order:
+        order.append(t)
+    rows[int(r)][t] = dict(rps=float(rps), cpu=int(ticks) / hz * 1e6 / max(int(n), 1),
+                          p50=ms(p50), p99=ms(p99), rss=int(hwm) / 1024, errs=int(errs))
+print(f"{len(rows)} rounds of {duration} s, {conns} connections, proxy pinned to CPU 0, wrk and engine on CPU 1")
+print("| target | req/s (median) | vs nginx (median, min-max) | CPU µs/request | p50 ms | p99 ms | peak RSS MiB |")
+print("|---|---|---|---|---|---|---|")
+for t in order:
+    vals = [rows[r][t] for r in sorted(rows)]
+    med = lambda k: statistics.median(v[k] for v in vals)
+    if "nginx" in order:
+        ratios = [rows[r][t]["rps"] / rows[r]["nginx"]["rps"] for r in sorted(rows)]
+        rel = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    else:
+        rel = "-"
+    bad = sum(v["errs"] for v in vals)
+    flag = f" ({bad} runs reported errors)" if bad else ""
+    print(f"| {t} | {med('rps'):.0f} | {rel} | {med('cpu'):.1f} | {med('p50'):.2f} | {med('p99'):.2f} | {max(v['rss'] for v in vals):.0f} |{flag}")
+PY
