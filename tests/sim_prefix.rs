@@ -120,3 +120,34 @@ async fn grpc_generate_shares_the_cache() {
     // 100 tokens: 6 full blocks, all cached the second time.
     assert_eq!(e.prefix_cache(), [(0, 0), (200, 96)]);
 }
+
+#[tokio::test]
+async fn the_answer_is_cached_for_the_next_turn_that_repeats_it() {
+    let e = engine(caching(SimFlavor::Vllm)).await;
+    let turn1 = json!([{"role": "user", "content": "q ".repeat(100)}]);
+    let body = json!({"model": "tiny-llama", "messages": turn1, "max_tokens": 40});
+    let r = send(
+        post(e.addr, "/v1/chat/completions")
+            .header("x-data-parallel-rank", "0")
+            .body(Full::new(body.to_string().into()))
+            .unwrap(),
+    )
+    .await;
+    let answer = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut turn2 = turn1.clone();
+    let history = turn2.as_array_mut().unwrap();
+    history.push(json!({"role": "assistant", "content": answer}));
+    history.push(json!({"role": "user", "content": "next"}));
+    chat_on(e.addr, &turn2, 0).await;
+    let (queries, hits) = e.prefix_cache()[0];
+    let turn2_tokens = (turn2.to_string().len() / 4) as u64;
+    // Everything but the last block or two (the new user message) was cached: the first turn's
+    // prompt and the answer it got.
+    assert!(
+        hits >= turn2_tokens - 32,
+        "{hits} of turn 2's {turn2_tokens} tokens cached ({queries} queried)"
+    );
+}

@@ -35,6 +35,9 @@ pub(super) struct Job {
     prompt_tokens: u64,
     /// The prompt's KV block ids, with prefix caching on.
     blocks: Option<Vec<u64>>,
+    /// What the conversation's next request will start with, with prefix caching on: the chat
+    /// `messages`, or the completion `prompt` text.
+    history: Option<History>,
     max_tokens: u64,
     /// The response id (`chatcmpl-sim3`, `resp_sim3`, ...).
     id: String,
@@ -65,7 +68,16 @@ impl Job {
             Api::Generate => format!("sim{n}"),
         };
         let prompt_tokens = call.prompt_tokens();
+        let history = match (api, sim.cfg.prefix_caching) {
+            (Api::Chat, true) => v.get("messages").cloned().map(History::Messages),
+            (Api::Completion, true) => v
+                .get("prompt")
+                .and_then(Value::as_str)
+                .map(|p| History::Prompt(p.to_string())),
+            _ => None,
+        };
         Job {
+            history,
             api,
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
             prompt_tokens,
@@ -73,6 +85,23 @@ impl Job {
             max_tokens: max_tokens.max(1),
             id,
             model: call.model.clone(),
+        }
+    }
+
+    /// The text a follow-up request starts with once `answer` is the reply: the messages with the
+    /// assistant's message appended (without the array's closing bracket, which the next turn
+    /// replaces by its new messages), or the prompt followed by the completion.
+    fn continued(&self, answer: &str) -> Option<String> {
+        match self.history.as_ref()? {
+            History::Messages(m) => {
+                let mut m = m.clone();
+                m.as_array_mut()?
+                    .push(json!({"role": "assistant", "content": answer}));
+                let mut text = m.to_string();
+                text.pop();
+                Some(text)
+            }
+            History::Prompt(p) => Some(format!("{p}{answer}")),
         }
     }
 
@@ -229,6 +258,12 @@ impl Job {
     }
 }
 
+/// What a conversation's next request starts with, before the answer.
+enum History {
+    Messages(Value),
+    Prompt(String),
+}
+
 /// One SSE `data:` line.
 fn data(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
@@ -313,6 +348,10 @@ impl Sim {
         if self.faults.stalls_at(job.max_tokens) {
             self.hold().await;
             return None;
+        }
+        if let Some(next) = job.continued(&text) {
+            let tokens = (next.len() / super::prefix::TOKEN_BYTES) as u64;
+            adm.keep(super::prefix::block_ids(next.as_bytes(), tokens));
         }
         match tx {
             Some(tx) => {

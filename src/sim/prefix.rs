@@ -133,6 +133,26 @@ impl PrefixCache {
         }
     }
 
+    /// Caches `ids` as idle blocks (those not cached yet), the last one first so that it is the
+    /// first evicted: blocks of a finished request's answer, which a later turn of the
+    /// conversation starts with.
+    pub fn insert_idle(&mut self, ids: &[u64]) {
+        for &id in ids.iter().rev() {
+            if self.blocks.contains_key(&id) {
+                continue;
+            }
+            self.tick += 1;
+            self.blocks.insert(
+                id,
+                Block {
+                    refs: 0,
+                    tick: self.tick,
+                },
+            );
+            self.idle.insert(self.tick, id);
+        }
+    }
+
     /// Evicts up to `n` idle blocks, least recently used first; returns how many went.
     pub fn evict(&mut self, n: u64) -> u64 {
         let mut gone = 0;
@@ -230,5 +250,21 @@ mod tests {
         assert_eq!(c.evict(10), 2, "1 and 7; 8 is in use");
         assert_eq!((c.in_use(), c.idle()), (1, 0));
         assert_eq!(c.lookup(&[8]).hit, 1);
+    }
+
+    #[test]
+    fn inserted_idle_blocks_go_before_what_is_released_after_them() {
+        let mut c = PrefixCache::default();
+        c.acquire(&[1, 2]);
+        // A finished request's answer blocks continue its prompt's chain.
+        c.insert_idle(&[1, 2, 3, 4]);
+        c.release(&[1, 2]);
+        assert_eq!((c.in_use(), c.idle()), (0, 4));
+        assert_eq!(c.evict(1), 1);
+        assert_eq!(
+            c.lookup(&[1, 2, 3, 4]).hit,
+            3,
+            "the answer's tail went first"
+        );
     }
 }

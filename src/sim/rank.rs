@@ -69,6 +69,9 @@ pub struct Admission<'a> {
     reserved: u64,
     used: u64,
     blocks: Vec<u64>,
+    /// Blocks to keep cached once the request ends (its prompt's and its answer's), set by
+    /// [`Admission::keep`].
+    keep: Vec<u64>,
     /// Prompt tokens found in the prefix cache: their prefill is skipped.
     pub cached_tokens: u64,
 }
@@ -179,6 +182,7 @@ impl Rank {
                         reserved: need,
                         used,
                         blocks: blocks.to_vec(),
+                        keep: Vec::new(),
                         cached_tokens: cached,
                     };
                 }
@@ -207,6 +211,14 @@ impl Drop for Queued<'_> {
 }
 
 impl Admission<'_> {
+    /// The request finished: once it ends, `ids` (the blocks of its prompt followed by its
+    /// answer, as the conversation's next turn will send them) stay cached. vLLM caches the
+    /// blocks of generated tokens too; a later turn whose template renders the answer the same
+    /// way finds them.
+    pub fn keep(&mut self, ids: Vec<u64>) {
+        self.keep = ids;
+    }
+
     /// One more token decoded: it occupies KV until the request ends.
     pub fn grow(&mut self) {
         if self.used < self.reserved {
@@ -223,7 +235,14 @@ impl Drop for Admission<'_> {
             c.reserved -= self.reserved;
             c.used -= self.used;
             c.running -= 1;
+            // The answer's blocks first (those of the prompt are cached already and skipped),
+            // so that they are evicted before the prompt they follow.
+            c.cache.insert_idle(&self.keep);
             c.cache.release(&self.blocks);
+            let free = self.rank.capacity.saturating_sub(self.rank.preload).max(1);
+            let occupied = c.reserved + (c.cache.in_use() + c.cache.idle()) * BLOCK_TOKENS;
+            c.cache
+                .evict(occupied.saturating_sub(free).div_ceil(BLOCK_TOKENS));
         }
         self.rank.freed.notify_waiters();
     }
@@ -308,6 +327,23 @@ mod tests {
         drop(hold);
         let c = rank.counts();
         assert!(c.idle_blocks * 16 <= 96, "{c:?}");
+    }
+
+    #[tokio::test]
+    async fn a_finished_answer_stays_cached_within_capacity() {
+        let rank = Rank::new(0, 96, 0.0);
+        let mut a = rank.admit_blocks(32, Some(&[1, 2]), 40).await;
+        a.keep(vec![1, 2, 3, 4]);
+        drop(a);
+        assert_eq!(rank.counts().idle_blocks, 4);
+        let next = rank.admit_blocks(80, Some(&[1, 2, 3, 4, 5]), 0).await;
+        assert_eq!(next.cached_tokens, 64);
+        drop(next);
+        // Nothing kept past capacity (6 blocks).
+        let mut big = rank.admit_blocks(16, Some(&[9]), 0).await;
+        big.keep((10..20).collect());
+        drop(big);
+        assert!(rank.counts().idle_blocks <= 6);
     }
 
     async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {
