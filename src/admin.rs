@@ -300,9 +300,9 @@ fn refused(refusal: Refusal) -> Response<Full<Bytes>> {
 
 fn membership_error(e: &MembershipError) -> Response<Full<Bytes>> {
     let status = match e {
-        MembershipError::Exists { .. } | MembershipError::RankOverlap { .. } => {
-            StatusCode::CONFLICT
-        }
+        MembershipError::Exists { .. }
+        | MembershipError::RankOverlap { .. }
+        | MembershipError::TooManyWorkers { .. } => StatusCode::CONFLICT,
         MembershipError::NotFound { .. } => StatusCode::NOT_FOUND,
         MembershipError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
     };

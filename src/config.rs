@@ -25,6 +25,10 @@ pub use traces::TracingConfig;
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);
 pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(2);
 pub const MAX_DP_SIZE: u32 = 4096;
+/// Workers (ranks) one rankgate routes at most, over every engine of every source: each costs
+/// its share of every snapshot publish and of memory (about a kilobyte with its counters), and
+/// a fleet larger than this is better split between rankgates.
+pub const MAX_WORKERS: usize = 65_536;
 /// Health path of vLLM and SGLang engines; a gateway is probed only when it names one.
 pub const DEFAULT_HEALTH_PATH: &str = "/health";
 /// Consecutive failed health probes before an engine's ranks are Unavailable: one missed probe
@@ -593,6 +597,13 @@ impl Config {
             engines.push(engine);
         }
         check_rank_overlap(&engines)?;
+        let workers: usize = engines.iter().map(|e| e.dp_size as usize).sum();
+        if workers > MAX_WORKERS {
+            return Err(invalid(
+                "engines",
+                format!("{workers} workers (the sum of dp_size) is more than one rankgate routes ({MAX_WORKERS}): split the fleet between rankgates"),
+            ));
+        }
         Ok(Config {
             server,
             routing,
@@ -632,6 +643,18 @@ mod tests {
 
     fn err(text: &str) -> String {
         Config::from_str(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_fleet_beyond_the_worker_cap_is_refused() {
+        let text: String = (0..17)
+            .map(|i| format!("[[engines]]\nurl = \"http://h{i}:1\"\nflavor = \"vllm\"\ndp_size = 4096\nstart_rank = {}\n", i * 4096))
+            .collect();
+        let e = err(&text);
+        assert!(
+            e.contains("engines") && e.contains("69632 workers") && e.contains("65536"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -57,6 +57,7 @@ pub mod otlp;
 pub mod outlier;
 pub mod pbwire;
 pub mod policy;
+pub mod prefix;
 pub mod proto;
 pub mod proxy;
 pub mod reason;

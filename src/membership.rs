@@ -60,6 +60,8 @@ pub enum MembershipError {
         other: String,
         other_ranks: String,
     },
+    #[error("the fleet would have {workers} workers; rankgate routes at most {max} (config::MAX_WORKERS): split the fleet between rankgates")]
+    TooManyWorkers { workers: usize, max: usize },
     #[error("rankgate is shutting down")]
     Stopped,
 }
@@ -162,6 +164,13 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
     };
     let (engines, shadowed) = next.engines();
     check_overlap(&engines)?;
+    let workers: usize = engines.iter().map(|(_, e)| e.dp_size as usize).sum();
+    if workers > crate::config::MAX_WORKERS {
+        return Err(MembershipError::TooManyWorkers {
+            workers,
+            max: crate::config::MAX_WORKERS,
+        });
+    }
     let url_in =
         |list: &[(Origin, Engine)], url: &str| list.iter().find(|(_, e)| &*e.url == url).cloned();
     let mut outcome = Outcome::default();
@@ -347,6 +356,22 @@ mod tests {
             ]
         );
         assert_eq!(p.outcome.changed, ["http://b:1", "http://e:1"]);
+    }
+
+    #[test]
+    fn the_fleet_stays_within_the_worker_cap() {
+        let per = 4096u32;
+        let n = crate::config::MAX_WORKERS as u32 / per;
+        let full: Vec<Engine> = (0..n)
+            .map(|i| test_engine(&format!("http://e{i}:1"), per, i * per))
+            .collect();
+        let cur = Sources::new(full);
+        let err = plan(&cur, Change::Add(test_engine("http://more:1", 1, n * per))).unwrap_err();
+        assert!(
+            matches!(err, MembershipError::TooManyWorkers { workers, .. } if workers == crate::config::MAX_WORKERS + 1),
+            "{err}"
+        );
+        assert!(err.to_string().contains("at most 65536"), "{err}");
     }
 
     #[test]

@@ -142,6 +142,10 @@ pub struct Selector {
     no_telemetry: NoTelemetry,
     rr: AtomicU64,
     sizer: RequestSizer,
+    /// `least_kv` picks at random among ranks scoring within this of the best.
+    tie_margin: f64,
+    /// `routing.prefix_affinity`: `(affinity_margin, affinity_max_kv)`.
+    affinity: Option<(f64, f64)>,
 }
 
 /// Weighs requests by body size against a running mean of recent sizes.
@@ -182,7 +186,16 @@ impl Selector {
             no_telemetry: cfg.no_telemetry,
             rr: AtomicU64::new(0),
             sizer: RequestSizer::default(),
+            tie_margin: cfg.tie_margin,
+            affinity: cfg
+                .prefix_affinity
+                .then_some((cfg.affinity_margin, cfg.affinity_max_kv)),
         }
+    }
+
+    /// Whether picks weigh prompt prefixes (then `pick` layer reads them from the body).
+    pub fn affinity(&self) -> bool {
+        self.affinity.is_some()
     }
 
     /// True when [`Selector::pick`] would find a rank now (the admin `/ready`).
@@ -215,16 +228,18 @@ impl Selector {
         content_length: Option<u64>,
         avoid: &Avoid,
     ) -> Result<Picked, NoRank> {
-        self.pick_explained(table, content_length, avoid, None)
+        self.pick_explained(table, content_length, avoid, &[], None)
     }
 
-    /// [`Selector::pick`], writing why it went where it did (or nowhere) to `explain` when
-    /// given: from the same snapshot and instant the pick used.
+    /// [`Selector::pick`] for a prompt whose chunk names are `prompt` (see [`crate::prefix`];
+    /// empty when unknown or affinity is off), writing why it went where it did (or nowhere)
+    /// to `explain` when given: from the same snapshot and instant the pick used.
     pub fn pick_explained(
         &self,
         table: &Arc<Table>,
         content_length: Option<u64>,
         avoid: &Avoid,
+        prompt: &[u64],
         mut explain: Option<&mut Explanation>,
     ) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();
@@ -241,7 +256,7 @@ impl Selector {
         let usable =
             |w: usize| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid);
         let (choice, by) = match self.policy {
-            Policy::LeastKv => match least_kv(table, &snap, now, avoid, &mut rng) {
+            Policy::LeastKv => match self.least_kv(table, &snap, now, avoid, prompt, &mut rng) {
                 Some((w, skipped)) => (Ok((w, skipped)), By::Kv),
                 None => match self.no_telemetry {
                     NoTelemetry::Reject => (Err(NoRank::NoTelemetry), By::Kv),
@@ -274,7 +289,8 @@ impl Selector {
             }
         };
         if let Some(x) = explain.as_deref_mut() {
-            *x = explain_pick(table, &snap, now, avoid, self.policy, by);
+            let affinity = self.affinity.map(|a| (a, prompt));
+            *x = explain_pick(table, &snap, now, avoid, self.policy, by, affinity);
             x.picked = choice
                 .as_ref()
                 .ok()
@@ -291,9 +307,18 @@ impl Selector {
             Admit::Trial | Admit::No => {
                 let mut again = avoid.clone();
                 again.worker(member.key);
-                return self.pick_explained(table, content_length, &again, explain);
+                return self.pick_explained(table, content_length, &again, prompt, explain);
             }
         };
+        if self.affinity.is_some() && !prompt.is_empty() {
+            let capacity = match &snap.ranks[choice].telemetry {
+                crate::table::RankTelemetry::Available(l) => l.capacity_tokens,
+                _ => None,
+            };
+            member
+                .prefixes
+                .record(prompt, crate::prefix::budget(capacity));
+        }
         Ok(Picked {
             guard: InFlight::start(member.clone(), self.sizer.weight(content_length)),
             engine: fleet.engines[fleet.workers[choice].engine].clone(),
@@ -332,31 +357,104 @@ fn failing(member: &Member) -> f64 {
     }
 }
 
-/// Lowest score among ranks with fresh telemetry, ties broken at random. Returns the worker and
-/// whether an unavailable rank was passed over.
-fn least_kv(
-    table: &Table,
-    snap: &Snapshot,
-    now: Instant,
-    avoid: &Avoid,
-    rng: &mut impl Rng,
-) -> Option<(usize, bool)> {
-    let mut skipped = false;
-    let fleet = &snap.fleet;
-    let scored = (0..snap.ranks.len()).filter_map(|w| {
-        if !eligible(fleet, &fleet.workers[w], avoid) {
-            return None;
+thread_local! {
+    /// `least_kv`'s scores, kept between picks: no allocation per pick.
+    static SCORES: std::cell::RefCell<Vec<(usize, f64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Selector {
+    /// The pick among ranks with fresh telemetry: a rank due for its trial first; else, with
+    /// affinity and a prompt, the rank holding the longest prefix of it among those scoring
+    /// within `affinity_margin` of the best and below `affinity_max_kv`; else one at random
+    /// among those within `tie_margin` of the best. Returns the worker and whether an
+    /// unavailable rank was passed over.
+    fn least_kv(
+        &self,
+        table: &Table,
+        snap: &Snapshot,
+        now: Instant,
+        avoid: &Avoid,
+        prompt: &[u64],
+        rng: &mut impl Rng,
+    ) -> Option<(usize, bool)> {
+        SCORES.with(|scores| {
+            let mut scores = scores.borrow_mut();
+            scores.clear();
+            let mut skipped = false;
+            let fleet = &snap.fleet;
+            for (w, seat) in fleet.workers.iter().enumerate() {
+                if !eligible(fleet, seat, avoid) {
+                    continue;
+                }
+                match score(table, snap, w, now) {
+                    None => skipped = true,
+                    // A rank due for its ejection trial goes first: its failures would
+                    // otherwise keep its score above every healthy rank's, and it would never
+                    // get the one request that decides.
+                    Some(_) if seat.live.outlier.admit() == Admit::Trial => {
+                        scores.push((w, f64::NEG_INFINITY))
+                    }
+                    Some(s) => scores.push((w, s)),
+                }
+            }
+            let best = scores.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+            if scores.is_empty() {
+                return None;
+            }
+            if best == f64::NEG_INFINITY {
+                return random_at_most(&scores, best, rng).map(|w| (w, skipped));
+            }
+            if let (Some((margin, max_kv)), false) = (self.affinity, prompt.is_empty()) {
+                if let Some(w) = longest_prefix(fleet, &scores, prompt, best + margin, max_kv) {
+                    return Some((w, skipped));
+                }
+            }
+            // Scores are sums of floats: within 1e-9 they are the same load.
+            let within = best + self.tie_margin.max(1e-9);
+            random_at_most(&scores, within, rng).map(|w| (w, skipped))
+        })
+    }
+}
+
+/// Among `scores` at most `limit` and below `max_kv`, the rank holding the longest leading run
+/// of `prompt`'s chunks (the lower score between equal runs); `None` when none holds any.
+fn longest_prefix(
+    fleet: &Fleet,
+    scores: &[(usize, f64)],
+    prompt: &[u64],
+    limit: f64,
+    max_kv: f64,
+) -> Option<usize> {
+    let mut best: Option<(usize, usize, f64)> = None;
+    for &(w, s) in scores {
+        if s > limit || s >= max_kv {
+            continue;
         }
-        let s = score(table, snap, w, now);
-        skipped |= s.is_none();
-        // A rank due for its ejection trial goes first: its failures would otherwise keep its
-        // score above every healthy rank's, and it would never get the one request that decides.
-        let trial = fleet.workers[w].live.outlier.admit() == Admit::Trial;
-        s.map(|s| (w, if trial { f64::NEG_INFINITY } else { s }))
-    });
-    // Scores are sums of floats: within 1e-9 they are the same load.
-    let best = min_with_random_ties(scored, 1e-9, rng);
-    best.map(|w| (w, skipped))
+        let run = fleet.workers[w].prefixes.matched(prompt);
+        let better = match best {
+            None => run > 0,
+            Some((_, r, bs)) => run > r || (run == r && s < bs),
+        };
+        if better {
+            best = Some((w, run, s));
+        }
+    }
+    best.map(|(w, _, _)| w)
+}
+
+/// A rank chosen uniformly among `scores` at most `limit` (one pass, reservoir sampling).
+fn random_at_most(scores: &[(usize, f64)], limit: f64, rng: &mut impl Rng) -> Option<usize> {
+    let mut chosen = None;
+    let mut seen = 0u32;
+    for &(w, s) in scores {
+        if s <= limit {
+            seen += 1;
+            if rng.random_range(0..seen) == 0 {
+                chosen = Some(w);
+            }
+        }
+    }
+    chosen
 }
 
 /// Fewest requests in flight (and recent failures) among reachable ranks, ties at random.
@@ -434,8 +532,8 @@ mod tests {
         table.snapshot.load().fleet.workers[w].member.clone()
     }
 
-    fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {
-        Selector::new(&RoutingConfig {
+    fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
+        RoutingConfig {
             policy,
             no_telemetry,
             request_kv_estimate: 0.02,
@@ -445,7 +543,99 @@ mod tests {
             retry_budget: 0.2,
             eject_after: 5,
             eject_for: Duration::from_secs(10),
+            // Exact picks, so the tests can tell which rank the credit points at.
+            tie_margin: 0.0,
+            prefix_affinity: false,
+            affinity_margin: 0.1,
+            affinity_max_kv: 0.85,
+        }
+    }
+
+    fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {
+        Selector::new(&routing(policy, no_telemetry))
+    }
+
+    fn affine(margin: f64, max_kv: f64) -> Selector {
+        Selector::new(&RoutingConfig {
+            prefix_affinity: true,
+            affinity_margin: margin,
+            affinity_max_kv: max_kv,
+            ..routing(Policy::LeastKv, NoTelemetry::Reject)
         })
+    }
+
+    #[test]
+    fn near_minimum_picks_spread_within_the_tie_margin() {
+        let t = table(3);
+        let now = Instant::now();
+        set(
+            &t,
+            vec![
+                available(0.30, now),
+                available(0.31, now),
+                available(0.50, now),
+            ],
+        );
+        let s = Selector::new(&RoutingConfig {
+            tie_margin: 0.02,
+            ..routing(Policy::LeastKv, NoTelemetry::Reject)
+        });
+        let mut counts = [0; 3];
+        for _ in 0..200 {
+            // Dropped at once: no credit builds up, only the margin spreads the picks.
+            counts[s.pick(&t, None, &Avoid::default()).unwrap().guard.worker()] += 1;
+        }
+        assert!(counts[0] > 40 && counts[1] > 40, "{counts:?}");
+        assert_eq!(counts[2], 0, "outside the margin: {counts:?}");
+    }
+
+    #[test]
+    fn affinity_prefers_the_longest_prefix_within_the_margin_only() {
+        let t = table(3);
+        let now = Instant::now();
+        set(
+            &t,
+            vec![
+                available(0.20, now),
+                available(0.25, now),
+                available(0.60, now),
+            ],
+        );
+        let prompt = [11, 12, 13, 14];
+        member(&t, 1).prefixes.record(&prompt[..3], 100);
+        member(&t, 2).prefixes.record(&prompt, 100);
+        let s = affine(0.1, 0.85);
+        // Rank 2 holds the whole prompt but is 0.40 above the best; rank 1 holds three chunks
+        // within the margin.
+        let p = s
+            .pick_explained(&t, None, &Avoid::default(), &prompt, None)
+            .unwrap();
+        assert_eq!(p.guard.worker(), 1);
+        // The pick is remembered: rank 1 now holds the whole prompt.
+        assert_eq!(member(&t, 1).prefixes.matched(&prompt), 4);
+        // A prompt no rank holds goes by load; it is then remembered where it went.
+        let fresh = [21, 22];
+        let p = s
+            .pick_explained(&t, None, &Avoid::default(), &fresh, None)
+            .unwrap();
+        assert_eq!(p.guard.worker(), 0);
+        assert_eq!(member(&t, 0).prefixes.matched(&fresh), 2);
+    }
+
+    #[test]
+    fn affinity_never_takes_a_rank_at_the_kv_ceiling() {
+        let t = table(2);
+        let now = Instant::now();
+        set(&t, vec![available(0.84, now), available(0.86, now)]);
+        member(&t, 1).prefixes.record(&[1, 2, 3], 100);
+        let p = affine(0.1, 0.85)
+            .pick_explained(&t, None, &Avoid::default(), &[1, 2, 3], None)
+            .unwrap();
+        assert_eq!(
+            p.guard.worker(),
+            0,
+            "rank 1 is within the margin but at the ceiling"
+        );
     }
 
     #[test]
@@ -665,6 +855,43 @@ mod tests {
                 1,
                 "one trial at a time"
             );
+        }
+    }
+
+    proptest! {
+        /// Affinity only ever chooses among ranks with fresh telemetry scoring within the margin
+        /// of the best and below the ceiling; when it chooses nothing, the pick is least_kv's.
+        #[test]
+        fn affinity_stays_within_the_margin_and_off_unknown_ranks(
+            views in proptest::collection::vec((proptest::option::of(0.0f64..=1.0), 0usize..5), 1..10),
+            margin in 0.0f64..0.3,
+            max_kv in 0.3f64..1.0,
+        ) {
+            let t = table(views.len() as u32);
+            let now = Instant::now();
+            let prompt = [1u64, 2, 3, 4];
+            let ranks: Vec<RankView> = views.iter().map(|(kv, _)| match kv {
+                Some(kv) => available(*kv, now),
+                None => RankView { reachable: true, ..RankView::initial() },
+            }).collect();
+            for (w, (_, held)) in views.iter().enumerate() {
+                member(&t, w).prefixes.record(&prompt[..*held], 100);
+            }
+            set(&t, ranks);
+            let s = affine(margin, max_kv);
+            let best = views.iter().filter_map(|(kv, _)| *kv).fold(f64::INFINITY, f64::min);
+            match s.pick_explained(&t, None, &Avoid::default(), &prompt, None) {
+                Ok(p) => {
+                    let w = p.guard.worker();
+                    let kv = views[w].0;
+                    prop_assert!(kv.is_some(), "picked rank {w} without telemetry");
+                    let kv = kv.unwrap();
+                    let by_load = kv <= best + 1e-9;
+                    let by_affinity = kv <= best + margin + 1e-9 && kv < max_kv;
+                    prop_assert!(by_load || by_affinity, "rank {w} at {kv}: best {best}, margin {margin}, max {max_kv}");
+                }
+                Err(e) => prop_assert!(best.is_infinite(), "{e} with a rank at {best}"),
+            }
         }
     }
 

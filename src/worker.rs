@@ -216,6 +216,8 @@ pub struct Member {
     pub counters: WorkerCounters,
     /// Polls in which the rank's entry was present but invalid or duplicated.
     pub invalid_entries: AtomicU64,
+    /// Prompt prefixes recently sent here (`routing.prefix_affinity`).
+    pub prefixes: crate::prefix::RankPrefixes,
 }
 
 /// One engine in the fleet: its config, where it came from, its connections and its workers.
@@ -281,6 +283,7 @@ impl EngineEntry {
                     live: Live::default(),
                     counters: WorkerCounters::default(),
                     invalid_entries: AtomicU64::new(0),
+                    prefixes: Default::default(),
                 })
             })
             .collect();

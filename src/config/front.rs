@@ -40,6 +40,13 @@ pub const DEFAULT_RETRY_BUFFER_BYTES: usize = 4 * 1024 * 1024;
 /// Share of requests that may be retries, over the budget's window.
 pub const DEFAULT_RETRY_BUDGET: f64 = 0.2;
 pub const DEFAULT_EJECT_AFTER: u32 = 5;
+/// About one request's KV: ranks closer than that are the same load to a router that cannot see
+/// the other routers' requests.
+pub const DEFAULT_TIE_MARGIN: f64 = 0.02;
+/// Affinity may choose a rank up to five typical requests' KV above the best.
+pub const DEFAULT_AFFINITY_MARGIN: f64 = 0.1;
+/// ...and never one whose projected KV is at or above this.
+pub const DEFAULT_AFFINITY_MAX_KV: f64 = 0.85;
 pub const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
 /// Longest an ejection lasts however often a rank is ejected in a row.
 pub const MAX_EJECT_FOR: Duration = Duration::from_secs(5 * 60);
@@ -85,6 +92,10 @@ pub(super) struct RawRouting {
     retry_budget: Option<f64>,
     eject_after: Option<u32>,
     eject_for: Option<HumanDuration>,
+    tie_margin: Option<f64>,
+    prefix_affinity: Option<bool>,
+    affinity_margin: Option<f64>,
+    affinity_max_kv: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -188,6 +199,15 @@ pub struct RoutingConfig {
     pub eject_after: u32,
     /// First ejection's length; it doubles with each ejection in a row, up to [`MAX_EJECT_FOR`].
     pub eject_for: Duration,
+    /// `least_kv` picks at random among ranks scoring within this of the best, so that several
+    /// rankgates seeing the same telemetry do not all send to the one idlest rank.
+    pub tie_margin: f64,
+    /// Prefer, among ranks load allows, the one that was sent the longest prefix of the prompt.
+    pub prefix_affinity: bool,
+    /// Ranks scoring within this of the best are the ones affinity may choose among.
+    pub affinity_margin: f64,
+    /// ...and only those scoring below this.
+    pub affinity_max_kv: f64,
 }
 
 /// A duration from the config, its default, and the range it must fall in.
@@ -449,7 +469,20 @@ pub(super) fn routing(
             ms(100),
             MAX_EJECT_FOR,
         )?,
+        tie_margin: raw.tie_margin.unwrap_or(DEFAULT_TIE_MARGIN),
+        prefix_affinity: raw.prefix_affinity.unwrap_or(false),
+        affinity_margin: raw.affinity_margin.unwrap_or(DEFAULT_AFFINITY_MARGIN),
+        affinity_max_kv: raw.affinity_max_kv.unwrap_or(DEFAULT_AFFINITY_MAX_KV),
     };
+    for (key, v, max) in [
+        ("routing.tie_margin", routing.tie_margin, 0.5),
+        ("routing.affinity_margin", routing.affinity_margin, 1.0),
+        ("routing.affinity_max_kv", routing.affinity_max_kv, 1.0),
+    ] {
+        if !(0.0..=max).contains(&v) {
+            return Err(invalid(key, format!("{v} must be in [0, {max}]")));
+        }
+    }
     if !(1..=MAX_MAX_ATTEMPTS).contains(&routing.max_attempts) {
         return Err(invalid(
             "routing.max_attempts",

@@ -41,6 +41,9 @@ pub struct Explanation {
     /// Ranks of engines that do not serve this request at all (its front door, model or
     /// route): not candidates, so not listed one by one.
     pub not_serving: usize,
+    /// With prefix affinity: the prompt's chunks (see [`crate::prefix`]); 0 when it has none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_chunks: Option<usize>,
     /// Entries left out of the two lists to keep the explanation within its size.
     #[serde(skip_serializing_if = "is_zero")]
     pub omitted: usize,
@@ -59,6 +62,10 @@ pub struct Candidate {
     /// Its ejection ran out and this request may be its trial: it goes first.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub trial: bool,
+    /// With prefix affinity: how many of the prompt's leading chunks this rank was sent
+    /// before. Affinity prefers the longest among ranks within `affinity_margin` of the best.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -87,6 +94,9 @@ impl Explanation {
             };
             if c.trial {
                 out.push_str("(trial)");
+            }
+            if let Some(p) = c.prefix {
+                let _ = write!(out, "(prefix {p})");
             }
         }
         out
@@ -137,8 +147,11 @@ pub(super) fn explain_pick(
     avoid: &Avoid,
     policy: Policy,
     by: By,
+    affinity: Option<((f64, f64), &[u64])>,
 ) -> Explanation {
     let mut x = Explanation::new(policy, by);
+    let prompt = affinity.map(|(_, p)| p);
+    x.prompt_chunks = prompt.map(<[u64]>::len);
     let fleet = &snap.fleet;
     for (w, seat) in fleet.workers.iter().enumerate() {
         let engine = &fleet.engines[seat.engine];
@@ -179,6 +192,7 @@ pub(super) fn explain_pick(
             worker,
             score,
             trial: admit == Admit::Trial,
+            prefix: prompt.map(|p| seat.prefixes.matched(p)),
         });
     }
     // Trials first (they are picked first), then by score.

@@ -80,7 +80,7 @@ mod read;
 mod respond;
 mod retry;
 pub(crate) mod route;
-mod scan;
+pub(crate) mod scan;
 mod select;
 pub(crate) mod send;
 #[cfg(test)]
@@ -92,6 +92,7 @@ pub use body::{BodyTooLarge, BoxError, ClientBodyError, Ending, Holds, ProxyBody
 pub use grpc::{Front, GrpcError};
 pub use identity::REQUEST_ID;
 pub use pin::pin_in_body;
+pub use scan::{json_member, json_member_raw};
 
 /// The pinning header, spelled as vLLM documents it (header names are case-insensitive; SGLang
 /// reads the same name).

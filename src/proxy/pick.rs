@@ -49,17 +49,22 @@ where
         // A traced request's pick is explained (see `trace`); the usual one's is not.
         let traced = req.extensions().get::<Traced>().cloned();
         let mut explained = traced.as_ref().map(|_| Explanation::default());
-        let table = &shared.table;
-        let picked =
-            match (shared.selector).pick_explained(table, length, &avoid, explained.as_mut()) {
-                Ok(p) => p,
-                Err(e) => {
-                    if let (Some(t), Some(x)) = (&traced, &explained) {
-                        t.picked(x, None);
-                    }
-                    return Step::ready(Err(e.into()));
+        // Affinity reads the prompt from a body kept whole (one too large to keep is routed
+        // by load alone).
+        let prompt = match (shared.selector.affinity(), req.body()) {
+            (true, RequestBody::Full(b)) => crate::prefix::prompt_chunks(b),
+            _ => Vec::new(),
+        };
+        let (table, x) = (&shared.table, explained.as_mut());
+        let picked = match (shared.selector).pick_explained(table, length, &avoid, &prompt, x) {
+            Ok(p) => p,
+            Err(e) => {
+                if let (Some(t), Some(x)) = (&traced, &explained) {
+                    t.picked(x, None);
                 }
-            };
+                return Step::ready(Err(e.into()));
+            }
+        };
         if picked.skipped_unavailable {
             shared.metrics.skipped_unavailable();
         }

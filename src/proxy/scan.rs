@@ -23,6 +23,49 @@ pub enum ScanError {
 /// last one counts, as in the engines' JSON parsers: the scan reads the object's top level to
 /// its end, so a request cannot be routed by one `model` and served by another.
 pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>, ScanError> {
+    // A later occurrence replaces an earlier one, a wrong type included.
+    let mut found = Ok(None);
+    members(body, |name, s| {
+        if name != key {
+            return s.skip_value();
+        }
+        found = match s.peek() {
+            Some(b'"') => Ok(Some(s.string()?)),
+            _ => {
+                let null = s.b[s.i..].starts_with(b"null");
+                s.skip_value()?;
+                match null {
+                    true => Ok(None),
+                    false => Err(ScanError::NotString(key.to_string())),
+                }
+            }
+        };
+        Ok(())
+    })?;
+    found
+}
+
+/// The raw bytes of the value of the top-level member `key` (its last occurrence), as the
+/// client wrote them: for hashing, not reading.
+pub fn json_member_raw<'a>(body: &'a [u8], key: &str) -> Result<Option<&'a [u8]>, ScanError> {
+    let mut found = None;
+    members(body, |name, s| {
+        let start = s.i;
+        s.skip_value()?;
+        if name == key {
+            found = Some(&s.b[start..s.i]);
+        }
+        Ok(())
+    })?;
+    Ok(found)
+}
+
+/// Walks the top level of the JSON object in `body`: `visit` gets each member's name with the
+/// scanner at its value, and must step over the value.
+fn members<'a>(
+    body: &'a [u8],
+    mut visit: impl FnMut(&str, &mut Scanner<'a>) -> Result<(), ScanError>,
+) -> Result<(), ScanError> {
     let mut s = Scanner { b: body, i: 0 };
     s.ws();
     if s.peek() != Some(b'{') {
@@ -35,34 +78,19 @@ pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>
     s.i += 1;
     s.ws();
     if s.peek() == Some(b'}') {
-        return Ok(None);
+        return Ok(());
     }
-    let mut found = Ok(None);
     loop {
         s.ws();
         let name = s.string()?;
         s.ws();
         s.expect(b':')?;
         s.ws();
-        if name == key {
-            found = match s.peek() {
-                Some(b'"') => Ok(Some(s.string()?)),
-                _ => {
-                    let null = s.b[s.i..].starts_with(b"null");
-                    s.skip_value()?;
-                    match null {
-                        true => Ok(None),
-                        false => Err(ScanError::NotString(key.to_string())),
-                    }
-                }
-            };
-        } else {
-            s.skip_value()?;
-        }
+        visit(&name, &mut s)?;
         s.ws();
         match s.peek() {
             Some(b',') => s.i += 1,
-            Some(b'}') => return found,
+            Some(b'}') => return Ok(()),
             _ => return Err(ScanError::Invalid(s.i)),
         }
     }
