@@ -4,20 +4,29 @@
 //!   cargo run --release --example loadgen -- --url http://127.0.0.1:8080 --rate 20 --requests 500 \
 //!       [--concurrency 16] [--api chat|completions] [--no-stream] [--prompt-tokens normal:200:50] \
 //!       [--output-tokens uniform:32:96] [--trace trace.jsonl] [--duration 60s] [--json report.json]
+//! Multi-turn chat sessions (a shared system prompt per group, growing history), a hot shared
+//! prefix, several router replicas (comma-separated --url, requests spread over them in turn), and
+//! the engines' prefix-cache hit ratio from their /metrics before and after the run:
+//!   cargo run --release --example loadgen -- --url http://127.0.0.1:8080,http://127.0.0.1:8081 \
+//!       --sessions 32 --turns 6 --system-tokens 1500 [--system-prompts 4] [--user-tokens 80] \
+//!       [--think-time 1s] [--rate 2 | --concurrency 8] --requests 192 \
+//!       [--engine-metrics http://127.0.0.1:18001,http://127.0.0.1:18002]
+//!   ... --hot-prefix-share 0.5 --hot-prefix-tokens 2000
 //! Over gRPC (streaming `Generate` on an engine's gRPC service, or through rankgate's gRPC front
 //! door, whose `x-rankgate-worker` metadata gives the per-worker counts):
 //!   cargo run --release --example loadgen -- --grpc vllm --url http://127.0.0.1:50051 --rate 20
 //! A whole scenario (simulated fleet + router + workload, once per policy):
 //!   cargo run --release --example loadgen -- --scenario configs/scenarios/hot-rank.toml \
-//!       [--policies least_kv,round_robin] [--json out.json] [--svg out.svg] [--markdown out.md]
+//!       [--policies least_kv,least_kv+affinity,round_robin] [--json out.json] [--svg out.svg] \
+//!       [--markdown out.md]
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use rankgate::config::{parse_duration, Policy};
-use rankgate::load::{self, Api, Arrivals, Dist, Workload};
-use rankgate::scenario::{self, render, Scenario};
+use rankgate::config::parse_duration;
+use rankgate::load::{self, Api, Arrivals, Dist, HotPrefix, Sessions, Workload};
+use rankgate::scenario::{self, render, Scenario, Variant};
 use rankgate::worker::Flavor;
 
 #[derive(Parser)]
@@ -25,15 +34,16 @@ use rankgate::worker::Flavor;
     about = "OpenAI load client with TTFT / ITL / E2E percentiles, and routing-quality scenarios"
 )]
 struct Args {
-    /// Target base URL.
-    #[arg(long, conflicts_with = "scenario")]
-    url: Option<String>,
+    /// Target base URL; several, comma separated, get the requests in turn (router replicas).
+    #[arg(long, conflicts_with = "scenario", value_delimiter = ',')]
+    url: Vec<String>,
     /// Run a scenario file instead.
     #[arg(long)]
     scenario: Option<PathBuf>,
-    /// Scenario policies to compare, comma separated (default: the file's).
+    /// Scenario variants to compare, comma separated, e.g. least_kv,least_kv+affinity (default:
+    /// the file's).
     #[arg(long, value_delimiter = ',')]
-    policies: Vec<String>,
+    policies: Vec<Variant>,
     /// Open loop: mean arrivals per second (Poisson).
     #[arg(long, conflicts_with = "concurrency")]
     rate: Option<f64>,
@@ -61,6 +71,34 @@ struct Args {
     trace: Option<PathBuf>,
     #[arg(long, default_value = "tiny-llama")]
     model: String,
+    /// Multi-turn chat sessions: how many (needs --turns).
+    #[arg(long, requires = "turns")]
+    sessions: Option<usize>,
+    /// Turns per session.
+    #[arg(long, requires = "sessions")]
+    turns: Option<usize>,
+    /// Sessions: system prompt length.
+    #[arg(long, default_value_t = 1000)]
+    system_tokens: u64,
+    /// Sessions: distinct system prompts, each shared by a group of sessions.
+    #[arg(long, default_value_t = 1)]
+    system_prompts: usize,
+    /// Sessions: length of each new user message.
+    #[arg(long, default_value = "60")]
+    user_tokens: Dist,
+    /// Sessions: mean think time between an answer and the next turn (exponential), e.g. 1s.
+    #[arg(long, default_value = "0s")]
+    think_time: String,
+    /// Share of requests (0, 1] starting with one shared prefix (needs --hot-prefix-tokens).
+    #[arg(long, requires = "hot_prefix_tokens")]
+    hot_prefix_share: Option<f64>,
+    /// Length of that shared prefix.
+    #[arg(long, requires = "hot_prefix_share")]
+    hot_prefix_tokens: Option<u64>,
+    /// Engine base URLs whose vllm:prefix_cache_* counters are read before and after the run,
+    /// for the prefix-hit ratio (comma separated).
+    #[arg(long, value_delimiter = ',')]
+    engine_metrics: Vec<String>,
     /// Write the full report as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -72,25 +110,12 @@ struct Args {
     markdown: Option<PathBuf>,
 }
 
-fn policy(s: &str) -> anyhow::Result<Policy> {
-    Ok(match s {
-        "least_kv" => Policy::LeastKv,
-        "round_robin" => Policy::RoundRobin,
-        "random" => Policy::Random,
-        other => bail!("unknown policy {other:?}: least_kv, round_robin or random"),
-    })
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     if let Some(path) = &a.scenario {
         let s = Scenario::load(path).map_err(anyhow::Error::msg)?;
-        let policies = a
-            .policies
-            .iter()
-            .map(|p| policy(p))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let policies = a.policies;
         let started = std::time::Instant::now();
         let runs = scenario::run(&s, (!policies.is_empty()).then_some(&policies[..]), true)
             .await
@@ -117,10 +142,12 @@ async fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let Some(url) = a.url else {
+    let mut urls = a.url.into_iter();
+    let Some(url) = urls.next() else {
         bail!("give --url or --scenario")
     };
     let mut w = Workload::new(url);
+    w.spread = urls.collect();
     w.api = match a.api.as_str() {
         "chat" => Api::Chat,
         "completions" => Api::Completions,
@@ -145,12 +172,46 @@ async fn main() -> anyhow::Result<()> {
     w.output_tokens = a.output_tokens;
     w.model = a.model;
     w.progress = true;
+    if let (Some(count), Some(turns)) = (a.sessions, a.turns) {
+        let s = Sessions {
+            count,
+            turns,
+            system_tokens: a.system_tokens,
+            system_prompts: a.system_prompts,
+            user_tokens: a.user_tokens,
+            think_time: parse_duration(&a.think_time)
+                .map_err(|e| anyhow::anyhow!("--think-time: {e}"))?,
+        };
+        s.validate()
+            .map_err(|e| anyhow::anyhow!("--sessions/--turns/--system-prompts: {e}"))?;
+        w.sessions = Some(s);
+    }
+    if let (Some(share), Some(tokens)) = (a.hot_prefix_share, a.hot_prefix_tokens) {
+        let h = HotPrefix { share, tokens };
+        h.validate()
+            .map_err(|e| anyhow::anyhow!("--hot-prefix-share/--hot-prefix-tokens: {e}"))?;
+        w.hot_prefix = Some(h);
+    }
     if let Some(t) = &a.trace {
         let text =
             std::fs::read_to_string(t).with_context(|| format!("reading {}", t.display()))?;
         w.trace = Some(load::dist::read_trace(&text).map_err(anyhow::Error::msg)?);
     }
-    let report = load::run(&w).await.map_err(anyhow::Error::msg)?;
+    let before = match a.engine_metrics.is_empty() {
+        true => None,
+        false => Some(
+            load::scrape::scrape(&a.engine_metrics)
+                .await
+                .map_err(|e| anyhow::anyhow!("--engine-metrics: {e}"))?,
+        ),
+    };
+    let mut report = load::run(&w).await.map_err(anyhow::Error::msg)?;
+    if let Some((q0, h0)) = before {
+        let (q1, h1) = load::scrape::scrape(&a.engine_metrics)
+            .await
+            .map_err(|e| anyhow::anyhow!("--engine-metrics: {e}"))?;
+        report.prefix_cache = Some((q1.saturating_sub(q0), h1.saturating_sub(h0)));
+    }
     print!("{}", report.table());
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&report.to_json())?)

@@ -2,7 +2,8 @@
 //!
 //! cargo run --release --example mock_engine -- --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
-//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks] [--model a,b] [--api-key K]
+//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks] [--model a,b] [--api-key K] \
+//!     [--prefill-rate 20000] [--prefix-caching]
 //!
 //! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
 //! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
@@ -73,6 +74,10 @@ struct Args {
     /// makes an instant engine, for measuring a proxy's overhead).
     #[arg(long)]
     prefill_rate: Option<f64>,
+    /// Like vLLM's --enable-prefix-caching: ranks keep prompt blocks, cached prompt tokens skip
+    /// prefill, /metrics reports vllm:prefix_cache_{queries,hits}_total.
+    #[arg(long)]
+    prefix_caching: bool,
     /// Served model names, comma-separated; the first is the default for requests naming none.
     #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
     model: Vec<String>,
@@ -152,6 +157,7 @@ async fn main() -> anyhow::Result<()> {
         prefill_tokens_per_sec: a
             .prefill_rate
             .unwrap_or(SimConfig::default().prefill_tokens_per_sec),
+        prefix_caching: a.prefix_caching,
         models: a.model,
         api_key: a.api_key,
         servicer_quirks: a.servicer_quirks,

@@ -48,6 +48,7 @@ async fn open_loop_trace_completions_and_error_kinds() {
                 prompt_tokens: 10,
                 output_tokens: 3 + i,
                 at_ms: Some(i * 20),
+                ..TraceEntry::default()
             })
             .collect(),
     );
@@ -103,7 +104,8 @@ async fn scenario_counts_requests_sent_while_dark() {
     let s = Scenario::parse(DARK, None).unwrap();
     let runs = scenario::run(&s, None, false).await.unwrap();
     let run = &runs[0];
-    assert_eq!(run.policy, Policy::LeastKv);
+    assert_eq!(run.policy, Policy::LeastKv.into());
+    assert_eq!(run.replicas, 1);
     assert_eq!(run.report.ok().count(), 150);
     let rank1 = &run.ranks[1];
     assert_eq!(
@@ -125,4 +127,113 @@ async fn scenario_counts_requests_sent_while_dark() {
     assert!(md.contains("| least_kv |"));
     let svg = scenario::render::svg(&s, &runs);
     assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
+}
+
+fn caching(dp_size: u32) -> rankgate::sim::SimConfig {
+    rankgate::sim::SimConfig {
+        prefix_caching: true,
+        ..sim(SimFlavor::Vllm, dp_size, 0)
+    }
+}
+
+#[tokio::test]
+async fn sessions_repeat_their_history_and_hit_the_prefix_cache() {
+    let e = engine(caching(1)).await;
+    let mut w = Workload::new(e.url());
+    w.arrivals = Arrivals::Closed(2);
+    w.requests = 100;
+    w.output_tokens = Dist::Fixed(4);
+    w.sessions = Some(load::Sessions {
+        count: 3,
+        turns: 3,
+        system_tokens: 300,
+        system_prompts: 1,
+        user_tokens: Dist::Fixed(20),
+        think_time: Duration::ZERO,
+    });
+    let r = load::run(&w).await.unwrap();
+    assert_eq!(r.ok().count(), 9, "{:?}", r.errors_by_kind());
+    let (queries, hits) = e.prefix_cache()[0];
+    // Every turn but the very first finds at least the system prompt cached; later turns their
+    // whole history.
+    assert!(hits as f64 > 0.5 * queries as f64, "{hits} of {queries}");
+
+    // The request bound holds across sessions.
+    w.requests = 4;
+    let r = load::run(&w).await.unwrap();
+    assert_eq!(r.outcomes.len(), 4);
+}
+
+#[tokio::test]
+async fn a_hot_prefix_is_shared_and_other_prompts_are_not() {
+    let e = engine(caching(1)).await;
+    let mut w = Workload::new(e.url());
+    w.arrivals = Arrivals::Closed(1);
+    w.requests = 6;
+    w.prompt_tokens = Dist::Fixed(100);
+    w.output_tokens = Dist::Fixed(2);
+    let r = load::run(&w).await.unwrap();
+    assert_eq!(r.ok().count(), 6);
+    assert_eq!(e.prefix_cache()[0].1, 0, "unique prompts share nothing");
+    w.hot_prefix = Some(load::HotPrefix {
+        share: 1.0,
+        tokens: 640,
+    });
+    load::run(&w).await.unwrap();
+    let (_, hits) = e.prefix_cache()[0];
+    assert!(hits >= 5 * 600, "5 of 6 find the 640-token prefix: {hits}");
+}
+
+#[tokio::test]
+async fn spread_sends_each_target_its_turn() {
+    let a = engine(sim(SimFlavor::Vllm, 1, 0)).await;
+    let b = engine(sim(SimFlavor::Vllm, 1, 0)).await;
+    let mut w = Workload::new(a.url());
+    w.spread = vec![b.url()];
+    w.arrivals = Arrivals::Closed(2);
+    w.requests = 10;
+    w.output_tokens = Dist::Fixed(2);
+    let r = load::run(&w).await.unwrap();
+    assert_eq!(r.ok().count(), 10);
+    assert_eq!((a.served(), b.served()), (vec![5], vec![5]));
+}
+
+const REPLICAS: &str = r#"
+name = "replicas"
+policies = ["least_kv"]
+[router]
+interval = "50ms"
+replicas = [1, 2]
+[[engines]]
+flavor = "vllm"
+dp_size = 2
+prefill_rate = 5000
+[workload]
+concurrency = 4
+requests = 24
+duration = "20s"
+output_tokens = 4
+[workload.sessions]
+count = 6
+turns = 4
+system_tokens = 400
+system_prompts = 2
+user_tokens = 30
+"#;
+
+#[tokio::test]
+async fn scenario_runs_each_variant_per_replica_count_with_sessions() {
+    let s = Scenario::parse(REPLICAS, None).unwrap();
+    let runs = scenario::run(&s, None, false).await.unwrap();
+    let labels: Vec<String> = runs.iter().map(|r| r.label()).collect();
+    assert_eq!(labels, ["least_kv", "least_kv x2"]);
+    for r in &runs {
+        assert_eq!(r.report.ok().count(), 24, "{}", r.label());
+        let (q, h) = r.report.prefix_cache.unwrap();
+        assert!(q > 0 && h > 0, "{}: {h} of {q}", r.label());
+        let per_rank: u64 = r.ranks.iter().map(|x| x.prefix_queries).sum();
+        assert_eq!(per_rank, q);
+    }
+    let md = scenario::render::markdown(&s, &runs);
+    assert!(md.contains("| least_kv x2 |"), "{md}");
 }

@@ -417,7 +417,7 @@ kill = true
     .expect("scenario");
     let run = timeout(
         Duration::from_secs(30),
-        rankgate::scenario::run_policy(&s, rankgate::config::Policy::RoundRobin, false),
+        rankgate::scenario::run_policy(&s, rankgate::config::Policy::RoundRobin.into(), 1, false),
     )
     .await
     .expect("the run ends although an engine died under it")

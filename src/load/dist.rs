@@ -90,13 +90,17 @@ impl Dist {
 }
 
 /// One recorded request of a JSONL trace: `{"prompt_tokens": N, "output_tokens": M, "at_ms": T}`
-/// (`at_ms` optional: without it, arrivals follow the configured rate).
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+/// (`at_ms` optional: without it, arrivals follow the configured rate), optionally with
+/// `"prefix_id": I, "prefix_tokens": P`: every entry naming prefix I starts with the same P
+/// tokens, followed by its own `prompt_tokens`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TraceEntry {
     pub prompt_tokens: u64,
     pub output_tokens: u64,
     pub at_ms: Option<u64>,
+    pub prefix_id: Option<u64>,
+    pub prefix_tokens: Option<u64>,
 }
 
 impl TraceEntry {
@@ -110,7 +114,17 @@ pub fn read_trace(text: &str) -> Result<Vec<TraceEntry>, String> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("trace line {}: {e}", i + 1)))
+        .map(|(i, l)| {
+            let e: TraceEntry =
+                serde_json::from_str(l).map_err(|e| format!("trace line {}: {e}", i + 1))?;
+            if e.prefix_id.is_some() != e.prefix_tokens.is_some() {
+                return Err(format!(
+                    "trace line {}: prefix_id and prefix_tokens go together",
+                    i + 1
+                ));
+            }
+            Ok(e)
+        })
         .collect()
 }
 
@@ -152,6 +166,14 @@ mod tests {
         let e =
             read_trace("{\"prompt_tokens\":1,\"output_tokens\":1}\n{\"prompt\":1}\n").unwrap_err();
         assert!(e.starts_with("trace line 2"), "{e}");
+        let t = read_trace(
+            "{\"prompt_tokens\":1,\"output_tokens\":1,\"prefix_id\":3,\"prefix_tokens\":900}\n",
+        )
+        .unwrap();
+        assert_eq!((t[0].prefix_id, t[0].prefix_tokens), (Some(3), Some(900)));
+        let e =
+            read_trace("{\"prompt_tokens\":1,\"output_tokens\":1,\"prefix_id\":3}\n").unwrap_err();
+        assert!(e.contains("line 1") && e.contains("go together"), "{e}");
     }
 
     proptest! {

@@ -5,11 +5,20 @@
 //! records when it was sent, its status or error kind, time to first token (first SSE event with
 //! a token), the gaps between tokens, end-to-end time, tokens received and the
 //! `x-rankgate-worker` that served it. Every run is bounded by a request count AND a deadline.
+//!
+//! Prompts are unique text (`text`) unless the workload shares prefixes on purpose: a hot shared
+//! prefix on a share of requests, a trace's prefix ids, or multi-turn sessions (`session`) whose
+//! turns repeat their history. Requests can be spread over several targets in turn (replicas of
+//! one router). `scrape` reads the engines' prefix-cache counters for the hit ratio.
 
 pub mod dist;
 pub mod grpc;
+mod plan;
 pub mod report;
+pub mod scrape;
 pub mod sdk;
+pub mod session;
+pub mod text;
 
 use std::io::{IsTerminal, Write as _};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -21,13 +30,14 @@ use http::{header, Method, Request};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use rand::{Rng, SeedableRng};
 use serde::Deserialize as _;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 pub use dist::{Dist, TraceEntry};
+use plan::{body, plan, Planned};
 pub use report::Report;
+pub use session::Sessions;
 
 /// Which OpenAI endpoint to call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -57,7 +67,33 @@ pub struct Burst {
     pub output_tokens: u64,
 }
 
-fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+/// A share of requests whose prompt starts with one long prefix, the same for all of them (a
+/// shared document or a long common instruction).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotPrefix {
+    /// Share of the generated requests carrying it, in (0, 1].
+    pub share: f64,
+    /// Its length; the request's own prompt follows it.
+    pub tokens: u64,
+}
+
+impl HotPrefix {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.share > 0.0 && self.share <= 1.0) {
+            return Err(format!(
+                "hot_prefix: share must be in (0, 1], got {}",
+                self.share
+            ));
+        }
+        if self.tokens == 0 {
+            return Err("hot_prefix: tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     crate::config::HumanDuration::deserialize(d).map(|h| h.0)
 }
 
@@ -81,6 +117,13 @@ pub struct Workload {
     pub model: String,
     /// gRPC instead of HTTP: streaming `Generate` on this flavor's service at `url`.
     pub grpc: Option<crate::worker::Flavor>,
+    /// Multi-turn chat sessions instead of independent requests (HTTP chat only).
+    pub sessions: Option<Sessions>,
+    /// A share of the generated requests starting with one shared prefix.
+    pub hot_prefix: Option<HotPrefix>,
+    /// More base URLs: requests go to `url` and these in turn (HTTP only), as N replicas of a
+    /// router behind a plain load balancer would each get 1/N of the requests.
+    pub spread: Vec<String>,
     pub progress: bool,
     pub seed: u64,
 }
@@ -100,6 +143,9 @@ impl Workload {
             bursts: Vec::new(),
             model: "tiny-llama".into(),
             grpc: None,
+            sessions: None,
+            hot_prefix: None,
+            spread: Vec::new(),
             progress: false,
             seed: 1,
         }
@@ -136,7 +182,7 @@ pub struct Outcome {
 
 impl Outcome {
     /// A request that got no usable answer.
-    fn failed(kind: ErrorKind, e2e: Duration) -> Outcome {
+    pub(crate) fn failed(kind: ErrorKind, e2e: Duration) -> Outcome {
         Outcome {
             sent: Duration::ZERO,
             lag: Duration::ZERO,
@@ -151,90 +197,18 @@ impl Outcome {
     }
 }
 
-/// One planned request.
-#[derive(Debug, Clone, Copy)]
-struct Planned {
-    at: Option<Duration>,
-    prompt: u64,
-    output: u64,
-}
-
-fn plan(w: &Workload) -> Vec<Planned> {
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(w.seed);
-    let mut out: Vec<Planned> = Vec::new();
-    let mut t = Duration::ZERO;
-    let mut next_at = |rng: &mut rand::rngs::SmallRng| match w.arrivals {
-        Arrivals::Poisson(rate) if rate > 0.0 => {
-            // Exponential gaps make the arrivals Poisson.
-            let u: f64 = rng.random_range(f64::EPSILON..1.0);
-            t += Duration::from_secs_f64(-u.ln() / rate);
-            Some(t)
-        }
-        _ => None,
-    };
-    let base = w
-        .requests
-        .saturating_sub(w.bursts.iter().map(|b| b.requests).sum());
-    match &w.trace {
-        Some(trace) => {
-            for e in trace.iter().take(w.requests) {
-                let at = e.at().or_else(|| next_at(&mut rng));
-                out.push(Planned {
-                    at,
-                    prompt: e.prompt_tokens,
-                    output: e.output_tokens,
-                });
-            }
-        }
-        None => {
-            for _ in 0..base {
-                let at = next_at(&mut rng);
-                let prompt = w.prompt_tokens.sample(&mut rng);
-                let output = w.output_tokens.sample(&mut rng);
-                out.push(Planned { at, prompt, output });
-            }
-        }
-    }
-    if matches!(w.arrivals, Arrivals::Poisson(_)) {
-        for b in &w.bursts {
-            out.extend((0..b.requests).map(|_| Planned {
-                at: Some(b.at),
-                prompt: b.prompt_tokens,
-                output: b.output_tokens,
-            }));
-        }
-    }
-    out.retain(|p| p.at.is_none_or(|at| at < w.duration));
-    out.sort_by_key(|p| p.at);
-    out
-}
-
-fn body(w: &Workload, p: &Planned) -> Bytes {
-    // About four characters per token, the simulated engine's (and English text's) ratio.
-    let prompt = "tok ".repeat(p.prompt as usize);
-    let v = match w.api {
-        Api::Chat => serde_json::json!({
-            "model": w.model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": p.output, "stream": w.stream,
-        }),
-        Api::Completions => serde_json::json!({
-            "model": w.model, "prompt": prompt, "max_tokens": p.output, "stream": w.stream,
-        }),
-    };
-    Bytes::from(v.to_string())
-}
-
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Where a run's requests go.
 enum Target {
-    Http(HttpClient, http::Uri),
+    /// Requests go to the URIs in turn.
+    Http(HttpClient, Vec<http::Uri>),
     Grpc(grpc::GrpcClient),
 }
 
 type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>;
 
-async fn one(
+pub(crate) async fn one(
     client: HttpClient,
     uri: http::Uri,
     body: Bytes,
@@ -342,20 +316,61 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
         Api::Chat => "/v1/chat/completions",
         Api::Completions => "/v1/completions",
     };
-    let uri: http::Uri = format!("{}{path}", w.url.trim_end_matches('/'))
-        .parse()
-        .map_err(|e| format!("bad url {:?}: {e}", w.url))?;
+    let uris = std::iter::once(&w.url)
+        .chain(&w.spread)
+        .map(|url| {
+            format!("{}{path}", url.trim_end_matches('/'))
+                .parse::<http::Uri>()
+                .map_err(|e| format!("bad url {url:?}: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if w.grpc.is_some() && !w.spread.is_empty() {
+        return Err("spreading over several targets is HTTP only".into());
+    }
+    if let Some(s) = &w.sessions {
+        s.validate()?;
+        if w.grpc.is_some() || w.api != Api::Chat {
+            return Err("sessions are chat conversations: HTTP and --api chat only".into());
+        }
+    }
+    if let Some(h) = &w.hot_prefix {
+        h.validate()?;
+    }
+    let client = crate::http::client(Duration::from_secs(2));
     let target = match w.grpc {
         Some(flavor) => Target::Grpc(grpc::GrpcClient::new(flavor, w.url.trim_end_matches('/'))?),
-        None => Target::Http(crate::http::client(Duration::from_secs(2)), uri),
+        None => Target::Http(client.clone(), uris.clone()),
     };
-    let planned = plan(w);
-    let total = planned.len();
+    let planned = match w.sessions {
+        Some(_) => Vec::new(),
+        None => plan(w),
+    };
+    let total = match &w.sessions {
+        Some(s) => s.requests().min(w.requests),
+        None => planned.len(),
+    };
     let started = Instant::now();
     let deadline = started + w.duration;
     let done = Arc::new(AtomicUsize::new(0));
     let progress = (w.progress && std::io::stderr().is_terminal())
         .then(|| spawn_progress(done.clone(), total));
+    if let Some(s) = &w.sessions {
+        let mut outcomes = session::run(w, s, client, uris, done, started).await;
+        if let Some(p) = progress {
+            p.abort();
+            eprintln!("\r{}", bar(outcomes.len(), total));
+        }
+        outcomes.sort_by_key(|o| o.sent);
+        let last_send = outcomes.last().map_or(Duration::ZERO, |o| o.sent);
+        return Ok(Report {
+            achieved_rate: outcomes.len() as f64 / last_send.as_secs_f64().max(1e-9),
+            requested_rate: None,
+            scheduled_rate: None,
+            elapsed: started.elapsed(),
+            outcomes,
+            prefix_cache: None,
+        });
+    }
     let mut tasks: JoinSet<Outcome> = JoinSet::new();
 
     let mut sent_count = 0usize;
@@ -364,8 +379,9 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
         let d = done.clone();
         // Each request is timed from when its task starts.
         let call: Pending = match &target {
-            Target::Http(c, u) => {
-                let (c, u, b, stream) = (c.clone(), u.clone(), body(w, p), w.stream);
+            Target::Http(c, uris) => {
+                let u = uris[(sent_count - 1) % uris.len()].clone();
+                let (c, b, stream) = (c.clone(), body(w, p), w.stream);
                 Box::pin(async move { one(c, u, b, stream, Instant::now()).await })
             }
             Target::Grpc(c) => {
@@ -443,6 +459,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
         scheduled_rate,
         elapsed: started.elapsed(),
         outcomes,
+        prefix_cache: None,
     })
 }
 
@@ -483,25 +500,5 @@ mod tests {
             s.feed(b"\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n"),
             1
         );
-    }
-
-    #[test]
-    fn plan_is_bounded_and_sorted() {
-        let mut w = Workload::new("http://x");
-        w.requests = 50;
-        w.arrivals = Arrivals::Poisson(100.0);
-        w.bursts = vec![Burst {
-            at: Duration::from_millis(100),
-            requests: 10,
-            prompt_tokens: 2000,
-            output_tokens: 8,
-        }];
-        w.duration = Duration::from_secs(10);
-        let p = plan(&w);
-        assert_eq!(p.len(), 50);
-        assert_eq!(p.iter().filter(|x| x.prompt == 2000).count(), 10);
-        assert!(p.windows(2).all(|x| x[0].at <= x[1].at));
-        w.duration = Duration::from_millis(50);
-        assert!(plan(&w).len() < 50, "nothing planned past the deadline");
     }
 }

@@ -22,6 +22,9 @@ pub struct Report {
     /// The rate of the planned arrival times themselves: a finite Poisson sample drifts from the
     /// requested rate by chance, so the client's own overhead is achieved vs scheduled.
     pub scheduled_rate: Option<f64>,
+    /// The engines' prefix cache over the run: (prompt tokens looked up, tokens found cached),
+    /// when the caller could read them (the simulator's counters, or `/metrics` before/after).
+    pub prefix_cache: Option<(u64, u64)>,
 }
 
 /// p50 / p90 / p99 / p99.9 / max in milliseconds, from an HdrHistogram of microseconds.
@@ -117,6 +120,12 @@ impl Report {
         Percentiles::of(self.outcomes.iter().map(|o| o.lag))
     }
 
+    /// Share of prompt tokens the engines found in their prefix caches.
+    pub fn prefix_hit_ratio(&self) -> Option<f64> {
+        self.prefix_cache
+            .map(|(queries, hits)| hits as f64 / queries.max(1) as f64)
+    }
+
     pub fn requests_per_sec(&self) -> f64 {
         self.ok().count() as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
@@ -142,6 +151,9 @@ impl Report {
             "itl_ms": self.itl(),
             "e2e_ms": self.e2e(),
             "per_worker": self.per_worker(),
+            "prefix_cache": self.prefix_cache.map(|(q, h)| json!({
+                "query_tokens": q, "hit_tokens": h, "hit_ratio": self.prefix_hit_ratio(),
+            })),
         })
     }
 
@@ -186,6 +198,13 @@ impl Report {
                 o,
                 "{name:<10} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
                 p.p50, p.p90, p.p99, p.p999, p.max
+            );
+        }
+        if let (Some((q, h)), Some(r)) = (self.prefix_cache, self.prefix_hit_ratio()) {
+            let _ = writeln!(
+                o,
+                "prefix cache: {h} of {q} prompt tokens cached ({:.1}%)",
+                100.0 * r
             );
         }
         for (w, n) in self.per_worker() {

@@ -21,6 +21,13 @@ pub struct EngineSpec {
     pub preload: Vec<f64>,
     #[serde(default = "default_decode")]
     pub decode_rate: f64,
+    /// Prompt tokens per second of prefill (tokens found in the prefix cache skip it).
+    #[serde(default = "default_prefill")]
+    pub prefill_rate: f64,
+    /// vLLM's prefix caching (on by default, as in vLLM V1); prompts that share no prefix are
+    /// unaffected by it.
+    #[serde(default = "default_true")]
+    pub prefix_caching: bool,
     /// GLOBAL ranks dark for the whole run.
     #[serde(default)]
     pub dark_ranks: Vec<u32>,
@@ -53,6 +60,14 @@ fn default_capacity() -> u64 {
     4096
 }
 
+fn default_prefill() -> f64 {
+    SimConfig::default().prefill_tokens_per_sec
+}
+
+fn default_true() -> bool {
+    true
+}
+
 fn default_decode() -> f64 {
     100.0
 }
@@ -65,6 +80,9 @@ impl EngineSpec {
         }
         if !(self.decode_rate.is_finite() && self.decode_rate > 0.0) {
             return Err("decode_rate must be a positive number".into());
+        }
+        if !(self.prefill_rate.is_finite() && self.prefill_rate > 0.0) {
+            return Err("prefill_rate must be a positive number".into());
         }
         if self.capacity_tokens == 0 || self.capacities.contains(&0) {
             return Err("capacities must be positive".into());
@@ -91,6 +109,8 @@ impl EngineSpec {
             preload: self.preload.clone(),
             dark_ranks: self.dark_ranks.clone(),
             decode_tokens_per_sec: self.decode_rate,
+            prefill_tokens_per_sec: self.prefill_rate,
+            prefix_caching: self.prefix_caching,
             fail_status: self.fail_status,
             fail_percent: self.fail_percent,
             hang_requests: self.hang_requests,

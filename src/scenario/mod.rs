@@ -5,25 +5,27 @@
 //!
 //! Every policy sees the same arrivals (the workload's seed is fixed) and a fleet started from the
 //! same state, so the differences in the results are the router's doing.
+//!
+//! What is compared are router variants (`variant`: a policy, optionally with prefix affinity),
+//! each with one or several rankgate replicas side by side; `run` drives one of them.
 
 mod engine;
 mod events;
 pub mod render;
+mod run;
+mod variant;
 
-use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
-use tokio::time::Instant;
 
-use crate::app::Router;
-use crate::config::{Config, HumanDuration, Policy};
-use crate::load::{self, Api, Arrivals, Burst, Dist, Report, Workload};
-use crate::sim::SimEngine;
+use crate::config::{HumanDuration, Policy};
+use crate::load::{self, Api, Burst, Dist, HotPrefix, Sessions};
 pub use engine::EngineSpec;
 pub use events::{Event, Limit};
+pub use run::{run, run_policy, PolicyRun, RankResult};
+pub use variant::{Replicas, Variant};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -38,8 +40,13 @@ pub struct WorkloadSpec {
     pub concurrency: Option<usize>,
     pub requests: usize,
     pub duration: HumanDuration,
-    pub prompt_tokens: Dist,
+    /// Required unless the workload is `sessions`, whose prompts are their own.
+    pub prompt_tokens: Option<Dist>,
     pub output_tokens: Dist,
+    /// Multi-turn chat sessions instead of independent requests.
+    pub sessions: Option<Sessions>,
+    /// A share of the requests starting with one long shared prefix.
+    pub hot_prefix: Option<HotPrefix>,
     /// A JSONL trace, relative to the scenario file.
     pub trace: Option<String>,
     #[serde(default)]
@@ -71,6 +78,10 @@ pub struct RouterSpec {
     pub interval: HumanDuration,
     #[serde(default = "default_stale")]
     pub stale_after: HumanDuration,
+    /// Rankgate routers side by side in front of the same fleet, each with its own polls and no
+    /// shared state, each sent 1/N of the requests; a list runs every variant once per count.
+    #[serde(default)]
+    pub replicas: Replicas,
 }
 
 fn default_interval() -> HumanDuration {
@@ -86,6 +97,7 @@ impl Default for RouterSpec {
         RouterSpec {
             interval: default_interval(),
             stale_after: default_stale(),
+            replicas: Replicas::default(),
         }
     }
 }
@@ -97,8 +109,9 @@ pub struct Scenario {
     pub name: String,
     #[serde(default)]
     pub description: String,
+    /// Router variants: `least_kv`, `least_kv+affinity`, `round_robin`, `random`.
     #[serde(default = "default_policies")]
-    pub policies: Vec<Policy>,
+    pub policies: Vec<Variant>,
     #[serde(default)]
     pub router: RouterSpec,
     pub engines: Vec<EngineSpec>,
@@ -110,8 +123,10 @@ pub struct Scenario {
     pub trace: Option<Vec<load::TraceEntry>>,
 }
 
-fn default_policies() -> Vec<Policy> {
-    vec![Policy::LeastKv, Policy::RoundRobin, Policy::Random]
+fn default_policies() -> Vec<Variant> {
+    [Policy::LeastKv, Policy::RoundRobin, Policy::Random]
+        .map(Variant::from)
+        .to_vec()
 }
 
 impl Scenario {
@@ -144,6 +159,28 @@ impl Scenario {
                 "workload needs exactly one of `rate` (open loop) or `concurrency` (closed loop)"
                     .into(),
             );
+        }
+        let w = &s.workload;
+        if w.prompt_tokens.is_none() && w.sessions.is_none() {
+            return Err("workload needs `prompt_tokens` (or [workload.sessions])".into());
+        }
+        if let Some(sessions) = &w.sessions {
+            sessions.validate().map_err(|e| format!("workload.{e}"))?;
+            if w.grpc || w.api != Api::Chat || w.trace.is_some() || !w.bursts.is_empty() {
+                return Err("workload.sessions are chat conversations over HTTP: no grpc, trace or bursts, api = \"chat\"".into());
+            }
+        }
+        if let Some(h) = &w.hot_prefix {
+            h.validate().map_err(|e| format!("workload.{e}"))?;
+        }
+        s.router.replicas.validate()?;
+        if w.grpc && s.router.replicas.counts().iter().any(|&n| n > 1) {
+            return Err(
+                "router.replicas > 1 spreads HTTP requests: not with a gRPC workload".into(),
+            );
+        }
+        if s.policies.is_empty() {
+            return Err("policies: give at least one variant".into());
         }
         if let Some(t) = &s.workload.trace {
             let path = dir.map_or_else(|| Path::new(t).to_path_buf(), |d| d.join(t));
@@ -187,224 +224,6 @@ impl Scenario {
         }
         out
     }
-}
-
-/// One rank's results under one policy.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct RankResult {
-    pub id: String,
-    pub rank: u32,
-    pub served: usize,
-    pub peak_kv: f64,
-    /// Requests sent to the rank while its telemetry was dark, counted from two poll intervals
-    /// after it went dark: before then the poll that could see it may not have come back yet.
-    pub sent_while_dark: usize,
-    /// Requests sent in those first two intervals.
-    pub sent_before_detection: usize,
-}
-
-/// Results of one policy.
-pub struct PolicyRun {
-    pub policy: Policy,
-    pub report: Report,
-    pub ranks: Vec<RankResult>,
-    /// (seconds since start, KV usage per rank in fleet order).
-    pub kv_series: Vec<(f64, Vec<f64>)>,
-}
-
-fn loopback() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 0))
-}
-
-/// Starts a fresh fleet and router for `policy`, drives the workload with its events, and tears
-/// everything down.
-pub async fn run_policy(s: &Scenario, policy: Policy, progress: bool) -> Result<PolicyRun, String> {
-    let grpc = s.workload.grpc;
-    let mut engines = Vec::new();
-    let mut urls = Vec::new();
-    for spec in &s.engines {
-        let cfg = spec.sim_config();
-        let e = SimEngine::start(loopback(), cfg)
-            .await
-            .map_err(|err| format!("starting simulated engine: {err}"))?;
-        urls.push(match grpc {
-            true => {
-                let g = e.start_grpc(loopback()).await;
-                format!(
-                    "grpc_url = \"http://{}\"",
-                    g.map_err(|err| err.to_string())?
-                )
-            }
-            false => format!("url = \"{}\"", e.url()),
-        });
-        engines.push(e);
-    }
-    let mut toml = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
-         [routing]\npolicy = \"{}\"\n\
-         [telemetry]\ninterval = \"{}ms\"\nstale_after = \"{}ms\"\n",
-        if grpc {
-            "grpc_listen = \"127.0.0.1:0\"\n"
-        } else {
-            ""
-        },
-        policy.as_str(),
-        s.router.interval.0.as_millis(),
-        s.router.stale_after.0.as_millis()
-    );
-    for (url, spec) in urls.iter().zip(&s.engines) {
-        toml.push_str(&format!(
-            "[[engines]]\n{url}\nflavor = \"{}\"\ndp_size = {}\nstart_rank = {}\n",
-            spec.flavor.as_str(),
-            spec.dp_size,
-            spec.start_rank
-        ));
-    }
-    let cfg = Config::from_str(&toml).map_err(|e| e.to_string())?;
-    let router = Router::start(cfg).await.map_err(|e| e.to_string())?;
-    if progress {
-        // Where to watch it while it runs, from another terminal.
-        let admin = router.admin_addr;
-        eprintln!(
-            "  {}: watch it live with `rankgate top --admin http://{admin}` (or `cargo run --release -- top --admin http://{admin}`); metrics at http://{admin}/metrics",
-            policy.as_str()
-        );
-    }
-    // Bounded wait for the first telemetry, so every policy starts from what a steady router knows.
-    for _ in 0..250 {
-        if router
-            .selector
-            .any_routable(&router.table, &Default::default())
-            && router
-                .table
-                .snapshot
-                .load()
-                .ranks
-                .iter()
-                .all(|r| r.reachable)
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-
-    let engines = Arc::new(engines);
-    let ids: Vec<String> = (router.table.snapshot.load().fleet)
-        .workers
-        .iter()
-        .map(|w| w.id_text.to_string())
-        .collect();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let sampler = tokio::spawn(sample_kv(engines.clone(), stop_rx.clone()));
-    let timeline = tokio::spawn(events::play(engines.clone(), s.events.clone(), stop_rx));
-
-    let w = &s.workload;
-    let workload = Workload {
-        url: format!("http://{}", router.grpc_addr.unwrap_or(router.addr)),
-        api: w.api,
-        stream: w.stream,
-        arrivals: match (w.rate, w.concurrency) {
-            (Some(r), _) => Arrivals::Poisson(r),
-            (None, c) => Arrivals::Closed(c.unwrap_or(1)),
-        },
-        requests: w.requests,
-        duration: w.duration.0,
-        prompt_tokens: w.prompt_tokens,
-        output_tokens: w.output_tokens,
-        trace: s.trace.clone(),
-        bursts: w.bursts.clone(),
-        model: "tiny-llama".into(),
-        grpc: grpc.then(|| s.engines[0].flavor.into()),
-        progress,
-        seed: w.seed,
-    };
-    let report = load::run(&workload).await;
-    let _ = stop_tx.send(true);
-    let kv_series = sampler.await.unwrap_or_default();
-    let _ = timeline.await;
-    router.shutdown().await;
-    if let Ok(engines) = Arc::try_unwrap(engines) {
-        for e in engines {
-            e.shutdown().await;
-        }
-    }
-    let report = report?;
-
-    let per = report.per_worker();
-    let windows = s.dark_windows();
-    let ranks = s
-        .ranks()
-        .into_iter()
-        .zip(ids)
-        .enumerate()
-        .map(|(i, (rank, id))| {
-            let in_windows = |shift: Duration, to_end: bool| {
-                report
-                    .outcomes
-                    .iter()
-                    .filter(|o| o.worker.as_deref() == Some(id.as_str()))
-                    .filter(|o| {
-                        windows.iter().any(|&(r, from, until)| {
-                            let detected = from + shift;
-                            r == rank
-                                && if to_end {
-                                    o.sent >= detected && o.sent < until
-                                } else {
-                                    o.sent >= from && o.sent < detected.min(until)
-                                }
-                        })
-                    })
-                    .count()
-            };
-            RankResult {
-                served: per.get(&id).copied().unwrap_or(0),
-                peak_kv: kv_series.iter().map(|(_, kv)| kv[i]).fold(0.0, f64::max),
-                sent_while_dark: in_windows(2 * s.router.interval.0, true),
-                sent_before_detection: in_windows(2 * s.router.interval.0, false),
-                id,
-                rank,
-            }
-        })
-        .collect();
-    Ok(PolicyRun {
-        policy,
-        report,
-        ranks,
-        kv_series,
-    })
-}
-
-async fn sample_kv(
-    engines: Arc<Vec<SimEngine>>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) -> Vec<(f64, Vec<f64>)> {
-    let start = Instant::now();
-    let mut out = Vec::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => return out,
-        }
-        let kv: Vec<f64> = engines.iter().flat_map(|e| e.kv_usage()).collect();
-        out.push((start.elapsed().as_secs_f64(), kv));
-    }
-}
-
-/// Runs every policy of the scenario in turn.
-pub async fn run(
-    s: &Scenario,
-    policies: Option<&[Policy]>,
-    progress: bool,
-) -> Result<Vec<PolicyRun>, String> {
-    let mut runs = Vec::new();
-    for &p in policies.unwrap_or(&s.policies) {
-        if progress {
-            eprintln!("scenario {}: policy {} ...", s.name, p.as_str());
-        }
-        runs.push(run_policy(s, p, progress).await?);
-    }
-    Ok(runs)
 }
 
 #[cfg(test)]
@@ -455,6 +274,53 @@ dark = []
         .unwrap_err();
         assert!(e.contains("engines[0]: decode_rate"), "{e}");
         assert!(Scenario::parse(&TEXT.replace("rate = 5", "rate = -1"), None).is_err());
+    }
+
+    #[test]
+    fn variants_replicas_and_session_workloads_are_checked() {
+        let s = Scenario::parse(
+            &TEXT.replace(
+                "name = \"t\"",
+                "name = \"t\"\npolicies = [\"least_kv\", \"least_kv+affinity\"]\n[router]\nreplicas = [1, 3]",
+            ),
+            None,
+        )
+        .unwrap();
+        assert_eq!(s.policies[1].as_str(), "least_kv+affinity");
+        assert_eq!(s.router.replicas.counts(), [1, 3]);
+        let e = Scenario::parse(
+            &TEXT.replace(
+                "name = \"t\"",
+                "name = \"t\"\npolicies = [\"least_kv+sticky\"]",
+            ),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.contains("sticky"), "{e}");
+        let e = Scenario::parse(
+            &TEXT.replace("prompt_tokens = \"normal:100:10\"\n", ""),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.contains("prompt_tokens"), "{e}");
+        let sessions =
+            "[workload.sessions]\ncount = 2\nturns = 0\nsystem_tokens = 10\nuser_tokens = 5\n";
+        let e = Scenario::parse(
+            &TEXT.replacen("[[events]]", &format!("{sessions}[[events]]"), 1),
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("workload.sessions") && e.contains("turns"),
+            "{e}"
+        );
+        let hot = "[workload.hot_prefix]\nshare = 1.5\ntokens = 100\n";
+        let e = Scenario::parse(
+            &TEXT.replacen("[[events]]", &format!("{hot}[[events]]"), 1),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.contains("hot_prefix") && e.contains("share"), "{e}");
     }
 
     #[test]

@@ -20,8 +20,8 @@ fn ms(p: &Percentiles, v: f64) -> String {
 /// The comparison table and one per-rank table per policy.
 pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | arrivals/s achieved / scheduled / requested | sent to dark ranks |");
-    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | prefix hits | highest peak KV | arrivals/s achieved / scheduled / requested | sent to dark ranks |");
+    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in runs {
         let (t, e) = (r.report.ttft(), r.report.e2e());
         let dark: usize = r.ranks.iter().map(|x| x.sent_while_dark).sum();
@@ -30,8 +30,8 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
         let (requested, scheduled) = (f(r.report.requested_rate), f(r.report.scheduled_rate));
         let _ = writeln!(
             o,
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {:.1} / {scheduled} / {requested} | {dark} (+{early} in the first 2 polls) |",
-            r.policy.as_str(),
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {} | {:.0}% | {:.1} / {scheduled} / {requested} | {dark} (+{early} in the first 2 polls) |",
+            r.label(),
             t.p50,
             t.p99,
             e.p50,
@@ -39,24 +39,29 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
             r.report.requests_per_sec(),
             r.report.tokens_per_sec(),
             r.report.errors(),
+            r.report
+                .prefix_hit_ratio()
+                .map_or("-".into(), |h| format!("{:.1}%", 100.0 * h)),
+            100.0 * r.ranks.iter().map(|x| x.peak_kv).fold(0.0, f64::max),
             r.report.achieved_rate,
         );
     }
     for r in runs {
         let total = r.report.ok().count().max(1);
-        let _ = writeln!(o, "\n`{}` per rank ({}):\n", r.policy.as_str(), s.name);
-        let _ = writeln!(o, "| rank | served | share | peak KV | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
-        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(o, "\n`{}` per rank ({}):\n", r.label(), s.name);
+        let _ = writeln!(o, "| rank | served | share | peak KV | prefix hits | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
+        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|");
         for x in &r.ranks {
             let ttft = r.report.ttft_of(Some(&x.id));
             let e2e = r.report.e2e_of(Some(&x.id));
             let _ = writeln!(
                 o,
-                "| @{} | {} | {:.0}% | {:.0}% | {} | {} | {} | {} |",
+                "| @{} | {} | {:.0}% | {:.0}% | {:.0}% | {} | {} | {} | {} |",
                 x.rank,
                 x.served,
                 100.0 * x.served as f64 / total as f64,
                 100.0 * x.peak_kv,
+                100.0 * x.prefix_hits as f64 / x.prefix_queries.max(1) as f64,
                 ms(&ttft, ttft.p50),
                 ms(&ttft, ttft.p99),
                 ms(&e2e, e2e.p50),
@@ -74,6 +79,7 @@ pub fn to_json(s: &Scenario, runs: &[PolicyRun]) -> Value {
         "description": s.description,
         "policies": runs.iter().map(|r| json!({
             "policy": r.policy.as_str(),
+            "replicas": r.replicas,
             "report": r.report.to_json(),
             "ranks": r.ranks,
         })).collect::<Vec<_>>(),
@@ -114,7 +120,7 @@ pub fn svg(s: &Scenario, runs: &[PolicyRun]) -> String {
             o,
             r#"<text x="{left}" y="{}" font-size="12">{}</text>"#,
             y0 - 4.0,
-            run.policy.as_str()
+            run.label()
         );
         for pct in [0, 50, 100] {
             let y = y0 + ph - ph * pct as f64 / 100.0;

@@ -33,6 +33,11 @@ pub(super) struct Job {
     api: Api,
     stream: bool,
     prompt_tokens: u64,
+    /// The prompt's KV block ids, with prefix caching on.
+    blocks: Option<Vec<u64>>,
+    /// What the conversation's next request will start with, with prefix caching on: the chat
+    /// `messages`, or the completion `prompt` text.
+    history: Option<History>,
     max_tokens: u64,
     /// The response id (`chatcmpl-sim3`, `resp_sim3`, ...).
     id: String,
@@ -41,7 +46,7 @@ pub(super) struct Job {
 }
 
 impl Job {
-    fn new(api: Api, call: &Call, n: u64) -> Job {
+    fn new(sim: &Sim, api: Api, call: &Call, n: u64) -> Job {
         let v = &call.body;
         let field = |k: &str| v.get(k).and_then(Value::as_u64);
         let max_tokens = match api {
@@ -62,13 +67,41 @@ impl Job {
             Api::Messages => format!("msg_sim{n}"),
             Api::Generate => format!("sim{n}"),
         };
+        let prompt_tokens = call.prompt_tokens();
+        let history = match (api, sim.cfg.prefix_caching) {
+            (Api::Chat, true) => v.get("messages").cloned().map(History::Messages),
+            (Api::Completion, true) => v
+                .get("prompt")
+                .and_then(Value::as_str)
+                .map(|p| History::Prompt(p.to_string())),
+            _ => None,
+        };
         Job {
+            history,
             api,
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
-            prompt_tokens: call.prompt_tokens(),
+            prompt_tokens,
+            blocks: sim.prompt_blocks(call.prompt_text().as_bytes(), prompt_tokens),
             max_tokens: max_tokens.max(1),
             id,
             model: call.model.clone(),
+        }
+    }
+
+    /// The text a follow-up request starts with once `answer` is the reply: the messages with the
+    /// assistant's message appended (without the array's closing bracket, which the next turn
+    /// replaces by its new messages), or the prompt followed by the completion.
+    fn continued(&self, answer: &str) -> Option<String> {
+        match self.history.as_ref()? {
+            History::Messages(m) => {
+                let mut m = m.clone();
+                m.as_array_mut()?
+                    .push(json!({"role": "assistant", "content": answer}));
+                let mut text = m.to_string();
+                text.pop();
+                Some(text)
+            }
+            History::Prompt(p) => Some(format!("{p}{answer}")),
         }
     }
 
@@ -225,6 +258,12 @@ impl Job {
     }
 }
 
+/// What a conversation's next request starts with, before the answer.
+enum History {
+    Messages(Value),
+    Prompt(String),
+}
+
 /// One SSE `data:` line.
 fn data(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
@@ -238,7 +277,7 @@ fn event(name: &str, v: Value) -> Bytes {
 impl Sim {
     /// Answers a generation request, streaming or whole.
     pub(super) async fn decode(self: Arc<Self>, api: Api, call: Call) -> Response<SimBody> {
-        let job = Job::new(api, &call, self.next_id.fetch_add(1, Relaxed));
+        let job = Job::new(&self, api, &call, self.next_id.fetch_add(1, Relaxed));
         let local = call.local;
         if !job.stream {
             return match self.run(local, &job, None).await {
@@ -279,10 +318,11 @@ impl Sim {
         if let (Some(tx), Some(open)) = (tx, job.opening()) {
             tx.send(open).await.ok()?;
         }
-        let mut adm = rank.admit(job.prompt_tokens, job.max_tokens).await;
+        let mut adm = rank
+            .admit_blocks(job.prompt_tokens, job.blocks.as_deref(), job.max_tokens)
+            .await;
         self.admitted();
-        let prefill =
-            Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
+        let prefill = self.prefill_time(job.prompt_tokens - adm.cached_tokens);
         super::pause(prefill).await;
         let mut text = String::new();
         for i in 0..job.max_tokens {
@@ -308,6 +348,10 @@ impl Sim {
         if self.faults.stalls_at(job.max_tokens) {
             self.hold().await;
             return None;
+        }
+        if let Some(next) = job.continued(&text) {
+            let tokens = (next.len() / super::prefix::TOKEN_BYTES) as u64;
+            adm.keep(super::prefix::block_ids(next.as_bytes(), tokens));
         }
         match tx {
             Some(tx) => {

@@ -20,7 +20,9 @@ use tonic::codegen::BoxStream;
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 use tower::ServiceExt;
 
-use super::grpc_decode::{first_message, prompt_tokens, Gen, GenJob, RawMessage, EMBED_DIM};
+use super::grpc_decode::{
+    first_message, prompt_bytes, prompt_tokens, Gen, GenJob, RawMessage, EMBED_DIM,
+};
 use super::{net, RankReport, Sim, SimFlavor, MAX_REQUEST_BYTES};
 use crate::http::Shutdown;
 use crate::proto::health::health_server::{Health, HealthServer};
@@ -130,18 +132,22 @@ impl VllmEngine for GrpcSim {
         let r = req.into_inner();
         let local = self.0.grpc_rank(r.data_parallel_rank)?;
         self.0.record_grpc("Generate", Some(local), raw);
-        let prompt = match &r.input {
-            Some(vllm::generate_request::Input::Tokenized(t)) => {
-                prompt_tokens(t.input_ids.len(), &t.original_text)
+        let (prompt, bytes) = match &r.input {
+            Some(vllm::generate_request::Input::Tokenized(t)) => (
+                prompt_tokens(t.input_ids.len(), &t.original_text),
+                prompt_bytes(&t.input_ids, &t.original_text),
+            ),
+            Some(vllm::generate_request::Input::Text(t)) => {
+                (prompt_tokens(0, t), prompt_bytes(&[], t))
             }
-            Some(vllm::generate_request::Input::Text(t)) => prompt_tokens(0, t),
-            None => prompt_tokens(0, ""),
+            None => (prompt_tokens(0, ""), Vec::new()),
         };
         let max_tokens = r.sampling_params.and_then(|p| p.max_tokens).unwrap_or(16);
         let job = GenJob {
             id: r.request_id,
             local,
             prompt_tokens: prompt,
+            blocks: self.0.prompt_blocks(&bytes, prompt),
             max_tokens: u64::from(max_tokens.max(1)),
             stream: r.stream,
         };
@@ -246,9 +252,12 @@ impl SglangScheduler for GrpcSim {
         let r = req.into_inner();
         let local = self.0.grpc_rank(r.data_parallel_rank)?;
         self.0.record_grpc("Generate", Some(local), raw);
-        let prompt = r
-            .tokenized
-            .map_or(1, |t| prompt_tokens(t.input_ids.len(), &t.original_text));
+        let (prompt, bytes) = r.tokenized.as_ref().map_or((1, Vec::new()), |t| {
+            (
+                prompt_tokens(t.input_ids.len(), &t.original_text),
+                prompt_bytes(&t.input_ids, &t.original_text),
+            )
+        });
         // SGLang's default bound, as on its HTTP `/generate`.
         let max_tokens = r
             .sampling_params
@@ -259,6 +268,7 @@ impl SglangScheduler for GrpcSim {
             id: id.clone(),
             local,
             prompt_tokens: prompt,
+            blocks: self.0.prompt_blocks(&bytes, prompt),
             max_tokens: u64::from(max_tokens.max(1)),
             stream: r.stream,
         };

@@ -71,6 +71,8 @@ pub(crate) struct GenJob {
     pub id: String,
     pub local: usize,
     pub prompt_tokens: u64,
+    /// The prompt's KV block ids, with prefix caching on.
+    pub blocks: Option<Vec<u64>>,
     pub max_tokens: u64,
     /// Whether chunks are sent; a non-streaming request gets the `Complete` only.
     pub stream: bool,
@@ -142,10 +144,11 @@ impl Sim {
 
     async fn decode_grpc(&self, job: &GenJob, tx: &mpsc::Sender<Gen>, output: &mut Vec<u32>) {
         let rank = &self.ranks[job.local];
-        let mut adm = rank.admit(job.prompt_tokens, job.max_tokens).await;
+        let mut adm = rank
+            .admit_blocks(job.prompt_tokens, job.blocks.as_deref(), job.max_tokens)
+            .await;
         self.admitted();
-        let prefill =
-            Duration::from_secs_f64(job.prompt_tokens as f64 / self.cfg.prefill_tokens_per_sec);
+        let prefill = self.prefill_time(job.prompt_tokens - adm.cached_tokens);
         super::pause(prefill).await;
         for i in 0..job.max_tokens {
             if self.faults.stalls_at(i) {
@@ -172,6 +175,11 @@ impl Sim {
         let output = output.clone();
         let reason = "length";
         let _ = tx.send(Gen::Complete { output, reason }).await;
+    }
+
+    /// How long prefilling `tokens` prompt tokens takes.
+    pub(crate) fn prefill_time(&self, tokens: u64) -> Duration {
+        Duration::from_secs_f64(tokens as f64 / self.cfg.prefill_tokens_per_sec)
     }
 
     /// Aborts the generations running under these ids; returns how many there were.
@@ -211,4 +219,14 @@ pub(crate) const EMBED_DIM: usize = 8;
 pub(crate) fn prompt_tokens(ids: usize, text: &str) -> u64 {
     let n = if ids > 0 { ids } else { text.len().div_ceil(4) };
     n.max(1) as u64
+}
+
+/// The bytes a gRPC prompt's blocks are hashed over: its token ids (one id, four bytes, is one
+/// token), else its text (four bytes a token, as over HTTP).
+pub(crate) fn prompt_bytes(ids: &[u32], text: &str) -> Vec<u8> {
+    if ids.is_empty() {
+        text.as_bytes().to_vec()
+    } else {
+        ids.iter().flat_map(|id| id.to_le_bytes()).collect()
+    }
 }

@@ -29,6 +29,7 @@ mod info;
 mod multipart;
 mod net;
 mod pooling;
+pub mod prefix;
 pub mod rank;
 mod routes;
 mod serve;
@@ -116,8 +117,13 @@ pub struct SimConfig {
     pub decode_tokens_per_sec: f64,
     /// How much each other running request slows decoding (a batch of b decodes at rate/(1+b*x)).
     pub batch_slowdown: f64,
-    /// Prompt tokens per second of prefill.
+    /// Prompt tokens per second of prefill; prompt tokens found in the prefix cache skip it.
     pub prefill_tokens_per_sec: f64,
+    /// Like vLLM's `--enable-prefix-caching`: generation requests share and keep their prompt's
+    /// KV blocks per rank (`prefix`), skip the prefill of cached ones, and `/metrics` reports
+    /// `vllm:prefix_cache_{queries,hits}_total`. Off by default so that KV per request is the
+    /// plain prompt + output that most tests count on.
+    pub prefix_caching: bool,
     /// The model names the engine serves, the first being the default for a request that names
     /// none. Like `vllm serve --served-model-name a b`: names of one model, all listed by
     /// `/v1/models`; any other name is answered 404. Never empty ([`SimEngine::start`] refuses).
@@ -163,6 +169,7 @@ impl Default for SimConfig {
             decode_tokens_per_sec: 200.0,
             batch_slowdown: 0.02,
             prefill_tokens_per_sec: 20_000.0,
+            prefix_caching: false,
             models: vec![DEFAULT_MODEL.into()],
             api_key: None,
             servicer_quirks: false,
@@ -352,6 +359,19 @@ impl SimEngine {
         self.sim.ranks.iter().map(|r| r.kv_usage()).collect()
     }
 
+    /// Per local rank: (prompt tokens that looked up the prefix cache, tokens found there), the
+    /// figures behind `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`.
+    pub fn prefix_cache(&self) -> Vec<(u64, u64)> {
+        self.sim
+            .ranks
+            .iter()
+            .map(|r| {
+                let c = r.counts();
+                (c.prefix_queries, c.prefix_hits)
+            })
+            .collect()
+    }
+
     /// Requests decoding right now, per local rank.
     pub fn running(&self) -> Vec<u32> {
         self.sim.ranks.iter().map(|r| r.counts().running).collect()
@@ -480,6 +500,13 @@ impl SimEngine {
 }
 
 impl Sim {
+    /// The ids of a prompt's full KV blocks when prefix caching is on; `None` when it is off.
+    pub(crate) fn prompt_blocks(&self, text: &[u8], tokens: u64) -> Option<Vec<u64>> {
+        self.cfg
+            .prefix_caching
+            .then(|| prefix::block_ids(text, tokens))
+    }
+
     /// The first served model: what a request that names none gets, and the `model_name` label
     /// of `/metrics` (vLLM labels its series with the first served name).
     pub(crate) fn default_model(&self) -> &str {

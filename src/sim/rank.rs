@@ -1,21 +1,52 @@
-//! One simulated DP rank: a KV cache of fixed capacity in tokens and a queue in front of it.
+//! One simulated DP rank: a KV cache of fixed capacity in tokens, a prefix cache of prompt
+//! blocks inside it, and a queue in front of it.
 //!
 //! A request reserves prompt + max_tokens of KV at admission (so it never has to be preempted),
 //! while the KV it reports as used grows from its prompt by one token per decoded token, as a real
 //! engine's does. When the reservation does not fit, the request waits: that queueing is what makes
 //! a full rank slow, and what a load-aware router is there to avoid.
+//!
+//! With prefix caching, the prompt's full blocks are not reserved privately: they are blocks of
+//! the rank's [`PrefixCache`], shared with every running request that has the same prefix and
+//! counted once, and kept (idle, evictable) after the request ends. Idle blocks do not count as
+//! KV usage (vLLM reports cached free blocks as free) and never make a request wait: admission
+//! evicts them, least recently used first, to make room.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use tokio::sync::Notify;
 
+use super::prefix::{PrefixCache, BLOCK_TOKENS};
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RankCounts {
+    /// KV held by running requests: their private reservations plus the blocks they share.
     pub reserved: u64,
+    /// KV running requests really occupy: prompts and tokens decoded so far.
     pub used: u64,
     pub running: u32,
     pub waiting: u32,
+    /// Cached blocks no running request holds (evictable; not in `used`).
+    pub idle_blocks: u64,
+    /// vLLM's `prefix_cache_queries`: prompt tokens of admitted requests that looked up the cache.
+    pub prefix_queries: u64,
+    /// vLLM's `prefix_cache_hits`: of those, tokens found cached.
+    pub prefix_hits: u64,
+}
+
+/// What running requests hold apart from shared blocks, and the cache itself.
+#[derive(Debug, Default)]
+struct State {
+    /// Private reservations (prompt tail past the last full block, plus max tokens).
+    reserved: u64,
+    /// Of that, what is occupied.
+    used: u64,
+    running: u32,
+    waiting: u32,
+    cache: PrefixCache,
+    prefix_queries: u64,
+    prefix_hits: u64,
 }
 
 #[derive(Debug)]
@@ -24,7 +55,7 @@ pub struct Rank {
     pub capacity: u64,
     /// Tokens held by a simulated background tenant (`--preload`): capacity real requests cannot use.
     pub preload: u64,
-    counts: Mutex<RankCounts>,
+    state: Mutex<State>,
     freed: Notify,
     /// Requests this rank has admitted, ever.
     pub served: AtomicU64,
@@ -37,6 +68,12 @@ pub struct Admission<'a> {
     rank: &'a Rank,
     reserved: u64,
     used: u64,
+    blocks: Vec<u64>,
+    /// Blocks to keep cached once the request ends (its prompt's and its answer's), set by
+    /// [`Admission::keep`].
+    keep: Vec<u64>,
+    /// Prompt tokens found in the prefix cache: their prefill is skipped.
+    pub cached_tokens: u64,
 }
 
 impl Rank {
@@ -46,33 +83,61 @@ impl Rank {
             global,
             capacity,
             preload,
-            counts: Mutex::new(RankCounts::default()),
+            state: Mutex::new(State::default()),
             freed: Notify::new(),
             served: AtomicU64::new(0),
         }
     }
 
     pub fn counts(&self) -> RankCounts {
-        *self.lock()
+        let s = self.lock();
+        let shared = s.cache.in_use() * BLOCK_TOKENS;
+        RankCounts {
+            reserved: s.reserved + shared,
+            used: s.used + shared,
+            running: s.running,
+            waiting: s.waiting,
+            idle_blocks: s.cache.idle(),
+            prefix_queries: s.prefix_queries,
+            prefix_hits: s.prefix_hits,
+        }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, RankCounts> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // A poisoned lock only means another request panicked mid-update; the counts are still
         // the best numbers there are.
-        self.counts.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// KV usage as the engine would report it: background plus what requests really hold.
+    /// KV usage as the engine would report it: background plus what running requests really
+    /// hold, shared blocks once; idle cached blocks count as free.
     pub fn kv_usage(&self) -> f64 {
-        let c = self.lock();
+        let c = self.counts();
         ((self.preload + c.used) as f64 / self.capacity as f64).min(1.0)
     }
 
-    /// Waits until `prompt + max_tokens` fits, then holds it. A request larger than the whole
-    /// free capacity is admitted alone, as an engine would rather run it than hang forever.
+    /// Admits a request with no cacheable prompt blocks (see [`Rank::admit_blocks`]).
     pub async fn admit(&self, prompt: u64, max_tokens: u64) -> Admission<'_> {
+        self.admit_blocks(prompt, None, max_tokens).await
+    }
+
+    /// Waits until `prompt + max_tokens` fits, then holds it. `blocks` are the ids of the
+    /// prompt's full blocks ([`super::prefix::block_ids`]; `None` without prefix caching): those
+    /// cached are shared, the others allocated in the cache, and only the rest of the prompt plus
+    /// `max_tokens` is reserved privately. A request larger than the whole free capacity is
+    /// admitted alone, as an engine would rather run it than hang forever.
+    pub async fn admit_blocks(
+        &self,
+        prompt: u64,
+        blocks: Option<&[u64]>,
+        max_tokens: u64,
+    ) -> Admission<'_> {
+        let caching = blocks.is_some();
+        let blocks = blocks.unwrap_or_default();
         let free = self.capacity.saturating_sub(self.preload).max(1);
-        let need = (prompt + max_tokens).min(free);
+        let block_tokens = blocks.len() as u64 * BLOCK_TOKENS;
+        let tail = prompt.saturating_sub(block_tokens);
+        let need = (tail + max_tokens).min(free);
         // Counted as waiting while queued; a request dropped in the queue (its client left)
         // stops counting.
         let mut queued = Queued {
@@ -86,24 +151,43 @@ impl Rank {
             // wait is not missed.
             notified.as_mut().enable();
             {
-                let mut c = self.lock();
-                if c.reserved + need <= free {
-                    c.reserved += need;
-                    c.used += prompt.min(need);
-                    c.running += 1;
+                let mut s = self.lock();
+                let look = s.cache.lookup(blocks);
+                let held = s.reserved + s.cache.in_use() * BLOCK_TOKENS;
+                let taking = need + (look.new + look.revived) as u64 * BLOCK_TOKENS;
+                if s.running == 0 || held + taking <= free {
+                    s.cache.acquire(blocks);
+                    // Whatever the cache still holds past capacity is idle: evict it.
+                    let occupied =
+                        s.reserved + need + (s.cache.in_use() + s.cache.idle()) * BLOCK_TOKENS;
+                    let over = occupied.saturating_sub(free).div_ceil(BLOCK_TOKENS);
+                    s.cache.evict(over);
+                    // vLLM recomputes at least the prompt's last token, whatever is cached.
+                    let cached = (look.hit as u64 * BLOCK_TOKENS).min(prompt.saturating_sub(1));
+                    if caching {
+                        s.prefix_queries += prompt;
+                        s.prefix_hits += cached;
+                    }
+                    let used = tail.min(need);
+                    s.reserved += need;
+                    s.used += used;
+                    s.running += 1;
                     if queued.on {
-                        c.waiting -= 1;
+                        s.waiting -= 1;
                         queued.on = false;
                     }
                     self.served.fetch_add(1, Relaxed);
                     return Admission {
                         rank: self,
                         reserved: need,
-                        used: prompt.min(need),
+                        used,
+                        blocks: blocks.to_vec(),
+                        keep: Vec::new(),
+                        cached_tokens: cached,
                     };
                 }
                 if !queued.on {
-                    c.waiting += 1;
+                    s.waiting += 1;
                     queued.on = true;
                 }
             }
@@ -127,6 +211,14 @@ impl Drop for Queued<'_> {
 }
 
 impl Admission<'_> {
+    /// The request finished: once it ends, `ids` (the blocks of its prompt followed by its
+    /// answer, as the conversation's next turn will send them) stay cached. vLLM caches the
+    /// blocks of generated tokens too; a later turn whose template renders the answer the same
+    /// way finds them.
+    pub fn keep(&mut self, ids: Vec<u64>) {
+        self.keep = ids;
+    }
+
     /// One more token decoded: it occupies KV until the request ends.
     pub fn grow(&mut self) {
         if self.used < self.reserved {
@@ -143,6 +235,14 @@ impl Drop for Admission<'_> {
             c.reserved -= self.reserved;
             c.used -= self.used;
             c.running -= 1;
+            // The answer's blocks first (those of the prompt are cached already and skipped),
+            // so that they are evicted before the prompt they follow.
+            c.cache.insert_idle(&self.keep);
+            c.cache.release(&self.blocks);
+            let free = self.rank.capacity.saturating_sub(self.rank.preload).max(1);
+            let occupied = c.reserved + (c.cache.in_use() + c.cache.idle()) * BLOCK_TOKENS;
+            c.cache
+                .evict(occupied.saturating_sub(free).div_ceil(BLOCK_TOKENS));
         }
         self.rank.freed.notify_waiters();
     }
@@ -183,6 +283,67 @@ mod tests {
         drop(queued);
         assert_eq!(rank.counts().waiting, 0);
         drop(held);
+    }
+
+    /// 4 blocks of 16 tokens, then a 6-token tail.
+    const IDS: [u64; 4] = [11, 12, 13, 14];
+
+    #[tokio::test]
+    async fn cached_prefix_is_shared_counted_once_and_kept_idle() {
+        let rank = Rank::new(0, 1000, 0.0);
+        let a = rank.admit_blocks(70, Some(&IDS), 10).await;
+        assert_eq!(a.cached_tokens, 0);
+        assert_eq!(rank.counts().used, 70);
+        // Same 3 leading blocks, then its own.
+        let b = rank.admit_blocks(70, Some(&[11, 12, 13, 99]), 10).await;
+        assert_eq!(b.cached_tokens, 48);
+        let c = rank.counts();
+        assert_eq!(c.used, 5 * 16 + 2 * 6, "shared blocks once, tails each");
+        assert_eq!((c.prefix_queries, c.prefix_hits), (140, 48));
+        drop(a);
+        drop(b);
+        let c = rank.counts();
+        assert_eq!((c.used, c.reserved, c.idle_blocks), (0, 0, 5));
+        assert_eq!(rank.kv_usage(), 0.0, "idle cached blocks count as free");
+        // A whole cached prompt still recomputes its last token.
+        let again = rank.admit_blocks(64, Some(&IDS), 1).await;
+        assert_eq!(again.cached_tokens, 63);
+    }
+
+    #[tokio::test]
+    async fn idle_blocks_are_evicted_lru_within_capacity_and_never_block() {
+        // Room for 6 blocks.
+        let rank = Rank::new(0, 96, 0.0);
+        drop(rank.admit_blocks(64, Some(&IDS), 0).await);
+        drop(rank.admit_blocks(32, Some(&[21, 22]), 0).await);
+        assert_eq!(rank.counts().idle_blocks, 6);
+        // 3 new blocks need 3 idle ones evicted: IDS's tail goes first (released before 21, 22).
+        let hold = rank.admit_blocks(48, Some(&[31, 32, 33]), 0).await;
+        assert_eq!(rank.counts().idle_blocks, 3);
+        assert!(rank.counts().reserved + 3 * 16 <= 96);
+        let probe = rank.admit_blocks(32, Some(&[11, 12]), 0).await;
+        assert_eq!(probe.cached_tokens, 16, "11 kept, 12 evicted");
+        drop(probe);
+        drop(hold);
+        let c = rank.counts();
+        assert!(c.idle_blocks * 16 <= 96, "{c:?}");
+    }
+
+    #[tokio::test]
+    async fn a_finished_answer_stays_cached_within_capacity() {
+        let rank = Rank::new(0, 96, 0.0);
+        let mut a = rank.admit_blocks(32, Some(&[1, 2]), 40).await;
+        a.keep(vec![1, 2, 3, 4]);
+        drop(a);
+        assert_eq!(rank.counts().idle_blocks, 4);
+        let next = rank.admit_blocks(80, Some(&[1, 2, 3, 4, 5]), 0).await;
+        assert_eq!(next.cached_tokens, 64);
+        drop(next);
+        // Nothing kept past capacity (6 blocks).
+        let mut big = rank.admit_blocks(16, Some(&[9]), 0).await;
+        big.keep((10..20).collect());
+        drop(big);
+        assert!(rank.counts().idle_blocks <= 6);
     }
 
     async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {

@@ -3,6 +3,7 @@
 //! record of what was seen, the model check) before `generate` decodes it, `pooling` answers
 //! it, or the tokenizer does. `routes` says which path is which.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::atomic::Ordering::Relaxed;
@@ -374,20 +375,27 @@ pub(super) struct Call {
 }
 
 impl Call {
-    /// The prompt's length in tokens, at about four characters per token as for English text,
-    /// from the first prompt-bearing field present; at least one.
-    pub(super) fn prompt_tokens(&self) -> u64 {
+    /// The prompt's text: the first prompt-bearing field present, a string as it is, anything
+    /// else (chat `messages` included) as its JSON text.
+    pub(super) fn prompt_text(&self) -> Cow<'_, str> {
         let v = &self.body;
-        let chars = match v.get("messages") {
-            Some(m) => m.to_string().len(),
-            None => ["prompt", "input", "text", "query"]
-                .iter()
-                .find_map(|k| v.get(*k))
-                .map_or(0, |p| {
-                    p.as_str().map_or_else(|| p.to_string().len(), str::len)
-                }),
-        };
-        (chars as u64 / 4).max(1)
+        if let Some(m) = v.get("messages") {
+            return Cow::Owned(m.to_string());
+        }
+        match ["prompt", "input", "text", "query"]
+            .iter()
+            .find_map(|k| v.get(*k))
+        {
+            Some(Value::String(s)) => Cow::Borrowed(s.as_str()),
+            Some(p) => Cow::Owned(p.to_string()),
+            None => Cow::Borrowed(""),
+        }
+    }
+
+    /// The prompt's length in tokens, at about four characters per token as for English text
+    /// ([`super::prefix::TOKEN_BYTES`]), from [`Call::prompt_text`]; at least one.
+    pub(super) fn prompt_tokens(&self) -> u64 {
+        (self.prompt_text().len() / super::prefix::TOKEN_BYTES).max(1) as u64
     }
 }
 

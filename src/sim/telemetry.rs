@@ -19,6 +19,9 @@ pub(crate) struct RankReport {
     pub waiting: i64,
     pub used_tokens: i64,
     pub capacity: i64,
+    /// Prompt tokens that looked up the prefix cache, and those found there (counters).
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
 }
 
 impl Sim {
@@ -55,6 +58,8 @@ impl Sim {
                     } else {
                         rank.capacity
                     } as i64,
+                    prefix_queries: c.prefix_queries,
+                    prefix_hits: c.prefix_hits,
                 }
             })
             .collect()
@@ -166,6 +171,35 @@ impl Sim {
                     r.capacity,
                     r.capacity / 16
                 );
+            }
+            if self.cfg.prefix_caching {
+                // vLLM's names, help texts and float rendering, as in a real scrape.
+                for (name, help, hits) in [
+                    (
+                        "vllm:prefix_cache_queries_total",
+                        "Prefix cache queries, in terms of number of queried tokens.",
+                        false,
+                    ),
+                    (
+                        "vllm:prefix_cache_hits_total",
+                        "Prefix cache hits, in terms of number of cached tokens.",
+                        true,
+                    ),
+                ] {
+                    let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
+                    for r in &reports {
+                        let v = if hits {
+                            r.prefix_hits
+                        } else {
+                            r.prefix_queries
+                        };
+                        let _ = writeln!(
+                            o,
+                            "{name}{{engine=\"{}\",model_name=\"{model}\"}} {:?}",
+                            r.global, v as f64
+                        );
+                    }
+                }
             }
         }
         o

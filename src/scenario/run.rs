@@ -1,0 +1,283 @@
+//! Runs one variant of a scenario: a fresh simulated fleet, one or several rankgate routers in
+//! front of it (each with its own polls and nothing shared, as separate processes would be), the
+//! workload with its events, per-rank KV sampled every 100 ms, and the fleet's prefix-cache
+//! counters read from the simulator at the end.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{events, Scenario, Variant};
+use crate::app::Router;
+use crate::config::Config;
+use crate::load::{self, Arrivals, Dist, Report, Workload};
+use crate::sim::SimEngine;
+
+/// One rank's results under one policy.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RankResult {
+    pub id: String,
+    pub rank: u32,
+    pub served: usize,
+    pub peak_kv: f64,
+    /// Requests sent to the rank while its telemetry was dark, counted from two poll intervals
+    /// after it went dark: before then the poll that could see it may not have come back yet.
+    pub sent_while_dark: usize,
+    /// Requests sent in those first two intervals.
+    pub sent_before_detection: usize,
+    /// Prompt tokens the rank looked up in its prefix cache, and those it found.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+}
+
+/// Results of one variant with one replica count.
+pub struct PolicyRun {
+    pub policy: Variant,
+    /// Rankgate routers that shared the load.
+    pub replicas: u32,
+    /// The load report; its `prefix_cache` is the whole fleet's.
+    pub report: Report,
+    pub ranks: Vec<RankResult>,
+    /// (seconds since start, KV usage per rank in fleet order).
+    pub kv_series: Vec<(f64, Vec<f64>)>,
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+impl PolicyRun {
+    /// The variant, with the replica count when there were several: `least_kv+affinity x3`.
+    pub fn label(&self) -> String {
+        match self.replicas {
+            1 => self.policy.as_str().to_string(),
+            n => format!("{} x{n}", self.policy.as_str()),
+        }
+    }
+}
+
+/// Starts a fresh fleet and `replicas` routers for `policy`, drives the workload with its events
+/// (requests spread over the routers in turn), and tears everything down.
+pub async fn run_policy(
+    s: &Scenario,
+    policy: Variant,
+    replicas: u32,
+    progress: bool,
+) -> Result<PolicyRun, String> {
+    let grpc = s.workload.grpc;
+    let mut engines = Vec::new();
+    let mut urls = Vec::new();
+    for spec in &s.engines {
+        let cfg = spec.sim_config();
+        let e = SimEngine::start(loopback(), cfg)
+            .await
+            .map_err(|err| format!("starting simulated engine: {err}"))?;
+        urls.push(match grpc {
+            true => {
+                let g = e.start_grpc(loopback()).await;
+                format!(
+                    "grpc_url = \"http://{}\"",
+                    g.map_err(|err| err.to_string())?
+                )
+            }
+            false => format!("url = \"{}\"", e.url()),
+        });
+        engines.push(e);
+    }
+    let mut toml = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+         {}\
+         [telemetry]\ninterval = \"{}ms\"\nstale_after = \"{}ms\"\n",
+        if grpc {
+            "grpc_listen = \"127.0.0.1:0\"\n"
+        } else {
+            ""
+        },
+        policy.routing_toml(),
+        s.router.interval.0.as_millis(),
+        s.router.stale_after.0.as_millis()
+    );
+    for (url, spec) in urls.iter().zip(&s.engines) {
+        toml.push_str(&format!(
+            "[[engines]]\n{url}\nflavor = \"{}\"\ndp_size = {}\nstart_rank = {}\n",
+            spec.flavor.as_str(),
+            spec.dp_size,
+            spec.start_rank
+        ));
+    }
+    let mut routers = Vec::new();
+    for _ in 0..replicas.max(1) {
+        let cfg = Config::from_str(&toml).map_err(|e| format!("router config: {e}\n{toml}"))?;
+        let router = Router::start(cfg).await.map_err(|e| e.to_string())?;
+        if progress {
+            // Where to watch it while it runs, from another terminal.
+            let admin = router.admin_addr;
+            eprintln!(
+                "  {}: watch it live with `rankgate top --admin http://{admin}` (or `cargo run --release -- top --admin http://{admin}`); metrics at http://{admin}/metrics",
+                policy.as_str()
+            );
+        }
+        routers.push(router);
+    }
+    // Bounded wait for the first telemetry, so every policy starts from what a steady router knows.
+    for router in &routers {
+        for _ in 0..250 {
+            if router
+                .selector
+                .any_routable(&router.table, &Default::default())
+                && router
+                    .table
+                    .snapshot
+                    .load()
+                    .ranks
+                    .iter()
+                    .all(|r| r.reachable)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let router = &routers[0];
+
+    let engines = Arc::new(engines);
+    let ids: Vec<String> = (router.table.snapshot.load().fleet)
+        .workers
+        .iter()
+        .map(|w| w.id_text.to_string())
+        .collect();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let sampler = tokio::spawn(sample_kv(engines.clone(), stop_rx.clone()));
+    let timeline = tokio::spawn(events::play(engines.clone(), s.events.clone(), stop_rx));
+
+    let w = &s.workload;
+    let workload = Workload {
+        url: format!("http://{}", router.grpc_addr.unwrap_or(router.addr)),
+        spread: routers[1..]
+            .iter()
+            .map(|r| format!("http://{}", r.addr))
+            .collect(),
+        sessions: w.sessions.clone(),
+        hot_prefix: w.hot_prefix,
+        api: w.api,
+        stream: w.stream,
+        arrivals: match (w.rate, w.concurrency) {
+            (Some(r), _) => Arrivals::Poisson(r),
+            (None, c) => Arrivals::Closed(c.unwrap_or(1)),
+        },
+        requests: w.requests,
+        duration: w.duration.0,
+        // Unused by sessions, whose prompts are their own.
+        prompt_tokens: w.prompt_tokens.unwrap_or(Dist::Fixed(200)),
+        output_tokens: w.output_tokens,
+        trace: s.trace.clone(),
+        bursts: w.bursts.clone(),
+        model: "tiny-llama".into(),
+        grpc: grpc.then(|| s.engines[0].flavor.into()),
+        progress,
+        seed: w.seed,
+    };
+    let report = load::run(&workload).await;
+    let _ = stop_tx.send(true);
+    let kv_series = sampler.await.unwrap_or_default();
+    let _ = timeline.await;
+    for router in routers {
+        router.shutdown().await;
+    }
+    // Each variant starts a fresh fleet, so the counters are this run's alone.
+    let prefix: Vec<(u64, u64)> = engines.iter().flat_map(|e| e.prefix_cache()).collect();
+    if let Ok(engines) = Arc::try_unwrap(engines) {
+        for e in engines {
+            e.shutdown().await;
+        }
+    }
+    let mut report = report?;
+    report.prefix_cache = Some(prefix.iter().fold((0, 0), |(q, h), &(a, b)| (q + a, h + b)));
+
+    let per = report.per_worker();
+    let windows = s.dark_windows();
+    let ranks = s
+        .ranks()
+        .into_iter()
+        .zip(ids)
+        .enumerate()
+        .map(|(i, (rank, id))| {
+            let in_windows = |shift: Duration, to_end: bool| {
+                report
+                    .outcomes
+                    .iter()
+                    .filter(|o| o.worker.as_deref() == Some(id.as_str()))
+                    .filter(|o| {
+                        windows.iter().any(|&(r, from, until)| {
+                            let detected = from + shift;
+                            r == rank
+                                && if to_end {
+                                    o.sent >= detected && o.sent < until
+                                } else {
+                                    o.sent >= from && o.sent < detected.min(until)
+                                }
+                        })
+                    })
+                    .count()
+            };
+            RankResult {
+                served: per.get(&id).copied().unwrap_or(0),
+                peak_kv: kv_series.iter().map(|(_, kv)| kv[i]).fold(0.0, f64::max),
+                sent_while_dark: in_windows(2 * s.router.interval.0, true),
+                sent_before_detection: in_windows(2 * s.router.interval.0, false),
+                prefix_queries: prefix.get(i).map_or(0, |p| p.0),
+                prefix_hits: prefix.get(i).map_or(0, |p| p.1),
+                id,
+                rank,
+            }
+        })
+        .collect();
+    Ok(PolicyRun {
+        policy,
+        replicas,
+        report,
+        ranks,
+        kv_series,
+    })
+}
+
+async fn sample_kv(
+    engines: Arc<Vec<SimEngine>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Vec<(f64, Vec<f64>)> {
+    let start = Instant::now();
+    let mut out = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return out,
+        }
+        let kv: Vec<f64> = engines.iter().flat_map(|e| e.kv_usage()).collect();
+        out.push((start.elapsed().as_secs_f64(), kv));
+    }
+}
+
+/// Runs every variant of the scenario (or those given) in turn, each once per replica count.
+pub async fn run(
+    s: &Scenario,
+    policies: Option<&[Variant]>,
+    progress: bool,
+) -> Result<Vec<PolicyRun>, String> {
+    let mut runs = Vec::new();
+    for n in s.router.replicas.counts() {
+        for &p in policies.unwrap_or(&s.policies) {
+            if progress {
+                eprintln!(
+                    "scenario {}: policy {}, {n} router(s) ...",
+                    s.name,
+                    p.as_str()
+                );
+            }
+            runs.push(run_policy(s, p, n, progress).await?);
+        }
+    }
+    Ok(runs)
+}

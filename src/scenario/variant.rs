@@ -1,0 +1,143 @@
+//! What a scenario compares: router variants (a policy, optionally with prefix affinity on), each
+//! run with one or several rankgate replicas side by side.
+//!
+//! A variant is written as its policy's name, `+affinity` appended for `prefix_affinity = true`
+//! in `[routing]` (`"least_kv"`, `"least_kv+affinity"`, `"round_robin"`), so the scenario file's
+//! `policies = [...]` and loadgen's `--policies` read the same strings.
+
+use serde::Deserialize;
+
+use crate::config::Policy;
+
+/// A router configuration a scenario runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Variant {
+    pub policy: Policy,
+    /// `[routing] prefix_affinity = true`.
+    pub affinity: bool,
+}
+
+impl From<Policy> for Variant {
+    fn from(policy: Policy) -> Variant {
+        Variant {
+            policy,
+            affinity: false,
+        }
+    }
+}
+
+impl Variant {
+    /// Its name as written in scenario files.
+    pub fn as_str(&self) -> &'static str {
+        match (self.policy, self.affinity) {
+            (Policy::LeastKv, false) => "least_kv",
+            (Policy::LeastKv, true) => "least_kv+affinity",
+            (Policy::RoundRobin, false) => "round_robin",
+            (Policy::RoundRobin, true) => "round_robin+affinity",
+            (Policy::Random, false) => "random",
+            (Policy::Random, true) => "random+affinity",
+        }
+    }
+
+    /// The `[routing]` section of the router's configuration.
+    pub fn routing_toml(&self) -> String {
+        let mut t = format!("[routing]\npolicy = \"{}\"\n", self.policy.as_str());
+        // Written only when on, so a router without the key still reads the other variants.
+        if self.affinity {
+            t.push_str("prefix_affinity = true\n");
+        }
+        t
+    }
+}
+
+impl std::str::FromStr for Variant {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Variant, String> {
+        let (name, affinity) = match s.trim().split_once('+') {
+            Some((name, "affinity")) => (name, true),
+            Some((_, other)) => {
+                return Err(format!(
+                    "variant {s:?}: unknown option {other:?} after `+` (only `+affinity`)"
+                ))
+            }
+            None => (s.trim(), false),
+        };
+        let policy = match name {
+            "least_kv" => Policy::LeastKv,
+            "round_robin" => Policy::RoundRobin,
+            "random" => Policy::Random,
+            other => {
+                return Err(format!(
+                    "variant {s:?}: unknown policy {other:?} (least_kv, round_robin or random, optionally +affinity)"
+                ))
+            }
+        };
+        Ok(Variant { policy, affinity })
+    }
+}
+
+impl<'de> Deserialize<'de> for Variant {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// `replicas = 3` or `replicas = [1, 3]`: how many rankgate routers run side by side, each
+/// variant once per count.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Replicas {
+    One(u32),
+    Each(Vec<u32>),
+}
+
+impl Default for Replicas {
+    fn default() -> Self {
+        Replicas::One(1)
+    }
+}
+
+impl Replicas {
+    pub fn counts(&self) -> Vec<u32> {
+        match self {
+            Replicas::One(n) => vec![*n],
+            Replicas::Each(v) => v.clone(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let c = self.counts();
+        if c.is_empty() || c.iter().any(|&n| n == 0 || n > 16) {
+            return Err(format!(
+                "router.replicas: each count must be within 1..=16, got {c:?}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variants_round_trip_and_bad_ones_are_named() {
+        for s in ["least_kv", "least_kv+affinity", "round_robin", "random"] {
+            assert_eq!(s.parse::<Variant>().unwrap().as_str(), s);
+        }
+        let v: Variant = "least_kv+affinity".parse().unwrap();
+        assert!(v.routing_toml().contains("prefix_affinity = true"));
+        assert!(!Variant::from(Policy::LeastKv)
+            .routing_toml()
+            .contains("affinity"));
+        let e = "least_kv+afinity".parse::<Variant>().unwrap_err();
+        assert!(e.contains("afinity"), "{e}");
+        let e = "leastkv".parse::<Variant>().unwrap_err();
+        assert!(e.contains("unknown policy"), "{e}");
+        assert!(Replicas::Each(vec![1, 0]).validate().is_err());
+        assert_eq!(Replicas::default().counts(), [1]);
+    }
+}
