@@ -66,6 +66,8 @@ where
     let client = Sender {
         runtime,
         client: Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector),
+        endpoint: endpoint.clone(),
+        failures: std::sync::Arc::new(crate::http::Throttle::new(Duration::from_secs(30))),
     };
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
@@ -135,11 +137,27 @@ pub fn traceparent(span: &Span) -> Option<HeaderValue> {
     })
 }
 
-/// The exporter's HTTP client: each request runs as a task on rankgate's runtime.
+/// The exporter's HTTP client: each request runs as a task on rankgate's runtime. Failed
+/// exports are logged here (one line per 30 s at most): the SDK itself logs nothing, and spans
+/// silently lost would leave an operator wondering where the traces went.
 #[derive(Debug, Clone)]
 struct Sender {
     runtime: tokio::runtime::Handle,
     client: Client<HttpConnector, Full<Bytes>>,
+    endpoint: String,
+    failures: std::sync::Arc<crate::http::Throttle>,
+}
+
+impl Sender {
+    fn failed(&self, why: &str) {
+        if let Some(held) = self.failures.allow() {
+            tracing::warn!(
+                target: "rankgate::otlp",
+                endpoint = %self.endpoint, error = why, similar_since_last = held,
+                "OTLP export failed: these spans are lost"
+            );
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -163,10 +181,18 @@ impl HttpClient for Sender {
             .to_bytes();
             Ok::<_, String>(Response::from_parts(parts, body))
         };
-        match self.runtime.spawn(call).await {
+        let result = match self.runtime.spawn(call).await {
             Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) => Err(e.into()),
-            Err(e) => Err(format!("the export task ended: {e}").into()),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(format!("the export task ended: {e}")),
+        };
+        match &result {
+            Ok(resp) if !resp.status().is_success() => {
+                self.failed(&format!("the collector answered {}", resp.status()))
+            }
+            Ok(_) => {}
+            Err(e) => self.failed(e),
         }
+        result.map_err(Into::into)
     }
 }

@@ -291,10 +291,9 @@ impl Selector {
         if let Some(x) = explain.as_deref_mut() {
             let affinity = self.affinity.map(|a| (a, prompt));
             *x = explain_pick(table, &snap, now, avoid, self.policy, by, affinity);
-            x.picked = choice
-                .as_ref()
-                .ok()
-                .map(|(w, _)| fleet.workers[*w].id_text.to_string());
+            x.set_picked(
+                (choice.as_ref().ok()).map(|(w, _)| fleet.workers[*w].id_text.to_string()),
+            );
         }
         let (choice, skipped) = choice?;
         let member = &fleet.workers[choice].member;
@@ -315,9 +314,8 @@ impl Selector {
                 crate::table::RankTelemetry::Available(l) => l.capacity_tokens,
                 _ => None,
             };
-            member
-                .prefixes
-                .record(prompt, crate::prefix::budget(capacity));
+            let budget = crate::prefix::budget(capacity, snap.ranks.len());
+            (member.prefixes).record(crate::prefix::recorded(prompt, budget), budget);
         }
         Ok(Picked {
             guard: InFlight::start(member.clone(), self.sizer.weight(content_length)),

@@ -27,17 +27,29 @@ pub const TOKENS_PER_CHUNK: u64 = 64;
 /// Chunks read from one prompt at most (512 KiB): a longer prompt matches by its start.
 pub const MAX_CHUNKS: usize = 2048;
 /// Entries per rank when its KV capacity is unknown, and the bounds for a known one: at most
-/// about 16 K entries (~1 MiB) per rank whatever it reports.
+/// 16 K entries (about 40 bytes each) per rank whatever it reports.
 pub const DEFAULT_BUDGET: usize = 4096;
 const MIN_BUDGET: usize = 256;
 const MAX_BUDGET: usize = 16384;
+/// Entries over the whole fleet at most (about 80 MiB): a fleet of thousands of ranks gets
+/// less per rank rather than unbounded memory.
+const FLEET_BUDGET: usize = 2 << 20;
 
-/// A rank's index size for a KV capacity of `capacity_tokens`, if reported.
-pub fn budget(capacity_tokens: Option<u64>) -> usize {
-    match capacity_tokens {
+/// The index size of a rank with a KV capacity of `capacity_tokens` (if reported) in a fleet
+/// of `ranks` ranks.
+pub fn budget(capacity_tokens: Option<u64>, ranks: usize) -> usize {
+    let own = match capacity_tokens {
         Some(t) => ((t / TOKENS_PER_CHUNK) as usize).clamp(MIN_BUDGET, MAX_BUDGET),
         None => DEFAULT_BUDGET,
-    }
+    };
+    own.min(FLEET_BUDGET / ranks.max(1)).max(1)
+}
+
+/// The leading chunks of `prompt` worth recording in an index of `budget` entries: at most
+/// half of it, so a prompt longer than the cache never evicts its own beginning (what the
+/// next turn matches first).
+pub fn recorded(prompt: &[u64], budget: usize) -> &[u64] {
+    &prompt[..prompt.len().min(budget / 2)]
 }
 
 /// The chained chunk names of a request body's prompt (`messages`, else `prompt`); empty when
@@ -199,10 +211,24 @@ mod tests {
 
     #[test]
     fn budgets_follow_capacity_within_bounds() {
-        assert_eq!(budget(None), DEFAULT_BUDGET);
-        assert_eq!(budget(Some(64 * 1000)), 1000);
-        assert_eq!(budget(Some(10)), MIN_BUDGET);
-        assert_eq!(budget(Some(u64::MAX)), MAX_BUDGET);
+        assert_eq!(budget(None, 8), DEFAULT_BUDGET);
+        assert_eq!(budget(Some(64 * 1000), 8), 1000);
+        assert_eq!(budget(Some(10), 8), MIN_BUDGET);
+        assert_eq!(budget(Some(u64::MAX), 8), MAX_BUDGET);
+        // A fleet of many ranks shares one bound.
+        assert_eq!(budget(Some(u64::MAX), 65_536), FLEET_BUDGET / 65_536);
+    }
+
+    #[test]
+    fn a_prompt_longer_than_the_cache_keeps_its_beginning() {
+        let r = RankPrefixes::default();
+        let prompt: Vec<u64> = (0..300).collect();
+        r.record(recorded(&prompt, 256), 256);
+        assert_eq!(
+            r.matched(&prompt),
+            128,
+            "the first half of the budget, from the start"
+        );
     }
 
     proptest! {

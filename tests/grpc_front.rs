@@ -501,3 +501,52 @@ async fn in_a_mixed_fleet_each_front_door_sends_only_to_its_own_engines() {
         );
     }
 }
+
+/// `x-rankgate-debug` works on the gRPC front door, and neither it nor the admin token reaches
+/// an engine: not on a proxied call, not on a call rankgate makes itself (Abort).
+#[tokio::test]
+async fn the_debugging_headers_never_reach_an_engine() {
+    let a = Eng::start(Flavor::Vllm, 1, 0).await;
+    let r = grpc_router_with(&common::admin::token_env(), &[a.toml()]).await;
+    wait_state(&r, &[0], "available").await;
+    let origin: http::Uri = format!("http://{}", r.grpc_addr.unwrap()).parse().unwrap();
+    let mut c = vllm::vllm_engine_client::VllmEngineClient::with_origin(
+        transport(Duration::from_secs(2)),
+        origin,
+    );
+    fn debugging<T>(msg: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        let m = req.metadata_mut();
+        m.insert("x-rankgate-debug", "1".parse().unwrap());
+        m.insert(
+            "x-rankgate-admin-token",
+            common::admin::TOKEN.parse().unwrap(),
+        );
+        req
+    }
+    let resp = bounded(c.generate(debugging(vllm_generate("dbg", None, 100_000))))
+        .await
+        .expect("Generate");
+    let pick = resp
+        .metadata()
+        .get("x-rankgate-pick")
+        .expect("the pick explained");
+    assert!(pick.to_str().unwrap().contains("\"policy\":\"least_kv\""));
+    let mut stream = resp.into_inner();
+    assert!(bounded(stream.message()).await.expect("a chunk").is_some());
+    let abort = vllm::AbortRequest {
+        request_ids: vec!["dbg".into()],
+    };
+    bounded(c.abort(debugging(abort))).await.expect("Abort");
+    let seen = a.sim.grpc_seen();
+    assert!(seen.iter().any(|s| s.method == "Abort"), "{seen:?}");
+    for s in &seen {
+        assert!(
+            !(s.header_names.iter())
+                .any(|h| h == "x-rankgate-debug" || h == "x-rankgate-admin-token"),
+            "{} reached the engine with {:?}",
+            s.method,
+            s.header_names
+        );
+    }
+}

@@ -90,8 +90,11 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// An OTLP/HTTP collector on 127.0.0.1:0 keeping every export request it is sent.
-async fn collector() -> (
+/// An OTLP/HTTP collector on 127.0.0.1:0 keeping every export request it is sent, and
+/// answering `answer` (when 200: 400 to anything that is not an OTLP protobuf export).
+async fn collector(
+    answer: StatusCode,
+) -> (
     std::net::SocketAddr,
     Arc<Mutex<Vec<ExportTraceServiceRequest>>>,
 ) {
@@ -115,7 +118,7 @@ async fn collector() -> (
                         let status = match ExportTraceServiceRequest::decode(body) {
                             Ok(export) if ok => {
                                 kept.lock().unwrap().push(export);
-                                StatusCode::OK
+                                answer
                             }
                             _ => StatusCode::BAD_REQUEST,
                         };
@@ -138,7 +141,7 @@ async fn collector() -> (
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_the_collector_continuing_the_clients_trace() {
-    let (collector_addr, exports) = collector().await;
+    let (collector_addr, exports) = collector(StatusCode::OK).await;
     let e = engine(SimConfig {
         kv_usage: vec![0.6, 0.2],
         ..sim(rankgate::sim::SimFlavor::Vllm, 2, 0)
@@ -248,4 +251,50 @@ async fn spans_reach_the_collector_continuing_the_clients_trace() {
         tp,
         format!("00-{client_trace}-{}-01", hex(&upstream.span_id))
     );
+}
+
+/// A collector that refuses every export: requests are served as ever, and the lost spans are
+/// logged (once per 30 s), not silently dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_collector_is_logged_and_costs_no_request() {
+    let (collector_addr, exports) = collector(StatusCode::INTERNAL_SERVER_ERROR).await;
+    let e = engine(sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_delay = \"0s\"\n\
+         {FAST}[tracing]\notlp_endpoint = \"http://{collector_addr}\"\n{}",
+        engine_toml(&e.url(), "vllm", 1, 0)
+    );
+    let mut rg = Rankgate::start("otlp-500", &config, None).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = send(
+            post(rg.addr, "/v1/chat/completions")
+                .body(Full::new(Bytes::from(chat_body(2, false))))
+                .unwrap(),
+        )
+        .await;
+        if reply.status == StatusCode::OK {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never served: {}",
+            reply.status
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    rg.signal(libc::SIGTERM);
+    let status = rg
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .expect("rankgate exits");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        !exports.lock().unwrap().is_empty(),
+        "the export was attempted"
+    );
+    let line = rg
+        .wait_log("OTLP export failed", Duration::from_secs(5))
+        .await;
+    assert!(line.contains("500"), "{line}");
 }

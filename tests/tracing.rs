@@ -406,3 +406,47 @@ async fn request_and_upstream_spans_carry_the_pick_and_continue_the_trace() {
     assert_eq!(&tp[3..35], trace_id);
     r.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_request_the_client_abandons_ends_its_spans_as_cancelled() {
+    capture_spans();
+    let e = engine(SimConfig {
+        hang_requests: true,
+        ..sim(rankgate::sim::SimFlavor::Vllm, 1, 0)
+    })
+    .await;
+    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
+    wait_state(&r, &[0], "available").await;
+    let req = chat_request(r.addr)
+        .header("x-request-id", "abandoned-1")
+        .body(body())
+        .unwrap();
+    // The engine never answers; the client gives up once the engine has the request.
+    let call = tokio::spawn(async move { client().request(req).await });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while e.open_requests() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the request never reached the engine"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    call.abort();
+    let _ = call.await;
+    for name in ["request", "upstream"] {
+        let found = spans(name, "request_id", "abandoned-1", 1).await;
+        assert_eq!(found.len(), 1, "{name}");
+        let f = &found[0].fields;
+        assert_eq!(
+            f.get("error").map(String::as_str),
+            Some("cancelled: the client went away"),
+            "{name}: {f:?}"
+        );
+        assert_eq!(
+            f.get("otel.status_code").map(String::as_str),
+            Some("ERROR"),
+            "{name}"
+        );
+    }
+    r.shutdown().await;
+}

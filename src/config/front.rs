@@ -477,11 +477,26 @@ pub(super) fn routing(
     for (key, v, max) in [
         ("routing.tie_margin", routing.tie_margin, 0.5),
         ("routing.affinity_margin", routing.affinity_margin, 1.0),
-        ("routing.affinity_max_kv", routing.affinity_max_kv, 1.0),
     ] {
         if !(0.0..=max).contains(&v) {
             return Err(invalid(key, format!("{v} must be in [0, {max}]")));
         }
+    }
+    let max_kv = routing.affinity_max_kv;
+    if !(max_kv > 0.0 && max_kv <= 1.0) {
+        return Err(invalid(
+            "routing.affinity_max_kv",
+            format!("{max_kv} must be in (0, 1] (0 would leave affinity no rank to choose)"),
+        ));
+    }
+    if routing.prefix_affinity && routing.policy != Policy::LeastKv {
+        return Err(invalid(
+            "routing.prefix_affinity",
+            format!(
+                "works with policy = \"least_kv\" only (it chooses among the ranks load allows); policy is {:?}",
+                routing.policy.as_str()
+            ),
+        ));
     }
     if !(1..=MAX_MAX_ATTEMPTS).contains(&routing.max_attempts) {
         return Err(invalid(

@@ -34,7 +34,8 @@ pub struct Explanation {
     pub by: By,
     /// The worker chosen; `None` when no rank could take the request.
     pub picked: Option<String>,
-    /// The ranks that could have taken it, lowest score (the best) first.
+    /// The ranks that could have taken it: the picked one first, then lowest score (the best)
+    /// first.
     pub candidates: Vec<Candidate>,
     /// The ranks passed over, and why.
     pub skipped: Vec<Skipped>,
@@ -74,7 +75,27 @@ pub struct Skipped {
     pub why: String,
 }
 
+impl By {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            By::Kv => "kv",
+            By::InFlight => "in_flight",
+            By::Reachable => "reachable",
+        }
+    }
+}
+
 impl Explanation {
+    /// Names the picked worker and moves it to the front of the candidates (a tie or affinity
+    /// can pick one that is not the lowest), so no cut of the list leaves it out.
+    pub(super) fn set_picked(&mut self, worker: Option<String>) {
+        if let Some(i) = (self.candidates.iter()).position(|c| Some(&c.worker) == worker.as_ref()) {
+            let picked = self.candidates.remove(i);
+            self.candidates.insert(0, picked);
+        }
+        self.picked = worker;
+    }
+
     pub(super) fn new(policy: Policy, by: By) -> Explanation {
         Explanation {
             policy: policy.as_str(),
@@ -113,8 +134,8 @@ impl Explanation {
     }
 
     /// One line of JSON of at most `max` bytes: when the whole would be longer (a large
-    /// fleet), the lists keep their first entries (the best candidates) and `omitted` says how
-    /// many were left out.
+    /// fleet), the lists keep their first entries (the best candidates, and the picked one
+    /// always) and `omitted` says how many were left out.
     pub fn to_json(&self, max: usize) -> String {
         let mut x = self.clone();
         loop {
@@ -150,7 +171,9 @@ pub(super) fn explain_pick(
     affinity: Option<((f64, f64), &[u64])>,
 ) -> Explanation {
     let mut x = Explanation::new(policy, by);
-    let prompt = affinity.map(|(_, p)| p);
+    // A prompt not read (too large to keep, not JSON, shorter than a chunk) matches nothing
+    // and says so by its absence.
+    let prompt = affinity.map(|(_, p)| p).filter(|p| !p.is_empty());
     x.prompt_chunks = prompt.map(<[u64]>::len);
     let fleet = &snap.fleet;
     for (w, seat) in fleet.workers.iter().enumerate() {

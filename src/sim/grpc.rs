@@ -86,6 +86,7 @@ fn raw<T>(req: &GrpcRequest<T>) -> RawMessage {
             raw: Bytes::new(),
             timeout: None,
             peer: None,
+            header_names: Vec::new(),
         })
 }
 
@@ -420,7 +421,13 @@ pub(crate) async fn serve(
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_string);
                 let peer = parts.extensions.get::<net::Peer>().map(|p| p.0);
-                parts.extensions.insert(RawMessage { raw, timeout, peer });
+                let header_names = parts.headers.keys().map(|k| k.to_string()).collect();
+                parts.extensions.insert(RawMessage {
+                    raw,
+                    timeout,
+                    peer,
+                    header_names,
+                });
             }
             let req = Request::from_parts(parts, Full::new(body));
             let resp: Response<tonic::body::Body> =

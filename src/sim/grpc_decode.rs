@@ -36,6 +36,8 @@ pub struct GrpcSeen {
     pub timeout: Option<String>,
     /// The client's address: calls from one address came over one connection.
     pub peer: Option<std::net::SocketAddr>,
+    /// The names of every header (metadata key) received, lowercase.
+    pub header_names: Vec<String>,
 }
 
 /// The raw payload of a request's (only) gRPC message, which the accept loop puts in the request's
@@ -45,6 +47,7 @@ pub(crate) struct RawMessage {
     pub raw: Bytes,
     pub timeout: Option<String>,
     pub peer: Option<std::net::SocketAddr>,
+    pub header_names: Vec<String>,
 }
 
 /// The payload of the first message of a gRPC request body, if the body holds a whole one.
@@ -105,6 +108,7 @@ impl Sim {
             raw: call.raw,
             timeout: call.timeout,
             peer: call.peer,
+            header_names: call.header_names,
         });
     }
 
