@@ -43,8 +43,11 @@ pub const DEFAULT_EJECT_AFTER: u32 = 5;
 /// About one request's KV: ranks closer than that are the same load to a router that cannot see
 /// the other routers' requests.
 pub const DEFAULT_TIE_MARGIN: f64 = 0.02;
-/// Affinity may choose a rank up to five typical requests' KV above the best.
-pub const DEFAULT_AFFINITY_MARGIN: f64 = 0.1;
+/// Affinity may choose a rank this far above the best: about four requests of a multi-turn chat
+/// on a 32 K-token rank. At 0.1 the rank holding a conversation fell out of reach about one turn
+/// in five in the multi-turn scenario (docs/routing-quality.md); `affinity_max_kv` still keeps
+/// any full rank out.
+pub const DEFAULT_AFFINITY_MARGIN: f64 = 0.2;
 /// ...and never one whose projected KV is at or above this.
 pub const DEFAULT_AFFINITY_MAX_KV: f64 = 0.85;
 pub const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
