@@ -27,45 +27,12 @@ done
 [ "$(nproc --all)" -ge 2 ] || { echo "needs 2 CPUs" >&2; exit 2; }
 cargo build --release --quiet --bin rankgate --example bare_proxy
 
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. bench/lib.sh
 UP=$(free_port); UP2=$(free_port)
 declare -A PORT ADMIN PID
 for t in nginx bare vllm sglang models; do PORT[$t]=$(free_port); ADMIN[$t]=$(free_port); done
-cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
-mkdir -p "$work/tmp"
-
-cat > "$work/upstream.conf" <<CONF
-worker_processes 1; daemon off; pid $work/up.pid; error_log $work/up.err;
-events { worker_connections 8192; }
-http {
-  access_log off; client_body_temp_path $work/tmp;
-  server { listen 127.0.0.1:$UP; keepalive_requests 10000000;
-    location = /metrics { default_type text/plain; alias $work/metrics; }
-    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}'; }
-    location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'; }
-  }
-  server { listen 127.0.0.1:$UP2; keepalive_requests 10000000;
-    location = /metrics { default_type text/plain; alias $work/metrics; }
-    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"other-model","object":"model"}]}'; }
-    location / { default_type application/json; return 200 '{"id":"cmpl-2","object":"chat.completion","choices":[]}'; }
-  }
-}
-CONF
-cat > "$work/nginx.conf" <<CONF
-worker_processes 1; daemon off; pid $work/px.pid; error_log $work/px.err;
-events { worker_connections 8192; }
-http {
-  access_log off; client_body_temp_path $work/tmp; proxy_temp_path $work/tmp;
-  upstream engine { server 127.0.0.1:$UP; keepalive 256; }
-  server { listen 127.0.0.1:${PORT[nginx]}; keepalive_requests 10000000;
-    location / { proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection ""; }
-  }
-}
-CONF
+upstream_conf "$UP" "$UP2" > "$work/upstream.conf"
+proxy_conf 1 "${PORT[nginx]}" "$UP" > "$work/nginx.conf"
 rankgate_conf() { # target flavor extra-engine
   printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "${PORT[$1]}" "${ADMIN[$1]}"
   printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\ntelemetry = ["prometheus"]\n' "$UP" "$2"
@@ -108,7 +75,6 @@ if [[ " $TARGETS " == *" nginx "* ]]; then
   PID[nginx]=$w
 fi
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 peak_kb() { awk '/VmHWM/ {print $2}' "/proc/$1/status"; }
 load() { taskset -c 1 wrk -t1 -c"$CONNS" -d"$2" --latency -s "$work/post.lua" "http://127.0.0.1:${PORT[$1]}/v1/chat/completions"; }
 for t in $TARGETS; do load "$t" 2s >/dev/null; done   # warm pools and caches

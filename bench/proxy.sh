@@ -24,45 +24,11 @@ CONNS=${2:-32}
 command -v nginx >/dev/null && command -v wrk >/dev/null || { echo "needs nginx and wrk" >&2; exit 2; }
 cargo build --release --quiet --bin rankgate --example bare_proxy
 
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. bench/lib.sh
 UP=$(free_port); UP2=$(free_port); NGX=$(free_port); RG=$(free_port); ADMIN=$(free_port); BARE=$(free_port)
 OLD=$(free_port); OLDADMIN=$(free_port)
-cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
-mkdir -p "$work/tmp"
-
-cat > "$work/upstream.conf" <<CONF
-worker_processes 1; daemon off; pid $work/up.pid; error_log $work/up.err;
-events { worker_connections 4096; }
-http {
-  access_log off; client_body_temp_path $work/tmp;
-  server { listen 127.0.0.1:$UP; keepalive_requests 1000000;
-    location = /metrics { default_type text/plain; alias $work/metrics; }
-    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}'; }
-    location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'; }
-  }
-  server { listen 127.0.0.1:$UP2; keepalive_requests 1000000;
-    location = /metrics { default_type text/plain; alias $work/metrics; }
-    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"other-model","object":"model"}]}'; }
-    location / { default_type application/json; return 200 '{"id":"cmpl-2","object":"chat.completion","choices":[]}'; }
-  }
-}
-CONF
-cat > "$work/proxy.conf" <<CONF
-worker_processes 2; daemon off; pid $work/px.pid; error_log $work/px.err;
-events { worker_connections 4096; }
-http {
-  access_log off; client_body_temp_path $work/tmp; proxy_temp_path $work/tmp;
-  upstream engine { server 127.0.0.1:$UP; keepalive 256; }
-  server { listen 127.0.0.1:$NGX; keepalive_requests 1000000;
-    location / { proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection ""; }
-  }
-}
-CONF
+upstream_conf "$UP" "$UP2" > "$work/upstream.conf"
+proxy_conf 2 "$NGX" "$UP" > "$work/proxy.conf"
 cat > "$work/rankgate.toml" <<CONF
 [server]
 listen = "127.0.0.1:$RG"
@@ -101,7 +67,6 @@ if [ "${MODELS:-1}" = 2 ]; then  # routing by model starts once both model lists
   for _ in $(seq 100); do curl -s "127.0.0.1:$OLD/v1/models" | grep -q other-model && break; sleep 0.1; done
 fi
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 run() { # name port -> prints "name req/s"
   wrk -t1 -c"$CONNS" -d"${DURATION}s" -s "$work/post.lua" "http://127.0.0.1:$2/v1/chat/completions" > "$work/$1.out"
   awk '/Requests\/sec/ {print $2}' "$work/$1.out"

@@ -1,0 +1,50 @@
+# Shared by bench/proxy.sh and bench/pinned.sh (sourced from the repository root): a work
+# directory and the processes to stop on exit, free loopback ports, a process's CPU ticks, and
+# the nginx configs both scripts run.
+
+work=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+mkdir -p "$work/tmp"
+cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+# The fake engines, one nginx worker: a fixed chat-completion answer and a real vLLM DP=2
+# /metrics capture, at $1 (model tiny-llama) and $2 (model other-model).
+upstream_conf() {
+  cat <<CONF
+worker_processes 1; daemon off; pid $work/up.pid; error_log $work/up.err;
+events { worker_connections 8192; }
+http {
+  access_log off; client_body_temp_path $work/tmp;
+  server { listen 127.0.0.1:$1; keepalive_requests 10000000;
+    location = /metrics { default_type text/plain; alias $work/metrics; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}'; }
+    location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'; }
+  }
+  server { listen 127.0.0.1:$2; keepalive_requests 10000000;
+    location = /metrics { default_type text/plain; alias $work/metrics; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"other-model","object":"model"}]}'; }
+    location / { default_type application/json; return 200 '{"id":"cmpl-2","object":"chat.completion","choices":[]}'; }
+  }
+}
+CONF
+}
+
+# nginx as a reverse proxy with $1 workers, listening on $2, to the engine at $3.
+proxy_conf() {
+  cat <<CONF
+worker_processes $1; daemon off; pid $work/px.pid; error_log $work/px.err;
+events { worker_connections 8192; }
+http {
+  access_log off; client_body_temp_path $work/tmp; proxy_temp_path $work/tmp;
+  upstream engine { server 127.0.0.1:$3; keepalive 256; }
+  server { listen 127.0.0.1:$2; keepalive_requests 10000000;
+    location / { proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection ""; }
+  }
+}
+CONF
+}
