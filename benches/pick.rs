@@ -1,6 +1,7 @@
 //! The pick: `least_kv` over 8, 64 and 1,024 ranks, with and without prefix affinity (a prompt
-//! of 32 chunks, a few ranks holding half of it), and the prompt's chunk names read from an
-//! 8 KiB chat body.
+//! of 32 chunks, a few ranks holding half of it); and the body reads, on 8 KiB and 64 KiB chat
+//! bodies: the prompt's chunk names (what affinity adds) and the `model` scan (what every
+//! request to a multi-model fleet already pays).
 //!
 //!   cargo bench --bench pick
 
@@ -19,16 +20,17 @@ fn selector(affinity: bool) -> Selector {
     Selector::new(&Config::from_str(&text).expect("config").routing)
 }
 
-fn chat_body() -> Vec<u8> {
+/// A chat body with a system prompt of about `kib` KiB.
+fn chat_body(kib: usize) -> Vec<u8> {
     let messages = serde_json::json!([
-        {"role": "system", "content": "You are a careful assistant. ".repeat(280)},
+        {"role": "system", "content": "You are a careful assistant. ".repeat(kib * 35)},
         {"role": "user", "content": "What is prefill?"},
     ]);
     serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).expect("json")
 }
 
 fn pick(c: &mut Criterion) {
-    let body = chat_body();
+    let body = chat_body(8);
     let prompt = rankgate::prefix::prompt_chunks(&body);
     let none = Avoid::default();
     let mut g = c.benchmark_group("pick");
@@ -61,12 +63,15 @@ fn pick(c: &mut Criterion) {
         );
     }
     g.finish();
-    c.bench_function("prompt_chunks/8KiB", |b| {
-        b.iter(|| black_box(rankgate::prefix::prompt_chunks(black_box(&body))))
-    });
-    c.bench_function("model_scan/8KiB", |b| {
-        b.iter(|| black_box(rankgate::proxy::json_member(black_box(&body), "model").ok()))
-    });
+    for kib in [8, 64] {
+        let body = chat_body(kib);
+        c.bench_function(&format!("prompt_chunks/{kib}KiB"), |b| {
+            b.iter(|| black_box(rankgate::prefix::prompt_chunks(black_box(&body))))
+        });
+        c.bench_function(&format!("model_scan/{kib}KiB"), |b| {
+            b.iter(|| black_box(rankgate::proxy::json_member(black_box(&body), "model").ok()))
+        });
+    }
 }
 
 criterion_group!(benches, pick);

@@ -55,15 +55,10 @@ pub fn recorded(prompt: &[u64], budget: usize) -> &[u64] {
 /// The chained chunk names of a request body's prompt (`messages`, else `prompt`); empty when
 /// it has none, is not JSON, or is shorter than one chunk.
 pub fn prompt_chunks(body: &[u8]) -> Vec<u64> {
-    let prompt = match json_member_raw(body, "messages") {
-        Ok(Some(v)) => v,
-        Ok(None) => match json_member_raw(body, "prompt") {
-            Ok(Some(v)) => v,
-            _ => return Vec::new(),
-        },
-        Err(_) => return Vec::new(),
-    };
-    chunk_names(prompt)
+    match json_member_raw(body, &["messages", "prompt"]) {
+        Ok(Some(prompt)) => chunk_names(prompt),
+        _ => Vec::new(),
+    }
 }
 
 /// Names of `bytes`' whole chunks, each chained over all before it.

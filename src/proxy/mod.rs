@@ -92,7 +92,7 @@ pub use body::{BodyTooLarge, BoxError, ClientBodyError, Ending, Holds, ProxyBody
 pub use grpc::{Front, GrpcError};
 pub use identity::REQUEST_ID;
 pub use pin::pin_in_body;
-pub use scan::{json_member, json_member_raw};
+pub use scan::json_member;
 
 /// The pinning header, spelled as vLLM documents it (header names are case-insensitive; SGLang
 /// reads the same name).

@@ -45,19 +45,23 @@ pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>
     found
 }
 
-/// The raw bytes of the value of the top-level member `key` (its last occurrence), as the
-/// client wrote them: for hashing, not reading.
-pub fn json_member_raw<'a>(body: &'a [u8], key: &str) -> Result<Option<&'a [u8]>, ScanError> {
-    let mut found = None;
+/// The raw bytes of the value of the first of `keys` the object has as a top-level member (its
+/// last occurrence), as the client wrote them: for hashing, not reading. One pass over the
+/// body whatever the number of keys.
+pub fn json_member_raw<'a>(body: &'a [u8], keys: &[&str]) -> Result<Option<&'a [u8]>, ScanError> {
+    // The most preferred key seen so far (its index in `keys`) and its value.
+    let mut found: Option<(usize, &'a [u8])> = None;
     members(body, |name, s| {
         let start = s.i;
         s.skip_value()?;
-        if name == key {
-            found = Some(&s.b[start..s.i]);
+        if let Some(k) = keys.iter().position(|k| *k == name) {
+            if found.is_none_or(|(best, _)| k <= best) {
+                found = Some((k, &s.b[start..s.i]));
+            }
         }
         Ok(())
     })?;
-    Ok(found)
+    Ok(found.map(|(_, v)| v))
 }
 
 /// Walks the top level of the JSON object in `body`: `visit` gets each member's name with the
@@ -311,6 +315,23 @@ mod tests {
         assert!(matches!(model(r#"{"a":"#), Err(ScanError::Invalid(_))));
         assert!(matches!(model(""), Err(ScanError::Invalid(_))));
         assert!(matches!(model(r#"{"a" 1}"#), Err(ScanError::Invalid(_))));
+    }
+
+    #[test]
+    fn raw_values_by_preference_in_one_pass() {
+        let raw = |b: &str, keys: &[&str]| {
+            json_member_raw(b.as_bytes(), keys)
+                .map(|v| v.map(|v| String::from_utf8_lossy(v).into_owned()))
+        };
+        let body = r#"{"prompt":"p","messages":[{"a":1}],"messages":[2]}"#;
+        assert_eq!(raw(body, &["messages", "prompt"]), Ok(Some("[2]".into())));
+        assert_eq!(raw(body, &["prompt", "messages"]), Ok(Some("\"p\"".into())));
+        assert_eq!(
+            raw(r#"{"prompt":["x", "y"]}"#, &["messages", "prompt"]),
+            Ok(Some(r#"["x", "y"]"#.into()))
+        );
+        assert_eq!(raw(r#"{"input":1}"#, &["messages", "prompt"]), Ok(None));
+        assert_eq!(raw("[1]", &["prompt"]), Err(ScanError::NotObject));
     }
 
     #[test]
