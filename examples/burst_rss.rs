@@ -10,11 +10,14 @@
 //!
 //! Needs a file-descriptor limit above twice `--streams` (`ulimit -n`).
 
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
 use clap::Parser;
+use common::Router;
 use http_body_util::{BodyExt, Full};
 use rankgate::sim::{SimConfig, SimEngine};
 
@@ -32,15 +35,6 @@ struct Args {
     /// Extra environment for rankgate, `KEY=VALUE` (e.g. MALLOC_ARENA_MAX=2).
     #[arg(long)]
     env: Vec<String>,
-}
-
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn rss_mib(pid: u32) -> Result<f64, String> {
@@ -65,13 +59,7 @@ fn front_addr(line: &str) -> Option<std::net::SocketAddr> {
 #[tokio::main]
 async fn main() -> Result<(), String> {
     let args = Args::parse();
-    let bin = std::env::current_exe()
-        .map_err(|e| e.to_string())?
-        .parent()
-        .and_then(|p| p.parent())
-        .map(|p| p.join("rankgate"))
-        .filter(|p| p.exists())
-        .ok_or("build the router first: cargo build --release --bin rankgate")?;
+    let bin = common::rankgate_binary()?;
     let mut config = "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
                       [telemetry]\ninterval = \"100ms\"\n"
         .to_string();

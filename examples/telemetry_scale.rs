@@ -8,10 +8,13 @@
 //! cargo run --release --example telemetry_scale -- --engines 64 --ranks 64   # 4,096 workers
 //! ```
 
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use clap::Parser;
+use common::Router;
 use rankgate::config::parse_duration;
 use rankgate::sim::{SimConfig, SimEngine};
 
@@ -27,16 +30,6 @@ struct Args {
     /// How long CPU is measured for.
     #[arg(long, default_value_t = 20)]
     seconds: u64,
-}
-
-/// Kills the router whatever happens.
-struct Router(Child);
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// CPU seconds (user + system) and RSS in MiB of `pid`.
@@ -64,13 +57,7 @@ fn usage(pid: u32) -> Result<(f64, f64), String> {
 #[tokio::main]
 async fn main() -> Result<(), String> {
     let args = Args::parse();
-    let bin = std::env::current_exe()
-        .map_err(|e| e.to_string())?
-        .parent()
-        .and_then(|p| p.parent())
-        .map(|p| p.join("rankgate"))
-        .filter(|p| p.exists())
-        .ok_or("build the router first: cargo build --release --bin rankgate")?;
+    let bin = common::rankgate_binary()?;
     let mut engines = Vec::new();
     let mut config = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
