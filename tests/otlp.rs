@@ -139,6 +139,29 @@ async fn collector(
     (addr, got)
 }
 
+/// `rankgate serve` with these `[tracing]` keys in front of `engines`, once every rank reports.
+async fn serve(name: &str, tracing: &str, engines: &str) -> Rankgate {
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_delay = \"0s\"\n\
+         {FAST}[tracing]\n{tracing}{engines}"
+    );
+    let rg = Rankgate::start(name, &config, None).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let available = |v: serde_json::Value| {
+        v.as_array()
+            .is_some_and(|rows| rows.iter().all(|w| w["telemetry"] == "available"))
+    };
+    // Each check is a real request to the admin listener, bounded in time.
+    while !available(get(rg.admin_addr, "/workers").await.json()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "ranks never available"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    rg
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_the_collector_continuing_the_clients_trace() {
     let (collector_addr, exports) = collector(StatusCode::OK).await;
@@ -147,24 +170,9 @@ async fn spans_reach_the_collector_continuing_the_clients_trace() {
         ..sim(rankgate::sim::SimFlavor::Vllm, 2, 0)
     })
     .await;
-    let config = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_delay = \"0s\"\n\
-         {FAST}[tracing]\notlp_endpoint = \"http://{collector_addr}\"\nservice_name = \"rankgate-test\"\n{}",
-        engine_toml(&e.url(), "vllm", 2, 0)
-    );
-    let mut rg = Rankgate::start("otlp", &config, None).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let available = |v: serde_json::Value| {
-        v.as_array()
-            .is_some_and(|rows| rows.iter().all(|w| w["telemetry"] == "available"))
-    };
-    while !available(get(rg.admin_addr, "/workers").await.json()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "ranks never available"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let tracing =
+        format!("otlp_endpoint = \"http://{collector_addr}\"\nservice_name = \"rankgate-test\"\n");
+    let mut rg = serve("otlp", &tracing, &engine_toml(&e.url(), "vllm", 2, 0)).await;
 
     let (client_trace, client_span) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
     let reply = send(
@@ -259,30 +267,15 @@ async fn spans_reach_the_collector_continuing_the_clients_trace() {
 async fn a_failing_collector_is_logged_and_costs_no_request() {
     let (collector_addr, exports) = collector(StatusCode::INTERNAL_SERVER_ERROR).await;
     let e = engine(sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
-    let config = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_delay = \"0s\"\n\
-         {FAST}[tracing]\notlp_endpoint = \"http://{collector_addr}\"\n{}",
-        engine_toml(&e.url(), "vllm", 1, 0)
-    );
-    let mut rg = Rankgate::start("otlp-500", &config, None).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let reply = send(
-            post(rg.addr, "/v1/chat/completions")
-                .body(Full::new(Bytes::from(chat_body(2, false))))
-                .unwrap(),
-        )
-        .await;
-        if reply.status == StatusCode::OK {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never served: {}",
-            reply.status
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let tracing = format!("otlp_endpoint = \"http://{collector_addr}\"\n");
+    let mut rg = serve("otlp-500", &tracing, &engine_toml(&e.url(), "vllm", 1, 0)).await;
+    let reply = send(
+        post(rg.addr, "/v1/chat/completions")
+            .body(Full::new(Bytes::from(chat_body(2, false))))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
     rg.signal(libc::SIGTERM);
     let status = rg
         .wait_exit(Duration::from_secs(30))

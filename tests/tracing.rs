@@ -127,6 +127,16 @@ fn body() -> Full<Bytes> {
     Full::new(Bytes::from(chat_body(4, false)))
 }
 
+/// A chat completion asking for the pick explanation, with the admin token.
+async fn debug_chat(addr: std::net::SocketAddr) -> Reply {
+    let req = chat_request(addr)
+        .header("x-rankgate-debug", "1")
+        .header("x-rankgate-admin-token", TOKEN)
+        .body(body())
+        .unwrap();
+    send(req).await
+}
+
 /// The `x-rankgate-pick` values of a reply, parsed.
 fn picks(r: &Reply) -> Vec<Value> {
     (r.headers.get_all("x-rankgate-pick").iter())
@@ -171,14 +181,7 @@ async fn fleet_with_a_dark_rank(
 #[tokio::test]
 async fn debug_header_with_the_admin_token_explains_the_pick() {
     let (a, _b, r) = fleet_with_a_dark_rank(&token_env(), "").await;
-    let reply = send(
-        chat_request(r.addr)
-            .header("x-rankgate-debug", "1")
-            .header("x-rankgate-admin-token", TOKEN)
-            .body(body())
-            .unwrap(),
-    )
-    .await;
+    let reply = debug_chat(r.addr).await;
     assert_eq!(reply.status, StatusCode::OK);
     let picks = picks(&reply);
     assert_eq!(picks.len(), 1, "one attempt, one explanation");
@@ -256,14 +259,7 @@ async fn debug_header_refusals_are_named() {
 
     // A router without an admin token has debugging off, and says how to turn it on.
     let (_a, _b, r) = fleet_with_a_dark_rank("", "").await;
-    let reply = send(
-        chat_request(r.addr)
-            .header("x-rankgate-debug", "1")
-            .header("x-rankgate-admin-token", TOKEN)
-            .body(body())
-            .unwrap(),
-    )
-    .await;
+    let reply = debug_chat(r.addr).await;
     assert_eq!(reply.status, StatusCode::FORBIDDEN);
     let msg = reply.json()["error"]["message"]
         .as_str()
@@ -298,14 +294,7 @@ async fn a_retried_request_explains_every_attempt() {
     )
     .await;
     wait_state(&r, &[0, 1], "available").await;
-    let reply = send(
-        chat_request(r.addr)
-            .header("x-rankgate-debug", "1")
-            .header("x-rankgate-admin-token", TOKEN)
-            .body(body())
-            .unwrap(),
-    )
-    .await;
+    let reply = debug_chat(r.addr).await;
     assert_eq!(reply.status, StatusCode::OK);
     let picks = picks(&reply);
     assert_eq!(picks.len(), 2, "{picks:?}");
@@ -332,14 +321,7 @@ async fn no_rank_is_explained_too() {
     // Every rank of engine A goes dark: no rank has telemetry, and the router rejects.
     _a.set_dark_ranks(vec![0, 1]);
     wait_state(&r, &[0, 1], "unavailable").await;
-    let reply = send(
-        chat_request(r.addr)
-            .header("x-rankgate-debug", "1")
-            .header("x-rankgate-admin-token", TOKEN)
-            .body(body())
-            .unwrap(),
-    )
-    .await;
+    let reply = debug_chat(r.addr).await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     let picks = picks(&reply);
     assert_eq!(picks.len(), 1);
