@@ -95,8 +95,8 @@ impl Catalog {
     }
 
     /// Among the engines `allowed` (those serving the request's route), the ones that may serve
-    /// a request for `model`, in engine order: those whose list has it, or, when no known list
-    /// has it, those whose list is unknown. A request naming no model may go to any of them as
+    /// a request for `model`, in engine order: those whose list has it, or, when no allowed
+    /// engine's known list has it, the allowed ones whose list is unknown. A request naming no model may go to any of them as
     /// long as they serve one model between them. `Err` when no engine can.
     pub fn engines_for(
         &self,
@@ -120,13 +120,19 @@ impl Catalog {
                 )),
             };
         };
-        if let Some(engines) = self.models.get(model) {
-            return Ok(engines.iter().copied().filter(|&e| allowed(e)).collect());
+        let known = self.models.get(model);
+        if let Some(engines) = known {
+            let known: Vec<usize> = engines.iter().copied().filter(|&e| allowed(e)).collect();
+            if !known.is_empty() {
+                return Ok(known);
+            }
         }
+        // No engine known to serve it serves this route: one whose list is still unknown (it
+        // just started) may, so it is tried rather than answering 404.
         let unknown: Vec<usize> = (0..self.engines.len())
             .filter(|&e| self.engines[e].is_none() && allowed(e))
             .collect();
-        if unknown.is_empty() {
+        if unknown.is_empty() && known.is_none() {
             return Err(ModelError::NotFound {
                 model: shown(model),
                 served: served(),
@@ -201,6 +207,11 @@ mod tests {
         );
         assert_eq!(c.engines_for(Some("a"), |_| true), Ok(vec![0]));
         assert_eq!(c.engines_for(Some("z"), |_| true), Ok(vec![1]));
+        // Only the unknown engine serves the route: it may serve `a` too.
+        assert_eq!(c.engines_for(Some("a"), |e| e == 1), Ok(vec![1]));
+        // A route only engines that do not serve `a` serve: none, though `a` exists.
+        let c = Catalog::new(vec![list(&["a"]), list(&["b"])]);
+        assert_eq!(c.engines_for(Some("a"), |e| e == 1), Ok(vec![]));
     }
 
     #[test]
