@@ -3,8 +3,12 @@
 use std::path::PathBuf;
 use std::process::Child;
 
-/// The `rankgate` binary built beside this example (target/<profile>/rankgate).
+/// The `rankgate` binary built beside this example (target/<profile>/rankgate), or `RANKGATE_BIN`.
 pub fn rankgate_binary() -> Result<PathBuf, String> {
+    // Another build of the router (say, the one before a change, to compare in one run).
+    if let Some(bin) = std::env::var_os("RANKGATE_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
     std::env::current_exe()
         .map_err(|e| e.to_string())?
         .parent()

@@ -5,6 +5,7 @@
 //! `prometheus-parse` crate silently drops. Lenient because a scrape is someone else's output: one
 //! malformed line is counted and skipped, it does not void the other ranks' numbers.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use tokio::time::Instant;
@@ -57,21 +58,32 @@ pub struct Scrape {
     pub bad_lines: usize,
 }
 
+/// One sample's labels, borrowed from the scrape unless a value had escapes to undo.
+type Labels<'a> = Vec<(&'a str, Cow<'a, str>)>;
+
 /// Reads the series rankgate needs out of a `/metrics` body.
+///
+/// Runs for every engine on every poll (256 times a second for 64 engines at 250 ms), so lines of
+/// other series are skipped on their name alone and a sample's labels are borrowed, not copied.
 pub fn parse(text: &str) -> Scrape {
     let mut out = Scrape::default();
-    for line in text.lines() {
-        let line = line.trim();
+    let mut labels: Labels = Vec::new();
+    for line in text.split('\n') {
+        let line = line.trim_ascii();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let name_end = line.find(['{', ' ', '\t']).unwrap_or(line.len());
+        let name_end = line
+            .bytes()
+            .position(|b| matches!(b, b'{' | b' ' | b'\t'))
+            .unwrap_or(line.len());
         let name = &line[..name_end];
         let Some(&(_, field, rank_label)) = SERIES.iter().find(|(n, _, _)| *n == name) else {
             continue;
         };
-        match parse_sample(&line[name_end..]) {
-            Some((labels, value)) => out.add(field, rank_label, &labels, value),
+        labels.clear();
+        match parse_sample(&line[name_end..], &mut labels) {
+            Some(value) => out.add(field, rank_label, &labels, value),
             None => out.bad_lines += 1,
         }
     }
@@ -79,13 +91,8 @@ pub fn parse(text: &str) -> Scrape {
 }
 
 impl Scrape {
-    fn add(&mut self, field: Field, rank_label: &str, labels: &[(&str, String)], value: f64) {
-        let label = |k: &str| {
-            labels
-                .iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.as_str())
-        };
+    fn add(&mut self, field: Field, rank_label: &str, labels: &Labels, value: f64) {
+        let label = |k: &str| labels.iter().find(|(n, _)| *n == k).map(|(_, v)| &**v);
         let series = match label(rank_label) {
             Some(r) => match r.parse::<u32>() {
                 Ok(rank) => self.per_rank.entry(rank).or_default(),
@@ -110,9 +117,9 @@ impl Scrape {
     }
 }
 
-/// Parses `{labels} value [timestamp]` (the part after the metric name).
-fn parse_sample(rest: &str) -> Option<(Vec<(&str, String)>, f64)> {
-    let mut labels = Vec::new();
+/// Parses `{labels} value [timestamp]` (the part after the metric name) into `labels` and the
+/// value.
+fn parse_sample<'a>(rest: &'a str, labels: &mut Labels<'a>) -> Option<f64> {
     let mut rest = rest.trim_start();
     if let Some(inner) = rest.strip_prefix('{') {
         rest = inner;
@@ -130,23 +137,28 @@ fn parse_sample(rest: &str) -> Option<(Vec<(&str, String)>, f64)> {
             rest = &after_eq[used..];
         }
     }
-    let mut parts = rest.split_whitespace();
+    let mut parts = rest.split_ascii_whitespace();
     let value = parse_value(parts.next()?)?;
     // An optional timestamp may follow; anything beyond it is malformed.
     if parts.nth(1).is_some() {
         return None;
     }
-    Some((labels, value))
+    Some(value)
 }
 
-/// Reads a label value up to its closing quote, undoing `\\`, `\"` and `\n`.
-/// Returns the value and how many bytes were consumed including the closing quote.
-fn read_quoted(s: &str) -> Option<(String, usize)> {
-    let mut out = String::new();
-    let mut chars = s.char_indices();
+/// Reads a label value up to its closing quote, undoing `\\`, `\"` and `\n`; borrowed when
+/// there is nothing to undo. Returns the value and how many bytes were consumed including the
+/// closing quote.
+fn read_quoted(s: &str) -> Option<(Cow<'_, str>, usize)> {
+    let end = s.bytes().position(|b| b == b'"' || b == b'\\')?;
+    if s.as_bytes()[end] == b'"' {
+        return Some((Cow::Borrowed(&s[..end]), end + 1));
+    }
+    let mut out = String::from(&s[..end]);
+    let mut chars = s[end..].char_indices();
     while let Some((i, c)) = chars.next() {
         match c {
-            '"' => return Some((out, i + 1)),
+            '"' => return Some((Cow::Owned(out), end + i + 1)),
             '\\' => match chars.next()?.1 {
                 'n' => out.push('\n'),
                 other => out.push(other),
