@@ -6,7 +6,6 @@
 //! malformed line is counted and skipped, it does not void the other ranks' numbers.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 
 use tokio::time::Instant;
 
@@ -51,7 +50,9 @@ pub struct Series {
 /// What one scrape says, keyed by the rank label's value.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Scrape {
-    pub per_rank: BTreeMap<u32, Series>,
+    /// In rank order. A sorted list, not a map: samples come rank after rank, so the next one's
+    /// place is found at or beside the last one's (a map lookup was a sixth of the parse).
+    pub per_rank: Vec<(u32, Series)>,
     /// Series with no rank label at all: the engine-wide figures.
     pub unlabelled: Option<Series>,
     /// Lines of interesting series that could not be read.
@@ -68,6 +69,7 @@ type Labels<'a> = Vec<(&'a str, Cow<'a, str>)>;
 pub fn parse(text: &str) -> Scrape {
     let mut out = Scrape::default();
     let mut labels: Labels = Vec::new();
+    let mut last = 0;
     for line in text.split('\n') {
         let line = line.trim_ascii();
         if line.is_empty() || line.starts_with('#') {
@@ -83,7 +85,7 @@ pub fn parse(text: &str) -> Scrape {
         };
         labels.clear();
         match parse_sample(&line[name_end..], &mut labels) {
-            Some(value) => out.add(field, rank_label, &labels, value),
+            Some(value) => out.add(field, rank_label, &labels, value, &mut last),
             None => out.bad_lines += 1,
         }
     }
@@ -91,11 +93,47 @@ pub fn parse(text: &str) -> Scrape {
 }
 
 impl Scrape {
-    fn add(&mut self, field: Field, rank_label: &str, labels: &Labels, value: f64) {
+    /// The series of `rank`, if the scrape has one.
+    pub fn rank(&self, rank: u32) -> Option<&Series> {
+        let i = self
+            .per_rank
+            .binary_search_by_key(&rank, |(r, _)| *r)
+            .ok()?;
+        Some(&self.per_rank[i].1)
+    }
+
+    /// The series of `rank`, added in order if new; `last` is where the previous sample went.
+    fn rank_mut(&mut self, rank: u32, last: &mut usize) -> &mut Series {
+        let at = |i: usize| self.per_rank.get(i).map(|(r, _)| *r);
+        let i = if at(*last) == Some(rank) {
+            *last
+        } else if at(*last + 1) == Some(rank) {
+            *last + 1
+        } else {
+            match self.per_rank.binary_search_by_key(&rank, |(r, _)| *r) {
+                Ok(i) => i,
+                Err(i) => {
+                    self.per_rank.insert(i, (rank, Series::default()));
+                    i
+                }
+            }
+        };
+        *last = i;
+        &mut self.per_rank[i].1
+    }
+
+    fn add(
+        &mut self,
+        field: Field,
+        rank_label: &str,
+        labels: &Labels,
+        value: f64,
+        last: &mut usize,
+    ) {
         let label = |k: &str| labels.iter().find(|(n, _)| *n == k).map(|(_, v)| &**v);
         let series = match label(rank_label) {
             Some(r) => match r.parse::<u32>() {
-                Ok(rank) => self.per_rank.entry(rank).or_default(),
+                Ok(rank) => self.rank_mut(rank, last),
                 Err(_) => {
                     self.bad_lines += 1;
                     return;
@@ -120,24 +158,35 @@ impl Scrape {
 /// Parses `{labels} value [timestamp]` (the part after the metric name) into `labels` and the
 /// value.
 fn parse_sample<'a>(rest: &'a str, labels: &mut Labels<'a>) -> Option<f64> {
-    let mut rest = rest.trim_start();
-    if let Some(inner) = rest.strip_prefix('{') {
-        rest = inner;
+    let b = rest.as_bytes();
+    // Past blanks (and, between labels, commas) from `i`.
+    let skip = |mut i: usize, commas: bool| {
+        while i < b.len() && (matches!(b[i], b' ' | b'\t') || (commas && b[i] == b',')) {
+            i += 1;
+        }
+        i
+    };
+    let mut i = skip(0, false);
+    if b.get(i) == Some(&b'{') {
+        i += 1;
         loop {
-            rest = rest.trim_start_matches([' ', ',']);
-            if let Some(after) = rest.strip_prefix('}') {
-                rest = after;
+            i = skip(i, true);
+            if b.get(i) == Some(&b'}') {
+                i += 1;
                 break;
             }
-            let eq = rest.find('=')?;
-            let key = rest[..eq].trim();
-            let after_eq = rest[eq + 1..].trim_start().strip_prefix('"')?;
-            let (value, used) = read_quoted(after_eq)?;
+            let eq = i + b[i..].iter().position(|&c| c == b'=')?;
+            let key = rest[i..eq].trim_ascii();
+            i = skip(eq + 1, false);
+            if b.get(i) != Some(&b'"') {
+                return None;
+            }
+            let (value, used) = read_quoted(&rest[i + 1..])?;
             labels.push((key, value));
-            rest = &after_eq[used..];
+            i += 1 + used;
         }
     }
-    let mut parts = rest.split_ascii_whitespace();
+    let mut parts = rest[i..].split_ascii_whitespace();
     let value = parse_value(parts.next()?)?;
     // An optional timestamp may follow; anything beyond it is malformed.
     if parts.nth(1).is_some() {
@@ -185,11 +234,11 @@ pub fn project(scrape: &Scrape, engine: &Engine, sampled_at: Instant) -> Vec<Ran
         .ranks()
         .map(|rank| {
             if !scrape.per_rank.is_empty() {
-                let series = scrape.per_rank.get(&rank).or_else(|| {
+                let series = scrape.rank(rank).or_else(|| {
                     // External-LB mode: a one-rank server may label its only engine "0" whatever
                     // its global rank is; there the endpoint itself is the key.
                     (engine.dp_size == 1 && scrape.per_rank.len() == 1)
-                        .then(|| scrape.per_rank.values().next())
+                        .then(|| scrape.per_rank.first().map(|(_, s)| s))
                         .flatten()
                 });
                 match series {
