@@ -5,6 +5,7 @@
 #   nginx      nginx as a reverse proxy, 1 worker, keep-alive upstream pool (the reference)
 #   bare       examples/bare_proxy.rs: a hyper proxy with no routing logic
 #   vllm       rankgate, vLLM flavor: rank in a header, body streamed through
+#   percore    the same with server.thread_per_core = true (one current-thread runtime per core)
 #   sglang     rankgate, SGLang flavor: body read, rank written into it
 #   models     rankgate in front of two engines serving different models: the body is scanned
 #              for `model` on every request
@@ -20,7 +21,7 @@ cd "$(dirname "$0")/.."
 DURATION=${1:-8}
 CONNS=${2:-64}
 ROUNDS=${3:-3}
-TARGETS=${TARGETS:-nginx bare vllm sglang models}
+TARGETS=${TARGETS:-nginx bare vllm percore sglang models}
 for t in nginx wrk taskset python3 curl; do
   command -v "$t" >/dev/null || { echo "needs $t" >&2; exit 2; }
 done
@@ -30,7 +31,7 @@ cargo build --release --quiet --bin rankgate --example bare_proxy
 . bench/lib.sh
 UP=$(free_port); UP2=$(free_port)
 declare -A PORT ADMIN PID
-for t in nginx bare vllm sglang models; do PORT[$t]=$(free_port); ADMIN[$t]=$(free_port); done
+for t in nginx bare vllm percore sglang models; do PORT[$t]=$(free_port); ADMIN[$t]=$(free_port); done
 upstream_conf "$UP" "$UP2" > "$work/upstream.conf"
 proxy_conf 1 "${PORT[nginx]}" "$UP" > "$work/nginx.conf"
 rankgate_conf() { # target flavor extra-engine
@@ -41,6 +42,7 @@ rankgate_conf() { # target flavor extra-engine
   fi
 }
 rankgate_conf vllm vllm > "$work/vllm.toml"
+rankgate_conf percore vllm | sed 's/^\[server\]$/[server]\nthread_per_core = true/' > "$work/percore.toml"
 rankgate_conf sglang sglang > "$work/sglang.toml"
 rankgate_conf models vllm two > "$work/models.toml"
 cat > "$work/post.lua" <<'LUA'
@@ -49,19 +51,21 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.body = '{"model":"tiny-llama","messages":[{"role":"user","content":"hello"}],"max_tokens":8}'
 LUA
 
-# The engines and the load generator on CPU 1; every proxy on CPU 0.
-taskset -c 1 nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
+# The engines and the load generator on CPU 1; every proxy on CPU 0 (PIN=0: nothing pinned,
+# all share every CPU; nginx still has one worker).
+if [ "${PIN:-1}" = 0 ]; then ON_0=; ON_1=; else ON_0="taskset -c 0"; ON_1="taskset -c 1"; fi
+$ON_1 nginx -c "$work/upstream.conf" -p "$work" & pids+=($!)
 for t in $TARGETS; do
   case $t in
-    nginx) taskset -c 0 nginx -c "$work/nginx.conf" -p "$work" & ;;
-    bare) taskset -c 0 target/release/examples/bare_proxy "127.0.0.1:${PORT[bare]}" "127.0.0.1:$UP" & ;;
-    vllm|sglang|models) RUST_LOG=error taskset -c 0 target/release/rankgate serve --config "$work/$t.toml" & ;;
+    nginx) $ON_0 nginx -c "$work/nginx.conf" -p "$work" & ;;
+    bare) $ON_0 target/release/examples/bare_proxy "127.0.0.1:${PORT[bare]}" "127.0.0.1:$UP" & ;;
+    vllm|percore|sglang|models) RUST_LOG=error $ON_0 target/release/rankgate serve --config "$work/$t.toml" & ;;
     *) echo "unknown target $t" >&2; exit 2 ;;
   esac
   pids+=($!); PID[$t]=$!
 done
 for t in $TARGETS; do
-  case $t in vllm|sglang|models)
+  case $t in vllm|percore|sglang|models)
     for _ in $(seq 100); do curl -sf "127.0.0.1:${ADMIN[$t]}/ready" >/dev/null && break; sleep 0.1; done
     curl -sf "127.0.0.1:${ADMIN[$t]}/ready" >/dev/null || { echo "$t not ready" >&2; exit 1; } ;;
   esac
@@ -76,7 +80,7 @@ if [[ " $TARGETS " == *" nginx "* ]]; then
 fi
 
 peak_kb() { awk '/VmHWM/ {print $2}' "/proc/$1/status"; }
-load() { taskset -c 1 wrk -t1 -c"$CONNS" -d"$2" --latency -s "$work/post.lua" "http://127.0.0.1:${PORT[$1]}/v1/chat/completions"; }
+load() { $ON_1 wrk -t1 -c"$CONNS" -d"$2" --latency -s "$work/post.lua" "http://127.0.0.1:${PORT[$1]}/v1/chat/completions"; }
 for t in $TARGETS; do load "$t" 2s >/dev/null; done   # warm pools and caches
 hz=$(getconf CLK_TCK)
 results=()
@@ -94,7 +98,7 @@ for r in $(seq "$ROUNDS"); do
   done
 done
 python3 - "$hz" "$DURATION" "$CONNS" "${results[@]}" <<'PY'
-import statistics, sys
+import os, statistics, sys
 from collections import defaultdict
 hz, duration, conns = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 def ms(v):
@@ -110,7 +114,7 @@ for line in sys.argv[4:]:
         order.append(t)
     rows[int(r)][t] = dict(rps=float(rps), cpu=int(ticks) / hz * 1e6 / max(int(n), 1),
                           p50=ms(p50), p99=ms(p99), rss=int(hwm) / 1024, errs=int(errs))
-print(f"{len(rows)} rounds of {duration} s, {conns} connections, proxy pinned to CPU 0, wrk and engine on CPU 1")
+print(f"{len(rows)} rounds of {duration} s, {conns} connections, " + ("proxy pinned to CPU 0, wrk and engine on CPU 1" if os.environ.get("PIN", "1") != "0" else "nothing pinned"))
 print("| target | req/s (median) | vs nginx (median, min-max) | CPU µs/request | p50 ms | p99 ms | peak RSS MiB |")
 print("|---|---|---|---|---|---|---|")
 for t in order:

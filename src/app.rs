@@ -70,6 +70,16 @@ pub struct Router {
 const LISTEN_BACKLOG: u32 = 4096;
 
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    bind_shared(key, addr, false)
+}
+
+/// [`bind`], with `SO_REUSEPORT` when `shared`: then several listeners share one port and the
+/// kernel spreads new connections among them.
+fn bind_shared(
+    key: &'static str,
+    addr: SocketAddr,
+    shared: bool,
+) -> Result<TcpListener, StartError> {
     let err = |source| StartError::Listen { key, addr, source };
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()
@@ -78,8 +88,92 @@ async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartE
     }
     .map_err(err)?;
     socket.set_reuseaddr(true).map_err(err)?;
+    if shared {
+        socket.set_reuseport(true).map_err(err)?;
+    }
     socket.bind(addr).map_err(err)?;
     socket.listen(LISTEN_BACKLOG).map_err(err)
+}
+
+/// Thread-per-core: the HTTP front door on one single-threaded runtime per core the process may
+/// run on, each with its own `SO_REUSEPORT` listener on `first`'s address and its own engine
+/// connection pool; the snapshot, the per-rank counters and everything else stay shared. A
+/// request never leaves the thread that accepted it (no work stealing, no wake-ups across
+/// threads). Each returned task ends when its thread's front door has drained.
+fn serve_per_core(
+    first: TcpListener,
+    shared: &Arc<crate::proxy::Shared>,
+    shutdown: watch::Receiver<bool>,
+    opts: &ServeOptions,
+) -> Result<Vec<JoinHandle<()>>, StartError> {
+    let addr = first.local_addr().map_err(|source| StartError::Listen {
+        key: "server.listen",
+        addr: shared.cfg.server.listen,
+        source,
+    })?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut listeners = vec![first];
+    for _ in 1..cores {
+        listeners.push(bind_shared("server.listen", addr, true)?);
+    }
+    // The connection cap is the process's (file descriptors): each core takes its share.
+    let opts = ServeOptions {
+        max_connections: opts.max_connections.div_ceil(cores),
+        ..opts.clone()
+    };
+    let mut done = Vec::new();
+    for (i, listener) in listeners.into_iter().enumerate() {
+        // Moved to its thread's runtime: a tokio listener is tied to the runtime that made it.
+        let listener = listener.into_std().map_err(|source| StartError::Listen {
+            key: "server.listen",
+            addr,
+            source,
+        })?;
+        let (shared, shutdown, opts) = (shared.clone(), shutdown.clone(), opts.clone());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name(format!("rankgate-core-{i}"))
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(error) => {
+                        tracing::error!(%error, core = i, "front door thread: no runtime");
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(error) => {
+                            tracing::error!(%error, core = i, "front door thread: listener");
+                            return;
+                        }
+                    };
+                    let client = crate::http::client(shared.cfg.server.connect_timeout);
+                    crate::http::serve_with(
+                        listener,
+                        move |peer| crate::proxy::stack_on(&shared, &client, peer),
+                        shutdown,
+                        opts,
+                    )
+                    .await;
+                });
+                let _ = tx.send(());
+            })
+            .map_err(|source| StartError::Listen {
+                key: "server.listen",
+                addr,
+                source,
+            })?;
+        done.push(tokio::spawn(async move {
+            let _ = rx.await;
+        }));
+    }
+    tracing::info!(cores = done.len(), "front door: one runtime per core");
+    Ok(done)
 }
 
 impl Router {
@@ -96,7 +190,7 @@ impl Router {
         if let Some(k) = &keys {
             tracing::info!(keys = ?k, "client API keys required");
         }
-        let listener = bind("server.listen", cfg.server.listen).await?;
+        let listener = bind_shared("server.listen", cfg.server.listen, cfg.server.thread_per_core)?;
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
         let grpc_listener = match cfg.server.grpc_listen {
             Some(a) => Some(bind("server.grpc_listen", a).await?),
@@ -160,15 +254,19 @@ impl Router {
             max_connections = front_opts.max_connections,
             "front door limits"
         );
-        let mut front = vec![tokio::spawn(crate::http::serve_with(
-            listener,
-            {
-                let shared = shared.clone();
-                move |peer| crate::proxy::stack(&shared, peer)
-            },
-            front_rx.clone(),
-            front_opts.clone(),
-        ))];
+        let mut front = if cfg.server.thread_per_core {
+            serve_per_core(listener, &shared, front_rx.clone(), &front_opts)?
+        } else {
+            vec![tokio::spawn(crate::http::serve_with(
+                listener,
+                {
+                    let shared = shared.clone();
+                    move |peer| crate::proxy::stack(&shared, peer)
+                },
+                front_rx.clone(),
+                front_opts.clone(),
+            ))]
+        };
         if let Some(l) = grpc_listener {
             front.push(tokio::spawn(crate::http::serve_with(
                 l,

@@ -81,6 +81,7 @@ pub(super) struct RawServer {
     cors_allow_origins: Option<Vec<String>>,
     admin_token_env: Option<String>,
     access_log: Option<bool>,
+    thread_per_core: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -151,6 +152,9 @@ pub struct ServerConfig {
     pub admin_token: Option<AdminToken>,
     /// One log line per request (target `rankgate::access`, at info).
     pub access_log: bool,
+    /// The HTTP front door on one single-threaded runtime per core, each with its own
+    /// `SO_REUSEPORT` listener and engine connection pool (see [`crate::app`]).
+    pub thread_per_core: bool,
 }
 
 /// The admin token. Its Debug never shows it.
@@ -337,6 +341,7 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         cors_allow_origins: raw.cors_allow_origins.unwrap_or_default(),
         admin_token: None,
         access_log: raw.access_log.unwrap_or(false),
+        thread_per_core: raw.thread_per_core.unwrap_or(false),
         admin_token_env: raw.admin_token_env,
     };
     if server.max_body_bytes == 0 {

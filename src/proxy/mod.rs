@@ -353,6 +353,9 @@ pub struct Ctx(Arc<Conn>);
 
 pub struct Conn {
     shared: Arc<Shared>,
+    /// The engine connection pool this connection's requests go through (send): the shared
+    /// one, or in thread-per-core mode its core's own.
+    pub client: Client<HttpConnector, RequestBody>,
     /// The client's address.
     pub peer: SocketAddr,
     /// Its IP as a header value (X-Forwarded-For), rendered once for all of its requests.
@@ -363,8 +366,19 @@ pub struct Conn {
 
 impl Ctx {
     pub fn new(shared: &Arc<Shared>, peer: SocketAddr, front: Front) -> Ctx {
+        Ctx::on(shared, &shared.client, peer, front)
+    }
+
+    /// A connection whose requests go through `client`.
+    pub fn on(
+        shared: &Arc<Shared>,
+        client: &Client<HttpConnector, RequestBody>,
+        peer: SocketAddr,
+        front: Front,
+    ) -> Ctx {
         Ctx(Arc::new(Conn {
             shared: shared.clone(),
+            client: client.clone(),
             peer,
             peer_ip: identity::peer_ip_header(peer),
             front,
@@ -426,7 +440,23 @@ pub fn stack(
 > + Clone
        + Send
        + 'static {
-    let ctx = Ctx::new(shared, peer, Front::Http);
+    stack_on(shared, &shared.client, peer)
+}
+
+/// [`stack`] sending through `client` (thread-per-core: the core's own pool).
+pub fn stack_on(
+    shared: &Arc<Shared>,
+    client: &Client<HttpConnector, RequestBody>,
+    peer: SocketAddr,
+) -> impl tower::Service<
+    Request<Incoming>,
+    Response = Response<ProxyBody>,
+    Error = Infallible,
+    Future = impl Future + Send + 'static,
+> + Clone
+       + Send
+       + 'static {
+    let ctx = Ctx::on(shared, client, peer, Front::Http);
     let c = &ctx;
     ServiceBuilder::new()
         .layer_fn(|inner| identity::Identity::new(inner, c))

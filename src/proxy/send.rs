@@ -265,7 +265,7 @@ impl tower::Service<Request<Picked>> for Send {
                 engine: target.engine.clone(),
                 stream: None,
             });
-            State::Sending(ctx.client.request(req))
+            State::Sending(ctx.conn().client.request(req))
         } else {
             let engine = target.engine.clone();
             State::Waiting(Box::new((
@@ -324,7 +324,7 @@ impl Future for Sending {
                     let Some(req) = req.take() else {
                         return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
                     };
-                    this.state = State::Sending(this.ctx.client.request(req));
+                    this.state = State::Sending(this.ctx.conn().client.request(req));
                 }
                 Poll::Pending => {
                     return match timer.as_mut().poll(cx) {
