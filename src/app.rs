@@ -190,7 +190,11 @@ impl Router {
         if let Some(k) = &keys {
             tracing::info!(keys = ?k, "client API keys required");
         }
-        let listener = bind_shared("server.listen", cfg.server.listen, cfg.server.thread_per_core)?;
+        let listener = bind_shared(
+            "server.listen",
+            cfg.server.listen,
+            cfg.server.thread_per_core,
+        )?;
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
         let grpc_listener = match cfg.server.grpc_listen {
             Some(a) => Some(bind("server.grpc_listen", a).await?),
