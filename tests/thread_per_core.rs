@@ -1,0 +1,83 @@
+//! `server.thread_per_core`: the front door on one runtime per core, over real sockets. Every
+//! connection (each of `send`'s requests opens its own) is served whichever core's listener
+//! the kernel hands it to, requests still go to the least loaded rank, streams pass through,
+//! and the shutdown drains every core's streams before it returns.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http_body_util::BodyExt;
+use rankgate::sim::{SimConfig, SimFlavor};
+
+const PER_CORE: &str = "thread_per_core = true";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connection_is_served_and_routed_by_load() {
+    let e = engine(SimConfig {
+        kv_usage: vec![0.9, 0.1],
+        ..sim(SimFlavor::Vllm, 2, 0)
+    })
+    .await;
+    let r = router_with(PER_CORE, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    wait_state(&r, &[0, 1], "available").await;
+    for _ in 0..40 {
+        let reply = chat(r.addr, 2).await;
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        // Rank 0 is full and the requests are short: least KV is rank 1 every time.
+        assert!(reply.worker().ends_with("@1"), "{}", reply.worker());
+    }
+    let metrics = get(r.admin_addr, "/metrics").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    let served: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("rankgate_requests_total{") && l.contains("status=\"200\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(served, 40.0, "every core counts into the same metrics");
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_on_every_core_finish_before_shutdown_returns() {
+    let e = engine(SimConfig {
+        decode_tokens_per_sec: 100.0,
+        ..sim(SimFlavor::Vllm, 2, 0)
+    })
+    .await;
+    let r = router_with(PER_CORE, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    wait_state(&r, &[0, 1], "available").await;
+    let addr = r.addr;
+    // Several connections, so that with more than one core some land on each.
+    let mut streams = Vec::new();
+    for _ in 0..6 {
+        let resp = stream_chat(addr, 30).await;
+        assert_eq!(resp.status(), 200);
+        streams.push(tokio::spawn(async move {
+            let body = resp.into_body().collect().await.expect("whole stream");
+            String::from_utf8_lossy(&body.to_bytes()).into_owned()
+        }));
+    }
+    let stopped = tokio::spawn(r.shutdown());
+    for s in streams {
+        let text = tokio::time::timeout(Duration::from_secs(20), s)
+            .await
+            .expect("stream ends")
+            .unwrap();
+        assert!(text.trim_end().ends_with("data: [DONE]"), "cut: {text}");
+    }
+    tokio::time::timeout(Duration::from_secs(20), stopped)
+        .await
+        .expect("shutdown returns once drained")
+        .unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "no core accepts after the shutdown"
+    );
+}
