@@ -1,4 +1,4 @@
-# Shared by bench/proxy.sh and bench/pinned.sh (sourced from the repository root): a work
+# Shared by bench/overhead.sh and bench/proxy.sh (sourced from the repository root): a work
 # directory and the processes to stop on exit, free loopback ports, a process's CPU ticks, and
 # the nginx configs both scripts run.
 

@@ -1,5 +1,5 @@
 //! Benchmark baseline: a bare hyper 1 reverse proxy with no routing logic at all, built on the
-//! same accept loop and client as rankgate. `bench/proxy.sh` runs it beside rankgate so that what
+//! same accept loop and client as rankgate. `bench/overhead.sh` runs it beside rankgate so that what
 //! rankgate adds on the request path shows as a ratio measured in one run.
 //!
 //! cargo run --release --example bare_proxy -- LISTEN_ADDR UPSTREAM_HOST:PORT
