@@ -5,7 +5,7 @@
 #   nginx      nginx as a reverse proxy, 1 worker, keep-alive upstream pool (the reference)
 #   bare       examples/bare_proxy.rs: a hyper proxy with no routing logic
 #   vllm       rankgate, vLLM flavor: rank in a header, body streamed through
-#   percore    the same with server.thread_per_core = true (one current-thread runtime per core)
+#   shared     the same with server.thread_per_core = false (one multi-thread runtime)
 #   sglang     rankgate, SGLang flavor: body read, rank written into it
 #   models     rankgate in front of two engines serving different models: the body is scanned
 #              for `model` on every request
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 DURATION=${1:-8}
 CONNS=${2:-64}
 ROUNDS=${3:-3}
-TARGETS=${TARGETS:-nginx bare vllm percore sglang models}
+TARGETS=${TARGETS:-nginx bare vllm shared sglang models}
 for t in nginx wrk taskset python3 curl; do
   command -v "$t" >/dev/null || { echo "needs $t" >&2; exit 2; }
 done
@@ -32,7 +32,7 @@ cargo build --release --quiet --bin rankgate --example bare_proxy
 . bench/lib.sh
 UP=$(free_port); UP2=$(free_port)
 declare -A PORT ADMIN PID
-for t in nginx bare vllm percore sglang models; do PORT[$t]=$(free_port); ADMIN[$t]=$(free_port); done
+for t in nginx bare vllm shared sglang models; do PORT[$t]=$(free_port); ADMIN[$t]=$(free_port); done
 upstream_conf "$UP" "$UP2" > "$work/upstream.conf"
 proxy_conf 1 "${PORT[nginx]}" "$UP" > "$work/nginx.conf"
 rankgate_conf() { # target flavor extra-engine
@@ -43,7 +43,7 @@ rankgate_conf() { # target flavor extra-engine
   fi
 }
 rankgate_conf vllm vllm > "$work/vllm.toml"
-rankgate_conf percore vllm | sed 's/^\[server\]$/[server]\nthread_per_core = true/' > "$work/percore.toml"
+rankgate_conf shared vllm | sed 's/^\[server\]$/[server]\nthread_per_core = false/' > "$work/shared.toml"
 rankgate_conf sglang sglang > "$work/sglang.toml"
 rankgate_conf models vllm two > "$work/models.toml"
 cat > "$work/post.lua" <<'LUA'
@@ -60,13 +60,13 @@ for t in $TARGETS; do
   case $t in
     nginx) $ON_0 nginx -c "$work/nginx.conf" -p "$work" & ;;
     bare) $ON_0 target/release/examples/bare_proxy "127.0.0.1:${PORT[bare]}" "127.0.0.1:$UP" & ;;
-    vllm|percore|sglang|models) RUST_LOG=error $ON_0 target/release/rankgate serve --config "$work/$t.toml" & ;;
+    vllm|shared|sglang|models) RUST_LOG=error $ON_0 target/release/rankgate serve --config "$work/$t.toml" & ;;
     *) echo "unknown target $t" >&2; exit 2 ;;
   esac
   pids+=($!); PID[$t]=$!
 done
 for t in $TARGETS; do
-  case $t in vllm|percore|sglang|models)
+  case $t in vllm|shared|sglang|models)
     for _ in $(seq 100); do curl -sf "127.0.0.1:${ADMIN[$t]}/ready" >/dev/null && break; sleep 0.1; done
     curl -sf "127.0.0.1:${ADMIN[$t]}/ready" >/dev/null || { echo "$t not ready" >&2; exit 1; } ;;
   esac

@@ -141,8 +141,8 @@ fn main() {
             engine_toml(&a, "vllm", 0),
         ),
         (
-            "vLLM path, thread_per_core",
-            "thread_per_core = true\n",
+            "vLLM path, one shared runtime (thread_per_core = false)",
+            "thread_per_core = false\n",
             engine_toml(&a, "vllm", 0),
         ),
         (

@@ -116,9 +116,10 @@ fn serve_per_core(
     for _ in 1..cores {
         listeners.push(bind_shared("server.listen", addr, true)?);
     }
-    // The connection cap is the process's (file descriptors): each core takes its share.
+    // One cap (it guards the process's file descriptors) and one set of log throttles for
+    // all the cores' listeners.
     let opts = ServeOptions {
-        max_connections: opts.max_connections.div_ceil(cores),
+        door: Some(Arc::new(crate::http::Door::new(opts.max_connections))),
         ..opts.clone()
     };
     let mut done = Vec::new();

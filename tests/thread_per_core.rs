@@ -1,7 +1,8 @@
-//! `server.thread_per_core`: the front door on one runtime per core, over real sockets. Every
-//! connection (each of `send`'s requests opens its own) is served whichever core's listener
-//! the kernel hands it to, requests still go to the least loaded rank, streams pass through,
-//! and the shutdown drains every core's streams before it returns.
+//! `server.thread_per_core` (the default: one runtime per core) and its alternative, one shared
+//! runtime, over real sockets. Every connection (each of `send`'s requests opens its own) is
+//! served whichever core's listener the kernel hands it to, requests still go to the least
+//! loaded rank, streams pass through, and the shutdown drains every core's streams before it
+//! returns. (The connection cap across cores: tests/faults/clients.rs, in the default mode.)
 
 mod common;
 
@@ -12,15 +13,25 @@ use http_body_util::BodyExt;
 use rankgate::sim::{SimConfig, SimFlavor};
 
 const PER_CORE: &str = "thread_per_core = true";
+const SHARED: &str = "thread_per_core = false";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_connection_is_served_and_routed_by_load() {
+async fn every_connection_is_served_and_routed_by_load_per_core() {
+    served_and_routed(PER_CORE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connection_is_served_and_routed_by_load_on_one_runtime() {
+    served_and_routed(SHARED).await;
+}
+
+async fn served_and_routed(mode: &str) {
     let e = engine(SimConfig {
         kv_usage: vec![0.9, 0.1],
         ..sim(SimFlavor::Vllm, 2, 0)
     })
     .await;
-    let r = router_with(PER_CORE, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    let r = router_with(mode, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
     for _ in 0..40 {
         let reply = chat(r.addr, 2).await;

@@ -153,7 +153,7 @@ pub struct ServerConfig {
     /// One log line per request (target `rankgate::access`, at info).
     pub access_log: bool,
     /// The HTTP front door on one single-threaded runtime per core, each with its own
-    /// `SO_REUSEPORT` listener and engine connection pool (see [`crate::app`]).
+    /// `SO_REUSEPORT` listener and engine connection pool (see [`crate::app`]); the default.
     pub thread_per_core: bool,
 }
 
@@ -341,7 +341,7 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         cors_allow_origins: raw.cors_allow_origins.unwrap_or_default(),
         admin_token: None,
         access_log: raw.access_log.unwrap_or(false),
-        thread_per_core: raw.thread_per_core.unwrap_or(false),
+        thread_per_core: raw.thread_per_core.unwrap_or(true),
         admin_token_env: raw.admin_token_env,
     };
     if server.max_body_bytes == 0 {

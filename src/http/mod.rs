@@ -4,7 +4,7 @@
 
 mod serve;
 
-pub use serve::{serve, serve_with, shutdown_signalled, ServeOptions, Shutdown, Throttle};
+pub use serve::{serve, serve_with, shutdown_signalled, Door, ServeOptions, Shutdown, Throttle};
 
 use std::time::Duration;
 

@@ -58,6 +58,33 @@ pub struct ServeOptions {
     pub max_header_bytes: usize,
     pub max_connections: usize,
     pub drain_grace: Duration,
+    /// Shared by several listeners of one front door (thread-per-core); `None`: the listener's
+    /// own.
+    pub door: Option<Arc<Door>>,
+}
+
+/// What the listeners of one front door share: the cap on client connections, and the
+/// throttled log lines of a full door and of failing accepts, so both hold for the process as
+/// they would for a single listener.
+#[derive(Debug)]
+pub struct Door {
+    max_connections: usize,
+    slots: Arc<Semaphore>,
+    accept_errors: Throttle,
+    // Throttled too: at the cap with clients coming and going, every freed slot is one accept
+    // and then the cap again, and a line each time was a flood.
+    cap_reached: Throttle,
+}
+
+impl Door {
+    pub fn new(max_connections: usize) -> Door {
+        Door {
+            max_connections,
+            slots: Arc::new(Semaphore::new(max_connections)),
+            accept_errors: Throttle::new(Duration::from_secs(5)),
+            cap_reached: Throttle::new(Duration::from_secs(5)),
+        }
+    }
 }
 
 impl Default for ServeOptions {
@@ -70,6 +97,7 @@ impl Default for ServeOptions {
             max_header_bytes: 64 * 1024,
             max_connections: 256,
             drain_grace: Duration::from_secs(30),
+            door: None,
         }
     }
 }
@@ -84,6 +112,7 @@ impl ServeOptions {
             max_header_bytes: cfg.max_header_bytes,
             max_connections: cfg.max_connections.unwrap_or_else(default_max_connections),
             drain_grace: cfg.drain_grace,
+            door: None,
         }
     }
 }
@@ -195,11 +224,15 @@ pub async fn serve_with<M, S, B>(
     let graceful = GracefulShutdown::new();
     // Told when the drain grace expires: connections still open then are cut.
     let (cut, cut_rx) = watch::channel(false);
-    let slots = Arc::new(Semaphore::new(opts.max_connections));
-    let accept_errors = Throttle::new(Duration::from_secs(5));
-    // Throttled too: at the cap with clients coming and going, every freed slot is one accept
-    // and then the cap again, and a line each time was a flood.
-    let cap_reached = Throttle::new(Duration::from_secs(5));
+    // With several listeners on one door, one waiting in accept holds a slot meanwhile: at
+    // the cap, at most one slot per listener is kept for its next client.
+    let door = (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(opts.max_connections)));
+    let Door {
+        max_connections,
+        slots,
+        accept_errors,
+        cap_reached,
+    } = &*door;
     loop {
         // Accepting pauses at the cap: the kernel's backlog holds new clients meanwhile.
         let slot = match slots.clone().try_acquire_owned() {
@@ -207,7 +240,7 @@ pub async fn serve_with<M, S, B>(
             Err(_) => {
                 if let Some(held) = cap_reached.allow() {
                     tracing::warn!(
-                        max_connections = opts.max_connections,
+                        max_connections,
                         repeated = held,
                         "connection limit reached: accepting paused"
                     );
