@@ -37,6 +37,9 @@ pub enum StartError {
     /// The client keys `[server]` points at could not be read (names where, never a key).
     #[error(transparent)]
     Keys(#[from] KeysError),
+    /// A front door thread (thread-per-core) could not be started.
+    #[error("cannot start the front door's thread for core {core}: {source}")]
+    Thread { core: usize, source: std::io::Error },
 }
 
 /// A running rankgate.
@@ -123,36 +126,25 @@ fn serve_per_core(
         ..opts.clone()
     };
     let mut done = Vec::new();
-    for (i, listener) in listeners.into_iter().enumerate() {
-        // Moved to its thread's runtime: a tokio listener is tied to the runtime that made it.
-        let listener = listener.into_std().map_err(|source| StartError::Listen {
-            key: "server.listen",
-            addr,
-            source,
-        })?;
+    for (core, listener) in listeners.into_iter().enumerate() {
+        let thread = |source| StartError::Thread { core, source };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(thread)?;
+        // A tokio listener belongs to the runtime that registered it: moved over to this
+        // core's (within the guard, tokio's "current runtime" is the core's).
+        let listener = {
+            let _on_core = rt.enter();
+            let std = listener.into_std().map_err(thread)?;
+            TcpListener::from_std(std).map_err(thread)?
+        };
         let (shared, shutdown, opts) = (shared.clone(), shutdown.clone(), opts.clone());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new()
-            .name(format!("rankgate-core-{i}"))
+            .name(format!("rankgate-core-{core}"))
             .spawn(move || {
-                let rt = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
-                    Err(error) => {
-                        tracing::error!(%error, core = i, "front door thread: no runtime");
-                        return;
-                    }
-                };
                 rt.block_on(async move {
-                    let listener = match TcpListener::from_std(listener) {
-                        Ok(l) => l,
-                        Err(error) => {
-                            tracing::error!(%error, core = i, "front door thread: listener");
-                            return;
-                        }
-                    };
                     let client = crate::http::client(shared.cfg.server.connect_timeout);
                     crate::http::serve_with(
                         listener,
@@ -164,11 +156,7 @@ fn serve_per_core(
                 });
                 let _ = tx.send(());
             })
-            .map_err(|source| StartError::Listen {
-                key: "server.listen",
-                addr,
-                source,
-            })?;
+            .map_err(thread)?;
         done.push(tokio::spawn(async move {
             let _ = rx.await;
         }));

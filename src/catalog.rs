@@ -96,8 +96,9 @@ impl Catalog {
 
     /// Among the engines `allowed` (those serving the request's route), the ones that may serve
     /// a request for `model`, in engine order: those whose list has it, or, when no allowed
-    /// engine's known list has it, the allowed ones whose list is unknown. A request naming no model may go to any of them as
-    /// long as they serve one model between them. `Err` when no engine can.
+    /// engine's known list has it, the allowed ones whose list is unknown. A request naming no
+    /// model may go to any of them as long as they serve one model between them. `Err` when no
+    /// engine can.
     pub fn engines_for(
         &self,
         model: Option<&str>,
