@@ -179,11 +179,21 @@ impl Router {
         if let Some(k) = &keys {
             tracing::info!(keys = ?k, "client API keys required");
         }
-        let listener = bind_shared(
-            "server.listen",
-            cfg.server.listen,
-            cfg.server.thread_per_core,
-        )?;
+        let listener = bind("server.listen", cfg.server.listen).await?;
+        let listener = if cfg.server.thread_per_core {
+            // Bound without SO_REUSEPORT first, then again with it: a port anyone holds is
+            // an error, as without thread-per-core. (Two rankgates sharing one port would
+            // otherwise both start and split the traffic.)
+            let at = listener.local_addr().map_err(|source| StartError::Listen {
+                key: "server.listen",
+                addr: cfg.server.listen,
+                source,
+            })?;
+            drop(listener);
+            bind_shared("server.listen", at, true)?
+        } else {
+            listener
+        };
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
         let grpc_listener = match cfg.server.grpc_listen {
             Some(a) => Some(bind("server.grpc_listen", a).await?),

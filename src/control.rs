@@ -168,6 +168,10 @@ fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
             sa.admin_token_env != sb.admin_token_env,
         ),
         ("server.access_log", sa.access_log != sb.access_log),
+        (
+            "server.thread_per_core",
+            sa.thread_per_core != sb.thread_per_core,
+        ),
         ("routing", a.routing != b.routing),
         ("telemetry", a.telemetry != b.telemetry),
         ("discovery", a.discovery != b.discovery),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::*;
 use http_body_util::BodyExt;
 use rankgate::sim::{SimConfig, SimFlavor};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PER_CORE: &str = "thread_per_core = true";
 const SHARED: &str = "thread_per_core = false";
@@ -91,4 +92,64 @@ async fn streams_on_every_core_finish_before_shutdown_returns() {
         tokio::net::TcpStream::connect(addr).await.is_err(),
         "no core accepts after the shutdown"
     );
+}
+
+/// The connection cap counts clients, not listeners: with a cap below the number of cores,
+/// every new connection is still served whichever core's listener gets it (a slot held by an
+/// idle core's listener once left clients of the other core waiting forever), and as many
+/// clients as the cap allows are served at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connection_cap_counts_clients_whichever_core_accepts_them() {
+    let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
+    for cap in [1, 4] {
+        let server = format!("{PER_CORE}\nmax_connections = {cap}");
+        let r = router_with(&server, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+        for round in 0..10 {
+            // `cap` clients at once, each on its own connection, all held open until all
+            // are answered.
+            let mut held = Vec::new();
+            for _ in 0..cap {
+                let mut s = tokio::net::TcpStream::connect(r.addr).await.unwrap();
+                s.write_all(b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n")
+                    .await
+                    .unwrap();
+                held.push(s);
+            }
+            for s in &mut held {
+                let mut buf = [0u8; 12];
+                tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf))
+                    .await
+                    .unwrap_or_else(|_| {
+                        panic!("cap {cap}, round {round}: a client under the cap got no answer")
+                    })
+                    .unwrap();
+                assert_eq!(&buf, b"HTTP/1.1 404");
+            }
+        }
+        r.shutdown().await;
+    }
+}
+
+/// A port another rankgate holds is an error, as without thread-per-core: SO_REUSEPORT would
+/// otherwise let the second one start and take part of the first one's clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_another_rankgate_holds_is_an_error() {
+    let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
+    let first = router_with(PER_CORE, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    let text = format!(
+        "[server]\nlisten = \"{}\"\nadmin_listen = \"127.0.0.1:0\"\n{PER_CORE}\n{FAST}{}",
+        first.addr,
+        engine_toml(&e.url(), "vllm", 2, 0)
+    );
+    let second =
+        rankgate::app::Router::start(rankgate::config::Config::from_str(&text).unwrap()).await;
+    let err = second
+        .err()
+        .expect("the second rankgate must not start")
+        .to_string();
+    assert!(
+        err.contains("server.listen") && err.contains(&first.addr.to_string()),
+        "{err}"
+    );
+    first.shutdown().await;
 }

@@ -224,8 +224,6 @@ pub async fn serve_with<M, S, B>(
     let graceful = GracefulShutdown::new();
     // Told when the drain grace expires: connections still open then are cut.
     let (cut, cut_rx) = watch::channel(false);
-    // With several listeners on one door, one waiting in accept holds a slot meanwhile: at
-    // the cap, at most one slot per listener is kept for its next client.
     let door = (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(opts.max_connections)));
     let Door {
         max_connections,
@@ -234,7 +232,26 @@ pub async fn serve_with<M, S, B>(
         cap_reached,
     } = &*door;
     loop {
-        // Accepting pauses at the cap: the kernel's backlog holds new clients meanwhile.
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Out of file descriptors must not end the server, nor flood the log.
+                    if let Some(held) = accept_errors.allow() {
+                        tracing::warn!(error = %e, repeated = held, "accept failed");
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown_signalled(&mut shutdown) => break,
+        };
+        // The slot is taken once a client is there, never while waiting for one: with several
+        // listeners on one door, a slot held by an idle listener was a slot the busy ones
+        // lacked (below the cap, clients waited; with a cap under the core count, forever). At
+        // the cap this client waits here, accepted but not served, and accepting pauses: the
+        // kernel's backlog holds the next ones, and at most one descriptor per listener is
+        // held beyond the cap.
         let slot = match slots.clone().try_acquire_owned() {
             Ok(s) => s,
             Err(_) => {
@@ -253,20 +270,6 @@ pub async fn serve_with<M, S, B>(
                     _ = shutdown_signalled(&mut shutdown) => break,
                 }
             }
-        };
-        let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(conn) => conn,
-                Err(e) => {
-                    // Out of file descriptors must not end the server, nor flood the log.
-                    if let Some(held) = accept_errors.allow() {
-                        tracing::warn!(error = %e, repeated = held, "accept failed");
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = shutdown_signalled(&mut shutdown) => break,
         };
         let _ = stream.set_nodelay(true);
         let activity = Arc::new(Activity::new());
