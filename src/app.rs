@@ -99,26 +99,20 @@ fn bind_shared(
 }
 
 /// Thread-per-core: the HTTP front door on one single-threaded runtime per core the process may
-/// run on, each with its own `SO_REUSEPORT` listener on `first`'s address and its own engine
-/// connection pool; the snapshot, the per-rank counters and everything else stay shared. A
-/// request never leaves the thread that accepted it (no work stealing, no wake-ups across
-/// threads). Each returned task ends when its thread's front door has drained.
+/// run on, each with its own `SO_REUSEPORT` listener on `addr` and its own engine connection
+/// pool; the snapshot, the per-rank counters and everything else stay shared. A request never
+/// leaves the thread that accepted it (no work stealing, no wake-ups across threads). Each
+/// returned task ends when its thread's front door has drained.
 fn serve_per_core(
-    first: TcpListener,
+    addr: SocketAddr,
     shared: &Arc<crate::proxy::Shared>,
     shutdown: watch::Receiver<bool>,
     opts: &ServeOptions,
 ) -> Result<Vec<JoinHandle<()>>, StartError> {
-    let addr = first.local_addr().map_err(|source| StartError::Listen {
-        key: "server.listen",
-        addr: shared.cfg.server.listen,
-        source,
-    })?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut listeners = vec![first];
-    for _ in 1..cores {
-        listeners.push(bind_shared("server.listen", addr, true)?);
-    }
+    let listeners = (0..cores)
+        .map(|_| bind_shared("server.listen", addr, true))
+        .collect::<Result<Vec<_>, _>>()?;
     // One cap (it guards the process's file descriptors) and one set of log throttles for
     // all the cores' listeners.
     let opts = ServeOptions {
@@ -148,7 +142,7 @@ fn serve_per_core(
                     let client = crate::http::client(shared.cfg.server.connect_timeout);
                     crate::http::serve_with(
                         listener,
-                        move |peer| crate::proxy::stack_on(&shared, &client, peer),
+                        move |peer| crate::proxy::stack(&shared, &client, peer),
                         shutdown,
                         opts,
                     )
@@ -180,20 +174,6 @@ impl Router {
             tracing::info!(keys = ?k, "client API keys required");
         }
         let listener = bind("server.listen", cfg.server.listen).await?;
-        let listener = if cfg.server.thread_per_core {
-            // Bound without SO_REUSEPORT first, then again with it: a port anyone holds is
-            // an error, as without thread-per-core. (Two rankgates sharing one port would
-            // otherwise both start and split the traffic.)
-            let at = listener.local_addr().map_err(|source| StartError::Listen {
-                key: "server.listen",
-                addr: cfg.server.listen,
-                source,
-            })?;
-            drop(listener);
-            bind_shared("server.listen", at, true)?
-        } else {
-            listener
-        };
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
         let grpc_listener = match cfg.server.grpc_listen {
             Some(a) => Some(bind("server.grpc_listen", a).await?),
@@ -258,13 +238,17 @@ impl Router {
             "front door limits"
         );
         let mut front = if cfg.server.thread_per_core {
-            serve_per_core(listener, &shared, front_rx.clone(), &front_opts)?
+            // Bound without SO_REUSEPORT above, then again once per core with it: a port
+            // anyone holds is an error, as without thread-per-core (two rankgates would
+            // otherwise both start on one port and split its traffic).
+            drop(listener);
+            serve_per_core(addr, &shared, front_rx.clone(), &front_opts)?
         } else {
             vec![tokio::spawn(crate::http::serve_with(
                 listener,
                 {
                     let shared = shared.clone();
-                    move |peer| crate::proxy::stack(&shared, peer)
+                    move |peer| crate::proxy::stack(&shared, &shared.client, peer)
                 },
                 front_rx.clone(),
                 front_opts.clone(),

@@ -290,8 +290,9 @@ pub struct Shared {
     budget: budget::RetryBudget,
     /// Requests admitted now (admit).
     admitted: AtomicUsize,
-    /// The engine connection pool (send); each engine's slots are in its fleet entry.
-    client: Client<HttpConnector, RequestBody>,
+    /// The engine connection pool (send) of the shared runtime; each engine's slots are in its
+    /// fleet entry.
+    pub client: Client<HttpConnector, RequestBody>,
     /// One log line per few seconds for server-side errors, however many requests hit them
     /// (respond).
     storm: Throttle,
@@ -428,23 +429,9 @@ pub struct Picked {
 }
 
 /// The front door for one connection: the whole stack over `send`, answering every request
-/// (errors included). Made per connection (see [`Ctx`]).
+/// (errors included), sending through `client` (thread-per-core: the core's own pool; else
+/// [`Shared::client`]). Made per connection (see [`Ctx`]).
 pub fn stack(
-    shared: &Arc<Shared>,
-    peer: SocketAddr,
-) -> impl tower::Service<
-    Request<Incoming>,
-    Response = Response<ProxyBody>,
-    Error = Infallible,
-    Future = impl Future + Send + 'static,
-> + Clone
-       + Send
-       + 'static {
-    stack_on(shared, &shared.client, peer)
-}
-
-/// [`stack`] sending through `client` (thread-per-core: the core's own pool).
-pub fn stack_on(
     shared: &Arc<Shared>,
     client: &Client<HttpConnector, RequestBody>,
     peer: SocketAddr,
