@@ -27,6 +27,7 @@ use crate::policy::Selector;
 use crate::proxy::Denied;
 use crate::reason::Reason;
 use crate::table::{RankTelemetry, Table};
+use crate::worker::{Deployment, EngineEntry, Flavor};
 
 /// What the admin handlers read.
 pub struct Admin {
@@ -167,6 +168,14 @@ impl Admin {
                     "flavor": e.flavor.as_str(),
                     "dp_size": e.dp_size,
                     "start_rank": e.start_rank,
+                    "dp_group": match &e.deployment {
+                        Deployment::Own => None,
+                        Deployment::Member { group } => Some(group.as_deref().unwrap_or("")),
+                    },
+                    "configured": {"flavor": e.declared.flavor.map(Flavor::as_str), "dp_size": e.declared.dp_size},
+                    "reported": e.reported.as_ref().map(|r| json!({"flavor": r.flavor.as_str(), "dp_size": r.dp_size, "from": r.from})),
+                    "mismatch": e.mismatch(),
+                    "unshaped": e.unshaped.load().as_deref().map(String::as_str),
                     "origin": e.origin.to_string(),
                     "workers": e.members.iter().map(|m| m.id_text.as_ref()).collect::<Vec<_>>(),
                 })
@@ -217,11 +226,41 @@ impl Admin {
                     "in_flight": live.in_flight(),
                     "consecutive_failures": live.outlier.failures(),
                     "models": snap.catalog.of(w.engine).map(|l| l.iter().map(|m| m.id.as_str()).collect::<Vec<_>>()).unwrap_or_default(),
+                    "engine_note": engine.mismatch(),
                 })
             })
+            .chain(snap.fleet.engines.iter().filter(|e| !e.shaped()).map(unshaped_row))
             .collect();
         Value::Array(rows)
     }
+}
+
+/// A `/workers` row for an engine that has no workers yet because it has not said its flavor or
+/// DP size: it takes no traffic, and the row says why.
+fn unshaped_row(e: &Arc<EngineEntry>) -> Value {
+    let why = e.unshaped.load();
+    let reason = format!(
+        "{} not known yet: {}",
+        match e.declared.flavor {
+            None => "flavor and DP size",
+            Some(_) => "DP size",
+        },
+        why.as_deref().map_or("not asked yet", String::as_str)
+    );
+    json!({
+        "id": e.url.as_ref(),
+        "engine": e.url.as_ref(),
+        "dp_rank": null,
+        "flavor": e.declared.flavor.map_or("unknown", Flavor::as_str),
+        "telemetry": "unavailable",
+        "reason": reason,
+        "reason_kind": "shape_unknown",
+        "source": null,
+        "reachable": false,
+        "in_flight": 0,
+        "consecutive_failures": 0,
+        "models": [],
+    })
 }
 
 impl Admin {

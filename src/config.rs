@@ -7,18 +7,22 @@
 //! rules across engines; this file the rest and the whole.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-use crate::worker::{ApiKey, Engine, Flavor, RankNumbering, TelemetrySource};
+use crate::worker::{
+    ApiKey, Declared, Deployment, Engine, Flavor, RankNumbering, Reported, TelemetrySource,
+};
 
 mod discovery;
 mod front;
 mod rules;
 mod traces;
-pub use discovery::{Discovery, EngineTemplate, PortRef, Source as DiscoverySource};
+pub use discovery::{Discovery, EngineTemplate, Overrides, PortRef, Source as DiscoverySource};
 pub use front::*;
+pub(crate) use rules::group_text;
 use rules::{check_rank_overlap, parse_health_path, telemetry_config};
 pub use traces::TracingConfig;
 
@@ -191,8 +195,13 @@ struct RawTelemetry {
 pub struct RawEngine {
     url: Option<String>,
     grpc_url: Option<String>,
-    flavor: Flavor,
+    /// `None`: asked of the engine (`GET /get_server_info` answers for SGLang, `/version` for
+    /// vLLM, gRPC `GetServerInfo` for a gRPC-only engine).
+    flavor: Option<Flavor>,
+    /// `None`: an independent engine's own count is read from it; a group member has 1.
     dp_size: Option<u32>,
+    /// Names the multi-server DP deployment this engine is one member of.
+    dp_group: Option<String>,
     start_rank: Option<u32>,
     rank_header: Option<RankNumbering>,
     telemetry: Option<Vec<String>>,
@@ -211,10 +220,12 @@ impl RawEngine {
     pub fn validate(self, at: &str) -> Result<Engine, ConfigError> {
         let addresses = engine_addresses(at, &self)?;
         let (url, authority) = (addresses.url.clone(), addresses.authority.clone());
-        if self.flavor == Flavor::Gateway {
+        let member = self.dp_group.is_some() || self.start_rank.is_some();
+        if self.flavor == Some(Flavor::Gateway) {
             for (k, set) in [
                 ("dp_size", self.dp_size.is_some()),
                 ("start_rank", self.start_rank.is_some()),
+                ("dp_group", self.dp_group.is_some()),
                 ("rank_header", self.rank_header.is_some()),
             ] {
                 if set {
@@ -225,10 +236,18 @@ impl RawEngine {
                 }
             }
         }
-        let telemetry =
-            parse_sources(at, self.flavor, &url, &addresses, self.telemetry.as_deref())?;
+        if self.flavor.is_none() && self.telemetry.is_some() {
+            return Err(invalid(
+                format!("{at}.telemetry"),
+                "what a source means depends on the engine's flavor: set `flavor` too (or leave `telemetry` out and both are read from the engine)",
+            ));
+        }
+        // Until the engine says otherwise, a flavor-less engine is read as vLLM; it has no
+        // workers until it has answered, so nothing is routed on the guess.
+        let flavor = self.flavor.unwrap_or(Flavor::Vllm);
+        let telemetry = parse_sources(at, flavor, &url, &addresses, self.telemetry.as_deref())?;
         let health_path = match (addresses.http, self.health_path.as_deref()) {
-            (true, path) => parse_health_path(at, self.flavor, path)?,
+            (true, path) => parse_health_path(at, flavor, path)?,
             (false, None) => None,
             (false, Some(_)) => {
                 return Err(invalid(
@@ -237,16 +256,30 @@ impl RawEngine {
                 ))
             }
         };
-        let dp_size = self.dp_size.unwrap_or(1);
-        if dp_size == 0 || dp_size > MAX_DP_SIZE {
-            return Err(invalid(
-                format!("{at}.dp_size"),
-                format!("{dp_size} must be between 1 and {MAX_DP_SIZE}"),
-            ));
+        if let Some(dp_size) = self.dp_size {
+            if dp_size == 0 || dp_size > MAX_DP_SIZE {
+                return Err(invalid(
+                    format!("{at}.dp_size"),
+                    format!("{dp_size} must be between 1 and {MAX_DP_SIZE}"),
+                ));
+            }
         }
+        let group = match self.dp_group.as_deref().map(str::trim) {
+            Some("") => {
+                return Err(invalid(
+                    format!("{at}.dp_group"),
+                    "must name the deployment (any non-empty name its members share)",
+                ))
+            }
+            g => g.map(Arc::<str>::from),
+        };
+        let deployment = match member {
+            true => Deployment::Member { group },
+            false => Deployment::Own,
+        };
         let start_rank = self.start_rank.unwrap_or(0);
         if start_rank
-            .checked_add(dp_size)
+            .checked_add(self.dp_size.unwrap_or(1))
             .is_none_or(|end| end > i32::MAX as u32)
         {
             return Err(invalid(
@@ -268,12 +301,18 @@ impl RawEngine {
             .as_deref()
             .map(|var| engine_key(at, var, std::env::var(var).ok()))
             .transpose()?;
-        Ok(Engine {
+        let engine = Engine {
             url: url.into(),
             authority: authority.into(),
-            flavor: self.flavor,
-            dp_size,
+            flavor,
+            dp_size: 0,
             start_rank,
+            deployment,
+            declared: Declared {
+                flavor: self.flavor,
+                dp_size: self.dp_size,
+            },
+            reported: None,
             rank_header: self.rank_header.unwrap_or_default(),
             telemetry,
             health_path,
@@ -281,7 +320,43 @@ impl RawEngine {
             api_key,
             http: addresses.http,
             grpc: addresses.grpc.map(Into::into),
-        })
+        };
+        Ok(engine.with_reported(None))
+    }
+}
+
+impl Engine {
+    /// This engine as routed once it reported `reported` (or as configured, with `None`): the
+    /// configured flavor, else the reported one, with that flavor's default sources; an
+    /// independent engine's own rank count over the configured one (the engine knows how many
+    /// ranks it runs), a group member's configured share (1 when unset). Without a known flavor
+    /// or an independent engine's size, `dp_size` is 0: no workers yet.
+    pub fn with_reported(&self, reported: Option<&Reported>) -> Engine {
+        let flavor = self.declared.flavor.or(reported.map(|r| r.flavor));
+        let dp_size = match (flavor, &self.deployment) {
+            (None, _) => 0,
+            (Some(Flavor::Gateway), _) => 1,
+            (Some(_), Deployment::Own) => (reported.and_then(|r| r.dp_size))
+                .or(self.declared.dp_size)
+                .unwrap_or(0),
+            (Some(_), Deployment::Member { .. }) => self.declared.dp_size.unwrap_or(1),
+        };
+        let mut e = self.clone();
+        e.reported = reported.cloned();
+        e.dp_size = dp_size;
+        if let Some(f) = flavor.filter(|f| *f != self.flavor) {
+            // Only a flavor-less engine changes flavor here, and such an engine has no
+            // `telemetry` list of its own (validation requires the flavor with one).
+            let addresses = Addresses {
+                url: e.url.to_string(),
+                authority: e.authority.to_string(),
+                http: e.http,
+                grpc: e.grpc.as_deref().map(Into::into),
+            };
+            e.telemetry = default_sources(f, &e.url, &addresses);
+            e.flavor = f;
+        }
+        e
     }
 }
 
@@ -372,7 +447,7 @@ fn engine_addresses(at: &str, e: &RawEngine) -> Result<Addresses, ConfigError> {
         .as_deref()
         .map(|u| parse_engine_url(&format!("{at}.grpc_url"), u))
         .transpose()?;
-    if grpc.is_some() && e.flavor == Flavor::Gateway {
+    if grpc.is_some() && e.flavor == Some(Flavor::Gateway) {
         return Err(invalid(
             format!("{at}.grpc_url"),
             "a gateway is fronted over HTTP only: remove this key",
@@ -597,6 +672,7 @@ impl Config {
             engines.push(engine);
         }
         check_rank_overlap(&engines)?;
+        // Sizes read from the engines are not known yet; the membership plan counts again.
         let workers: usize = engines.iter().map(|e| e.dp_size as usize).sum();
         if workers > MAX_WORKERS {
             return Err(invalid(

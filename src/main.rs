@@ -155,6 +155,18 @@ fn main() -> ExitCode {
                     e.flavor
                 );
             }
+            // An engine whose flavor or size is read from it has no workers until it answers.
+            for e in fleet.engines.iter().filter(|e| !e.shaped()) {
+                let unknown = match (e.declared.flavor, e.declared.dp_size) {
+                    (None, None) => "flavor and dp_size",
+                    (None, Some(_)) => "flavor",
+                    _ => "dp_size",
+                };
+                println!(
+                    "{}\tranks=read from the engine when it answers ({unknown} not set)",
+                    e.url
+                );
+            }
             for d in &cfg.discovery {
                 let source = match &d.source {
                     rankgate::config::DiscoverySource::Dns { name, .. } => format!("dns {name}"),
@@ -165,8 +177,11 @@ fn main() -> ExitCode {
                     } => format!("kubernetes pods {namespace}/{selector}"),
                 };
                 println!(
-                    "{}	finds engines: {source}	flavor={}",
-                    d.at, d.template.flavor
+                    "{}\tfinds engines: {source}\tflavor={}",
+                    d.at,
+                    d.template
+                        .flavor
+                        .map_or("read from each engine", |f| f.as_str())
                 );
             }
             ExitCode::SUCCESS

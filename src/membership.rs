@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::worker::{Engine, Flavor, Origin};
+use crate::worker::{Engine, Origin};
 
 /// A change to the fleet.
 #[derive(Debug)]
@@ -53,12 +53,13 @@ pub enum MembershipError {
     Exists { url: String, origin: Origin },
     #[error("no engine {url} in the fleet")]
     NotFound { url: String },
-    #[error("{url} (ranks {ranks}) and {other} (ranks {other_ranks}) both claim the same global rank(s): give each engine its own start_rank..start_rank+dp_size")]
+    #[error("{url} (ranks {ranks}) and {other} (ranks {other_ranks}) both claim the same rank(s) of {group}: give each member its own start_rank..start_rank+dp_size (or leave start_rank and dp_group out for an engine that is its own DP deployment)")]
     RankOverlap {
         url: String,
         ranks: String,
         other: String,
         other_ranks: String,
+        group: String,
     },
     #[error("the fleet would have {workers} workers; rankgate routes at most {max} (config::MAX_WORKERS): split the fleet between rankgates")]
     TooManyWorkers { workers: usize, max: usize },
@@ -228,17 +229,16 @@ fn same_address(a: &Engine, b: &Engine) -> bool {
     a.url == b.url || (a.grpc.is_some() && a.grpc == b.grpc)
 }
 
-/// Engines the operator numbered (the file and the admin API) must not claim the same global
-/// rank. Discovered engines are separate deployments, each numbering its own ranks.
+/// The members of one multi-server DP deployment must not claim the same rank; independent
+/// engines and other groups are not compared (see [`crate::worker::Deployment`]).
 fn check_overlap(engines: &[(Origin, Engine)]) -> Result<(), MembershipError> {
-    let numbered: Vec<&Engine> = engines
-        .iter()
-        .filter(|(o, e)| matches!(o, Origin::Config | Origin::Admin) && e.flavor != Flavor::Gateway)
-        .map(|(_, e)| e)
-        .collect();
-    for (j, b) in numbered.iter().enumerate() {
-        for a in &numbered[..j] {
-            let (ra, rb) = (a.ranks(), b.ranks());
+    let declared = |o: &Origin| matches!(o, Origin::Config | Origin::Admin);
+    for (j, (ob, b)) in engines.iter().enumerate() {
+        for (oa, a) in &engines[..j] {
+            if !(a.deployment).shares_ranks_with(&b.deployment, declared(oa) && declared(ob)) {
+                continue;
+            }
+            let (ra, rb) = (a.claimed_ranks(), b.claimed_ranks());
             if ra.start.max(rb.start) < ra.end.min(rb.end) {
                 let text = |r: std::ops::Range<u32>| format!("{}-{}", r.start, r.end - 1);
                 return Err(MembershipError::RankOverlap {
@@ -246,6 +246,7 @@ fn check_overlap(engines: &[(Origin, Engine)]) -> Result<(), MembershipError> {
                     ranks: text(rb),
                     other: a.url.to_string(),
                     other_ranks: text(ra),
+                    group: crate::config::group_text(&b.deployment),
                 });
             }
         }

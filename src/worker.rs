@@ -55,6 +55,56 @@ pub enum RankNumbering {
     Local,
 }
 
+/// Which data-parallel deployment an engine's ranks belong to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deployment {
+    /// The engine is a whole DP deployment: its ranks are `0..dp_size`, as it labels them in its
+    /// telemetry and accepts them in a pin. The commonest fleet: independent servers, each
+    /// started with `--data-parallel-size N`. Two such engines never conflict.
+    Own,
+    /// One server of a deployment spread over several (vLLM `--data-parallel-start-rank`,
+    /// SGLang multi-node DP): its ranks are the deployment's global ranks `start_rank..`. `group`
+    /// names the deployment (`dp_group`); `None` is the one unnamed group of config and admin
+    /// engines that set `start_rank` alone (configs written before `dp_group` existed).
+    Member { group: Option<Arc<str>> },
+}
+
+impl Deployment {
+    /// Whether two engines' ranks share one numbering, so that they must not overlap. A
+    /// discovered engine with `start_rank` and no group numbers its ranks alone, as before.
+    pub fn shares_ranks_with(&self, other: &Deployment, both_declared: bool) -> bool {
+        match (self, other) {
+            (Deployment::Member { group: Some(a) }, Deployment::Member { group: Some(b) }) => {
+                a == b
+            }
+            (Deployment::Member { group: None }, Deployment::Member { group: None }) => {
+                both_declared
+            }
+            _ => false,
+        }
+    }
+}
+
+/// What the config (or admin call, or discovery template) said of an engine's shape; `None`
+/// where the engine itself is asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Declared {
+    pub flavor: Option<Flavor>,
+    pub dp_size: Option<u32>,
+}
+
+/// What an engine said of itself when asked (`GET /version`, `/get_server_info`, its
+/// `/metrics` labels, gRPC `GetServerInfo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reported {
+    pub flavor: Flavor,
+    /// Its DP ranks, when it told them (a member of a multi-server deployment reports the
+    /// deployment's size, not its own share, so it is not asked).
+    pub dp_size: Option<u32>,
+    /// Where the size was read, for logs and `/workers`.
+    pub from: &'static str,
+}
+
 /// Where an engine's per-rank load comes from, in the engine's order of preference.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TelemetrySource {
@@ -83,9 +133,17 @@ pub struct Engine {
     pub url: Arc<str>,
     /// `host:port` authority of `url`, kept for building upstream URIs without re-parsing.
     pub authority: Arc<str>,
+    /// The flavor routed by: as configured, else as the engine reported it. Meaningless while
+    /// `dp_size` is 0.
     pub flavor: Flavor,
+    /// The ranks routed to: an independent engine's own count once it reported it (the engine
+    /// wins over the config), else the configured one; 0 while neither is known (no workers).
     pub dp_size: u32,
     pub start_rank: u32,
+    pub deployment: Deployment,
+    pub declared: Declared,
+    /// What the engine last reported of itself (`None` until it has).
+    pub reported: Option<Reported>,
     pub rank_header: RankNumbering,
     /// Telemetry sources in order of preference; the first that answers serves.
     pub telemetry: Vec<TelemetrySource>,
@@ -122,9 +180,46 @@ impl fmt::Debug for ApiKey {
 }
 
 impl Engine {
-    /// Global ranks this engine manages: `start_rank .. start_rank + dp_size`.
+    /// The ranks this engine manages, as it numbers them: `start_rank .. start_rank + dp_size`
+    /// (`0..dp_size` for an engine that is its own deployment).
     pub fn ranks(&self) -> std::ops::Range<u32> {
         self.start_rank..self.start_rank + self.dp_size
+    }
+
+    /// The global ranks a group member claims in its deployment (checked for overlap among the
+    /// members even before the engine has said its flavor).
+    pub fn claimed_ranks(&self) -> std::ops::Range<u32> {
+        self.start_rank..self.start_rank + self.declared.dp_size.unwrap_or(1)
+    }
+
+    /// Whether rankgate knows enough to route to it (flavor and size); until then it has no
+    /// workers.
+    pub fn shaped(&self) -> bool {
+        self.dp_size > 0
+    }
+
+    /// Where what the config says disagrees with what the engine reported, in words (logged
+    /// once when it is found, shown in `/workers` and `rankgate top`).
+    pub fn mismatch(&self) -> Option<String> {
+        let r = self.reported.as_ref()?;
+        let mut out = Vec::new();
+        if let Some(f) = self.declared.flavor.filter(|f| *f != r.flavor) {
+            out.push(format!(
+                "configured flavor {f}, the engine answers as {} (the configured flavor is used)",
+                r.flavor
+            ));
+        }
+        if let (Some(c), Some(n), Deployment::Own) =
+            (self.declared.dp_size, r.dp_size, &self.deployment)
+        {
+            if c != n {
+                out.push(format!(
+                    "configured dp_size {c}, the engine reports {n} ranks ({}): its {n} are routed",
+                    r.from
+                ));
+            }
+        }
+        (!out.is_empty()).then(|| out.join("; "))
     }
 }
 
@@ -232,6 +327,9 @@ pub struct EngineEntry {
     /// Its telemetry polls' counters, here so that they leave `/metrics` with the engine;
     /// shared with the entry it replaces when its keys or source change, like its workers.
     pub polls: Arc<PollCounters>,
+    /// Why its flavor or size is not known yet (the last failed attempt to ask it), written by
+    /// its poller; `None` once known. Read by `/workers`, never on the request path.
+    pub unshaped: arc_swap::ArcSwapOption<String>,
 }
 
 impl std::ops::Deref for EngineEntry {
@@ -294,6 +392,7 @@ impl EngineEntry {
             origin,
             members,
             polls: prev.map_or_else(Arc::default, |p| p.polls.clone()),
+            unshaped: Default::default(),
         })
     }
 }
@@ -344,7 +443,10 @@ impl Fleet {
                 })
             })
             .collect();
-        let http: Vec<&Engine> = engines.iter().map(|e| &e.cfg).filter(|e| e.http).collect();
+        // An engine whose shape is not known yet has no workers and serves no route.
+        let http: Vec<&Engine> = (engines.iter().map(|e| &e.cfg))
+            .filter(|e| e.http && e.shaped())
+            .collect();
         Fleet {
             http: HttpShape {
                 flavors: crate::proxy::route::Flavors::of(http.iter().copied()),
@@ -376,7 +478,8 @@ impl Fleet {
     }
 }
 
-/// A vLLM engine polled through Prometheus, for unit tests across the crate.
+/// A vLLM engine polled through Prometheus, for unit tests across the crate: `start_rank` set,
+/// so a member of the unnamed DP group, as such a config entry is.
 #[cfg(test)]
 pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
     Engine {
@@ -385,6 +488,13 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         flavor: Flavor::Vllm,
         dp_size,
         start_rank,
+        // As a config with `start_rank` says it: a member of the unnamed group.
+        deployment: Deployment::Member { group: None },
+        declared: Declared {
+            flavor: Some(Flavor::Vllm),
+            dp_size: Some(dp_size),
+        },
+        reported: None,
         rank_header: RankNumbering::Global,
         telemetry: vec![TelemetrySource::Prometheus],
         health_path: Some("/health".into()),

@@ -284,7 +284,7 @@ async fn changes_need_the_admin_token_and_bad_ones_are_named() {
         bad(json!({"url": b.url(), "flavor": "vllm", "dp_size": 2, "start_rank": 1})).await,
     );
     assert_eq!(s, StatusCode::CONFLICT);
-    assert!(m.contains("claim the same global rank"), "{m}");
+    assert!(m.contains("claim the same rank(s) of the DP group"), "{m}");
     let raw = Request::post(format!("http://{}/engines", r.admin_addr))
         .header("authorization", format!("Bearer {TOKEN}"))
         .body(Full::new(Bytes::from_static(b"{not json")))

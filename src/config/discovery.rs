@@ -30,8 +30,9 @@ pub(super) struct RawDiscovery {
     port: Option<PortRef>,
     grpc_port: Option<PortRef>,
     // the engine keys of what is found
-    flavor: Flavor,
+    flavor: Option<Flavor>,
     dp_size: Option<u32>,
+    dp_group: Option<String>,
     start_rank: Option<u32>,
     rank_header: Option<RankNumbering>,
     health_path: Option<String>,
@@ -44,6 +45,14 @@ pub(super) struct RawDiscovery {
 enum Kind {
     Dns,
     Kubernetes,
+}
+
+/// DP keys one finding gives for its engine (a pod's annotations), over the entry's.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub dp_size: Option<u32>,
+    pub start_rank: Option<u32>,
+    pub dp_group: Option<String>,
 }
 
 /// A container port: by number, or (Kubernetes) by its name in the pod spec.
@@ -89,8 +98,9 @@ pub enum Source {
 /// The `[[engines]]` keys every engine a discovery finds gets; its address comes from the finding.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineTemplate {
-    pub flavor: Flavor,
+    pub flavor: Option<Flavor>,
     pub dp_size: Option<u32>,
+    pub dp_group: Option<String>,
     pub start_rank: Option<u32>,
     rank_header: Option<RankNumbering>,
     health_path: Option<String>,
@@ -104,25 +114,25 @@ impl EngineTemplate {
         self.api_key_env.as_deref()
     }
 
-    /// The engine at `ip:port` (gRPC service at `ip:grpc_port`), with `dp_size` and `start_rank`
-    /// where the finding says (pod annotations), else the entry's. `at` names the finding in
-    /// errors, e.g. `discovery[0] pod vllm-0`.
+    /// The engine at `ip:port` (gRPC service at `ip:grpc_port`), with the DP keys the finding
+    /// gives (pod annotations) over the entry's. `at` names the finding in errors, e.g.
+    /// `discovery[0] pod vllm-0`.
     pub fn engine(
         &self,
         at: &str,
         ip: IpAddr,
         port: Option<u16>,
         grpc_port: Option<u16>,
-        dp_size: Option<u32>,
-        start_rank: Option<u32>,
+        found: Overrides,
     ) -> Result<Engine, ConfigError> {
         let url = |p: u16| format!("http://{}", SocketAddr::new(ip, p));
         RawEngine {
             url: port.map(url),
             grpc_url: grpc_port.map(url),
             flavor: self.flavor,
-            dp_size: dp_size.or(self.dp_size),
-            start_rank: start_rank.or(self.start_rank),
+            dp_size: found.dp_size.or(self.dp_size),
+            dp_group: found.dp_group.or_else(|| self.dp_group.clone()),
+            start_rank: found.start_rank.or(self.start_rank),
             rank_header: self.rank_header,
             telemetry: None,
             health_path: self.health_path.clone(),
@@ -250,6 +260,7 @@ impl RawDiscovery {
         let template = EngineTemplate {
             flavor: self.flavor,
             dp_size: self.dp_size,
+            dp_group: self.dp_group,
             start_rank: self.start_rank,
             rank_header: self.rank_header,
             health_path: self.health_path,
@@ -266,7 +277,13 @@ impl RawDiscovery {
                 port, grpc_port, ..
             } => (port.as_ref().map(|_| 1), grpc_port.as_ref().map(|_| 2)),
         };
-        template.engine(&at, IpAddr::from([127, 0, 0, 1]), p, g, None, None)?;
+        template.engine(
+            &at,
+            IpAddr::from([127, 0, 0, 1]),
+            p,
+            g,
+            Overrides::default(),
+        )?;
         Ok(Discovery {
             at,
             source,
@@ -343,8 +360,10 @@ mod tests {
                 "10.0.0.7".parse().unwrap(),
                 Some(8000),
                 None,
-                None,
-                Some(4),
+                Overrides {
+                    start_rank: Some(4),
+                    ..Default::default()
+                },
             )
             .unwrap();
         assert_eq!(&*e.url, "http://10.0.0.7:8000");
@@ -356,8 +375,7 @@ mod tests {
                 "fd00::1".parse().unwrap(),
                 Some(8000),
                 Some(50051),
-                None,
-                None,
+                Overrides::default(),
             )
             .unwrap();
         assert_eq!(&*v6.url, "http://[fd00::1]:8000");

@@ -14,7 +14,7 @@ use super::{
     DEFAULT_HEALTH_PATH, DEFAULT_INTERVAL, DEFAULT_STALE_AFTER, MAX_INTERVAL, MAX_STALE_AFTER,
     MIN_INTERVAL, MIN_TIMEOUT,
 };
-use crate::worker::{Engine, Flavor};
+use crate::worker::{Deployment, Engine, Flavor};
 
 /// The `[telemetry]` table, with its bounds: each limit is a named constant in the parent.
 pub(super) fn telemetry_config(raw: RawTelemetry) -> Result<TelemetryConfig, ConfigError> {
@@ -99,30 +99,42 @@ fn ranks_text(r: std::ops::Range<u32>) -> String {
     }
 }
 
-/// Global ranks are one numbering across the fleet: two engines claiming the same rank would
-/// make a pinned rank ambiguous. Gateways have no ranks.
+/// The members of one multi-server DP deployment share its global rank numbering: two members
+/// claiming the same rank would make a pinned rank ambiguous. Independent engines and members of
+/// different groups number their ranks apart, so nothing is checked between them.
 pub(super) fn check_rank_overlap(engines: &[Engine]) -> Result<(), ConfigError> {
-    let ranked = |e: &&Engine| e.flavor != Flavor::Gateway;
-    for (j, b) in engines.iter().enumerate().filter(|(_, e)| ranked(e)) {
-        for (i, a) in engines[..j].iter().enumerate().filter(|(_, e)| ranked(e)) {
-            let (ra, rb) = (a.ranks(), b.ranks());
+    for (j, b) in engines.iter().enumerate() {
+        for (i, a) in engines[..j].iter().enumerate() {
+            if !a.deployment.shares_ranks_with(&b.deployment, true) {
+                continue;
+            }
+            let (ra, rb) = (a.claimed_ranks(), b.claimed_ranks());
             let common = ra.start.max(rb.start)..ra.end.min(rb.end);
             if !common.is_empty() {
                 return Err(invalid(
                     format!("engines[{j}].start_rank"),
                     format!(
-                        "engines[{j}] ({}, ranks {}) and engines[{i}] ({}, ranks {}) both claim global rank(s) {}: give each engine its own start_rank..start_rank+dp_size",
+                        "engines[{j}] ({}, ranks {}) and engines[{i}] ({}, ranks {}) both claim rank(s) {} of {}: give each member its own start_rank..start_rank+dp_size (or leave start_rank and dp_group out for an engine that is its own DP deployment)",
                         b.url,
                         ranks_text(rb),
                         a.url,
                         ranks_text(ra),
-                        ranks_text(common)
+                        ranks_text(common),
+                        group_text(&b.deployment),
                     ),
                 ));
             }
         }
     }
     Ok(())
+}
+
+/// How an error names a DP group.
+pub(crate) fn group_text(d: &Deployment) -> String {
+    match d {
+        Deployment::Member { group: Some(g) } => format!("DP group {g:?}"),
+        _ => "the DP group of engines that set start_rank without dp_group".into(),
+    }
 }
 
 /// Warnings from already-resolved engine addresses (`Err` = the name did not resolve).

@@ -258,7 +258,10 @@ fn engines(
         .into_iter()
         .filter_map(|ip| {
             let at = format!("{} {}", d.at, ip);
-            match d.template.engine(&at, ip, port, grpc_port, None, None) {
+            match d
+                .template
+                .engine(&at, ip, port, grpc_port, Default::default())
+            {
                 Ok(e) => Some(e),
                 Err(e) => {
                     // Config validation tried the template on a stand-in address; an address

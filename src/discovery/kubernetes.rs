@@ -25,7 +25,7 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 
 use super::Found;
-use crate::config::{Discovery, DiscoverySource as Source, EngineTemplate, PortRef};
+use crate::config::{Discovery, DiscoverySource as Source, EngineTemplate, Overrides, PortRef};
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::worker::Engine;
 
@@ -33,6 +33,9 @@ use crate::worker::Engine;
 pub const DP_SIZE_ANNOTATION: &str = "rankgate.io/dp-size";
 /// Pod annotation giving the engine's `start_rank` (else the entry's).
 pub const START_RANK_ANNOTATION: &str = "rankgate.io/start-rank";
+/// Pod annotation naming the multi-server DP deployment the pod's engine is a member of (else
+/// the entry's `dp_group`).
+pub const DP_GROUP_ANNOTATION: &str = "rankgate.io/dp-group";
 
 /// First wait before building a client again after a failure; it doubles up to the cap.
 const CLIENT_RETRY_FIRST: Duration = Duration::from_millis(500);
@@ -224,8 +227,13 @@ impl Projector {
             .as_ref()
             .map(|p| port_of(pod, p))
             .transpose()?;
-        let dp_size = annotation(pod, DP_SIZE_ANNOTATION)?;
-        let start_rank = annotation(pod, START_RANK_ANNOTATION)?;
+        let found = Overrides {
+            dp_size: annotation(pod, DP_SIZE_ANNOTATION)?,
+            start_rank: annotation(pod, START_RANK_ANNOTATION)?,
+            dp_group: (pod.metadata.annotations.as_ref())
+                .and_then(|a| a.get(DP_GROUP_ANNOTATION))
+                .map(|g| g.trim().to_string()),
+        };
         let Some(ip) = serving_ip(pod) else {
             return Ok(None);
         };
@@ -233,7 +241,7 @@ impl Projector {
         let name = pod.metadata.name.as_deref().unwrap_or_default();
         let at = format!("{} pod {}/{name}", self.at, self.namespace);
         self.template
-            .engine(&at, ip, port, grpc_port, dp_size, start_rank)
+            .engine(&at, ip, port, grpc_port, found)
             .map(Some)
             .map_err(|e| Skip::Invalid(e.to_string()))
     }

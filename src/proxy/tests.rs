@@ -21,7 +21,7 @@ fn shared(extra: &str) -> Ctx {
 
 fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Ctx {
     let text = format!(
-        "{extra}\n[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\n\
+        "{extra}\n[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\ndp_size = 1\n\
          [[engines]]\nurl = \"http://127.0.0.1:2\"\nflavor = \"vllm\"\nstart_rank = 1\n"
     );
     let cfg = Config::from_str(&text).unwrap();

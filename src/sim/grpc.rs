@@ -217,7 +217,7 @@ impl VllmEngine for GrpcSim {
         Ok(GrpcResponse::new(vllm::GetServerInfoResponse {
             active_requests: self.0.ranks.iter().map(|r| r.counts().running).sum(),
             server_type: "vllm-grpc".into(),
-            data_parallel_size: (cfg.start_rank + cfg.dp_size) as i32,
+            data_parallel_size: cfg.deployment_size() as i32,
         }))
     }
 
@@ -369,6 +369,33 @@ impl SglangScheduler for GrpcSim {
             dp_rank_count: loads.len() as i32,
             loads,
             aggregate: Some(aggregate),
+        }))
+    }
+
+    /// The server's arguments (only `dp_size` and `model_path` imitated), as a Struct.
+    async fn get_server_info(
+        &self,
+        _: GrpcRequest<sglang::GetServerInfoRequest>,
+    ) -> Result<GrpcResponse<sglang::GetServerInfoResponse>, Status> {
+        use sglang::arg_value::Kind;
+        let arg = |kind| sglang::ArgValue { kind: Some(kind) };
+        let fields = [
+            (
+                "dp_size".to_string(),
+                arg(Kind::NumberValue(f64::from(self.0.cfg.deployment_size()))),
+            ),
+            (
+                "model_path".to_string(),
+                arg(Kind::StringValue(self.0.default_model().to_string())),
+            ),
+        ];
+        Ok(GrpcResponse::new(sglang::GetServerInfoResponse {
+            server_args: Some(sglang::ServerArgs {
+                fields: fields.into_iter().collect(),
+            }),
+            active_requests: self.0.ranks.iter().map(|r| r.counts().running).sum::<u32>() as i32,
+            sglang_version: "sim".into(),
+            server_type: "grpc".into(),
         }))
     }
 }

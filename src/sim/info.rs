@@ -48,7 +48,7 @@ impl Sim {
             .collect();
         json!({
             "model_path": model, "tokenizer_path": model, "served_model_name": model,
-            "tp_size": 1, "dp_size": self.cfg.dp_size, "pp_size": 1,
+            "tp_size": 1, "dp_size": self.cfg.deployment_size(), "pp_size": 1,
             "max_total_num_tokens": self.ranks.first().map_or(0, |r| r.capacity),
             "max_req_input_len": self.cfg.capacity_tokens,
             "internal_states": internal, "version": "sim",

@@ -185,6 +185,15 @@ impl Default for SimConfig {
     }
 }
 
+impl SimConfig {
+    /// The DP size the engine reports of itself (vLLM `GetServerInfo.data_parallel_size`,
+    /// SGLang `dp_size`): the whole deployment's, which for a member of a multi-server
+    /// deployment is at least its last rank + 1.
+    pub fn deployment_size(&self) -> u32 {
+        self.start_rank + self.dp_size
+    }
+}
+
 /// The response header naming the GLOBAL rank that served a proxied request, so a client (or a
 /// test behind a router) sees where its request ran.
 pub const SIM_RANK_HEADER: &str = "x-sim-rank";

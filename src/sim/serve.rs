@@ -112,6 +112,11 @@ impl Sim {
                 }
                 self.model_by_id(p.strip_prefix(MODEL_BY_ID).unwrap_or(p))
             }
+            // vLLM's `/version` (SGLang has no such route): how a router tells the two apart.
+            (&Method::GET, "/version") if self.cfg.flavor == SimFlavor::Vllm => json_response(
+                StatusCode::OK,
+                &serde_json::json!({"version": "0.32.0+sim"}),
+            ),
             // `/get_*` are SGLang's older names, kept (deprecated) by newer versions.
             (&Method::GET, "/get_server_info" | "/server_info")
                 if self.cfg.flavor == SimFlavor::Sglang =>

@@ -8,6 +8,7 @@
 //! compare-and-swap retry loop and owns the per-rank state-change log. Each poller also probes
 //! its engine's health path ([`health`]) and stops promptly on shutdown, mid-poll or not.
 
+mod detect;
 pub mod grpc;
 pub mod health;
 pub mod loads;
@@ -27,7 +28,7 @@ use crate::http::Shutdown;
 use crate::membership::{self, Change, MembershipError, Outcome, Sources};
 use crate::proxy::send::ConnLimits;
 use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
-use crate::worker::{EngineEntry, EngineId, Fleet, WorkerId};
+use crate::worker::{EngineEntry, EngineId, Fleet, Reported, WorkerId};
 
 /// One engine's poll, projected onto its ranks.
 pub struct Report {
@@ -38,6 +39,8 @@ pub struct Report {
     source: &'static str,
     /// The engine's models, when this poll read them.
     models: Option<Vec<Model>>,
+    /// What the engine newly said of its flavor and size: its entry is built anew with it.
+    reported: Option<Reported>,
 }
 
 /// What the publisher needs besides the table.
@@ -74,6 +77,7 @@ pub fn spawn(
             pollers: HashMap::new(),
             tasks: JoinSet::new(),
             shutdown: shutdown.clone(),
+            reported: HashMap::new(),
         };
         p.start_pollers();
         p.run(rx, changes, shutdown).await;
@@ -102,6 +106,8 @@ struct Publisher {
     pollers: HashMap<EngineId, AbortHandle>,
     tasks: JoinSet<()>,
     shutdown: Shutdown,
+    /// What each engine (by URL) last said of its flavor and size.
+    reported: HashMap<Arc<str>, Reported>,
 }
 
 impl Publisher {
@@ -174,6 +180,10 @@ impl Publisher {
         else {
             return;
         };
+        if let Some(reported) = report.reported {
+            self.reshape(e, reported);
+            return;
+        }
         let range = self.fleet.workers_of(e);
         for ((w, telemetry), weight) in range.zip(report.ranks).zip(report.weight_at_poll) {
             log_change(&self.fleet, w, &self.views[w].telemetry, &telemetry);
@@ -203,11 +213,50 @@ impl Publisher {
     /// stay, swapped in; pollers started and stopped.
     fn change(&mut self, change: Change) -> Result<Outcome, MembershipError> {
         let plan = membership::plan(&self.sources, change)?;
+        self.sources = plan.sources;
+        // What engines that left said of themselves goes with them.
+        self.reported
+            .retain(|url, _| plan.engines.iter().any(|(_, e)| *e.url == **url));
+        self.rebuild(plan.engines);
+        for url in &plan.outcome.added {
+            tracing::info!(engine = %url, "engine joined the fleet");
+        }
+        for url in &plan.outcome.changed {
+            tracing::info!(engine = %url, "engine changed: its ranks carry on");
+        }
+        for url in &plan.outcome.removed {
+            tracing::info!(engine = %url, "engine left the fleet: no new requests, those on it finish");
+        }
+        Ok(plan.outcome)
+    }
+
+    /// Engine `e` said what it is: its entry is built anew with that (same-rank workers carry
+    /// on), and a disagreement with the config is logged once, here.
+    fn reshape(&mut self, e: usize, reported: Reported) {
+        let url = self.fleet.engines[e].url.clone();
+        self.reported.insert(url.clone(), reported);
+        let (listed, _) = self.sources.engines();
+        self.rebuild(listed);
+        if let Some(entry) = self.fleet.engines.iter().find(|x| x.url == url) {
+            let (flavor, ranks) = (entry.flavor, entry.dp_size);
+            match entry.mismatch() {
+                Some(m) => {
+                    tracing::warn!(engine = %url, mismatch = %m, "engine disagrees with the config")
+                }
+                None => tracing::info!(engine = %url, %flavor, ranks, "engine said its shape"),
+            }
+        }
+    }
+
+    /// Builds the fleet of `listed` (each with what its engine reported of itself), reusing the
+    /// entries that did not change, and swaps it in with the telemetry carried over.
+    fn rebuild(&mut self, listed: Vec<membership::Listed>) {
         let old = &self.fleet;
         // An engine that stays (same URL) keeps its entry if nothing about it changed, else
         // its workers: same ranks, same counters, same telemetry until the next poll.
-        let entries: Vec<Arc<EngineEntry>> = (plan.engines.into_iter())
+        let entries: Vec<Arc<EngineEntry>> = (listed.into_iter())
             .map(|(origin, cfg)| {
+                let cfg = cfg.with_reported(self.reported.get(&cfg.url));
                 let was = old.engines.iter().find(|e| e.url == cfg.url);
                 match was {
                     Some(e) if e.origin == origin && e.cfg == cfg => e.clone(),
@@ -215,7 +264,6 @@ impl Publisher {
                 }
             })
             .collect();
-        self.sources = plan.sources;
         let fleet = Fleet::new(entries);
         let mut known: HashMap<WorkerId, (RankView, bool)> = (old.workers.iter())
             .zip(self.views.drain(..).zip(self.stale.drain(..)))
@@ -245,16 +293,6 @@ impl Publisher {
             }
             stays
         });
-        for url in &plan.outcome.added {
-            tracing::info!(engine = %url, "engine joined the fleet");
-        }
-        for url in &plan.outcome.changed {
-            tracing::info!(engine = %url, "engine changed: its ranks carry on");
-        }
-        for url in &plan.outcome.removed {
-            tracing::info!(engine = %url, "engine left the fleet: no new requests, those on it finish");
-        }
-        Ok(plan.outcome)
     }
 
     /// A poller for every engine of the fleet that has none.

@@ -29,7 +29,7 @@ use super::grpc::LoadsClient;
 use super::health::{self, Change, Health};
 use super::loads::{self, LoadsReport, ProjectionNotes};
 use super::models::ModelsReader;
-use super::{prom, Report};
+use super::{detect, prom, Report};
 use crate::config::TelemetryConfig;
 use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
@@ -37,7 +37,7 @@ use crate::metrics::PollResult;
 use crate::reason::{HealthFailure, Reason, SourceFailure};
 use crate::table::RankTelemetry;
 use crate::worker::EngineEntry;
-use crate::worker::{ApiKey, Engine, Flavor, TelemetrySource};
+use crate::worker::{ApiKey, Deployment, Engine, Flavor, TelemetrySource};
 
 /// Largest telemetry body accepted; a real vLLM /metrics is ~70 KB.
 const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
@@ -120,6 +120,14 @@ pub struct Poller {
     health_uri: Option<http::Uri>,
     health: Health,
     dp_size_checked: bool,
+    /// Transport for asking a gRPC-only engine what it is.
+    grpc: super::grpc::Transport,
+    /// Ask the engine its flavor and size before the next poll (at start when the config
+    /// leaves something to it, and again when it answers after an outage: a restarted engine
+    /// may run another DP size).
+    detect_due: bool,
+    /// Whether the last poll reached the engine.
+    reachable: bool,
     /// Per source: `Some` while it is out of the polls after a failure.
     down: Vec<Option<Down>>,
 }
@@ -215,7 +223,9 @@ impl Poller {
             Some(path) => Some(uri(&format!("{}{path}", engine.url))?),
             None => None,
         };
+        let detect_due = asks(&engine) && engine.reported.is_none();
         Ok(Poller {
+            detect_due,
             // A model list fixed in the config is never read; a gRPC-only engine has no
             // HTTP API to read one from (gRPC requests are not routed by model).
             models: ModelsReader::new(
@@ -231,6 +241,8 @@ impl Poller {
             sources,
             http,
             dp_size_checked: false,
+            reachable: false,
+            grpc,
             down: (0..engine_sources).map(|_| None).collect(),
         })
     }
@@ -249,15 +261,69 @@ impl Poller {
             }
             // Dropping a poll cancels its requests, so shutdown never waits on a stuck engine.
             let report = tokio::select! {
-                r = self.poll_engine(n) => r,
+                r = self.step(n) => r,
                 _ = shutdown_signalled(&mut shutdown) => return,
             };
+            let Some(report) = report else { continue };
             n += 1;
             tokio::select! {
                 sent = tx.send(report) => if sent.is_err() { return },
                 _ = shutdown_signalled(&mut shutdown) => return,
             }
         }
+    }
+
+    /// Asks the engine what it is when that is due, then polls it once it has workers. `None`:
+    /// nothing to report this turn (its shape is still unknown, and why is on the entry).
+    async fn step(&mut self, n: u64) -> Option<Report> {
+        // An engine with workers is asked again only once it answers: a dead engine costs its
+        // polls nothing more.
+        if self.detect_due && (!self.entry.shaped() || self.reachable) {
+            let asked = tokio::time::timeout(
+                self.cfg.timeout,
+                detect::detect(&self.engine, &self.http, &self.grpc),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "asked its flavor and DP size: no answer within {} ms",
+                    self.cfg.timeout.as_millis()
+                ))
+            });
+            match asked {
+                Ok(reported) => {
+                    self.detect_due = false;
+                    self.entry.unshaped.store(None);
+                    if self.entry.reported.as_ref() != Some(&reported) {
+                        // The publisher builds the engine's entry anew with it.
+                        return Some(Report {
+                            engine: self.entry.key,
+                            reachable: true,
+                            weight_at_poll: Vec::new(),
+                            ranks: Vec::new(),
+                            source: "none",
+                            models: None,
+                            reported: Some(reported),
+                        });
+                    }
+                }
+                Err(why) => {
+                    if self.entry.unshaped.load().as_deref() != Some(&why) {
+                        tracing::warn!(engine = %self.engine.url, %why, "engine did not say its shape");
+                    }
+                    self.entry.unshaped.store(Some(why.into()));
+                }
+            }
+        }
+        if !self.entry.shaped() {
+            return None;
+        }
+        let report = self.poll_engine(n).await;
+        if report.reachable && !self.reachable && asks(&self.engine) && n > 0 {
+            self.detect_due = true;
+        }
+        self.reachable = report.reachable;
+        Some(report)
     }
 
     /// One poll: the sources and the health probe side by side, the health verdict applied, and
@@ -365,6 +431,7 @@ impl Poller {
                         ranks,
                         source: name,
                         models: None,
+                        reported: None,
                     };
                 }
                 Ok(Err(f)) => {
@@ -389,6 +456,7 @@ impl Poller {
             ranks: vec![RankTelemetry::unavailable(reason); ranks],
             source: "none",
             models: None,
+            reported: None,
         }
     }
 
@@ -465,6 +533,13 @@ impl Poller {
             }
         }
     }
+}
+
+/// Whether the engine is asked what it is: when the config leaves its flavor to it, or it is its
+/// own DP deployment (whose rank count it knows better than the config).
+fn asks(engine: &Engine) -> bool {
+    engine.flavor != Flavor::Gateway
+        && (engine.declared.flavor.is_none() || engine.deployment == Deployment::Own)
 }
 
 pub(super) async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
