@@ -487,3 +487,40 @@ async fn a_discovered_engine_the_file_drops_again_returns_to_discovery() {
     r.shutdown().await;
     drop(server);
 }
+
+/// Three ordinary vLLM servers behind one name (the recorded vLLM 0.32, two DP ranks each, at
+/// 127.0.0.2-4 on one port), the entry giving only the port and flavor: each server is its own
+/// DP deployment, six ranks `ip:port@0`/`@1`, least KV across all six, each pinned with its
+/// server's own rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_independent_servers_found_by_dns() {
+    use common::recorded::{six_ranks_least_kv, RecordedVllm};
+    let mut found = None;
+    for _ in 0..20 {
+        let a = RecordedVllm::start_on(([127, 0, 0, 2], 0).into(), 0)
+            .await
+            .unwrap();
+        let port = a.addr.port();
+        let b = RecordedVllm::start_on(([127, 0, 0, 3], port).into(), 0).await;
+        let c = RecordedVllm::start_on(([127, 0, 0, 4], port).into(), 0).await;
+        if let (Ok(b), Ok(c)) = (b, c) {
+            found = Some(([a, b, c], port));
+            break;
+        }
+    }
+    let (servers, port) = found.expect("a port free on 127.0.0.2, .3 and .4");
+    let dns = DnsServer::start(Mode::Answer, &["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+         [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{}\"\ninterval = \"{}ms\"\n\
+         port = {port}\nflavor = \"vllm\"\n",
+        common::FAST,
+        dns.addr,
+        INTERVAL.as_millis()
+    );
+    let router = rankgate::app::Router::start(Config::from_str(&text).unwrap())
+        .await
+        .unwrap();
+    six_ranks_least_kv(&router, &servers).await;
+    router.shutdown().await;
+}

@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod binary;
 pub mod grpc;
+pub mod recorded;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -1,0 +1,281 @@
+//! Fleets as they are deployed, over real sockets: several independent vLLM servers, each its own
+//! DP deployment with ranks 0 and 1 (the recorded vLLM 0.32 capture served by each), configured
+//! by url and flavor alone, added through the admin API, or beside a deployment spread over two
+//! servers; and engines that say their flavor and size themselves.
+
+mod common;
+
+use common::admin::{admin, token_env, TOKEN};
+use common::recorded::{kv_shown, six_ranks_least_kv, RecordedVllm, WAIT};
+use common::{chat, router, router_with, wait_available, wait_workers, workers, FAST};
+
+use http::{Method, StatusCode};
+use rankgate::app::Router;
+use rankgate::sim::SimFlavor;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn url_only(url: &str) -> String {
+    format!("[[engines]]\nurl = \"{url}\"\n")
+}
+
+fn url_and_flavor(url: &str) -> String {
+    format!("[[engines]]\nurl = \"{url}\"\nflavor = \"vllm\"\n")
+}
+
+async fn three_servers() -> [RecordedVllm; 3] {
+    [
+        RecordedVllm::start().await,
+        RecordedVllm::start().await,
+        RecordedVllm::start().await,
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_independent_servers_by_url_and_flavor() {
+    let e = three_servers().await;
+    let engines: Vec<String> = e.iter().map(|s| url_and_flavor(&s.url())).collect();
+    let r = router(FAST, &engines).await;
+    six_ranks_least_kv(&r, &e).await;
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_independent_servers_through_the_admin_api() {
+    let e = three_servers().await;
+    let r = router_with(&token_env(), FAST, &[]).await;
+    for s in &e {
+        let body = json!({"url": s.url(), "flavor": "vllm"});
+        let reply = admin(&r, Method::POST, "/engines", Some(TOKEN), Some(body)).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+    }
+    six_ranks_least_kv(&r, &e).await;
+    // The same URL twice is the one conflict.
+    let again = json!({"url": e[0].url(), "flavor": "vllm"});
+    let reply = admin(&r, Method::POST, "/engines", Some(TOKEN), Some(again)).await;
+    assert_eq!(reply.status, StatusCode::CONFLICT);
+    r.shutdown().await;
+}
+
+/// A deployment spread over two servers (ranks 0-1 and 2-3, global, as vLLM's hybrid DP labels
+/// and accepts them) beside an independent server (0-1): each read and pinned its own way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_server_group_beside_an_independent_server() {
+    let a = RecordedVllm::start().await;
+    let b = RecordedVllm::start_on(common::loopback(), 2).await.unwrap();
+    let c = RecordedVllm::start().await;
+    let member = |s: &RecordedVllm, start: u32| {
+        format!(
+            "{}dp_size = 2\ndp_group = \"big\"\nstart_rank = {start}\n",
+            url_and_flavor(&s.url())
+        )
+    };
+    let r = router(
+        FAST,
+        &[member(&a, 0), member(&b, 2), url_and_flavor(&c.url())],
+    )
+    .await;
+    let mut ids = wait_available(&r, |ids| ids.len() == 6).await;
+    ids.sort();
+    let mut want = vec![
+        format!("{}@0", a.url()),
+        format!("{}@1", a.url()),
+        format!("{}@2", b.url()),
+        format!("{}@3", b.url()),
+        format!("{}@0", c.url()),
+        format!("{}@1", c.url()),
+    ];
+    want.sort();
+    assert_eq!(ids, want);
+
+    a.set_kv([0.6, 0.6]);
+    b.set_kv([0.5, 0.1]);
+    c.set_kv([0.5, 0.5]);
+    let shown = [
+        (format!("{}@3", b.url()), 0.1),
+        (format!("{}@0", c.url()), 0.5),
+        (format!("{}@1", a.url()), 0.6),
+    ];
+    kv_shown(&r, &shown).await;
+    assert_eq!(chat(r.addr, 2).await.worker(), format!("{}@3", b.url()));
+    assert_eq!(b.pins(), ["3"], "a member is pinned with its global rank");
+
+    b.set_kv([0.9, 0.9]);
+    c.set_kv([0.5, 0.05]);
+    let shown = [
+        (format!("{}@3", b.url()), 0.9),
+        (format!("{}@1", c.url()), 0.05),
+    ];
+    kv_shown(&r, &shown).await;
+    assert_eq!(chat(r.addr, 2).await.worker(), format!("{}@1", c.url()));
+    assert_eq!(c.pins(), ["1"], "an independent server with its own rank");
+    assert_eq!((a.refused(), b.refused(), c.refused()), (0, 0, 0));
+    r.shutdown().await;
+
+    // Two members claiming the same rank of the group: a config error naming both.
+    let text = format!("{}{}", member(&a, 0), member(&b, 1));
+    let err = rankgate::config::Config::from_str(&text)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&a.url()) && err.contains(&b.url()) && err.contains("DP group \"big\""),
+        "{err}"
+    );
+}
+
+fn engine_row<'a>(rows: &'a [Value], url: &str) -> &'a Value {
+    rows.iter()
+        .find(|e| e["url"] == url)
+        .unwrap_or_else(|| panic!("{url} not in /engines: {rows:?}"))
+}
+
+async fn engines(r: &Router) -> Vec<Value> {
+    match common::get(r.admin_addr, "/engines").await.json() {
+        Value::Array(v) => v,
+        other => panic!("/engines is not an array: {other}"),
+    }
+}
+
+/// Waits until `/engines` shows `url` with this flavor and size, and returns its row.
+async fn shaped(r: &Router, url: &str, flavor: &str, dp_size: u64) -> Value {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let rows = engines(r).await;
+        let row = engine_row(&rows, url).clone();
+        if row["flavor"] == flavor && row["dp_size"] == dp_size {
+            return row;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{url} not shaped {flavor} x {dp_size}: {row}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Flavor and DP size read from the engine: the recorded vLLM over HTTP (its /version and its
+/// /metrics labels), a simulated SGLang over HTTP (/get_server_info), and vLLM and SGLang
+/// engines known only by their gRPC address (GetServerInfo).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flavor_and_size_are_read_from_the_engines() {
+    let v = RecordedVllm::start().await;
+    let s = common::engine(common::sim(SimFlavor::Sglang, 3, 0)).await;
+    let gv = common::grpc::Eng::start(SimFlavor::Vllm, 4, 0).await;
+    let gs = common::grpc::Eng::start(SimFlavor::Sglang, 2, 0).await;
+    let engines_toml = [
+        url_only(&v.url()),
+        url_only(&s.url()),
+        format!("[[engines]]\ngrpc_url = \"{}\"\n", gv.url()),
+        format!("[[engines]]\ngrpc_url = \"{}\"\n", gs.url()),
+    ];
+    let r = router_with("grpc_listen = \"127.0.0.1:0\"\n", FAST, &engines_toml).await;
+    let row = shaped(&r, &v.url(), "vllm", 2).await;
+    assert_eq!(row["reported"]["from"], "/metrics engine labels", "{row}");
+    assert_eq!(row["configured"]["flavor"], Value::Null);
+    shaped(&r, &s.url(), "sglang", 3).await;
+    shaped(&r, &gv.url(), "vllm", 4).await;
+    shaped(&r, &gs.url(), "sglang", 2).await;
+    // 2 + 3 + 4 + 2 ranks, all read and routable.
+    wait_available(&r, |ids| ids.len() == 11).await;
+    v.set_kv([0.0, 0.0]);
+    s.set_kv_usage(vec![0.9; 3]);
+    let shown: Vec<_> = (0..3).map(|i| (format!("{}@{i}", s.url()), 0.9)).collect();
+    kv_shown(&r, &shown).await;
+    // Both serve the model: the request may go to either, by load.
+    wait_workers(&r, WAIT, |rows| {
+        rows.iter()
+            .filter(|w| w["engine"] == v.url())
+            .all(|w| w["models"] == json!(["tiny-llama"]))
+    })
+    .await;
+    let reply = chat(r.addr, 2).await;
+    assert_eq!(reply.status, 200);
+    assert!(reply.worker().starts_with(&v.url()), "{}", reply.worker());
+    r.shutdown().await;
+}
+
+/// The config says 4 ranks, the server runs 2: the engine's count wins (2 workers, never a
+/// request to a rank it does not run) and the disagreement shows in /workers and /engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_size_the_engine_contradicts_is_shown_and_the_engine_wins() {
+    let v = RecordedVllm::start().await;
+    let r = router(
+        FAST,
+        &[format!("{}dp_size = 4\n", url_and_flavor(&v.url()))],
+    )
+    .await;
+    let row = shaped(&r, &v.url(), "vllm", 2).await;
+    let mismatch = row["mismatch"].as_str().unwrap_or_default().to_string();
+    assert!(
+        mismatch.contains("configured dp_size 4") && mismatch.contains("reports 2"),
+        "{row}"
+    );
+    let ids = wait_available(&r, |ids| ids.len() == 2).await;
+    assert!(ids.iter().all(|i| i.ends_with("@0") || i.ends_with("@1")));
+    for w in workers(&r).await {
+        assert_eq!(w["engine_note"], mismatch.as_str(), "{w}");
+    }
+    for _ in 0..6 {
+        assert_eq!(chat(r.addr, 2).await.status, 200);
+    }
+    assert_eq!(v.refused(), 0);
+    r.shutdown().await;
+}
+
+/// An engine that never says what it is (a port that accepts and never answers) has no workers
+/// and takes no traffic; /workers says why, and the fleet's other engine serves everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_does_not_say_its_size_takes_no_traffic_and_says_why() {
+    let mute = tokio::net::TcpListener::bind(common::loopback())
+        .await
+        .unwrap();
+    let mute_url = format!("http://{}", mute.local_addr().unwrap());
+    // Accepted connections are held open and never read.
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((tcp, _)) = mute.accept().await {
+            open.push(tcp);
+        }
+    });
+    let v = RecordedVllm::start().await;
+    let r = router(
+        "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\ntimeout = \"300ms\"\n",
+        &[url_only(&mute_url), url_and_flavor(&v.url())],
+    )
+    .await;
+    let rows = wait_workers(&r, WAIT, |rows| {
+        rows.iter().any(|w| {
+            w["id"] == mute_url.as_str()
+                && w["reason"]
+                    .as_str()
+                    .is_some_and(|s| s.contains("no answer"))
+        })
+    })
+    .await;
+    let row = rows.iter().find(|w| w["id"] == mute_url.as_str()).unwrap();
+    assert_eq!(row["reason_kind"], "shape_unknown", "{row}");
+    assert_eq!(row["telemetry"], "unavailable");
+    assert!(
+        row["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("flavor and DP size not known yet"),
+        "{row}"
+    );
+    wait_available(&r, |ids| ids.len() == 2).await;
+    for _ in 0..5 {
+        let reply = chat(r.addr, 2).await;
+        assert_eq!(reply.status, 200);
+        assert!(reply.worker().starts_with(&v.url()));
+    }
+    let e = engines(&r).await;
+    assert_eq!(engine_row(&e, &mute_url)["dp_size"], 0);
+    assert!(engine_row(&e, &mute_url)["unshaped"].is_string());
+    r.shutdown().await;
+    held.abort();
+}
