@@ -714,6 +714,38 @@ fn engine_key(at: &str, var: &str, value: Option<String>) -> Result<ApiKey, Conf
 mod tests {
     use super::*;
 
+    #[test]
+    fn what_the_engine_reports_shapes_it() {
+        let c = Config::from_str("[[engines]]\nurl = \"http://a:1\"\n").unwrap();
+        let e = &c.engines[0];
+        let sglang = Reported {
+            flavor: Flavor::Sglang,
+            dp_size: Some(4),
+            from: "test",
+        };
+        let shaped = e.with_reported(Some(&sglang));
+        assert_eq!((shaped.flavor, shaped.dp_size), (Flavor::Sglang, 4));
+        // The flavor's own sources: SGLang's /v1/loads first.
+        assert!(
+            matches!(&shaped.telemetry[0], TelemetrySource::Http { url } if url.ends_with("/v1/loads?include=core"))
+        );
+        assert_eq!(shaped.mismatch(), None);
+        // A configured size loses to the engine's, and says so.
+        let c = Config::from_str(
+            "[[engines]]\nurl = \"http://a:1\"\nflavor = \"sglang\"\ndp_size = 2\n",
+        )
+        .unwrap();
+        let shaped = c.engines[0].with_reported(Some(&sglang));
+        assert_eq!(shaped.dp_size, 4);
+        assert!(shaped.mismatch().unwrap().contains("configured dp_size 2"));
+        // A group member keeps its configured share whatever the deployment's size.
+        let c = Config::from_str(
+            "[[engines]]\nurl = \"http://a:1\"\nflavor = \"sglang\"\ndp_size = 2\nstart_rank = 2\n",
+        )
+        .unwrap();
+        assert_eq!(c.engines[0].with_reported(Some(&sglang)).ranks(), 2..4);
+    }
+
     const MIN: &str =
         "[[engines]]\nurl = \"http://127.0.0.1:18001\"\nflavor = \"vllm\"\ndp_size = 2\n";
 

@@ -414,4 +414,47 @@ mod tests {
         assert_eq!(p.outcome.removed, ["http://d:1"]);
         assert_eq!(p.engines.len(), 1);
     }
+
+    /// One rule for every source: independent engines never conflict; members of a named group
+    /// are checked whoever found them.
+    #[test]
+    fn groups_are_checked_across_sources_and_independent_engines_never() {
+        let own = |url: &str| {
+            let mut e = test_engine(url, 2, 0);
+            e.deployment = crate::worker::Deployment::Own;
+            e
+        };
+        let member = |url: &str, start: u32| {
+            let mut e = test_engine(url, 2, start);
+            e.deployment = crate::worker::Deployment::Member {
+                group: Some("big".into()),
+            };
+            e
+        };
+        let mut cur = Sources::new(vec![own("http://a:1"), member("http://m:1", 0)]);
+        cur = plan(&cur, Change::Add(own("http://b:1"))).unwrap().sources;
+        let found = vec![own("http://c:1"), member("http://n:1", 2)];
+        let p = plan(
+            &cur,
+            Change::Replace {
+                origin: Origin::Discovery(0),
+                engines: found,
+            },
+        )
+        .unwrap();
+        assert_eq!(p.engines.len(), 5);
+        let clash = vec![member("http://o:1", 1)];
+        let err = plan(
+            &p.sources,
+            Change::Replace {
+                origin: Origin::Discovery(0),
+                engines: clash,
+            },
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("http://o:1") && err.to_string().contains("DP group \"big\""),
+            "{err}"
+        );
+    }
 }

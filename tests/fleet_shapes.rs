@@ -279,3 +279,26 @@ async fn an_engine_that_does_not_say_its_size_takes_no_traffic_and_says_why() {
     r.shutdown().await;
     held.abort();
 }
+
+/// A server restarted with another DP size (a rollout from 2 to 3 ranks on the same port): once
+/// it answers again rankgate asks it anew, and routes its 3 ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_restarted_with_another_size_is_asked_again() {
+    let first = common::engine(common::sim(SimFlavor::Vllm, 2, 0)).await;
+    let url = first.url();
+    let r = router(FAST, &[url_only(&url)]).await;
+    shaped(&r, &url, "vllm", 2).await;
+    wait_available(&r, |ids| ids.len() == 2).await;
+    let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+    first.kill().await;
+    wait_available(&r, |ids| ids.is_empty()).await;
+    let second = rankgate::sim::SimEngine::start(addr, common::sim(SimFlavor::Vllm, 3, 0))
+        .await
+        .expect("the port is free again");
+    shaped(&r, &url, "vllm", 3).await;
+    let ids = wait_available(&r, |ids| ids.len() == 3).await;
+    assert!(ids.contains(&format!("{url}@2")), "{ids:?}");
+    assert_eq!(chat(r.addr, 2).await.status, 200);
+    r.shutdown().await;
+    second.shutdown().await;
+}

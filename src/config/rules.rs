@@ -237,6 +237,78 @@ mod tests {
     }
 
     #[test]
+    fn independent_engines_never_conflict_and_groups_are_checked_apart() {
+        let own =
+            |url: &str| format!("[[engines]]\nurl = \"{url}\"\nflavor = \"vllm\"\ndp_size = 2\n");
+        let member = |url: &str, group: &str, start: u32| {
+            format!("{}dp_group = \"{group}\"\nstart_rank = {start}\n", own(url))
+        };
+        // Three servers each with ranks 0-1, and two groups both starting at 0.
+        let c = Config::from_str(&format!(
+            "{}{}{}{}{}",
+            own("http://a:1"),
+            own("http://b:1"),
+            own("http://c:1"),
+            member("http://d:1", "x", 0),
+            member("http://e:1", "y", 0),
+        ))
+        .unwrap();
+        let ranks: Vec<_> = c.engines.iter().map(|e| e.ranks()).collect();
+        assert_eq!(ranks, [0..2, 0..2, 0..2, 0..2, 0..2]);
+        assert_eq!(c.engines[0].deployment, Deployment::Own);
+        // A named group beside the unnamed one (start_rank alone): apart too.
+        Config::from_str(&format!(
+            "{}{}",
+            member("http://d:1", "x", 0),
+            engine("http://f:1", "vllm", 2, 0)
+        ))
+        .unwrap();
+        // Inside a group, an overlap names both members and the group.
+        let e = err(&format!(
+            "{}{}",
+            member("http://d:1", "x", 0),
+            member("http://e:1", "x", 1)
+        ));
+        assert!(
+            e.contains("engines[1].start_rank")
+                && e.contains("http://d:1")
+                && e.contains("http://e:1")
+                && e.contains("DP group \"x\""),
+            "{e}"
+        );
+        // The same URL twice is still an error, independent or not.
+        let e = err(&format!("{}{}", own("http://a:1"), own("http://a:1")));
+        assert!(e.contains("duplicate"), "{e}");
+    }
+
+    #[test]
+    fn shape_keys_are_checked() {
+        let e = err("[[engines]]\nurl = \"http://g:1\"\nflavor = \"gateway\"\ndp_group = \"x\"\n");
+        assert!(e.contains("engines[0].dp_group"), "{e}");
+        let e = err("[[engines]]\nurl = \"http://a:1\"\ndp_group = \" \"\n");
+        assert!(e.contains("engines[0].dp_group"), "{e}");
+        let e = err("[[engines]]\nurl = \"http://a:1\"\ntelemetry = [\"prometheus\"]\n");
+        assert!(
+            e.contains("engines[0].telemetry") && e.contains("flavor"),
+            "{e}"
+        );
+        // url alone: flavor and size are the engine's to say, so it starts without workers.
+        let c = Config::from_str("[[engines]]\nurl = \"http://a:1\"\n").unwrap();
+        let e = &c.engines[0];
+        assert_eq!(
+            (e.declared.flavor, e.declared.dp_size, e.dp_size),
+            (None, None, 0)
+        );
+        assert!(!e.shaped());
+        // A member's size is its configured share, 1 when unset (as before dp_group).
+        let c = Config::from_str(
+            "[[engines]]\nurl = \"http://a:1\"\nflavor = \"sglang\"\nstart_rank = 4\n",
+        )
+        .unwrap();
+        assert_eq!(c.engines[0].ranks(), 4..5);
+    }
+
+    #[test]
     fn telemetry_bounds() {
         let base = engine("http://a:1", "vllm", 1, 0);
         let e = err(&format!("[telemetry]\ninterval = \"5ms\"\n{base}"));
