@@ -1,10 +1,11 @@
 //! `rankgate demo`: the scenario in `configs/scenarios/demo.toml`, built into the binary, run
 //! once per policy with the load client, and printed side by side.
 //!
-//! Two engines of two ranks each. Rank 0 is already 85% full with someone else's work, so
-//! requests sent there queue for KV; rank 3 publishes no telemetry at all. A router that reads
-//! per-rank KV keeps traffic off rank 0 and never sends anything to the rank it knows nothing
-//! about; a round-robin router gives each rank a quarter of the traffic.
+//! Two independent vLLM servers of two DP ranks each (`--data-parallel-size 2`, ranks @0 and @1
+//! on each). The first server's rank 0 is already 85% full with someone else's work, so requests
+//! sent there queue for KV; the second server's rank 1 publishes no telemetry at all. A router
+//! that reads per-rank KV keeps traffic off the full rank and never sends anything to the rank it
+//! knows nothing about; a round-robin router gives each rank a quarter of the traffic.
 
 use crate::scenario::{self, render, Scenario};
 
@@ -25,13 +26,13 @@ pub fn scenario(requests: Option<usize>, rate: Option<f64>) -> Result<Scenario, 
 /// Runs every policy of the demo and prints the comparison.
 pub async fn run(s: Scenario) -> Result<(), String> {
     println!(
-        "rankgate demo: 2 simulated vLLM engines x 2 DP ranks; {} streaming requests at {}/s per policy",
+        "rankgate demo: 2 independent simulated vLLM servers x 2 DP ranks; {} streaming requests at {}/s per policy",
         s.workload.requests,
         s.workload.rate.unwrap_or_default()
     );
     let runs = scenario::run(&s, None, true).await?;
     println!("\n{}", render::markdown(&s, &runs));
-    println!("(times in ms; TTFT = first streamed token; rank @0 starts 85% full, rank @3 publishes no telemetry)");
+    println!("(times in ms; TTFT = first streamed token; ranks in fleet order: rank 0 = the first server's @0, starts 85% full; rank 3 = the second server's @1, publishes no telemetry)");
     if let [a, b, ..] = runs.as_slice() {
         let (x, y) = (a.report.ttft().p99, b.report.ttft().p99);
         println!(

@@ -400,7 +400,6 @@ fail_percent = 100
 [[engines]]
 flavor = "vllm"
 dp_size = 1
-start_rank = 1
 [workload]
 rate = 20
 requests = 20

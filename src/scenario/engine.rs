@@ -11,6 +11,9 @@ use crate::sim::{check_percent, check_status, SimConfig, SimFlavor};
 pub struct EngineSpec {
     pub flavor: SimFlavor,
     pub dp_size: u32,
+    /// Names the multi-server deployment this engine is a member of (with `start_rank`, its
+    /// first global rank); without it the engine is its own deployment, ranks 0..dp_size.
+    pub dp_group: Option<String>,
     #[serde(default)]
     pub start_rank: u32,
     #[serde(default = "default_capacity")]
@@ -28,7 +31,7 @@ pub struct EngineSpec {
     /// unaffected by it.
     #[serde(default = "default_true")]
     pub prefix_caching: bool,
-    /// GLOBAL ranks dark for the whole run.
+    /// Ranks dark for the whole run, as this engine numbers them.
     #[serde(default)]
     pub dark_ranks: Vec<u32>,
     /// Fault knobs from the start (see `SimConfig`); events can change them mid-run.
@@ -77,6 +80,16 @@ impl EngineSpec {
     pub(super) fn validate(&self) -> Result<(), String> {
         if self.dp_size == 0 {
             return Err("dp_size must be at least 1".into());
+        }
+        if self.start_rank > 0 && self.dp_group.is_none() {
+            return Err("start_rank numbers a member of a multi-server deployment: give dp_group too (an independent server's ranks are 0..dp_size)".into());
+        }
+        let own = self.start_rank..self.start_rank + self.dp_size;
+        if let Some(r) = self.dark_ranks.iter().find(|r| !own.contains(r)) {
+            return Err(format!(
+                "dark rank {r} is not one of this engine's ranks ({}..{})",
+                own.start, own.end
+            ));
         }
         if !(self.decode_rate.is_finite() && self.decode_rate > 0.0) {
             return Err("decode_rate must be a positive number".into());

@@ -27,14 +27,15 @@ impl Limit {
     }
 }
 
-/// At `at`: `dark` replaces the set of GLOBAL ranks publishing no telemetry, on every engine;
+/// At `at`: `dark` replaces the set of ranks publishing no telemetry, numbered in fleet order
+/// (the scenario's rank N, see [`super::Scenario::ranks`]), on every engine;
 /// the fault keys change engine `engine` (index into `[[engines]]`), or every engine without it.
 /// Keys left out leave that knob as it was.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Event {
     pub at: HumanDuration,
-    pub dark: Option<Vec<u32>>,
+    pub dark: Option<Vec<usize>>,
     pub engine: Option<usize>,
     /// Status of the failing share; 503 when only `fail_percent` is given.
     pub fail_status: Option<u16>,
@@ -66,9 +67,14 @@ impl Event {
     }
 
     /// Checks everything that could make applying the event fail, so a run never stops half-way.
-    pub(super) fn validate(&self, engines: usize) -> Result<(), String> {
+    pub(super) fn validate(&self, engines: usize, ranks: usize) -> Result<(), String> {
         if let Some(i) = self.engine.filter(|&i| i >= engines) {
             return Err(format!("engine {i} does not exist ({engines} [[engines]])"));
+        }
+        if let Some(r) = self.dark.iter().flatten().find(|&&r| r >= ranks) {
+            return Err(format!(
+                "dark rank {r} does not exist (the fleet has ranks 0..{ranks}, in engine order)"
+            ));
         }
         if self.fail_status.is_some() && self.fail_percent.is_none() {
             return Err("fail_status needs fail_percent".into());
@@ -131,6 +137,7 @@ impl Event {
 /// Plays the timeline against the fleet until it ends or `stop` fires.
 pub(super) async fn play(
     engines: Arc<Vec<SimEngine>>,
+    ranks: Vec<(usize, u32)>,
     mut events: Vec<Event>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -143,7 +150,11 @@ pub(super) async fn play(
         }
         for (i, e) in engines.iter().enumerate() {
             if let Some(dark) = &ev.dark {
-                e.set_dark_ranks(dark.clone());
+                // Each engine darkens its own ranks, as it numbers them.
+                let own = dark
+                    .iter()
+                    .filter_map(|&n| ranks.get(n).filter(|(e, _)| *e == i));
+                e.set_dark_ranks(own.map(|(_, r)| *r).collect());
             }
             if ev.engine.is_none_or(|t| t == i) {
                 ev.apply(e).await;
@@ -167,7 +178,6 @@ dp_size = 2
 [[engines]]
 flavor = "sglang"
 dp_size = 2
-start_rank = 2
 fail_percent = 25
 hang_metrics = true
 stall_after_tokens = 4

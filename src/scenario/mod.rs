@@ -146,7 +146,7 @@ impl Scenario {
             e.validate().map_err(|why| format!("engines[{i}]: {why}"))?;
         }
         for (i, ev) in s.events.iter().enumerate() {
-            ev.validate(s.engines.len())
+            ev.validate(s.engines.len(), s.ranks().len())
                 .map_err(|why| format!("events[{i}] (at {:?}): {why}", ev.at.0))?;
         }
         if s.workload.rate.is_some_and(|r| !(r.is_finite() && r > 0.0))
@@ -196,23 +196,28 @@ impl Scenario {
         Scenario::parse(&text, path.parent()).map_err(|e| format!("{}: {e}", path.display()))
     }
 
-    /// Global ranks of the whole fleet, in engine order.
-    pub fn ranks(&self) -> Vec<u32> {
-        self.engines
-            .iter()
-            .flat_map(|e| e.start_rank..e.start_rank + e.dp_size)
+    /// The fleet's ranks in engine order: (engine index, the rank as that engine numbers it:
+    /// 0.. for an independent server, global for a group member). A scenario's "rank N"
+    /// (events' `dark`, the result tables) is the Nth of these.
+    pub fn ranks(&self) -> Vec<(usize, u32)> {
+        (self.engines.iter().enumerate())
+            .flat_map(|(i, e)| (e.start_rank..e.start_rank + e.dp_size).map(move |r| (i, r)))
             .collect()
     }
 
-    /// The windows during which each GLOBAL rank publishes no telemetry: (rank, from, until).
-    pub fn dark_windows(&self) -> Vec<(u32, Duration, Duration)> {
+    /// The windows during which each fleet rank (see [`Scenario::ranks`]) publishes no
+    /// telemetry: (rank, from, until).
+    pub fn dark_windows(&self) -> Vec<(usize, Duration, Duration)> {
         let end = self.workload.duration.0;
+        let ranks = self.ranks();
         let mut out = Vec::new();
-        for e in &self.engines {
-            out.extend(e.dark_ranks.iter().map(|&r| (r, Duration::ZERO, end)));
+        for (n, (e, r)) in ranks.iter().enumerate() {
+            if self.engines[*e].dark_ranks.contains(r) {
+                out.push((n, Duration::ZERO, end));
+            }
         }
         // Only events that say `dark` change the dark set, so only they end a window.
-        let mut events: Vec<(Duration, &[u32])> = self
+        let mut events: Vec<(Duration, &[usize])> = self
             .events
             .iter()
             .filter_map(|e| e.dark.as_deref().map(|d| (e.at.0, d)))
@@ -254,7 +259,7 @@ dark = []
     fn parses_and_derives_dark_windows() {
         let s = Scenario::parse(TEXT, None).unwrap();
         assert_eq!(s.policies.len(), 3);
-        assert_eq!(s.ranks(), [0, 1]);
+        assert_eq!(s.ranks(), [(0, 0), (0, 1)]);
         let w = s.dark_windows();
         assert!(w.contains(&(1, Duration::ZERO, Duration::from_secs(10))));
         assert!(w.contains(&(0, Duration::from_secs(2), Duration::from_secs(4))));

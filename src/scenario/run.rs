@@ -101,11 +101,17 @@ pub async fn run_policy(
     );
     for (url, spec) in urls.iter().zip(&s.engines) {
         toml.push_str(&format!(
-            "[[engines]]\n{url}\nflavor = \"{}\"\ndp_size = {}\nstart_rank = {}\n",
+            "[[engines]]\n{url}\nflavor = \"{}\"\ndp_size = {}\n",
             spec.flavor.as_str(),
             spec.dp_size,
-            spec.start_rank
         ));
+        // A member of a multi-server deployment says so; an independent server needs nothing.
+        if let Some(group) = &spec.dp_group {
+            toml.push_str(&format!(
+                "dp_group = \"{group}\"\nstart_rank = {}\n",
+                spec.start_rank
+            ));
+        }
     }
     let mut routers = Vec::new();
     for _ in 0..replicas.max(1) {
@@ -150,7 +156,12 @@ pub async fn run_policy(
         .collect();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let sampler = tokio::spawn(sample_kv(engines.clone(), stop_rx.clone()));
-    let timeline = tokio::spawn(events::play(engines.clone(), s.events.clone(), stop_rx));
+    let timeline = tokio::spawn(events::play(
+        engines.clone(),
+        s.ranks(),
+        s.events.clone(),
+        stop_rx,
+    ));
 
     let w = &s.workload;
     let workload = Workload {
@@ -198,12 +209,9 @@ pub async fn run_policy(
 
     let per = report.per_worker();
     let windows = s.dark_windows();
-    let ranks = s
-        .ranks()
-        .into_iter()
+    let ranks = (0..s.ranks().len())
         .zip(ids)
-        .enumerate()
-        .map(|(i, (rank, id))| {
+        .map(|(i, id)| {
             let in_windows = |shift: Duration, to_end: bool| {
                 report
                     .outcomes
@@ -212,7 +220,7 @@ pub async fn run_policy(
                     .filter(|o| {
                         windows.iter().any(|&(r, from, until)| {
                             let detected = from + shift;
-                            r == rank
+                            r == i
                                 && if to_end {
                                     o.sent >= detected && o.sent < until
                                 } else {
@@ -230,7 +238,7 @@ pub async fn run_policy(
                 prefix_queries: prefix.get(i).map_or(0, |p| p.0),
                 prefix_hits: prefix.get(i).map_or(0, |p| p.1),
                 id,
-                rank,
+                rank: i as u32,
             }
         })
         .collect();
