@@ -46,7 +46,9 @@ struct Args {
     flavor: FlavorArg,
     #[arg(long, default_value_t = 1)]
     dp_size: u32,
-    /// Global rank of the first local rank.
+    /// Only for a member of a multi-server DP deployment: the global rank of its first rank, as
+    /// vLLM's `--data-parallel-start-rank` (labels and accepted pins then start there). A server
+    /// that is its own deployment, the common case, numbers its ranks from 0.
     #[arg(long, default_value_t = 0)]
     start_rank: u32,
     /// Which numbering the pinning header is validated against.

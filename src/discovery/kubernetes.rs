@@ -490,6 +490,22 @@ mod tests {
             &[(DP_SIZE_ANNOTATION, "8"), (START_RANK_ANNOTATION, " 16 ")],
         )));
         assert_eq!((e.dp_size, e.start_rank), (8, 16));
+        // The members of one deployment spread over pods name it.
+        let e = engine(p.project(&pod(
+            "a",
+            true,
+            "127.0.0.7",
+            &[
+                (START_RANK_ANNOTATION, "2"),
+                (DP_GROUP_ANNOTATION, " llama "),
+            ],
+        )));
+        assert_eq!(
+            e.deployment,
+            crate::worker::Deployment::Member {
+                group: Some("llama".into())
+            }
+        );
         assert_eq!(
             p.project(&pod(
                 "a",

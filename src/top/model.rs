@@ -42,6 +42,8 @@ pub struct Row {
     pub in_flight: u64,
     pub consecutive_failures: u64,
     pub models: Vec<String>,
+    /// Where the config and the engine disagree (its configured DP size, say).
+    pub engine_note: Option<String>,
     /// Not in the document: filled from `/metrics` deltas; `None` until two polls saw the rank.
     #[serde(skip)]
     pub req_per_s: Option<f64>,
@@ -63,6 +65,7 @@ impl Row {
             Some("no_kv_gauge") => "no-kv",
             Some("empty_report") => "empty",
             Some("fleet_rollup") => "rollup",
+            Some("shape_unknown") => "unknown",
             Some(kind) => kind,
             None => "down",
         }

@@ -173,6 +173,22 @@ fn status_line(
     }
     text.push_str(&format!(" · every {}", fmt_interval(state)));
     let mut spans = vec![Span::raw(truncate(&text, width))];
+    // An engine the config describes wrongly (its DP size, say) is routed as it reports itself;
+    // the operator should still hear of it.
+    let mut notes: Vec<(&str, &str)> = (state.rows().iter())
+        .filter_map(|r| Some((r.engine.as_str(), r.engine_note.as_deref()?)))
+        .collect();
+    notes.dedup_by_key(|(engine, _)| *engine);
+    if let Some((engine, note)) = notes.first() {
+        let room = width.saturating_sub(text.chars().count());
+        spans.push(Span::styled(
+            truncate(
+                &format!(" · {} config ≠ engine: {engine}: {note}", notes.len()),
+                room,
+            ),
+            Style::new().fg(Color::Yellow),
+        ));
+    }
     if let Some(e) = &state.metrics_error {
         let room = width.saturating_sub(text.chars().count());
         spans.push(Span::styled(
@@ -433,6 +449,28 @@ fn lpad(s: &str, w: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_engine_the_config_describes_wrongly_is_named_in_the_status_line() {
+        let mut state = State::new("http://127.0.0.1:9090", std::time::Duration::from_secs(1));
+        let workers = r#"[
+            {"id":"http://a:1@0","engine":"http://a:1","telemetry":"available","in_flight":0,
+             "engine_note":"configured dp_size 4, the engine reports 2 ranks"},
+            {"id":"http://a:1@1","engine":"http://a:1","telemetry":"available","in_flight":0,
+             "engine_note":"configured dp_size 4, the engine reports 2 ranks"},
+            {"id":"http://b:1","engine":"http://b:1","telemetry":"unavailable",
+             "reason":"flavor and DP size not known yet: ...","reason_kind":"shape_unknown"}]"#;
+        state
+            .apply(Instant::now(), workers.as_bytes(), Ok(""))
+            .unwrap();
+        let line = status_line(&state, Instant::now(), 0, 10, 3, 200);
+        let text: String = line.spans.iter().map(|s| s.content.to_string()).collect();
+        assert!(
+            text.contains("1 config ≠ engine: http://a:1: configured dp_size 4"),
+            "{text}"
+        );
+        assert_eq!(state.rows()[2].state(), "unknown");
+    }
 
     #[test]
     fn ages_fit_their_column() {
