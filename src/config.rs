@@ -336,9 +336,10 @@ impl Engine {
         let dp_size = match (flavor, &self.deployment) {
             (None, _) => 0,
             (Some(Flavor::Gateway), _) => 1,
-            (Some(_), Deployment::Own) => (reported.and_then(|r| r.dp_size))
-                .or(self.declared.dp_size)
-                .unwrap_or(0),
+            (Some(_), Deployment::Own) => match reported {
+                Some(r) => r.ranks_with(self.declared.dp_size).unwrap_or(0),
+                None => self.declared.dp_size.unwrap_or(0),
+            },
             (Some(_), Deployment::Member { .. }) => self.declared.dp_size.unwrap_or(1),
         };
         let mut e = self.clone();
@@ -722,6 +723,7 @@ mod tests {
             flavor: Flavor::Sglang,
             dp_size: Some(4),
             from: "test",
+            at_least: false,
         };
         let shaped = e.with_reported(Some(&sglang));
         assert_eq!((shaped.flavor, shaped.dp_size), (Flavor::Sglang, 4));
@@ -738,6 +740,22 @@ mod tests {
         let shaped = c.engines[0].with_reported(Some(&sglang));
         assert_eq!(shaped.dp_size, 4);
         assert!(shaped.mismatch().unwrap().contains("configured dp_size 2"));
+        // Ranks counted from /metrics labels are "at least": a configured rank without a series
+        // yet stays (unavailable for want of telemetry), noted but not dropped.
+        let labels = Reported {
+            flavor: Flavor::Sglang,
+            dp_size: Some(1),
+            from: "test",
+            at_least: true,
+        };
+        let shaped = c.engines[0].with_reported(Some(&labels));
+        assert_eq!(shaped.dp_size, 2);
+        assert!(shaped.mismatch().unwrap().contains("name only 1"));
+        let more = Reported {
+            dp_size: Some(3),
+            ..labels
+        };
+        assert_eq!(c.engines[0].with_reported(Some(&more)).dp_size, 3);
         // A group member keeps its configured share whatever the deployment's size.
         let c = Config::from_str(
             "[[engines]]\nurl = \"http://a:1\"\nflavor = \"sglang\"\ndp_size = 2\nstart_rank = 2\n",

@@ -103,6 +103,21 @@ pub struct Reported {
     pub dp_size: Option<u32>,
     /// Where the size was read, for logs and `/workers`.
     pub from: &'static str,
+    /// The size is only "at least": read from the ranks its `/metrics` labels, where a rank
+    /// with no series yet (starting, or publishing nothing) is missing. Such a count may raise a
+    /// configured size, never lower it; a configured rank it lacks stays, unavailable with its
+    /// own reason ("no series for rank N"), never routed blind.
+    pub at_least: bool,
+}
+
+impl Reported {
+    /// The ranks an independent engine is routed with, given the configured count.
+    pub fn ranks_with(&self, configured: Option<u32>) -> Option<u32> {
+        match (self.dp_size, configured) {
+            (Some(n), Some(c)) if self.at_least => Some(n.max(c)),
+            (n, c) => n.or(c),
+        }
+    }
 }
 
 /// Where an engine's per-rank load comes from, in the engine's order of preference.
@@ -202,24 +217,23 @@ impl Engine {
     /// once when it is found, shown in `/workers` and `rankgate top`).
     pub fn mismatch(&self) -> Option<String> {
         let r = self.reported.as_ref()?;
-        let mut out = Vec::new();
-        if let Some(f) = self.declared.flavor.filter(|f| *f != r.flavor) {
-            out.push(format!(
-                "configured flavor {f}, the engine answers as {} (the configured flavor is used)",
-                r.flavor
-            ));
-        }
-        if let (Some(c), Some(n), Deployment::Own) =
+        let (Some(c), Some(n), Deployment::Own) =
             (self.declared.dp_size, r.dp_size, &self.deployment)
-        {
-            if c != n {
-                out.push(format!(
-                    "configured dp_size {c}, the engine reports {n} ranks ({}): its {n} are routed",
-                    r.from
-                ));
-            }
+        else {
+            return None;
+        };
+        match (c == n, r.at_least && n < c) {
+            (true, _) => None,
+            (false, true) => Some(format!(
+                "configured dp_size {c}, the engine's {} name only {n}: ranks {n}-{} stay unavailable until their series appear",
+                r.from,
+                c - 1
+            )),
+            (false, false) => Some(format!(
+                "configured dp_size {c}, the engine reports {n} ranks ({}): its {n} are routed",
+                r.from
+            )),
         }
-        (!out.is_empty()).then(|| out.join("; "))
     }
 }
 

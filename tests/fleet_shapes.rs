@@ -158,6 +158,22 @@ async fn shaped(r: &Router, url: &str, flavor: &str, dp_size: u64) -> Value {
     }
 }
 
+/// Waits until `/engines` shows what `url` reported of itself, and returns its row.
+async fn reported(r: &Router, url: &str) -> Value {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let row = engine_row(&engines(r).await, url).clone();
+        if !row["reported"].is_null() {
+            return row;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{url} reported nothing: {row}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Flavor and DP size read from the engine: the recorded vLLM over HTTP (its /version and its
 /// /metrics labels), a simulated SGLang over HTTP (/get_server_info), and vLLM and SGLang
 /// engines known only by their gRPC address (GetServerInfo).
@@ -199,26 +215,54 @@ async fn flavor_and_size_are_read_from_the_engines() {
     r.shutdown().await;
 }
 
-/// The config says 4 ranks, the server runs 2: the engine's count wins (2 workers, never a
-/// request to a rank it does not run) and the disagreement shows in /workers and /engines.
+/// The config says 4 ranks where the servers run fewer. An SGLang server says its size outright
+/// (`dp_size` in its server info): its count wins, 2 workers. A vLLM server's ranks are read
+/// from its /metrics labels, where a rank may just have no series yet: its 4 configured ranks
+/// stay, the 2 it does not label unavailable with that reason. Either way no request goes to a
+/// rank the server does not run, and the disagreement shows in /workers and /engines.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_configured_size_the_engine_contradicts_is_shown_and_the_engine_wins() {
+async fn a_configured_size_the_engine_contradicts_is_shown_and_never_routed_blind() {
     let v = RecordedVllm::start().await;
+    let s = common::engine(common::sim(SimFlavor::Sglang, 2, 0)).await;
+    let sglang = format!(
+        "[[engines]]\nurl = \"{}\"\nflavor = \"sglang\"\ndp_size = 4\n",
+        s.url()
+    );
     let r = router(
         FAST,
-        &[format!("{}dp_size = 4\n", url_and_flavor(&v.url()))],
+        &[format!("{}dp_size = 4\n", url_and_flavor(&v.url())), sglang],
     )
     .await;
-    let row = shaped(&r, &v.url(), "vllm", 2).await;
-    let mismatch = row["mismatch"].as_str().unwrap_or_default().to_string();
+    let row = shaped(&r, &s.url(), "sglang", 2).await;
+    let s_note = row["mismatch"].as_str().unwrap_or_default().to_string();
     assert!(
-        mismatch.contains("configured dp_size 4") && mismatch.contains("reports 2"),
+        s_note.contains("configured dp_size 4") && s_note.contains("reports 2"),
         "{row}"
     );
-    let ids = wait_available(&r, |ids| ids.len() == 2).await;
-    assert!(ids.iter().all(|i| i.ends_with("@0") || i.ends_with("@1")));
-    for w in workers(&r).await {
-        assert_eq!(w["engine_note"], mismatch.as_str(), "{w}");
+    let row = reported(&r, &v.url()).await;
+    assert_eq!(row["dp_size"], 4, "{row}");
+    let v_note = row["mismatch"].as_str().unwrap_or_default().to_string();
+    assert!(v_note.contains("name only 2"), "{row}");
+    let ids = wait_available(&r, |ids| ids.len() == 4).await;
+    assert!(
+        ids.iter().all(|i| i.ends_with("@0") || i.ends_with("@1")),
+        "{ids:?}"
+    );
+    let rows = workers(&r).await;
+    for w in &rows {
+        let note = if w["engine"] == v.url() {
+            &v_note
+        } else {
+            &s_note
+        };
+        assert_eq!(w["engine_note"], note.as_str(), "{w}");
+    }
+    for rank in [2, 3] {
+        let w = rows
+            .iter()
+            .find(|w| w["id"] == format!("{}@{rank}", v.url()))
+            .unwrap();
+        assert_eq!(w["telemetry"], "unavailable", "{w}");
     }
     for _ in 0..6 {
         assert_eq!(chat(r.addr, 2).await.status, 200);
@@ -301,4 +345,45 @@ async fn a_server_restarted_with_another_size_is_asked_again() {
     assert_eq!(chat(r.addr, 2).await.status, 200);
     r.shutdown().await;
     second.shutdown().await;
+}
+
+/// A rank without a series in /metrics (starting, or publishing nothing) is no proof the server
+/// runs fewer ranks: with dp_size configured it stays a worker, unavailable for want of
+/// telemetry, with no disagreement reported; counted from the labels alone, the server's size
+/// grows once the rank's series appears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_missing_from_the_labels_is_unavailable_not_gone() {
+    let dark = || rankgate::sim::SimConfig {
+        dark_ranks: vec![1],
+        ..common::sim(SimFlavor::Vllm, 2, 0)
+    };
+    let (a, b) = (common::engine(dark()).await, common::engine(dark()).await);
+    let r = router(
+        FAST,
+        &[
+            format!("{}dp_size = 2\n", url_and_flavor(&a.url())),
+            url_only(&b.url()),
+        ],
+    )
+    .await;
+    let row = reported(&r, &a.url()).await;
+    assert_eq!(
+        (row["dp_size"].as_u64(), row["reported"]["dp_size"].as_u64()),
+        (Some(2), Some(1)),
+        "{row}"
+    );
+    shaped(&r, &b.url(), "vllm", 1).await;
+    let rows = wait_workers(&r, WAIT, |rows| {
+        rows.iter().any(|w| {
+            w["id"] == format!("{}@1", a.url())
+                && w["reason"].as_str().is_some_and(|s| s.contains("rank 1"))
+        })
+    })
+    .await;
+    assert_eq!(rows.len(), 3, "a@0, a@1 (unavailable) and b@0");
+    // The dark rank lights up: the server counted from its labels has 2 ranks now.
+    b.set_dark_ranks(vec![]);
+    shaped(&r, &b.url(), "vllm", 2).await;
+    wait_available(&r, |ids| ids.contains(&format!("{}@1", b.url()))).await;
+    r.shutdown().await;
 }

@@ -20,6 +20,9 @@ use super::prom;
 use crate::proto::{sglang, vllm};
 use crate::worker::{Deployment, Engine, Flavor, Reported};
 
+/// Where a size counted from `/metrics` labels comes from: a count that is only "at least".
+const METRICS_LABELS: &str = "/metrics engine labels";
+
 /// What a gRPC-only engine said.
 struct GrpcInfo {
     flavor: Flavor,
@@ -43,6 +46,7 @@ pub async fn detect(
             flavor: info.flavor,
             dp_size,
             from: "gRPC GetServerInfo",
+            at_least: false,
         });
     }
     // SGLang's server info says both its flavor and its size.
@@ -70,6 +74,7 @@ pub async fn detect(
             flavor,
             dp_size: None,
             from: "flavor only (a group member's size is configured)",
+            at_least: false,
         });
     }
     let (dp_size, from) = match flavor {
@@ -95,6 +100,7 @@ pub async fn detect(
         flavor,
         dp_size: Some(dp_size),
         from,
+        at_least: from == METRICS_LABELS,
     })
 }
 
@@ -118,7 +124,7 @@ async fn vllm_ranks(engine: &Engine, http: &HttpClient) -> Result<(u32, &'static
             if !scrape.per_rank.is_empty() {
                 (
                     scrape.per_rank.iter().map(|(r, _)| *r).collect(),
-                    "/metrics engine labels",
+                    METRICS_LABELS,
                 )
             } else if scrape.unlabelled.is_some() {
                 // No DP label at all: one engine.
@@ -154,15 +160,20 @@ async fn vllm_ranks(engine: &Engine, http: &HttpClient) -> Result<(u32, &'static
             (ranks, "/kv_event_sources")
         }
     };
-    let n = ranks.len() as u32;
-    if ranks.iter().copied().ne(0..n) {
-        let (first, last) = (
-            ranks.first().copied().unwrap_or(0),
-            ranks.last().copied().unwrap_or(0),
-        );
+    // A label missing in the middle is a rank without a series yet; one missing at the start is
+    // a server that does not number its ranks from 0.
+    let (first, last) = (
+        ranks.first().copied().unwrap_or(0),
+        ranks.last().copied().unwrap_or(0),
+    );
+    let n = last + 1;
+    if n > crate::config::MAX_DP_SIZE {
+        return Err(format!("it labels rank {last} ({from}): not a DP rank"));
+    }
+    if first > 0 {
+        let own = last - first + 1;
         return Err(format!(
-            "it labels ranks {first}-{last} ({from}), not 0-{}: it is one member of a multi-server DP deployment; give it dp_group and start_rank = {first} (and dp_size = {n})",
-            n - 1
+            "it labels ranks {first}-{last} ({from}), not from 0: it is one member of a multi-server DP deployment; give it dp_group and start_rank = {first} (and dp_size = {own})"
         ));
     }
     Ok((n, from))

@@ -307,6 +307,12 @@ impl Poller {
                         });
                     }
                 }
+                // Without workers it is asked every poll until it answers; with workers (from
+                // the config) it is routed as configured, and asked again after its next outage.
+                Err(why) if self.entry.shaped() => {
+                    self.detect_due = false;
+                    tracing::warn!(engine = %self.engine.url, %why, "engine did not say its shape: routed as configured");
+                }
                 Err(why) => {
                     if self.entry.unshaped.load().as_deref() != Some(&why) {
                         tracing::warn!(engine = %self.engine.url, %why, "engine did not say its shape");
@@ -474,6 +480,17 @@ impl Poller {
         match fetch_source(src.clone(), self.http.clone()).await? {
             Raw::Metrics(text) => {
                 let scrape = prom::parse(&text);
+                // A rank labelled beyond the ones routed: a rank whose series had not appeared
+                // when the engine was counted, or a restart with more ranks. Ask it again.
+                let end = self.engine.ranks().end;
+                // (One series on a one-rank server is its rank whatever its label: external LB.)
+                let one = self.engine.dp_size == 1 && scrape.per_rank.len() == 1;
+                if self.engine.deployment == Deployment::Own
+                    && !one
+                    && scrape.per_rank.last().is_some_and(|(r, _)| *r >= end)
+                {
+                    self.detect_due = true;
+                }
                 (self.entry.polls.bad_lines).fetch_add(scrape.bad_lines as u64, Relaxed);
                 let ranks = prom::project(&scrape, &self.engine, Instant::now());
                 Ok((ranks, ProjectionNotes::default()))
