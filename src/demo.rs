@@ -32,7 +32,7 @@ pub async fn run(s: Scenario) -> Result<(), String> {
     );
     let runs = scenario::run(&s, None, true).await?;
     println!("\n{}", render::markdown(&s, &runs));
-    println!("(times in ms; TTFT = first streamed token; ranks in fleet order: rank 0 = the first server's @0, starts 85% full; rank 3 = the second server's @1, publishes no telemetry)");
+    println!("(times in ms; TTFT = first streamed token; ranks in fleet order: rank 0 is the first server's @0, 85% full at the start; rank 3 the second server's @1, which publishes no telemetry)");
     if let [a, b, ..] = runs.as_slice() {
         let (x, y) = (a.report.ttft().p99, b.report.ttft().p99);
         println!(

@@ -49,15 +49,16 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
     for r in runs {
         let total = r.report.ok().count().max(1);
         let _ = writeln!(o, "\n`{}` per rank ({}):\n", r.label(), s.name);
-        let _ = writeln!(o, "| rank | served | share | peak KV | prefix hits | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
-        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(o, "| rank | worker | served | share | peak KV | prefix hits | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
+        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|");
         for x in &r.ranks {
             let ttft = r.report.ttft_of(Some(&x.id));
             let e2e = r.report.e2e_of(Some(&x.id));
             let _ = writeln!(
                 o,
-                "| @{} | {} | {:.0}% | {:.0}% | {:.0}% | {} | {} | {} | {} |",
+                "| {} | {} | {} | {:.0}% | {:.0}% | {:.0}% | {} | {} | {} | {} |",
                 x.rank,
+                x.id.trim_start_matches("http://"),
                 x.served,
                 100.0 * x.served as f64 / total as f64,
                 100.0 * x.peak_kv,
@@ -160,12 +161,12 @@ pub fn svg(s: &Scenario, runs: &[PolicyRun]) -> String {
             let ly = y0 + 14.0 + 16.0 * i as f64;
             let _ = writeln!(
                 o,
-                r#"<rect x="{}" y="{}" width="10" height="10" fill="{color}"/><text x="{}" y="{}">@{} ({} req)</text>"#,
+                r#"<rect x="{}" y="{}" width="10" height="10" fill="{color}"/><text x="{}" y="{}">{} ({} req)</text>"#,
                 left + plot_w + 10.0,
                 ly - 9.0,
                 left + plot_w + 24.0,
                 ly,
-                rank.rank,
+                rank.id.trim_start_matches("http://"),
                 rank.served
             );
         }
