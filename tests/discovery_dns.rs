@@ -356,17 +356,7 @@ async fn dropping_the_receiver_stops_the_task() {
 async fn records_added_and_removed_change_the_routers_fleet() {
     let (a, b, port) = common::engines_on_one_port().await;
     let mut dns = DnsServer::start(Mode::Answer, &["127.0.0.2"]).await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
-         [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{}\"\ninterval = \"{}ms\"\n\
-         port = {port}\nflavor = \"vllm\"\ndp_size = 2\n",
-        common::FAST,
-        dns.addr,
-        INTERVAL.as_millis()
-    );
-    let router = rankgate::app::Router::start(Config::from_str(&text).unwrap())
-        .await
-        .unwrap();
+    let router = dns_router(&dns, port, "flavor = \"vllm\"\ndp_size = 2\n").await;
     let (ea, eb) = (a.url(), b.url());
 
     // The one record: its engine's two ranks, and traffic goes there.
@@ -404,6 +394,21 @@ async fn records_added_and_removed_change_the_routers_fleet() {
     let status = common::chat(router.addr, 2).await.status;
     assert_eq!(status, 503, "no engine left: nothing is routable");
     router.shutdown().await;
+}
+
+/// A router whose fleet is what `dns` says, engines at `port` with the engine keys `keys`.
+async fn dns_router(dns: &DnsServer, port: u16, keys: &str) -> rankgate::app::Router {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+         [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{}\"\ninterval = \"{}ms\"\n\
+         port = {port}\n{keys}",
+        common::FAST,
+        dns.addr,
+        INTERVAL.as_millis()
+    );
+    rankgate::app::Router::start(Config::from_str(&text).unwrap())
+        .await
+        .unwrap()
 }
 
 /// `(url, origin)` of every engine, from `GET /engines`.
@@ -510,17 +515,7 @@ async fn three_independent_servers_found_by_dns() {
     }
     let (servers, port) = found.expect("a port free on 127.0.0.2, .3 and .4");
     let dns = DnsServer::start(Mode::Answer, &["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
-         [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{}\"\ninterval = \"{}ms\"\n\
-         port = {port}\nflavor = \"vllm\"\n",
-        common::FAST,
-        dns.addr,
-        INTERVAL.as_millis()
-    );
-    let router = rankgate::app::Router::start(Config::from_str(&text).unwrap())
-        .await
-        .unwrap();
+    let router = dns_router(&dns, port, "flavor = \"vllm\"\n").await;
     six_ranks_least_kv(&router, &servers).await;
     router.shutdown().await;
 }
