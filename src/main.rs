@@ -263,7 +263,9 @@ fn main() -> ExitCode {
             match rt.block_on(rankgate::top::run(&admin, interval)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("rankgate top: {e}");
+                    // Not eprintln!: it panics when stderr was the terminal that went away.
+                    use std::io::Write;
+                    let _ = writeln!(std::io::stderr(), "rankgate top: {e}");
                     ExitCode::FAILURE
                 }
             }

@@ -47,7 +47,7 @@ const INPUT_POLL: Duration = Duration::from_millis(100);
 pub enum TopError {
     #[error("--admin {url:?}: {problem}")]
     Admin { url: String, problem: String },
-    #[error("rankgate top draws on a terminal, and standard output is not one")]
+    #[error("rankgate top reads keys from standard input and draws on standard output, and one of them is not a terminal: run it in an interactive shell (or read GET /workers on the admin listener)")]
     NotATerminal,
     #[error("terminal: {0}")]
     Terminal(#[from] io::Error),
@@ -351,7 +351,8 @@ impl Drop for TerminalGuard {
 /// Runs `rankgate top` until `q`, Ctrl-C, SIGTERM or SIGHUP (the SSH session went away).
 pub async fn run(admin: &str, interval: Duration) -> Result<(), TopError> {
     let mut top = Top::new(admin, interval)?;
-    if !io::stdout().is_terminal() {
+    // Keys are read from stdin and frames drawn to stdout: both must be the terminal.
+    if !io::stdout().is_terminal() || !io::stdin().is_terminal() {
         return Err(TopError::NotATerminal);
     }
     let mut signals = Signals::new()?;
@@ -411,9 +412,24 @@ pub async fn run(admin: &str, interval: Duration) -> Result<(), TopError> {
     stop.store(true, Ordering::SeqCst);
     poller.abort();
     drop(keys);
-    // Within one INPUT_POLL; joined so that nothing reads the terminal once it is given back.
-    let _ = input.join();
-    drop(terminal);
+    // Within one INPUT_POLL, joined so that nothing reads the terminal once it is given back.
+    // But when the terminal itself went away (a dropped SSH session closes the pty), crossterm's
+    // poll spins on the dead descriptor and never returns: then the thread is left behind, and
+    // ends with the process, which is about to exit, instead of holding it up forever.
+    let deadline = std::time::Instant::now() + 5 * INPUT_POLL;
+    while !input.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(INPUT_POLL / 10);
+    }
+    if input.is_finished() {
+        let _ = input.join();
+    }
+    // Dropping the terminal shows the cursor and prints a failure to stderr with eprintln!,
+    // which panics when stderr was the terminal that went away: then there is no cursor to
+    // show, and the terminal is let go without it.
+    match terminal.show_cursor() {
+        Ok(()) => drop(terminal),
+        Err(_) => std::mem::forget(terminal),
+    }
     drop(guard);
     result
 }
