@@ -128,10 +128,31 @@ pub struct HumanDuration(pub Duration);
 
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        parse_duration(&s)
-            .map(HumanDuration)
-            .map_err(serde::de::Error::custom)
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = HumanDuration;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a duration with its unit, such as \"250ms\", \"2s\" or \"1m\"")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<HumanDuration, E> {
+                parse_duration(s).map(HumanDuration).map_err(E::custom)
+            }
+            // A bare number is the commonest slip: say what to write instead.
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<HumanDuration, E> {
+                Err(E::custom(format!(
+                    "{n} has no unit: write it as a string with one, e.g. \"{n}ms\" or \"{n}s\""
+                )))
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<HumanDuration, E> {
+                self.visit_i64(n.min(i64::MAX as u64) as i64)
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<HumanDuration, E> {
+                Err(E::custom(format!(
+                    "{n} has no unit: write it as a string with one, e.g. \"{n}s\""
+                )))
+            }
+        }
+        d.deserialize_any(Visitor)
     }
 }
 
@@ -714,6 +735,18 @@ fn engine_key(at: &str, var: &str, value: Option<String>) -> Result<ApiKey, Conf
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_duration_without_its_unit_says_how_to_write_it() {
+        let e = Config::from_str("[telemetry]\ninterval = 250\n[[engines]]\nurl = \"http://a:1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("250 has no unit") && e.contains("\"250ms\""), "{e}");
+        let e = Config::from_str("[telemetry]\ninterval = true\n[[engines]]\nurl = \"http://a:1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("such as \"250ms\""), "{e}");
+    }
 
     #[test]
     fn what_the_engine_reports_shapes_it() {
