@@ -738,13 +738,18 @@ mod tests {
 
     #[test]
     fn a_duration_without_its_unit_says_how_to_write_it() {
-        let e = Config::from_str("[telemetry]\ninterval = 250\n[[engines]]\nurl = \"http://a:1\"\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("250 has no unit") && e.contains("\"250ms\""), "{e}");
-        let e = Config::from_str("[telemetry]\ninterval = true\n[[engines]]\nurl = \"http://a:1\"\n")
-            .unwrap_err()
-            .to_string();
+        let e =
+            Config::from_str("[telemetry]\ninterval = 250\n[[engines]]\nurl = \"http://a:1\"\n")
+                .unwrap_err()
+                .to_string();
+        assert!(
+            e.contains("250 has no unit") && e.contains("\"250ms\""),
+            "{e}"
+        );
+        let e =
+            Config::from_str("[telemetry]\ninterval = true\n[[engines]]\nurl = \"http://a:1\"\n")
+                .unwrap_err()
+                .to_string();
         assert!(e.contains("such as \"250ms\""), "{e}");
     }
 

@@ -70,16 +70,20 @@ struct Cli {
 enum Command {
     /// Run the router.
     Serve {
+        /// The config file [default: ./rankgate.toml if it exists, else
+        /// /etc/rankgate/rankgate.toml]
         #[arg(long)]
-        config: PathBuf,
+        config: Option<PathBuf>,
         /// Log lines as `text` or `json` (one object per line), on stderr.
         #[arg(long, default_value = "text")]
         log_format: rankgate::logging::LogFormat,
     },
     /// Validate a config file and list its virtual workers.
     Check {
+        /// The config file [default: ./rankgate.toml if it exists, else
+        /// /etc/rankgate/rankgate.toml]
         #[arg(long)]
-        config: PathBuf,
+        config: Option<PathBuf>,
     },
     /// Self-contained demo: simulated engines, the router, a bounded load run per policy.
     #[cfg(feature = "sim")]
@@ -94,8 +98,8 @@ enum Command {
     /// Live terminal view of every rank of a running rankgate, read from its admin listener.
     #[cfg(feature = "top")]
     Top {
-        /// The admin listener (`server.admin_listen`), e.g. http://127.0.0.1:9090.
-        #[arg(long)]
+        /// The admin listener (`server.admin_listen`).
+        #[arg(long, default_value = "http://127.0.0.1:9090")]
         admin: String,
         /// How often to poll it (100ms to 60s).
         #[arg(long, default_value = "1s", value_parser = rankgate::top::parse_interval)]
@@ -127,10 +131,41 @@ fn runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
         })
 }
 
+/// The config file: the one given, else `./rankgate.toml` where it exists, else the system one.
+fn config_path(given: Option<PathBuf>) -> PathBuf {
+    given.unwrap_or_else(|| {
+        let local = PathBuf::from("rankgate.toml");
+        match local.is_file() {
+            true => local,
+            false => PathBuf::from("/etc/rankgate/rankgate.toml"),
+        }
+    })
+}
+
+/// A subcommand this build leaves out (the production build has no simulator or `top`): what
+/// to run instead, rather than clap's bare "unrecognized subcommand".
+fn left_out(arg: Option<&str>) -> Option<&'static str> {
+    match arg {
+        Some("demo") if !cfg!(feature = "sim") => Some(
+            "this rankgate was built without the simulator (`--no-default-features`), so it has no `demo`: run it from a default build, `cargo run --release -- demo`",
+        ),
+        Some("top") if !cfg!(feature = "top") => Some(
+            "this rankgate was built without `top` (`--no-default-features`): run it from a default build, `cargo run --release -- top`, or read GET /workers on the admin listener",
+        ),
+        _ => None,
+    }
+}
+
 fn main() -> ExitCode {
+    let first = std::env::args().nth(1);
+    if let Some(why) = left_out(first.as_deref()) {
+        eprintln!("rankgate: {why}");
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Check { config } => {
+            let config = config_path(config);
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,
@@ -187,6 +222,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Serve { config, log_format } => {
+            let config = config_path(config);
             let cfg = match load(&config) {
                 Ok(c) => c,
                 Err(code) => return code,

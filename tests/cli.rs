@@ -151,3 +151,27 @@ fn an_invalid_rust_log_is_reported_not_ignored() {
         stderr(&out)
     );
 }
+
+/// Without `--config`, `./rankgate.toml` is read where it exists, else the system's file, named
+/// in the error when it is missing too.
+#[test]
+fn the_config_defaults_to_the_local_file_then_the_system_one() {
+    let dir = std::env::temp_dir().join(format!("rankgate-cli-default-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("rankgate.toml"),
+        "[[engines]]\nurl = \"http://127.0.0.1:18001\"\nflavor = \"vllm\"\ndp_size = 1\n",
+    )
+    .unwrap();
+    let o = bin().arg("check").current_dir(&dir).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("http://127.0.0.1:18001@0"));
+    std::fs::remove_file(dir.join("rankgate.toml")).unwrap();
+    let o = bin().arg("check").current_dir(&dir).output().unwrap();
+    assert_eq!(o.status.code(), Some(64));
+    assert!(
+        stderr(&o).contains("/etc/rankgate/rankgate.toml"),
+        "{}",
+        stderr(&o)
+    );
+}
