@@ -201,7 +201,7 @@ fn status_line(
 
 fn fmt_interval(state: &State) -> String {
     let ms = state.interval.as_millis();
-    if ms % 1000 == 0 {
+    if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{ms}ms")
