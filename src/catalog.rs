@@ -82,6 +82,11 @@ impl Catalog {
         self.engines.get(e)?.as_deref()
     }
 
+    /// Whether some engine's known model list has `model`.
+    pub fn listed(&self, model: &str) -> bool {
+        self.models.contains_key(model)
+    }
+
     pub fn serves(&self, e: usize, model: &str) -> bool {
         self.of(e).is_some_and(|l| l.iter().any(|m| m.id == model))
     }

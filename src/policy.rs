@@ -68,6 +68,9 @@ pub struct Avoid {
     /// A few at most: one per failed attempt.
     workers: Vec<WorkerId>,
     engines: Vec<EngineId>,
+    /// The request's model, when no known model list has it (only engines whose list is
+    /// unknown may serve it): a failed pick then says so, naming the model.
+    pub unlisted_model: Option<Arc<str>>,
 }
 
 /// The front door a request came through; only engines serving it may take the request.

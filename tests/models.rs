@@ -271,3 +271,60 @@ async fn a_native_sglang_request_without_model_goes_to_the_one_sglang_model() {
         400
     );
 }
+
+/// A model no known list has, while the only engines that might serve it (their lists are not
+/// known: this one never answers) have no routable rank: 503 that says so and names the model,
+/// not a bare "no routable rank".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_model_waiting_on_unknown_lists_is_named_in_the_503() {
+    let mute = tokio::net::TcpListener::bind(common::loopback())
+        .await
+        .unwrap();
+    let mute_url = format!("http://{}", mute.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((tcp, _)) = mute.accept().await {
+            open.push(tcp);
+        }
+    });
+    let e = common::engine(common::sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
+    let r = common::router(
+        "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\ntimeout = \"300ms\"\n",
+        &[
+            format!(
+                "[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\ndp_size = 1\n",
+                e.url()
+            ),
+            format!("[[engines]]\nurl = \"{mute_url}\"\nflavor = \"vllm\"\ndp_size = 1\n"),
+        ],
+    )
+    .await;
+    common::wait_workers(&r, std::time::Duration::from_secs(10), |rows| {
+        rows.iter()
+            .any(|w| w["engine"] == e.url() && w["models"] == serde_json::json!(["tiny-llama"]))
+    })
+    .await;
+    let body =
+        serde_json::json!({"model": "not-served", "messages": [{"role": "user", "content": "hi"}]});
+    let reply = common::send(
+        common::post(r.addr, "/v1/chat/completions")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.to_string(),
+            )))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(reply.status, 503);
+    let message = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        message.contains("model `not-served`") && message.contains("not known yet"),
+        "{message}"
+    );
+    // The model the known engine serves still goes there.
+    assert_eq!(common::chat(r.addr, 2).await.status, 200);
+    r.shutdown().await;
+    held.abort();
+}

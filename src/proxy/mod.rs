@@ -140,6 +140,10 @@ pub enum ProxyError {
     Overloaded(usize),
     #[error("no routable rank: {0}")]
     NoRank(#[from] NoRank),
+    /// The request's model is on no known model list; the engines that might serve it (their
+    /// lists are not known yet) had no routable rank.
+    #[error("no routable rank for model `{model}`: no engine known to serve it, and the engines whose model list is not known yet (just joined, or not answering /v1/models) have none: {why}")]
+    NoRankUnlisted { model: Arc<str>, why: NoRank },
     /// Connecting failed, or the connection broke before the response headers.
     #[error("upstream {engine} failed: {reason}")]
     Upstream { engine: Arc<str>, reason: String },
@@ -224,9 +228,9 @@ impl ProxyError {
             | ProxyError::ClientBody(ClientBodyError::Broken(_)) => StatusCode::BAD_REQUEST,
             ProxyError::ClientBody(ClientBodyError::Stalled(_)) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            ProxyError::NoRank(_) | ProxyError::EngineBusy { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ProxyError::NoRank(_)
+            | ProxyError::NoRankUnlisted { .. }
+            | ProxyError::EngineBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,

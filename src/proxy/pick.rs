@@ -62,7 +62,10 @@ where
                 if let (Some(t), Some(x)) = (&traced, &explained) {
                     t.picked(x, None);
                 }
-                return Step::ready(Err(e.into()));
+                return Step::ready(Err(match avoid.unlisted_model {
+                    Some(model) => ProxyError::NoRankUnlisted { model, why: e },
+                    None => e.into(),
+                }));
             }
         };
         if picked.skipped_unavailable {

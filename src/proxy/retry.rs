@@ -118,7 +118,7 @@ where
                 // No other rank to go to: the failure the client gets is the real one.
                 if matches!(
                     result.as_ref().map_err(ProxyError::root),
-                    Err(ProxyError::NoRank(_))
+                    Err(ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. })
                 ) {
                     return Poll::Ready(attempted(last, a.attempts - 1));
                 }

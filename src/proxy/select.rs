@@ -100,6 +100,9 @@ impl<S> Select<S> {
         }
         let mut avoid = Avoid::default();
         avoid.only(only);
+        if let Some(m) = model.as_deref().filter(|m| !snap.catalog.listed(m)) {
+            avoid.unlisted_model = Some(crate::catalog::shown(m).into());
+        }
         Ok(Some(avoid))
     }
 }

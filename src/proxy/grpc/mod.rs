@@ -263,9 +263,10 @@ pub fn code_of(err: &ProxyError) -> Code {
         | ProxyError::Scan(_)
         | ProxyError::Model(ModelError::Missing(_))
         | ProxyError::ClientBody(_) => Code::InvalidArgument,
-        ProxyError::NoRank(_) | ProxyError::EngineBusy { .. } | ProxyError::Upstream { .. } => {
-            Code::Unavailable
-        }
+        ProxyError::NoRank(_)
+        | ProxyError::NoRankUnlisted { .. }
+        | ProxyError::EngineBusy { .. }
+        | ProxyError::Upstream { .. } => Code::Unavailable,
         ProxyError::Internal(_) | ProxyError::At { .. } => Code::Internal,
     }
 }
