@@ -239,12 +239,15 @@ impl Admin {
 /// DP size: it takes no traffic, and the row says why.
 fn unshaped_row(e: &Arc<EngineEntry>) -> Value {
     let why = e.unshaped.load();
+    // A group member's size and a configured size are not asked; only what is missing is.
+    let size_known = e.declared.dp_size.is_some() || e.deployment != Deployment::Own;
+    let what = match (e.declared.flavor, size_known) {
+        (None, false) => "flavor and DP size",
+        (None, true) => "flavor",
+        (Some(_), _) => "DP size",
+    };
     let reason = format!(
-        "{} not known yet: {}",
-        match e.declared.flavor {
-            None => "flavor and DP size",
-            Some(_) => "DP size",
-        },
+        "{what} not known yet: {}",
         why.as_deref().map_or("not asked yet", String::as_str)
     );
     json!({
