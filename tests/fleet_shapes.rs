@@ -275,17 +275,7 @@ async fn a_configured_size_the_engine_contradicts_is_shown_and_never_routed_blin
 /// and takes no traffic; /workers says why, and the fleet's other engine serves everything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_that_does_not_say_its_size_takes_no_traffic_and_says_why() {
-    let mute = tokio::net::TcpListener::bind(common::loopback())
-        .await
-        .unwrap();
-    let mute_url = format!("http://{}", mute.local_addr().unwrap());
-    // Accepted connections are held open and never read.
-    let held = tokio::spawn(async move {
-        let mut open = Vec::new();
-        while let Ok((tcp, _)) = mute.accept().await {
-            open.push(tcp);
-        }
-    });
+    let (mute_url, held) = common::mute_engine().await;
     let v = RecordedVllm::start().await;
     let r = router(
         "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\ntimeout = \"300ms\"\n",

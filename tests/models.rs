@@ -277,16 +277,7 @@ async fn a_native_sglang_request_without_model_goes_to_the_one_sglang_model() {
 /// not a bare "no routable rank".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_model_waiting_on_unknown_lists_is_named_in_the_503() {
-    let mute = tokio::net::TcpListener::bind(common::loopback())
-        .await
-        .unwrap();
-    let mute_url = format!("http://{}", mute.local_addr().unwrap());
-    let held = tokio::spawn(async move {
-        let mut open = Vec::new();
-        while let Ok((tcp, _)) = mute.accept().await {
-            open.push(tcp);
-        }
-    });
+    let (mute_url, held) = common::mute_engine().await;
     let e = common::engine(common::sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
     let r = common::router(
         "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\ntimeout = \"300ms\"\n",

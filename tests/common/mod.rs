@@ -232,6 +232,20 @@ pub fn sim(flavor: rankgate::sim::SimFlavor, dp_size: u32, start_rank: u32) -> S
     }
 }
 
+/// An "engine" that accepts connections on 127.0.0.1:0 and never answers (they are held open,
+/// never read): its URL, and the task to abort when done.
+pub async fn mute_engine() -> (String, tokio::task::JoinHandle<()>) {
+    let mute = tokio::net::TcpListener::bind(loopback()).await.unwrap();
+    let url = format!("http://{}", mute.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((tcp, _)) = mute.accept().await {
+            open.push(tcp);
+        }
+    });
+    (url, held)
+}
+
 /// Two simulated engines on one port, at 127.0.0.2 and 127.0.0.3 (all of 127/8 is loopback), as
 /// the pods behind one Service share their port: for discovery, which knows one port per entry.
 pub async fn engines_on_one_port() -> (SimEngine, SimEngine, u16) {
