@@ -97,6 +97,7 @@ impl Metrics {
             (cfg!(feature = "sim"), "sim"),
             (cfg!(feature = "kubernetes"), "kubernetes"),
             (cfg!(feature = "top"), "top"),
+            (cfg!(feature = "otlp"), "otlp"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))
