@@ -84,6 +84,11 @@ enum Command {
         /// /etc/rankgate/rankgate.toml]
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Also read each engine once, as the router would: reachable, flavor, DP size, models,
+        /// the telemetry source that answered, KV-cache events offered. Exits 1 when an engine
+        /// does not answer.
+        #[arg(long)]
+        probe: bool,
     },
     /// Self-contained demo: simulated engines, the router, a bounded load run per policy.
     #[cfg(feature = "sim")]
@@ -164,7 +169,7 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { config } => {
+        Command::Check { config, probe } => {
             let config = config_path(config);
             let cfg = match load(&config) {
                 Ok(c) => c,
@@ -173,7 +178,7 @@ fn main() -> ExitCode {
             for w in cfg.warnings() {
                 eprintln!("rankgate: warning: {w}");
             }
-            let fleet = rankgate::worker::Fleet::expand(cfg.engines);
+            let fleet = rankgate::worker::Fleet::expand(cfg.engines.clone());
             for w in &fleet.workers {
                 let e = &fleet.engines[w.engine];
                 // Which front doors send to it: the OpenAI HTTP one, the gRPC one, or both.
@@ -218,6 +223,26 @@ fn main() -> ExitCode {
                         .flavor
                         .map_or("read from each engine", |f| f.as_str())
                 );
+            }
+            if !probe {
+                return ExitCode::SUCCESS;
+            }
+            let rt = match runtime() {
+                Ok(rt) => rt,
+                Err(code) => return code,
+            };
+            let probed = rt.block_on(rankgate::telemetry::probe::probe(
+                cfg.engines,
+                &cfg.telemetry,
+            ));
+            println!("probe:");
+            for p in &probed {
+                println!("{}", p.line());
+            }
+            let down = probed.iter().filter(|p| !p.reachable).count();
+            if down > 0 {
+                eprintln!("rankgate: {down} engine(s) did not answer");
+                return ExitCode::FAILURE;
             }
             ExitCode::SUCCESS
         }

@@ -377,3 +377,72 @@ async fn a_rank_missing_from_the_labels_is_unavailable_not_gone() {
     wait_available(&r, |ids| ids.contains(&format!("{}@1", b.url()))).await;
     r.shutdown().await;
 }
+
+/// `rankgate check --probe` reads each engine once: the recorded vLLM (url only), a simulated
+/// SGLang, and a port nobody listens on, which makes it exit 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_probe_reads_each_engine_once() {
+    let v = RecordedVllm::start().await;
+    let s = common::engine(common::sim(SimFlavor::Sglang, 2, 0)).await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let dir = std::env::temp_dir().join(format!("rankgate-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |engines: Vec<String>, name: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, engines.concat()).unwrap();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"))
+                .args(["check", "--probe", "--config"])
+                .arg(&path)
+                .output()
+                .unwrap()
+        })
+    };
+    let sglang = format!("[[engines]]\nurl = \"{}\"\nflavor = \"sglang\"\n", s.url());
+    let o = run(vec![url_only(&v.url()), sglang.clone()], "up.toml")
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let l = line_of(&out, &v.url());
+    for part in [
+        "reachable=yes",
+        "flavor=vllm",
+        "dp_size=2",
+        "models=tiny-llama",
+        "telemetry=prometheus: 2/2 ranks",
+        "kv_events=no",
+    ] {
+        assert!(l.contains(part), "{part}: {l}");
+    }
+    let l = line_of(&out, &s.url());
+    for part in [
+        "reachable=yes",
+        "flavor=sglang",
+        "dp_size=2",
+        "telemetry=http: 2/2 ranks",
+    ] {
+        assert!(l.contains(part), "{part}: {l}");
+    }
+    let o = run(vec![url_only(&v.url()), url_only(&closed)], "down.toml")
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(line_of(&out, &closed).contains("reachable=no"), "{out}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("1 engine(s) did not answer"));
+}
+
+/// The probe's line for `url` (empty when there is none, which every assertion on it catches).
+fn line_of<'a>(out: &'a str, url: &str) -> &'a str {
+    out.lines()
+        .find(|l| l.starts_with(&format!("{url}\treachable")))
+        .unwrap_or("")
+}

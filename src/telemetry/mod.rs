@@ -14,6 +14,7 @@ pub mod health;
 pub mod loads;
 mod models;
 mod poller;
+pub mod probe;
 pub mod prom;
 
 use std::collections::HashMap;

@@ -102,7 +102,7 @@ impl ModelsReader {
     }
 }
 
-async fn read(http: &HttpClient, uri: http::Uri) -> Result<Vec<Model>, String> {
+pub(super) async fn read(http: &HttpClient, uri: http::Uri) -> Result<Vec<Model>, String> {
     let body = fetch(http, uri).await.map_err(|f| f.reason)?;
     parse(&body).ok_or_else(|| "the answer is not a model list (no `data` array)".into())
 }

@@ -56,7 +56,7 @@ impl HttpClient {
         HttpClient { client, key: None }
     }
 
-    fn with_key(&self, key: Option<ApiKey>) -> HttpClient {
+    pub(super) fn with_key(&self, key: Option<ApiKey>) -> HttpClient {
         HttpClient {
             client: self.client.clone(),
             key,
@@ -385,6 +385,12 @@ impl Poller {
         };
         report.ranks = vec![RankTelemetry::unavailable(reason); report.ranks.len()];
         report.reachable = false;
+    }
+
+    /// One poll for `check --probe`: the source that answered (`"none"`) and the ranks.
+    pub(super) async fn poll_once(&mut self) -> (&'static str, Vec<RankTelemetry>) {
+        let r = self.poll().await;
+        (r.source, r.ranks)
     }
 
     /// One poll of the engine through its first answering source.
