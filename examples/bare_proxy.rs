@@ -11,15 +11,14 @@ use std::time::Duration;
 use http::uri::{Authority, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let listen: SocketAddr = args.next().unwrap_or_default().parse()?;
     let upstream: Authority = args.next().unwrap_or_default().parse()?;
-    let client: Client<HttpConnector, Incoming> = rankgate::http::client(Duration::from_secs(2));
+    let client: rankgate::http::HttpClient<Incoming> =
+        rankgate::http::client(Duration::from_secs(2));
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let (_tx, rx) = tokio::sync::watch::channel(false);
     let handler = move |req: Request<Incoming>| {

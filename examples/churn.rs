@@ -14,8 +14,6 @@ use bytes::Bytes;
 use clap::Parser;
 use http::{Method, Request};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use rankgate::app::Router;
 use rankgate::config::{parse_duration, Config};
 use rankgate::load::{Arrivals, Dist, Workload};
@@ -45,7 +43,7 @@ struct Args {
     tokens: u64,
 }
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type HttpClient = rankgate::http::HttpClient<Full<Bytes>>;
 
 async fn admin(
     client: &HttpClient,

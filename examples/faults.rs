@@ -22,8 +22,6 @@ use bytes::Bytes;
 use clap::Parser;
 use http::{header, Method, Request};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use rankgate::app::Router;
 use rankgate::config::Config;
 use rankgate::sim::{SimConfig, SimEngine};
@@ -217,7 +215,7 @@ impl Row {
     }
 }
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type HttpClient = rankgate::http::HttpClient<Full<Bytes>>;
 
 fn loopback() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))

@@ -82,8 +82,8 @@ async fn main() -> anyhow::Result<()> {
         Err(s) => bail!("Generate failed: {:?}: {}", s.code(), s.message()),
     }
 
-    let authority = a.url.trim_start_matches("http://").trim_end_matches('/');
-    let loads = LoadsClient::new(flavor, authority, transport(Duration::from_secs(2)))
+    let origin = a.url.trim_end_matches('/');
+    let loads = LoadsClient::new(flavor, origin, transport(Duration::from_secs(2)))
         .map_err(anyhow::Error::msg)?;
     let report = tokio::time::timeout(CALL_TIMEOUT, loads.get_loads(None))
         .await

@@ -110,6 +110,17 @@ struct Args {
     /// Stop generating after K tokens and never finish the response.
     #[arg(long)]
     stall_after_tokens: Option<u64>,
+    /// Serve HTTPS (and gRPC over TLS) with this certificate chain (PEM), like vLLM's
+    /// --ssl-certfile; needs --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The certificate's private key (PEM), like --ssl-keyfile.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Require client certificates signed by this CA (PEM): mTLS, like --ssl-ca-certs with
+    /// --ssl-cert-reqs 2.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -171,6 +182,14 @@ async fn main() -> anyhow::Result<()> {
         health_status: a.health_status,
         die_after: a.die_after,
         stall_after_tokens: a.stall_after_tokens,
+        tls: a
+            .tls_cert
+            .zip(a.tls_key)
+            .map(|(cert_file, key_file)| rankgate::config::ListenerTls {
+                cert_file,
+                key_file,
+                client_ca_file: a.tls_client_ca,
+            }),
         ..SimConfig::default()
     };
     let engine = SimEngine::start(a.listen, cfg).await?;

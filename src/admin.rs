@@ -164,7 +164,7 @@ impl Admin {
             .map(|e| {
                 json!({
                     "url": e.url.as_ref(),
-                    "grpc_url": e.grpc.as_ref().map(|a| format!("http://{a}")),
+                    "grpc_url": e.grpc.is_some().then(|| e.grpc_origin()),
                     "flavor": e.flavor.as_str(),
                     "dp_size": e.dp_size,
                     "start_rank": e.start_rank,

@@ -23,6 +23,7 @@ use crate::proxy::send::ConnLimits;
 use crate::proxy::{Keys, KeysError, Shared};
 use crate::table::Table;
 use crate::telemetry;
+use crate::tls::{ServerTls, Upstream};
 use crate::worker::{EngineEntry, Fleet, Origin};
 
 /// Why rankgate could not start.
@@ -37,6 +38,9 @@ pub enum StartError {
     /// The client keys `[server]` points at could not be read (names where, never a key).
     #[error(transparent)]
     Keys(#[from] KeysError),
+    /// A certificate, key or CA file of the TLS settings could not be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     /// A front door thread (thread-per-core) could not be started.
     #[error("cannot start the front door's thread for core {core}: {source}")]
     Thread { core: usize, source: std::io::Error },
@@ -64,6 +68,8 @@ pub struct Router {
     stop_rest: watch::Sender<bool>,
     front: Vec<JoinHandle<()>>,
     rest: Vec<JoinHandle<()>>,
+    /// The listeners' TLS certificates, reloaded on SIGHUP and when their files change.
+    certificates: Vec<Arc<ServerTls>>,
 }
 
 /// Connections the kernel queues for a listener before it drops SYNs (capped by
@@ -139,7 +145,10 @@ fn serve_per_core(
             .name(format!("rankgate-core-{core}"))
             .spawn(move || {
                 rt.block_on(async move {
-                    let client = crate::http::client(shared.cfg.server.connect_timeout);
+                    let client = crate::http::client_with(
+                        shared.cfg.server.connect_timeout,
+                        &shared.upstream,
+                    );
                     crate::http::serve_with(
                         listener,
                         move |peer| crate::proxy::stack(&shared, &client, peer),
@@ -173,6 +182,14 @@ impl Router {
         if let Some(k) = &keys {
             tracing::info!(keys = ?k, "client API keys required");
         }
+        // Certificates too: a listener that cannot serve TLS must not open in cleartext.
+        let front_tls = (cfg.server.tls.as_ref())
+            .map(|t| ServerTls::load("server.tls", t))
+            .transpose()?;
+        let admin_tls = (cfg.server.admin_tls.as_ref())
+            .map(|t| ServerTls::load("server.admin_tls", t))
+            .transpose()?;
+        let upstream = Upstream::load(&cfg.engine_tls)?;
         let listener = bind("server.listen", cfg.server.listen).await?;
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
         let grpc_listener = match cfg.server.grpc_listen {
@@ -224,15 +241,19 @@ impl Router {
                 telemetry: cfg.telemetry.clone(),
                 default_kv_per_request: cfg.routing.request_kv_estimate,
                 limits,
+                upstream: upstream.clone(),
             },
             changes,
             rest_rx.clone(),
         );
 
         let memory = crate::memory::spawn(table.clone(), rest_rx.clone());
-        let shared = Shared::new(&cfg, table.clone(), metrics.clone(), keys);
+        let shared = Shared::new(&cfg, table.clone(), metrics.clone(), keys, &upstream);
         let selector = shared.selector.clone();
-        let front_opts = ServeOptions::front_door(&cfg.server);
+        let front_opts = ServeOptions {
+            tls: front_tls.clone(),
+            ..ServeOptions::front_door(&cfg.server)
+        };
         tracing::debug!(
             max_connections = front_opts.max_connections,
             "front door limits"
@@ -273,11 +294,23 @@ impl Router {
             draining: draining.clone(),
             control: control.clone(),
         });
-        let admin_task = tokio::spawn(crate::http::serve(
+        let admin_task = tokio::spawn(crate::http::serve_with(
             admin_listener,
-            move |req| admin.clone().handle(req),
-            rest_rx,
+            move |_| {
+                let admin = admin.clone();
+                tower::service_fn(move |req| admin.clone().handle(req))
+            },
+            rest_rx.clone(),
+            ServeOptions {
+                tls: admin_tls.clone(),
+                ..ServeOptions::default()
+            },
         ));
+        let certificates: Vec<_> = front_tls.into_iter().chain(admin_tls).collect();
+        let tls_watch = tokio::spawn(crate::tls::watch(certificates.clone(), {
+            let mut stop = rest_rx;
+            async move { crate::http::shutdown_signalled(&mut stop).await }
+        }));
         tracing::info!(
             %addr, %admin_addr, grpc_addr = ?grpc_addr, workers,
             policy = cfg.routing.policy.as_str(), "rankgate serving"
@@ -296,7 +329,8 @@ impl Router {
             stop_front,
             stop_rest,
             front,
-            rest: [monitor, admin_task, memory]
+            certificates,
+            rest: [monitor, admin_task, memory, tls_watch]
                 .into_iter()
                 .chain(discovery)
                 .collect(),
@@ -306,6 +340,13 @@ impl Router {
     /// Re-reads the config file and applies its engines (SIGHUP).
     pub async fn reload(&self) -> Result<crate::control::Reloaded, crate::control::ReloadError> {
         self.control.reload().await
+    }
+
+    /// Re-reads the listeners' certificates (SIGHUP); a failure keeps the one in use, logged.
+    pub fn reload_certificates(&self) {
+        for tls in &self.certificates {
+            tls.reload_logged();
+        }
     }
 
     /// Turns `/ready` to 503, so load balancers stop sending new clients; serving goes on.

@@ -19,11 +19,13 @@ use crate::worker::{
 mod discovery;
 mod front;
 mod rules;
+mod tls;
 mod traces;
 pub use discovery::{Discovery, EngineTemplate, Overrides, PortRef, Source as DiscoverySource};
 pub use front::*;
 pub(crate) use rules::group_text;
 use rules::{check_rank_overlap, parse_health_path, telemetry_config};
+pub use tls::{EngineTls, ListenerTls};
 pub use traces::TracingConfig;
 
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(250);
@@ -199,6 +201,8 @@ struct RawConfig {
     discovery: Vec<discovery::RawDiscovery>,
     #[serde(default)]
     tracing: traces::RawTracing,
+    #[serde(default)]
+    engine_tls: EngineTls,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -341,6 +345,7 @@ impl RawEngine {
             api_key,
             http: addresses.http,
             grpc: addresses.grpc.map(Into::into),
+            tls: addresses.tls,
         };
         Ok(engine.with_reported(None))
     }
@@ -373,6 +378,7 @@ impl Engine {
                 url: e.url.to_string(),
                 authority: e.authority.to_string(),
                 http: e.http,
+                tls: e.tls,
                 grpc: e.grpc.as_deref().map(Into::into),
             };
             e.telemetry = default_sources(f, &e.url, &addresses);
@@ -401,6 +407,8 @@ pub struct Config {
     pub engines: Vec<Engine>,
     pub discovery: Vec<Discovery>,
     pub tracing: TracingConfig,
+    /// How `https://` engines are reached.
+    pub engine_tls: EngineTls,
     /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
     /// the only ones the admin API may name.
     pub key_vars: Vec<String>,
@@ -414,15 +422,19 @@ pub(crate) fn invalid(key: impl Into<String>, problem: impl Into<String>) -> Con
     }
 }
 
-/// Checks an engine base URL: `http://host:port`, no userinfo, no `@`, no path, no query.
-/// Returns the normalised URL and its authority.
-fn parse_engine_url(key: &str, url: &str) -> Result<(String, String), ConfigError> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        invalid(
-            key,
-            format!("{url:?} must start with http:// (engines are reached over plain HTTP)"),
-        )
-    })?;
+/// Checks an engine base URL: `http://host:port` or `https://host:port`, no userinfo, no `@`,
+/// no path, no query. Returns the normalised URL, its authority, and whether it is TLS.
+fn parse_engine_url(key: &str, url: &str) -> Result<(String, String, bool), ConfigError> {
+    let (scheme, rest, tls) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+        (Some(rest), _) => ("http", rest, false),
+        (_, Some(rest)) => ("https", rest, true),
+        _ => {
+            return Err(invalid(
+                key,
+                format!("{url:?} must start with http:// or https://"),
+            ))
+        }
+    };
     if url.contains('@') {
         return Err(invalid(
             key,
@@ -445,7 +457,11 @@ fn parse_engine_url(key: &str, url: &str) -> Result<(String, String), ConfigErro
     if uri.port_u16().is_none() {
         return Err(invalid(key, format!("{url:?} has no port")));
     }
-    Ok((format!("http://{authority}"), authority.to_string()))
+    Ok((
+        format!("{scheme}://{authority}"),
+        authority.to_string(),
+        tls,
+    ))
 }
 
 /// Where an engine is reached: its OpenAI HTTP `url`, its `grpc_url`, or both.
@@ -454,6 +470,8 @@ struct Addresses {
     url: String,
     authority: String,
     http: bool,
+    /// Its URLs are `https://`.
+    tls: bool,
     /// `host:port` of its gRPC service.
     grpc: Option<String>,
 }
@@ -475,8 +493,16 @@ fn engine_addresses(at: &str, e: &RawEngine) -> Result<Addresses, ConfigError> {
             "a gateway is fronted over HTTP only: remove this key",
         ));
     }
-    let grpc_authority = grpc.as_ref().map(|(_, a)| a.clone());
-    let ((url, authority), http) = match (http, grpc) {
+    if let (Some((_, _, h)), Some((_, _, g))) = (&http, &grpc) {
+        if h != g {
+            return Err(invalid(
+                format!("{at}.grpc_url"),
+                "url and grpc_url are both http:// or both https://: one engine, one TLS setting",
+            ));
+        }
+    }
+    let grpc_authority = grpc.as_ref().map(|(_, a, _)| a.clone());
+    let ((url, authority, tls), http) = match (http, grpc) {
         (Some(h), _) => (h, true),
         (None, Some(g)) => (g, false),
         (None, None) => {
@@ -490,6 +516,7 @@ fn engine_addresses(at: &str, e: &RawEngine) -> Result<Addresses, ConfigError> {
         url,
         authority,
         http,
+        tls,
         grpc: grpc_authority,
     })
 }
@@ -511,6 +538,7 @@ fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
 fn default_sources(flavor: Flavor, url: &str, a: &Addresses) -> Vec<TelemetrySource> {
     let grpc = a.grpc.iter().map(|authority| TelemetrySource::Grpc {
         authority: authority.as_str().into(),
+        tls: a.tls,
     });
     if !a.http {
         return grpc.collect();
@@ -533,8 +561,9 @@ fn http_sources(flavor: Flavor, url: &str) -> Vec<TelemetrySource> {
     }
 }
 
-/// Parses `telemetry = [...]`: `"grpc://host:port"`, `"http"` (the flavor's loads path on the
-/// engine URL), `"http://host:port/path"` (an explicit loads URL), `"prometheus"`.
+/// Parses `telemetry = [...]`: `"grpc://host:port"` (`"grpcs://"` over TLS), `"http"` (the
+/// flavor's loads path on the engine URL), `"http://host:port/path"` or `"https://..."` (an
+/// explicit loads URL), `"prometheus"`.
 fn parse_sources(
     at: &str,
     flavor: Flavor,
@@ -559,7 +588,9 @@ fn parse_sources(
     }
     let mut out = Vec::with_capacity(list.len());
     for s in list {
-        let src = if let Some(rest) = s.strip_prefix("grpc://") {
+        let grpc = (s.strip_prefix("grpc://").map(|r| (r, false)))
+            .or_else(|| s.strip_prefix("grpcs://").map(|r| (r, true)));
+        let src = if let Some((rest, tls)) = grpc {
             if flavor == Flavor::Gateway {
                 return Err(invalid(
                     key,
@@ -575,6 +606,7 @@ fn parse_sources(
             }
             TelemetrySource::Grpc {
                 authority: a.as_str().into(),
+                tls,
             }
         } else if s == "http" {
             match flavor {
@@ -589,7 +621,7 @@ fn parse_sources(
                     _ => return Err(invalid(key, "no default HTTP loads endpoint for this flavor")),
                 },
             }
-        } else if s.starts_with("http://") {
+        } else if s.starts_with("http://") || s.starts_with("https://") {
             if s.contains('@') {
                 return Err(invalid(key, format!("{s:?} contains '@'")));
             }
@@ -648,6 +680,7 @@ impl Config {
 
         let telemetry = telemetry_config(raw.telemetry)?;
         let tracing = traces::tracing_config(raw.tracing)?;
+        let engine_tls = raw.engine_tls.validate()?;
 
         let discovery = (raw.discovery.into_iter().enumerate())
             .map(|(i, d)| d.validate(i))
@@ -685,10 +718,7 @@ impl Config {
             {
                 return Err(invalid(
                     format!("engines[{i}].grpc_url"),
-                    format!(
-                        "\"http://{}\" is a duplicate of engines[{j}]",
-                        engine.grpc.as_deref().unwrap_or_default()
-                    ),
+                    format!("{:?} is a duplicate of engines[{j}]", engine.grpc_origin()),
                 ));
             }
             engines.push(engine);
@@ -709,6 +739,7 @@ impl Config {
             engines,
             discovery,
             tracing,
+            engine_tls,
             key_vars,
         })
     }
@@ -924,6 +955,51 @@ mod tests {
     }
 
     #[test]
+    fn https_engines_and_tls_sources() {
+        let c = Config::from_str(
+            "[[engines]]\nurl = \"https://h:1/\"\ngrpc_url = \"https://h:2\"\nflavor = \"vllm\"\n[[engines]]\nurl = \"http://g:1\"\nflavor = \"sglang\"\ntelemetry = [\"grpcs://g:2\", \"https://g:3/loads\"]\n",
+        )
+        .unwrap();
+        let (tls, clear) = (&c.engines[0], &c.engines[1]);
+        assert!(tls.tls && !clear.tls);
+        assert_eq!(&*tls.url, "https://h:1");
+        assert_eq!(tls.grpc_origin(), "https://h:2");
+        assert_eq!(
+            tls.telemetry[0],
+            TelemetrySource::Grpc {
+                authority: "h:2".into(),
+                tls: true
+            },
+            "GetLoads over TLS, as the engine's gRPC URL says"
+        );
+        assert_eq!(
+            clear.telemetry,
+            [
+                TelemetrySource::Grpc {
+                    authority: "g:2".into(),
+                    tls: true
+                },
+                TelemetrySource::Http {
+                    url: "https://g:3/loads".into()
+                }
+            ]
+        );
+        let e = err(
+            "[[engines]]\nurl = \"https://h:1\"\ngrpc_url = \"http://h:2\"\nflavor = \"vllm\"\n",
+        );
+        assert!(
+            e.contains("engines[0].grpc_url") && e.contains("one TLS setting"),
+            "{e}"
+        );
+        let e = err("[[engines]]\nurl = \"ftp://h:1\"\nflavor = \"vllm\"\n");
+        assert!(e.contains("http:// or https://"), "{e}");
+        let e = err("[engine_tls]\ncert_file = \"c.pem\"\n[[engines]]\nurl = \"http://h:1\"\n");
+        assert!(e.contains("engine_tls") && e.contains("key_file"), "{e}");
+        let e = err("[server.tls]\ncert_file = \"c.pem\"\nkey_file = \"k.pem\"\nkey = 1\n[[engines]]\nurl = \"http://h:1\"\n");
+        assert!(e.contains("unknown field `key`"), "{e}");
+    }
+
+    #[test]
     fn telemetry_sources() {
         let sg =
             Config::from_str("[[engines]]\nurl = \"http://h:1\"\nflavor = \"sglang\"\n").unwrap();
@@ -943,7 +1019,8 @@ mod tests {
         assert_eq!(
             v.engines[0].telemetry[0],
             TelemetrySource::Grpc {
-                authority: "h:2".into()
+                authority: "h:2".into(),
+                tls: false,
             }
         );
         let e =
@@ -978,7 +1055,8 @@ mod tests {
         assert_eq!(
             e.telemetry,
             [TelemetrySource::Grpc {
-                authority: "h:9".into()
+                authority: "h:9".into(),
+                tls: false,
             }],
             "polled by GetLoads"
         );
@@ -999,7 +1077,8 @@ mod tests {
             e.telemetry,
             [
                 TelemetrySource::Grpc {
-                    authority: "h:9".into()
+                    authority: "h:9".into(),
+                    tls: false,
                 },
                 TelemetrySource::Prometheus
             ],

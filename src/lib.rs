@@ -68,6 +68,7 @@ pub mod scenario;
 pub mod sim;
 pub mod table;
 pub mod telemetry;
+pub mod tls;
 #[cfg(feature = "top")]
 pub mod top;
 pub mod wire;

@@ -8,11 +8,13 @@ use rankgate::config::Config;
 
 /// Exit code for a config error (EX_DATAERR's neighbour EX_USAGE, as sysexits.h numbers it).
 const EXIT_CONFIG: u8 = 64;
+/// Exit code of `check --probe` when an engine does not answer (sysexits' EX_UNAVAILABLE).
+const EXIT_UNAVAILABLE: u8 = 69;
 /// Exit code when a second signal cuts the drain short (128 + SIGINT, as shells report it).
 const EXIT_INTERRUPTED: u8 = 130;
 
 /// SIGTERM (what Kubernetes, systemd and `docker stop` send) and SIGINT (Ctrl-C), as one
-/// stream; SIGHUP reloads the config file.
+/// stream; SIGHUP reloads the config file and the TLS certificates.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
@@ -43,13 +45,16 @@ impl Signals {
             tokio::select! {
                 _ = self.term.recv() => return "SIGTERM",
                 _ = self.int.recv() => return "SIGINT",
-                _ = self.hup.recv() => match router.reload().await {
-                    Ok(done) => tracing::info!(
-                        added = ?done.outcome.added, removed = ?done.outcome.removed,
-                        restart_needed = ?done.restart_needed, "SIGHUP: config reloaded"
-                    ),
-                    Err(error) => tracing::error!(%error, "SIGHUP: reload refused, the fleet is unchanged"),
-                },
+                _ = self.hup.recv() => {
+                    router.reload_certificates();
+                    match router.reload().await {
+                        Ok(done) => tracing::info!(
+                            added = ?done.outcome.added, removed = ?done.outcome.removed,
+                            restart_needed = ?done.restart_needed, "SIGHUP: config reloaded"
+                        ),
+                        Err(error) => tracing::error!(%error, "SIGHUP: reload refused, the fleet is unchanged"),
+                    }
+                }
             }
         }
     }
@@ -161,6 +166,22 @@ fn left_out(arg: Option<&str>) -> Option<&'static str> {
     }
 }
 
+/// Reads every TLS file the config names, as `serve` would at start.
+fn check_tls(
+    cfg: &rankgate::config::Config,
+) -> Result<rankgate::tls::Upstream, rankgate::tls::TlsError> {
+    use rankgate::tls::ServerTls;
+    for (key, tls) in [
+        ("server.tls", &cfg.server.tls),
+        ("server.admin_tls", &cfg.server.admin_tls),
+    ] {
+        if let Some(t) = tls {
+            ServerTls::load(key, t)?;
+        }
+    }
+    rankgate::tls::Upstream::load(&cfg.engine_tls)
+}
+
 fn main() -> ExitCode {
     let first = std::env::args().nth(1);
     if let Some(why) = left_out(first.as_deref()) {
@@ -178,6 +199,14 @@ fn main() -> ExitCode {
             for w in cfg.warnings() {
                 eprintln!("rankgate: warning: {w}");
             }
+            // The certificate, key and CA files, read as `serve` reads them.
+            let upstream = match check_tls(&cfg) {
+                Ok(u) => u,
+                Err(e) => {
+                    eprintln!("rankgate: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
             let fleet = rankgate::worker::Fleet::expand(cfg.engines.clone());
             for w in &fleet.workers {
                 let e = &fleet.engines[w.engine];
@@ -234,6 +263,7 @@ fn main() -> ExitCode {
             let probed = rt.block_on(rankgate::telemetry::probe::probe(
                 cfg.engines,
                 &cfg.telemetry,
+                &upstream,
             ));
             println!("probe:");
             for p in &probed {
@@ -242,7 +272,7 @@ fn main() -> ExitCode {
             let down = probed.iter().filter(|p| !p.reachable).count();
             if down > 0 {
                 eprintln!("rankgate: {down} engine(s) did not answer");
-                return ExitCode::FAILURE;
+                return ExitCode::from(EXIT_UNAVAILABLE);
             }
             ExitCode::SUCCESS
         }

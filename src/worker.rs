@@ -123,8 +123,8 @@ impl Reported {
 /// Where an engine's per-rank load comes from, in the engine's order of preference.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TelemetrySource {
-    /// `GetLoads` on the engine's gRPC service at this `host:port`.
-    Grpc { authority: Arc<str> },
+    /// `GetLoads` on the engine's gRPC service at this `host:port`, over TLS when `tls`.
+    Grpc { authority: Arc<str>, tls: bool },
     /// A JSON loads endpoint: SGLang `/v1/loads`, a gateway's `/loads`, or an explicit URL.
     Http { url: Arc<str> },
     /// Prometheus `/metrics` on the engine's base URL.
@@ -132,6 +132,12 @@ pub enum TelemetrySource {
 }
 
 impl TelemetrySource {
+    /// `scheme://host:port` of a gRPC source.
+    pub fn grpc_origin(authority: &str, tls: bool) -> String {
+        let scheme = if tls { "https" } else { "http" };
+        format!("{scheme}://{authority}")
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             TelemetrySource::Grpc { .. } => "grpc",
@@ -173,6 +179,24 @@ pub struct Engine {
     pub http: bool,
     /// `host:port` of its gRPC service (`engines[].grpc_url`), for the gRPC front door.
     pub grpc: Option<Arc<str>>,
+    /// Reached over TLS: its URLs are `https://` (`[engine_tls]` says how).
+    pub tls: bool,
+}
+
+impl Engine {
+    /// The scheme of its URLs.
+    pub fn scheme(&self) -> http::uri::Scheme {
+        match self.tls {
+            true => http::uri::Scheme::HTTPS,
+            false => http::uri::Scheme::HTTP,
+        }
+    }
+
+    /// `scheme://authority` of its gRPC service (or of its URL, for a gRPC-only engine).
+    pub fn grpc_origin(&self) -> String {
+        let authority = self.grpc.as_deref().unwrap_or(&self.authority);
+        format!("{}://{authority}", self.scheme())
+    }
 }
 
 /// An engine's API key: the `Authorization` value, rendered once. Its Debug never shows it.
@@ -516,6 +540,7 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         api_key: None,
         http: true,
         grpc: None,
+        tls: false,
     }
 }
 

@@ -435,7 +435,7 @@ async fn check_probe_reads_each_engine_once() {
         .await
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert_eq!(o.status.code(), Some(69), "{out}");
     assert!(line_of(&out, &closed).contains("reachable=no"), "{out}");
     assert!(String::from_utf8_lossy(&o.stderr).contains("1 engine(s) did not answer"));
 }

@@ -142,7 +142,8 @@ async fn dp_rank_filter_zero_is_sent_and_answered_as_a_filter() {
             Flavor::Vllm => worker::Flavor::Vllm,
             Flavor::Sglang => worker::Flavor::Sglang,
         };
-        let client = LoadsClient::new(kind, &g, transport(Duration::from_secs(2))).unwrap();
+        let origin = format!("http://{g}");
+        let client = LoadsClient::new(kind, &origin, transport(Duration::from_secs(2))).unwrap();
         let all = client.get_loads(None).await.unwrap();
         assert_eq!(
             all.loads.iter().map(|l| l.dp_rank).collect::<Vec<_>>(),

@@ -38,6 +38,8 @@ pub(super) struct RawDiscovery {
     health_path: Option<String>,
     models: Option<Vec<String>>,
     api_key_env: Option<String>,
+    /// The engines found are reached over TLS (`https://ip:port`, `[engine_tls]`).
+    tls: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -106,6 +108,7 @@ pub struct EngineTemplate {
     health_path: Option<String>,
     models: Option<Vec<String>>,
     api_key_env: Option<String>,
+    tls: bool,
 }
 
 impl EngineTemplate {
@@ -125,7 +128,8 @@ impl EngineTemplate {
         grpc_port: Option<u16>,
         found: Overrides,
     ) -> Result<Engine, ConfigError> {
-        let url = |p: u16| format!("http://{}", SocketAddr::new(ip, p));
+        let scheme = if self.tls { "https" } else { "http" };
+        let url = |p: u16| format!("{scheme}://{}", SocketAddr::new(ip, p));
         RawEngine {
             url: port.map(url),
             grpc_url: grpc_port.map(url),
@@ -266,6 +270,7 @@ impl RawDiscovery {
             health_path: self.health_path,
             models: self.models,
             api_key_env: self.api_key_env,
+            tls: self.tls.unwrap_or(false),
         };
         // Every key of the template is checked now, on a stand-in address, so a bad one is a
         // config error at load and not a log line per finding.

@@ -82,6 +82,8 @@ pub(super) struct RawServer {
     admin_token_env: Option<String>,
     access_log: Option<bool>,
     thread_per_core: Option<bool>,
+    tls: Option<super::ListenerTls>,
+    admin_tls: Option<super::ListenerTls>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -155,6 +157,10 @@ pub struct ServerConfig {
     /// The HTTP front door on one single-threaded runtime per core, each with its own
     /// `SO_REUSEPORT` listener and engine connection pool (see [`crate::app`]); the default.
     pub thread_per_core: bool,
+    /// TLS on the OpenAI front door and the gRPC front door (HTTP/1.1 and h2 by ALPN).
+    pub tls: Option<super::ListenerTls>,
+    /// TLS on the admin listener.
+    pub admin_tls: Option<super::ListenerTls>,
 }
 
 /// The admin token. Its Debug never shows it.
@@ -343,6 +349,8 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         access_log: raw.access_log.unwrap_or(false),
         thread_per_core: raw.thread_per_core.unwrap_or(true),
         admin_token_env: raw.admin_token_env,
+        tls: raw.tls,
+        admin_tls: raw.admin_tls,
     };
     if server.max_body_bytes == 0 {
         return Err(invalid("server.max_body_bytes", "must be greater than 0"));

@@ -1,6 +1,7 @@
 //! HTTP plumbing shared by the front door, the admin listener and the simulated engine: the
-//! accept loop ([`serve`]: HTTP/1.1 and h2c, bounded client connections, graceful drain), pooled
-//! upstream clients, and the OpenAI-shaped error body.
+//! accept loop ([`serve`]: HTTP/1.1 and h2, cleartext or TLS, bounded client connections,
+//! graceful drain), pooled clients for `http://` and `https://` upstreams, and the
+//! OpenAI-shaped error body.
 
 mod serve;
 
@@ -15,16 +16,51 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-/// A pooled, keep-alive HTTP/1.1 client for upstream engines.
-pub fn client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
+use crate::tls::Upstream;
+
+/// What rankgate's clients connect with: TCP, and TLS for `https://` URIs.
+pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
+
+/// A client of rankgate's: engines, the admin listener, the tools.
+pub type HttpClient<B> = Client<Connector, B>;
+
+fn connector(connect_timeout: Duration, tls: &Upstream, h2: bool) -> Connector {
+    let mut tcp = HttpConnector::new();
+    tcp.set_nodelay(true);
+    tcp.set_connect_timeout(Some(connect_timeout));
+    // The TLS layer above takes https:// URIs too.
+    tcp.enforce_http(false);
+    let mut builder = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config((*tls.config).clone())
+        .https_or_http();
+    if let Some(name) = &tls.server_name {
+        builder = builder
+            .with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name.clone()));
+    }
+    // ALPN offers what the client will speak.
+    match h2 {
+        true => builder.enable_http2().wrap_connector(tcp),
+        false => builder.enable_http1().wrap_connector(tcp),
+    }
+}
+
+/// [`client_with`] trusting the system's roots.
+pub fn client<B>(connect_timeout: Duration) -> HttpClient<B>
 where
     B: Body + Send + 'static + Unpin,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
+    client_with(connect_timeout, Upstream::system())
+}
+
+/// A pooled, keep-alive HTTP/1.1 client for upstream engines (`http://` and `https://`).
+pub fn client_with<B>(connect_timeout: Duration, tls: &Upstream) -> HttpClient<B>
+where
+    B: Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     Client::builder(TokioExecutor::new())
         // Idle engine connections go after 15 s: each holds its buffers, and after a burst of
         // thousands of streams they were most of the memory kept (vLLM's and SGLang's servers
@@ -32,25 +68,32 @@ where
         .pool_idle_timeout(Duration::from_secs(15))
         .pool_max_idle_per_host(1024)
         .pool_timer(TokioTimer::new())
-        .build(connector)
+        .build(connector(connect_timeout, tls, false))
 }
 
-/// An h2c client (prior knowledge: gRPC over cleartext never upgrades from HTTP/1): one
-/// connection per authority, every call a stream on it.
-pub fn h2_client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
+/// [`h2_client_with`] trusting the system's roots.
+pub fn h2_client<B>(connect_timeout: Duration) -> HttpClient<B>
 where
     B: Body + Send + 'static + Unpin,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
+    h2_client_with(connect_timeout, Upstream::system())
+}
+
+/// An h2 client: prior knowledge over cleartext (gRPC never upgrades from HTTP/1), ALPN `h2`
+/// over TLS; one connection per authority, every call a stream on it.
+pub fn h2_client_with<B>(connect_timeout: Duration, tls: &Upstream) -> HttpClient<B>
+where
+    B: Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     Client::builder(TokioExecutor::new())
         .http2_only(true)
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
-        .build(connector)
+        .build(connector(connect_timeout, tls, true))
 }
 
 /// Renders an error with its sources, since hyper's top-level message alone ("client error

@@ -1,4 +1,5 @@
-//! The accept loop: HTTP/1.1 and h2c on one port, every client connection bounded.
+//! The accept loop: HTTP/1.1 and h2 on one port (cleartext, or TLS with ALPN), every client
+//! connection bounded.
 //!
 //! A front door that waits forever on its clients is one a few thousand idle sockets can take
 //! down, so each connection lives under a deadline: its first request's headers must arrive
@@ -30,6 +31,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
 use crate::config::ServerConfig;
+use crate::tls::ServerTls;
 
 /// A shutdown signal: `true` once shutdown is asked for.
 pub type Shutdown = watch::Receiver<bool>;
@@ -61,6 +63,8 @@ pub struct ServeOptions {
     /// Shared by several listeners of one front door (thread-per-core); `None`: the listener's
     /// own.
     pub door: Option<Arc<Door>>,
+    /// TLS on this listener; `None`: cleartext (HTTP/1.1 and h2c).
+    pub tls: Option<Arc<ServerTls>>,
 }
 
 /// What the listeners of one front door share: the cap on client connections, and the
@@ -98,6 +102,7 @@ impl Default for ServeOptions {
             max_connections: 256,
             drain_grace: Duration::from_secs(30),
             door: None,
+            tls: None,
         }
     }
 }
@@ -113,6 +118,7 @@ impl ServeOptions {
             max_connections: cfg.max_connections.unwrap_or_else(default_max_connections),
             drain_grace: cfg.drain_grace,
             door: None,
+            tls: None,
         }
     }
 }
@@ -184,7 +190,7 @@ where
     .await
 }
 
-/// Serves on `listener` (HTTP/1.1 and h2c on the same port) until `shutdown`, then waits up to
+/// Serves on `listener` (HTTP/1.1 and h2 on the same port, over TLS when `opts.tls` is set) until `shutdown`, then waits up to
 /// the drain grace for requests in flight to finish. Each connection gets its own service from
 /// `make`, told the client's address (hyper clones it for every request; see
 /// [`crate::proxy::Ctx`]).
@@ -221,6 +227,7 @@ pub async fn serve_with<M, S, B>(
         .keep_alive_interval(opts.h2_keepalive)
         .keep_alive_timeout(opts.h2_keepalive)
         .max_header_list_size(u32::try_from(opts.max_header_bytes).unwrap_or(u32::MAX));
+    let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
     // Told when the drain grace expires: connections still open then are cut.
     let (cut, cut_rx) = watch::channel(false);
@@ -277,42 +284,41 @@ pub async fn serve_with<M, S, B>(
             inner: RefCell::new(make(peer)),
             activity: activity.clone(),
         };
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn.into_owned());
-        let opts = opts.clone();
-        let mut cut = cut_rx.clone();
+        let (builder, watcher, opts, cut) = (
+            builder.clone(),
+            graceful.watcher(),
+            opts.clone(),
+            cut_rx.clone(),
+        );
+        let tls = opts.tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
-            let mut conn = std::pin::pin!(conn);
-            // The watch looks at the connection at least once a period, never once per request:
-            // a deadline is re-armed exactly when a look finds the connection idle, and since a
-            // period is no longer than `idle_timeout`, the look after a request ends always comes
-            // before that request's idle deadline.
-            let period = opts.idle_timeout.min(opts.header_read_timeout);
-            let first = Instant::now() + period;
-            let mut timer = std::pin::pin!(tokio::time::sleep_until(first));
-            let mut cut = std::pin::pin!(cut.wait_for(|c| *c));
-            loop {
-                tokio::select! {
-                    r = &mut conn => {
-                        if let Err(e) = r {
-                            tracing::debug!(error = %e, "connection ended with error");
+            match tls {
+                None => {
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                    let conn = watcher.watch(conn.into_owned());
+                    drive(conn, &activity, &opts, cut).await;
+                }
+                Some(acceptor) => {
+                    // The handshake counts against the first request's header deadline: a
+                    // client that connects and never finishes it holds its slot no longer
+                    // than one that never sends headers.
+                    let deadline = activity.opened + opts.header_read_timeout;
+                    let stream = match tokio::time::timeout_at(deadline, acceptor.accept(stream))
+                        .await
+                    {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
                         }
-                        break;
-                    }
-                    () = &mut timer => {
-                        let now = Instant::now();
-                        match activity.deadline(&opts) {
-                            Some(d) if d <= now => {
-                                tracing::debug!("client connection closed: no request within its timeout");
-                                break;
-                            }
-                            Some(d) => timer.as_mut().reset(d.min(now + period)),
-                            None => timer.as_mut().reset(now + period),
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake not done within header_read_timeout");
+                            return;
                         }
-                    }
-                    // The drain grace expired (or the accept loop is gone): dropping the
-                    // connection closes it, streams and all.
-                    _ = &mut cut => break,
+                    };
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                    let conn = watcher.watch(conn.into_owned());
+                    drive(conn, &activity, &opts, cut).await;
                 }
             }
             drop(slot);
@@ -330,6 +336,51 @@ pub async fn serve_with<M, S, B>(
         // a process that goes on (tests, the demo) they kept streaming after shutdown returned.
         let _ = cut.send(true);
         let _ = tokio::time::timeout(Duration::from_secs(1), &mut drained).await;
+    }
+}
+
+/// Serves one connection until it ends, its deadlines pass, or the drain grace expires.
+async fn drive<C, E>(
+    conn: C,
+    activity: &Activity,
+    opts: &ServeOptions,
+    mut cut: watch::Receiver<bool>,
+) where
+    C: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let mut conn = std::pin::pin!(conn);
+    // The watch looks at the connection at least once a period, never once per request:
+    // a deadline is re-armed exactly when a look finds the connection idle, and since a
+    // period is no longer than `idle_timeout`, the look after a request ends always comes
+    // before that request's idle deadline.
+    let period = opts.idle_timeout.min(opts.header_read_timeout);
+    let first = Instant::now() + period;
+    let mut timer = std::pin::pin!(tokio::time::sleep_until(first));
+    let mut cut = std::pin::pin!(cut.wait_for(|c| *c));
+    loop {
+        tokio::select! {
+            r = &mut conn => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "connection ended with error");
+                }
+                return;
+            }
+            () = &mut timer => {
+                let now = Instant::now();
+                match activity.deadline(opts) {
+                    Some(d) if d <= now => {
+                        tracing::debug!("client connection closed: no request within its timeout");
+                        return;
+                    }
+                    Some(d) => timer.as_mut().reset(d.min(now + period)),
+                    None => timer.as_mut().reset(now + period),
+                }
+            }
+            // The drain grace expired (or the accept loop is gone): dropping the
+            // connection closes it, streams and all.
+            _ = &mut cut => return,
+        }
     }
 }
 

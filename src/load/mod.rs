@@ -28,8 +28,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{header, Method, Request};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use serde::Deserialize as _;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -197,7 +195,7 @@ impl Outcome {
     }
 }
 
-pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type HttpClient = crate::http::HttpClient<Full<Bytes>>;
 
 /// Where a run's requests go.
 enum Target {

@@ -7,9 +7,6 @@ use http::{header, Method, Request};
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
 
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-
 /// One SDK call: what the SDK method is called, and the request it makes.
 pub struct Call {
     pub name: &'static str,
@@ -96,7 +93,7 @@ pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60)
 /// Makes `call` against `base` (e.g. `http://127.0.0.1:8080`) with the SDK's headers, within
 /// [`CALL_TIMEOUT`].
 pub async fn send(
-    client: &Client<HttpConnector, Full<Bytes>>,
+    client: &crate::http::HttpClient<Full<Bytes>>,
     base: &str,
     api_key: &str,
     call: &Call,
@@ -107,7 +104,7 @@ pub async fn send(
 }
 
 async fn exchange(
-    client: &Client<HttpConnector, Full<Bytes>>,
+    client: &crate::http::HttpClient<Full<Bytes>>,
     base: &str,
     api_key: &str,
     call: &Call,

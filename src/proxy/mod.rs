@@ -34,8 +34,6 @@ use std::time::Duration;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{header, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use tower::ServiceBuilder;
 
 use crate::catalog::ModelError;
@@ -44,6 +42,7 @@ use crate::http::Throttle;
 use crate::metrics::Metrics;
 use crate::policy::{NoRank, Selector};
 use crate::table::Table;
+use crate::tls::Upstream;
 use crate::worker::{EngineEntry, Member};
 
 /// What every layer below `respond` answers.
@@ -287,7 +286,7 @@ pub struct Shared {
     grpc_requests: Arc<grpc::Requests>,
     /// h2 clients for engines' gRPC services: client `k` holds an engine's `k`th connection,
     /// opened once the connections before it carry their share of calls (send).
-    grpc_clients: Vec<Client<HttpConnector, RequestBody>>,
+    grpc_clients: Vec<crate::http::HttpClient<RequestBody>>,
     /// Shutdown has begun (the gRPC health service then says NOT_SERVING).
     pub draining: Arc<std::sync::atomic::AtomicBool>,
     /// Retries' allowance (retry).
@@ -296,7 +295,9 @@ pub struct Shared {
     admitted: AtomicUsize,
     /// The engine connection pool (send) of the shared runtime; each engine's slots are in its
     /// fleet entry.
-    pub client: Client<HttpConnector, RequestBody>,
+    pub client: crate::http::HttpClient<RequestBody>,
+    /// How `https://` engines are reached (each core's pool is built with it).
+    pub upstream: Upstream,
     /// One log line per few seconds for server-side errors, however many requests hit them
     /// (respond).
     storm: Throttle,
@@ -314,12 +315,13 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
-    /// `keys` as [`Keys::load`] read them at startup.
+    /// `keys` as [`Keys::load`] read them at startup; `upstream` as `[engine_tls]` says.
     pub fn new(
         cfg: &Config,
         table: Arc<Table>,
         metrics: Arc<Metrics>,
         keys: Option<Keys>,
+        upstream: &Upstream,
     ) -> Arc<Shared> {
         let server = &cfg.server;
         Arc::new(Shared {
@@ -327,7 +329,7 @@ impl Shared {
             grpc_clients: (0..server
                 .max_engine_connections
                 .min(send::MAX_GRPC_CONNECTIONS))
-                .map(|_| crate::http::h2_client(server.connect_timeout))
+                .map(|_| crate::http::h2_client_with(server.connect_timeout, upstream))
                 .collect(),
             draining: Arc::default(),
             selector: Arc::new(Selector::new(&cfg.routing)),
@@ -335,7 +337,8 @@ impl Shared {
             cfg: cfg.clone(),
             budget: budget::RetryBudget::new(cfg.routing.retry_budget),
             admitted: AtomicUsize::new(0),
-            client: crate::http::client(server.connect_timeout),
+            client: crate::http::client_with(server.connect_timeout, upstream),
+            upstream: upstream.clone(),
             storm: Throttle::new(Duration::from_secs(5)),
             retry_after: HeaderValue::from(cfg.routing.retry_after_secs),
             keys,
@@ -360,7 +363,7 @@ pub struct Conn {
     shared: Arc<Shared>,
     /// The engine connection pool this connection's requests go through (send): the shared
     /// one, or in thread-per-core mode its core's own.
-    pub client: Client<HttpConnector, RequestBody>,
+    pub client: crate::http::HttpClient<RequestBody>,
     /// The client's address.
     pub peer: SocketAddr,
     /// Its IP as a header value (X-Forwarded-For), rendered once for all of its requests.
@@ -377,7 +380,7 @@ impl Ctx {
     /// A connection whose requests go through `client`.
     pub fn on(
         shared: &Arc<Shared>,
-        client: &Client<HttpConnector, RequestBody>,
+        client: &crate::http::HttpClient<RequestBody>,
         peer: SocketAddr,
         front: Front,
     ) -> Ctx {
@@ -437,7 +440,7 @@ pub struct Picked {
 /// [`Shared::client`]). Made per connection (see [`Ctx`]).
 pub fn stack(
     shared: &Arc<Shared>,
-    client: &Client<HttpConnector, RequestBody>,
+    client: &crate::http::HttpClient<RequestBody>,
     peer: SocketAddr,
 ) -> impl tower::Service<
     Request<Incoming>,

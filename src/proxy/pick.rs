@@ -6,7 +6,7 @@
 //! too, so its body is read whole first. A client's own pin never reaches the engine.
 
 use http::header::{self, HeaderValue};
-use http::uri::{PathAndQuery, Scheme};
+use http::uri::PathAndQuery;
 use http::{Request, Uri, Version};
 
 use super::body::{RequestBody, StreamBody};
@@ -117,7 +117,7 @@ where
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         let mut uri = http::uri::Parts::default();
-        uri.scheme = Some(Scheme::HTTP);
+        uri.scheme = Some(engine.conn.scheme.clone());
         uri.authority = authority;
         uri.path_and_query = Some(pq);
         parts.uri = match Uri::from_parts(uri) {

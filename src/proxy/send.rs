@@ -126,6 +126,8 @@ impl Default for ConnLimits {
 /// streams its requests take.
 #[derive(Debug)]
 pub struct EngineConn {
+    /// `http` or `https`, as the engine's URLs say.
+    pub scheme: http::uri::Scheme,
     pub authority: http::uri::Authority,
     pub grpc_authority: Option<http::uri::Authority>,
     pub slots: Slots,
@@ -139,6 +141,7 @@ impl EngineConn {
             None => 0,
         };
         EngineConn {
+            scheme: engine.scheme(),
             // Validated at config load; a failure here would be a bug in validation.
             authority: http::uri::Authority::try_from(&*engine.authority)
                 .unwrap_or(http::uri::Authority::from_static("invalid.invalid:1")),

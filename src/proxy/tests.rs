@@ -39,7 +39,7 @@ fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Ctx {
     }));
     let metrics = Arc::new(Metrics::new());
     Ctx::new(
-        &Shared::new(&cfg, table, metrics, keys),
+        &Shared::new(&cfg, table, metrics, keys, crate::tls::Upstream::system()),
         ([127, 0, 0, 1], 9).into(),
         super::Front::Http,
     )

@@ -469,7 +469,7 @@ pub(crate) async fn serve(
             Ok(resp)
         }
     };
-    net::serve(listener, handler, shutdown, kill, running).await;
+    net::serve(listener, sim.tls.clone(), handler, shutdown, kill, running).await;
 }
 
 /// Binds the gRPC listener.

@@ -151,6 +151,10 @@ pub struct SimConfig {
     pub die_after: Option<u64>,
     /// Generation stops after this many tokens and the response never ends.
     pub stall_after_tokens: Option<u64>,
+    /// Serve HTTPS (and gRPC over TLS) with this certificate, like `vllm serve --ssl-certfile
+    /// --ssl-keyfile [--ssl-ca-certs --ssl-cert-reqs 2]`; `client_ca_file` requires clients
+    /// to present a certificate (mTLS).
+    pub tls: Option<crate::config::ListenerTls>,
 }
 
 impl Default for SimConfig {
@@ -181,6 +185,7 @@ impl Default for SimConfig {
             health_status: 200,
             die_after: None,
             stall_after_tokens: None,
+            tls: None,
         }
     }
 }
@@ -236,6 +241,8 @@ struct Knobs {
 
 pub(crate) struct Sim {
     pub(crate) cfg: SimConfig,
+    /// The certificate both listeners serve, when `cfg.tls` is set.
+    pub(crate) tls: Option<Arc<crate::tls::ServerTls>>,
     pub(crate) ranks: Vec<Rank>,
     knobs: RwLock<Knobs>,
     seen: Mutex<VecDeque<Seen>>,
@@ -281,6 +288,10 @@ impl SimEngine {
                 cfg.models
             )));
         }
+        let tls = (cfg.tls.as_ref())
+            .map(|t| crate::tls::ServerTls::load("sim tls", t))
+            .transpose()
+            .map_err(|e| invalid(e.to_string()))?;
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let ranks = (0..cfg.dp_size)
@@ -314,10 +325,12 @@ impl SimEngine {
             kill: watch::Sender::new(false),
             servers: watch::Sender::new(0),
             shutdown: shutdown_rx.clone(),
+            tls,
         });
         let s = sim.clone();
         let task = tokio::spawn(net::serve(
             listener,
+            sim.tls.clone(),
             move |req| s.clone().handle(req),
             shutdown_rx,
             sim.kill.subscribe(),
@@ -351,7 +364,12 @@ impl SimEngine {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.sim.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Requests admitted per local rank.

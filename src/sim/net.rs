@@ -4,6 +4,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -17,6 +18,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::http::{shutdown_signalled, Shutdown};
+use crate::tls::ServerTls;
 
 /// How long open connections may finish their requests after a normal shutdown.
 const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
@@ -75,6 +77,7 @@ pub(crate) struct Peer(pub std::net::SocketAddr);
 
 pub(crate) async fn serve<F, Fut, B>(
     listener: TcpListener,
+    tls: Option<Arc<ServerTls>>,
     handler: F,
     mut shutdown: Shutdown,
     mut kill: watch::Receiver<bool>,
@@ -87,6 +90,7 @@ pub(crate) async fn serve<F, Fut, B>(
 {
     let mut builder = auto::Builder::new(KillableExec(kill.clone()));
     builder.http1().timer(TokioTimer::new()).keep_alive(true);
+    let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
     let drain = loop {
@@ -99,10 +103,27 @@ pub(crate) async fn serve<F, Fut, B>(
                         req.extensions_mut().insert(Peer(peer));
                         h(req)
                     });
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                    let conn = graceful.watch(conn.into_owned());
+                    let (builder, watcher) = (builder.clone(), graceful.watcher());
+                    let acceptor = tls.as_ref().map(|t| t.acceptor());
                     conns.spawn(async move {
-                        if let Err(e) = conn.await {
+                        let served = match acceptor {
+                            None => {
+                                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                                watcher.watch(conn.into_owned()).await
+                            }
+                            Some(acceptor) => {
+                                let stream = match acceptor.accept(stream).await {
+                                    Ok(s) => s,
+                                    Err(e) => {
+                                        tracing::debug!(error = %e, "sim TLS handshake failed");
+                                        return;
+                                    }
+                                };
+                                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+                                watcher.watch(conn.into_owned()).await
+                            }
+                        };
+                        if let Err(e) = served {
                             tracing::debug!(error = %e, "sim connection ended with error");
                         }
                     });

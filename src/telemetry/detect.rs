@@ -199,10 +199,9 @@ async fn get_json(http: &HttpClient, engine: &Engine, path: &str) -> Result<Valu
 
 /// `GetServerInfo` of the engine's flavor (both, in turn, when the flavor is not configured).
 async fn grpc_info(engine: &Engine, transport: &Transport) -> Result<GrpcInfo, String> {
-    let authority = engine.grpc.as_deref().unwrap_or(&engine.authority);
-    let origin: http::Uri = format!("http://{authority}")
-        .parse()
-        .map_err(|e| format!("gRPC address {authority:?}: {e}"))?;
+    let origin = engine.grpc_origin();
+    let origin: http::Uri =
+        (origin.parse()).map_err(|e| format!("gRPC address {origin:?}: {e}"))?;
     let status = |s: tonic::Status| format!("{}: {}", s.code(), s.message());
     let mut tried = Vec::new();
     if engine.declared.flavor.is_none_or(|f| f == Flavor::Vllm) {

@@ -1,18 +1,15 @@
-//! gRPC `GetLoads` clients for vLLM and SGLang engines, over rankgate's own pooled h2c client.
+//! gRPC `GetLoads` clients for vLLM and SGLang engines, over rankgate's own pooled h2 client (h2c, or TLS).
 //!
 //! One unfiltered `GetLoads` per engine per poll returns every rank; the reply is converted into
 //! the shared [`LoadsReport`] and projected like any other load report.
 
 use std::time::Duration;
 
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-
 use crate::proto::{sglang, vllm};
 use crate::wire::{Aggregate, LoadsReport, RankLoad};
 use crate::worker::Flavor;
 
-pub type Transport = Client<HttpConnector, tonic::body::Body>;
+pub type Transport = crate::http::HttpClient<tonic::body::Body>;
 
 /// A `GetLoads` client for one engine.
 #[derive(Clone)]
@@ -21,9 +18,14 @@ pub enum LoadsClient {
     Sglang(sglang::sglang_scheduler_client::SglangSchedulerClient<Transport>),
 }
 
-/// An h2c client for gRPC.
+/// [`transport_with`] trusting the system's roots.
 pub fn transport(connect_timeout: Duration) -> Transport {
     crate::http::h2_client(connect_timeout)
+}
+
+/// An h2 client for gRPC: h2c to `http://` engines, TLS to `https://` ones.
+pub fn transport_with(connect_timeout: Duration, tls: &crate::tls::Upstream) -> Transport {
+    crate::http::h2_client_with(connect_timeout, tls)
 }
 
 /// What a `GetLoads` call should ask for.
@@ -32,16 +34,11 @@ pub fn request(dp_rank: Option<i32>) -> (Option<i32>, Vec<String>) {
 }
 
 impl LoadsClient {
-    /// A client for `flavor`'s service at `authority` (`host:port`). `None` for a gateway, which
-    /// has no gRPC load service.
-    pub fn new(
-        flavor: Flavor,
-        authority: &str,
-        transport: Transport,
-    ) -> Result<LoadsClient, String> {
-        let origin: http::Uri = format!("http://{authority}")
-            .parse()
-            .map_err(|e| format!("gRPC address {authority:?}: {e}"))?;
+    /// A client for `flavor`'s service at `origin` (`http://host:port`, or `https://` over
+    /// TLS). An error for a gateway, which has no gRPC load service.
+    pub fn new(flavor: Flavor, origin: &str, transport: Transport) -> Result<LoadsClient, String> {
+        let origin: http::Uri =
+            (origin.parse()).map_err(|e| format!("gRPC address {origin:?}: {e}"))?;
         match flavor {
             Flavor::Vllm => Ok(LoadsClient::Vllm(
                 vllm::vllm_engine_client::VllmEngineClient::with_origin(transport, origin),

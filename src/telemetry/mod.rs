@@ -49,6 +49,8 @@ pub struct Settings {
     pub telemetry: TelemetryConfig,
     pub default_kv_per_request: f64,
     pub limits: ConnLimits,
+    /// How `https://` engines are reached.
+    pub upstream: crate::tls::Upstream,
 }
 
 /// Starts the publisher and a poller for every engine of the table's fleet; they run until
@@ -65,8 +67,11 @@ pub fn spawn(
         let (tx, rx) = mpsc::channel(fleet.engines.len().max(16) * 2);
         let snap = table.snapshot.load_full();
         let mut p = Publisher {
-            http: poller::HttpClient::new(crate::http::client(settings.telemetry.timeout)),
-            grpc: grpc::transport(settings.telemetry.timeout),
+            http: poller::HttpClient::new(crate::http::client_with(
+                settings.telemetry.timeout,
+                &settings.upstream,
+            )),
+            grpc: grpc::transport_with(settings.telemetry.timeout, &settings.upstream),
             stale: vec![false; snap.ranks.len()],
             views: snap.ranks.clone(),
             catalog: snap.catalog.clone(),

@@ -20,8 +20,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 
@@ -47,12 +45,12 @@ const MAX_SKIP: u32 = 32;
 /// The HTTP client of one engine's polls: the shared connection pool, and the engine's own key.
 #[derive(Clone)]
 pub struct HttpClient {
-    client: Client<HttpConnector, Empty<Bytes>>,
+    client: crate::http::HttpClient<Empty<Bytes>>,
     key: Option<ApiKey>,
 }
 
 impl HttpClient {
-    pub fn new(client: Client<HttpConnector, Empty<Bytes>>) -> HttpClient {
+    pub fn new(client: crate::http::HttpClient<Empty<Bytes>>) -> HttpClient {
         HttpClient { client, key: None }
     }
 
@@ -209,8 +207,9 @@ impl Poller {
             .telemetry
             .iter()
             .map(|s| match s {
-                TelemetrySource::Grpc { authority } => {
-                    LoadsClient::new(engine.flavor, authority, grpc.clone())
+                TelemetrySource::Grpc { authority, tls } => {
+                    let origin = TelemetrySource::grpc_origin(authority, *tls);
+                    LoadsClient::new(engine.flavor, &origin, grpc.clone())
                         .map(|c| Source::Grpc(Box::new(c)))
                 }
                 TelemetrySource::Http { url } => uri(url).map(Source::Http),

@@ -28,10 +28,15 @@ pub struct Probed {
     pub shape_problem: Option<String>,
 }
 
-/// Reads each engine once, all at the same time, each step bounded by `cfg.timeout`.
-pub async fn probe(engines: Vec<Engine>, cfg: &TelemetryConfig) -> Vec<Probed> {
-    let http = HttpClient::new(crate::http::client(cfg.timeout));
-    let transport = grpc::transport(cfg.timeout);
+/// Reads each engine once, all at the same time, each step bounded by `cfg.timeout`;
+/// `https://` engines as `upstream` says.
+pub async fn probe(
+    engines: Vec<Engine>,
+    cfg: &TelemetryConfig,
+    upstream: &crate::tls::Upstream,
+) -> Vec<Probed> {
+    let http = HttpClient::new(crate::http::client_with(cfg.timeout, upstream));
+    let transport = grpc::transport_with(cfg.timeout, upstream);
     let tasks: Vec<_> = (engines.into_iter())
         .map(|e| tokio::spawn(one(e, cfg.clone(), http.clone(), transport.clone())))
         .collect();

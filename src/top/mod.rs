@@ -24,8 +24,6 @@ use crossterm::terminal::{self, EnterAlternateScreen, LeaveAlternateScreen};
 use crossterm::{cursor, execute};
 use http::{header, Request, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use ratatui::backend::{Backend, CrosstermBackend};
 use ratatui::Terminal;
 use tokio::sync::mpsc;
@@ -65,7 +63,7 @@ pub fn parse_interval(s: &str) -> Result<Duration, String> {
 /// Reads the admin listener: one GET of `/workers` and one of `/metrics` per poll.
 #[derive(Clone)]
 struct Fetcher {
-    client: Client<HttpConnector, Empty<Bytes>>,
+    client: crate::http::HttpClient<Empty<Bytes>>,
     workers: Uri,
     metrics: Uri,
     timeout: Duration,
@@ -95,7 +93,7 @@ impl Fetcher {
 
 /// One GET, the whole body, within `timeout`; the error is short enough for the status line.
 async fn get(
-    client: &Client<HttpConnector, Empty<Bytes>>,
+    client: &crate::http::HttpClient<Empty<Bytes>>,
     uri: &Uri,
     timeout: Duration,
 ) -> Result<Bytes, String> {

@@ -13,8 +13,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use rankgate::app::Router;
 use rankgate::config::Config;
 use rankgate::sim::{SimConfig, SimEngine};
@@ -65,7 +63,7 @@ pub async fn router_with(server: &str, extra: &str, engines: &[String]) -> Route
     Router::start(cfg).await.expect("start router")
 }
 
-pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+pub fn client() -> rankgate::http::HttpClient<Full<Bytes>> {
     rankgate::http::client(Duration::from_secs(2))
 }
 

@@ -1,0 +1,466 @@
+//! TLS on both sides, over real sockets with certificates made here: the front door and the
+//! admin listener over HTTPS (HTTP/1.1 and h2 by ALPN), the gRPC front door over TLS, an
+//! `https://` engine, mTLS to an engine, a certificate rotated on disk, and bad certificates.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, StatusCode, Version};
+use http_body_util::{BodyExt, Full};
+use rankgate::app::Router;
+use rankgate::config::{Config, ListenerTls};
+use rankgate::http::HttpClient;
+use rankgate::load::sdk;
+use rankgate::sim::SimConfig;
+use rankgate::tls::Upstream;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+};
+use rustls_pki_types::{CertificateDer, ServerName};
+
+/// A test CA and the files of the certificates it signs, in a directory of the test's own.
+struct Pki {
+    dir: PathBuf,
+    issuer: Issuer<'static, KeyPair>,
+    ca_file: PathBuf,
+}
+
+impl Pki {
+    fn new(name: &str) -> Pki {
+        let dir = std::env::temp_dir().join(format!("rankgate-tls-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("rankgate test CA {name}"));
+        let ca = params.self_signed(&key).unwrap();
+        let ca_file = dir.join("ca.pem");
+        std::fs::write(&ca_file, ca.pem()).unwrap();
+        Pki {
+            issuer: Issuer::new(params, key),
+            dir,
+            ca_file,
+        }
+    }
+
+    /// A certificate for 127.0.0.1 and localhost (server and client use), written as
+    /// `<name>.pem` and `<name>.key`; returns the files and the certificate's DER.
+    fn issue(&self, name: &str) -> (ListenerTls, CertificateDer<'static>) {
+        let key = KeyPair::generate().unwrap();
+        let mut params =
+            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        let files = ListenerTls {
+            cert_file: self.dir.join(format!("{name}.pem")),
+            key_file: self.dir.join(format!("{name}.key")),
+            client_ca_file: None,
+        };
+        std::fs::write(&files.cert_file, cert.pem()).unwrap();
+        std::fs::write(&files.key_file, key.serialize_pem()).unwrap();
+        (files, cert.der().clone())
+    }
+
+    /// A client that trusts this CA only.
+    fn trust(&self) -> Upstream {
+        Upstream::trusting(Some(&self.ca_file)).unwrap()
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn toml_path(p: &Path) -> String {
+    format!("{:?}", p.display().to_string())
+}
+
+fn listener_toml(table: &str, t: &ListenerTls) -> String {
+    let mut out = format!(
+        "[{table}]\ncert_file = {}\nkey_file = {}\n",
+        toml_path(&t.cert_file),
+        toml_path(&t.key_file)
+    );
+    if let Some(ca) = &t.client_ca_file {
+        out.push_str(&format!("client_ca_file = {}\n", toml_path(ca)));
+    }
+    out
+}
+
+async fn start(text: &str) -> Router {
+    let cfg = Config::from_str(text).unwrap_or_else(|e| panic!("config: {e}\n{text}"));
+    Router::start(cfg).await.expect("start router")
+}
+
+fn ports() -> &'static str {
+    "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n"
+}
+
+async fn request(
+    client: &HttpClient<Full<Bytes>>,
+    req: Request<Full<Bytes>>,
+) -> (StatusCode, Version, http::HeaderMap, Bytes) {
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .expect("an answer within 10 s")
+        .expect("request");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    (parts.status, parts.version, parts.headers, body)
+}
+
+fn chat_to(base: &str) -> Request<Full<Bytes>> {
+    Request::post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(chat_body(4, false))))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_front_door_serves_https_with_http1_and_h2_by_alpn() {
+    let pki = Pki::new("front");
+    let (files, _) = pki.issue("front");
+    let e = engine(SimConfig::default()).await;
+    let r = start(&format!(
+        "{}{}{FAST}{}",
+        ports(),
+        listener_toml("server.tls", &files),
+        engine_toml(&e.url(), "vllm", 2, 0)
+    ))
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    let base = format!("https://127.0.0.1:{}", r.addr.port());
+
+    // The openai SDK's first calls, over HTTPS as a client configured with the CA would make
+    // them; ALPN offers http/1.1 only.
+    let h1 = rankgate::http::client_with(Duration::from_secs(2), &pki.trust());
+    for call in sdk::calls("tiny-llama") {
+        let o = sdk::send(&h1, &base, "EMPTY", &call).await.unwrap();
+        assert!(
+            o.status.is_success(),
+            "{}: {} {:?}",
+            call.name,
+            o.status,
+            o.body
+        );
+    }
+    let (status, version, headers, _) = request(&h1, chat_to(&base)).await;
+    assert_eq!((status, version), (StatusCode::OK, Version::HTTP_11));
+    assert!(headers.contains_key("x-rankgate-worker"));
+
+    // A client offering h2 gets h2.
+    let h2 = rankgate::http::h2_client_with(Duration::from_secs(2), &pki.trust());
+    let (status, version, _, body) = request(&h2, chat_to(&base)).await;
+    assert_eq!(
+        (status, version),
+        (StatusCode::OK, Version::HTTP_2),
+        "{body:?}"
+    );
+
+    // A client that does not trust the CA is refused at the handshake, and so is cleartext
+    // HTTP on the TLS port.
+    let stranger = rankgate::http::client_with::<Full<Bytes>>(
+        Duration::from_secs(2),
+        &Pki::new("stranger").trust(),
+    );
+    let err = stranger.request(chat_to(&base)).await.unwrap_err();
+    let err = rankgate::http::error_chain(&err);
+    assert!(
+        err.contains("UnknownIssuer") || err.contains("certificate"),
+        "{err}"
+    );
+    let plain = format!("http://127.0.0.1:{}", r.addr.port());
+    assert!(client().request(chat_to(&plain)).await.is_err());
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_admin_listener_and_the_grpc_front_door_take_tls_too() {
+    let pki = Pki::new("admin");
+    let (front, _) = pki.issue("front");
+    let (admin, _) = pki.issue("admin");
+    let e = engine(sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
+    let grpc = e.start_grpc(loopback()).await.unwrap();
+    let r = start(&format!(
+        "{}grpc_listen = \"127.0.0.1:0\"\n{}{}{FAST}[[engines]]\nurl = \"{}\"\ngrpc_url = \"http://{grpc}\"\nflavor = \"vllm\"\ndp_size = 1\n",
+        ports(),
+        listener_toml("server.tls", &front),
+        listener_toml("server.admin_tls", &admin),
+        e.url()
+    ))
+    .await;
+    let https = rankgate::http::client_with(Duration::from_secs(2), &pki.trust());
+    let admin_url = format!("https://127.0.0.1:{}/workers", r.admin_addr.port());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let req = Request::get(&admin_url).body(Full::default()).unwrap();
+        let (status, _, _, body) = request(&https, req).await;
+        assert_eq!(status, StatusCode::OK);
+        let rows: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        if rows[0]["telemetry"] == "available" {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{rows}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(client()
+        .request(
+            Request::get(format!("http://{}/workers", r.admin_addr))
+                .body(Full::default())
+                .unwrap()
+        )
+        .await
+        .is_err());
+
+    // The gRPC front door over TLS: a gRPC client with the CA calls health through it.
+    use rankgate::proto::health::health_client::HealthClient;
+    use rankgate::proto::health::HealthCheckRequest;
+    let transport = rankgate::telemetry::grpc::transport_with(Duration::from_secs(2), &pki.trust());
+    let origin = format!("https://127.0.0.1:{}", r.grpc_addr.unwrap().port());
+    let mut h = HealthClient::with_origin(transport, origin.parse().unwrap());
+    let status = tokio::time::timeout(
+        Duration::from_secs(10),
+        h.check(HealthCheckRequest {
+            service: String::new(),
+        }),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(status.into_inner().status, 1, "SERVING");
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_https_engine_is_polled_and_routed_to() {
+    let pki = Pki::new("engine");
+    let (files, _) = pki.issue("engine");
+    let e = engine(SimConfig {
+        tls: Some(files),
+        ..SimConfig::default()
+    })
+    .await;
+    assert!(e.url().starts_with("https://"));
+    let r = start(&format!(
+        "{}{FAST}[engine_tls]\nca_file = {}\n{}",
+        ports(),
+        toml_path(&pki.ca_file),
+        engine_toml(&e.url(), "vllm", 2, 0)
+    ))
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    let reply = chat(r.addr, 4).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert!(
+        reply.worker().starts_with(&format!("{}@", e.url())),
+        "{}",
+        reply.worker()
+    );
+    // Streams too.
+    let resp = stream_chat(r.addr, 8).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("[DONE]"));
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_engine_that_requires_mtls_takes_rankgates_client_certificate() {
+    let pki = Pki::new("mtls");
+    let (mut server, _) = pki.issue("engine");
+    server.client_ca_file = Some(pki.ca_file.clone());
+    let (client_cert, _) = pki.issue("rankgate");
+    let e = engine(SimConfig {
+        tls: Some(server),
+        ..SimConfig::default()
+    })
+    .await;
+
+    // Without a client certificate the engine refuses every connection: its ranks are
+    // unavailable, never routed, and the reason says why.
+    let without = start(&format!(
+        "{}{FAST}[engine_tls]\nca_file = {}\n{}",
+        ports(),
+        toml_path(&pki.ca_file),
+        engine_toml(&e.url(), "vllm", 2, 0)
+    ))
+    .await;
+    let rows = wait_workers(&without, Duration::from_secs(10), |rows| {
+        rows.iter().all(|w| {
+            w["telemetry"] == "unavailable"
+                && w["reason"]
+                    .as_str()
+                    .is_some_and(|r| !r.starts_with("no telemetry yet"))
+        })
+    })
+    .await;
+    let reason = rows[0]["reason"].as_str().unwrap();
+    assert!(reason.contains("CertificateRequired"), "{reason}");
+    assert_eq!(
+        chat(without.addr, 4).await.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{rows:?}"
+    );
+    without.shutdown().await;
+
+    let with = start(&format!(
+        "{}{FAST}[engine_tls]\nca_file = {}\ncert_file = {}\nkey_file = {}\n{}",
+        ports(),
+        toml_path(&pki.ca_file),
+        toml_path(&client_cert.cert_file),
+        toml_path(&client_cert.key_file),
+        engine_toml(&e.url(), "vllm", 2, 0)
+    ))
+    .await;
+    wait_state(&with, &[0, 1], "available").await;
+    assert_eq!(chat(with.addr, 4).await.status, StatusCode::OK);
+    with.shutdown().await;
+}
+
+/// The certificate a new TLS connection to `addr` is served.
+async fn served_certificate(addr: SocketAddr, trust: &Upstream) -> CertificateDer<'static> {
+    let connector = tokio_rustls::TlsConnector::from(Arc::new((*trust.config).clone()));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = ServerName::try_from("127.0.0.1").unwrap();
+    let tls = connector.connect(name, tcp).await.unwrap();
+    tls.get_ref().1.peer_certificates().unwrap()[0].clone()
+}
+
+#[tokio::test]
+async fn a_certificate_rotated_on_disk_is_served_on_new_connections() {
+    let pki = Pki::new("rotate");
+    let (files, first) = pki.issue("front");
+    let e = engine(SimConfig::default()).await;
+    let r = start(&format!(
+        "{}{}{FAST}{}",
+        ports(),
+        listener_toml("server.tls", &files),
+        engine_toml(&e.url(), "vllm", 2, 0)
+    ))
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    let trust = pki.trust();
+    assert_eq!(served_certificate(r.addr, &trust).await, first);
+    // A connection made before the rotation, kept open through it.
+    let kept = rankgate::http::client_with(Duration::from_secs(2), &trust);
+    let base = format!("https://127.0.0.1:{}", r.addr.port());
+    assert_eq!(request(&kept, chat_to(&base)).await.0, StatusCode::OK);
+
+    // The renewal tool writes the new pair over the old files.
+    let (_, second) = pki.issue("front");
+    assert_ne!(first, second);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while served_certificate(r.addr, &trust).await != second {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the new certificate was not served within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The pooled connection from before still serves.
+    assert_eq!(request(&kept, chat_to(&base)).await.0, StatusCode::OK);
+
+    // A broken file on disk is not served: the certificate in use stays.
+    std::fs::write(&files.cert_file, "-----BEGIN CERTIFICATE-----\nbroken\n").unwrap();
+    tokio::time::sleep(rankgate::tls::WATCH_EVERY * 3).await;
+    assert_eq!(served_certificate(r.addr, &trust).await, second);
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_bad_certificate_is_a_clear_start_error() {
+    let pki = Pki::new("bad");
+    let (good, _) = pki.issue("good");
+    let (other, _) = pki.issue("other");
+    let start_err = |tls: &ListenerTls, table: &str| {
+        let text = format!(
+            "{}{}[[engines]]\nurl = \"http://127.0.0.1:9\"\nflavor = \"vllm\"\ndp_size = 1\n",
+            ports(),
+            listener_toml(table, tls)
+        );
+        async move {
+            match Router::start(Config::from_str(&text).unwrap()).await {
+                Ok(_) => panic!("started with {text}"),
+                Err(e) => e.to_string(),
+            }
+        }
+    };
+    // A key that belongs to another certificate.
+    let mismatched = ListenerTls {
+        key_file: other.key_file.clone(),
+        ..good.clone()
+    };
+    let e = start_err(&mismatched, "server.tls").await;
+    assert!(
+        e.contains("server.tls.key_file")
+            && e.contains("other.key")
+            && e.contains("does not go with"),
+        "{e}"
+    );
+    // A file that is not PEM.
+    let garbage = pki.dir.join("garbage.pem");
+    std::fs::write(&garbage, "hello").unwrap();
+    let e = start_err(
+        &ListenerTls {
+            cert_file: garbage.clone(),
+            ..good.clone()
+        },
+        "server.admin_tls",
+    )
+    .await;
+    assert!(
+        e.contains("server.admin_tls.cert_file")
+            && e.contains("garbage.pem")
+            && e.contains("no PEM certificate"),
+        "{e}"
+    );
+    // A missing key file.
+    let e = start_err(
+        &ListenerTls {
+            key_file: pki.dir.join("missing.key"),
+            ..good.clone()
+        },
+        "server.tls",
+    )
+    .await;
+    assert!(
+        e.contains("cannot read") && e.contains("missing.key"),
+        "{e}"
+    );
+
+    // `rankgate check` reads the files as `serve` does: the same message, exit 64.
+    let config = pki.dir.join("check.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "{}[[engines]]\nurl = \"http://127.0.0.1:9\"\nflavor = \"vllm\"\ndp_size = 1\n",
+            listener_toml("server.tls", &mismatched)
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"))
+        .args(["check", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("server.tls.key_file") && stderr.contains("does not go with"),
+        "{stderr}"
+    );
+}
