@@ -152,6 +152,7 @@ fn kustomization_lists_every_manifest_and_names_agree() {
         "Service",
         "ServiceAccount",
         "ServiceMonitor",
+        "PrometheusRule",
     ];
     assert_eq!(kinds, want.into_iter().collect(), "resource kinds");
     for d in &docs {
@@ -592,6 +593,57 @@ fn tail(log: &Path) -> String {
 }
 
 /// Builds the image and runs its binary on the ConfigMap's config. It needs a Docker engine
+/// The alerts ship twice, as a rule file and as a PrometheusRule: the same groups, and every
+/// alert has a summary and reads only series rankgate exports (or the process collector's).
+#[test]
+fn the_prometheus_rule_carries_the_rule_files_alerts() {
+    let file = yaml_docs("deploy/prometheus/rules.yaml");
+    let crd = yaml_docs(&format!("{KUBE}/prometheusrule.yaml"));
+    assert_eq!(
+        crd[0]["spec"], file[0],
+        "prometheusrule.yaml spec vs rules.yaml"
+    );
+    let rules = array_at(&file[0], "/groups/0/rules");
+    assert!(rules.len() >= 5, "{rules:?}");
+    let exported = read("docs/metrics.md");
+    for r in rules {
+        let name = str_at(r, "/alert");
+        assert!(
+            r.pointer("/annotations/summary").is_some(),
+            "{name} has no summary"
+        );
+        let expr = str_at(r, "/expr");
+        for metric in expr
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("rankgate_"))
+        {
+            let family = ["_bucket", "_count", "_sum"]
+                .iter()
+                .fold(metric, |m, s| m.strip_suffix(s).unwrap_or(m));
+            assert!(
+                exported.contains(family),
+                "{name}: {family} is not in docs/metrics.md"
+            );
+        }
+    }
+}
+
+/// `promtool check rules` on the rule file. promtool is Debian's `prometheus` package, which
+/// `.ci/run` installs and with which it runs this test (`--ignored`).
+#[test]
+#[ignore = "needs promtool (Debian package prometheus): .ci/run installs it and runs this test"]
+fn promtool_accepts_the_rule_file() {
+    let out = Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(root().join("deploy/prometheus/rules.yaml"))
+        .output()
+        .unwrap_or_else(|e| panic!("promtool: {e} (install the Debian package prometheus)"));
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("SUCCESS"), "{said}");
+}
+
 /// (and the base images from their registries, and minutes for the release build), so it is
 /// ignored by a plain `cargo test` and reported so; `.ci/run` runs it (`--ignored`) where
 /// `docker info` finds an engine. Run by hand without one, it fails saying so.
@@ -673,4 +725,117 @@ fn which_docker() -> Option<PathBuf> {
     std::env::split_paths(&path)
         .map(|d| d.join("docker"))
         .find(|p| p.is_file())
+}
+
+const CHART: &str = "deploy/helm/rankgate";
+
+/// The Helm chart, read without Helm: its default config is one rankgate accepts, on the ports
+/// the chart's Service and probes use; every value a template reads is in values.yaml; the
+/// alerts it ships are the rule file's; its appVersion is this crate's.
+#[test]
+fn the_helm_charts_defaults_hold_together() {
+    let chart = &yaml_docs(&format!("{CHART}/Chart.yaml"))[0];
+    assert_eq!(str_at(chart, "/apiVersion"), "v2");
+    assert_eq!(str_at(chart, "/appVersion"), env!("CARGO_PKG_VERSION"));
+    let values = &yaml_docs(&format!("{CHART}/values.yaml"))[0];
+    let cfg = Config::from_str(str_at(values, "/config"))
+        .unwrap_or_else(|e| panic!("values.yaml config: {e}"));
+    let [http, admin, grpc] = config_ports(&cfg);
+    for (name, port) in [("http", http), ("admin", admin), ("grpc", grpc)] {
+        assert_eq!(
+            values
+                .pointer(&format!("/ports/{name}"))
+                .and_then(Value::as_u64),
+            Some(u64::from(port)),
+            "values.yaml ports.{name} vs the config's listen address"
+        );
+    }
+    assert_eq!(
+        read(&format!("{CHART}/files/rules.yaml")),
+        read("deploy/prometheus/rules.yaml"),
+        "the chart's alerts are deploy/prometheus/rules.yaml"
+    );
+    // `.Values.a.b` in every template names a key values.yaml has.
+    let mut read_values = BTreeSet::new();
+    for entry in std::fs::read_dir(root().join(CHART).join("templates")).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for (i, _) in text.match_indices(".Values.") {
+            let path: String = text[i + ".Values.".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '.')
+                .collect();
+            read_values.insert(path.trim_end_matches('.').to_string());
+        }
+    }
+    assert!(read_values.len() > 20, "{read_values:?}");
+    for path in &read_values {
+        let pointer = format!("/{}", path.replace('.', "/"));
+        assert!(
+            values.pointer(&pointer).is_some(),
+            "templates read .Values.{path}, which values.yaml lacks"
+        );
+    }
+}
+
+/// `helm lint` and `helm template` with every optional object on; the rendered manifests hold
+/// what the kustomize ones hold, plus the PodDisruptionBudget and the token Secret.
+#[test]
+#[ignore = "needs helm: .ci/run runs it where `helm` is on PATH"]
+fn helm_renders_the_chart() {
+    let chart = root().join(CHART);
+    let lint = Command::new("helm")
+        .arg("lint")
+        .arg(&chart)
+        .output()
+        .expect("helm on PATH");
+    assert!(
+        lint.status.success(),
+        "{}",
+        String::from_utf8_lossy(&lint.stdout)
+    );
+    let out = Command::new("helm")
+        .args(["template", "rg"])
+        .arg(&chart)
+        .args([
+            "--set",
+            "serviceMonitor.enabled=true",
+            "--set",
+            "prometheusRule.enabled=true",
+            "--set",
+            "adminToken.value=secret-token",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let docs: Vec<Value> = serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| Value::deserialize(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect();
+    let kinds: BTreeSet<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    for k in [
+        "ConfigMap",
+        "Deployment",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "PodDisruptionBudget",
+        "Secret",
+    ] {
+        assert!(kinds.contains(k), "no {k} in {kinds:?}");
+    }
+    let cfg_map = one(&docs, "ConfigMap");
+    Config::from_str(str_at(cfg_map, "/data/rankgate.toml")).unwrap();
+    let env = array_at(container(one(&docs, "Deployment")), "/env");
+    assert!(
+        env.iter().any(|e| e["name"] == "RANKGATE_ADMIN_TOKEN"),
+        "{env:?}"
+    );
 }
