@@ -15,7 +15,7 @@ CONC=${2:-32}
 TOKENS=${3:-8}
 ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-120s}
-cargo build --release --quiet --bin rankgate --example mock_engine --example loadgen
+cargo build --release --quiet --bin rankgate --example loadgen
 
 work=$(mktemp -d)
 pids=()
@@ -25,7 +25,7 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 HTTP=$(free_port); G=$(free_port); RG=$(free_port); ADMIN=$(free_port); RGG=$(free_port)
 
-target/release/examples/mock_engine --listen 127.0.0.1:$HTTP --grpc-listen 127.0.0.1:$G \
+target/release/rankgate mock-engine --listen 127.0.0.1:$HTTP --grpc-listen 127.0.0.1:$G \
   --flavor vllm --dp-size 2 --decode-rate 1000000 --prefill-rate 1000000000 \
   --capacity-tokens 100000000 >"$work/engine.log" 2>&1 &
 pids+=($!); ENGINE=$!

@@ -37,6 +37,8 @@ pub struct Admin {
     /// Shutdown has begun: not ready for new clients, whatever the fleet.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
     pub control: Arc<Control>,
+    /// The gRPC front door is on: `/ready` counts ranks it can route to as well.
+    pub grpc_front: bool,
 }
 
 impl Admin {
@@ -54,7 +56,7 @@ impl Admin {
                         "text/plain",
                         "draining: shutting down\n",
                     )
-                } else if self.selector.any_routable(&self.table, &Default::default()) {
+                } else if (self.selector).any_front_routable(&self.table, self.grpc_front) {
                     respond(StatusCode::OK, "text/plain", "ready\n")
                 } else {
                     respond(

@@ -293,6 +293,7 @@ impl Router {
             selector: selector.clone(),
             draining: draining.clone(),
             control: control.clone(),
+            grpc_front: grpc_addr.is_some(),
         });
         let admin_task = tokio::spawn(crate::http::serve_with(
             admin_listener,

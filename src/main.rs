@@ -90,7 +90,7 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
         /// Also read each engine once, as the router would: reachable, flavor, DP size, models,
-        /// the telemetry source that answered, KV-cache events offered. Exits 1 when an engine
+        /// the telemetry source that answered, KV-cache events offered. Exits 69 when an engine
         /// does not answer.
         #[arg(long)]
         probe: bool,
@@ -105,6 +105,10 @@ enum Command {
         #[arg(long)]
         rate: Option<f64>,
     },
+    /// A simulated vLLM or SGLang engine with N DP ranks (per-rank KV, queues, /metrics, gRPC),
+    /// for trying rankgate without GPUs.
+    #[cfg(feature = "sim")]
+    MockEngine(Box<rankgate::sim::cli::Args>),
     /// Live terminal view of every rank of a running rankgate, read from its admin listener.
     #[cfg(feature = "top")]
     Top {
@@ -114,6 +118,10 @@ enum Command {
         /// How often to poll it (100ms to 60s).
         #[arg(long, default_value = "1s", value_parser = rankgate::top::parse_interval)]
         interval: std::time::Duration,
+        /// For an https:// admin listener: the CA its certificate is checked against (PEM);
+        /// default: the system's roots.
+        #[arg(long)]
+        ca_file: Option<PathBuf>,
     },
 }
 
@@ -156,6 +164,9 @@ fn config_path(given: Option<PathBuf>) -> PathBuf {
 /// to run instead, rather than clap's bare "unrecognized subcommand".
 fn left_out(arg: Option<&str>) -> Option<&'static str> {
     match arg {
+        Some("mock-engine") if !cfg!(feature = "sim") => Some(
+            "this rankgate was built without the simulator (`--no-default-features`), so it has no `mock-engine`: run it from a default build, `cargo run --release -- mock-engine ...`",
+        ),
         Some("demo") if !cfg!(feature = "sim") => Some(
             "this rankgate was built without the simulator (`--no-default-features`), so it has no `demo`: run it from a default build, `cargo run --release -- demo`",
         ),
@@ -330,6 +341,20 @@ fn main() -> ExitCode {
             code
         }
         #[cfg(feature = "sim")]
+        Command::MockEngine(args) => {
+            let rt = match runtime() {
+                Ok(rt) => rt,
+                Err(code) => return code,
+            };
+            match rt.block_on(rankgate::sim::cli::run(*args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rankgate mock-engine: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        #[cfg(feature = "sim")]
         Command::Demo { requests, rate } => {
             let rt = match runtime() {
                 Ok(rt) => rt,
@@ -346,12 +371,16 @@ fn main() -> ExitCode {
             }
         }
         #[cfg(feature = "top")]
-        Command::Top { admin, interval } => {
+        Command::Top {
+            admin,
+            interval,
+            ca_file,
+        } => {
             let rt = match runtime() {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
-            match rt.block_on(rankgate::top::run(&admin, interval)) {
+            match rt.block_on(rankgate::top::run(&admin, interval, ca_file.as_deref())) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     // Not eprintln!: it panics when stderr was the terminal that went away.

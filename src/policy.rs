@@ -223,6 +223,17 @@ impl Selector {
         }
     }
 
+    /// Whether a request through some front door could be routed now: the OpenAI one, or with
+    /// `grpc` the gRPC one (for either flavor). A fleet of gRPC-only engines is ready through
+    /// the gRPC front door alone.
+    pub fn any_front_routable(&self, table: &Table, grpc: bool) -> bool {
+        self.any_routable(table, &Avoid::default())
+            || (grpc
+                && [Flavor::Vllm, Flavor::Sglang]
+                    .into_iter()
+                    .any(|f| self.any_routable(table, &Avoid::front(Front::Grpc(f)))))
+    }
+
     /// Picks a worker, not one of `avoid`'s, and marks one request, of this body size if known,
     /// in flight on it.
     pub fn pick(

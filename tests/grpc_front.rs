@@ -550,3 +550,21 @@ async fn the_debugging_headers_never_reach_an_engine() {
         );
     }
 }
+
+/// A fleet of gRPC-only engines is served through the gRPC front door alone, so `/ready` (what
+/// a Kubernetes readiness probe reads) says 200 once a rank is routable there: the OpenAI front
+/// door having no engine must not keep the router out of its Service.
+#[tokio::test]
+async fn a_fleet_of_grpc_only_engines_is_ready() {
+    let a = Eng::start(Flavor::Sglang, 2, 0).await;
+    let r = grpc_router_with("", &[a.toml()]).await;
+    wait_state(&r, &[0, 1], "available").await;
+    let ready = get(r.admin_addr, "/ready").await;
+    assert_eq!(
+        ready.status,
+        http::StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&ready.body)
+    );
+    r.shutdown().await;
+}

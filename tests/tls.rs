@@ -226,6 +226,22 @@ async fn the_admin_listener_and_the_grpc_front_door_take_tls_too() {
         .await
         .is_err());
 
+    // `rankgate top --admin https://... --ca-file ca.pem` reads it.
+    let mut top = rankgate::top::Top::with_tls(
+        &format!("https://127.0.0.1:{}", r.admin_addr.port()),
+        Duration::from_secs(1),
+        &pki.trust(),
+    )
+    .unwrap();
+    top.poll_once().await;
+    let state = top.state();
+    assert!(
+        state.outage.is_none() && state.updated.is_some(),
+        "{:?}",
+        state.outage
+    );
+    assert!(state.metrics_error.is_none(), "{:?}", state.metrics_error);
+
     // The gRPC front door over TLS: a gRPC client with the CA calls health through it.
     use rankgate::proto::health::health_client::HealthClient;
     use rankgate::proto::health::HealthCheckRequest;

@@ -447,10 +447,20 @@ fn the_subcommand_refuses_what_it_cannot_do() {
     assert!(err.contains("not a terminal"), "{err}");
     assert!(o.stdout.is_empty());
 
-    let o = run(&["--admin", "https://127.0.0.1:9"]);
+    let o = run(&["--admin", "ftp://127.0.0.1:9"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("plain HTTP"), "{err}");
+    assert!(err.contains("http:// or https://"), "{err}");
+
+    let o = run(&[
+        "--admin",
+        "https://127.0.0.1:9",
+        "--ca-file",
+        "/no/such/ca.pem",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("/no/such/ca.pem"), "{err}");
 
     let o = run(&["--admin", "http://127.0.0.1:9", "--interval", "10ms"]);
     let err = String::from_utf8_lossy(&o.stderr);

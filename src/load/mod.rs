@@ -350,13 +350,12 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     let started = Instant::now();
     let deadline = started + w.duration;
     let done = Arc::new(AtomicUsize::new(0));
-    let progress = (w.progress && std::io::stderr().is_terminal())
-        .then(|| spawn_progress(done.clone(), total));
+    let progress = w.progress.then(|| spawn_progress(done.clone(), total));
     if let Some(s) = &w.sessions {
         let mut outcomes = session::run(w, s, client, uris, done, started).await;
         if let Some(p) = progress {
             p.abort();
-            eprintln!("\r{}", bar(outcomes.len(), total));
+            end_progress(outcomes.len(), total);
         }
         outcomes.sort_by_key(|o| o.sent);
         let last_send = outcomes.last().map_or(Duration::ZERO, |o| o.sent);
@@ -440,7 +439,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     }
     if let Some(p) = progress {
         p.abort();
-        eprintln!("\r{}", bar(outcomes.len(), total));
+        end_progress(outcomes.len(), total);
     }
     outcomes.sort_by_key(|o| o.sent);
     let requested_rate = match (w.arrivals, &w.trace) {
@@ -474,13 +473,36 @@ fn bar(done: usize, total: usize) -> String {
     )
 }
 
+/// The bar's last state on a terminal; the total in a plain line otherwise.
+fn end_progress(done: usize, total: usize) {
+    let mut err = std::io::stderr();
+    let _ = match err.is_terminal() {
+        true => writeln!(err, "\r{}", bar(done, total)),
+        false => writeln!(err, "  {done}/{total} requests done"),
+    };
+}
+
+/// A bar redrawn in place on a terminal; without one (CI, a pipe, `tee`) a plain line every
+/// 5 s, so a long run still shows it is moving.
 fn spawn_progress(done: Arc<AtomicUsize>, total: usize) -> tokio::task::JoinHandle<()> {
+    let tty = std::io::stderr().is_terminal();
+    let period = Duration::from_millis(if tty { 250 } else { 5000 });
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        let started = Instant::now();
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         loop {
             tick.tick().await;
-            eprint!("\r{}", bar(done.load(Relaxed), total));
-            let _ = std::io::stderr().flush();
+            let mut err = std::io::stderr();
+            let _ = match tty {
+                true => write!(err, "\r{}", bar(done.load(Relaxed), total)),
+                false => writeln!(
+                    err,
+                    "  {}/{total} requests after {} s",
+                    done.load(Relaxed),
+                    started.elapsed().as_secs()
+                ),
+            };
+            let _ = err.flush();
         }
     })
 }

@@ -132,7 +132,7 @@ pub async fn run_policy(
         for _ in 0..250 {
             if router
                 .selector
-                .any_routable(&router.table, &Default::default())
+                .any_front_routable(&router.table, router.grpc_addr.is_some())
                 && router
                     .table
                     .snapshot

@@ -21,6 +21,7 @@
 //! like a killed process.
 
 mod auth;
+pub mod cli;
 mod faults;
 mod generate;
 mod grpc;

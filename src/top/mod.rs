@@ -143,7 +143,8 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
     last.to_string()
 }
 
-/// The admin URL as given (`http://host:port`, or just `host:port`), without its last `/`.
+/// The admin URL as given (`http://host:port`, `https://host:port` for an admin listener with
+/// `server.admin_tls`, or just `host:port`), without its last `/`.
 fn admin_base(admin: &str) -> Result<String, TopError> {
     let bad = |problem: &str| TopError::Admin {
         url: admin.to_string(),
@@ -153,16 +154,10 @@ fn admin_base(admin: &str) -> Result<String, TopError> {
         .trim()
         .split_once("://")
         .unwrap_or(("http", admin.trim()));
-    match scheme {
-        "http" => {}
-        "https" => {
-            return Err(bad(
-                "https is not supported: the admin listener speaks plain HTTP",
-            ))
-        }
-        _ => return Err(bad("the admin listener is an http:// URL")),
+    if scheme != "http" && scheme != "https" {
+        return Err(bad("the admin listener is an http:// or https:// URL"));
     }
-    let base = format!("http://{}", rest.trim_end_matches('/'));
+    let base = format!("{scheme}://{}", rest.trim_end_matches('/'));
     let uri: Uri = base
         .parse()
         .map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
@@ -189,8 +184,18 @@ pub struct Top {
 }
 
 impl Top {
-    /// Checks the admin URL; nothing is sent until [`Top::poll_once`] (or [`run`]).
+    /// Checks the admin URL; nothing is sent until [`Top::poll_once`] (or [`run`]). An
+    /// `https://` admin listener is verified against the system's roots.
     pub fn new(admin: &str, interval: Duration) -> Result<Top, TopError> {
+        Top::with_tls(admin, interval, crate::tls::Upstream::system())
+    }
+
+    /// [`Top::new`], verifying an `https://` admin listener as `tls` says.
+    pub fn with_tls(
+        admin: &str,
+        interval: Duration,
+        tls: &crate::tls::Upstream,
+    ) -> Result<Top, TopError> {
         let base = admin_base(admin)?;
         let uri = |path: &str| -> Result<Uri, TopError> {
             format!("{base}{path}")
@@ -205,7 +210,7 @@ impl Top {
         let timeout = interval.clamp(Duration::from_secs(2), Duration::from_secs(10));
         Ok(Top {
             fetcher: Fetcher {
-                client: crate::http::client(timeout),
+                client: crate::http::client_with(timeout, tls),
                 workers: uri("/workers")?,
                 metrics: uri("/metrics")?,
                 timeout,
@@ -347,8 +352,18 @@ impl Drop for TerminalGuard {
 }
 
 /// Runs `rankgate top` until `q`, Ctrl-C, SIGTERM or SIGHUP (the SSH session went away).
-pub async fn run(admin: &str, interval: Duration) -> Result<(), TopError> {
-    let mut top = Top::new(admin, interval)?;
+/// `ca_file`: the CA an `https://` admin listener's certificate is checked against (else the
+/// system's roots).
+pub async fn run(
+    admin: &str,
+    interval: Duration,
+    ca_file: Option<&std::path::Path>,
+) -> Result<(), TopError> {
+    let tls = crate::tls::Upstream::trusting(ca_file).map_err(|e| TopError::Admin {
+        url: admin.to_string(),
+        problem: e.to_string(),
+    })?;
+    let mut top = Top::with_tls(admin, interval, &tls)?;
     // Keys are read from stdin and frames drawn to stdout: both must be the terminal.
     if !io::stdout().is_terminal() || !io::stdin().is_terminal() {
         return Err(TopError::NotATerminal);
@@ -496,17 +511,12 @@ mod tests {
             admin_base("http://[::1]:9090").unwrap(),
             "http://[::1]:9090"
         );
-        for bad in [
-            "https://h:1",
-            "ftp://h:1",
-            "http://",
-            "http://h:1/?x=1",
-            "http://h:x",
-        ] {
+        assert_eq!(admin_base("https://h:1/").unwrap(), "https://h:1");
+        for bad in ["ftp://h:1", "http://", "http://h:1/?x=1", "http://h:x"] {
             assert!(admin_base(bad).is_err(), "{bad}");
         }
-        let e = Top::new("https://h:1", DEFAULT_INTERVAL).err().unwrap();
-        assert!(e.to_string().contains("plain HTTP"), "{e}");
+        let e = Top::new("ftp://h:1", DEFAULT_INTERVAL).err().unwrap();
+        assert!(e.to_string().contains("https://"), "{e}");
     }
 
     #[test]

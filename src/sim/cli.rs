@@ -1,0 +1,225 @@
+//! `rankgate mock-engine`: a simulated vLLM or SGLang engine hosting N DP ranks, as a standalone
+//! server, built with the router (feature `sim`), so the README's walkthrough needs no other
+//! build.
+//!
+//!   rankgate mock-engine --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
+//!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
+//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks] [--model a,b] [--api-key K] \
+//!     [--prefill-rate 20000] [--prefix-caching] [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
+//!
+//! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
+//! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
+//! With `--die-after` the process exits (status 1) once the engine has died.
+//!
+//! Every proxied answer (generation, pooling, tokenizer, audio, SGLang's native endpoints) carries
+//! `x-sim-rank: <global rank>`, the rank that served it.
+
+use std::net::SocketAddr;
+
+use clap::ValueEnum;
+
+use super::SimFlavor as Flavor;
+use super::{check_percent, check_status, SimConfig, SimEngine};
+use crate::worker::RankNumbering;
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum FlavorArg {
+    Vllm,
+    Sglang,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Numbering {
+    Global,
+    Local,
+}
+
+/// `rankgate mock-engine`'s flags.
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Also serve GetLoads / GetServerInfo / grpc.health.v1 here (h2c).
+    #[arg(long)]
+    grpc_listen: Option<SocketAddr>,
+    /// Imitate smg-grpc-servicer 0.14.1: ignore the dp_rank filter, report summed capacity.
+    #[arg(long)]
+    servicer_quirks: bool,
+    #[arg(long, value_enum)]
+    flavor: FlavorArg,
+    #[arg(long, default_value_t = 1)]
+    dp_size: u32,
+    /// Only for a member of a multi-server DP deployment: the global rank of its first rank, as
+    /// vLLM's `--data-parallel-start-rank` (labels and accepted pins then start there). A server
+    /// that is its own deployment, the common case, numbers its ranks from 0.
+    #[arg(long, default_value_t = 0)]
+    start_rank: u32,
+    /// Which numbering the pinning header is validated against.
+    #[arg(long, value_enum, default_value = "global")]
+    rank_numbering: Numbering,
+    /// Reported KV usage per local rank, in order (pinned, whatever the real occupancy).
+    #[arg(long, value_delimiter = ',')]
+    kv_usage: Vec<f64>,
+    /// Capacity taken by background load per local rank (0..1): the rank really is busy.
+    #[arg(long, value_delimiter = ',')]
+    preload: Vec<f64>,
+    /// GLOBAL ranks whose series are left out of /metrics.
+    #[arg(long, value_delimiter = ',')]
+    dark_ranks: Vec<u32>,
+    /// GLOBAL ranks that report invalid values (NaN KV, negative counts).
+    #[arg(long, value_delimiter = ',')]
+    garbage_ranks: Vec<u32>,
+    /// KV capacity of each rank in tokens.
+    #[arg(long, default_value_t = 4096)]
+    capacity_tokens: u64,
+    /// Decode rate of one request, tokens per second.
+    #[arg(long, default_value_t = 200.0)]
+    decode_rate: f64,
+    /// Prefill rate, prompt tokens per second (a very high rate with a very high --decode-rate
+    /// makes an instant engine, for measuring a proxy's overhead).
+    #[arg(long)]
+    prefill_rate: Option<f64>,
+    /// Like vLLM's --enable-prefix-caching: ranks keep prompt blocks, cached prompt tokens skip
+    /// prefill, /metrics reports vllm:prefix_cache_{queries,hits}_total.
+    #[arg(long)]
+    prefix_caching: bool,
+    /// Served model names, comma-separated; the first is the default for requests naming none.
+    #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
+    model: Vec<String>,
+    /// Like `vllm serve --api-key`: guarded paths need `Authorization: Bearer KEY`, else 401.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Status the failing share of OpenAI API requests is answered with (100..=599).
+    #[arg(long, default_value_t = 503)]
+    fail_status: u16,
+    /// Share of OpenAI API requests that fail at once with --fail-status, in percent [0, 100].
+    #[arg(long, default_value_t = 0.0)]
+    fail_percent: f64,
+    /// Accept generation requests and never answer them.
+    #[arg(long)]
+    hang_requests: bool,
+    /// /metrics, /v1/loads and gRPC GetLoads never answer.
+    #[arg(long)]
+    hang_metrics: bool,
+    /// /v1/models never answers.
+    #[arg(long)]
+    hang_models: bool,
+    /// What /health answers (100..=599).
+    #[arg(long, default_value_t = 200)]
+    health_status: u16,
+    /// Die like kill -9 once N requests have been admitted (N >= 1).
+    #[arg(long)]
+    die_after: Option<u64>,
+    /// Stop generating after K tokens and never finish the response.
+    #[arg(long)]
+    stall_after_tokens: Option<u64>,
+    /// Serve HTTPS (and gRPC over TLS) with this certificate chain (PEM), like vLLM's
+    /// --ssl-certfile; needs --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The certificate's private key (PEM), like --ssl-keyfile.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Require client certificates signed by this CA (PEM): mTLS, like --ssl-ca-certs with
+    /// --ssl-cert-reqs 2.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<std::path::PathBuf>,
+}
+
+/// Checks the flags and builds the engine's config; the error names the flag.
+pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), String> {
+    if let Some(v) = (a.kv_usage.iter().chain(&a.preload)).find(|v| !(0.0..=1.0).contains(*v)) {
+        return Err(format!(
+            "--kv-usage and --preload take values in [0, 1], got {v}"
+        ));
+    }
+    if a.dp_size == 0 {
+        return Err("--dp-size must be at least 1".into());
+    }
+    if a.model.iter().any(|m| m.is_empty()) {
+        return Err(format!("--model takes non-empty names, got {:?}", a.model));
+    }
+    if a.decode_rate <= 0.0 || a.prefill_rate.is_some_and(|r| r <= 0.0) {
+        return Err("--decode-rate and --prefill-rate must be positive".into());
+    }
+    check_status(a.fail_status).map_err(|e| format!("--fail-status: {e}"))?;
+    check_percent(a.fail_percent).map_err(|e| format!("--fail-percent: {e}"))?;
+    check_status(a.health_status).map_err(|e| format!("--health-status: {e}"))?;
+    if a.die_after == Some(0) {
+        return Err(
+            "--die-after must be at least 1 (an engine dead from the start is just a closed port)"
+                .into(),
+        );
+    }
+    let cfg = SimConfig {
+        flavor: match a.flavor {
+            FlavorArg::Vllm => Flavor::Vllm,
+            FlavorArg::Sglang => Flavor::Sglang,
+        },
+        dp_size: a.dp_size,
+        start_rank: a.start_rank,
+        rank_numbering: match a.rank_numbering {
+            Numbering::Global => RankNumbering::Global,
+            Numbering::Local => RankNumbering::Local,
+        },
+        capacity_tokens: a.capacity_tokens,
+        preload: a.preload,
+        kv_usage: a.kv_usage,
+        dark_ranks: a.dark_ranks,
+        garbage_ranks: a.garbage_ranks,
+        decode_tokens_per_sec: a.decode_rate,
+        prefill_tokens_per_sec: a
+            .prefill_rate
+            .unwrap_or(SimConfig::default().prefill_tokens_per_sec),
+        prefix_caching: a.prefix_caching,
+        models: a.model,
+        api_key: a.api_key,
+        servicer_quirks: a.servicer_quirks,
+        fail_status: a.fail_status,
+        fail_percent: a.fail_percent,
+        hang_requests: a.hang_requests,
+        hang_metrics: a.hang_metrics,
+        hang_models: a.hang_models,
+        health_status: a.health_status,
+        die_after: a.die_after,
+        stall_after_tokens: a.stall_after_tokens,
+        tls: a
+            .tls_cert
+            .zip(a.tls_key)
+            .map(|(cert_file, key_file)| crate::config::ListenerTls {
+                cert_file,
+                key_file,
+                client_ca_file: a.tls_client_ca,
+            }),
+        ..SimConfig::default()
+    };
+    Ok((cfg, a.listen, a.grpc_listen))
+}
+
+/// Serves the engine until Ctrl-C (or until it dies, with `--die-after`).
+pub async fn run(a: Args) -> Result<(), String> {
+    let die_after = a.die_after;
+    let (cfg, listen, grpc_listen) = config(a)?;
+    let engine = SimEngine::start(listen, cfg)
+        .await
+        .map_err(|e| format!("cannot start on {listen}: {e}"))?;
+    eprintln!("mock-engine listening on {}", engine.url());
+    if let Some(g) = grpc_listen {
+        let at = engine
+            .start_grpc(g)
+            .await
+            .map_err(|e| format!("cannot serve gRPC on {g}: {e}"))?;
+        eprintln!("mock-engine gRPC on {at}");
+    }
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.map_err(|e| format!("waiting for Ctrl-C: {e}"))?,
+        _ = engine.dead() => {
+            return Err(format!(
+                "died after {} admitted requests (--die-after)",
+                die_after.unwrap_or(0)
+            ))
+        }
+    }
+    engine.shutdown().await;
+    Ok(())
+}
