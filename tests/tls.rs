@@ -480,3 +480,57 @@ async fn a_bad_certificate_is_a_clear_start_error() {
         "{stderr}"
     );
 }
+
+/// Clients that stall or send garbage on the TLS port hold nothing: one that connects and
+/// never starts its handshake is closed after `header_read_timeout`, one that sends plain
+/// HTTP is refused at once, and a good client is served throughout.
+#[tokio::test]
+async fn a_stalled_or_garbage_handshake_is_closed_and_others_are_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let pki = Pki::new("stall");
+    let (files, _) = pki.issue("front");
+    let e = engine(SimConfig::default()).await;
+    let r = start(&format!(
+        "{}header_read_timeout = \"300ms\"\n{}{FAST}{}",
+        ports(),
+        listener_toml("server.tls", &files),
+        engine_toml(&e.url(), "vllm", 2, 0)
+    ))
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    let started = tokio::time::Instant::now();
+    let mut silent = tokio::net::TcpStream::connect(r.addr).await.unwrap();
+    let mut garbage = tokio::net::TcpStream::connect(r.addr).await.unwrap();
+    garbage
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    // The garbage one gets at most a TLS alert, then EOF.
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match garbage.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "a plain-HTTP client on the TLS port was not closed"
+    );
+    let base = format!("https://127.0.0.1:{}", r.addr.port());
+    let h1 = rankgate::http::client_with(Duration::from_secs(2), &pki.trust());
+    assert_eq!(request(&h1, chat_to(&base)).await.0, StatusCode::OK);
+    let eof = tokio::time::timeout(Duration::from_secs(5), silent.read(&mut buf)).await;
+    assert!(
+        matches!(eof, Ok(Ok(0)) | Ok(Err(_))),
+        "a client that never handshakes was not closed: {eof:?}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "closed before its deadline"
+    );
+    r.shutdown().await;
+}
