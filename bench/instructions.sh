@@ -2,11 +2,13 @@
 # Instructions per proxied request, counted by valgrind's callgrind: the same binary and input
 # give the same count whatever else the machine runs, where wall-clock figures on a shared
 # 2-core machine swing 30-50%. Each proxy runs alone under callgrind; one client sends requests
-# one after another on ONE keep-alive connection; counters are zeroed after a warm-up and
-# dumped after the measured requests, so the figure is (instructions in that window) / requests.
+# one after another on ONE keep-alive connection; callgrind dumps (and so zeroes) its
+# counters after a warm-up and again after the measured requests, so the figure is (instructions in that window) / requests.
 #
 # Targets (the engine is nginx `return 200`, serving a real vLLM DP=2 /metrics capture):
 #   nginx         nginx 1.22 as a reverse proxy, one process, keep-alive upstream (the reference)
+#   lean          examples/lean_proxy.rs: hyper at its leanest (current-thread, HTTP/1.1, one
+#                 upstream connection per client connection, no pool): the floor
 #   bare          examples/bare_proxy.rs: hyper server + hyper-util pooled client, no routing
 #   vllm          rankgate, vLLM flavor (rank in a header, body streamed through)
 #   sglang        rankgate, SGLang flavor (body read, rank written into it)
@@ -17,14 +19,15 @@
 # page; at the default 250 ms, polls during the slowed-down window would be counted too).
 #
 # Needs valgrind, nginx, python3, curl. Loopback only; every step bounded.
-# Usage: bench/instructions.sh [REQUESTS=2000] [TARGETS="nginx bare vllm sglang models stream-nginx stream-bare stream-vllm"]
+# Usage: bench/instructions.sh [REQUESTS=2000]
+#   TARGETS="nginx lean bare vllm sglang models stream-nginx stream-lean stream-bare stream-vllm" (the default)
 # KEEP=DIR keeps each target's callgrind output there (callgrind_annotate DIR/vllm.callgrind).
 # CHECK=bench/instructions.expected compares the vllm figure with the one committed there and
 # exits 1 when it is more than 5% above (.ci/run's guard, with REQUESTS=300 TARGETS=vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-2000}
-TARGETS=${TARGETS:-nginx bare vllm sglang models stream-nginx stream-bare stream-vllm}
+TARGETS=${TARGETS:-nginx lean bare vllm sglang models stream-nginx stream-lean stream-bare stream-vllm}
 WARMUP=100
 STREAMS=${STREAMS:-40}      # streamed requests per stream target
 TOKENS=${TOKENS:-25}        # events per stream
@@ -37,6 +40,7 @@ fi
 cargo build --release --quiet --bin rankgate
 # The bare proxy is an example, whose release build takes the dev-dependencies with it.
 if [[ " $TARGETS " == *bare* ]]; then cargo build --release --quiet --example bare_proxy; fi
+if [[ " $TARGETS " == *lean* ]]; then cargo build --release --quiet --example lean_proxy; fi
 
 . bench/lib.sh
 UP=$(free_port); UP2=$(free_port); SIM=$(free_port); SIMG=$(free_port)
@@ -99,19 +103,38 @@ PY
 
 ir_total() { awk '/^(totals|summary):/ {print $2; exit}' "$1"; }
 
-# measure NAME PORT STREAM -> "NAME instructions-per-unit units"
+# Asks the process for a dump and waits until its file is complete: a process idle in epoll
+# serves callgrind_control only when it next runs, so the reply alone is no proof.
+dump_now() { # pid number
+  callgrind_control -d "$1" >/dev/null 2>&1 || true
+  for _ in $(seq 600); do
+    grep -qs '^totals:' "$work/callgrind.out.$1.$2" && return 0
+    sleep 0.1
+  done
+  echo "callgrind did not dump $1 (part $2)" >&2; exit 1
+}
+
+# measure NAME PORT STREAM PID -> "NAME instructions-per-unit units"
 measure() {
   local name=$1 port=$2 stream=$3 pid=$4 n units out
   if [ "$stream" = 1 ]; then n=$STREAMS; else n=$REQUESTS; fi
   python3 "$work/client.py" "$port" "$WARMUP" "$stream" 4 >/dev/null
-  callgrind_control -z "$pid" >/dev/null 2>&1
+  # Part 1 ends the warm-up (a dump zeroes the counters); part 2 is the measured window.
+  dump_now "$pid" 1
   units=$(timeout 1200 python3 "$work/client.py" "$port" "$n" "$stream" "$TOKENS")
   [ "$stream" = 1 ] || units=$n
-  rm -f "$work"/callgrind.out.*
-  callgrind_control -d "$pid" >/dev/null 2>&1
-  out=$(ls "$work"/callgrind.out.* | head -1)
-  if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP"; cp "$out" "$KEEP/$name.callgrind"; fi
-  python3 -c "import sys; print(f'{sys.argv[1]} {int(sys.argv[2]) / int(sys.argv[3]):.0f} {sys.argv[3]}')" "$name" "$(ir_total "$out")" "$units"
+  dump_now "$pid" 2
+  out="$work/callgrind.out.$pid.2"
+  if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP"; cp "$out" "$KEEP/$name.callgrind"; cp "$work/callgrind.out.$pid.1" "$KEEP/$name.warmup.callgrind"; fi
+  python3 - "$name" "$(ir_total "$out")" "$units" <<'PY'
+import sys
+name, total, units = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+# Even nginx spends thousands of instructions per request: a count this low means the window
+# missed the requests (seen once in many runs with an idle one-thread process).
+if total / units < 1000:
+    sys.exit(f"{name}: {total} instructions for {units} units: callgrind missed the window, run again")
+print(f"{name} {total / units:.0f} {units}")
+PY
 }
 
 start_target() { # NAME -> sets PORT, PID
@@ -121,7 +144,7 @@ start_target() { # NAME -> sets PORT, PID
   local cg=(valgrind --tool=callgrind --dump-instr=no --collect-jumps=no --callgrind-out-file="$work/callgrind.out.%p")
   case $base in
     nginx) nginx_conf "$PORT" "$upstream" > "$work/cg-nginx.conf"; "${cg[@]}" nginx -c "$work/cg-nginx.conf" -p "$work" 2>/dev/null & ;;
-    bare) "${cg[@]}" target/release/examples/bare_proxy "127.0.0.1:$PORT" "127.0.0.1:$upstream" 2>/dev/null & ;;
+    bare|lean) "${cg[@]}" "target/release/examples/${base}_proxy" "127.0.0.1:$PORT" "127.0.0.1:$upstream" 2>/dev/null & ;;
     vllm|sglang) rankgate_conf "$PORT" "$admin" "$base" "$upstream" > "$work/$name.toml"
       RUST_LOG=error "${cg[@]}" target/release/rankgate serve --config "$work/$name.toml" 2>/dev/null & ;;
     models) rankgate_conf "$PORT" "$admin" vllm "$UP" "$UP2" > "$work/$name.toml"
