@@ -89,12 +89,16 @@ where
             // The engine's spans are children of this attempt's.
             parts.headers.insert(trace::TRACEPARENT, v);
         }
-        // The client's own pin never reaches the engine: rankgate decides the rank.
-        parts.headers.remove(&RANK_HEADER);
-        parts.headers.remove(header::HOST);
+        // The client's own pin never reaches the engine: rankgate decides the rank (`insert`
+        // replaces every value the client sent).
         let grpc = self.ctx.grpc();
-        if let (Some(pin), false) = (&worker.pin_header, grpc) {
-            parts.headers.insert(RANK_HEADER, pin.clone());
+        match (&worker.pin_header, grpc) {
+            (Some(pin), false) => {
+                parts.headers.insert(RANK_HEADER, pin.clone());
+            }
+            _ => {
+                parts.headers.remove(&RANK_HEADER);
+            }
         }
         // An engine with a key of its own gets that key, never the client's.
         if let Some(key) = &engine.api_key {
@@ -105,10 +109,14 @@ where
             parts
                 .headers
                 .insert(header::TE, HeaderValue::from_static("trailers"));
+            // h2 carries the engine's authority in `:authority`; the client's Host names rankgate.
+            parts.headers.remove(header::HOST);
             parts.version = Version::HTTP_2;
             engine.conn.grpc_authority.clone()
         } else {
             parts.version = Version::HTTP_11;
+            // The engine's own Host, never the client's (which names rankgate).
+            parts.headers.insert(header::HOST, engine.conn.host.clone());
             Some(engine.conn.authority.clone())
         };
         let pq = parts

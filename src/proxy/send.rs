@@ -129,6 +129,9 @@ pub struct EngineConn {
     /// `http` or `https`, as the engine's URLs say.
     pub scheme: http::uri::Scheme,
     pub authority: http::uri::Authority,
+    /// The `Host` an HTTP/1 request to it carries, rendered once: the client would otherwise
+    /// format it into a new string for every request.
+    pub host: http::HeaderValue,
     pub grpc_authority: Option<http::uri::Authority>,
     pub slots: Slots,
     pub streams: Streams,
@@ -142,6 +145,7 @@ impl EngineConn {
         };
         EngineConn {
             scheme: engine.scheme(),
+            host: host_header(&engine.authority, engine.tls),
             // Validated at config load; a failure here would be a bug in validation.
             authority: http::uri::Authority::try_from(&*engine.authority)
                 .unwrap_or(http::uri::Authority::from_static("invalid.invalid:1")),
@@ -153,6 +157,17 @@ impl EngineConn {
             streams: Streams::new(grpc_connections, limits.streams_per_connection),
         }
     }
+}
+
+/// `Host` for an HTTP/1 request to `authority`, as hyper's client writes it: the host, with the
+/// port unless it is the scheme's default.
+fn host_header(authority: &str, tls: bool) -> http::HeaderValue {
+    let default = if tls { 443 } else { 80 };
+    let shown = match http::uri::Authority::try_from(authority) {
+        Ok(a) if a.port_u16() == Some(default) => a.host().to_string(),
+        _ => authority.to_string(),
+    };
+    http::HeaderValue::try_from(shown).unwrap_or(http::HeaderValue::from_static("invalid.invalid"))
 }
 
 /// The h2 connections to one engine's gRPC service, by the calls each carries: a call goes on
@@ -388,7 +403,16 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::Slots;
+    use super::{host_header, Slots};
+
+    #[test]
+    fn the_host_header_is_the_engines_as_hyper_would_write_it() {
+        assert_eq!(host_header("10.0.0.7:8000", false), "10.0.0.7:8000");
+        assert_eq!(host_header("vllm:80", false), "vllm");
+        assert_eq!(host_header("vllm:443", true), "vllm");
+        assert_eq!(host_header("vllm:443", false), "vllm:443");
+        assert_eq!(host_header("[::1]:8000", false), "[::1]:8000");
+    }
 
     #[tokio::test]
     async fn a_full_engine_makes_the_next_request_wait_until_a_slot_is_given_back() {
