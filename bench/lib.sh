@@ -1,6 +1,6 @@
-# Shared by bench/overhead.sh and bench/proxy.sh (sourced from the repository root): a work
-# directory and the processes to stop on exit, free loopback ports, a process's CPU ticks, and
-# the nginx configs both scripts run.
+# Shared by the bench/ scripts (sourced from the repository root): a work directory and the
+# processes to stop on exit, free loopback ports, a process's CPU ticks, a wrk run with the
+# CPU it cost, and the nginx configs they run.
 
 work=$(mktemp -d)
 pids=()
@@ -11,6 +11,23 @@ cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+# wrk's latency percentile ("50%" or "99%") in milliseconds (it prints us, ms or s).
+wrk_ms() {
+  awk -v q="$1" '$1 == q { v = $2; f = 1
+    if (v ~ /us$/) f = 0.001; else if (v ~ /ms$/) f = 1; else if (v ~ /s$/) f = 1000
+    sub(/[a-z]+$/, "", v); print v * f }' "$work/out"
+}
+
+# Runs the script's own `load TARGET DURATION` (its wrk command) while counting the CPU ticks of
+# PID; prints "req/s,ticks,requests,p50 ms,p99 ms,error-lines".
+measure_wrk() { # target pid duration
+  local c0 c1
+  c0=$(cpu_ticks "$2"); load "$1" "$3" > "$work/out"; c1=$(cpu_ticks "$2")
+  printf '%s,%s,%s,%s,%s,%s\n' "$(awk '/Requests\/sec/ {print $2}' "$work/out")" "$((c1 - c0))" \
+    "$(awk '/requests in/ {print $1}' "$work/out")" "$(wrk_ms 50%)" "$(wrk_ms 99%)" \
+    "$(grep -cE 'Non-2xx|Socket errors' "$work/out" || true)"
+}
 
 # The fake engines, one nginx worker: a fixed chat-completion answer and a real vLLM DP=2
 # /metrics capture, at $1 (model tiny-llama) and $2 (model other-model).

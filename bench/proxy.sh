@@ -87,34 +87,21 @@ hz=$(getconf CLK_TCK)
 results=()
 for r in $(seq "$ROUNDS"); do
   for t in $TARGETS; do
-    c0=$(cpu_ticks "${PID[$t]}")
-    load "$t" "${DURATION}s" > "$work/out"
-    c1=$(cpu_ticks "${PID[$t]}")
-    rps=$(awk '/Requests\/sec/ {print $2}' "$work/out")
-    n=$(awk '/requests in/ {print $1}' "$work/out")
-    p50=$(awk '$1 == "50%" {print $2}' "$work/out")
-    p99=$(awk '$1 == "99%" {print $2}' "$work/out")
-    errs=$(grep -cE 'Non-2xx|Socket errors' "$work/out" || true)
-    results+=("$r,$t,$rps,$((c1 - c0)),$n,$p50,$p99,$(peak_kb "${PID[$t]}"),$errs")
+    results+=("$r,$t,$(measure_wrk "$t" "${PID[$t]}" "${DURATION}s"),$(peak_kb "${PID[$t]}")")
   done
 done
 python3 - "$hz" "$DURATION" "$CONNS" "${results[@]}" <<'PY'
 import os, statistics, sys
 from collections import defaultdict
 hz, duration, conns = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-def ms(v):
-    for unit, f in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
-        if v.endswith(unit):
-            return float(v[: -len(unit)]) * f
-    return float(v)
 rows = defaultdict(dict)
 order = []
 for line in sys.argv[4:]:
-    r, t, rps, ticks, n, p50, p99, hwm, errs = line.split(",")
+    r, t, rps, ticks, n, p50, p99, errs, hwm = line.split(",")
     if t not in order:
         order.append(t)
     rows[int(r)][t] = dict(rps=float(rps), cpu=int(ticks) / hz * 1e6 / max(int(n), 1),
-                          p50=ms(p50), p99=ms(p99), rss=int(hwm) / 1024, errs=int(errs))
+                          p50=float(p50), p99=float(p99), rss=int(hwm) / 1024, errs=int(errs))
 print(f"{len(rows)} rounds of {duration} s, {conns} connections, " + ("proxy pinned to CPU 0, wrk and engine on CPU 1" if os.environ.get("PIN", "1") != "0" else "nothing pinned"))
 print("| target | req/s (median) | vs nginx (median, min-max) | CPU µs/request | p50 ms | p99 ms | peak RSS MiB |")
 print("|---|---|---|---|---|---|---|")

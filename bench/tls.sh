@@ -89,26 +89,13 @@ for r in $(seq "$ROUNDS"); do
       hs=$(awk '/connections in [0-9.]+ real seconds/ {print $1; exit}' "$work/shake")
       hcpu=$((c1 - c0)) ;;
     esac
-    c0=$(cpu_ticks "${PID[$t]}")
-    load "$t" "${DURATION}s" > "$work/out"
-    c1=$(cpu_ticks "${PID[$t]}")
-    rps=$(awk '/Requests\/sec/ {print $2}' "$work/out")
-    n=$(awk '/requests in/ {print $1}' "$work/out")
-    p50=$(awk '$1 == "50%" {print $2}' "$work/out")
-    p99=$(awk '$1 == "99%" {print $2}' "$work/out")
-    errs=$(grep -cE 'Non-2xx|Socket errors' "$work/out" || true)
-    results+=("$r,$t,${hs:-0},$hcpu,$rps,$((c1 - c0)),$n,$p50,$p99,$errs")
+    results+=("$r,$t,${hs:-0},$hcpu,$(measure_wrk "$t" "${PID[$t]}" "${DURATION}s")")
   done
 done
 python3 - "$hz" "$DURATION" "$CONNS" "${results[@]}" <<'PY'
 import statistics, sys
 from collections import defaultdict
 hz, duration, conns = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
-def ms(v):
-    for unit, f in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
-        if v.endswith(unit):
-            return float(v[: -len(unit)]) * f
-    return float(v)
 rows = defaultdict(dict)
 order = []
 for line in sys.argv[4:]:
@@ -118,7 +105,7 @@ for line in sys.argv[4:]:
     hs = int(hs or 0)
     rows[int(r)][t] = dict(hs=hs / duration, hcpu=int(hcpu) / hz * 1e6 / max(hs, 1),
                           rps=float(rps), cpu=int(ticks) / hz * 1e6 / max(int(n), 1),
-                          p50=ms(p50), p99=ms(p99), errs=int(errs))
+                          p50=float(p50), p99=float(p99), errs=int(errs))
 rounds = sorted(rows)
 med = lambda t, k: statistics.median(rows[r][t][k] for r in rounds)
 def rel(t, ref, k):

@@ -45,6 +45,18 @@ fn yaml_docs(rel: &str) -> Vec<Value> {
 
 const KUBE: &str = "deploy/kubernetes";
 
+/// What `kubectl apply -k deploy/kubernetes` creates (the Helm chart creates these too).
+const KINDS: [&str; 8] = [
+    "ConfigMap",
+    "Deployment",
+    "Role",
+    "RoleBinding",
+    "Service",
+    "ServiceAccount",
+    "ServiceMonitor",
+    "PrometheusRule",
+];
+
 /// The resources `kustomization.yaml` lists, parsed, in its order.
 fn manifests() -> Vec<Value> {
     let kust = yaml_docs(&format!("{KUBE}/kustomization.yaml"));
@@ -144,17 +156,7 @@ fn kustomization_lists_every_manifest_and_names_agree() {
 
     let docs = manifests();
     let kinds: BTreeSet<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
-    let want = [
-        "ConfigMap",
-        "Deployment",
-        "Role",
-        "RoleBinding",
-        "Service",
-        "ServiceAccount",
-        "ServiceMonitor",
-        "PrometheusRule",
-    ];
-    assert_eq!(kinds, want.into_iter().collect(), "resource kinds");
+    assert_eq!(kinds, KINDS.into_iter().collect(), "resource kinds");
     for d in &docs {
         assert_eq!(
             d.pointer("/metadata/labels/app.kubernetes.io~1name"),
@@ -817,18 +819,7 @@ fn helm_renders_the_chart() {
         .filter(|v| !v.is_null())
         .collect();
     let kinds: BTreeSet<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
-    for k in [
-        "ConfigMap",
-        "Deployment",
-        "Role",
-        "RoleBinding",
-        "Service",
-        "ServiceAccount",
-        "ServiceMonitor",
-        "PrometheusRule",
-        "PodDisruptionBudget",
-        "Secret",
-    ] {
+    for k in KINDS.into_iter().chain(["PodDisruptionBudget", "Secret"]) {
         assert!(kinds.contains(k), "no {k} in {kinds:?}");
     }
     let cfg_map = one(&docs, "ConfigMap");

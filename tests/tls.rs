@@ -130,19 +130,26 @@ fn chat_to(base: &str) -> Request<Full<Bytes>> {
         .unwrap()
 }
 
-#[tokio::test]
-async fn the_front_door_serves_https_with_http1_and_h2_by_alpn() {
-    let pki = Pki::new("front");
-    let (files, _) = pki.issue("front");
+/// A simulated engine behind a router whose front door serves `files`' certificate (`server`:
+/// more `[server]` keys), once both ranks are available.
+async fn tls_router(files: &ListenerTls, server: &str) -> (rankgate::sim::SimEngine, Router) {
     let e = engine(SimConfig::default()).await;
     let r = start(&format!(
-        "{}{}{FAST}{}",
+        "{}{server}{}{FAST}{}",
         ports(),
-        listener_toml("server.tls", &files),
+        listener_toml("server.tls", files),
         engine_toml(&e.url(), "vllm", 2, 0)
     ))
     .await;
     wait_state(&r, &[0, 1], "available").await;
+    (e, r)
+}
+
+#[tokio::test]
+async fn the_front_door_serves_https_with_http1_and_h2_by_alpn() {
+    let pki = Pki::new("front");
+    let (files, _) = pki.issue("front");
+    let (_e, r) = tls_router(&files, "").await;
     let base = format!("https://127.0.0.1:{}", r.addr.port());
 
     // The openai SDK's first calls, over HTTPS as a client configured with the CA would make
@@ -360,15 +367,7 @@ async fn served_certificate(addr: SocketAddr, trust: &Upstream) -> CertificateDe
 async fn a_certificate_rotated_on_disk_is_served_on_new_connections() {
     let pki = Pki::new("rotate");
     let (files, first) = pki.issue("front");
-    let e = engine(SimConfig::default()).await;
-    let r = start(&format!(
-        "{}{}{FAST}{}",
-        ports(),
-        listener_toml("server.tls", &files),
-        engine_toml(&e.url(), "vllm", 2, 0)
-    ))
-    .await;
-    wait_state(&r, &[0, 1], "available").await;
+    let (_e, r) = tls_router(&files, "").await;
     let trust = pki.trust();
     assert_eq!(served_certificate(r.addr, &trust).await, first);
     // A connection made before the rotation, kept open through it.
@@ -489,15 +488,7 @@ async fn a_stalled_or_garbage_handshake_is_closed_and_others_are_served() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let pki = Pki::new("stall");
     let (files, _) = pki.issue("front");
-    let e = engine(SimConfig::default()).await;
-    let r = start(&format!(
-        "{}header_read_timeout = \"300ms\"\n{}{FAST}{}",
-        ports(),
-        listener_toml("server.tls", &files),
-        engine_toml(&e.url(), "vllm", 2, 0)
-    ))
-    .await;
-    wait_state(&r, &[0, 1], "available").await;
+    let (_e, r) = tls_router(&files, "header_read_timeout = \"300ms\"\n").await;
     let started = tokio::time::Instant::now();
     let mut silent = tokio::net::TcpStream::connect(r.addr).await.unwrap();
     let mut garbage = tokio::net::TcpStream::connect(r.addr).await.unwrap();
