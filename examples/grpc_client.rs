@@ -2,7 +2,7 @@
 //! same services: one streaming `Generate` (the worker that served it is in the response's
 //! `x-rankgate-worker` metadata), then the per-rank loads from `GetLoads`.
 //!
-//!   cargo run --example grpc_client -- --url http://127.0.0.1:50050 [--flavor vllm|sglang] \
+//!   cargo run --example grpc_client -- --url http://127.0.0.1:18050 [--flavor vllm|sglang] \
 //!       [--prompt-tokens 32] [--max-tokens 16] [--id my-request]
 
 use std::time::{Duration, Instant};
@@ -17,7 +17,7 @@ use rankgate::worker::Flavor;
 #[command(about = "One streaming Generate and a GetLoads over gRPC (an engine's or rankgate's)")]
 struct Args {
     /// The gRPC address: rankgate's server.grpc_listen, or an engine's.
-    #[arg(long, default_value = "http://127.0.0.1:50050")]
+    #[arg(long, default_value = "http://127.0.0.1:18050")]
     url: String,
     #[arg(long, default_value = "vllm")]
     flavor: String,

@@ -14,7 +14,7 @@
 //!   ... --hot-prefix-share 0.5 --hot-prefix-tokens 2000
 //! Over gRPC (streaming `Generate` on an engine's gRPC service, or through rankgate's gRPC front
 //! door, whose `x-rankgate-worker` metadata gives the per-worker counts):
-//!   cargo run --release --example loadgen -- --grpc vllm --url http://127.0.0.1:50051 --rate 20
+//!   cargo run --release --example loadgen -- --grpc vllm --url http://127.0.0.1:18051 --rate 20
 //! A whole scenario (simulated fleet + router + workload, once per policy):
 //!   cargo run --release --example loadgen -- --scenario configs/scenarios/hot-rank.toml \
 //!       [--policies least_kv,least_kv+affinity,round_robin] [--json out.json] [--svg out.svg] \

@@ -172,6 +172,10 @@ fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
             "server.thread_per_core",
             sa.thread_per_core != sb.thread_per_core,
         ),
+        // The files' contents reload on their own (SIGHUP, a change on disk); other paths do not.
+        ("server.tls", sa.tls != sb.tls),
+        ("server.admin_tls", sa.admin_tls != sb.admin_tls),
+        ("engine_tls", a.engine_tls != b.engine_tls),
         ("routing", a.routing != b.routing),
         ("telemetry", a.telemetry != b.telemetry),
         ("discovery", a.discovery != b.discovery),

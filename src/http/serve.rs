@@ -190,10 +190,10 @@ where
     .await
 }
 
-/// Serves on `listener` (HTTP/1.1 and h2 on the same port, over TLS when `opts.tls` is set) until `shutdown`, then waits up to
-/// the drain grace for requests in flight to finish. Each connection gets its own service from
-/// `make`, told the client's address (hyper clones it for every request; see
-/// [`crate::proxy::Ctx`]).
+/// Serves on `listener` (HTTP/1.1 and h2 on the same port, over TLS when `opts.tls` is set)
+/// until `shutdown`, then waits up to the drain grace for requests in flight to finish. Each
+/// connection gets its own service from `make`, told the client's address (hyper clones it for
+/// every request; see [`crate::proxy::Ctx`]).
 pub async fn serve_with<M, S, B>(
     listener: TcpListener,
     make: M,

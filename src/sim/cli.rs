@@ -4,8 +4,9 @@
 //!
 //!   rankgate mock-engine --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
-//!     [--grpc-listen 127.0.0.1:50051] [--servicer-quirks] [--model a,b] [--api-key K] \
-//!     [--prefill-rate 20000] [--prefix-caching] [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
+//!     [--grpc-listen 127.0.0.1:18051] [--servicer-quirks] [--model a,b] [--api-key K] \
+//!     [--prefill-rate 20000] [--prefix-caching]
+//!     [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
 //!
 //! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
 //! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].

@@ -1,7 +1,8 @@
 //! Fault knobs: the ways a real engine misbehaves that a router has to survive. Failing a share
 //! of requests, hanging requests or telemetry, a failing `/health`, stalling streams, and dying
 //! outright. Each is set in [`super::SimConfig`] and flipped at run time through
-//! [`super::SimEngine`]; values are checked here once for the library, `rankgate mock-engine` and scenarios.
+//! [`super::SimEngine`]; values are checked here once for the library, `rankgate mock-engine`
+//! and scenarios.
 
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};

@@ -89,7 +89,13 @@ pub(crate) async fn serve<F, Fut, B>(
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut builder = auto::Builder::new(KillableExec(kill.clone()));
-    builder.http1().timer(TokioTimer::new()).keep_alive(true);
+    // uvicorn (h11) bounds a request head by its size, not by a count of lines: hyper's default
+    // of 100 lines would refuse what a real engine serves.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .keep_alive(true)
+        .max_headers(1024);
     let builder = Arc::new(builder);
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();

@@ -1,4 +1,5 @@
-//! gRPC `GetLoads` clients for vLLM and SGLang engines, over rankgate's own pooled h2 client (h2c, or TLS).
+//! gRPC `GetLoads` clients for vLLM and SGLang engines, over rankgate's own pooled h2 client
+//! (h2c, or TLS).
 //!
 //! One unfiltered `GetLoads` per engine per poll returns every rank; the reply is converted into
 //! the shared [`LoadsReport`] and projected like any other load report.

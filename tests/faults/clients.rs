@@ -327,6 +327,48 @@ async fn oversized_headers_get_431_and_are_not_forwarded() {
     assert_eq!(e.requests_received(), before + 1);
 }
 
+/// One request with `lines` short header lines over HTTP/1.1, and the status line it got.
+async fn status_with_header_lines(addr: SocketAddr, lines: usize) -> String {
+    let body = chat_body(2, false);
+    let mut head = String::from("POST /v1/chat/completions HTTP/1.1\r\nHost: rankgate\r\n");
+    // Host, Content-Type and Content-Length are three of the lines.
+    for i in 0..lines - 3 {
+        head.push_str(&format!("X-Tag-{i}: v\r\n"));
+    }
+    head.push_str(&format!(
+        "Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ));
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let _ = s.write_all(head.as_bytes()).await;
+    let mut got = Vec::new();
+    let _ = timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await;
+    let text = String::from_utf8_lossy(&got);
+    text.lines().next().unwrap_or("").to_string()
+}
+
+/// Clients behind tracing and gateway layers send more than hyper's default of 100 header
+/// lines: up to 512 are served (counting hop-by-hop ones), beyond that 431 and nothing reaches
+/// the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_to_512_header_lines_are_served_and_more_get_431() {
+    let (e, r) = fleet(SimConfig::default()).await;
+    wait_state(&r, &[0, 1], "available").await;
+    // +1: the Connection line the helper adds.
+    for lines in [101, 300, 511] {
+        let status = status_with_header_lines(r.addr, lines).await;
+        assert!(
+            status.starts_with("HTTP/1.1 200 "),
+            "{} lines: {status}",
+            lines + 1
+        );
+    }
+    let before = e.requests_received();
+    let status = status_with_header_lines(r.addr, 600).await;
+    assert!(status.starts_with("HTTP/1.1 431 "), "601 lines: {status}");
+    assert_eq!(e.requests_received(), before);
+}
+
 /// After a completed request, an idle HTTP/1 keep-alive connection is closed after
 /// `idle_timeout`, not before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
