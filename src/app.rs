@@ -46,6 +46,14 @@ pub enum StartError {
     Thread { core: usize, source: std::io::Error },
 }
 
+impl StartError {
+    /// A file the config names could not be used (keys, certificates): a config error, as
+    /// `rankgate check` reports it, rather than a failure of the machine.
+    pub fn is_config(&self) -> bool {
+        matches!(self, StartError::Keys(_) | StartError::Tls(_))
+    }
+}
+
 /// A running rankgate.
 pub struct Router {
     /// Where the OpenAI-compatible front door listens (the bound port when the config said 0).

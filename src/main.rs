@@ -313,7 +313,10 @@ fn main() -> ExitCode {
                     Ok(r) => r,
                     Err(e) => {
                         eprintln!("rankgate: {e}");
-                        return ExitCode::FAILURE;
+                        return match e.is_config() {
+                            true => ExitCode::from(EXIT_CONFIG),
+                            false => ExitCode::FAILURE,
+                        };
                     }
                 };
                 let mut signals = match Signals::new() {

@@ -40,6 +40,9 @@ pub enum NoRank {
     NoneReachable,
     #[error("the fleet has no engine to serve this: none configured, added or discovered (yet)")]
     NoEngine,
+    /// Engines that could serve it exist, but none has said its flavor and DP size yet.
+    #[error("no engine that could serve this has said what it is yet (flavor, DP size): each is asked until it answers; GET /workers on the admin listener says why for each")]
+    ShapeUnknown,
 }
 
 /// A successful pick.
@@ -263,7 +266,11 @@ impl Selector {
                 *x = Explanation::new(self.policy, By::Kv);
                 x.not_serving = snap.ranks.len();
             }
-            return Err(NoRank::NoEngine);
+            let unshaped = (snap.fleet.engines.iter()).any(|e| avoid.may_serve(e));
+            return Err(match unshaped {
+                true => NoRank::ShapeUnknown,
+                false => NoRank::NoEngine,
+            });
         }
         let mut rng = rand::rng();
         let fleet = &snap.fleet;

@@ -73,10 +73,22 @@ fn certs(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsErro
 
 fn private_key(key: &str, path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let pem = read(key, path)?;
-    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| TlsError::File {
+    let file = |problem: String| TlsError::File {
         key: key.into(),
         path: path.into(),
-        problem: format!("holds no usable PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"),
+        problem,
+    };
+    // rustls reads no passphrase: say so rather than "no key found".
+    let text = String::from_utf8_lossy(&pem);
+    if text.contains("ENCRYPTED PRIVATE KEY") || text.contains("Proc-Type: 4,ENCRYPTED") {
+        return Err(file(
+            "holds a passphrase-protected key, which rankgate cannot read: store it unencrypted (e.g. `openssl pkey -in KEY -out KEY.plain`) with file permissions guarding it".into(),
+        ));
+    }
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
+        file(format!(
+            "holds no usable PEM private key (PKCS#8, PKCS#1 or SEC1): {e}"
+        ))
     })
 }
 
@@ -141,7 +153,11 @@ impl ServerTls {
     /// Reloads and logs the outcome.
     pub fn reload_logged(&self) {
         match self.reload() {
-            Ok(()) => tracing::info!(key = self.key, "TLS certificate reloaded"),
+            Ok(()) => tracing::info!(
+                key = self.key,
+                cert_file = %self.files.cert_file.display(),
+                "TLS certificate reloaded"
+            ),
             Err(e) => {
                 tracing::error!(error = %e, "TLS certificate not reloaded: the one in use stays")
             }

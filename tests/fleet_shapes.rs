@@ -311,6 +311,18 @@ async fn an_engine_that_does_not_say_its_size_takes_no_traffic_and_says_why() {
     assert_eq!(engine_row(&e, &mute_url)["dp_size"], 0);
     assert!(engine_row(&e, &mute_url)["unshaped"].is_string());
     r.shutdown().await;
+
+    // Alone, it leaves a request nowhere to go, and the 503 says why: not "no engine".
+    let alone = router(
+        "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\ntimeout = \"300ms\"\n",
+        &[url_only(&mute_url)],
+    )
+    .await;
+    let reply = chat(alone.addr, 2).await;
+    assert_eq!(reply.status, 503);
+    let body = String::from_utf8_lossy(&reply.body);
+    assert!(body.contains("has said what it is yet"), "{body}");
+    alone.shutdown().await;
     held.abort();
 }
 

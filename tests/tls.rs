@@ -462,22 +462,26 @@ async fn a_bad_certificate_is_a_clear_start_error() {
     std::fs::write(
         &config,
         format!(
-            "{}[[engines]]\nurl = \"http://127.0.0.1:9\"\nflavor = \"vllm\"\ndp_size = 1\n",
+            "{}{}[[engines]]\nurl = \"http://127.0.0.1:9\"\nflavor = \"vllm\"\ndp_size = 1\n",
+            ports(),
             listener_toml("server.tls", &mismatched)
         ),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"))
-        .args(["check", "--config"])
-        .arg(&config)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(64), "{stderr}");
-    assert!(
-        stderr.contains("server.tls.key_file") && stderr.contains("does not go with"),
-        "{stderr}"
-    );
+    // `serve` refuses it the same way, before binding anything.
+    for cmd in ["check", "serve"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"))
+            .args([cmd, "--config"])
+            .arg(&config)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{cmd}: {stderr}");
+        assert!(
+            stderr.contains("server.tls.key_file") && stderr.contains("does not go with"),
+            "{cmd}: {stderr}"
+        );
+    }
 }
 
 /// Clients that stall or send garbage on the TLS port hold nothing: one that connects and
