@@ -278,6 +278,22 @@ async fn an_https_engine_is_polled_and_routed_to() {
     })
     .await;
     assert!(e.url().starts_with("https://"));
+    // Named http:// by mistake: unavailable, and the reason points at the scheme.
+    let plain_url = e.url().replacen("https://", "http://", 1);
+    let wrong = start(&format!(
+        "{}{FAST}{}",
+        ports(),
+        engine_toml(&plain_url, "vllm", 2, 0)
+    ))
+    .await;
+    let rows = wait_workers(&wrong, Duration::from_secs(10), |rows| {
+        rows[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("https://"))
+    })
+    .await;
+    assert_eq!(rows[0]["telemetry"], "unavailable", "{rows:?}");
+    wrong.shutdown().await;
     let r = start(&format!(
         "{}{FAST}[engine_tls]\nca_file = {}\n{}",
         ports(),

@@ -106,6 +106,14 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         out.push_str(&s.to_string());
         src = s.source();
     }
+    // The two ways a wrong scheme shows, which name neither TLS nor the URL.
+    if out.contains("InvalidContentType") {
+        out.push_str(
+            " (TLS to a server that answered in plain text: is its URL https:// by mistake?)",
+        );
+    } else if out.contains("invalid HTTP version parsed") {
+        out.push_str(" (plain HTTP to a server that may speak TLS: should its URL be https://?)");
+    }
     out
 }
 
