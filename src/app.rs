@@ -322,6 +322,7 @@ impl Router {
         }));
         tracing::info!(
             %addr, %admin_addr, grpc_addr = ?grpc_addr, workers,
+            tls = cfg.server.tls.is_some(), admin_tls = cfg.server.admin_tls.is_some(),
             policy = cfg.routing.policy.as_str(), "rankgate serving"
         );
         Ok(Router {
