@@ -345,7 +345,6 @@ impl RawEngine {
             api_key,
             http: addresses.http,
             grpc: addresses.grpc.map(Into::into),
-            tls: addresses.tls,
         };
         Ok(engine.with_reported(None))
     }
@@ -378,7 +377,7 @@ impl Engine {
                 url: e.url.to_string(),
                 authority: e.authority.to_string(),
                 http: e.http,
-                tls: e.tls,
+                tls: e.tls(),
                 grpc: e.grpc.as_deref().map(Into::into),
             };
             e.telemetry = default_sources(f, &e.url, &addresses);
@@ -961,7 +960,7 @@ mod tests {
         )
         .unwrap();
         let (tls, clear) = (&c.engines[0], &c.engines[1]);
-        assert!(tls.tls && !clear.tls);
+        assert!(tls.tls() && !clear.tls());
         assert_eq!(&*tls.url, "https://h:1");
         assert_eq!(tls.grpc_origin(), "https://h:2");
         assert_eq!(

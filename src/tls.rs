@@ -246,6 +246,10 @@ pub struct Upstream {
 impl Upstream {
     /// From `[engine_tls]`: its CA file or the system's roots, its client certificate if any.
     pub fn load(cfg: &EngineTls) -> Result<Upstream, TlsError> {
+        if *cfg == EngineTls::default() {
+            // The system's roots, read once per process however many clients use them.
+            return Ok(Upstream::system().clone());
+        }
         let roots = match &cfg.ca_file {
             Some(path) => roots("engine_tls.ca_file", path)?,
             None => system_roots(),

@@ -179,14 +179,18 @@ pub struct Engine {
     pub http: bool,
     /// `host:port` of its gRPC service (`engines[].grpc_url`), for the gRPC front door.
     pub grpc: Option<Arc<str>>,
-    /// Reached over TLS: its URLs are `https://` (`[engine_tls]` says how).
-    pub tls: bool,
 }
 
 impl Engine {
+    /// Reached over TLS: its URLs are `https://` (`[engine_tls]` says how). Validation gives
+    /// `url` and `grpc_url` one scheme.
+    pub fn tls(&self) -> bool {
+        self.url.starts_with("https://")
+    }
+
     /// The scheme of its URLs.
     pub fn scheme(&self) -> http::uri::Scheme {
-        match self.tls {
+        match self.tls() {
             true => http::uri::Scheme::HTTPS,
             false => http::uri::Scheme::HTTP,
         }
@@ -540,7 +544,6 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         api_key: None,
         http: true,
         grpc: None,
-        tls: false,
     }
 }
 

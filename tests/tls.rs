@@ -373,9 +373,13 @@ async fn an_engine_that_requires_mtls_takes_rankgates_client_certificate() {
 /// The certificate a new TLS connection to `addr` is served.
 async fn served_certificate(addr: SocketAddr, trust: &Upstream) -> CertificateDer<'static> {
     let connector = tokio_rustls::TlsConnector::from(Arc::new((*trust.config).clone()));
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let name = ServerName::try_from("127.0.0.1").unwrap();
-    let tls = connector.connect(name, tcp).await.unwrap();
+    let tls = tokio::time::timeout(Duration::from_secs(5), async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        connector.connect(name, tcp).await.unwrap()
+    })
+    .await
+    .expect("a TLS handshake within 5 s");
     tls.get_ref().1.peer_certificates().unwrap()[0].clone()
 }
 

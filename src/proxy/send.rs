@@ -145,7 +145,7 @@ impl EngineConn {
         };
         EngineConn {
             scheme: engine.scheme(),
-            host: host_header(&engine.authority, engine.tls),
+            host: host_header(&engine.authority, engine.tls()),
             // Validated at config load; a failure here would be a bug in validation.
             authority: http::uri::Authority::try_from(&*engine.authority)
                 .unwrap_or(http::uri::Authority::from_static("invalid.invalid:1")),

@@ -20,6 +20,9 @@ use tokio::task::JoinSet;
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::tls::ServerTls;
 
+/// Longest a client's TLS handshake may take.
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
 /// How long open connections may finish their requests after a normal shutdown.
 const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -118,12 +121,15 @@ pub(crate) async fn serve<F, Fut, B>(
                                 watcher.watch(conn.into_owned()).await
                             }
                             Some(acceptor) => {
-                                let stream = match acceptor.accept(stream).await {
-                                    Ok(s) => s,
-                                    Err(e) => {
+                                // A client that never finishes its handshake holds nothing long.
+                                let shake = tokio::time::timeout(HANDSHAKE, acceptor.accept(stream));
+                                let stream = match shake.await {
+                                    Ok(Ok(s)) => s,
+                                    Ok(Err(e)) => {
                                         tracing::debug!(error = %e, "sim TLS handshake failed");
                                         return;
                                     }
+                                    Err(_) => return,
                                 };
                                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
                                 watcher.watch(conn.into_owned()).await
