@@ -153,13 +153,9 @@ fn serve_per_core(
             .name(format!("rankgate-core-{core}"))
             .spawn(move || {
                 rt.block_on(async move {
-                    let client = crate::http::client_with(
-                        shared.cfg.server.connect_timeout,
-                        &shared.upstream,
-                    );
                     crate::http::serve_with(
                         listener,
-                        move |peer| crate::proxy::stack(&shared, &client, peer),
+                        move |peer| crate::proxy::stack(&shared, core, peer),
                         shutdown,
                         opts,
                     )
@@ -277,7 +273,7 @@ impl Router {
                 listener,
                 {
                     let shared = shared.clone();
-                    move |peer| crate::proxy::stack(&shared, &shared.client, peer)
+                    move |peer| crate::proxy::stack(&shared, 0, peer)
                 },
                 front_rx.clone(),
                 front_opts.clone(),

@@ -24,7 +24,7 @@ pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 /// A client of rankgate's: engines, the admin listener, the tools.
 pub type HttpClient<B> = Client<Connector, B>;
 
-fn connector(connect_timeout: Duration, tls: &Upstream, h2: bool) -> Connector {
+pub(crate) fn connector(connect_timeout: Duration, tls: &Upstream, h2: bool) -> Connector {
     let mut tcp = HttpConnector::new();
     tcp.set_nodelay(true);
     tcp.set_connect_timeout(Some(connect_timeout));

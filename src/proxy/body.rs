@@ -433,6 +433,9 @@ impl Body for ProxyBody {
                     if let Some(watch) = this.holds.on_break.take() {
                         watch.ended();
                     }
+                    if let Some(slot) = &mut this.holds.connection {
+                        slot.ended();
+                    }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -442,6 +445,9 @@ impl Body for ProxyBody {
             Poll::Ready(None) => {
                 if let Some(watch) = this.holds.on_break.take() {
                     watch.ended();
+                }
+                if let Some(slot) = &mut this.holds.connection {
+                    slot.ended();
                 }
                 up.body = None;
                 this.holds = Holds::default();

@@ -72,6 +72,7 @@ mod budget;
 mod cors;
 pub(crate) mod grpc;
 mod identity;
+mod idle;
 mod observe;
 mod pick;
 mod pin;
@@ -293,10 +294,10 @@ pub struct Shared {
     budget: budget::RetryBudget,
     /// Requests admitted now (admit).
     admitted: AtomicUsize,
-    /// The engine connection pool (send) of the shared runtime; each engine's slots are in its
-    /// fleet entry.
-    pub client: crate::http::HttpClient<RequestBody>,
-    /// How `https://` engines are reached (each core's pool is built with it).
+    /// What new HTTP/1 connections to engines are opened with (send); each engine's slots
+    /// and idle connections are in its fleet entry.
+    connector: crate::http::Connector,
+    /// How `https://` engines are reached.
     pub upstream: Upstream,
     /// One log line per few seconds for server-side errors, however many requests hit them
     /// (respond).
@@ -337,7 +338,7 @@ impl Shared {
             cfg: cfg.clone(),
             budget: budget::RetryBudget::new(cfg.routing.retry_budget),
             admitted: AtomicUsize::new(0),
-            client: crate::http::client_with(server.connect_timeout, upstream),
+            connector: crate::http::connector(server.connect_timeout, upstream, false),
             upstream: upstream.clone(),
             storm: Throttle::new(Duration::from_secs(5)),
             retry_after: HeaderValue::from(cfg.routing.retry_after_secs),
@@ -361,9 +362,9 @@ pub struct Ctx(Arc<Conn>);
 
 pub struct Conn {
     shared: Arc<Shared>,
-    /// The engine connection pool this connection's requests go through (send): the shared
-    /// one, or in thread-per-core mode its core's own.
-    pub client: crate::http::HttpClient<RequestBody>,
+    /// The core it is served on (thread-per-core; else 0): whose idle engine connections its
+    /// requests take (send).
+    pub core: usize,
     /// The client's address.
     pub peer: SocketAddr,
     /// Its IP as a header value (X-Forwarded-For), rendered once for all of its requests.
@@ -374,19 +375,14 @@ pub struct Conn {
 
 impl Ctx {
     pub fn new(shared: &Arc<Shared>, peer: SocketAddr, front: Front) -> Ctx {
-        Ctx::on(shared, &shared.client, peer, front)
+        Ctx::on(shared, 0, peer, front)
     }
 
-    /// A connection whose requests go through `client`.
-    pub fn on(
-        shared: &Arc<Shared>,
-        client: &crate::http::HttpClient<RequestBody>,
-        peer: SocketAddr,
-        front: Front,
-    ) -> Ctx {
+    /// A connection served on `core`.
+    pub fn on(shared: &Arc<Shared>, core: usize, peer: SocketAddr, front: Front) -> Ctx {
         Ctx(Arc::new(Conn {
             shared: shared.clone(),
-            client: client.clone(),
+            core,
             peer,
             peer_ip: identity::peer_ip_header(peer),
             front,
@@ -436,11 +432,11 @@ pub struct Picked {
 }
 
 /// The front door for one connection: the whole stack over `send`, answering every request
-/// (errors included), sending through `client` (thread-per-core: the core's own pool; else
-/// [`Shared::client`]). Made per connection (see [`Ctx`]).
+/// (errors included), on the engine connections of `core` (thread-per-core; else 0). Made per
+/// connection (see [`Ctx`]).
 pub fn stack(
     shared: &Arc<Shared>,
-    client: &crate::http::HttpClient<RequestBody>,
+    core: usize,
     peer: SocketAddr,
 ) -> impl tower::Service<
     Request<Incoming>,
@@ -450,7 +446,7 @@ pub fn stack(
 > + Clone
        + Send
        + 'static {
-    let ctx = Ctx::on(shared, client, peer, Front::Http);
+    let ctx = Ctx::on(shared, core, peer, Front::Http);
     let c = &ctx;
     ServiceBuilder::new()
         .layer_fn(|inner| identity::Identity::new(inner, c))

@@ -104,7 +104,7 @@ where
         if let Some(key) = &engine.api_key {
             parts.headers.insert(header::AUTHORIZATION, key.0.clone());
         }
-        let authority = if grpc {
+        let uri = if grpc {
             // gRPC servers insist on it (it says the client understands trailers).
             parts
                 .headers
@@ -112,30 +112,33 @@ where
             // h2 carries the engine's authority in `:authority`; the client's Host names rankgate.
             parts.headers.remove(header::HOST);
             parts.version = Version::HTTP_2;
-            engine.conn.grpc_authority.clone()
+            let mut uri = http::uri::Parts::default();
+            uri.scheme = Some(engine.conn.scheme.clone());
+            uri.authority = engine.conn.grpc_authority.clone();
+            uri.path_and_query = Some(path_and_query(&parts.uri));
+            Some(uri)
         } else {
             parts.version = Version::HTTP_11;
             // The engine's own Host, never the client's (which names rankgate).
             parts.headers.insert(header::HOST, engine.conn.host.clone());
-            Some(engine.conn.authority.clone())
+            // HTTP/1 goes out on the engine's own connection in origin form (`/path?query`),
+            // as most clients send it; an absolute-form target is cut down to that.
+            (parts.uri.scheme().is_some() || parts.uri.authority().is_some()).then(|| {
+                let mut uri = http::uri::Parts::default();
+                uri.path_and_query = Some(path_and_query(&parts.uri));
+                uri
+            })
         };
-        let pq = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        let mut uri = http::uri::Parts::default();
-        uri.scheme = Some(engine.conn.scheme.clone());
-        uri.authority = authority;
-        uri.path_and_query = Some(pq);
-        parts.uri = match Uri::from_parts(uri) {
-            Ok(u) => u,
-            Err(err) => {
-                return Step::ready(Err(
-                    ProxyError::Internal(format!("building URI: {err}")).at(w)
-                ))
-            }
-        };
+        if let Some(uri) = uri {
+            parts.uri = match Uri::from_parts(uri) {
+                Ok(u) => u,
+                Err(err) => {
+                    return Step::ready(Err(
+                        ProxyError::Internal(format!("building URI: {err}")).at(w)
+                    ))
+                }
+            };
+        }
         let body_pin = match grpc {
             true => grpc::rank_field(parts.uri.path())
                 .zip(worker.pin_rank)
@@ -251,4 +254,11 @@ async fn whole(body: RequestBody, max: usize) -> Result<bytes::Bytes, ProxyError
             Ok(all.into())
         }
     }
+}
+
+/// The path and query of `uri` (`/` when it has none: `OPTIONS *` or an authority alone).
+fn path_and_query(uri: &Uri) -> PathAndQuery {
+    uri.path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"))
 }

@@ -18,11 +18,14 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use http::{header, Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::TrySendError;
 use hyper_util::client::legacy::ResponseFuture;
 use tokio::sync::Notify;
 use tokio::time::Sleep;
 
 use super::body::{BodyTooLarge, ClientBodyError, Ending};
+use super::idle::{Idle, Sender};
 use super::pin::strip_hop_by_hop;
 use super::{Ctx, Picked, ProxyBody, ProxyError, RequestBody, WORKER_HEADER};
 use crate::worker::EngineEntry;
@@ -132,8 +135,12 @@ pub struct EngineConn {
     /// The `Host` an HTTP/1 request to it carries, rendered once: the client would otherwise
     /// format it into a new string for every request.
     pub host: http::HeaderValue,
+    /// `scheme://authority`, what a new connection is opened to.
+    pub origin: http::Uri,
     pub grpc_authority: Option<http::uri::Authority>,
     pub slots: Slots,
+    /// Its HTTP/1 connections between requests.
+    pub idle: Idle,
     pub streams: Streams,
 }
 
@@ -149,11 +156,14 @@ impl EngineConn {
             // Validated at config load; a failure here would be a bug in validation.
             authority: http::uri::Authority::try_from(&*engine.authority)
                 .unwrap_or(http::uri::Authority::from_static("invalid.invalid:1")),
+            origin: http::Uri::try_from(format!("{}://{}", engine.scheme(), engine.authority))
+                .unwrap_or(http::Uri::from_static("http://invalid.invalid:1")),
             grpc_authority: engine
                 .grpc
                 .as_deref()
                 .and_then(|a| http::uri::Authority::try_from(a).ok()),
             slots: Slots::new(limits.connections),
+            idle: Idle::default(),
             streams: Streams::new(grpc_connections, limits.streams_per_connection),
         }
     }
@@ -217,13 +227,50 @@ pub struct Slot {
     engine: Arc<EngineEntry>,
     /// The gRPC connection the call is a stream on.
     stream: Option<usize>,
+    /// The HTTP/1 connection the request went out on, and the core whose idle list it goes
+    /// back to once the response has ended cleanly ([`Slot::ended`]).
+    sender: Option<Sender>,
+    core: usize,
+    ended: bool,
+}
+
+impl Slot {
+    fn connection(engine: &Arc<EngineEntry>, core: usize) -> Slot {
+        Slot {
+            engine: engine.clone(),
+            stream: None,
+            sender: None,
+            core,
+            ended: false,
+        }
+    }
+
+    fn stream(engine: &Arc<EngineEntry>, k: usize) -> Slot {
+        Slot {
+            engine: engine.clone(),
+            stream: Some(k),
+            sender: None,
+            core: 0,
+            ended: false,
+        }
+    }
+
+    /// The response body was read to its end: the connection may carry another request.
+    pub fn ended(&mut self) {
+        self.ended = true;
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         match self.stream {
             Some(k) => self.engine.conn.streams.give_back(k),
-            None => self.engine.conn.slots.give_back(),
+            None => {
+                if let Some(sender) = self.sender.take().filter(|_| self.ended) {
+                    self.engine.conn.idle.give_back(self.core, sender);
+                }
+                self.engine.conn.slots.give_back()
+            }
         }
     }
 }
@@ -231,11 +278,11 @@ impl Drop for Slot {
 /// Turns a client error into the proxy's: the client's own body problems first, then the
 /// transport.
 fn classify(
-    e: hyper_util::client::legacy::Error,
+    e: &(dyn std::error::Error + 'static),
     engine: &Arc<str>,
     max_body: usize,
 ) -> ProxyError {
-    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    let mut src = Some(e);
     while let Some(s) = src {
         if let Some(c) = s.downcast_ref::<ClientBodyError>() {
             return ProxyError::ClientBody(match c {
@@ -250,7 +297,7 @@ fn classify(
     }
     ProxyError::Upstream {
         engine: engine.clone(),
-        reason: crate::http::error_chain(&e),
+        reason: crate::http::error_chain(e),
     }
 }
 
@@ -269,36 +316,31 @@ impl tower::Service<Request<Picked>> for Send {
         // One timer serves the whole exchange: the response timeout until the headers, then
         // (moved into the body) the stream idle timeout, so a request costs one timer.
         let timer = Box::pin(tokio::time::sleep(ctx.cfg.server.response_timeout));
-        let mut slot = None;
-        let state = if ctx.grpc() {
+        let mut sending = Sending {
+            ctx: self.0.clone(),
+            target,
+            guard: Some(guard),
+            slot: None,
+            timer: Some(timer),
+            state: State::Done,
+            reconnected: false,
+        };
+        sending.state = if ctx.grpc() {
             // gRPC calls are streams on an engine's h2 connections, not connections.
-            let k = target.engine.conn.streams.take();
-            slot = Some(Slot {
-                engine: target.engine.clone(),
-                stream: Some(k),
-            });
-            State::Sending(ctx.grpc_clients[k].request(req))
-        } else if target.engine.conn.slots.try_take() {
-            slot = Some(Slot {
-                engine: target.engine.clone(),
-                stream: None,
-            });
-            State::Sending(ctx.conn().client.request(req))
+            let k = sending.target.engine.conn.streams.take();
+            sending.slot = Some(Slot::stream(&sending.target.engine, k));
+            State::Grpc(ctx.grpc_clients[k].request(req))
+        } else if sending.target.engine.conn.slots.try_take() {
+            sending.slot = Some(Slot::connection(&sending.target.engine, ctx.conn().core));
+            sending.start(req)
         } else {
-            let engine = target.engine.clone();
+            let engine = sending.target.engine.clone();
             State::Waiting(Box::new((
                 Box::pin(async move { engine.conn.slots.take().await }),
                 Some(req),
             )))
         };
-        Sending {
-            ctx: self.0.clone(),
-            target,
-            guard: Some(guard),
-            slot,
-            timer: Some(timer),
-            state,
-        }
+        sending
     }
 }
 
@@ -313,13 +355,79 @@ pub struct Sending {
     slot: Option<Slot>,
     timer: Option<Pin<Box<Sleep>>>,
     state: State,
+    /// A connection taken idle closed before the request went out, and a new one was opened.
+    reconnected: bool,
 }
+
+type Sent = Result<Response<Incoming>, TrySendError<Request<RequestBody>>>;
 
 enum State {
     /// Every connection slot to the engine is taken: waiting for one (rare, so boxed).
     Waiting(Box<(super::BoxFuture<()>, Option<Request<RequestBody>>)>),
-    /// Holding a slot, waiting for the response head.
-    Sending(ResponseFuture),
+    /// Holding a slot, opening a connection (no idle one was open).
+    Connecting(
+        super::BoxFuture<Result<Sender, ProxyError>>,
+        Option<Request<RequestBody>>,
+    ),
+    /// Holding a slot and an idle connection that is not ready for a request yet.
+    Readying(Option<(Sender, Request<RequestBody>)>),
+    /// The request is on the connection, waiting for the response head.
+    Sending(Pin<Box<dyn Future<Output = Sent> + std::marker::Send>>),
+    /// A gRPC call, a stream on one of the engine's h2 connections.
+    Grpc(ResponseFuture),
+    Done,
+}
+
+impl Sending {
+    /// With a slot taken: the request on the core's idle connection, or on a new one.
+    fn start(&mut self, req: Request<RequestBody>) -> State {
+        let engine = &self.target.engine;
+        match engine.conn.idle.take(self.ctx.conn().core) {
+            Some(sender) => State::Readying(Some((sender, req))),
+            None => self.connect(req),
+        }
+    }
+
+    fn connect(&self, req: Request<RequestBody>) -> State {
+        let engine = self.target.engine.clone();
+        let mut connector = self.ctx.connector.clone();
+        let opened = async move {
+            let failed = |what: &str, e: &(dyn std::error::Error + 'static)| ProxyError::Upstream {
+                engine: engine.url.clone(),
+                reason: format!("{what}: {}", crate::http::error_chain(e)),
+            };
+            let io = tower::Service::call(&mut connector, engine.conn.origin.clone())
+                .await
+                .map_err(|e| failed("connect", &*e))?;
+            let (sender, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| failed("handshake", &e))?;
+            let url = engine.url.clone();
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(engine = %url, error = %crate::http::error_chain(&e), "engine connection ended");
+                }
+            });
+            Ok(sender)
+        };
+        State::Connecting(Box::pin(opened), Some(req))
+    }
+
+    fn send(&mut self, mut sender: Sender, req: Request<RequestBody>) -> State {
+        let sent = sender.try_send_request(req);
+        if let Some(slot) = &mut self.slot {
+            slot.sender = Some(sender);
+        }
+        State::Sending(Box::pin(sent))
+    }
+
+    /// Still waiting, or `late` once the response timeout has passed.
+    fn unless_late(&mut self, cx: &mut Context<'_>, late: ProxyError) -> Poll<super::Answer> {
+        match self.timer.as_mut().map(|t| t.as_mut().poll(cx)) {
+            Some(Poll::Pending) => Poll::Pending,
+            _ => Poll::Ready(Err(late)),
+        }
+    }
 }
 
 impl Future for Sending {
@@ -328,51 +436,106 @@ impl Future for Sending {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<super::Answer> {
         let this = self.get_mut();
         let server = &this.ctx.cfg.server;
-        let Some(timer) = &mut this.timer else {
-            return Poll::Ready(Err(ProxyError::Internal("polled after completion".into())));
-        };
-        if let State::Waiting(waiting) = &mut this.state {
-            let (slot, req) = &mut **waiting;
-            match slot.as_mut().poll(cx) {
-                Poll::Ready(()) => {
-                    this.slot = Some(Slot {
-                        engine: this.target.engine.clone(),
-                        stream: None,
-                    });
+        let (timeout, max_body) = (server.response_timeout, server.max_body_bytes);
+        let resp = loop {
+            match &mut this.state {
+                State::Waiting(waiting) => {
+                    let (slot, req) = &mut **waiting;
+                    if slot.as_mut().poll(cx).is_pending() {
+                        let busy = ProxyError::EngineBusy {
+                            limit: this.ctx.cfg.server.max_engine_connections,
+                            waited: timeout,
+                        };
+                        return this.unless_late(cx, busy);
+                    }
+                    let core = this.ctx.conn().core;
+                    this.slot = Some(Slot::connection(&this.target.engine, core));
                     let Some(req) = req.take() else {
                         return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
                     };
-                    this.state = State::Sending(this.ctx.conn().client.request(req));
+                    this.state = this.start(req);
                 }
-                Poll::Pending => {
-                    return match timer.as_mut().poll(cx) {
-                        Poll::Ready(()) => Poll::Ready(Err(ProxyError::EngineBusy {
-                            limit: server.max_engine_connections,
-                            waited: server.response_timeout,
-                        })),
-                        Poll::Pending => Poll::Pending,
+                State::Connecting(opening, req) => {
+                    let sender = match opening.as_mut().poll(cx) {
+                        Poll::Ready(Ok(sender)) => sender,
+                        Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                        Poll::Pending => {
+                            let late = ProxyError::Timeout(timeout);
+                            return this.unless_late(cx, late);
+                        }
                     };
+                    let Some(req) = req.take() else {
+                        return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
+                    };
+                    this.state = this.send(sender, req);
+                }
+                State::Readying(ready) => {
+                    let Some((sender, _)) = ready else {
+                        return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
+                    };
+                    match sender.poll_ready(cx) {
+                        Poll::Ready(Ok(())) => {
+                            let Some((sender, req)) = ready.take() else {
+                                unreachable!()
+                            };
+                            this.state = this.send(sender, req);
+                        }
+                        // Closed since it was given back: the next idle one, or a new one.
+                        Poll::Ready(Err(_)) => {
+                            let Some((_, req)) = ready.take() else {
+                                unreachable!()
+                            };
+                            this.state = this.start(req);
+                        }
+                        Poll::Pending => {
+                            let late = ProxyError::Timeout(timeout);
+                            return this.unless_late(cx, late);
+                        }
+                    }
+                }
+                State::Sending(sent) => match sent.as_mut().poll(cx) {
+                    Poll::Ready(Ok(resp)) => break resp,
+                    Poll::Ready(Err(mut e)) => {
+                        if let Some(slot) = &mut this.slot {
+                            slot.sender = None;
+                        }
+                        // The connection closed before the request went out (the engine
+                        // dropped it while idle): once, on a new connection.
+                        match e.take_message() {
+                            Some(req) if !this.reconnected => {
+                                this.reconnected = true;
+                                this.state = this.connect(req);
+                            }
+                            _ => {
+                                let engine = &this.target.engine.url;
+                                let e = e.into_error();
+                                return Poll::Ready(Err(classify(&e, engine, max_body)));
+                            }
+                        }
+                    }
+                    Poll::Pending => {
+                        let late = ProxyError::Timeout(timeout);
+                        return this.unless_late(cx, late);
+                    }
+                },
+                State::Grpc(response) => match Pin::new(response).poll(cx) {
+                    Poll::Ready(Ok(resp)) => break resp,
+                    Poll::Ready(Err(e)) => {
+                        let engine = &this.target.engine.url;
+                        return Poll::Ready(Err(classify(&e, engine, max_body)));
+                    }
+                    Poll::Pending => {
+                        let late = ProxyError::Timeout(timeout);
+                        return this.unless_late(cx, late);
+                    }
+                },
+                State::Done => {
+                    return Poll::Ready(Err(ProxyError::Internal("polled after completion".into())))
                 }
             }
-        }
-        let State::Sending(response) = &mut this.state else {
-            return Poll::Pending;
         };
-        let resp = match Pin::new(response).poll(cx) {
-            Poll::Ready(Ok(resp)) => resp,
-            Poll::Ready(Err(e)) => {
-                let engine = &this.target.engine.url;
-                return Poll::Ready(Err(classify(e, engine, server.max_body_bytes)));
-            }
-            Poll::Pending => {
-                return match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => {
-                        Poll::Ready(Err(ProxyError::Timeout(server.response_timeout)))
-                    }
-                    Poll::Pending => Poll::Pending,
-                };
-            }
-        };
+        this.state = State::Done;
+        let server = &this.ctx.cfg.server;
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let ending = if this.ctx.grpc() {

@@ -332,7 +332,10 @@ async fn pick_pins_the_rank_header_and_strips_the_clients_own() {
     let send = service_fn(|req: Request<Picked>| async move {
         let t = target(&req);
         assert_eq!(req.headers()[RANK_HEADER], engine(&t).to_string());
-        assert!(req.uri().to_string().starts_with("http://127.0.0.1:"));
+        // Addressed to the picked engine: its Host, in origin form on its own connection.
+        let host = req.headers()[http::header::HOST].to_str().unwrap();
+        assert_eq!(format!("http://{host}"), *t.engine.url);
+        assert_eq!(req.uri(), "/v1/chat/completions");
         assert!(
             Arc::ptr_eq(req.body().guard.member(), &t.worker),
             "in flight on its rank"

@@ -228,6 +228,8 @@ pub struct Seen {
     pub traceparent: Option<String>,
     /// The names of every header received (lowercase).
     pub header_names: Vec<String>,
+    /// The address of the connection it came on (the proxy's side of it).
+    pub peer: Option<std::net::SocketAddr>,
 }
 
 /// Knobs that change while the engine runs.

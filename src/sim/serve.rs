@@ -316,6 +316,7 @@ struct Head {
     traceparent: Option<String>,
     content_type: Option<String>,
     header_names: Vec<String>,
+    peer: Option<std::net::SocketAddr>,
 }
 
 impl Head {
@@ -335,6 +336,7 @@ impl Head {
             traceparent: text("traceparent"),
             content_type: text("content-type"),
             header_names: h.keys().map(|k| k.as_str().to_string()).collect(),
+            peer: req.extensions().get::<super::net::Peer>().map(|p| p.0),
         }
     }
 
@@ -353,6 +355,7 @@ impl Head {
             forwarded_for: self.forwarded_for.clone(),
             traceparent: self.traceparent.clone(),
             header_names: self.header_names.clone(),
+            peer: self.peer,
         }
     }
 }

@@ -941,3 +941,77 @@ async fn engine_4xx_never_counts() {
     picky.set_fail(400, 0.0).unwrap();
     assert_eq!(chat(r.addr, 1).await.status, 200);
 }
+
+/// Engine connections outlive their requests: requests one after another ride one
+/// connection; a stream the client abandons does not hand its connection (still busy with
+/// the stream) to the next request; and after the engine restarts on its port, which kills
+/// every kept connection, the next requests are served on a new one rather than failed on
+/// a dead one.
+#[tokio::test]
+async fn engine_connections_are_reused_and_dead_ones_replaced() {
+    let cfg = SimConfig {
+        decode_tokens_per_sec: 50.0,
+        ..vllm(1, 0)
+    };
+    let e = engine(cfg.clone()).await;
+    // One runtime: each core keeps its own connections (thread-per-core, the default), and
+    // which core a client connection lands on is the kernel's choice.
+    let one_core = format!("thread_per_core = false\n{FAST}");
+    let r = router(&one_core, &[toml_of(&e, 1, 0)]).await;
+    wait_state(&r, &[0], "available").await;
+    let chats = |e: &SimEngine| -> Vec<SocketAddr> {
+        (e.seen().into_iter())
+            .filter(|s| s.path == "/v1/chat/completions")
+            .map(|s| s.peer.expect("the sim records the connection"))
+            .collect()
+    };
+    for _ in 0..10 {
+        assert_eq!(timeout(SOON, chat(r.addr, 2)).await.unwrap().status, 200);
+    }
+    let peers = chats(&e);
+    assert_eq!(peers.len(), 10);
+    assert!(
+        peers.iter().all(|p| *p == peers[0]),
+        "ten requests in turn, one engine connection: {peers:?}"
+    );
+
+    // A stream left after its first bytes: its connection is still carrying it.
+    let mut abandoned = timeout(SOON, stream_chat(r.addr, 100)).await.unwrap();
+    let first = timeout(SOON, abandoned.body_mut().frame()).await.unwrap();
+    assert!(first.is_some_and(|f| f.is_ok()), "the stream started");
+    drop(abandoned);
+    let reply = timeout(SOON, chat(r.addr, 2))
+        .await
+        .expect("not stuck behind the stream");
+    assert_eq!(reply.status, 200);
+    let peers = chats(&e);
+    assert_ne!(
+        peers[peers.len() - 1],
+        peers[peers.len() - 2],
+        "the request after the abandoned stream took another connection"
+    );
+
+    // Restarted on the same port: every connection kept to it is dead.
+    let addr: SocketAddr = e.url().trim_start_matches("http://").parse().unwrap();
+    e.kill().await;
+    let e = SimEngine::start(addr, cfg)
+        .await
+        .expect("restart on its port");
+    wait_state(&r, &[0], "available").await;
+    for _ in 0..5 {
+        let reply = timeout(SOON, chat(r.addr, 2)).await.unwrap();
+        assert_eq!(
+            reply.status, 200,
+            "served after the restart: {:?}",
+            reply.body
+        );
+    }
+    let peers = chats(&e);
+    assert_eq!(peers.len(), 5, "each request reached the engine once");
+    assert!(peers.iter().all(|p| *p == peers[0]), "{peers:?}");
+    let rows = workers(&r).await;
+    assert_eq!(
+        rows[0]["consecutive_failures"], 0,
+        "no request failed on a dead connection"
+    );
+}
