@@ -3,8 +3,10 @@
 //! graceful drain), pooled clients for `http://` and `https://` upstreams, and the
 //! OpenAI-shaped error body.
 
+mod conn;
 mod serve;
 
+pub use conn::MAX_HEADER_LINES;
 pub use serve::{serve, serve_with, shutdown_signalled, Door, ServeOptions, Shutdown, Throttle};
 
 use std::time::Duration;

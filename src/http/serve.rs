@@ -23,13 +23,12 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
+use super::conn::{self, Builders, Graceful};
 use crate::config::ServerConfig;
 use crate::tls::ServerTls;
 
@@ -44,9 +43,6 @@ pub async fn shutdown_signalled(shutdown: &mut Shutdown) {
         }
     }
 }
-
-/// Most header lines one HTTP/1 request may carry (431 beyond).
-pub const MAX_HEADER_LINES: usize = 512;
 
 /// File descriptors kept back from client connections for listeners, telemetry and logs.
 const RESERVED_FDS: usize = 64;
@@ -176,7 +172,7 @@ impl Throttle {
 /// Serves a handler function with the default limits; see [`serve_with`].
 pub async fn serve<F, Fut, B>(listener: TcpListener, handler: F, shutdown: Shutdown)
 where
-    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Result<Response<B>, Infallible>> + Send + 'static,
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -203,32 +199,16 @@ pub async fn serve_with<M, S, B>(
     S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
         + Clone
         + Send
+        + Unpin
         + 'static,
     S::Future: Send + 'static,
     M: Fn(std::net::SocketAddr) -> S,
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .keep_alive(true)
-        .max_buf_size(opts.max_header_bytes)
-        // hyper's default of 100 header lines refuses ordinary clients that carry tracing and
-        // gateway headers; the byte cap is the limit that matters.
-        .max_headers(MAX_HEADER_LINES)
-        // The connection watch below owns header and idle deadlines; hyper's own HTTP/1 header
-        // timer (it also runs while a keep-alive connection idles) only backs it up.
-        .header_read_timeout(opts.header_read_timeout + opts.idle_timeout);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .keep_alive_interval(opts.h2_keepalive)
-        .keep_alive_timeout(opts.h2_keepalive)
-        .max_header_list_size(u32::try_from(opts.max_header_bytes).unwrap_or(u32::MAX));
-    let builder = Arc::new(builder);
-    let graceful = GracefulShutdown::new();
+    let builders = Arc::new(Builders::new(&opts));
+    // Every connection task holds a sender; the drain below ends when all are gone.
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     // Told when the drain grace expires: connections still open then are cut.
     let (cut, cut_rx) = watch::channel(false);
     let door = (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(opts.max_connections)));
@@ -284,20 +264,23 @@ pub async fn serve_with<M, S, B>(
             inner: RefCell::new(make(peer)),
             activity: activity.clone(),
         };
-        let (builder, watcher, opts, cut) = (
-            builder.clone(),
-            graceful.watcher(),
+        let (builders, open, opts, cut, shutdown) = (
+            builders.clone(),
+            open.clone(),
             opts.clone(),
             cut_rx.clone(),
+            shutdown.clone(),
         );
         let tls = opts.tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
+            let watch = Watch {
+                activity: &activity,
+                opts: &opts,
+                cut,
+                shutdown,
+            };
             match tls {
-                None => {
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                    let conn = watcher.watch(conn.into_owned());
-                    drive(conn, &activity, &opts, cut).await;
-                }
+                None => serve_conn(stream, svc, &builders, watch).await,
                 Some(acceptor) => {
                     // The handshake counts against the first request's header deadline: a
                     // client that connects and never finishes it holds its slot no longer
@@ -316,16 +299,16 @@ pub async fn serve_with<M, S, B>(
                             return;
                         }
                     };
-                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-                    let conn = watcher.watch(conn.into_owned());
-                    drive(conn, &activity, &opts, cut).await;
+                    serve_conn(stream, svc, &builders, watch).await;
                 }
             }
             drop(slot);
+            drop(open);
         });
     }
     drop(listener);
-    let drained = graceful.shutdown();
+    drop(open);
+    let drained = all_closed.recv();
     let mut drained = std::pin::pin!(drained);
     if tokio::time::timeout(opts.drain_grace, &mut drained)
         .await
@@ -339,17 +322,65 @@ pub async fn serve_with<M, S, B>(
     }
 }
 
-/// Serves one connection until it ends, its deadlines pass, or the drain grace expires.
-async fn drive<C, E>(
-    conn: C,
-    activity: &Activity,
-    opts: &ServeOptions,
-    mut cut: watch::Receiver<bool>,
-) where
-    C: Future<Output = Result<(), E>>,
-    E: std::fmt::Display,
+/// What watches one client connection: its activity and deadlines, the shutdown (finish what
+/// is in flight) and the end of the drain grace (cut).
+struct Watch<'a> {
+    activity: &'a Arc<Activity>,
+    opts: &'a ServeOptions,
+    cut: watch::Receiver<bool>,
+    shutdown: Shutdown,
+}
+
+/// Serves one client connection: HTTP/1 or h2 as its first bytes say (an h2 client's preface
+/// must come within `header_read_timeout`, as any first request's headers must).
+async fn serve_conn<T, S, B>(mut io: T, svc: Tracked<S>, builders: &Arc<Builders>, w: Watch<'_>)
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Send
+        + Unpin
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let deadline = w.activity.opened + w.opts.header_read_timeout;
+    let (mut cut, mut shutdown) = (w.cut.clone(), w.shutdown.clone());
+    // Nothing in flight yet: at shutdown there is nothing to finish.
+    let sniffed = tokio::select! {
+        r = tokio::time::timeout_at(deadline, conn::sniff(&mut io)) => r,
+        _ = cut.wait_for(|c| *c) => return,
+        _ = shutdown_signalled(&mut shutdown) => return,
+    };
+    let (first, h2) = match sniffed {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "client connection failed before its first request");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!("client connection closed: no request within header_read_timeout");
+            return;
+        }
+    };
+    let io = conn::client_io(io, first, w.activity.clone(), !h2);
+    match h2 {
+        true => drive(conn::h2(builders, io, svc), w).await,
+        false => drive(conn::H1::new(builders.clone(), io, svc), w).await,
+    }
+}
+
+/// Serves one connection until it ends, its deadlines pass, or the drain grace expires; at
+/// shutdown it finishes what is in flight and takes nothing new.
+async fn drive<C: Graceful>(conn: C, w: Watch<'_>) {
+    let Watch {
+        activity,
+        opts,
+        mut cut,
+        mut shutdown,
+    } = w;
     let mut conn = std::pin::pin!(conn);
+    let mut shutting_down = false;
     // The watch looks at the connection at least once a period, never once per request:
     // a deadline is re-armed exactly when a look finds the connection idle, and since a
     // period is no longer than `idle_timeout`, the look after a request ends always comes
@@ -380,15 +411,19 @@ async fn drive<C, E>(
             // The drain grace expired (or the accept loop is gone): dropping the
             // connection closes it, streams and all.
             _ = &mut cut => return,
+            _ = shutdown_signalled(&mut shutdown), if !shutting_down => {
+                shutting_down = true;
+                conn.as_mut().graceful();
+            }
         }
     }
 }
 
 /// What the connection watch needs to know of one client connection.
-struct Activity {
-    opened: Instant,
+pub(super) struct Activity {
+    pub(super) opened: Instant,
     /// Requests whose response has not ended yet.
-    active: AtomicUsize,
+    pub(super) active: AtomicUsize,
     /// Requests ever started on the connection.
     started: AtomicU64,
     /// Milliseconds after `opened` when the connection last went idle.

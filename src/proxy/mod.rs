@@ -445,6 +445,7 @@ pub fn stack(
     Future = impl Future + Send + 'static,
 > + Clone
        + Send
+       + Unpin
        + 'static {
     let ctx = Ctx::on(shared, core, peer, Front::Http);
     let c = &ctx;
@@ -476,6 +477,7 @@ pub fn grpc_stack(
     Future = impl Future + Send + 'static,
 > + Clone
        + Send
+       + Unpin
        + 'static {
     let ctx = Ctx::new(shared, peer, Front::Grpc);
     let c = &ctx;

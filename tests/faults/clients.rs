@@ -328,17 +328,24 @@ async fn oversized_headers_get_431_and_are_not_forwarded() {
 }
 
 /// One request with `lines` short header lines over HTTP/1.1, and the status line it got.
-async fn status_with_header_lines(addr: SocketAddr, lines: usize) -> String {
+/// A chat completion request whose head has `lines` header lines (at least 3: Host,
+/// Content-Type and Content-Length), plus `Connection: close` when `close`.
+fn chat_with_lines(lines: usize, close: bool) -> String {
     let body = chat_body(2, false);
     let mut head = String::from("POST /v1/chat/completions HTTP/1.1\r\nHost: rankgate\r\n");
-    // Host, Content-Type and Content-Length are three of the lines.
     for i in 0..lines - 3 {
         head.push_str(&format!("X-Tag-{i}: v\r\n"));
     }
+    let close = if close { "Connection: close\r\n" } else { "" };
     head.push_str(&format!(
-        "Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "Content-Type: application/json\r\nContent-Length: {}\r\n{close}\r\n{body}",
         body.len()
     ));
+    head
+}
+
+async fn status_with_header_lines(addr: SocketAddr, lines: usize) -> String {
+    let head = chat_with_lines(lines, true);
     let mut s = TcpStream::connect(addr).await.unwrap();
     let _ = s.write_all(head.as_bytes()).await;
     let mut got = Vec::new();
@@ -367,6 +374,62 @@ async fn up_to_512_header_lines_are_served_and_more_get_431() {
     let status = status_with_header_lines(r.addr, 600).await;
     assert!(status.starts_with("HTTP/1.1 431 "), "601 lines: {status}");
     assert_eq!(e.requests_received(), before);
+}
+
+/// A head longer than hyper's default arrays midway through a keep-alive connection is served
+/// like the first one (the connection changes over to long heads without losing a byte):
+/// short and long requests in turn, then pipelined, each answered in order. And a body that
+/// holds a long head stays a body: answered (404) before its body was read, with the rest of
+/// the body sent after the answer, it never becomes a request of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_heads_mid_connection_are_served_in_turn_and_bodies_stay_bodies() {
+    let (e, r) = fleet(SimConfig::default()).await;
+    wait_state(&r, &[0, 1], "available").await;
+    let mut s = TcpStream::connect(r.addr).await.unwrap();
+    for lines in [3, 300, 3, 150, 3] {
+        s.write_all(chat_with_lines(lines, false).as_bytes())
+            .await
+            .unwrap();
+        let resp = timeout(Duration::from_secs(5), read_response(&mut s))
+            .await
+            .expect("response within 5 s");
+        assert!(resp.starts_with("HTTP/1.1 200 "), "{lines} lines: {resp}");
+    }
+    let mut s = TcpStream::connect(r.addr).await.unwrap();
+    let pipelined: String = [3, 200, 3].map(|l| chat_with_lines(l, false)).concat();
+    s.write_all(pipelined.as_bytes()).await.unwrap();
+    for lines in [3, 200, 3] {
+        let resp = timeout(Duration::from_secs(5), read_response(&mut s))
+            .await
+            .expect("response within 5 s");
+        assert!(
+            resp.starts_with("HTTP/1.1 200 "),
+            "pipelined, {lines} lines: {resp}"
+        );
+    }
+    assert_eq!(e.requests_received(), 8);
+
+    let fake = chat_with_lines(300, false);
+    let head = format!(
+        "POST /v1/no-such-path HTTP/1.1\r\nHost: rankgate\r\nContent-Length: {}\r\n\r\n0123456789",
+        fake.len() + 10
+    );
+    let mut s = TcpStream::connect(r.addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    let resp = timeout(Duration::from_secs(5), read_response(&mut s))
+        .await
+        .expect("response within 5 s");
+    assert!(resp.starts_with("HTTP/1.1 404 "), "{resp}");
+    // The connection may be closed by now (the body was not drained): the write may fail.
+    let _ = s.write_all(fake.as_bytes()).await;
+    let mut rest = Vec::new();
+    let _ = timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await;
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        !rest.contains("HTTP/1.1"),
+        "a body answered as a request: {rest}"
+    );
+    assert_eq!(e.requests_received(), 8, "nothing reached the engine");
 }
 
 /// After a completed request, an idle HTTP/1 keep-alive connection is closed after

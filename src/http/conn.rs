@@ -1,0 +1,314 @@
+//! One client connection as hyper serves it: the HTTP version (an h2 client's preface, else
+//! HTTP/1), then hyper's HTTP/1 or h2 connection over the client's bytes.
+//!
+//! HTTP/1 heads are parsed into hyper's default header arrays, which live on the stack and
+//! hold 100 lines. Real clients rarely send more, but some (tracing, gateways in front) do, and
+//! rankgate serves up to [`MAX_HEADER_LINES`]. Asking hyper for that many allocates and fills
+//! two 512-entry arrays for every request (about 6k instructions, bench/instructions.sh), so
+//! the connection starts with the default and changes over only when a head needs it: hyper
+//! refuses such a head with its own 431 before anything reaches the service, [`ClientIo`] keeps
+//! that answer from the client, and the same bytes, which hyper read as a head and nothing
+//! else, are parsed again by a connection built for long heads, which serves the rest of the
+//! client's requests. A head past that limit gets the 431 from the second connection.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes};
+use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper::server::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use super::serve::{Activity, ServeOptions};
+
+/// Most header lines one HTTP/1 request may carry (431 beyond).
+pub const MAX_HEADER_LINES: usize = 512;
+
+/// What an h2 client sends first (RFC 9113, 3.4).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// hyper's connection builders for one listener.
+pub struct Builders {
+    /// HTTP/1 with hyper's default header arrays.
+    h1: http1::Builder,
+    /// HTTP/1 for heads of up to [`MAX_HEADER_LINES`] lines.
+    h1_long: http1::Builder,
+    h2: http2::Builder<TokioExecutor>,
+}
+
+impl Builders {
+    pub fn new(opts: &ServeOptions) -> Builders {
+        let mut h1 = http1::Builder::new();
+        h1.timer(TokioTimer::new())
+            .keep_alive(true)
+            .max_buf_size(opts.max_header_bytes)
+            // The connection watch (serve) owns header and idle deadlines; hyper's own HTTP/1
+            // header timer (it also runs while a keep-alive connection idles) only backs it up.
+            .header_read_timeout(opts.header_read_timeout + opts.idle_timeout);
+        let mut h1_long = h1.clone();
+        h1_long.max_headers(MAX_HEADER_LINES);
+        let mut h2 = http2::Builder::new(TokioExecutor::new());
+        h2.timer(TokioTimer::new())
+            .keep_alive_interval(opts.h2_keepalive)
+            .keep_alive_timeout(opts.h2_keepalive)
+            .max_header_list_size(u32::try_from(opts.max_header_bytes).unwrap_or(u32::MAX));
+        Builders { h1, h1_long, h2 }
+    }
+}
+
+/// Reads until the bytes are, or cannot be, an h2 preface. Returns them, and whether they are.
+pub async fn sniff<T: AsyncRead + Unpin>(io: &mut T) -> std::io::Result<(Bytes, bool)> {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    let mut n = 0;
+    while n < buf.len() {
+        let k = io.read(&mut buf[n..]).await?;
+        if k == 0 || buf[n..n + k] != H2_PREFACE[n..n + k] {
+            return Ok((Bytes::copy_from_slice(&buf[..n + k]), false));
+        }
+        n += k;
+    }
+    Ok((Bytes::copy_from_slice(&buf), true))
+}
+
+/// A connection future the connection watch can ask to finish gracefully.
+pub trait Graceful: Future<Output = Result<(), hyper::Error>> {
+    /// Finish what is in flight, take nothing new.
+    fn graceful(self: Pin<&mut Self>);
+}
+
+impl<I, S, B> Graceful for http2::Connection<I, S, TokioExecutor>
+where
+    I: Read + Write + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn graceful(self: Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+}
+
+/// The h2 connection for a client that sent the preface.
+pub fn h2<T, S, B>(
+    b: &Builders,
+    io: ClientIo<T>,
+    svc: S,
+) -> http2::Connection<ClientIo<T>, S, TokioExecutor>
+where
+    T: Read + Write + Unpin + Send + 'static,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    b.h2.serve_connection(io, svc)
+}
+
+/// An HTTP/1 client connection: hyper's, on the default header arrays until a head needs
+/// more (see the module's note).
+pub struct H1<T, S>
+where
+    S: hyper::service::HttpService<hyper::body::Incoming>,
+{
+    conn: Option<http1::Connection<ClientIo<T>, S>>,
+    builders: Arc<Builders>,
+    graceful: bool,
+}
+
+impl<T, S, B> H1<T, S>
+where
+    T: Read + Write + Unpin,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    pub fn new(builders: Arc<Builders>, io: ClientIo<T>, svc: S) -> H1<T, S> {
+        H1 {
+            conn: Some(builders.h1.serve_connection(io, svc)),
+            builders,
+            graceful: false,
+        }
+    }
+}
+
+impl<T, S, B> Future for H1<T, S>
+where
+    T: Read + Write + Unpin,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B> + Unpin,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Output = Result<(), hyper::Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        loop {
+            let Some(conn) = &mut this.conn else {
+                return Poll::Ready(Ok(()));
+            };
+            let e = match std::task::ready!(Pin::new(conn).poll(cx)) {
+                Ok(()) => {
+                    this.conn = None;
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) => e,
+            };
+            let Some(conn) = this.conn.take() else {
+                return Poll::Ready(Err(e));
+            };
+            // Only hyper's 431 for a head, held back: the head is parsed again below.
+            let parts = conn.into_parts();
+            if !(e.is_parse_too_large() && parts.io.held_431) {
+                return Poll::Ready(Err(e));
+            }
+            let mut io = parts.io;
+            io.reread(parts.read_buf);
+            let mut long = this.builders.h1_long.serve_connection(io, parts.service);
+            if this.graceful {
+                Pin::new(&mut long).graceful_shutdown();
+            }
+            this.conn = Some(long);
+        }
+    }
+}
+
+impl<T, S, B> Graceful for H1<T, S>
+where
+    T: Read + Write + Unpin,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B> + Unpin,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn graceful(mut self: Pin<&mut Self>) {
+        self.graceful = true;
+        if let Some(conn) = &mut self.conn {
+            Pin::new(conn).graceful_shutdown();
+        }
+    }
+}
+
+/// A client connection's bytes as hyper reads and writes them: first the bytes read before
+/// hyper had the connection, then the socket's. While its heads are parsed into hyper's
+/// default arrays, it keeps hyper's own 431 from the client ([`H1`] parses that head again).
+pub struct ClientIo<T> {
+    io: T,
+    replay: Bytes,
+    activity: Arc<Activity>,
+    /// Whether a 431 written while no request is in progress is held back.
+    watch_431: bool,
+    /// One was: nothing more goes out, and the socket stays open, until the head is reparsed.
+    held_431: bool,
+}
+
+/// `io` for hyper, `replay` (the sniffed bytes) first; for HTTP/1, watching for hyper's 431.
+pub fn client_io<T>(
+    io: T,
+    replay: Bytes,
+    activity: Arc<Activity>,
+    h1: bool,
+) -> ClientIo<TokioIo<T>> {
+    ClientIo {
+        io: TokioIo::new(io),
+        replay,
+        activity,
+        watch_431: h1,
+        held_431: false,
+    }
+}
+
+impl<T> ClientIo<T> {
+    /// Reads `head` (what hyper had read) again before anything else, watching no more.
+    fn reread(&mut self, head: Bytes) {
+        self.replay = match self.replay.is_empty() {
+            true => head,
+            false => [head, std::mem::take(&mut self.replay)].concat().into(),
+        };
+        self.watch_431 = false;
+        self.held_431 = false;
+    }
+
+    /// Whether `first`, the first bytes of a write, are hyper's own refusal of a head: a 431
+    /// status line while no request is in progress (an engine's 431 goes out during one).
+    fn refuses_head(&self, first: &[u8]) -> bool {
+        self.watch_431
+            && first.starts_with(b"HTTP/1.")
+            && first.get(8..13) == Some(b" 431 ")
+            && self.activity.active.load(Relaxed) == 0
+    }
+}
+
+impl<T: Read + Unpin> Read for ClientIo<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        mut buf: ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.replay.is_empty() {
+            let n = self.replay.len().min(buf.remaining());
+            buf.put_slice(&self.replay[..n]);
+            self.replay.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: Write + Unpin> Write for ClientIo<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.held_431 || self.refuses_head(buf) {
+            self.held_431 = true;
+            return Poll::Ready(Ok(buf.len()));
+        }
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &b[..]);
+        if self.held_431 || self.refuses_head(first) {
+            self.held_431 = true;
+            return Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()));
+        }
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.held_431 {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.held_431 {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
