@@ -23,7 +23,8 @@ use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use super::serve::{Activity, ServeOptions};
+use super::serve::ServeOptions;
+use super::watch::Activity;
 
 /// Most header lines one HTTP/1 request may carry (431 beyond).
 pub const MAX_HEADER_LINES: usize = 512;

@@ -5,6 +5,7 @@
 
 mod conn;
 mod serve;
+mod watch;
 
 pub use conn::MAX_HEADER_LINES;
 pub use serve::{serve, serve_with, shutdown_signalled, Door, ServeOptions, Shutdown, Throttle};

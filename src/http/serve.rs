@@ -14,7 +14,6 @@ use std::cell::RefCell;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -28,7 +27,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::time::Instant;
 
-use super::conn::{self, Builders, Graceful};
+use super::conn::{self, Builders};
+use super::watch::{drive, ActiveGuard, Activity, Watch};
 use crate::config::ServerConfig;
 use crate::tls::ServerTls;
 
@@ -322,15 +322,6 @@ pub async fn serve_with<M, S, B>(
     }
 }
 
-/// What watches one client connection: its activity and deadlines, the shutdown (finish what
-/// is in flight) and the end of the drain grace (cut).
-struct Watch<'a> {
-    activity: &'a Arc<Activity>,
-    opts: &'a ServeOptions,
-    cut: watch::Receiver<bool>,
-    shutdown: Shutdown,
-}
-
 /// Serves one client connection: HTTP/1 or h2 as its first bytes say (an h2 client's preface
 /// must come within `header_read_timeout`, as any first request's headers must).
 async fn serve_conn<T, S, B>(mut io: T, svc: Tracked<S>, builders: &Arc<Builders>, w: Watch<'_>)
@@ -370,102 +361,6 @@ where
     }
 }
 
-/// Serves one connection until it ends, its deadlines pass, or the drain grace expires; at
-/// shutdown it finishes what is in flight and takes nothing new.
-async fn drive<C: Graceful>(conn: C, w: Watch<'_>) {
-    let Watch {
-        activity,
-        opts,
-        mut cut,
-        mut shutdown,
-    } = w;
-    let mut conn = std::pin::pin!(conn);
-    let mut shutting_down = false;
-    // The watch looks at the connection at least once a period, never once per request:
-    // a deadline is re-armed exactly when a look finds the connection idle, and since a
-    // period is no longer than `idle_timeout`, the look after a request ends always comes
-    // before that request's idle deadline.
-    let period = opts.idle_timeout.min(opts.header_read_timeout);
-    let first = Instant::now() + period;
-    let mut timer = std::pin::pin!(tokio::time::sleep_until(first));
-    let mut cut = std::pin::pin!(cut.wait_for(|c| *c));
-    loop {
-        tokio::select! {
-            r = &mut conn => {
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "connection ended with error");
-                }
-                return;
-            }
-            () = &mut timer => {
-                let now = Instant::now();
-                match activity.deadline(opts) {
-                    Some(d) if d <= now => {
-                        tracing::debug!("client connection closed: no request within its timeout");
-                        return;
-                    }
-                    Some(d) => timer.as_mut().reset(d.min(now + period)),
-                    None => timer.as_mut().reset(now + period),
-                }
-            }
-            // The drain grace expired (or the accept loop is gone): dropping the
-            // connection closes it, streams and all.
-            _ = &mut cut => return,
-            _ = shutdown_signalled(&mut shutdown), if !shutting_down => {
-                shutting_down = true;
-                conn.as_mut().graceful();
-            }
-        }
-    }
-}
-
-/// What the connection watch needs to know of one client connection.
-pub(super) struct Activity {
-    pub(super) opened: Instant,
-    /// Requests whose response has not ended yet.
-    pub(super) active: AtomicUsize,
-    /// Requests ever started on the connection.
-    started: AtomicU64,
-    /// Milliseconds after `opened` when the connection last went idle.
-    idle_since_ms: AtomicU64,
-}
-
-impl Activity {
-    fn new() -> Activity {
-        Activity {
-            opened: Instant::now(),
-            active: AtomicUsize::new(0),
-            started: AtomicU64::new(0),
-            idle_since_ms: AtomicU64::new(0),
-        }
-    }
-
-    /// When the connection must close if nothing changes, or `None` while a request is in
-    /// progress.
-    fn deadline(&self, opts: &ServeOptions) -> Option<Instant> {
-        if self.active.load(Relaxed) > 0 {
-            return None;
-        }
-        if self.started.load(Relaxed) == 0 {
-            return Some(self.opened + opts.header_read_timeout);
-        }
-        let idle = Duration::from_millis(self.idle_since_ms.load(Relaxed));
-        Some(self.opened + idle + opts.idle_timeout)
-    }
-}
-
-/// Counts a request as active on its connection until its response body ends.
-struct ActiveGuard(Arc<Activity>);
-
-impl Drop for ActiveGuard {
-    fn drop(&mut self) {
-        let a = &self.0;
-        a.idle_since_ms
-            .store(a.opened.elapsed().as_millis() as u64, Relaxed);
-        a.active.fetch_sub(1, Relaxed);
-    }
-}
-
 /// A connection's service, as hyper calls it, keeping the connection's [`Activity`] current.
 ///
 /// hyper calls `call` from the connection's own task, one call at a time, so the tower service
@@ -486,9 +381,7 @@ where
     type Future = TrackedFuture<S::Future>;
 
     fn call(&self, req: Request<Incoming>) -> Self::Future {
-        self.activity.started.fetch_add(1, Relaxed);
-        self.activity.active.fetch_add(1, Relaxed);
-        let guard = Some(ActiveGuard(self.activity.clone()));
+        let guard = Some(self.activity.begin());
         let fut = self.inner.borrow_mut().call(req);
         TrackedFuture { fut, guard }
     }

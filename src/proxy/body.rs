@@ -276,6 +276,10 @@ struct Upstream {
     /// is already there costs no timer work (nor a look at the clock). May come from `send`,
     /// which used it for the response timeout, until it is reset for the body.
     timer: Option<Pin<Box<Sleep>>>,
+    /// The waker the timer holds from its last poll. While it is the task's and the timer has
+    /// not fired, a wait for the next chunk leaves the timer alone: polling it again cost about
+    /// 450 instructions per relayed SSE event (bench/instructions.sh).
+    timer_waker: Option<std::task::Waker>,
 }
 
 /// Why an upstream stream ended early.
@@ -302,6 +306,7 @@ impl ProxyBody {
                 idle,
                 last_frame: None,
                 timer,
+                timer_waker: None,
             })),
             holds: Holds::default(),
             target: None,
@@ -460,6 +465,7 @@ impl Body for ProxyBody {
                     None => {
                         let now = Instant::now();
                         up.last_frame = Some(now);
+                        up.timer_waker = None;
                         match &mut up.timer {
                             Some(t) => t.as_mut().reset(now + idle),
                             None => up.timer = Some(Box::pin(tokio::time::sleep_until(now + idle))),
@@ -470,6 +476,10 @@ impl Body for ProxyBody {
                 let Some(timer) = &mut up.timer else {
                     return Poll::Pending;
                 };
+                let holds_ours = (up.timer_waker.as_ref()).is_some_and(|w| w.will_wake(cx.waker()));
+                if holds_ours && !timer.is_elapsed() {
+                    return Poll::Pending;
+                }
                 // The deadline moves lazily: only when the timer fires is it checked against
                 // the last frame, so a busy stream costs no timer update per chunk.
                 while timer.as_mut().poll(cx).is_ready() {
@@ -479,6 +489,7 @@ impl Body for ProxyBody {
                     }
                     timer.as_mut().reset(due);
                 }
+                up.timer_waker = Some(cx.waker().clone());
                 Poll::Pending
             }
         }
