@@ -13,6 +13,14 @@
 # requests wrk completed), wrk's p50/p99 latency, and the process's peak RSS; then each target's
 # median over the rounds, as ratios to nginx's in the same rounds, with the spread.
 #
+# MODE=stream is the token relay instead: STREAMS (200) SSE chat completions at a time from the
+# load client, WAVES (10) times over, each of TOKENS (50) events the simulated engine paces (RATE,
+# default 150 tokens/s per request, comes out near 50/s at this batch size: the client's
+# inter-token p50 is shown), through nginx (proxy_buffering off), the lean hyper proxy
+# (examples/lean_proxy.rs) and rankgate; per target and round the proxy's CPU µs per relayed
+# event (user+system time over the events the client received), then the medians and the ratio
+# to nginx in the same rounds. Each load run is bounded at 120 s.
+#
 # Needs nginx, wrk, taskset and 2+ CPUs. Loopback only; every run bounded by DURATION.
 # Usage: bench/proxy.sh [DURATION_SECONDS=8] [CONNECTIONS=64] [ROUNDS=3]
 # TARGETS="nginx vllm" limits the targets. PIN=0 runs the same rounds with nothing pinned;
@@ -30,6 +38,78 @@ done
 cargo build --release --quiet --bin rankgate --example bare_proxy
 
 . bench/lib.sh
+
+if [ "${MODE:-requests}" = stream ]; then
+  STREAMS=${STREAMS:-200}; TOKENS=${TOKENS:-50}; RATE=${RATE:-150}; WAVES=${WAVES:-10}
+  TARGETS=${STREAM_TARGETS:-nginx lean vllm}
+  cargo build --release --quiet --example lean_proxy --example loadgen
+  SIM=$(free_port)
+  declare -A PORT PID
+  for t in nginx lean vllm; do PORT[$t]=$(free_port); done
+  ADMIN_PORT=$(free_port)
+  if [ "${PIN:-1}" = 0 ]; then ON_0=; ON_1=; else ON_0="taskset -c 0"; ON_1="taskset -c 1"; fi
+  $ON_1 target/release/rankgate mock-engine --listen "127.0.0.1:$SIM" --flavor vllm --dp-size 2 \
+    --decode-rate "$RATE" --prefill-rate 1000000 --capacity-tokens 100000000 2>/dev/null & pids+=($!)
+  for _ in $(seq 100); do curl -s -o /dev/null "127.0.0.1:$SIM/v1/models" && break; sleep 0.1; done
+  proxy_conf 1 "${PORT[nginx]}" "$SIM" | sed 's/proxy_set_header Connection "";/proxy_set_header Connection ""; proxy_buffering off;/' > "$work/nginx.conf"
+  printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\ndp_size = 2\n' \
+    "${PORT[vllm]}" "$ADMIN_PORT" "$SIM" > "$work/vllm.toml"
+  for t in $TARGETS; do
+    case $t in
+      nginx) $ON_0 nginx -c "$work/nginx.conf" -p "$work" & ;;
+      lean) $ON_0 target/release/examples/lean_proxy "127.0.0.1:${PORT[lean]}" "127.0.0.1:$SIM" & ;;
+      vllm) RUST_LOG=error $ON_0 target/release/rankgate serve --config "$work/vllm.toml" & ;;
+      *) echo "unknown stream target $t" >&2; exit 2 ;;
+    esac
+    pids+=($!); PID[$t]=$!
+  done
+  if [[ " $TARGETS " == *" vllm "* ]]; then
+    for _ in $(seq 100); do curl -sf "127.0.0.1:$ADMIN_PORT/ready" >/dev/null && break; sleep 0.1; done
+  fi
+  if [[ " $TARGETS " == *" nginx "* ]]; then
+    for _ in $(seq 50); do w=$(pgrep -P "${PID[nginx]}" | head -1 || true); [ -n "$w" ] && break; sleep 0.1; done
+    PID[nginx]=$w
+  fi
+  stream_load() { # target requests -> events received (ok streams x TOKENS)
+    $ON_1 target/release/examples/loadgen --url "http://127.0.0.1:${PORT[$1]}" --concurrency "$STREAMS" \
+      --requests "$2" --prompt-tokens 16 --output-tokens "$TOKENS" --duration 120s \
+      --json "$work/out.json" >/dev/null 2>&1 || true
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["ok"] * int(sys.argv[2]), sum(r["errors"].values()) if r["errors"] else 0, r["itl_ms"]["p50"])' "$work/out.json" "$TOKENS"
+  }
+  N=$((STREAMS * WAVES))
+  for t in $TARGETS; do stream_load "$t" "$STREAMS" >/dev/null; done   # warm up
+  results=()
+  for r in $(seq "$ROUNDS"); do
+    for t in $TARGETS; do
+      c0=$(cpu_ticks "${PID[$t]}"); read -r events errs itl < <(stream_load "$t" "$N"); c1=$(cpu_ticks "${PID[$t]}")
+      results+=("$r,$t,$((c1 - c0)),$events,$errs,$itl")
+    done
+  done
+  python3 - "$(getconf CLK_TCK)" "$STREAMS" "$TOKENS" "$WAVES" "${results[@]}" <<'PY'
+import statistics, sys
+from collections import defaultdict
+hz, streams, tokens, waves = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+rows, order = defaultdict(dict), []
+for line in sys.argv[5:]:
+    r, t, ticks, events, errs, itl = line.split(",")
+    order += [t] if t not in order else []
+    rows[int(r)][t] = dict(us=int(ticks) / hz * 1e6 / max(int(events), 1), events=int(events), errs=int(errs), itl=float(itl))
+print(f"{len(rows)} rounds, {streams} SSE streams at a time ({waves} waves), {tokens} events each; proxy on CPU 0, engine and client on CPU 1")
+print("| target | CPU µs per relayed event (median) | vs nginx (median, min-max) | events per round | inter-token p50 ms | errors |")
+print("|---|---|---|---|---|---|")
+for t in order:
+    vals = [rows[r][t] for r in sorted(rows)]
+    us = statistics.median(v["us"] for v in vals)
+    if "nginx" in order:
+        ratios = [rows[r][t]["us"] / rows[r]["nginx"]["us"] for r in sorted(rows)]
+        rel = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    else:
+        rel = "-"
+    print(f"| {t} | {us:.1f} | {rel} | {statistics.median(v['events'] for v in vals):.0f} | {statistics.median(v['itl'] for v in vals):.1f} | {sum(v['errs'] for v in vals)} |")
+PY
+  exit 0
+fi
+
 UP=$(free_port); UP2=$(free_port)
 declare -A PORT ADMIN PID
 for t in nginx bare vllm shared sglang models; do PORT[$t]=$(free_port); ADMIN[$t]=$(free_port); done
