@@ -50,6 +50,12 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 
 /// Removes the headers a Connection header value names.
 fn remove_listed(h: &mut HeaderMap, connection: &HeaderValue) {
+    // What HTTP/1.1 clients and servers nearly always send names no header (`close`) or one
+    // on the hop-by-hop list anyway (`keep-alive`): nothing to look up by name.
+    let v = connection.as_bytes().trim_ascii();
+    if v.eq_ignore_ascii_case(b"keep-alive") || v.eq_ignore_ascii_case(b"close") {
+        return;
+    }
     for name in connection.to_str().into_iter().flat_map(|v| v.split(',')) {
         h.remove(name.trim());
     }
@@ -199,5 +205,18 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-keep"));
+    }
+
+    #[test]
+    fn the_usual_connection_values_take_their_headers_with_them() {
+        for value in ["keep-alive", " Keep-Alive ", "close", "CLOSE"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONNECTION, HeaderValue::from_static(value));
+            h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+            h.insert("x-keep", HeaderValue::from_static("1"));
+            strip_hop_by_hop(&mut h);
+            assert_eq!(h.len(), 1, "{value}: {h:?}");
+            assert!(h.contains_key("x-keep"));
+        }
     }
 }

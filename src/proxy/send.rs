@@ -361,16 +361,21 @@ pub struct Sending {
 
 type Sent = Result<Response<Incoming>, TrySendError<Request<RequestBody>>>;
 
+/// A connection being opened, and the request that waits for it. Boxed, as are all the
+/// states but the usual one: the future is moved up the stack by value, and a request
+/// carried in it made every move hundreds of bytes longer.
+type Opening = (
+    super::BoxFuture<Result<Sender, ProxyError>>,
+    Option<Request<RequestBody>>,
+);
+
 enum State {
     /// Every connection slot to the engine is taken: waiting for one (rare, so boxed).
     Waiting(Box<(super::BoxFuture<()>, Option<Request<RequestBody>>)>),
     /// Holding a slot, opening a connection (no idle one was open).
-    Connecting(
-        super::BoxFuture<Result<Sender, ProxyError>>,
-        Option<Request<RequestBody>>,
-    ),
-    /// Holding a slot and an idle connection that is not ready for a request yet.
-    Readying(Option<(Sender, Request<RequestBody>)>),
+    Connecting(Box<Opening>),
+    /// Holding a slot and an idle connection that is not ready for a request yet (rare).
+    Readying(Box<Option<(Sender, Request<RequestBody>)>>),
     /// The request is on the connection, waiting for the response head.
     Sending(Pin<Box<dyn Future<Output = Sent> + std::marker::Send>>),
     /// A gRPC call, a stream on one of the engine's h2 connections.
@@ -383,7 +388,9 @@ impl Sending {
     fn start(&mut self, req: Request<RequestBody>) -> State {
         let engine = &self.target.engine;
         match engine.conn.idle.take(self.ctx.conn().core) {
-            Some(sender) => State::Readying(Some((sender, req))),
+            // The usual case: the request goes out now.
+            Some(sender) if sender.is_ready() => self.send(sender, req),
+            Some(sender) => State::Readying(Box::new(Some((sender, req)))),
             None => self.connect(req),
         }
     }
@@ -410,7 +417,7 @@ impl Sending {
             });
             Ok(sender)
         };
-        State::Connecting(Box::pin(opened), Some(req))
+        State::Connecting(Box::new((Box::pin(opened), Some(req))))
     }
 
     fn send(&mut self, mut sender: Sender, req: Request<RequestBody>) -> State {
@@ -455,7 +462,8 @@ impl Future for Sending {
                     };
                     this.state = this.start(req);
                 }
-                State::Connecting(opening, req) => {
+                State::Connecting(opening) => {
+                    let (opening, req) = &mut **opening;
                     let sender = match opening.as_mut().poll(cx) {
                         Poll::Ready(Ok(sender)) => sender,
                         Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -470,6 +478,7 @@ impl Future for Sending {
                     this.state = this.send(sender, req);
                 }
                 State::Readying(ready) => {
+                    let ready = &mut **ready;
                     let Some((sender, _)) = ready else {
                         return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
                     };
