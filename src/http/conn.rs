@@ -44,12 +44,10 @@ pub struct Builders {
 impl Builders {
     pub fn new(opts: &ServeOptions) -> Builders {
         let mut h1 = http1::Builder::new();
-        h1.timer(TokioTimer::new())
-            .keep_alive(true)
-            .max_buf_size(opts.max_header_bytes)
-            // The connection watch (serve) owns header and idle deadlines; hyper's own HTTP/1
-            // header timer (it also runs while a keep-alive connection idles) only backs it up.
-            .header_read_timeout(opts.header_read_timeout + opts.idle_timeout);
+        // No timer: the connection watch (watch.rs) owns the header and idle deadlines, and
+        // with a timer hyper would arm its own header timeout (30 s unless told otherwise) for
+        // every request, an allocation and a timer set and cancelled each time.
+        h1.keep_alive(true).max_buf_size(opts.max_header_bytes);
         let mut h1_long = h1.clone();
         h1_long.max_headers(MAX_HEADER_LINES);
         let mut h2 = http2::Builder::new(TokioExecutor::new());
