@@ -38,7 +38,7 @@ pub struct Builders {
     h1: http1::Builder,
     /// HTTP/1 for heads of up to [`MAX_HEADER_LINES`] lines.
     h1_long: http1::Builder,
-    h2: http2::Builder<TokioExecutor>,
+    pub h2: http2::Builder<TokioExecutor>,
 }
 
 impl Builders {
@@ -92,24 +92,6 @@ where
     fn graceful(self: Pin<&mut Self>) {
         self.graceful_shutdown();
     }
-}
-
-/// The h2 connection for a client that sent the preface.
-pub fn h2<T, S, B>(
-    b: &Builders,
-    io: ClientIo<T>,
-    svc: S,
-) -> http2::Connection<ClientIo<T>, S, TokioExecutor>
-where
-    T: Read + Write + Unpin + Send + 'static,
-    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>,
-    S::Future: Send + 'static,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    B: http_body::Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    b.h2.serve_connection(io, svc)
 }
 
 /// An HTTP/1 client connection: hyper's, on the default header arrays until a head needs
@@ -205,8 +187,11 @@ pub struct ClientIo<T> {
     io: T,
     replay: Bytes,
     activity: Arc<Activity>,
-    /// Whether a 431 written while no request is in progress is held back.
+    /// Whether hyper's own 431 is held back.
     watch_431: bool,
+    /// The service's 431s let through so far: a 431 status line is hyper's own when the
+    /// service has given no more than these.
+    passed_431: usize,
     /// One was: nothing more goes out, and the socket stays open, until the head is reparsed.
     held_431: bool,
 }
@@ -223,6 +208,7 @@ pub fn client_io<T>(
         replay,
         activity,
         watch_431: h1,
+        passed_431: 0,
         held_431: false,
     }
 }
@@ -239,12 +225,18 @@ impl<T> ClientIo<T> {
     }
 
     /// Whether `first`, the first bytes of a write, are hyper's own refusal of a head: a 431
-    /// status line while no request is in progress (an engine's 431 goes out during one).
-    fn refuses_head(&self, first: &[u8]) -> bool {
-        self.watch_431
-            && first.starts_with(b"HTTP/1.")
-            && first.get(8..13) == Some(b" 431 ")
-            && self.activity.active.load(Relaxed) == 0
+    /// status line the service did not answer (its 431s, an engine's passed on among them,
+    /// are counted before hyper writes them, and responses go out in order).
+    fn refuses_head(&mut self, first: &[u8]) -> bool {
+        if !(self.watch_431 && first.starts_with(b"HTTP/1.") && first.get(8..13) == Some(b" 431 "))
+        {
+            return false;
+        }
+        if self.passed_431 < self.activity.answered_431.load(Relaxed) {
+            self.passed_431 += 1;
+            return false;
+        }
+        true
     }
 }
 

@@ -356,7 +356,7 @@ where
     };
     let io = conn::client_io(io, first, w.activity.clone(), !h2);
     match h2 {
-        true => drive(conn::h2(builders, io, svc), w).await,
+        true => drive(builders.h2.serve_connection(io, svc), w).await,
         false => drive(conn::H1::new(builders.clone(), io, svc), w).await,
     }
 }
@@ -406,6 +406,12 @@ where
         let this = self.project();
         let resp = std::task::ready!(this.fut.poll(cx))?;
         let guard = this.guard.take();
+        if resp.status() == http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE {
+            // Told to the connection's bytes, which must let this 431 through (conn.rs).
+            if let Some(g) = &guard {
+                g.answered_431();
+            }
+        }
         Poll::Ready(Ok(resp.map(|body| TrackedBody {
             body,
             _guard: guard,

@@ -30,6 +30,9 @@ pub(super) struct Activity {
     pub(super) started: AtomicU64,
     /// Milliseconds after `opened` when the connection last went idle.
     idle_since_ms: AtomicU64,
+    /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
+    /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
+    pub(super) answered_431: AtomicUsize,
 }
 
 impl Activity {
@@ -39,6 +42,7 @@ impl Activity {
             active: AtomicUsize::new(0),
             started: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(0),
+            answered_431: AtomicUsize::new(0),
         }
     }
 
@@ -65,6 +69,13 @@ impl Activity {
 
 /// Counts a request as active on its connection until its response body ends.
 pub(super) struct ActiveGuard(Arc<Activity>);
+
+impl ActiveGuard {
+    /// The service's answer to this request has status 431.
+    pub(super) fn answered_431(&self) {
+        self.0.answered_431.fetch_add(1, Relaxed);
+    }
+}
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {

@@ -432,6 +432,36 @@ async fn long_heads_mid_connection_are_served_in_turn_and_bodies_stay_bodies() {
     assert_eq!(e.requests_received(), 8, "nothing reached the engine");
 }
 
+/// An engine's own 431 is the client's answer like any other status (rankgate holds back only
+/// hyper's 431 for a long head it reparses): each request on a keep-alive connection gets it,
+/// in order, and the connection serves on once the engine answers 200 again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engines_431_reaches_the_client() {
+    let (e, r) = fleet(SimConfig::default()).await;
+    wait_state(&r, &[0, 1], "available").await;
+    e.set_fail(431, 100.0).unwrap();
+    let mut s = TcpStream::connect(r.addr).await.unwrap();
+    for _ in 0..3 {
+        s.write_all(chat_with_lines(3, false).as_bytes())
+            .await
+            .unwrap();
+        let resp = timeout(Duration::from_secs(5), read_response(&mut s))
+            .await
+            .expect("the engine's 431 within 5 s");
+        assert!(resp.starts_with("HTTP/1.1 431 "), "{resp}");
+    }
+    e.set_fail(431, 0.0).unwrap();
+    for lines in [3, 200] {
+        s.write_all(chat_with_lines(lines, false).as_bytes())
+            .await
+            .unwrap();
+        let resp = timeout(Duration::from_secs(5), read_response(&mut s))
+            .await
+            .expect("response within 5 s");
+        assert!(resp.starts_with("HTTP/1.1 200 "), "{lines} lines: {resp}");
+    }
+}
+
 /// After a completed request, an idle HTTP/1 keep-alive connection is closed after
 /// `idle_timeout`, not before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
