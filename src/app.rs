@@ -279,6 +279,11 @@ impl Router {
                 front_opts.clone(),
             ))]
         };
+        // Idle engine connections are closed after a while even when no request comes by.
+        tokio::spawn(crate::proxy::sweep_idle_connections(
+            table.clone(),
+            front_rx.clone(),
+        ));
         if let Some(l) = grpc_listener {
             front.push(tokio::spawn(crate::http::serve_with(
                 l,

@@ -3,15 +3,18 @@
 //! A request takes the connection its core used last (so the fewest stay warm) straight from
 //! the core's own list: one uncontended lock, no hashing of the engine's address and no
 //! checkout future, where a general-purpose pool spent about 10k instructions per request
-//! (bench/instructions.sh). A connection comes back when its response body has ended cleanly,
-//! and only then: one left mid-response may never be ready again (a stalled engine). Idle ones
-//! go after [`IDLE_FOR`], looked at whenever a connection is taken or given back, and all of
-//! them with the engine's fleet entry.
+//! (bench/instructions.sh). Once the engine has as many connections open as
+//! `server.max_engine_connections` allows, a core with none idle takes another core's rather
+//! than open one more. A connection comes back when its response body has ended cleanly, and
+//! only then: one left mid-response may never be ready again (a stalled engine). Idle ones go
+//! after [`IDLE_FOR`] (a sweep every few seconds, [`sweep`]), and all of them with the
+//! engine's fleet entry.
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hyper::client::conn::http1::SendRequest;
+use tokio::time::Instant;
 
 use super::RequestBody;
 
@@ -57,15 +60,29 @@ impl Idle {
         list.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The most recently used open connection of `core`'s, if any.
-    pub fn take(&self, core: usize) -> Option<Sender> {
-        let mut list = self.list(core);
-        while let Some((sender, _)) = list.pop() {
-            if !sender.is_closed() {
-                return Some(sender);
+    /// The most recently used open connection of `core`'s, if any; with `others`, else one
+    /// of another core's.
+    pub fn take(&self, core: usize, others: bool) -> Option<Sender> {
+        let n = self.lists.len();
+        let cores = if others { n } else { 1 };
+        (0..cores).find_map(|k| {
+            let mut list = self.list(core + k);
+            while let Some((sender, _)) = list.pop() {
+                if !sender.is_closed() {
+                    return Some(sender);
+                }
             }
+            None
+        })
+    }
+
+    /// Closes the connections idle for [`IDLE_FOR`] (and forgets closed ones), on every core.
+    pub fn sweep(&self) {
+        let now = Instant::now();
+        for core in 0..self.lists.len() {
+            self.list(core)
+                .retain(|(s, since)| now.duration_since(*since) < IDLE_FOR && !s.is_closed());
         }
-        None
     }
 
     /// Keeps `sender` for the next request of `core`'s, unless its connection has closed;
@@ -85,5 +102,89 @@ impl Idle {
             list.drain(..stale);
         }
         list.push((sender, now));
+    }
+}
+
+/// Every [`IDLE_FOR`] / 3, closes the idle connections of every engine in the fleet that have
+/// waited [`IDLE_FOR`], until `shutdown`: without traffic nothing else would look at them.
+pub async fn sweep(
+    table: std::sync::Arc<crate::table::Table>,
+    mut shutdown: crate::http::Shutdown,
+) {
+    let mut tick = tokio::time::interval(IDLE_FOR / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = crate::http::shutdown_signalled(&mut shutdown) => return,
+        }
+        for engine in table.snapshot.load().fleet.engines.iter() {
+            engine.conn.idle.sweep();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use hyper_util::rt::TokioIo;
+    use tokio::io::AsyncReadExt;
+
+    use super::{Idle, IDLE_FOR};
+    use crate::proxy::RequestBody;
+
+    /// A connection given back stays for the next request, and is closed (the engine sees it
+    /// end) once it has waited [`IDLE_FOR`] and a sweep comes by.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_is_kept_then_closed_by_the_sweep() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let engine = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 16];
+            s.read(&mut buf).await.unwrap()
+        });
+        let io = TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+        let (sender, conn) = hyper::client::conn::http1::handshake::<_, RequestBody>(io)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let idle = Idle::new(2);
+        idle.give_back(1, sender);
+        tokio::time::advance(IDLE_FOR - Duration::from_secs(1)).await;
+        idle.sweep();
+        let sender = idle
+            .take(1, false)
+            .expect("kept while younger than IDLE_FOR");
+        assert!(idle.take(1, false).is_none() && idle.take(0, true).is_none());
+        idle.give_back(1, sender);
+        assert!(idle.take(0, false).is_none(), "core 0 has none of its own");
+        tokio::time::advance(IDLE_FOR + Duration::from_secs(1)).await;
+        idle.sweep();
+        assert!(idle.take(0, true).is_none(), "swept");
+        let read = tokio::time::timeout(Duration::from_secs(5), engine).await;
+        assert_eq!(
+            read.unwrap().unwrap(),
+            0,
+            "the engine saw the connection close"
+        );
+    }
+
+    /// A core with none of its own takes another core's when asked to.
+    #[tokio::test]
+    async fn a_core_may_take_another_cores_connection() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _engine = tokio::spawn(async move { listener.accept().await });
+        let io = TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+        let (sender, conn) = hyper::client::conn::http1::handshake::<_, RequestBody>(io)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let idle = Idle::new(3);
+        idle.give_back(2, sender);
+        assert!(idle.take(0, false).is_none());
+        assert!(idle.take(0, true).is_some());
     }
 }

@@ -91,6 +91,7 @@ pub use auth::{Denied, Keys, KeysError};
 pub use body::{BodyTooLarge, BoxError, ClientBodyError, Ending, Holds, ProxyBody, RequestBody};
 pub use grpc::{Front, GrpcError};
 pub use identity::REQUEST_ID;
+pub use idle::sweep as sweep_idle_connections;
 pub use pin::pin_in_body;
 pub use scan::json_member;
 

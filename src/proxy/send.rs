@@ -88,6 +88,10 @@ impl Slots {
         }
     }
 
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
     fn give_back(&self) {
         self.used.fetch_sub(1, SeqCst);
         if self.waiting.load(SeqCst) > 0 {
@@ -141,6 +145,8 @@ pub struct EngineConn {
     pub slots: Slots,
     /// Its HTTP/1 connections between requests.
     pub idle: Idle,
+    /// Its HTTP/1 connections open now, in use or idle.
+    pub open: AtomicUsize,
     pub streams: Streams,
 }
 
@@ -164,6 +170,7 @@ impl EngineConn {
                 .and_then(|a| http::uri::Authority::try_from(a).ok()),
             slots: Slots::new(limits.connections),
             idle: Idle::default(),
+            open: AtomicUsize::new(0),
             streams: Streams::new(grpc_connections, limits.streams_per_connection),
         }
     }
@@ -272,6 +279,24 @@ impl Drop for Slot {
                 self.engine.conn.slots.give_back()
             }
         }
+    }
+}
+
+/// One of an engine's HTTP/1 connections in [`EngineConn::open`], from the moment a request
+/// decides to open it until it closes (or fails to open).
+struct Counted(Arc<EngineEntry>);
+
+impl Counted {
+    /// Counts one more, whatever the limit.
+    fn one_more(engine: &Arc<EngineEntry>) -> Counted {
+        engine.conn.open.fetch_add(1, SeqCst);
+        Counted(engine.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.conn.open.fetch_sub(1, SeqCst);
     }
 }
 
@@ -387,15 +412,27 @@ impl Sending {
     /// With a slot taken: the request on the core's idle connection, or on a new one.
     fn start(&mut self, req: Request<RequestBody>) -> State {
         let engine = &self.target.engine;
-        match engine.conn.idle.take(self.ctx.conn().core) {
+        let (conn, core) = (&engine.conn, self.ctx.conn().core);
+        let mut idle = conn.idle.take(core, false);
+        if idle.is_none() {
+            // None idle on this core: one more connection while the engine has fewer than its
+            // limit open, else another core's idle one.
+            let under = |n: usize| (n < conn.slots.limit()).then_some(n + 1);
+            if conn.open.fetch_update(SeqCst, SeqCst, under).is_ok() {
+                return self.connect(req, Counted(engine.clone()));
+            }
+            idle = conn.idle.take(core, true);
+        }
+        match idle {
             // The usual case: the request goes out now.
             Some(sender) if sender.is_ready() => self.send(sender, req),
             Some(sender) => State::Readying(Box::new(Some((sender, req)))),
-            None => self.connect(req),
+            // Every other one is closing: one over the limit until they are gone.
+            None => self.connect(req, Counted::one_more(engine)),
         }
     }
 
-    fn connect(&self, req: Request<RequestBody>) -> State {
+    fn connect(&self, req: Request<RequestBody>, counted: Counted) -> State {
         let engine = self.target.engine.clone();
         let mut connector = self.ctx.connector.clone();
         let opened = async move {
@@ -409,11 +446,11 @@ impl Sending {
             let (sender, conn) = hyper::client::conn::http1::handshake(io)
                 .await
                 .map_err(|e| failed("handshake", &e))?;
-            let url = engine.url.clone();
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
-                    tracing::debug!(engine = %url, error = %crate::http::error_chain(&e), "engine connection ended");
+                    tracing::debug!(engine = %engine.url, error = %crate::http::error_chain(&e), "engine connection ended");
                 }
+                drop(counted);
             });
             Ok(sender)
         };
@@ -513,7 +550,8 @@ impl Future for Sending {
                         match e.take_message() {
                             Some(req) if !this.reconnected => {
                                 this.reconnected = true;
-                                this.state = this.connect(req);
+                                let counted = Counted::one_more(&this.target.engine);
+                                this.state = this.connect(req, counted);
                             }
                             _ => {
                                 let engine = &this.target.engine.url;

@@ -1015,3 +1015,44 @@ async fn engine_connections_are_reused_and_dead_ones_replaced() {
         "no request failed on a dead connection"
     );
 }
+
+/// `server.max_engine_connections` bounds the sockets to an engine, not only the requests in
+/// flight: with every core keeping its own idle connections, a core with none takes another
+/// core's once the engine has its limit open. Requests beyond the limit wait for a slot and
+/// are all served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_sockets_stay_within_max_engine_connections() {
+    let e = engine(vllm(1, 0)).await;
+    let r = router(
+        &format!("max_engine_connections = 2\n{FAST}"),
+        &[toml_of(&e, 1, 0)],
+    )
+    .await;
+    wait_state(&r, &[0], "available").await;
+    for _ in 0..5 {
+        let replies = futures_join(r.addr, 8).await;
+        assert!(replies.iter().all(|s| *s == 200), "{replies:?}");
+    }
+    let peers: std::collections::HashSet<_> = (e.seen().into_iter())
+        .filter(|s| s.path == "/v1/chat/completions")
+        .map(|s| s.peer)
+        .collect();
+    assert_eq!(e.requests_received(), 40);
+    assert!(
+        peers.len() <= 2,
+        "{} engine connections: {peers:?}",
+        peers.len()
+    );
+}
+
+/// `n` chat completions at once, each on a client connection of its own; their statuses.
+async fn futures_join(addr: SocketAddr, n: usize) -> Vec<u16> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| tokio::spawn(async move { timeout(SOON, chat(addr, 2)).await }))
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().map_or(0, |r| r.status.as_u16()));
+    }
+    out
+}
