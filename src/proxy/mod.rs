@@ -148,6 +148,11 @@ pub enum ProxyError {
     /// Connecting failed, or the connection broke before the response headers.
     #[error("upstream {engine} failed: {reason}")]
     Upstream { engine: Arc<str>, reason: String },
+    /// A kept-alive connection to the engine turned out closed when the request went out on
+    /// it (an engine that closes idle connections without saying so): the engine never had
+    /// the request, and nothing is wrong with it. Tried again, on the same engine too.
+    #[error("upstream {engine} had closed the kept connection the request went out on: {reason}")]
+    StaleConnection { engine: Arc<str>, reason: String },
     #[error("no response headers within {} ms (server.response_timeout)", .0.as_millis())]
     Timeout(Duration),
     /// Every connection slot to the engine stayed taken for the whole response timeout: the
@@ -232,7 +237,9 @@ impl ProxyError {
             ProxyError::NoRank(_)
             | ProxyError::NoRankUnlisted { .. }
             | ProxyError::EngineBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::Upstream { .. } | ProxyError::StaleConnection { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::Grpc(g) => g.http.unwrap_or(grpc::http_status(g.code)),
@@ -272,7 +279,10 @@ impl ProxyError {
     /// Whether another rank may be tried: only failures before anything reached the engine's
     /// application or the client (the transport), never the client's own errors.
     pub fn retryable(&self) -> bool {
-        matches!(self.root(), ProxyError::Upstream { .. })
+        matches!(
+            self.root(),
+            ProxyError::Upstream { .. } | ProxyError::StaleConnection { .. }
+        )
     }
 }
 

@@ -35,19 +35,35 @@ impl<S> Retry<S> {
     }
 }
 
-/// Why an attempt may be worth another: the worker it failed on, and whether the transport
-/// failed (then the whole engine is avoided).
+/// What a failed attempt rules out for the next one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ruled {
+    /// The rank that answered 502-504.
+    Worker,
+    /// Every rank of the engine whose transport failed.
+    Engine,
+    /// Nothing: the engine had closed a kept connection and never had the request.
+    Nothing,
+}
+
+/// Why an attempt may be worth another: the worker it failed on, and what it rules out.
 fn failed(
     result: &Result<Response<ProxyBody>, ProxyError>,
     grpc: bool,
-) -> Option<(Arc<Member>, bool)> {
+) -> Option<(Arc<Member>, Ruled)> {
     match result {
         Ok(resp) if matches!(super::grpc::answered(resp, grpc).as_u16(), 502..=504) => resp
             .body()
             .target
             .as_ref()
-            .map(|t| (t.worker.clone(), false)),
-        Err(e) if e.retryable() => e.worker().map(|w| (w.clone(), true)),
+            .map(|t| (t.worker.clone(), Ruled::Worker)),
+        Err(e) if e.retryable() => {
+            let ruled = match e.root() {
+                ProxyError::StaleConnection { .. } => Ruled::Nothing,
+                _ => Ruled::Engine,
+            };
+            e.worker().map(|w| (w.clone(), ruled))
+        }
         _ => None,
     }
 }
@@ -124,7 +140,7 @@ where
                 }
                 a.ctx.metrics.retried();
             }
-            let Some((worker, transport)) = failed(&result, a.ctx.grpc()) else {
+            let Some((worker, ruled)) = failed(&result, a.ctx.grpc()) else {
                 return Poll::Ready(attempted(result, a.attempts));
             };
             if a.attempts >= a.ctx.cfg.routing.max_attempts {
@@ -134,18 +150,20 @@ where
                 a.ctx.metrics.retry_refused();
                 return Poll::Ready(attempted(result, a.attempts));
             }
-            if transport {
-                // Every rank of its engine: the worker's engine in the fleet it was picked from
-                // (the worker's ranks are its engine's for as long as either lives).
-                let snap = a.ctx.table.snapshot.load();
-                match (snap.fleet.engines.iter())
-                    .find(|e| e.members.iter().any(|m| m.key == worker.key))
-                {
-                    Some(e) => a.avoid.engine(e.key),
-                    None => a.avoid.worker(worker.key),
+            match ruled {
+                Ruled::Engine => {
+                    // Every rank of its engine: the worker's engine in the fleet it was picked
+                    // from (the worker's ranks are its engine's for as long as either lives).
+                    let snap = a.ctx.table.snapshot.load();
+                    match (snap.fleet.engines.iter())
+                        .find(|e| e.members.iter().any(|m| m.key == worker.key))
+                    {
+                        Some(e) => a.avoid.engine(e.key),
+                        None => a.avoid.worker(worker.key),
+                    }
                 }
-            } else {
-                a.avoid.worker(worker.key);
+                Ruled::Worker => a.avoid.worker(worker.key),
+                Ruled::Nothing => {}
             }
             let body = a
                 .body

@@ -300,6 +300,26 @@ impl Drop for Counted {
     }
 }
 
+/// Whether the connection was found closed before any of the answer came: the engine's end
+/// had gone (hyper saw the close, or the kernel reset the write).
+fn closed_under_us(e: &hyper::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    if e.is_incomplete_message() {
+        return true;
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                BrokenPipe | ConnectionAborted | ConnectionReset | UnexpectedEof
+            );
+        }
+        src = s.source();
+    }
+    false
+}
+
 /// Turns a client error into the proxy's: the client's own body problems first, then the
 /// transport.
 fn classify(
@@ -349,6 +369,7 @@ impl tower::Service<Request<Picked>> for Send {
             timer: Some(timer),
             state: State::Done,
             reconnected: false,
+            reused: false,
         };
         sending.state = if ctx.grpc() {
             // gRPC calls are streams on an engine's h2 connections, not connections.
@@ -382,6 +403,8 @@ pub struct Sending {
     state: State,
     /// A connection taken idle closed before the request went out, and a new one was opened.
     reconnected: bool,
+    /// The request went out on a connection that had carried requests before.
+    reused: bool,
 }
 
 type Sent = Result<Response<Incoming>, TrySendError<Request<RequestBody>>>;
@@ -425,7 +448,7 @@ impl Sending {
         }
         match idle {
             // The usual case: the request goes out now.
-            Some(sender) if sender.is_ready() => self.send(sender, req),
+            Some(sender) if sender.is_ready() => self.send(sender, req, true),
             Some(sender) => State::Readying(Box::new(Some((sender, req)))),
             // Every other one is closing: one over the limit until they are gone.
             None => self.connect(req, Counted::one_more(engine)),
@@ -457,7 +480,9 @@ impl Sending {
         State::Connecting(Box::new((Box::pin(opened), Some(req))))
     }
 
-    fn send(&mut self, mut sender: Sender, req: Request<RequestBody>) -> State {
+    /// `req` on `sender`'s connection; `reused`: one that carried requests before.
+    fn send(&mut self, mut sender: Sender, req: Request<RequestBody>, reused: bool) -> State {
+        self.reused = reused;
         let sent = sender.try_send_request(req);
         if let Some(slot) = &mut self.slot {
             slot.sender = Some(sender);
@@ -512,7 +537,7 @@ impl Future for Sending {
                     let Some(req) = req.take() else {
                         return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
                     };
-                    this.state = this.send(sender, req);
+                    this.state = this.send(sender, req, false);
                 }
                 State::Readying(ready) => {
                     let ready = &mut **ready;
@@ -524,7 +549,7 @@ impl Future for Sending {
                             let Some((sender, req)) = ready.take() else {
                                 unreachable!()
                             };
-                            this.state = this.send(sender, req);
+                            this.state = this.send(sender, req, true);
                         }
                         // Closed since it was given back: the next idle one, or a new one.
                         Poll::Ready(Err(_)) => {
@@ -556,7 +581,18 @@ impl Future for Sending {
                             _ => {
                                 let engine = &this.target.engine.url;
                                 let e = e.into_error();
-                                return Poll::Ready(Err(classify(&e, engine, max_body)));
+                                let err = classify(&e, engine, max_body);
+                                // A kept connection the engine had closed without saying so:
+                                // the request never reached it.
+                                if this.reused && closed_under_us(&e) {
+                                    if let ProxyError::Upstream { engine, reason } = err {
+                                        return Poll::Ready(Err(ProxyError::StaleConnection {
+                                            engine,
+                                            reason,
+                                        }));
+                                    }
+                                }
+                                return Poll::Ready(Err(err));
                             }
                         }
                     }

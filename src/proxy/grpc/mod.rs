@@ -266,7 +266,8 @@ pub fn code_of(err: &ProxyError) -> Code {
         ProxyError::NoRank(_)
         | ProxyError::NoRankUnlisted { .. }
         | ProxyError::EngineBusy { .. }
-        | ProxyError::Upstream { .. } => Code::Unavailable,
+        | ProxyError::Upstream { .. }
+        | ProxyError::StaleConnection { .. } => Code::Unavailable,
         ProxyError::Internal(_) | ProxyError::At { .. } => Code::Internal,
     }
 }
