@@ -27,7 +27,8 @@ pub type Sender = SendRequest<RequestBody>;
 pub const IDLE_FOR: Duration = Duration::from_secs(15);
 
 /// One engine's idle connections: one list per core (thread-per-core runtimes), each used by
-/// its own core, so the locks are never contended on the request path.
+/// its own core (another looks in only when the engine is at its limit), so the locks are
+/// hardly ever contended on the request path.
 #[derive(Debug)]
 pub struct Idle {
     lists: Box<[Mutex<List>]>,
