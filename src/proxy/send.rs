@@ -135,7 +135,6 @@ impl Default for ConnLimits {
 pub struct EngineConn {
     /// `http` or `https`, as the engine's URLs say.
     pub scheme: http::uri::Scheme,
-    pub authority: http::uri::Authority,
     /// The `Host` an HTTP/1 request to it carries, rendered once: the client would otherwise
     /// format it into a new string for every request.
     pub host: http::HeaderValue,
@@ -160,8 +159,6 @@ impl EngineConn {
             scheme: engine.scheme(),
             host: host_header(&engine.authority, engine.tls()),
             // Validated at config load; a failure here would be a bug in validation.
-            authority: http::uri::Authority::try_from(&*engine.authority)
-                .unwrap_or(http::uri::Authority::from_static("invalid.invalid:1")),
             origin: http::Uri::try_from(format!("{}://{}", engine.scheme(), engine.authority))
                 .unwrap_or(http::Uri::from_static("http://invalid.invalid:1")),
             grpc_authority: engine
