@@ -35,6 +35,10 @@ impl<S> Retry<S> {
     }
 }
 
+/// How many times one request is sent again after kept connections turned out closed: an
+/// engine that closes them unannounced can have several dead ones kept.
+const MAX_RESENDS: u32 = 3;
+
 /// What a failed attempt rules out for the next one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ruled {
@@ -76,21 +80,20 @@ where
 
     fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
         self.ctx.budget.deposit();
-        let max = self.ctx.cfg.routing.max_attempts;
-        // Only a body kept whole can be sent twice; the head is copied only then.
-        let again = (max > 1)
-            .then(|| req.body().replay())
-            .flatten()
-            .map(|body| Again {
-                head: head(&req),
-                body,
-                inner: self.inner.clone(),
-                ctx: self.ctx.clone(),
-                // Engines ruled out before the first attempt (by model or route) stay out.
-                avoid: req.extensions().get::<Avoid>().cloned().unwrap_or_default(),
-                attempts: 1,
-                last: None,
-            });
+        // Only a body kept whole can be sent twice; the head is copied only then. Even with
+        // retries off (max_attempts = 1): a kept connection the engine had closed is sent on
+        // again.
+        let again = req.body().replay().map(|body| Again {
+            head: head(&req),
+            body,
+            inner: self.inner.clone(),
+            ctx: self.ctx.clone(),
+            // Engines ruled out before the first attempt (by model or route) stay out.
+            avoid: req.extensions().get::<Avoid>().cloned().unwrap_or_default(),
+            attempts: 1,
+            resent: 0,
+            last: None,
+        });
         Retrying {
             attempt: self.inner.call(req),
             again,
@@ -113,8 +116,10 @@ pub struct Again<S> {
     ctx: Ctx,
     avoid: Avoid,
     attempts: u32,
+    /// Times it was sent again after a kept connection turned out closed (not attempts).
+    resent: u32,
     /// While a later attempt runs: the failure before it, which stands if it finds no rank.
-    last: Option<Answer>,
+    last: Option<(Answer, u32)>,
 }
 
 impl<S> Future for Retrying<S>
@@ -130,19 +135,36 @@ where
             let Some(a) = &mut this.again else {
                 return Poll::Ready(attempted(result, 1));
             };
-            if let Some(last) = a.last.take() {
+            if let Some((last, its_attempts)) = a.last.take() {
                 // No other rank to go to: the failure the client gets is the real one.
                 if matches!(
                     result.as_ref().map_err(ProxyError::root),
                     Err(ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. })
                 ) {
-                    return Poll::Ready(attempted(last, a.attempts - 1));
+                    return Poll::Ready(attempted(last, its_attempts));
                 }
                 a.ctx.metrics.retried();
             }
             let Some((worker, ruled)) = failed(&result, a.ctx.grpc()) else {
                 return Poll::Ready(attempted(result, a.attempts));
             };
+            if ruled == Ruled::Nothing {
+                // The engine never had it: sent again, which is no retry (no attempt, nothing
+                // from the budget), a few times at most.
+                if a.resent >= MAX_RESENDS {
+                    return Poll::Ready(attempted(result, a.attempts));
+                }
+                a.resent += 1;
+                let body = a
+                    .body
+                    .replay()
+                    .unwrap_or(RequestBody::Full(Default::default()));
+                let mut next = rebuild(&a.head, body);
+                next.extensions_mut().insert(a.avoid.clone());
+                a.last = Some((result, a.attempts));
+                this.attempt = a.inner.call(next);
+                continue;
+            }
             if a.attempts >= a.ctx.cfg.routing.max_attempts {
                 return Poll::Ready(attempted(result, a.attempts));
             }
@@ -163,6 +185,7 @@ where
                     }
                 }
                 Ruled::Worker => a.avoid.worker(worker.key),
+                // Sent again above.
                 Ruled::Nothing => {}
             }
             let body = a
@@ -171,8 +194,8 @@ where
                 .unwrap_or(RequestBody::Full(Default::default()));
             let mut next = rebuild(&a.head, body);
             next.extensions_mut().insert(a.avoid.clone());
+            a.last = Some((result, a.attempts));
             a.attempts += 1;
-            a.last = Some(result);
             this.attempt = a.inner.call(next);
         }
     }

@@ -582,6 +582,8 @@ impl Future for Sending {
                                 // A kept connection the engine had closed without saying so:
                                 // the request never reached it.
                                 if this.reused && closed_under_us(&e) {
+                                    let core = this.ctx.conn().core;
+                                    this.target.engine.conn.idle.clear(core);
                                     if let ProxyError::Upstream { engine, reason } = err {
                                         return Poll::Ready(Err(ProxyError::StaleConnection {
                                             engine,

@@ -1128,35 +1128,38 @@ async fn engine_closing_after_each_answer(
 /// engine is not counted as failing for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_closing_kept_connections_unannounced_loses_no_request() {
-    let (addr, chats) = engine_closing_after_each_answer().await;
-    let one_core = format!("thread_per_core = false\n{FAST}");
-    let r = router(
-        &one_core,
-        &[engine_toml(&format!("http://{addr}"), "vllm", 2, 0)],
-    )
-    .await;
-    wait_state(&r, &[0, 1], "available").await;
-    let mut statuses = Vec::new();
-    // The race (a kept connection taken just before the engine's close arrives) is hit a few
-    // times in a few hundred requests.
-    for _ in 0..80 {
-        statuses.extend(futures_join(r.addr, 10).await);
+    // With retries as they come, and with retries off and one connection (nearly every kept
+    // connection is then a dead one): sending again is no retry.
+    let settings = [
+        format!("thread_per_core = false\n{FAST}"),
+        format!(
+            "max_engine_connections = 1\n{FAST}[routing]\nmax_attempts = 1\nretry_budget = 0.0\n"
+        ),
+    ];
+    for config in settings {
+        let (addr, chats) = engine_closing_after_each_answer().await;
+        let engines = [engine_toml(&format!("http://{addr}"), "vllm", 2, 0)];
+        let r = router(&config, &engines).await;
+        wait_state(&r, &[0, 1], "available").await;
+        let mut statuses = Vec::new();
+        // The race (a kept connection taken just before the engine's close arrives) is hit a
+        // few times in a few hundred requests.
+        for _ in 0..80 {
+            statuses.extend(futures_join(r.addr, 10).await);
+        }
+        let failed: Vec<_> = statuses.iter().filter(|s| **s != 200).collect();
+        assert!(
+            failed.is_empty(),
+            "{config}: {} of 800 failed: {failed:?}",
+            failed.len()
+        );
+        let reached = chats.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(reached, 800, "{config}: each reached the engine once");
+        let rows = workers(&r).await;
+        assert!(
+            rows.iter()
+                .all(|w| w["consecutive_failures"] == 0 && w["state"] != "ejected"),
+            "{config}: {rows:?}"
+        );
     }
-    let failed: Vec<_> = statuses.iter().filter(|s| **s != 200).collect();
-    assert!(
-        failed.is_empty(),
-        "{} of 800 failed: {failed:?}",
-        failed.len()
-    );
-    assert_eq!(
-        chats.load(std::sync::atomic::Ordering::SeqCst),
-        800,
-        "each reached the engine once"
-    );
-    let rows = workers(&r).await;
-    assert!(
-        rows.iter()
-            .all(|w| w["consecutive_failures"] == 0 && w["state"] != "ejected"),
-        "{rows:?}"
-    );
 }
