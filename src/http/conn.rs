@@ -13,7 +13,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -28,6 +28,10 @@ use super::watch::Activity;
 
 /// Most header lines one HTTP/1 request may carry (431 beyond).
 pub const MAX_HEADER_LINES: usize = 512;
+
+/// hyper's answer to a head with too many lines, up to its date.
+const HYPER_431: &[u8] =
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\ncontent-length: 0\r\ndate: ";
 
 /// What an h2 client sends first (RFC 9113, 3.4).
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -103,6 +107,8 @@ where
     conn: Option<http1::Connection<ClientIo<T>, S>>,
     builders: Arc<Builders>,
     graceful: bool,
+    /// Set by [`ClientIo`] when it holds back a 431 as hyper's own.
+    held: Arc<AtomicBool>,
 }
 
 impl<T, S, B> H1<T, S>
@@ -115,6 +121,7 @@ where
 {
     pub fn new(builders: Arc<Builders>, io: ClientIo<T>, svc: S) -> H1<T, S> {
         H1 {
+            held: io.held.clone(),
             conn: Some(builders.h1.serve_connection(io, svc)),
             builders,
             graceful: false,
@@ -138,19 +145,30 @@ where
             let Some(conn) = &mut this.conn else {
                 return Poll::Ready(Ok(()));
             };
-            let e = match std::task::ready!(Pin::new(conn).poll(cx)) {
-                Ok(()) => {
+            let e = match Pin::new(conn).poll(cx) {
+                Poll::Ready(Ok(())) => {
                     this.conn = None;
                     return Poll::Ready(Ok(()));
                 }
-                Err(e) => e,
+                Poll::Ready(Err(e)) => e,
+                // hyper ends the connection with its parse error in the poll that writes its
+                // 431; one held back that hyper goes on from was not its refusal of a head:
+                // the connection ends rather than hang with its answer half out.
+                Poll::Pending if this.held.load(Relaxed) => {
+                    tracing::warn!(
+                        "client connection closed: an answer looked like hyper's own 431"
+                    );
+                    this.conn = None;
+                    return Poll::Ready(Ok(()));
+                }
+                Poll::Pending => return Poll::Pending,
             };
             let Some(conn) = this.conn.take() else {
                 return Poll::Ready(Err(e));
             };
             // Only hyper's 431 for a head, held back: the head is parsed again below.
             let parts = conn.into_parts();
-            if !(e.is_parse_too_large() && parts.io.held_431) {
+            if !(e.is_parse_too_large() && parts.io.held.load(Relaxed)) {
                 return Poll::Ready(Err(e));
             }
             let mut io = parts.io;
@@ -193,7 +211,7 @@ pub struct ClientIo<T> {
     /// service has given no more than these.
     passed_431: usize,
     /// One was: nothing more goes out, and the socket stays open, until the head is reparsed.
-    held_431: bool,
+    held: Arc<AtomicBool>,
 }
 
 /// `io` for hyper, `replay` (the sniffed bytes) first; for HTTP/1, watching for hyper's 431.
@@ -209,7 +227,7 @@ pub fn client_io<T>(
         activity,
         watch_431: h1,
         passed_431: 0,
-        held_431: false,
+        held: Arc::default(),
     }
 }
 
@@ -221,12 +239,18 @@ impl<T> ClientIo<T> {
             false => [head, std::mem::take(&mut self.replay)].concat().into(),
         };
         self.watch_431 = false;
-        self.held_431 = false;
+        self.held.store(false, Relaxed);
     }
 
-    /// Whether `first`, the first bytes of a write, are hyper's own refusal of a head: a 431
-    /// status line the service did not answer (its 431s, an engine's passed on among them,
-    /// are counted before hyper writes them, and responses go out in order).
+    fn holding(&self) -> bool {
+        self.held.load(Relaxed)
+    }
+
+    /// Whether `first`, the first buffer of a write, is hyper's own refusal of a head: its
+    /// whole error head, byte for byte but the date, written while no request is active, and
+    /// a 431 the service did not answer (its 431s, an engine's passed on among them, are
+    /// counted before hyper writes them, and responses go out in order). Body bytes can begin
+    /// with anything, so the shape alone would not do.
     fn refuses_head(&mut self, first: &[u8]) -> bool {
         if !(self.watch_431 && first.starts_with(b"HTTP/1.") && first.get(8..13) == Some(b" 431 "))
         {
@@ -236,7 +260,11 @@ impl<T> ClientIo<T> {
             self.passed_431 += 1;
             return false;
         }
-        true
+        // The date is 29 bytes (IMF-fixdate), then the blank line.
+        first.len() == HYPER_431.len() + 29 + 4
+            && first.starts_with(HYPER_431)
+            && first.ends_with(b"\r\n\r\n")
+            && self.activity.active.load(Relaxed) == 0
     }
 }
 
@@ -262,8 +290,8 @@ impl<T: Write + Unpin> Write for ClientIo<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        if self.held_431 || self.refuses_head(buf) {
-            self.held_431 = true;
+        if self.holding() || self.refuses_head(buf) {
+            self.held.store(true, Relaxed);
             return Poll::Ready(Ok(buf.len()));
         }
         Pin::new(&mut self.io).poll_write(cx, buf)
@@ -278,8 +306,8 @@ impl<T: Write + Unpin> Write for ClientIo<T> {
             .iter()
             .find(|b| !b.is_empty())
             .map_or(&[][..], |b| &b[..]);
-        if self.held_431 || self.refuses_head(first) {
-            self.held_431 = true;
+        if self.holding() || self.refuses_head(first) {
+            self.held.store(true, Relaxed);
             return Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()));
         }
         Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
@@ -290,14 +318,14 @@ impl<T: Write + Unpin> Write for ClientIo<T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        if self.held_431 {
+        if self.holding() {
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.io).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        if self.held_431 {
+        if self.holding() {
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.io).poll_shutdown(cx)

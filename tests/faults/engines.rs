@@ -1123,6 +1123,103 @@ async fn engine_closing_after_each_answer(
     (addr, chats)
 }
 
+/// An engine whose answers are in two pieces, the second a while after the first and
+/// beginning with the bytes of an HTTP 431 status line (model output can say anything).
+async fn engine_with_a_431_inside_its_answer() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 8192];
+                loop {
+                    let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&got[..end + 4]).to_ascii_lowercase();
+                    let length: usize = (head.lines())
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap_or(0));
+                    while got.len() < end + 4 + length {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    got.drain(..end + 4 + length);
+                    let (first, second) = if head.starts_with("get /metrics") {
+                        (include_str!("../fixtures/vllm-0.32-dp2-metrics.txt"), "")
+                    } else if head.starts_with("get /v1/models") {
+                        (include_str!("../fixtures/vllm-0.32-models.json"), "")
+                    } else {
+                        (
+                            "the engine says: ",
+                            "HTTP/1.1 431 Request Header Fields Too Large\r\nand more text",
+                        )
+                    };
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{first}",
+                        first.len() + second.len()
+                    );
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    if !second.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        if s.write_all(second.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The bytes of a 431 status line inside an engine's answer are the answer's: the client gets
+/// all of it, and the next request on the connection is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_holding_a_431_status_line_reaches_the_client_whole() {
+    let addr = engine_with_a_431_inside_its_answer().await;
+    let r = router(
+        FAST,
+        &[engine_toml(&format!("http://{addr}"), "vllm", 2, 0)],
+    )
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    let mut s = TcpStream::connect(r.addr).await.unwrap();
+    let body = chat_body(2, false);
+    for _ in 0..3 {
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: rankgate\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let whole = timeout(SOON, async {
+            loop {
+                let n = s.read(&mut buf).await.unwrap();
+                assert!(n > 0, "closed: {}", String::from_utf8_lossy(&got));
+                got.extend_from_slice(&buf[..n]);
+                if got.ends_with(b"and more text") {
+                    return;
+                }
+            }
+        })
+        .await;
+        let text = String::from_utf8_lossy(&got);
+        assert!(whole.is_ok(), "the answer stopped short: {text}");
+        assert!(text.starts_with("HTTP/1.1 200 "), "{text}");
+    }
+}
+
 /// Against such an engine every request is served: one that goes out on a kept connection the
 /// engine had already closed is sent again on a new one (the engine never had it), and the
 /// engine is not counted as failing for it.
