@@ -77,10 +77,12 @@ impl Idle {
         })
     }
 
-    /// Closes `core`'s idle connections: one turned out closed by the engine unannounced, and
+    /// Closes every idle connection: one turned out closed by the engine unannounced, and
     /// those kept beside it are suspect too.
-    pub fn clear(&self, core: usize) {
-        self.list(core).clear();
+    pub fn clear(&self) {
+        for core in 0..self.lists.len() {
+            self.list(core).clear();
+        }
     }
 
     /// Closes the connections idle for [`IDLE_FOR`] (and forgets closed ones), on every core.

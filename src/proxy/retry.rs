@@ -136,6 +136,8 @@ where
                 return Poll::Ready(attempted(result, 1));
             };
             if let Some((last, its_attempts)) = a.last.take() {
+                // Sent again (no retry) when the attempts did not move.
+                let retried = its_attempts < a.attempts;
                 // No other rank to go to: the failure the client gets is the real one.
                 if matches!(
                     result.as_ref().map_err(ProxyError::root),
@@ -143,7 +145,9 @@ where
                 ) {
                     return Poll::Ready(attempted(last, its_attempts));
                 }
-                a.ctx.metrics.retried();
+                if retried {
+                    a.ctx.metrics.retried();
+                }
             }
             let Some((worker, ruled)) = failed(&result, a.ctx.grpc()) else {
                 return Poll::Ready(attempted(result, a.attempts));

@@ -297,20 +297,17 @@ impl Drop for Counted {
     }
 }
 
-/// Whether the connection was found closed before any of the answer came: the engine's end
-/// had gone (hyper saw the close, or the kernel reset the write).
+/// Whether the engine's end of the connection had closed before it read the request: the
+/// kernel reset the connection (a socket closed with nothing left unread answers data sent to
+/// it with a reset). A plain close after the request went out is not taken for that: the engine
+/// may have read the request and then closed (crashed, or a balancer in between dropped it),
+/// and a generation must not run twice.
 fn closed_under_us(e: &hyper::Error) -> bool {
-    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
-    if e.is_incomplete_message() {
-        return true;
-    }
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
     let mut src = std::error::Error::source(e);
     while let Some(s) = src {
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
-            return matches!(
-                io.kind(),
-                BrokenPipe | ConnectionAborted | ConnectionReset | UnexpectedEof
-            );
+            return matches!(io.kind(), BrokenPipe | ConnectionAborted | ConnectionReset);
         }
         src = s.source();
     }
@@ -582,8 +579,7 @@ impl Future for Sending {
                                 // A kept connection the engine had closed without saying so:
                                 // the request never reached it.
                                 if this.reused && closed_under_us(&e) {
-                                    let core = this.ctx.conn().core;
-                                    this.target.engine.conn.idle.clear(core);
+                                    this.target.engine.conn.idle.clear();
                                     if let ProxyError::Upstream { engine, reason } = err {
                                         return Poll::Ready(Err(ProxyError::StaleConnection {
                                             engine,
