@@ -159,12 +159,7 @@ where
                     return Poll::Ready(attempted(result, a.attempts));
                 }
                 a.resent += 1;
-                let body = a
-                    .body
-                    .replay()
-                    .unwrap_or(RequestBody::Full(Default::default()));
-                let mut next = rebuild(&a.head, body);
-                next.extensions_mut().insert(a.avoid.clone());
+                let next = a.request();
                 a.last = Some((result, a.attempts));
                 this.attempt = a.inner.call(next);
                 continue;
@@ -192,16 +187,21 @@ where
                 // Sent again above.
                 Ruled::Nothing => {}
             }
-            let body = a
-                .body
-                .replay()
-                .unwrap_or(RequestBody::Full(Default::default()));
-            let mut next = rebuild(&a.head, body);
-            next.extensions_mut().insert(a.avoid.clone());
+            let next = a.request();
             a.last = Some((result, a.attempts));
             a.attempts += 1;
             this.attempt = a.inner.call(next);
         }
+    }
+}
+
+impl<S> Again<S> {
+    /// The request once more, with what earlier attempts ruled out.
+    fn request(&self) -> Request<RequestBody> {
+        let body = (self.body.replay()).unwrap_or(RequestBody::Full(Default::default()));
+        let mut next = rebuild(&self.head, body);
+        next.extensions_mut().insert(self.avoid.clone());
+        next
     }
 }
 
