@@ -140,13 +140,12 @@ mod tests {
     use hyper_util::rt::TokioIo;
     use tokio::io::AsyncReadExt;
 
-    use super::{Idle, IDLE_FOR};
+    use super::{Idle, Sender, IDLE_FOR};
     use crate::proxy::RequestBody;
 
-    /// A connection given back stays for the next request, and is closed (the engine sees it
-    /// end) once it has waited [`IDLE_FOR`] and a sweep comes by.
-    #[tokio::test(start_paused = true)]
-    async fn an_idle_connection_is_kept_then_closed_by_the_sweep() {
+    /// A client connection to an engine on loopback, and the engine's end: it resolves to what
+    /// one read got (0 once the connection is closed).
+    async fn connection() -> (Sender, tokio::task::JoinHandle<usize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let engine = tokio::spawn(async move {
@@ -159,6 +158,14 @@ mod tests {
             .await
             .unwrap();
         tokio::spawn(conn);
+        (sender, engine)
+    }
+
+    /// A connection given back stays for the next request, and is closed (the engine sees it
+    /// end) once it has waited [`IDLE_FOR`] and a sweep comes by.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_is_kept_then_closed_by_the_sweep() {
+        let (sender, engine) = connection().await;
         let idle = Idle::new(2);
         idle.give_back(1, sender);
         tokio::time::advance(IDLE_FOR - Duration::from_secs(1)).await;
@@ -183,14 +190,7 @@ mod tests {
     /// A core with none of its own takes another core's when asked to.
     #[tokio::test]
     async fn a_core_may_take_another_cores_connection() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let _engine = tokio::spawn(async move { listener.accept().await });
-        let io = TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
-        let (sender, conn) = hyper::client::conn::http1::handshake::<_, RequestBody>(io)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
+        let (sender, _engine) = connection().await;
         let idle = Idle::new(3);
         idle.give_back(2, sender);
         assert!(idle.take(0, false).is_none());

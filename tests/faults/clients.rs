@@ -344,6 +344,16 @@ fn chat_with_lines(lines: usize, close: bool) -> String {
     head
 }
 
+/// Sends [`chat_with_lines`] on `s` (kept alive) and reads its answer, within 5 s.
+async fn chat_on(s: &mut TcpStream, lines: usize) -> String {
+    s.write_all(chat_with_lines(lines, false).as_bytes())
+        .await
+        .unwrap();
+    timeout(Duration::from_secs(5), read_response(s))
+        .await
+        .expect("response within 5 s")
+}
+
 async fn status_with_header_lines(addr: SocketAddr, lines: usize) -> String {
     let head = chat_with_lines(lines, true);
     let mut s = TcpStream::connect(addr).await.unwrap();
@@ -387,12 +397,7 @@ async fn long_heads_mid_connection_are_served_in_turn_and_bodies_stay_bodies() {
     wait_state(&r, &[0, 1], "available").await;
     let mut s = TcpStream::connect(r.addr).await.unwrap();
     for lines in [3, 300, 3, 150, 3] {
-        s.write_all(chat_with_lines(lines, false).as_bytes())
-            .await
-            .unwrap();
-        let resp = timeout(Duration::from_secs(5), read_response(&mut s))
-            .await
-            .expect("response within 5 s");
+        let resp = chat_on(&mut s, lines).await;
         assert!(resp.starts_with("HTTP/1.1 200 "), "{lines} lines: {resp}");
     }
     let mut s = TcpStream::connect(r.addr).await.unwrap();
@@ -442,22 +447,15 @@ async fn an_engines_431_reaches_the_client() {
     e.set_fail(431, 100.0).unwrap();
     let mut s = TcpStream::connect(r.addr).await.unwrap();
     for _ in 0..3 {
-        s.write_all(chat_with_lines(3, false).as_bytes())
-            .await
-            .unwrap();
-        let resp = timeout(Duration::from_secs(5), read_response(&mut s))
-            .await
-            .expect("the engine's 431 within 5 s");
-        assert!(resp.starts_with("HTTP/1.1 431 "), "{resp}");
+        let resp = chat_on(&mut s, 3).await;
+        assert!(
+            resp.starts_with("HTTP/1.1 431 "),
+            "the engine's 431: {resp}"
+        );
     }
     e.set_fail(431, 0.0).unwrap();
     for lines in [3, 200] {
-        s.write_all(chat_with_lines(lines, false).as_bytes())
-            .await
-            .unwrap();
-        let resp = timeout(Duration::from_secs(5), read_response(&mut s))
-            .await
-            .expect("response within 5 s");
+        let resp = chat_on(&mut s, lines).await;
         assert!(resp.starts_with("HTTP/1.1 200 "), "{lines} lines: {resp}");
     }
 }

@@ -1057,6 +1057,52 @@ async fn futures_join(addr: SocketAddr, n: usize) -> Vec<u16> {
     out
 }
 
+/// The next request on a fake engine's connection, read whole (head and Content-Length body)
+/// and taken out of `got`: its head, lowercased; `None` once the client is gone.
+async fn next_request(s: &mut TcpStream, got: &mut Vec<u8>) -> Option<String> {
+    let end = loop {
+        if let Some(p) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break p + 4;
+        }
+        read_more(s, got).await?;
+    };
+    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+    let length: usize = (head.lines())
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap_or(0));
+    while got.len() < end + length {
+        read_more(s, got).await?;
+    }
+    got.drain(..end + length);
+    Some(head)
+}
+
+/// Reads what the client sent next onto `got`; `None` once it is gone.
+async fn read_more(s: &mut TcpStream, got: &mut Vec<u8>) -> Option<()> {
+    let mut buf = [0u8; 8192];
+    let n = s.read(&mut buf).await.ok().filter(|&n| n > 0)?;
+    got.extend_from_slice(&buf[..n]);
+    Some(())
+}
+
+/// What a fake engine answers to telemetry and model-list requests: the real vLLM DP=2
+/// captures (content type, body); `None` for anything else.
+fn captured(head: &str) -> Option<(&'static str, &'static str)> {
+    if head.starts_with("get /metrics") {
+        Some((
+            "text/plain",
+            include_str!("../fixtures/vllm-0.32-dp2-metrics.txt"),
+        ))
+    } else if head.starts_with("get /v1/models") {
+        Some((
+            "application/json",
+            include_str!("../fixtures/vllm-0.32-models.json"),
+        ))
+    } else {
+        None
+    }
+}
+
 /// An engine that closes each connection right after its answer without saying so (no
 /// `Connection: close`; HTTP/1.1 lets a server close an idle connection at any time): chat
 /// completions get vLLM's captured answer, `/metrics` the DP=2 capture, `/v1/models` the
@@ -1071,38 +1117,10 @@ async fn engine_closing_after_each_answer(
         while let Ok((mut s, _)) = listener.accept().await {
             let chats = counted.clone();
             tokio::spawn(async move {
-                let mut got = Vec::new();
-                let mut buf = [0u8; 8192];
-                let end = loop {
-                    if let Some(p) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break p + 4;
-                    }
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
-                    }
+                let Some(head) = next_request(&mut s, &mut Vec::new()).await else {
+                    return;
                 };
-                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-                let length: usize = (head.lines())
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .map_or(0, |v| v.trim().parse().unwrap_or(0));
-                while got.len() < end + length {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let (kind, body) = if head.starts_with("get /metrics") {
-                    (
-                        "text/plain",
-                        include_str!("../fixtures/vllm-0.32-dp2-metrics.txt"),
-                    )
-                } else if head.starts_with("get /v1/models") {
-                    (
-                        "application/json",
-                        include_str!("../fixtures/vllm-0.32-models.json"),
-                    )
-                } else {
+                let (kind, body) = captured(&head).unwrap_or_else(|| {
                     if head.starts_with("post /v1/chat/completions") {
                         chats.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     }
@@ -1110,7 +1128,7 @@ async fn engine_closing_after_each_answer(
                         "application/json",
                         include_str!("../fixtures/vllm-0.32-chat.json"),
                     )
-                };
+                });
                 let answer = format!(
                     "HTTP/1.1 200 OK\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n\r\n{body}",
                     body.len()
@@ -1132,38 +1150,17 @@ async fn engine_with_a_431_inside_its_answer() -> SocketAddr {
         while let Ok((mut s, _)) = listener.accept().await {
             tokio::spawn(async move {
                 let mut got = Vec::new();
-                let mut buf = [0u8; 8192];
-                loop {
-                    let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        match s.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => got.extend_from_slice(&buf[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&got[..end + 4]).to_ascii_lowercase();
-                    let length: usize = (head.lines())
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .map_or(0, |v| v.trim().parse().unwrap_or(0));
-                    while got.len() < end + 4 + length {
-                        match s.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => got.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    got.drain(..end + 4 + length);
-                    let (first, second) = if head.starts_with("get /metrics") {
-                        (include_str!("../fixtures/vllm-0.32-dp2-metrics.txt"), "")
-                    } else if head.starts_with("get /v1/models") {
-                        (include_str!("../fixtures/vllm-0.32-models.json"), "")
-                    } else {
-                        (
+                while let Some(head) = next_request(&mut s, &mut got).await {
+                    let (kind, first, second) = match captured(&head) {
+                        Some((kind, body)) => (kind, body, ""),
+                        None => (
+                            "text/plain",
                             "the engine says: ",
                             "HTTP/1.1 431 Request Header Fields Too Large\r\nand more text",
-                        )
+                        ),
                     };
                     let answer = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{first}",
+                        "HTTP/1.1 200 OK\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n\r\n{first}",
                         first.len() + second.len()
                     );
                     if s.write_all(answer.as_bytes()).await.is_err() {
