@@ -19,11 +19,11 @@ use crate::http::ServeOptions;
 use crate::membership::{Membership, Sources};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
-use crate::proxy::send::ConnLimits;
 use crate::proxy::{Keys, KeysError, Shared};
 use crate::table::Table;
 use crate::telemetry;
 use crate::tls::{ServerTls, Upstream};
+use crate::upstream::ConnLimits;
 use crate::worker::{EngineEntry, Fleet, Origin};
 
 /// Why rankgate could not start.

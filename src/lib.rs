@@ -47,6 +47,7 @@ pub mod control;
 pub mod demo;
 pub mod discovery;
 pub mod http;
+pub mod live;
 #[cfg(feature = "sim")]
 pub mod load;
 pub mod logging;
@@ -62,6 +63,7 @@ pub mod prefix;
 pub mod proto;
 pub mod proxy;
 pub mod reason;
+pub mod scan;
 #[cfg(feature = "sim")]
 pub mod scenario;
 #[cfg(feature = "sim")]
@@ -71,5 +73,7 @@ pub mod telemetry;
 pub mod tls;
 #[cfg(feature = "top")]
 pub mod top;
+pub mod tracecontext;
+pub mod upstream;
 pub mod wire;
 pub mod worker;

@@ -26,7 +26,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 
 use crate::config::TracingConfig;
-use crate::proxy::trace::{traceparent as header, TraceContext};
+use crate::tracecontext::{traceparent as header, TraceContext};
 
 /// How long one export may take: a collector that does not answer costs spans, never requests.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -18,7 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Mutex;
 
-use crate::proxy::scan::json_member_raw;
+use crate::scan::json_member_raw;
 
 /// Bytes of prompt JSON per chunk: about 64 tokens of English text.
 pub const CHUNK: usize = 256;

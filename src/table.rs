@@ -8,7 +8,7 @@
 //! the next snapshot, so it lives in atomics in each worker's [`Member`], one cache line per
 //! worker so that two ranks' counters never contend.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +16,7 @@ use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
 use crate::catalog::{Catalog, Model};
+pub use crate::live::{Live, UNIT_WEIGHT};
 pub use crate::reason::Reason;
 use crate::worker::{Fleet, Member};
 
@@ -133,42 +134,6 @@ pub struct Snapshot {
     pub ranks: Vec<RankView>,
     /// The fleet's models, and which engines serve each.
     pub catalog: Arc<Catalog>,
-}
-
-/// The weight of a request of typical size; a request's weight is its size relative to that,
-/// in thousandths, so integer atomics can carry it.
-pub const UNIT_WEIGHT: u64 = 1000;
-
-/// Counters of one worker that change per request.
-#[derive(Debug, Default)]
-#[repr(align(64))]
-pub struct Live {
-    /// Requests ever sent to this worker.
-    pub dispatched: AtomicU64,
-    /// Requests whose response body has ended (or failed).
-    pub completed: AtomicU64,
-    /// The same two, each request counted by its weight (see [`UNIT_WEIGHT`]).
-    pub dispatched_weight: AtomicU64,
-    pub completed_weight: AtomicU64,
-    /// Consecutive failures and ejection (see [`crate::outlier`]).
-    pub outlier: crate::outlier::State,
-}
-
-impl Live {
-    /// Weight of the requests in flight.
-    #[inline]
-    pub fn in_flight_weight(&self) -> u64 {
-        let done = self.completed_weight.load(Relaxed);
-        self.dispatched_weight.load(Relaxed).saturating_sub(done)
-    }
-
-    #[inline]
-    pub fn in_flight(&self) -> u64 {
-        // Read `completed` first: a completion racing between the two loads then can only make
-        // the result one too high, never wrap below zero.
-        let done = self.completed.load(Relaxed);
-        self.dispatched.load(Relaxed).saturating_sub(done)
-    }
 }
 
 /// Per engine: its models when the config fixes them, else `None` (until `/v1/models` says).

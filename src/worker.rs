@@ -13,9 +13,9 @@ use std::sync::Arc;
 use http::HeaderValue;
 use serde::Deserialize;
 
-use crate::metrics::{PollCounters, WorkerCounters};
-use crate::proxy::send::{ConnLimits, EngineConn};
-use crate::table::Live;
+use crate::live::Live;
+use crate::metrics::counts::{PollCounters, WorkerCounters};
+use crate::upstream::{ConnLimits, EngineConn};
 
 /// Which engine family serves a rank; decides how a request is pinned and how telemetry is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -40,6 +40,47 @@ impl Flavor {
 impl fmt::Display for Flavor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// Engine flavors, as a set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Flavors(u8);
+
+impl Flavors {
+    pub const VLLM: Flavors = Flavors(1);
+    pub const SGLANG: Flavors = Flavors(2);
+    pub const BOTH: Flavors = Flavors(3);
+
+    /// The flavors a fleet's engines serve (a gateway: every route).
+    pub fn of<'a>(engines: impl IntoIterator<Item = &'a Engine>) -> Flavors {
+        Flavors(engines.into_iter().fold(0, |acc, e| {
+            acc | match e.flavor {
+                Flavor::Vllm => 1,
+                Flavor::Sglang => 2,
+                Flavor::Gateway => 3,
+            }
+        }))
+    }
+
+    /// No flavor at all (a fleet with no engines).
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// Whether the two sets share a flavor.
+    pub fn meets(self, other: Flavors) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// Whether an engine of `flavor` serves the route. An upstream gateway fronts engines of
+    /// its own and takes whatever it is sent.
+    pub fn has(self, flavor: Flavor) -> bool {
+        match flavor {
+            Flavor::Vllm => self.0 & 1 != 0,
+            Flavor::Sglang => self.0 & 2 != 0,
+            Flavor::Gateway => true,
+        }
     }
 }
 
@@ -429,7 +470,7 @@ impl EngineEntry {
             .collect();
         Arc::new(EngineEntry {
             key: EngineId(next_id()),
-            conn: EngineConn::new(&cfg, limits),
+            conn: EngineConn::new(&cfg.authority, cfg.tls(), cfg.grpc.as_deref(), limits),
             cfg,
             origin,
             members,
@@ -468,7 +509,7 @@ pub struct Fleet {
 /// The flavors among the engines serving OpenAI HTTP, for routes only some flavors serve.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HttpShape {
-    pub flavors: crate::proxy::route::Flavors,
+    pub flavors: Flavors,
     /// More than one flavor: some routes then exclude some engines.
     pub mixed_flavors: bool,
     /// Some engine takes the rank in the body (SGLang), so bodies are read whole.
@@ -491,7 +532,7 @@ impl Fleet {
             .collect();
         Fleet {
             http: HttpShape {
-                flavors: crate::proxy::route::Flavors::of(http.iter().copied()),
+                flavors: Flavors::of(http.iter().copied()),
                 mixed_flavors: http.windows(2).any(|w| w[0].flavor != w[1].flavor),
                 pins_in_body: http.iter().any(|e| e.flavor == Flavor::Sglang),
             },

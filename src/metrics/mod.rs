@@ -23,7 +23,7 @@
 //! lints the former, and reads an OpenMetrics counter family (named without `_total`) as a
 //! metric without help.
 
-mod counts;
+pub mod counts;
 mod fleet;
 mod histogram;
 mod labels;

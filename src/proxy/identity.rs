@@ -34,7 +34,7 @@ pub fn valid_request_id(v: &[u8]) -> bool {
 /// A fresh id: 128 random bits as 32 lowercase hex digits.
 pub fn new_request_id() -> HeaderValue {
     let mut buf = [0u8; 32];
-    hex_into(rand::random(), &mut buf);
+    crate::tracecontext::hex_into(rand::random(), &mut buf);
     HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("0"))
 }
 
@@ -49,15 +49,6 @@ fn request_id(h: &mut HeaderMap) -> HeaderValue {
     let id = new_request_id();
     h.insert(REQUEST_ID, id.clone());
     id
-}
-
-/// Lowercase hex of `n`'s low `N / 2` bytes into `out`.
-pub(super) fn hex_into<const N: usize>(mut n: u128, out: &mut [u8; N]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for b in out.iter_mut().rev() {
-        *b = HEX[(n & 0xf) as usize];
-        n >>= 4;
-    }
 }
 
 /// `X-Forwarded-For`: the client's address appended to what earlier proxies wrote (all of the

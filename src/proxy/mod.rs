@@ -72,7 +72,6 @@ mod budget;
 mod cors;
 pub(crate) mod grpc;
 mod identity;
-mod idle;
 mod observe;
 mod pick;
 mod pin;
@@ -80,20 +79,20 @@ mod read;
 mod respond;
 mod retry;
 pub(crate) mod route;
-pub(crate) mod scan;
 mod select;
 pub(crate) mod send;
 #[cfg(test)]
 mod tests;
 pub(crate) mod trace;
 
+pub use crate::scan::json_member;
+pub use crate::upstream::{BodyTooLarge, BoxError, ClientBodyError, RequestBody};
 pub use auth::{Denied, Keys, KeysError};
-pub use body::{BodyTooLarge, BoxError, ClientBodyError, Ending, Holds, ProxyBody, RequestBody};
+pub use body::{Ending, Holds, ProxyBody};
 pub use grpc::{Front, GrpcError};
 pub use identity::REQUEST_ID;
-pub use idle::sweep as sweep_idle_connections;
 pub use pin::pin_in_body;
-pub use scan::json_member;
+pub use send::sweep_idle_connections;
 
 /// The pinning header, spelled as vLLM documents it (header names are case-insensitive; SGLang
 /// reads the same name).
@@ -115,7 +114,7 @@ pub enum ProxyError {
     #[error(transparent)]
     Model(#[from] crate::catalog::ModelError),
     #[error("reading the request's model: {0}")]
-    Scan(#[from] scan::ScanError),
+    Scan(#[from] crate::scan::ScanError),
     #[error("method {method} not allowed on {path} (it takes {allow})")]
     MethodNotAllowed {
         method: Method,
@@ -340,7 +339,7 @@ impl Shared {
             grpc_requests: Arc::default(),
             grpc_clients: (0..server
                 .max_engine_connections
-                .min(send::MAX_GRPC_CONNECTIONS))
+                .min(crate::upstream::MAX_GRPC_CONNECTIONS))
                 .map(|_| crate::http::h2_client_with(server.connect_timeout, upstream))
                 .collect(),
             draining: Arc::default(),

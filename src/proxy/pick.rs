@@ -9,13 +9,13 @@ use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Uri, Version};
 
-use super::body::{RequestBody, StreamBody};
 use super::pin::{pin_in_body, strip_hop_by_hop};
 use super::trace::{self, Traced};
 use super::{
     content_length, grpc, read, route, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER,
 };
 use crate::policy::{Avoid, Explanation};
+use crate::upstream::{RequestBody, StreamBody};
 use crate::worker::Flavor;
 
 #[derive(Clone)]
@@ -87,7 +87,7 @@ where
         #[cfg(feature = "otlp")]
         if let Some(v) = attempt.as_ref().and_then(crate::otlp::traceparent) {
             // The engine's spans are children of this attempt's.
-            parts.headers.insert(trace::TRACEPARENT, v);
+            parts.headers.insert(crate::tracecontext::TRACEPARENT, v);
         }
         // The client's own pin never reaches the engine: rankgate decides the rank (`insert`
         // replaces every value the client sent).

@@ -18,8 +18,8 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use super::body::{ClientBodyError, RequestBody, StreamBody};
 use super::{content_length, Below, Ctx, ProxyError};
+use crate::upstream::{ClientBodyError, RequestBody, StreamBody};
 
 #[derive(Clone)]
 pub struct Read<S> {

@@ -11,7 +11,7 @@ use http::{Method, Request, StatusCode};
 
 use super::{Answer, Below, Ctx, ProxyError, Step};
 use crate::catalog::ModelError;
-use crate::worker::Flavor;
+use crate::worker::Flavors;
 
 /// Where a request's model is, for routing by model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,37 +22,6 @@ pub enum Payload {
     Form,
     /// No body (a GET): any engine of the route's flavors.
     Empty,
-}
-
-/// Engine flavors, as a set.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Flavors(u8);
-
-impl Flavors {
-    pub const VLLM: Flavors = Flavors(1);
-    pub const SGLANG: Flavors = Flavors(2);
-    pub const BOTH: Flavors = Flavors(3);
-
-    /// The flavors a fleet's engines serve (a gateway: every route).
-    pub fn of<'a>(engines: impl IntoIterator<Item = &'a crate::worker::Engine>) -> Flavors {
-        Flavors(engines.into_iter().fold(0, |acc, e| {
-            acc | match e.flavor {
-                Flavor::Vllm => 1,
-                Flavor::Sglang => 2,
-                Flavor::Gateway => 3,
-            }
-        }))
-    }
-
-    /// Whether an engine of `flavor` serves the route. An upstream gateway fronts engines of
-    /// its own and takes whatever it is sent.
-    pub fn has(self, flavor: Flavor) -> bool {
-        match flavor {
-            Flavor::Vllm => self.0 & 1 != 0,
-            Flavor::Sglang => self.0 & 2 != 0,
-            Flavor::Gateway => true,
-        }
-    }
 }
 
 /// A proxied route.
@@ -156,7 +125,7 @@ pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyErr
     if let Action::Proxy(p) = &action {
         let serving = ctx.table.snapshot.load().fleet.http.flavors;
         // An empty fleet (engines still to be found) answers 503 at the pick, not 404 here.
-        if serving.0 != 0 && p.flavors.0 & serving.0 == 0 {
+        if !serving.is_empty() && !p.flavors.meets(serving) {
             return Err(ProxyError::NoEngineFor(path.to_string()));
         }
     }
@@ -230,6 +199,7 @@ fn models(ctx: &Ctx, id: Option<&str>) -> Answer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::worker::Flavor;
 
     #[test]
     fn every_route_has_one_method_and_the_flavors_that_serve_it() {

@@ -10,10 +10,10 @@ use std::borrow::Cow;
 use http::{header, Request};
 
 use super::route::{self, Action, Payload, Proxied};
-use super::scan::{self, ScanError};
 use super::{Below, Ctx, ProxyError, RequestBody, Step};
 use crate::metrics::ModelSlot;
 use crate::policy::Avoid;
+use crate::scan::{self, ScanError};
 
 #[derive(Clone)]
 pub struct Select<S> {
@@ -72,7 +72,7 @@ impl<S> Select<S> {
             }
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
-        if !by_model && (!mixed_flavors || route.flavors == route::Flavors::BOTH) {
+        if !by_model && (!mixed_flavors || route.flavors == crate::worker::Flavors::BOTH) {
             return Ok(None);
         }
         let model = if by_model { model(req, route)? } else { None };

@@ -10,7 +10,7 @@
 //! The response leaves carrying its rank: the `x-rankgate-worker` header, the target and the
 //! request's in-flight mark in its body.
 
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 
 use std::future::Future;
@@ -21,13 +21,12 @@ use http::{header, Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::TrySendError;
 use hyper_util::client::legacy::ResponseFuture;
-use tokio::sync::Notify;
 use tokio::time::Sleep;
 
-use super::body::{BodyTooLarge, ClientBodyError, Ending};
-use super::idle::{Idle, Sender};
+use super::body::Ending;
 use super::pin::strip_hop_by_hop;
-use super::{Ctx, Picked, ProxyBody, ProxyError, RequestBody, WORKER_HEADER};
+use super::{Ctx, Picked, ProxyBody, ProxyError, WORKER_HEADER};
+use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
 use crate::worker::EngineEntry;
 
 #[derive(Clone)]
@@ -36,191 +35,6 @@ pub struct Send(Ctx);
 impl Send {
     pub fn new(ctx: &Ctx) -> Send {
         Send(ctx.clone())
-    }
-}
-
-/// The connection slots to one engine. Taking and giving back a slot is one atomic operation
-/// on the request path; only a request that finds every slot taken waits, and only then is
-/// anyone woken (tokio's `Semaphore` locks its waiter list on every release, from every core).
-#[derive(Debug)]
-pub struct Slots {
-    used: AtomicUsize,
-    limit: usize,
-    /// Requests waiting for a slot, and their wake-up.
-    waiting: AtomicUsize,
-    freed: Notify,
-}
-
-impl Slots {
-    pub fn new(limit: usize) -> Slots {
-        Slots {
-            used: AtomicUsize::new(0),
-            limit,
-            waiting: AtomicUsize::new(0),
-            freed: Notify::new(),
-        }
-    }
-
-    fn try_take(&self) -> bool {
-        self.used
-            .fetch_update(SeqCst, SeqCst, |n| (n < self.limit).then_some(n + 1))
-            .is_ok()
-    }
-
-    async fn take(&self) {
-        self.waiting.fetch_add(1, SeqCst);
-        // Counted as waiting before looking, so a slot given back after the look wakes us.
-        struct Waiting<'a>(&'a AtomicUsize);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, SeqCst);
-            }
-        }
-        let _waiting = Waiting(&self.waiting);
-        loop {
-            let freed = self.freed.notified();
-            let mut freed = std::pin::pin!(freed);
-            freed.as_mut().enable();
-            if self.try_take() {
-                return;
-            }
-            freed.await;
-        }
-    }
-
-    pub fn limit(&self) -> usize {
-        self.limit
-    }
-
-    fn give_back(&self) {
-        self.used.fetch_sub(1, SeqCst);
-        if self.waiting.load(SeqCst) > 0 {
-            self.freed.notify_one();
-        }
-    }
-}
-
-/// Most h2 connections rankgate opens to one engine's gRPC service.
-pub const MAX_GRPC_CONNECTIONS: usize = 64;
-
-/// How many connections rankgate opens to one engine (`server.max_engine_connections`), and
-/// how many gRPC calls one h2 connection carries before the next opens.
-#[derive(Debug, Clone, Copy)]
-pub struct ConnLimits {
-    pub connections: usize,
-    pub streams_per_connection: usize,
-}
-
-impl ConnLimits {
-    pub fn of(server: &crate::config::ServerConfig) -> ConnLimits {
-        ConnLimits {
-            connections: server.max_engine_connections,
-            streams_per_connection: server.grpc_streams_per_connection,
-        }
-    }
-}
-
-impl Default for ConnLimits {
-    fn default() -> ConnLimits {
-        ConnLimits {
-            connections: crate::config::DEFAULT_MAX_ENGINE_CONNECTIONS,
-            streams_per_connection: crate::config::DEFAULT_GRPC_STREAMS_PER_CONNECTION,
-        }
-    }
-}
-
-/// What rankgate needs to reach one engine: its authorities, parsed once, and the slots and
-/// streams its requests take.
-#[derive(Debug)]
-pub struct EngineConn {
-    /// `http` or `https`, as the engine's URLs say.
-    pub scheme: http::uri::Scheme,
-    /// The `Host` an HTTP/1 request to it carries, rendered once: the client would otherwise
-    /// format it into a new string for every request.
-    pub host: http::HeaderValue,
-    /// `scheme://authority`, what a new connection is opened to.
-    pub origin: http::Uri,
-    pub grpc_authority: Option<http::uri::Authority>,
-    pub slots: Slots,
-    /// Its HTTP/1 connections between requests.
-    pub idle: Idle,
-    /// Its HTTP/1 connections open now, in use or idle.
-    pub open: AtomicUsize,
-    pub streams: Streams,
-}
-
-impl EngineConn {
-    pub fn new(engine: &crate::worker::Engine, limits: ConnLimits) -> EngineConn {
-        let grpc_connections = match engine.grpc {
-            Some(_) => limits.connections.min(MAX_GRPC_CONNECTIONS),
-            None => 0,
-        };
-        EngineConn {
-            scheme: engine.scheme(),
-            host: host_header(&engine.authority, engine.tls()),
-            // Validated at config load; a failure here would be a bug in validation.
-            origin: http::Uri::try_from(format!("{}://{}", engine.scheme(), engine.authority))
-                .unwrap_or(http::Uri::from_static("http://invalid.invalid:1")),
-            grpc_authority: engine
-                .grpc
-                .as_deref()
-                .and_then(|a| http::uri::Authority::try_from(a).ok()),
-            slots: Slots::new(limits.connections),
-            idle: Idle::default(),
-            open: AtomicUsize::new(0),
-            streams: Streams::new(grpc_connections, limits.streams_per_connection),
-        }
-    }
-}
-
-/// `Host` for an HTTP/1 request to `authority`, as hyper's client writes it: the host, with the
-/// port unless it is the scheme's default.
-fn host_header(authority: &str, tls: bool) -> http::HeaderValue {
-    let default = if tls { 443 } else { 80 };
-    let shown = match http::uri::Authority::try_from(authority) {
-        Ok(a) if a.port_u16() == Some(default) => a.host().to_string(),
-        _ => authority.to_string(),
-    };
-    http::HeaderValue::try_from(shown).unwrap_or(http::HeaderValue::from_static("invalid.invalid"))
-}
-
-/// The h2 connections to one engine's gRPC service, by the calls each carries: a call goes on
-/// the first connection under the stream limit, so one connection serves until the engine's
-/// stream limit would make calls queue on it, and then the next one opens.
-#[derive(Debug)]
-pub struct Streams {
-    active: Box<[AtomicUsize]>,
-    limit: usize,
-}
-
-impl Streams {
-    pub fn new(connections: usize, limit: usize) -> Streams {
-        Streams {
-            active: (0..connections).map(|_| AtomicUsize::new(0)).collect(),
-            limit,
-        }
-    }
-
-    /// The connection a new call takes. Every one at its limit: the least busy (the call
-    /// queues there, in h2, for a stream).
-    fn take(&self) -> usize {
-        let under = |n: usize| (n < self.limit).then_some(n + 1);
-        if let Some(k) = self
-            .active
-            .iter()
-            .position(|a| a.fetch_update(SeqCst, SeqCst, under).is_ok())
-        {
-            return k;
-        }
-        let k = (0..self.active.len())
-            .min_by_key(|&k| self.active[k].load(SeqCst))
-            .unwrap_or(0);
-        self.active[k].fetch_add(1, SeqCst);
-        k
-    }
-
-    fn give_back(&self, k: usize) {
-        self.active[k].fetch_sub(1, SeqCst);
     }
 }
 
@@ -639,49 +453,21 @@ impl Future for Sending {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
-    use super::{host_header, Slots};
-
-    #[test]
-    fn the_host_header_is_the_engines_as_hyper_would_write_it() {
-        assert_eq!(host_header("10.0.0.7:8000", false), "10.0.0.7:8000");
-        assert_eq!(host_header("vllm:80", false), "vllm");
-        assert_eq!(host_header("vllm:443", true), "vllm");
-        assert_eq!(host_header("vllm:443", false), "vllm:443");
-        assert_eq!(host_header("[::1]:8000", false), "[::1]:8000");
-    }
-
-    #[tokio::test]
-    async fn a_full_engine_makes_the_next_request_wait_until_a_slot_is_given_back() {
-        let slots = Arc::new(Slots::new(2));
-        assert!(slots.try_take() && slots.try_take());
-        assert!(!slots.try_take(), "at the cap");
-        let waiter = {
-            let slots = slots.clone();
-            tokio::spawn(async move { slots.take().await })
-        };
-        // Still waiting: nothing was given back.
-        let waiting = tokio::time::timeout(Duration::from_millis(50), async {
-            while slots.waiting.load(super::SeqCst) == 0 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await;
-        assert!(waiting.is_ok(), "the waiter counts itself");
-        assert!(!waiter.is_finished());
-        slots.give_back();
-        tokio::time::timeout(Duration::from_secs(5), waiter)
-            .await
-            .expect("woken by the slot given back")
-            .unwrap();
-        assert!(!slots.try_take(), "the waiter holds the freed slot");
-        assert_eq!(slots.waiting.load(super::SeqCst), 0);
-        slots.give_back();
-        slots.give_back();
-        assert!(slots.try_take() && slots.try_take() && !slots.try_take());
+/// Every [`IDLE_FOR`](crate::upstream::idle::IDLE_FOR) / 3, closes the idle connections of every engine in the fleet that have
+/// waited [`IDLE_FOR`], until `shutdown`: without traffic nothing else would look at them.
+pub async fn sweep_idle_connections(
+    table: std::sync::Arc<crate::table::Table>,
+    mut shutdown: crate::http::Shutdown,
+) {
+    let mut tick = tokio::time::interval(crate::upstream::idle::IDLE_FOR / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = crate::http::shutdown_signalled(&mut shutdown) => return,
+        }
+        for engine in table.snapshot.load().fleet.engines.iter() {
+            engine.conn.idle.sweep();
+        }
     }
 }

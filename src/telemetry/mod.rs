@@ -27,8 +27,8 @@ use crate::catalog::{Catalog, Model};
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
 use crate::membership::{self, Change, MembershipError, Outcome, Sources};
-use crate::proxy::send::ConnLimits;
 use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
+use crate::upstream::ConnLimits;
 use crate::worker::{EngineEntry, EngineId, Fleet, Reported, WorkerId};
 
 /// One engine's poll, projected onto its ranks.

@@ -8,8 +8,8 @@ use std::time::Duration;
 use super::poller::{self, fetch, HttpClient};
 use super::{detect, grpc, models};
 use crate::config::TelemetryConfig;
-use crate::proxy::send::ConnLimits;
 use crate::table::RankTelemetry;
+use crate::upstream::ConnLimits;
 use crate::worker::{Engine, EngineEntry, Origin};
 
 /// What one read of one engine found.

@@ -16,7 +16,7 @@ use std::time::Duration;
 use hyper::client::conn::http1::SendRequest;
 use tokio::time::Instant;
 
-use super::RequestBody;
+use super::request::RequestBody;
 
 /// A request sender on one HTTP/1 connection to an engine.
 pub type Sender = SendRequest<RequestBody>;
@@ -114,25 +114,6 @@ impl Idle {
     }
 }
 
-/// Every [`IDLE_FOR`] / 3, closes the idle connections of every engine in the fleet that have
-/// waited [`IDLE_FOR`], until `shutdown`: without traffic nothing else would look at them.
-pub async fn sweep(
-    table: std::sync::Arc<crate::table::Table>,
-    mut shutdown: crate::http::Shutdown,
-) {
-    let mut tick = tokio::time::interval(IDLE_FOR / 3);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = crate::http::shutdown_signalled(&mut shutdown) => return,
-        }
-        for engine in table.snapshot.load().fleet.engines.iter() {
-            engine.conn.idle.sweep();
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -141,7 +122,7 @@ mod tests {
     use tokio::io::AsyncReadExt;
 
     use super::{Idle, Sender, IDLE_FOR};
-    use crate::proxy::RequestBody;
+    use crate::upstream::RequestBody;
 
     /// A client connection to an engine on loopback, and the engine's end: it resolves to what
     /// one read got (0 once the connection is closed).

@@ -1,0 +1,11 @@
+//! The way to the engines, below both the fleet (each engine entry holds its connections) and
+//! the proxy (which sends on them): per-engine connection state, idle connections, and the
+//! request body as it goes out.
+
+pub mod conn;
+pub mod idle;
+pub mod request;
+
+pub use conn::{ConnLimits, EngineConn, Slots, Streams, MAX_GRPC_CONNECTIONS};
+pub use idle::{Idle, Sender};
+pub use request::{BodyTooLarge, BoxError, ClientBodyError, RequestBody, StreamBody};

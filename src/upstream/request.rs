@@ -1,0 +1,128 @@
+//! The body of a request on its way to an engine: kept whole (so a retry can send it again
+//! without copying), or streamed on with a size cap and a stall timeout when it is too large
+//! to keep. The client's own failures while it streams are typed here, so whatever error the
+//! upstream client wraps them in, they stay the client's.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::time::Sleep;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The client's body outgrew `server.max_body_bytes` while streaming.
+#[derive(Debug, thiserror::Error)]
+#[error("request body exceeds {0} bytes")]
+pub struct BodyTooLarge(pub usize);
+
+/// The client's body broke (cut short, bad chunking) or stalled: the client's fault, never the
+/// engine's, whatever error the upstream client wraps it in.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientBodyError {
+    #[error("reading the request body: {0}")]
+    Broken(String),
+    #[error("request body stalled: no data for {} ms (server.body_read_timeout)", .0.as_millis())]
+    Stalled(Duration),
+}
+
+/// The body of a request sent to an engine.
+#[derive(Debug)]
+pub enum RequestBody {
+    /// The whole body, as the client sent it: cloning it for a replay copies nothing.
+    Full(Bytes),
+    /// A body too large to keep: what was read of it, then the rest as it arrives.
+    Stream(Box<StreamBody>),
+}
+
+#[derive(Debug)]
+pub struct StreamBody {
+    pub prefix: Option<Bytes>,
+    pub body: Incoming,
+    pub remaining: usize,
+    pub stall: Duration,
+    pub timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl RequestBody {
+    /// A copy for another attempt, when the body is kept whole.
+    pub fn replay(&self) -> Option<RequestBody> {
+        match self {
+            RequestBody::Full(b) => Some(RequestBody::Full(b.clone())),
+            RequestBody::Stream(_) => None,
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let s = match self.get_mut() {
+            RequestBody::Full(b) if b.is_empty() => return Poll::Ready(None),
+            RequestBody::Full(b) => return Poll::Ready(Some(Ok(Frame::data(std::mem::take(b))))),
+            RequestBody::Stream(s) => s,
+        };
+        if let Some(p) = s.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(p))));
+        }
+        match Pin::new(&mut s.body).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                s.timer = None;
+                if let Some(data) = frame.data_ref() {
+                    if data.len() > s.remaining {
+                        return Poll::Ready(Some(Err(Box::new(BodyTooLarge(s.remaining)))));
+                    }
+                    s.remaining -= data.len();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                Poll::Ready(Some(Err(Box::new(ClientBodyError::Broken(e.to_string())))))
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => {
+                let stall = s.stall;
+                let timer = s
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        Poll::Ready(Some(Err(Box::new(ClientBodyError::Stalled(stall)))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Full(b) => b.is_empty(),
+            RequestBody::Stream(s) => s.prefix.is_none() && s.body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Full(b) => SizeHint::with_exact(b.len() as u64),
+            RequestBody::Stream(s) => {
+                let mut h = s.body.size_hint();
+                let p = s.prefix.as_ref().map_or(0, |p| p.len() as u64);
+                h.set_lower(h.lower() + p);
+                if let Some(u) = h.upper() {
+                    h.set_upper(u + p);
+                }
+                h
+            }
+        }
+    }
+}
