@@ -19,7 +19,7 @@ use crate::http::ServeOptions;
 use crate::membership::{Membership, Sources};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
-use crate::proxy::{Keys, KeysError, Shared};
+use crate::proxy::{Keys, KeysError, Layers};
 use crate::table::Table;
 use crate::telemetry;
 use crate::tls::{ServerTls, Upstream};
@@ -119,7 +119,7 @@ fn bind_shared(
 /// returned task ends when its thread's front door has drained.
 fn serve_per_core(
     addr: SocketAddr,
-    shared: &Arc<crate::proxy::Shared>,
+    layers: &Arc<crate::proxy::Layers>,
     shutdown: watch::Receiver<bool>,
     opts: &ServeOptions,
 ) -> Result<Vec<JoinHandle<()>>, StartError> {
@@ -147,7 +147,7 @@ fn serve_per_core(
             let std = listener.into_std().map_err(thread)?;
             TcpListener::from_std(std).map_err(thread)?
         };
-        let (shared, shutdown, opts) = (shared.clone(), shutdown.clone(), opts.clone());
+        let (layers, shutdown, opts) = (layers.clone(), shutdown.clone(), opts.clone());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new()
             .name(format!("rankgate-core-{core}"))
@@ -155,7 +155,7 @@ fn serve_per_core(
                 rt.block_on(async move {
                     crate::http::serve_with(
                         listener,
-                        move |peer| crate::proxy::stack(&shared, core, peer),
+                        move |peer| crate::proxy::stack(&layers, core, peer),
                         shutdown,
                         opts,
                     )
@@ -252,8 +252,8 @@ impl Router {
         );
 
         let memory = crate::memory::spawn(table.clone(), rest_rx.clone());
-        let shared = Shared::new(&cfg, table.clone(), metrics.clone(), keys, &upstream);
-        let selector = shared.selector.clone();
+        let layers = Layers::new(&cfg, table.clone(), metrics.clone(), keys, &upstream);
+        let selector = layers.shared().selector.clone();
         let front_opts = ServeOptions {
             tls: front_tls.clone(),
             ..ServeOptions::front_door(&cfg.server)
@@ -267,13 +267,13 @@ impl Router {
             // anyone holds is an error, as without thread-per-core (two rankgates would
             // otherwise both start on one port and split its traffic).
             drop(listener);
-            serve_per_core(addr, &shared, front_rx.clone(), &front_opts)?
+            serve_per_core(addr, &layers, front_rx.clone(), &front_opts)?
         } else {
             vec![tokio::spawn(crate::http::serve_with(
                 listener,
                 {
-                    let shared = shared.clone();
-                    move |peer| crate::proxy::stack(&shared, 0, peer)
+                    let layers = layers.clone();
+                    move |peer| crate::proxy::stack(&layers, 0, peer)
                 },
                 front_rx.clone(),
                 front_opts.clone(),
@@ -288,14 +288,14 @@ impl Router {
             front.push(tokio::spawn(crate::http::serve_with(
                 l,
                 {
-                    let shared = shared.clone();
-                    move |peer| crate::proxy::grpc_stack(&shared, peer)
+                    let layers = layers.clone();
+                    move |peer| crate::proxy::grpc_stack(&layers, peer)
                 },
                 front_rx,
                 front_opts,
             )));
         }
-        let draining = shared.draining.clone();
+        let draining = layers.draining().clone();
         let admin = Arc::new(Admin {
             table: table.clone(),
             metrics: metrics.clone(),

@@ -438,7 +438,7 @@ mod tests {
             assert!(TABLE_ROUTES.contains(&p), "route {p} has no label");
         }
         // Likewise the gRPC method table.
-        let src = include_str!("../proxy/grpc/mod.rs");
+        let src = include_str!("../proxy/grpc/calls.rs");
         let start = src.find("fn call(").unwrap();
         let end = start + src[start..].find("\n}\n").unwrap();
         let methods: Vec<&str> = src[start..end].split('"').skip(1).step_by(2).collect();

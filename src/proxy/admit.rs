@@ -2,34 +2,27 @@
 //! request gets 429 at once rather than a queue that only grows while the fleet is saturated.
 
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 
 use http::Request;
 
-use super::{Below, Ctx, ProxyError, Step};
+use super::error::ProxyError;
+pub use super::guards::Admission;
+use super::guards::Admitted;
+use super::layer::{Below, Step};
 
 #[derive(Clone)]
 pub struct Admit<S> {
     inner: S,
-    limit: Option<usize>,
-    ctx: Ctx,
-}
-
-/// One admitted request, counted (in [`super::Shared`]) until its response body ends.
-#[derive(Debug)]
-pub struct Admitted(Ctx);
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        self.0.admitted.fetch_sub(1, Relaxed);
-    }
+    /// The count under `server.max_in_flight`, one for all connections; `None`: no limit.
+    admission: Option<Arc<Admission>>,
 }
 
 impl<S> Admit<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Admit<S> {
+    pub fn new(inner: S, admission: &Option<Arc<Admission>>) -> Admit<S> {
         Admit {
             inner,
-            limit: ctx.cfg.server.max_in_flight,
-            ctx: ctx.clone(),
+            admission: admission.clone(),
         }
     }
 }
@@ -41,15 +34,15 @@ where
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let Some(limit) = self.limit else {
+        let Some(admission) = &self.admission else {
             return Step::Below(self.inner.call(req));
         };
-        let count = &self.ctx.admitted;
+        let (count, limit) = (&admission.count, admission.limit);
         if count.fetch_add(1, Relaxed) >= limit {
             count.fetch_sub(1, Relaxed);
             return Step::ready(Err(ProxyError::Overloaded(limit)));
         }
-        let admitted = Admitted(self.ctx.clone());
+        let admitted = Admitted(admission.clone());
         let fut = self.inner.call(req);
         Step::Own(Box::pin(async move {
             let mut resp = fut.await?;

@@ -16,7 +16,12 @@ use std::path::{Path, PathBuf};
 
 use http::{header, Request};
 
-use super::{Below, Ctx, ProxyError, Step};
+use std::sync::Arc;
+
+use http::HeaderMap;
+
+use super::error::{DebugRefused, Denied, ProxyError};
+use super::layer::{Below, Step};
 use crate::config::ServerConfig;
 
 /// The accepted keys.
@@ -56,17 +61,6 @@ pub enum KeysError {
         line: usize,
         problem: &'static str,
     },
-}
-
-/// Why a request was refused: what the client is told (never what was sent).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Denied {
-    #[error("missing API key: send the header `Authorization: Bearer <key>`")]
-    Missing,
-    #[error("the Authorization header must read `Bearer <key>`")]
-    NotBearer,
-    #[error("invalid API key")]
-    Wrong,
 }
 
 /// What no `Authorization: Bearer` value can carry, so a key holding it could never match: the
@@ -208,16 +202,45 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[derive(Clone)]
 pub struct Auth<S> {
     inner: S,
-    ctx: Ctx,
+    gate: Arc<Gate>,
+}
+
+/// What a request must show: a client key (when keys are set), and the admin token to ask for
+/// debugging.
+#[derive(Debug)]
+pub struct Gate {
+    /// The accepted client keys; `None`: no key is asked for.
+    pub keys: Option<Keys>,
+    /// The admin token, which `x-rankgate-debug` needs; `None`: debugging is off.
+    pub debug_token: Option<Keys>,
 }
 
 impl<S> Auth<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Auth<S> {
+    pub fn new(inner: S, gate: &Arc<Gate>) -> Auth<S> {
         Auth {
             inner,
-            ctx: ctx.clone(),
+            gate: gate.clone(),
         }
     }
+}
+
+/// Whether the request asks for debugging, and if so whether it may: `None` when it does not
+/// ask, `Some(Ok)` when it asks with the admin token (for `auth`).
+fn debug_allowed(token: Option<&Keys>, h: &HeaderMap) -> Option<Result<(), DebugRefused>> {
+    let asked = h.get(&super::trace::DEBUG)?;
+    Some((|| {
+        if asked.as_bytes() != b"1" {
+            return Err(DebugRefused::NotOne);
+        }
+        let token = token.ok_or(DebugRefused::Off)?;
+        let sent = h
+            .get(&super::trace::ADMIN_TOKEN)
+            .ok_or(DebugRefused::Missing)?;
+        match token.accepts(sent.as_bytes()) {
+            true => Ok(()),
+            false => Err(DebugRefused::Wrong),
+        }
+    })())
 }
 
 impl<S, B> tower::Service<Request<B>> for Auth<S>
@@ -227,11 +250,11 @@ where
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
-        let ctx = &self.ctx;
-        if let Some(Err(d)) = ctx.keys.as_ref().map(|k| k.check(req.headers())) {
+        let gate = &*self.gate;
+        if let Some(Err(d)) = gate.keys.as_ref().map(|k| k.check(req.headers())) {
             return Step::ready(Err(ProxyError::Unauthorized(d)));
         }
-        if let Some(Err(refused)) = super::trace::debug_allowed(ctx, req.headers()) {
+        if let Some(Err(refused)) = debug_allowed(gate.debug_token.as_ref(), req.headers()) {
             return Step::ready(Err(refused.into()));
         }
         // The debugging headers are rankgate's alone, the admin token above all: consumed

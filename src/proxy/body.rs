@@ -17,90 +17,12 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
-use crate::metrics::ModelIdx;
+use super::grpc::requests::Held;
+use super::grpc::status::status_headers;
+use super::guards::{Admitted, BreakWatch, Done, Slot};
+use super::target::Target;
 use crate::table::InFlight;
 use crate::upstream::BoxError;
-
-/// Records one request's time to first byte when the engine's first chunk passes, and its
-/// duration when its response body ends or is dropped.
-#[derive(Debug)]
-pub struct Done {
-    started: Instant,
-    pub ctx: super::Ctx,
-    pub model: ModelIdx,
-    /// The first chunk was seen: one observation per request, however many chunks follow.
-    first_seen: bool,
-    /// The access log line, when `server.access_log` is on.
-    pub access: Option<Box<Access>>,
-}
-
-/// What the access log line says of a request: gathered on its way through `respond`, finished
-/// when its body ends (or is dropped: a client that left is logged too).
-#[derive(Debug)]
-pub struct Access {
-    pub method: http::Method,
-    pub path: String,
-    pub request_id: Option<http::HeaderValue>,
-    pub status: u16,
-    pub worker: Option<std::sync::Arc<str>>,
-    /// Attempts on engines (retries included); 0 for rankgate's own answers.
-    pub attempts: u32,
-    pub bytes: u64,
-    pub ttfb: Option<Duration>,
-}
-
-impl Done {
-    pub fn new(started: Instant, ctx: &super::Ctx, model: ModelIdx) -> Done {
-        Done {
-            started,
-            ctx: ctx.clone(),
-            model,
-            first_seen: false,
-            access: None,
-        }
-    }
-
-    /// A frame of the engine's body went to the client.
-    #[inline]
-    fn passed(&mut self, frame: &Frame<Bytes>) {
-        let len = frame.data_ref().map_or(0, |d| d.len());
-        if !self.first_seen && len > 0 {
-            self.first_seen = true;
-            let since = self.started.elapsed();
-            (self.ctx.metrics).first_byte(self.model, since);
-            if let Some(a) = &mut self.access {
-                a.ttfb = Some(since);
-            }
-        }
-        if let Some(a) = &mut self.access {
-            a.bytes += len as u64;
-        }
-    }
-}
-
-impl Drop for Done {
-    fn drop(&mut self) {
-        let took = self.started.elapsed();
-        (self.ctx.metrics).finished(self.model, took);
-        if let Some(a) = self.access.take() {
-            let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            tracing::info!(
-                target: "rankgate::access",
-                method = %a.method,
-                path = %a.path,
-                model = self.ctx.metrics.model_name(self.model),
-                worker = a.worker.as_deref().unwrap_or("-"),
-                status = a.status,
-                bytes = a.bytes,
-                duration_ms = ms(took),
-                ttfb_ms = a.ttfb.map(ms),
-                request_id = a.request_id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
-                attempts = a.attempts,
-                "request"
-            );
-        }
-    }
-}
 
 /// What a response holds until its body ends; each layer of the stack puts its own guard here.
 #[derive(Debug, Default)]
@@ -108,17 +30,17 @@ pub struct Holds {
     /// The request in flight on its rank (pick).
     pub in_flight: Option<InFlight>,
     /// A slot under `server.max_in_flight` (admission).
-    pub admitted: Option<super::admit::Admitted>,
+    pub admitted: Option<Admitted>,
     /// A connection slot under `server.max_engine_connections` (send).
-    pub connection: Option<super::send::Slot>,
+    pub connection: Option<Slot>,
     /// Time to first byte and duration (respond).
     pub done: Option<Done>,
     /// Attempts on engines this answer took (retry); 0 until set.
     pub attempts: u32,
     /// Told how the upstream body ended: cleanly or broken (outlier accounting).
-    pub on_break: Option<super::observe::BreakWatch>,
+    pub on_break: Option<BreakWatch>,
     /// The gRPC request id's entry, for Abort (grpc track).
-    pub request_id: Option<super::grpc::Held>,
+    pub request_id: Option<Held>,
     /// A traced request's span, which ends with the body (trace).
     pub span: Option<Box<tracing::Span>>,
 }
@@ -129,7 +51,7 @@ pub struct ProxyBody {
     kind: Kind,
     pub holds: Holds,
     /// The rank that answered, once `pick` has one.
-    pub target: Option<super::Target>,
+    pub target: Option<Target>,
 }
 
 #[derive(Debug)]
@@ -229,7 +151,7 @@ impl ProxyBody {
                 Some(w) => format!("{w}: {err}"),
                 None => err.to_string(),
             };
-            let trailers = super::grpc::status_headers(code, &message);
+            let trailers = status_headers(code, &message);
             return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
         }
         if up.ending == Ending::SseEvent {

@@ -17,7 +17,12 @@ use std::task::{ready, Context, Poll};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 
-use super::{Ctx, ProxyBody, ProxyError};
+use super::body::ProxyBody;
+use super::error::ProxyError;
+use std::sync::Arc;
+
+use super::respond::Errors;
+use super::shared::Ctx;
 
 const EXPOSE: HeaderValue = HeaderValue::from_static("x-request-id, x-rankgate-worker");
 const ALLOW_METHODS: HeaderValue = HeaderValue::from_static("GET, POST, OPTIONS");
@@ -56,15 +61,32 @@ pub fn allowed(origins: &[String], origin: &[u8]) -> Allowed {
 pub struct Cors<S> {
     inner: S,
     /// Only when origins are configured.
-    ctx: Option<Ctx>,
+    on: Option<On>,
+}
+
+#[derive(Clone)]
+struct On {
+    /// `server.cors_allow_origins`.
+    origins: Arc<[String]>,
+    /// How a refused preflight is answered (and counted).
+    ctx: Ctx,
+    errors: Arc<Errors>,
 }
 
 impl<S> Cors<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Cors<S> {
-        let on = !ctx.cfg.server.cors_allow_origins.is_empty();
+    pub fn new(
+        inner: S,
+        ctx: &Ctx,
+        origins: &Option<Arc<[String]>>,
+        errors: &Arc<Errors>,
+    ) -> Cors<S> {
         Cors {
             inner,
-            ctx: on.then(|| ctx.clone()),
+            on: origins.as_ref().map(|origins| On {
+                origins: origins.clone(),
+                ctx: ctx.clone(),
+                errors: errors.clone(),
+            }),
         }
     }
 }
@@ -133,10 +155,10 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let Some(ctx) = &self.ctx else {
+        let Some(on) = &self.on else {
             return Corsed::Pass(self.inner.call(req));
         };
-        let origins = &ctx.cfg.server.cors_allow_origins;
+        let origins = &on.origins;
         // Any origin-dependent answer varies by Origin, also the ones that carry no CORS
         // header: a cache must not hand one origin's answer to another.
         let vary = !origins.iter().any(|o| o == "*");
@@ -156,7 +178,7 @@ where
         if is_preflight {
             let mut resp = if allowed == Allowed::No {
                 let err = ProxyError::OriginNotAllowed(quoted(&origin));
-                super::respond::error_response(ctx, &err)
+                super::respond::error_response(&on.ctx, &on.errors, &err)
             } else {
                 preflight(allowed, &origin, req.headers())
             };

@@ -16,7 +16,8 @@ use std::task::{ready, Context, Poll};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response};
 
-use super::{Ctx, ProxyBody};
+use super::body::ProxyBody;
+use super::shared::Ctx;
 
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub const FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -73,13 +74,6 @@ pub fn forward_for(h: &mut HeaderMap, peer_ip: &HeaderValue) {
     // client's own address is still right.
     let v = HeaderValue::from_bytes(&joined).unwrap_or_else(|_| peer_ip.clone());
     h.insert(FORWARDED_FOR, v);
-}
-
-/// The client's address as a header value, rendered once per connection. An IPv4 client of a
-/// dual-stack listener shows as its IPv4 address, not `::ffff:a.b.c.d`.
-pub fn peer_ip_header(peer: std::net::SocketAddr) -> HeaderValue {
-    HeaderValue::from_str(&peer.ip().to_canonical().to_string())
-        .unwrap_or(HeaderValue::from_static("unknown"))
 }
 
 #[derive(Clone)]
@@ -149,6 +143,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::shared::peer_ip_header;
 
     #[test]
     fn request_ids_kept_only_when_visible_ascii_and_short() {

@@ -11,7 +11,11 @@ use std::task::{ready, Context, Poll};
 use http::Request;
 use http_body::Body as _;
 
-use super::{Answer, Below, Ctx, Picked, ProxyError, Shared, Target};
+use super::error::ProxyError;
+use super::guards::{failure, success, BreakWatch};
+use super::layer::{Answer, Below};
+use super::shared::Ctx;
+use super::target::{Picked, Target};
 use crate::metrics::Attempt;
 use crate::outlier::{Cause, Policy};
 
@@ -19,87 +23,17 @@ use crate::outlier::{Cause, Policy};
 pub struct Observe<S> {
     inner: S,
     ctx: Ctx,
+    /// `routing.eject_after` and `routing.eject_for`.
+    policy: Policy,
 }
 
 impl<S> Observe<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Observe<S> {
+    pub fn new(inner: S, ctx: &Ctx, policy: Policy) -> Observe<S> {
         Observe {
             inner,
             ctx: ctx.clone(),
+            policy,
         }
-    }
-}
-
-fn policy(shared: &Shared) -> Policy {
-    Policy {
-        after: shared.cfg.routing.eject_after,
-        base: shared.cfg.routing.eject_for,
-    }
-}
-
-/// Records a failure of `cause` on worker `w` (on all of its engine's ranks for the transport).
-fn failure(shared: &Shared, target: &Target, cause: Cause) {
-    let ranks = match cause {
-        Cause::Transport => &target.engine.members[..],
-        Cause::Status(_) | Cause::Timeout | Cause::Mixed => std::slice::from_ref(&target.worker),
-    };
-    for w in ranks {
-        if let Some(e) = w.live.outlier.failure(cause, policy(shared)) {
-            shared.metrics.ejected(w);
-            tracing::warn!(worker = %w.id_text, reason = %e, "rank ejected");
-        }
-    }
-}
-
-/// The verdict on a response whose headers were fine: success once its body ends cleanly, a
-/// failure if it breaks after its headers went out (against its engine, or its rank when the
-/// engine just went quiet). Judging at the headers would let every new stream of a rank that
-/// stalls mid-way wipe the failure the previous stall counted, so it would never be ejected (and
-/// a trial would re-admit it on headers alone). A body dropped unfinished (the client left) is no
-/// verdict: a trial passes to the next request.
-#[derive(Debug)]
-pub struct BreakWatch {
-    ctx: Ctx,
-    target: Target,
-    judged: bool,
-}
-
-impl BreakWatch {
-    pub fn fire(mut self, idle: bool) {
-        self.judged = true;
-        let cause = if idle {
-            Cause::Timeout
-        } else {
-            Cause::Transport
-        };
-        failure(&self.ctx, &self.target, cause);
-    }
-
-    /// The body ended cleanly.
-    pub fn ended(mut self) {
-        self.judged = true;
-        success(&self.ctx, &self.target);
-    }
-
-    /// The stream ended with a failure status after its first byte (a gRPC call's trailers
-    /// saying UNAVAILABLE): a failure of the rank, not of the whole engine's transport.
-    pub fn failed(mut self, status: u16) {
-        self.judged = true;
-        failure(&self.ctx, &self.target, Cause::Status(status));
-    }
-}
-
-impl Drop for BreakWatch {
-    fn drop(&mut self) {
-        if !self.judged && self.target.trial {
-            self.target.worker.live.outlier.abandon_trial();
-        }
-    }
-}
-
-fn success(_shared: &Shared, target: &Target) {
-    if target.worker.live.outlier.success() {
-        tracing::info!(worker = %target.worker.id_text, "rank re-admitted after a successful trial");
     }
 }
 
@@ -114,6 +48,7 @@ where
         Observing {
             inner: self.inner.call(req),
             ctx: self.ctx.clone(),
+            policy: self.policy,
             open: target.trial,
             target,
         }
@@ -125,6 +60,7 @@ where
 pub struct Observing<F> {
     inner: F,
     ctx: Ctx,
+    policy: Policy,
     target: Target,
     /// A trial with no verdict yet: one dropped before its answer (the client left) hands the
     /// trial to the next request.
@@ -144,7 +80,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer> {
         let this = self.get_mut();
-        let (ctx, target) = (&this.ctx, &this.target);
+        let (ctx, policy, target) = (&this.ctx, this.policy, &this.target);
         // Errors below are located here, on the attempt's worker.
         let mut result =
             ready!(Pin::new(&mut this.inner).poll(cx)).map_err(|e| e.at(&target.worker));
@@ -164,30 +100,27 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
         let judged = match &mut result {
             Ok(resp) if super::grpc::answered(resp, ctx.grpc()).is_server_error() => {
                 let status = super::grpc::answered(resp, ctx.grpc());
-                failure(ctx, target, Cause::Status(status.as_u16()));
+                failure(&ctx.metrics, policy, target, Cause::Status(status.as_u16()));
                 true
             }
             Ok(resp) if !resp.status().is_client_error() => {
                 if resp.body().is_end_stream() {
                     // Nothing left to come: hyper may never poll an empty body.
-                    success(ctx, target);
+                    success(target);
                 } else {
-                    resp.body_mut().holds.on_break = Some(BreakWatch {
-                        ctx: ctx.clone(),
-                        target: target.clone(),
-                        judged: false,
-                    });
+                    let watch = BreakWatch::new(ctx, policy, target.clone());
+                    resp.body_mut().holds.on_break = Some(watch);
                 }
                 true
             }
             Ok(_) => false,
             Err(e) => match e.root() {
                 ProxyError::Upstream { .. } => {
-                    failure(ctx, target, Cause::Transport);
+                    failure(&ctx.metrics, policy, target, Cause::Transport);
                     true
                 }
                 ProxyError::Timeout(_) => {
-                    failure(ctx, target, Cause::Timeout);
+                    failure(&ctx.metrics, policy, target, Cause::Timeout);
                     true
                 }
                 _ => false,

@@ -9,11 +9,13 @@ use http::header::{self, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Uri, Version};
 
+use super::error::ProxyError;
+use super::layer::{content_length, Below, Step, RANK_HEADER};
 use super::pin::{pin_in_body, strip_hop_by_hop};
+use super::shared::Ctx;
+use super::target::{Picked, Target};
 use super::trace::{self, Traced};
-use super::{
-    content_length, grpc, read, route, Below, Ctx, Picked, ProxyError, Step, Target, RANK_HEADER,
-};
+use super::{grpc, read, route};
 use crate::policy::{Avoid, Explanation};
 use crate::upstream::{RequestBody, StreamBody};
 use crate::worker::Flavor;
@@ -22,13 +24,16 @@ use crate::worker::Flavor;
 pub struct Pick<S> {
     inner: S,
     ctx: Ctx,
+    /// `server.max_body_bytes`, for a body read whole here to pin the rank inside it.
+    max_body: usize,
 }
 
 impl<S> Pick<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Pick<S> {
+    pub fn new(inner: S, ctx: &Ctx, max_body: usize) -> Pick<S> {
         Pick {
             inner,
             ctx: ctx.clone(),
+            max_body,
         }
     }
 }
@@ -166,7 +171,7 @@ where
             },
             (Some(pin), streamed) => {
                 // An SGLang body too large to have been read whole yet: read the rest first.
-                let max = shared.cfg.server.max_body_bytes;
+                let max = self.max_body;
                 let mut inner = self.inner.clone();
                 return in_span(
                     attempt,
@@ -202,7 +207,7 @@ where
 /// The attempt, inside its span when the request is traced.
 fn in_span<F>(span: Option<tracing::Span>, step: Step<F>) -> Step<F>
 where
-    F: std::future::Future<Output = super::Answer> + Send + Unpin + 'static,
+    F: std::future::Future<Output = super::layer::Answer> + Send + Unpin + 'static,
 {
     match span {
         Some(span) => Step::Own(Box::pin(trace::attempt(span, step))),

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-use super::ProxyError;
+use super::error::ProxyError;
 
 /// SGLang body fields that pin a rank (older and newer name); a client's own are replaced.
 const SGLANG_RANK_FIELDS: [&str; 2] = ["data_parallel_rank", "routed_dp_rank"];

@@ -18,7 +18,9 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use super::{content_length, Below, Ctx, ProxyError};
+use super::error::ProxyError;
+use super::layer::{content_length, Below};
+use super::shared::Ctx;
 use crate::upstream::{ClientBodyError, RequestBody, StreamBody};
 
 #[derive(Clone)]
@@ -30,22 +32,30 @@ pub struct Read<S> {
     stall: Duration,
 }
 
+/// How a client's body is read: `server.max_body_bytes`, `routing.retry_buffer_bytes` (what is
+/// kept whole for a replay) and `server.body_read_timeout`.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_body: usize,
+    pub retry_buffer: usize,
+    pub stall: Duration,
+}
+
 impl<S> Read<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Read<S> {
-        let cfg = &ctx.cfg;
+    pub fn new(inner: S, ctx: &Ctx, limits: Limits) -> Read<S> {
         Read {
             inner,
             ctx: ctx.clone(),
-            max_body: cfg.server.max_body_bytes,
+            max_body: limits.max_body,
             // gRPC: the rank goes inside the message, which is read whole.
             // A connection opened before the fleet had such engines streams its bodies: `pick`
             // then reads the rest of one it pins in the body.
             keep: if ctx.grpc() || ctx.table.snapshot.load().fleet.http.pins_in_body {
-                cfg.server.max_body_bytes
+                limits.max_body
             } else {
-                cfg.routing.retry_buffer_bytes
+                limits.retry_buffer
             },
-            stall: cfg.server.body_read_timeout,
+            stall: limits.stall,
         }
     }
 }
@@ -54,12 +64,12 @@ impl<S> tower::Service<Request<Incoming>> for Read<S>
 where
     S: Below<RequestBody> + Clone + Send + 'static,
 {
-    layer_types!(super::BoxFuture<super::Answer>);
+    layer_types!(super::layer::BoxFuture<super::layer::Answer>);
 
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
         let length = content_length(req.headers());
         if length.is_some_and(|n| n > self.max_body as u64) {
-            return super::ready(Err(ProxyError::TooLarge(self.max_body)));
+            return super::layer::ready(Err(ProxyError::TooLarge(self.max_body)));
         }
         let mut inner = self.inner.clone();
         // Where the model decides the engine, the model is read from the body: all of it. So

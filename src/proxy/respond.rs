@@ -11,26 +11,55 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use tokio::time::Instant;
 
-use super::body::{Access, Done};
-use super::{Answer, Ctx, ProxyBody, ProxyError, WORKER_HEADER};
+use super::body::ProxyBody;
+use super::error::ProxyError;
+use super::guards::{Access, Done};
+use super::layer::{Answer, WORKER_HEADER};
+use super::shared::Ctx;
+use crate::http::Throttle;
 use crate::metrics::{ModelSlot, RequestLabels};
 
 #[derive(Clone)]
 pub struct Respond<S> {
     inner: S,
     ctx: Ctx,
+    errors: Arc<Errors>,
+}
+
+/// How errors are answered and logged, one for the router.
+#[derive(Debug)]
+pub struct Errors {
+    /// One log line per few seconds for server-side errors, however many requests hit them.
+    storm: Throttle,
+    /// `routing.retry_after_secs`, on every 503 and 429.
+    retry_after: HeaderValue,
+    /// `server.access_log`: a line per request.
+    access_log: bool,
+}
+
+impl Errors {
+    pub fn new(access_log: bool, retry_after_secs: u32) -> Errors {
+        Errors {
+            storm: Throttle::new(Duration::from_secs(5)),
+            retry_after: HeaderValue::from(retry_after_secs),
+            access_log,
+        }
+    }
 }
 
 impl<S> Respond<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Respond<S> {
+    pub fn new(inner: S, ctx: &Ctx, errors: &Arc<Errors>) -> Respond<S> {
         Respond {
             inner,
             ctx: ctx.clone(),
+            errors: errors.clone(),
         }
     }
 }
@@ -59,11 +88,11 @@ where
         if let Some(slot) = &slot {
             req.extensions_mut().insert(slot.clone());
         }
-        let access = ctx.cfg.server.access_log.then(|| {
+        let access = self.errors.access_log.then(|| {
             Box::new(Access {
                 method: req.method().clone(),
                 path: req.uri().path().to_string(),
-                request_id: req.headers().get(super::REQUEST_ID).cloned(),
+                request_id: req.headers().get(super::identity::REQUEST_ID).cloned(),
                 status: 0,
                 worker: None,
                 attempts: 0,
@@ -75,6 +104,7 @@ where
             started,
             inner: self.inner.call(req),
             ctx: self.ctx.clone(),
+            errors: self.errors.clone(),
             labels,
             slot,
             access,
@@ -88,6 +118,7 @@ pub struct Responding<F> {
     inner: F,
     started: Instant,
     ctx: Ctx,
+    errors: Arc<Errors>,
     labels: RequestLabels,
     /// Where `select` writes the request's model, in a fleet that routes by model.
     slot: Option<ModelSlot>,
@@ -122,7 +153,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
             }
             Err(e) => {
                 count(ctx, &e, labels);
-                render(ctx, &e)
+                render(ctx, &this.errors, &e)
             }
         };
         resp.body_mut().holds.attempts = attempts;
@@ -140,9 +171,9 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
 
 /// The client's answer to `err`, counted: for `cors`' refusals, made outside this layer (and
 /// before anything labelled the request).
-pub(super) fn error_response(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
+pub(super) fn error_response(ctx: &Ctx, errors: &Errors, err: &ProxyError) -> Response<ProxyBody> {
     count(ctx, err, ctx.metrics.unlabelled());
-    render(ctx, err)
+    render(ctx, errors, err)
 }
 
 /// Counts a request answered with `err`: on its worker, if it reached one.
@@ -155,22 +186,22 @@ fn count(ctx: &Ctx, err: &ProxyError, labels: RequestLabels) {
 }
 
 /// The client's answer to `err`.
-fn render(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
+fn render(ctx: &Ctx, errors: &Errors, err: &ProxyError) -> Response<ProxyBody> {
     let status = err.status();
     let message = match err.worker() {
         Some(w) => format!("{}: {err}", w.id_text),
         None => err.to_string(),
     };
     if status.is_server_error() {
-        if let Some(held) = ctx.storm.allow() {
+        if let Some(held) = errors.storm.allow() {
             tracing::warn!(status = status.as_u16(), error = ?message, similar_since_last = held, "request failed");
         }
     } else {
         tracing::debug!(status = status.as_u16(), error = ?message, "request refused");
     }
     if ctx.grpc() {
-        let mut resp = super::grpc::status_response(super::grpc::code_of(err), &message);
-        if let ProxyError::Grpc(super::GrpcError { http: Some(s), .. }) = err.root() {
+        let mut resp = super::grpc::status_response(err.grpc_code(), &message);
+        if let ProxyError::Grpc(super::error::GrpcError { http: Some(s), .. }) = err.root() {
             *resp.status_mut() = *s;
         }
         if let Some(w) = err.worker() {
@@ -186,7 +217,7 @@ fn render(ctx: &Ctx, err: &ProxyError) -> Response<ProxyBody> {
         StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
     ) {
         resp.headers_mut()
-            .insert(header::RETRY_AFTER, ctx.retry_after.clone());
+            .insert(header::RETRY_AFTER, errors.retry_after.clone());
     }
     if status == StatusCode::UNAUTHORIZED {
         // RFC 6750: a 401 names the scheme the client should use.

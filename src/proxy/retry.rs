@@ -14,9 +14,14 @@ use std::task::{ready, Context, Poll};
 
 use http::{Request, Response};
 
+use super::body::ProxyBody;
+use super::budget::RetryBudget;
+use super::error::ProxyError;
+use super::layer::{Answer, Below};
+use super::shared::Ctx;
 use super::trace::Traced;
-use super::{Answer, Below, Ctx, ProxyBody, ProxyError, RequestBody};
 use crate::policy::Avoid;
+use crate::upstream::RequestBody;
 use crate::worker::Member;
 use std::sync::Arc;
 
@@ -24,13 +29,32 @@ use std::sync::Arc;
 pub struct Retry<S> {
     inner: S,
     ctx: Ctx,
+    policy: Arc<Policy>,
+}
+
+/// How far failover goes, one for the router: `routing.max_attempts`, and the budget all
+/// connections' retries draw on (`routing.retry_budget`).
+#[derive(Debug)]
+pub struct Policy {
+    max_attempts: u32,
+    budget: RetryBudget,
+}
+
+impl Policy {
+    pub fn new(max_attempts: u32, share: f64) -> Policy {
+        Policy {
+            max_attempts,
+            budget: RetryBudget::new(share),
+        }
+    }
 }
 
 impl<S> Retry<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Retry<S> {
+    pub fn new(inner: S, ctx: &Ctx, policy: &Arc<Policy>) -> Retry<S> {
         Retry {
             inner,
             ctx: ctx.clone(),
+            policy: policy.clone(),
         }
     }
 }
@@ -79,7 +103,7 @@ where
     layer_types!(Retrying<S>);
 
     fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
-        self.ctx.budget.deposit();
+        self.policy.budget.deposit();
         // Only a body kept whole can be sent twice; the head is copied only then. Even with
         // retries off (max_attempts = 1): a kept connection the engine had closed is sent on
         // again.
@@ -88,6 +112,7 @@ where
             body,
             inner: self.inner.clone(),
             ctx: self.ctx.clone(),
+            policy: self.policy.clone(),
             // Engines ruled out before the first attempt (by model or route) stay out.
             avoid: req.extensions().get::<Avoid>().cloned().unwrap_or_default(),
             attempts: 1,
@@ -114,6 +139,7 @@ pub struct Again<S> {
     body: RequestBody,
     inner: S,
     ctx: Ctx,
+    policy: Arc<Policy>,
     avoid: Avoid,
     attempts: u32,
     /// Times it was sent again after a kept connection turned out closed (not attempts).
@@ -164,10 +190,10 @@ where
                 this.attempt = a.inner.call(next);
                 continue;
             }
-            if a.attempts >= a.ctx.cfg.routing.max_attempts {
+            if a.attempts >= a.policy.max_attempts {
                 return Poll::Ready(attempted(result, a.attempts));
             }
-            if !a.ctx.budget.withdraw() {
+            if !a.policy.budget.withdraw() {
                 a.ctx.metrics.retry_refused();
                 return Poll::Ready(attempted(result, a.attempts));
             }

@@ -7,9 +7,13 @@
 //! endpoints (cache flushes, adapter loading, profiling) are not proxied: one engine of many
 //! cannot be their target.
 
+use std::sync::Arc;
+
 use http::{Method, Request, StatusCode};
 
-use super::{Answer, Below, Ctx, ProxyError, Step};
+use super::error::ProxyError;
+use super::layer::{Answer, Below, Step};
+use super::shared::Ctx;
 use crate::catalog::ModelError;
 use crate::worker::Flavors;
 
@@ -91,7 +95,12 @@ pub enum Action {
 pub const STORED_RESPONSES: &str = "stored responses are kept by the engine that created them, and rankgate does not route by response id: send requests with \"store\": false and the whole conversation instead of previous_response_id";
 
 /// The action for `method` on `path`, or the error the client gets.
-pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyError> {
+pub fn lookup(
+    ctx: &Ctx,
+    extra_routes: &[String],
+    method: &Method,
+    path: &str,
+) -> Result<Action, ProxyError> {
     let (want, action) = if let Some((m, p)) = table(path) {
         (m, Action::Proxy(p))
     } else if path == "/v1/models" {
@@ -100,7 +109,7 @@ pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyErr
         (Method::GET, Action::Model(id.to_string()))
     } else if path.starts_with("/v1/responses/") {
         return Err(ProxyError::Refused(STORED_RESPONSES));
-    } else if ctx.cfg.server.extra_routes.iter().any(|r| r == path) {
+    } else if extra_routes.iter().any(|r| r == path) {
         // GET without a body, else POST with the model in JSON (anything else gets 405).
         let (want, payload) = match *method {
             Method::GET => (Method::GET, Payload::Empty),
@@ -136,13 +145,16 @@ pub fn lookup(ctx: &Ctx, method: &Method, path: &str) -> Result<Action, ProxyErr
 pub struct Route<S> {
     inner: S,
     ctx: Ctx,
+    /// `server.extra_routes`.
+    extra_routes: Arc<[String]>,
 }
 
 impl<S> Route<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Route<S> {
+    pub fn new(inner: S, ctx: &Ctx, extra_routes: &Arc<[String]>) -> Route<S> {
         Route {
             inner,
             ctx: ctx.clone(),
+            extra_routes: extra_routes.clone(),
         }
     }
 }
@@ -154,7 +166,12 @@ where
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        match lookup(&self.ctx, req.method(), req.uri().path()) {
+        match lookup(
+            &self.ctx,
+            &self.extra_routes,
+            req.method(),
+            req.uri().path(),
+        ) {
             Ok(Action::Proxy(_)) => Step::Below(self.inner.call(req)),
             Ok(Action::Models) => Step::ready(models(&self.ctx, None)),
             Ok(Action::Model(id)) => Step::ready(models(&self.ctx, Some(&id))),

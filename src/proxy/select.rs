@@ -6,26 +6,33 @@
 //! fleet of one flavor needs no flavor check: the usual request passes straight through.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use http::{header, Request};
 
+use super::error::ProxyError;
+use super::layer::{Below, Step};
 use super::route::{self, Action, Payload, Proxied};
-use super::{Below, Ctx, ProxyError, RequestBody, Step};
+use super::shared::Ctx;
 use crate::metrics::ModelSlot;
 use crate::policy::Avoid;
 use crate::scan::{self, ScanError};
+use crate::upstream::RequestBody;
 
 #[derive(Clone)]
 pub struct Select<S> {
     inner: S,
     ctx: Ctx,
+    /// `server.extra_routes`.
+    extra_routes: Arc<[String]>,
 }
 
 impl<S> Select<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Select<S> {
+    pub fn new(inner: S, ctx: &Ctx, extra_routes: &Arc<[String]>) -> Select<S> {
         Select {
             inner,
             ctx: ctx.clone(),
+            extra_routes: extra_routes.clone(),
         }
     }
 }
@@ -60,7 +67,8 @@ impl<S> Select<S> {
         if !snap.catalog.routes_by_model() && !mixed_flavors && path != "/v1/responses" {
             return Ok(None);
         }
-        let Action::Proxy(route) = route::lookup(ctx, req.method(), path)? else {
+        let Action::Proxy(route) = route::lookup(ctx, &self.extra_routes, req.method(), path)?
+        else {
             return Ok(None);
         };
         // `read` kept this body whole. One that is not JSON is the engine's to refuse.

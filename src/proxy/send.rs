@@ -10,12 +10,12 @@
 //! The response leaves carrying its rank: the `x-rankgate-worker` header, the target and the
 //! request's in-flight mark in its body.
 
-use std::sync::atomic::Ordering::SeqCst;
-use std::sync::Arc;
-
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use http::{header, Request, Response};
 use hyper::body::Incoming;
@@ -23,72 +23,71 @@ use hyper::client::conn::TrySendError;
 use hyper_util::client::legacy::ResponseFuture;
 use tokio::time::Sleep;
 
-use super::body::Ending;
+use super::body::{Ending, ProxyBody};
+use super::deadlines::Deadlines;
+use super::error::ProxyError;
+use super::guards::Slot;
+use super::layer::WORKER_HEADER;
 use super::pin::strip_hop_by_hop;
-use super::{Ctx, Picked, ProxyBody, ProxyError, WORKER_HEADER};
+use super::shared::Ctx;
+use super::target::Picked;
+use crate::tls::Upstream;
 use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
 use crate::worker::EngineEntry;
 
 #[derive(Clone)]
-pub struct Send(Ctx);
+pub struct Send {
+    ctx: Ctx,
+    dial: Arc<Dial>,
+}
 
 impl Send {
-    pub fn new(ctx: &Ctx) -> Send {
-        Send(ctx.clone())
-    }
-}
-
-/// One taken connection slot (HTTP/1) or stream on a connection (gRPC), given back when
-/// dropped (with the response body).
-#[derive(Debug)]
-pub struct Slot {
-    engine: Arc<EngineEntry>,
-    /// The gRPC connection the call is a stream on.
-    stream: Option<usize>,
-    /// The HTTP/1 connection the request went out on, and the core whose idle list it goes
-    /// back to once the response has ended cleanly ([`Slot::ended`]).
-    sender: Option<Sender>,
-    core: usize,
-    ended: bool,
-}
-
-impl Slot {
-    fn connection(engine: &Arc<EngineEntry>, core: usize) -> Slot {
-        Slot {
-            engine: engine.clone(),
-            stream: None,
-            sender: None,
-            core,
-            ended: false,
+    pub fn new(ctx: &Ctx, dial: &Arc<Dial>) -> Send {
+        Send {
+            ctx: ctx.clone(),
+            dial: dial.clone(),
         }
     }
+}
 
-    fn stream(engine: &Arc<EngineEntry>, k: usize) -> Slot {
-        Slot {
-            engine: engine.clone(),
-            stream: Some(k),
-            sender: None,
-            core: 0,
-            ended: false,
-        }
-    }
+/// How requests reach the engines, one for the router: the connector new HTTP/1 connections
+/// are opened with (each engine's slots and idle connections are in its fleet entry), the h2
+/// clients for their gRPC services, and the deadlines and size cap of an exchange.
+pub struct Dial {
+    connector: crate::http::Connector,
+    /// Client `k` holds each engine's `k`th h2 connection, opened once the connections before
+    /// it carry their share of calls.
+    pub grpc_clients: Vec<crate::http::HttpClient<RequestBody>>,
+    /// `server.response_timeout`.
+    pub response: Duration,
+    /// `server.stream_idle_timeout`.
+    stream_idle: Duration,
+    /// `server.max_body_bytes` (a client body that outgrows it while streaming).
+    max_body: usize,
+}
 
-    /// The response body was read to its end: the connection may carry another request.
-    pub fn ended(&mut self) {
-        self.ended = true;
+impl std::fmt::Debug for Dial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Dial")
     }
 }
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        match self.stream {
-            Some(k) => self.engine.conn.streams.give_back(k),
-            None => {
-                if let Some(sender) = self.sender.take().filter(|_| self.ended) {
-                    self.engine.conn.idle.give_back(self.core, sender);
-                }
-                self.engine.conn.slots.give_back()
-            }
+impl Dial {
+    pub fn new(
+        max_engine_connections: usize,
+        max_body: usize,
+        deadlines: Deadlines,
+        upstream: &Upstream,
+    ) -> Dial {
+        let h2 = max_engine_connections.min(crate::upstream::MAX_GRPC_CONNECTIONS);
+        Dial {
+            connector: crate::http::connector(deadlines.connect, upstream, false),
+            grpc_clients: (0..h2)
+                .map(|_| crate::http::h2_client_with(deadlines.connect, upstream))
+                .collect(),
+            response: deadlines.response,
+            stream_idle: deadlines.stream_idle,
+            max_body,
         }
     }
 }
@@ -165,12 +164,13 @@ impl tower::Service<Request<Picked>> for Send {
             guard,
         } = picked;
         let req = Request::from_parts(parts, body);
-        let ctx = &self.0;
+        let (ctx, dial) = (&self.ctx, &self.dial);
         // One timer serves the whole exchange: the response timeout until the headers, then
         // (moved into the body) the stream idle timeout, so a request costs one timer.
-        let timer = Box::pin(tokio::time::sleep(ctx.cfg.server.response_timeout));
+        let timer = Box::pin(tokio::time::sleep(dial.response));
         let mut sending = Sending {
-            ctx: self.0.clone(),
+            ctx: ctx.clone(),
+            dial: dial.clone(),
             target,
             guard: Some(guard),
             slot: None,
@@ -183,7 +183,7 @@ impl tower::Service<Request<Picked>> for Send {
             // gRPC calls are streams on an engine's h2 connections, not connections.
             let k = sending.target.engine.conn.streams.take();
             sending.slot = Some(Slot::stream(&sending.target.engine, k));
-            State::Grpc(ctx.grpc_clients[k].request(req))
+            State::Grpc(dial.grpc_clients[k].request(req))
         } else if sending.target.engine.conn.slots.try_take() {
             sending.slot = Some(Slot::connection(&sending.target.engine, ctx.conn().core));
             sending.start(req)
@@ -202,7 +202,8 @@ impl tower::Service<Request<Picked>> for Send {
 /// one allocation less on every request.
 pub struct Sending {
     ctx: Ctx,
-    target: super::Target,
+    dial: Arc<Dial>,
+    target: super::target::Target,
     guard: Option<crate::table::InFlight>,
     /// The connection slot once taken: given back with the response body, or when this is
     /// dropped without one.
@@ -221,13 +222,13 @@ type Sent = Result<Response<Incoming>, TrySendError<Request<RequestBody>>>;
 /// states but the usual one: the future is moved up the stack by value, and a request
 /// carried in it made every move hundreds of bytes longer.
 type Opening = (
-    super::BoxFuture<Result<Sender, ProxyError>>,
+    super::layer::BoxFuture<Result<Sender, ProxyError>>,
     Option<Request<RequestBody>>,
 );
 
 enum State {
     /// Every connection slot to the engine is taken: waiting for one (rare, so boxed).
-    Waiting(Box<(super::BoxFuture<()>, Option<Request<RequestBody>>)>),
+    Waiting(Box<(super::layer::BoxFuture<()>, Option<Request<RequestBody>>)>),
     /// Holding a slot, opening a connection (no idle one was open).
     Connecting(Box<Opening>),
     /// Holding a slot and an idle connection that is not ready for a request yet (rare).
@@ -265,7 +266,7 @@ impl Sending {
 
     fn connect(&self, req: Request<RequestBody>, counted: Counted) -> State {
         let engine = self.target.engine.clone();
-        let mut connector = self.ctx.connector.clone();
+        let mut connector = self.dial.connector.clone();
         let opened = async move {
             let failed = |what: &str, e: &(dyn std::error::Error + 'static)| ProxyError::Upstream {
                 engine: engine.url.clone(),
@@ -299,7 +300,11 @@ impl Sending {
     }
 
     /// Still waiting, or `late` once the response timeout has passed.
-    fn unless_late(&mut self, cx: &mut Context<'_>, late: ProxyError) -> Poll<super::Answer> {
+    fn unless_late(
+        &mut self,
+        cx: &mut Context<'_>,
+        late: ProxyError,
+    ) -> Poll<super::layer::Answer> {
         match self.timer.as_mut().map(|t| t.as_mut().poll(cx)) {
             Some(Poll::Pending) => Poll::Pending,
             _ => Poll::Ready(Err(late)),
@@ -308,19 +313,18 @@ impl Sending {
 }
 
 impl Future for Sending {
-    type Output = super::Answer;
+    type Output = super::layer::Answer;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<super::Answer> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<super::layer::Answer> {
         let this = self.get_mut();
-        let server = &this.ctx.cfg.server;
-        let (timeout, max_body) = (server.response_timeout, server.max_body_bytes);
+        let (timeout, max_body) = (this.dial.response, this.dial.max_body);
         let resp = loop {
             match &mut this.state {
                 State::Waiting(waiting) => {
                     let (slot, req) = &mut **waiting;
                     if slot.as_mut().poll(cx).is_pending() {
                         let busy = ProxyError::EngineBusy {
-                            limit: this.ctx.cfg.server.max_engine_connections,
+                            limit: this.target.engine.conn.slots.limit(),
                             waited: timeout,
                         };
                         return this.unless_late(cx, busy);
@@ -427,7 +431,6 @@ impl Future for Sending {
             }
         };
         this.state = State::Done;
-        let server = &this.ctx.cfg.server;
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let ending = if this.ctx.grpc() {
@@ -444,8 +447,7 @@ impl Future for Sending {
         parts
             .headers
             .insert(WORKER_HEADER, this.target.worker.header.clone());
-        let mut body =
-            ProxyBody::upstream(body, ending, server.stream_idle_timeout, this.timer.take());
+        let mut body = ProxyBody::upstream(body, ending, this.dial.stream_idle, this.timer.take());
         body.holds.connection = this.slot.take();
         body.holds.in_flight = this.guard.take();
         body.target = Some(this.target.clone());

@@ -5,21 +5,37 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
+use std::time::Duration;
 use tokio::time::Instant;
 use tower::{service_fn, Service, ServiceExt};
 
 use super::*;
-use crate::table::Snapshot;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::table::{Snapshot, Table};
 use crate::worker::Fleet;
 
-/// Two vLLM engines, one rank each, both with fresh telemetry showing them idle.
-fn shared(extra: &str) -> Ctx {
+/// A router's layers and one connection's handle, over two vLLM engines, one rank each, both
+/// with fresh telemetry showing them idle.
+struct Fixture {
+    layers: Arc<Layers>,
+    ctx: Ctx,
+}
+
+impl std::ops::Deref for Fixture {
+    type Target = Ctx;
+    fn deref(&self) -> &Ctx {
+        &self.ctx
+    }
+}
+
+fn shared(extra: &str) -> Fixture {
     shared_with_keys(extra, None)
 }
 
-fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Ctx {
+fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Fixture {
     let text = format!(
         "{extra}\n[[engines]]\nurl = \"http://127.0.0.1:1\"\nflavor = \"vllm\"\ndp_size = 1\n\
          [[engines]]\nurl = \"http://127.0.0.1:2\"\nflavor = \"vllm\"\nstart_rank = 1\n"
@@ -38,11 +54,9 @@ fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Ctx {
         catalog,
     }));
     let metrics = Arc::new(Metrics::new());
-    Ctx::new(
-        &Shared::new(&cfg, table, metrics, keys, crate::tls::Upstream::system()),
-        ([127, 0, 0, 1], 9).into(),
-        super::Front::Http,
-    )
+    let layers = Layers::new(&cfg, table, metrics, keys, crate::tls::Upstream::system());
+    let ctx = Ctx::new(layers.shared(), ([127, 0, 0, 1], 9).into(), Front::Http);
+    Fixture { layers, ctx }
 }
 
 fn chat() -> Request<RequestBody> {
@@ -62,7 +76,7 @@ fn target(req: &Request<Picked>) -> Target {
 }
 
 /// Worker `w` of the context's fleet (one rank per engine: `w` is also its engine and rank).
-fn member(s: &Ctx, w: usize) -> Arc<crate::worker::Member> {
+fn member(s: &Fixture, w: usize) -> Arc<crate::worker::Member> {
     s.table.snapshot.load().fleet.workers[w].member.clone()
 }
 
@@ -75,7 +89,7 @@ fn engine(t: &Target) -> u32 {
 async fn route_answers_404_and_405_and_passes_the_rest() {
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
     let s = shared("");
-    let mut route = route::Route::new(inner, &s);
+    let mut route = s.layers.route(inner, &s);
     let get = |p: &str| Request::get(p).body(()).unwrap();
     let e = route.call(get("/v2/nothing")).await.unwrap_err();
     assert_eq!(e.status(), StatusCode::NOT_FOUND);
@@ -100,7 +114,7 @@ async fn route_answers_404_and_405_and_passes_the_rest() {
 async fn admission_counts_until_the_body_ends() {
     let s = shared("[server]\nmax_in_flight = 1\n");
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
-    let mut admit = admit::Admit::new(inner, &s);
+    let mut admit = s.layers.admit(inner);
     let held = admit.call(Request::new(())).await.unwrap();
     let e = admit.call(Request::new(())).await.unwrap_err();
     assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -118,7 +132,9 @@ async fn respond_turns_errors_into_openai_answers() {
         async move { Err::<Response<ProxyBody>, _>(e) }
     })
     .boxed();
-    let resp = respond::Respond::new(inner, &s)
+    let resp = s
+        .layers
+        .respond(inner, &s)
         .oneshot(Request::new(()))
         .await
         .unwrap_or_else(|e: Infallible| match e {});
@@ -146,19 +162,21 @@ async fn auth_refuses_without_a_key_and_passes_with_one_or_when_none_is_configur
         r
     };
     let open = shared("");
-    let ok = auth::Auth::new(inner(), &open)
-        .oneshot(with_auth(None))
-        .await;
+    let ok = open.layers.auth(inner()).oneshot(with_auth(None)).await;
     assert_eq!(ok.unwrap().status(), 200);
 
     let gated = shared_with_keys("", Some(Keys::new(&["sk-1"])));
-    let e = auth::Auth::new(inner(), &gated)
+    let e = gated
+        .layers
+        .auth(inner())
         .oneshot(with_auth(None))
         .await
         .unwrap_err();
     assert_eq!(e.status(), StatusCode::UNAUTHORIZED);
     assert_eq!(e.kind(), "AuthenticationError");
-    let ok = auth::Auth::new(inner(), &gated)
+    let ok = gated
+        .layers
+        .auth(inner())
         .oneshot(with_auth(Some("Bearer sk-1")))
         .await;
     assert_eq!(ok.unwrap().status(), 200);
@@ -171,10 +189,8 @@ async fn the_outer_layers_mark_rankgates_own_refusals() {
         Some(Keys::new(&["sk-1"])),
     );
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
-    let stack = identity::Identity::new(
-        cors::Cors::new(respond::Respond::new(auth::Auth::new(inner, &s), &s), &s),
-        &s,
-    );
+    let l = &s.layers;
+    let stack = identity::Identity::new(l.cors(l.respond(l.auth(inner), &s), &s), &s);
     let mut req = Request::new(());
     req.headers_mut().insert(
         http::header::ORIGIN,
@@ -196,7 +212,7 @@ async fn the_outer_layers_mark_rankgates_own_refusals() {
 
 /// retry → pick → observe over a mock `send` that answers per engine.
 fn failover_stack(
-    s: &Ctx,
+    s: &Fixture,
     answer_for: impl Fn(Target) -> Result<Response<ProxyBody>, ProxyError> + Clone + Send + 'static,
     calls: Arc<AtomicUsize>,
 ) -> impl Service<Request<RequestBody>, Response = Response<ProxyBody>, Error = ProxyError> {
@@ -212,7 +228,8 @@ fn failover_stack(
         async move { r }
     })
     .boxed_clone();
-    retry::Retry::new(pick::Pick::new(observe::Observe::new(send, s), s), s)
+    let l = &s.layers;
+    l.retry(l.pick(l.observe(send, s), s), s)
 }
 
 #[tokio::test]
@@ -346,6 +363,6 @@ async fn pick_pins_the_rank_header_and_strips_the_clients_own() {
     let mut req = chat();
     req.headers_mut()
         .insert(RANK_HEADER, HeaderValue::from_static("7"));
-    let resp = pick::Pick::new(send, &s).oneshot(req).await.unwrap();
+    let resp = s.layers.pick(send, &s).oneshot(req).await.unwrap();
     assert_eq!(resp.status(), 200);
 }

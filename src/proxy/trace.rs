@@ -17,12 +17,15 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 
-use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::header::{HeaderName, HeaderValue};
 use http::{Request, Response};
 use tracing::field::Empty;
 use tracing::Span;
 
-use super::{Answer, Ctx, ProxyBody, ProxyError, REQUEST_ID};
+use super::body::ProxyBody;
+use super::identity::REQUEST_ID;
+use super::layer::Answer;
+use super::shared::Ctx;
 use crate::policy::Explanation;
 use crate::tracecontext::trace_context;
 use crate::worker::{EngineEntry, Member};
@@ -129,38 +132,6 @@ pub async fn attempt<F: Future<Output = Answer>>(span: Span, fut: F) -> Answer {
         }
     }
     answer
-}
-
-/// Why `x-rankgate-debug` was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum DebugRefused {
-    #[error("x-rankgate-debug takes the value 1")]
-    NotOne,
-    #[error("x-rankgate-debug is off: set server.admin_token_env to the environment variable holding the admin token")]
-    Off,
-    #[error(
-        "x-rankgate-debug needs the admin token: send it as `x-rankgate-admin-token: <token>`"
-    )]
-    Missing,
-    #[error("x-rankgate-debug: invalid admin token")]
-    Wrong,
-}
-
-/// Whether the request asks for debugging, and if so whether it may: `None` when it does not
-/// ask, `Some(Ok)` when it asks with the admin token (for `auth`).
-pub fn debug_allowed(ctx: &Ctx, h: &HeaderMap) -> Option<Result<(), DebugRefused>> {
-    let asked = h.get(&DEBUG)?;
-    Some((|| {
-        if asked.as_bytes() != b"1" {
-            return Err(DebugRefused::NotOne);
-        }
-        let token = ctx.debug_token.as_ref().ok_or(DebugRefused::Off)?;
-        let sent = h.get(&ADMIN_TOKEN).ok_or(DebugRefused::Missing)?;
-        match token.accepts(sent.as_bytes()) {
-            true => Ok(()),
-            false => Err(DebugRefused::Wrong),
-        }
-    })())
 }
 
 #[derive(Clone)]
@@ -309,11 +280,5 @@ impl<F> Drop for Tracing<F> {
             span.record("error", GONE);
             span.record("otel.status_code", "ERROR");
         }
-    }
-}
-
-impl From<DebugRefused> for ProxyError {
-    fn from(d: DebugRefused) -> ProxyError {
-        ProxyError::Debug(d)
     }
 }

@@ -12,30 +12,76 @@ use prost::Message;
 use tokio::time::Instant;
 use tonic::Code;
 
-use super::{ok_response, one_message, serving, strings, Answer, GrpcError, HEALTH_SERVICE};
-use crate::proto::health::{health_check_response::ServingStatus, HealthCheckRequest};
-use crate::proto::{health, sglang, vllm};
-use crate::proxy::pin::strip_hop_by_hop;
-use crate::proxy::{content_length, read, Ctx, ProxyError, RequestBody};
-use crate::table::Load;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
-use crate::policy::Front;
+use super::answer::{ok_response, Answer};
+use super::calls::{frame, one_message, strings, HEALTH_SERVICE, SGLANG_SERVICE, VLLM_SERVICE};
+use super::requests::Requests;
+use crate::policy::{self, Avoid, Front};
+use crate::proto::health::{health_check_response::ServingStatus, HealthCheckRequest};
+use crate::proto::{health, sglang, vllm};
+use crate::proxy::error::{GrpcError, ProxyError};
+use crate::proxy::layer::{content_length, Answer as Answered};
+use crate::proxy::pin::strip_hop_by_hop;
+use crate::proxy::read::{self, Limits};
+use crate::proxy::send::Dial;
+use crate::proxy::shared::Ctx;
+use crate::table::Load;
+use crate::upstream::RequestBody;
 use crate::worker::{EngineEntry, Flavor};
+
+/// What the calls rankgate answers itself need, one for the router.
+#[derive(Debug)]
+pub struct Local {
+    /// In-flight request ids and their engines (for Abort; `track` enters them).
+    pub requests: Arc<Requests>,
+    /// Shutdown has begun: the health service says NOT_SERVING.
+    pub draining: Arc<AtomicBool>,
+    /// How a request message is read.
+    pub limits: Limits,
+    /// How Abort and FlushCache reach the engines.
+    pub dial: Arc<Dial>,
+}
+
+/// The ranks a gRPC call of `flavor` may go to: those of engines of the flavor with a
+/// `grpc_url`; `None` when the fleet has no such engine now.
+pub fn targets(ctx: &Ctx, flavor: Flavor) -> Option<Avoid> {
+    let front = policy::Front::Grpc(flavor);
+    let snap = ctx.table.snapshot.load();
+    (snap.fleet.engines.iter())
+        .any(|e| front.served_by(e))
+        .then(|| Avoid::front(front))
+}
+
+/// Whether the front door is ready for new gRPC calls of `flavor` (`None`: all of them): not
+/// shutting down, and a rank to send them to.
+fn serving(ctx: &Ctx, local: &Local, flavor: Option<Flavor>) -> bool {
+    if local.draining.load(Relaxed) {
+        return false;
+    }
+    let all = [Flavor::Vllm, Flavor::Sglang];
+    let flavors = match flavor {
+        Some(f) => std::slice::from_ref(&all[(f == Flavor::Sglang) as usize]),
+        None => &all[..],
+    };
+    flavors.iter().any(|f| {
+        targets(ctx, *f).is_some_and(|avoid| ctx.selector.any_routable(&ctx.table, &avoid))
+    })
+}
 
 /// The request's one message, read whole (under `server.max_body_bytes`).
 async fn message(
-    ctx: &Ctx,
+    limits: Limits,
     req: Request<Incoming>,
 ) -> Result<(http::request::Parts, Bytes), ProxyError> {
-    let server = &ctx.cfg.server;
+    let max = limits.max_body;
     let length = content_length(req.headers());
-    if length.is_some_and(|n| n > server.max_body_bytes as u64) {
-        return Err(ProxyError::TooLarge(server.max_body_bytes));
+    if length.is_some_and(|n| n > max as u64) {
+        return Err(ProxyError::TooLarge(max));
     }
     let (parts, body) = req.into_parts();
-    let max = server.max_body_bytes;
-    let body = match read::read(body, length, max, max, server.body_read_timeout).await? {
+    let body = match read::read(body, length, max, max, limits.stall).await? {
         RequestBody::Full(b) => b,
         RequestBody::Stream(_) => return Err(ProxyError::TooLarge(max)),
     };
@@ -50,7 +96,7 @@ fn decode<M: Message + Default>(m: &[u8]) -> Result<M, ProxyError> {
 
 /// `grpc.health.v1.Health/Check`: SERVING while rankgate takes calls for the service (`""`: any)
 /// and has a rank to send them to; NOT_FOUND for a service it does not front.
-pub async fn health(ctx: Ctx, req: Request<Incoming>) -> super::super::Answer {
+pub async fn health(ctx: Ctx, local: Arc<Local>, req: Request<Incoming>) -> Answered {
     let method = req
         .uri()
         .path()
@@ -65,17 +111,17 @@ pub async fn health(ctx: Ctx, req: Request<Incoming>) -> super::super::Answer {
         )
         .into());
     }
-    let (_, m) = message(&ctx, req).await?;
+    let (_, m) = message(local.limits, req).await?;
     let service = decode::<HealthCheckRequest>(&m)?.service;
     let flavor = match service.as_str() {
         "" => None,
-        super::VLLM_SERVICE => Some(Flavor::Vllm),
-        super::SGLANG_SERVICE => Some(Flavor::Sglang),
+        VLLM_SERVICE => Some(Flavor::Vllm),
+        SGLANG_SERVICE => Some(Flavor::Sglang),
         other => {
             return Err(GrpcError::new(Code::NotFound, format!("unknown service {other:?}")).into())
         }
     };
-    let status = match serving(&ctx, flavor) {
+    let status = match serving(&ctx, &local, flavor) {
         true => ServingStatus::Serving,
         false => ServingStatus::NotServing,
     };
@@ -119,8 +165,13 @@ impl_entry!(sglang::SchedulerLoad);
 
 /// `GetLoads`, answered from the snapshot: one entry per rank of the flavor's gRPC engines that
 /// has fresh numbers (a rank without is left out, never zero-filled), in global numbering.
-pub async fn get_loads(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
-    let (_, m) = message(&ctx, req).await?;
+pub async fn get_loads(
+    ctx: Ctx,
+    local: Arc<Local>,
+    flavor: Flavor,
+    req: Request<Incoming>,
+) -> Answered {
+    let (_, m) = message(local.limits, req).await?;
     // Field 1 in both services' requests, `optional` in both.
     let filter = decode::<vllm::GetLoadsRequest>(&m)?.dp_rank;
     let table = &ctx.table;
@@ -174,7 +225,7 @@ pub async fn get_loads(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> supe
 /// Sends one unary call to engine `e` and reads its whole answer (within
 /// `server.response_timeout`).
 async fn call_engine(
-    ctx: &Ctx,
+    dial: &Dial,
     engine: &EngineEntry,
     parts: &http::request::Parts,
     message: &[u8],
@@ -200,14 +251,14 @@ async fn call_engine(
         .or(Some(PathAndQuery::from_static("/")));
     let uri =
         Uri::from_parts(uri).map_err(|err| ProxyError::Internal(format!("building URI: {err}")))?;
-    let mut req = Request::new(RequestBody::Full(super::frame(message)));
+    let mut req = Request::new(RequestBody::Full(frame(message)));
     *req.uri_mut() = uri;
     *req.method_mut() = http::Method::POST;
     *req.version_mut() = Version::HTTP_2;
     *req.headers_mut() = headers;
-    let timeout = ctx.cfg.server.response_timeout;
+    let timeout = dial.response;
     let exchange = async {
-        let resp = ctx.grpc_clients[0]
+        let resp = dial.grpc_clients[0]
             .request(req)
             .await
             .map_err(|err| upstream(crate::http::error_chain(&err)))?;
@@ -245,12 +296,12 @@ fn engine_status(engine: &EngineEntry, answer: &Answer) -> Option<ProxyError> {
 
 /// `Abort`: each request id goes to the engine that holds it (vLLM's request lists several, and
 /// each engine gets its own, every other field as sent); ids rankgate does not know are done.
-pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
-    let (parts, m) = message(&ctx, req).await?;
+pub async fn abort(local: Arc<Local>, flavor: Flavor, req: Request<Incoming>) -> Answered {
+    let (parts, m) = message(local.limits, req).await?;
     // vLLM: `repeated string request_ids = 1`; SGLang: `string request_id = 1`. Both field 1.
     let mut engines: Vec<Arc<EngineEntry>> = strings(&m, 1)?
         .into_iter()
-        .filter_map(|id| ctx.requests().engine_of(id))
+        .filter_map(|id| local.requests.engine_of(id))
         .collect();
     engines.sort_unstable_by_key(|e| e.key);
     engines.dedup_by_key(|e| e.key);
@@ -262,13 +313,13 @@ pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::s
                 f == 1
                     && crate::pbwire::payload(bytes)
                         .and_then(|p| std::str::from_utf8(p).ok())
-                        .is_none_or(|id| ctx.requests().engine_of(id).map(|o| o.key) != Some(e.key))
+                        .is_none_or(|id| local.requests.engine_of(id).map(|o| o.key) != Some(e.key))
             })
             .map_err(|err| {
                 GrpcError::new(Code::InvalidArgument, format!("request message: {err}"))
             })?,
         };
-        let answer = call_engine(&ctx, &e, &parts, &only_its_own).await?;
+        let answer = call_engine(&local.dial, &e, &parts, &only_its_own).await?;
         if let Some(err) = engine_status(&e, &answer) {
             return Err(err);
         }
@@ -290,17 +341,22 @@ pub async fn abort(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::s
 
 /// `FlushCache`: to every engine of the flavor with a gRPC address; fails with the first engine
 /// that fails, else answers as the first engine did.
-pub async fn flush_cache(ctx: Ctx, flavor: Flavor, req: Request<Incoming>) -> super::super::Answer {
-    let (parts, m) = message(&ctx, req).await?;
+pub async fn flush_cache(
+    ctx: Ctx,
+    local: Arc<Local>,
+    flavor: Flavor,
+    req: Request<Incoming>,
+) -> Answered {
+    let (parts, m) = message(local.limits, req).await?;
     let engines: Vec<Arc<EngineEntry>> = (ctx.table.snapshot.load().fleet.engines.iter())
         .filter(|e| Front::Grpc(flavor).served_by(e))
         .cloned()
         .collect();
     let mut calls = tokio::task::JoinSet::new();
     for (i, e) in engines.iter().enumerate() {
-        let (ctx, parts, m, e) = (ctx.clone(), parts.clone(), m.clone(), e.clone());
+        let (local, parts, m, e) = (local.clone(), parts.clone(), m.clone(), e.clone());
         calls.spawn(async move {
-            let answer = call_engine(&ctx, &e, &parts, &m).await;
+            let answer = call_engine(&local.dial, &e, &parts, &m).await;
             (i, e, answer)
         });
     }

@@ -1,0 +1,54 @@
+//! Every deadline a request meets on its way through rankgate, in one place, read once from
+//! `[server]` and handed to whoever enforces it:
+//!
+//! ```text
+//! deadline      key (default)                      enforced by      on expiry
+//! header_read   server.header_read_timeout (10 s)  http::serve      408, connection closed
+//! idle          server.idle_timeout (60 s)         http::serve      idle keep-alive closed
+//! h2_keepalive  server.h2_keepalive_interval (20s) http::serve      unanswered ping: closed
+//! body_read     server.body_read_timeout (30 s)    read, pick, grpc 408 (DEADLINE_EXCEEDED)
+//! connect       server.connect_timeout (2 s)       send's connector 502, retried elsewhere
+//! response      server.response_timeout (30 min)   send, grpc       504; a slot wait too: 503
+//! stream_idle   server.stream_idle_timeout (5 min) body             stream cut, SSE error event
+//! ```
+//!
+//! Two more are not per request: an engine's idle kept-alive connection is closed after
+//! [`crate::upstream::idle::IDLE_FOR`], and `server.drain_grace` bounds the drain at shutdown
+//! (app).
+
+use std::time::Duration;
+
+use crate::config::ServerConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// A client's request head, from its first byte (or the connection's opening).
+    pub header_read: Duration,
+    /// A client connection with no request in flight.
+    pub idle: Duration,
+    /// Between h2 keep-alive pings to a client (its answer is due within the same time).
+    pub h2_keepalive: Duration,
+    /// Any wait for more of a client's request body.
+    pub body_read: Duration,
+    /// Opening a connection to an engine (TCP and, for `https://` engines, TLS).
+    pub connect: Duration,
+    /// From sending a request to an engine to its response headers (connection slot wait
+    /// included).
+    pub response: Duration,
+    /// Any gap between two pieces of an engine's response body.
+    pub stream_idle: Duration,
+}
+
+impl Deadlines {
+    pub fn of(server: &ServerConfig) -> Deadlines {
+        Deadlines {
+            header_read: server.header_read_timeout,
+            idle: server.idle_timeout,
+            h2_keepalive: server.h2_keepalive_interval,
+            body_read: server.body_read_timeout,
+            connect: server.connect_timeout,
+            response: server.response_timeout,
+            stream_idle: server.stream_idle_timeout,
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! The stacks, assembled: each layer is given its own state and settings when the stack is
+//! built ([`Layers`], made once per router from the config), and the HTTP and gRPC front doors
+//! share the lower half (read, admit, retry, pick, observe, send). One stack per connection.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use tower::ServiceBuilder;
+
+use super::auth::{Gate, Keys};
+use super::body::ProxyBody;
+use super::deadlines::Deadlines;
+use super::grpc::{Local, Requests};
+use super::read::Limits;
+use super::respond::Errors;
+use super::retry::Policy;
+use super::send::Dial;
+use super::shared::{Ctx, Front, Shared};
+use super::{
+    admit, auth, cors, grpc, identity, observe, pick, read, respond, retry, route, select,
+};
+use super::{send, trace};
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::policy::Selector;
+use crate::table::Table;
+use crate::tls::Upstream;
+
+/// What the stacks of one router are built from: the state every layer shares, and each
+/// layer's own (settings, and counters that must be one for all connections), made once.
+pub struct Layers {
+    shared: Arc<Shared>,
+    /// `server.cors_allow_origins`; `None`: CORS is off.
+    origins: Option<Arc<[String]>>,
+    errors: Arc<Errors>,
+    gate: Arc<Gate>,
+    /// `server.extra_routes`.
+    extra_routes: Arc<[String]>,
+    limits: Limits,
+    admission: Option<Arc<admit::Admission>>,
+    retry: Arc<Policy>,
+    ejection: crate::outlier::Policy,
+    dial: Arc<Dial>,
+    grpc: Arc<Local>,
+}
+
+impl std::fmt::Debug for Layers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Layers")
+    }
+}
+
+impl Layers {
+    /// `keys` as [`Keys::load`] read them at startup; `upstream` as `[engine_tls]` says.
+    pub fn new(
+        cfg: &Config,
+        table: Arc<Table>,
+        metrics: Arc<Metrics>,
+        keys: Option<Keys>,
+        upstream: &Upstream,
+    ) -> Arc<Layers> {
+        let (server, routing) = (&cfg.server, &cfg.routing);
+        let deadlines = Deadlines::of(server);
+        let limits = Limits {
+            max_body: server.max_body_bytes,
+            retry_buffer: routing.retry_buffer_bytes,
+            stall: deadlines.body_read,
+        };
+        let dial = Arc::new(Dial::new(
+            server.max_engine_connections,
+            server.max_body_bytes,
+            deadlines,
+            upstream,
+        ));
+        let shared = Arc::new(Shared {
+            table,
+            selector: Arc::new(Selector::new(routing)),
+            metrics,
+        });
+        Arc::new(Layers {
+            origins: (!server.cors_allow_origins.is_empty())
+                .then(|| server.cors_allow_origins.clone().into()),
+            errors: Arc::new(Errors::new(server.access_log, routing.retry_after_secs)),
+            gate: Arc::new(Gate {
+                keys,
+                debug_token: (server.admin_token.as_ref()).map(|t| Keys::single(&t.0)),
+            }),
+            extra_routes: server.extra_routes.clone().into(),
+            limits,
+            admission: server
+                .max_in_flight
+                .map(|limit| Arc::new(admit::Admission::new(limit))),
+            retry: Arc::new(Policy::new(routing.max_attempts, routing.retry_budget)),
+            ejection: crate::outlier::Policy {
+                after: routing.eject_after,
+                base: routing.eject_for,
+            },
+            grpc: Arc::new(Local {
+                requests: Arc::new(Requests::default()),
+                draining: Arc::default(),
+                limits,
+                dial: dial.clone(),
+            }),
+            dial,
+            shared,
+        })
+    }
+
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Set once shutdown begins: the gRPC health service then says NOT_SERVING.
+    pub fn draining(&self) -> &Arc<AtomicBool> {
+        &self.grpc.draining
+    }
+}
+
+/// The answer every stack gives (errors included), the way the accept loop takes it.
+pub trait FrontDoor:
+    tower::Service<
+        Request<Incoming>,
+        Response = Response<ProxyBody>,
+        Error = Infallible,
+        Future: Future + Send + 'static,
+    > + Clone
+    + Send
+    + Unpin
+    + 'static
+{
+}
+
+impl<S> FrontDoor for S where
+    S: tower::Service<
+            Request<Incoming>,
+            Response = Response<ProxyBody>,
+            Error = Infallible,
+            Future: Future + Send + 'static,
+        > + Clone
+        + Send
+        + Unpin
+        + 'static
+{
+}
+
+/// The OpenAI HTTP front door for one connection, on the engine connections of `core`
+/// (thread-per-core; else 0).
+pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
+    let ctx = Ctx::on(&layers.shared, core, peer, Front::Http);
+    let (l, c) = (layers, &ctx);
+    ServiceBuilder::new()
+        .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| trace::Trace::new(inner, c))
+        .layer_fn(|inner| l.cors(inner, c))
+        .layer_fn(|inner| l.respond(inner, c))
+        .layer_fn(|inner| l.auth(inner))
+        .layer_fn(|inner| l.route(inner, c))
+        .layer_fn(|inner| l.read(inner, c))
+        .layer_fn(|inner| select::Select::new(inner, c, &l.extra_routes))
+        .layer_fn(|inner| l.admit_retry_pick(inner, c))
+        .service(l.observe_send(c))
+}
+
+/// The gRPC front door for one connection (see [`grpc`]): the method table over the HTTP
+/// stack's lower half, answering every call (errors as gRPC statuses).
+pub fn grpc_stack(layers: &Layers, peer: SocketAddr) -> impl FrontDoor {
+    let ctx = Ctx::new(&layers.shared, peer, Front::Grpc);
+    let (l, c) = (layers, &ctx);
+    ServiceBuilder::new()
+        .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| trace::Trace::new(inner, c))
+        .layer_fn(|inner| l.respond(inner, c))
+        .layer_fn(|inner| l.auth(inner))
+        .layer_fn(|inner| grpc::Route::new(inner, c, &l.grpc))
+        .layer_fn(|inner| l.read(inner, c))
+        .layer_fn(|inner| l.admit_retry_pick(inner, c))
+        .layer_fn(|inner| grpc::Track::new(inner, &l.grpc.requests))
+        .service(l.observe_send(c))
+}
+
+/// Each layer over `inner`, with its own state and settings: the stacks above and the layers'
+/// tests build them here.
+impl Layers {
+    pub(super) fn cors<S>(&self, inner: S, c: &Ctx) -> cors::Cors<S> {
+        cors::Cors::new(inner, c, &self.origins, &self.errors)
+    }
+
+    pub(super) fn respond<S>(&self, inner: S, c: &Ctx) -> respond::Respond<S> {
+        respond::Respond::new(inner, c, &self.errors)
+    }
+
+    pub(super) fn auth<S>(&self, inner: S) -> auth::Auth<S> {
+        auth::Auth::new(inner, &self.gate)
+    }
+
+    pub(super) fn route<S>(&self, inner: S, c: &Ctx) -> route::Route<S> {
+        route::Route::new(inner, c, &self.extra_routes)
+    }
+
+    pub(super) fn read<S>(&self, inner: S, c: &Ctx) -> read::Read<S> {
+        read::Read::new(inner, c, self.limits)
+    }
+
+    pub(super) fn admit<S>(&self, inner: S) -> admit::Admit<S> {
+        admit::Admit::new(inner, &self.admission)
+    }
+
+    pub(super) fn retry<S>(&self, inner: S, c: &Ctx) -> retry::Retry<S> {
+        retry::Retry::new(inner, c, &self.retry)
+    }
+
+    pub(super) fn pick<S>(&self, inner: S, c: &Ctx) -> pick::Pick<S> {
+        pick::Pick::new(inner, c, self.limits.max_body)
+    }
+
+    pub(super) fn observe<S>(&self, inner: S, c: &Ctx) -> observe::Observe<S> {
+        observe::Observe::new(inner, c, self.ejection)
+    }
+
+    /// The lower half both front doors share, above and below what only one of them has
+    /// (gRPC's `track` between pick and observe).
+    fn admit_retry_pick<S>(&self, inner: S, c: &Ctx) -> admit::Admit<retry::Retry<pick::Pick<S>>> {
+        self.admit(self.retry(self.pick(inner, c), c))
+    }
+
+    fn observe_send(&self, c: &Ctx) -> observe::Observe<send::Send> {
+        self.observe(send::Send::new(c, &self.dial), c)
+    }
+}
