@@ -34,9 +34,7 @@ mod track;
 
 pub use track::{Held, Requests, Track};
 
-pub const VLLM_SERVICE: &str = "vllm.grpc.engine.VllmEngine";
-pub const SGLANG_SERVICE: &str = "sglang.grpc.scheduler.SglangScheduler";
-pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+pub use crate::proto::{HEALTH_SERVICE, SGLANG_SERVICE, VLLM_SERVICE};
 
 /// Which connections a stack serves: the OpenAI HTTP API or the engines' gRPC services.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
