@@ -66,7 +66,9 @@ fn code(source: &str) -> String {
             let hashes = rest[1..].chars().take_while(|&c| c == '#').count();
             let close = format!("\"{}", "#".repeat(hashes));
             let start = 2 + hashes;
-            let end = rest[start..].find(&close).map_or(rest.len(), |end| start + end + close.len());
+            let end = rest[start..]
+                .find(&close)
+                .map_or(rest.len(), |end| start + end + close.len());
             out.push_str("\"\"");
             i += end;
         } else if bytes[i] == b'"' {
@@ -152,7 +154,8 @@ fn paths(code: &str) -> Vec<Vec<String>> {
     let chars: Vec<char> = others.chars().collect();
     let mut i = 0;
     while i < chars.len() {
-        let starts = is_ident_start(chars[i]) && (i == 0 || !is_ident(chars[i - 1]) && !after_colons(&chars, i));
+        let starts = is_ident_start(chars[i])
+            && (i == 0 || !is_ident(chars[i - 1]) && !after_colons(&chars, i));
         if !starts {
             i += 1;
             continue;
@@ -165,7 +168,11 @@ fn paths(code: &str) -> Vec<Vec<String>> {
                 j += 1;
             }
             path.push(chars[begin..j].iter().collect::<String>());
-            if j + 2 < chars.len() && chars[j] == ':' && chars[j + 1] == ':' && is_ident_start(chars[j + 2]) {
+            if j + 2 < chars.len()
+                && chars[j] == ':'
+                && chars[j + 1] == ':'
+                && is_ident_start(chars[j + 2])
+            {
                 j += 2;
             } else {
                 break;
@@ -291,7 +298,11 @@ fn target(from: &[String], path: &[String], known: &BTreeMap<Module, PathBuf>) -
 fn graph(src: &Path, skip: &[&str]) -> BTreeMap<Module, BTreeSet<Module>> {
     let mut known = BTreeMap::new();
     modules(src, src, &mut known);
-    known.retain(|module, _| module.first().is_none_or(|top| !skip.contains(&top.as_str())));
+    known.retain(|module, _| {
+        module
+            .first()
+            .is_none_or(|top| !skip.contains(&top.as_str()))
+    });
     let mut edges = BTreeMap::new();
     for (module, path) in &known {
         let source = std::fs::read_to_string(path).expect("read source");
@@ -392,7 +403,12 @@ fn bottom_up(edges: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<Module> {
 fn the_router_crates_imports_form_no_circle() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let edges = graph(&src, &["sim", "load", "scenario", "demo", "top"]);
-    assert!(edges.len() > 50, "found only {} modules under {}", edges.len(), src.display());
+    assert!(
+        edges.len() > 50,
+        "found only {} modules under {}",
+        edges.len(),
+        src.display()
+    );
     for module in bottom_up(&edges) {
         let to: Vec<String> = edges[&module].iter().map(|to| name(to)).collect();
         println!("{} <- {}", name(&module), to.join(", "));
@@ -411,10 +427,19 @@ fn the_router_crates_imports_form_no_circle() {
                         .map(move |to| format!("{} -> {}", name(from), name(to)))
                 })
                 .collect();
-            format!("{} modules: {}\n  imports inside it: {}", members.len(), members.join(", "), inside.join("; "))
+            format!(
+                "{} modules: {}\n  imports inside it: {}",
+                members.len(),
+                members.join(", "),
+                inside.join("; ")
+            )
         })
         .collect();
-    assert!(found.is_empty(), "import circles:\n{}", described.join("\n"));
+    assert!(
+        found.is_empty(),
+        "import circles:\n{}",
+        described.join("\n")
+    );
 }
 
 #[test]
@@ -427,11 +452,27 @@ fn f() { let _ = child::call(); let _ = "crate::in_string"; x::<crate::g::H>(); 
 #[cfg(test)]
 mod tests { use crate::tested::T; }
 "#;
-    let found: BTreeSet<String> = paths(&code(source)).iter().map(|path| path.join("::")).collect();
-    for expected in ["crate::a::b", "crate::a::c::D", "crate::e", "super::sibling::Thing", "child::call", "crate::g::H"] {
-        assert!(found.contains(expected), "{expected} missing from {found:?}");
+    let found: BTreeSet<String> = paths(&code(source))
+        .iter()
+        .map(|path| path.join("::"))
+        .collect();
+    for expected in [
+        "crate::a::b",
+        "crate::a::c::D",
+        "crate::e",
+        "super::sibling::Thing",
+        "child::call",
+        "crate::g::H",
+    ] {
+        assert!(
+            found.contains(expected),
+            "{expected} missing from {found:?}"
+        );
     }
     for absent in ["crate::doc::only", "crate::in_string", "crate::tested::T"] {
-        assert!(!found.contains(absent), "{absent} read from a comment, string or test: {found:?}");
+        assert!(
+            !found.contains(absent),
+            "{absent} read from a comment, string or test: {found:?}"
+        );
     }
 }
