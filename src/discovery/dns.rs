@@ -35,7 +35,7 @@ use hickory_resolver::proto::ProtoErrorKind;
 use hickory_resolver::{Name, ResolveError, TokioResolver};
 use tokio::time::MissedTickBehavior;
 
-use super::{DiscoveryError, Found};
+use super::found::{DiscoveryError, Found};
 use crate::config::{Discovery, DiscoverySource};
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::worker::Engine;

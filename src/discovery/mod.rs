@@ -7,36 +7,19 @@
 //! what was last found instead of emptying on a blip.
 
 pub mod dns;
+mod found;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+pub use found::{DiscoveryError, Found};
+
 use crate::config::{Discovery, DiscoverySource};
 use crate::http::Shutdown;
 use crate::membership::{Change, Membership};
 use crate::worker::{Engine, Origin};
-
-/// The channel a discovery task reports its sets on.
-pub type Found = mpsc::Sender<Vec<Engine>>;
-
-/// Why a discovery entry cannot run (its failure is logged; the rest of the fleet serves).
-#[derive(Debug, thiserror::Error)]
-#[error("{at}: {message}")]
-pub struct DiscoveryError {
-    pub at: String,
-    pub message: String,
-}
-
-impl DiscoveryError {
-    pub fn new(d: &Discovery, message: impl Into<String>) -> DiscoveryError {
-        DiscoveryError {
-            at: d.at.clone(),
-            message: message.into(),
-        }
-    }
-}
 
 /// Starts one task per entry, and one that hands each set it reports to membership as the
 /// entry's engines (`Origin::Discovery(i)`). They stop on `shutdown`.

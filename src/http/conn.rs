@@ -23,8 +23,8 @@ use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-use super::serve::ServeOptions;
-use super::watch::Activity;
+use super::limits::ServeOptions;
+use super::watch::{Activity, Graceful};
 
 /// Most header lines one HTTP/1 request may carry (431 beyond).
 pub const MAX_HEADER_LINES: usize = 512;
@@ -75,12 +75,6 @@ pub async fn sniff<T: AsyncRead + Unpin>(io: &mut T) -> std::io::Result<(Bytes, 
         n += k;
     }
     Ok((Bytes::copy_from_slice(&buf), true))
-}
-
-/// A connection future the connection watch can ask to finish gracefully.
-pub trait Graceful: Future<Output = Result<(), hyper::Error>> {
-    /// Finish what is in flight, take nothing new.
-    fn graceful(self: Pin<&mut Self>);
 }
 
 impl<I, S, B> Graceful for http2::Connection<I, S, TokioExecutor>

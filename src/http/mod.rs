@@ -4,11 +4,17 @@
 //! OpenAI-shaped error body.
 
 mod conn;
+mod limits;
 mod serve;
+mod shutdown;
+mod throttle;
 mod watch;
 
 pub use conn::MAX_HEADER_LINES;
-pub use serve::{serve, serve_with, shutdown_signalled, Door, ServeOptions, Shutdown, Throttle};
+pub use limits::{Door, ServeOptions};
+pub use serve::{serve, serve_with};
+pub use shutdown::{shutdown_signalled, Shutdown};
+pub use throttle::Throttle;
 
 use std::time::Duration;
 

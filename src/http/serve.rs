@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -24,150 +24,12 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
-use tokio::time::Instant;
+use tokio::sync::watch;
 
 use super::conn::{self, Builders};
+use super::limits::{Door, ServeOptions};
+use super::shutdown::{shutdown_signalled, Shutdown};
 use super::watch::{drive, ActiveGuard, Activity, Watch};
-use crate::config::ServerConfig;
-use crate::tls::ServerTls;
-
-/// A shutdown signal: `true` once shutdown is asked for.
-pub type Shutdown = watch::Receiver<bool>;
-
-/// Resolves when `shutdown` flips to true (or its sender is gone).
-pub async fn shutdown_signalled(shutdown: &mut Shutdown) {
-    while !*shutdown.borrow_and_update() {
-        if shutdown.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
-/// File descriptors kept back from client connections for listeners, telemetry and logs.
-const RESERVED_FDS: usize = 64;
-
-/// Limits on one listener's client connections.
-#[derive(Debug, Clone)]
-pub struct ServeOptions {
-    pub header_read_timeout: Duration,
-    pub idle_timeout: Duration,
-    pub h2_keepalive: Duration,
-    pub max_header_bytes: usize,
-    pub max_connections: usize,
-    pub drain_grace: Duration,
-    /// Shared by several listeners of one front door (thread-per-core); `None`: the listener's
-    /// own.
-    pub door: Option<Arc<Door>>,
-    /// TLS on this listener; `None`: cleartext (HTTP/1.1 and h2c).
-    pub tls: Option<Arc<ServerTls>>,
-}
-
-/// What the listeners of one front door share: the cap on client connections, and the
-/// throttled log lines of a full door and of failing accepts, so both hold for the process as
-/// they would for a single listener.
-#[derive(Debug)]
-pub struct Door {
-    max_connections: usize,
-    slots: Arc<Semaphore>,
-    accept_errors: Throttle,
-    // Throttled too: at the cap with clients coming and going, every freed slot is one accept
-    // and then the cap again, and a line each time was a flood.
-    cap_reached: Throttle,
-}
-
-impl Door {
-    pub fn new(max_connections: usize) -> Door {
-        Door {
-            max_connections,
-            slots: Arc::new(Semaphore::new(max_connections)),
-            accept_errors: Throttle::new(Duration::from_secs(5)),
-            cap_reached: Throttle::new(Duration::from_secs(5)),
-        }
-    }
-}
-
-impl Default for ServeOptions {
-    /// For listeners that only trusted peers use (admin, the simulated engine).
-    fn default() -> Self {
-        ServeOptions {
-            header_read_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(60),
-            h2_keepalive: Duration::from_secs(20),
-            max_header_bytes: 64 * 1024,
-            max_connections: 256,
-            drain_grace: Duration::from_secs(30),
-            door: None,
-            tls: None,
-        }
-    }
-}
-
-impl ServeOptions {
-    /// The front door's limits, from `[server]`.
-    pub fn front_door(cfg: &ServerConfig) -> ServeOptions {
-        ServeOptions {
-            header_read_timeout: cfg.header_read_timeout,
-            idle_timeout: cfg.idle_timeout,
-            h2_keepalive: cfg.h2_keepalive_interval,
-            max_header_bytes: cfg.max_header_bytes,
-            max_connections: cfg.max_connections.unwrap_or_else(default_max_connections),
-            drain_grace: cfg.drain_grace,
-            door: None,
-            tls: None,
-        }
-    }
-}
-
-/// Half the file descriptors this process may open, less a reserve: each client connection may
-/// need one upstream connection too, and the admin listener must still find one to accept with.
-pub fn default_max_connections() -> usize {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes only into the struct it is given.
-    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
-        usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX)
-    } else {
-        1024
-    };
-    (soft.saturating_sub(RESERVED_FDS) / 2).clamp(16, 1 << 20)
-}
-
-/// Logs at most once per period, counting what it held back, so a storm of identical failures
-/// (accept errors, 503s) is one line every few seconds instead of thousands.
-#[derive(Debug)]
-pub struct Throttle {
-    period: Duration,
-    state: Mutex<(Option<Instant>, u64)>,
-}
-
-impl Throttle {
-    pub fn new(period: Duration) -> Throttle {
-        Throttle {
-            period,
-            state: Mutex::new((None, 0)),
-        }
-    }
-
-    /// `Some(suppressed)` when the caller should log now, with how many were held back since.
-    pub fn allow(&self) -> Option<u64> {
-        let now = Instant::now();
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match s.0 {
-            Some(last) if now.saturating_duration_since(last) < self.period => {
-                s.1 += 1;
-                None
-            }
-            _ => {
-                let held = s.1;
-                *s = (Some(now), 0);
-                Some(held)
-            }
-        }
-    }
-}
 
 /// Serves a handler function with the default limits; see [`serve_with`].
 pub async fn serve<F, Fut, B>(listener: TcpListener, handler: F, shutdown: Shutdown)

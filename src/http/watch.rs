@@ -18,8 +18,14 @@ use std::time::Duration;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
-use super::conn::Graceful;
-use super::serve::{shutdown_signalled, ServeOptions, Shutdown};
+use super::limits::ServeOptions;
+use super::shutdown::{shutdown_signalled, Shutdown};
+
+/// A connection future the connection watch can ask to finish gracefully.
+pub trait Graceful: Future<Output = Result<(), hyper::Error>> {
+    /// Finish what is in flight, take nothing new.
+    fn graceful(self: Pin<&mut Self>);
+}
 
 /// What the watch knows of one client connection, kept current by its requests.
 pub(super) struct Activity {

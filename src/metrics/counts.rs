@@ -224,7 +224,8 @@ impl PollCounters {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::labels::{ModelIdx, Routes};
+    use crate::metrics::labels::ModelIdx;
+    use crate::metrics::routes::Routes;
 
     #[test]
     fn a_series_counts_across_the_copy_that_adds_another() {

@@ -16,7 +16,7 @@ use prometheus_client::metrics::MetricType;
 use tokio::time::Instant;
 
 use super::counts::{Attempt, PollResult, RequestCounts, SOURCES};
-use super::Core;
+use super::shared::Core;
 use crate::reason::Reason;
 use crate::table::{RankTelemetry, Table};
 

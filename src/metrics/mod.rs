@@ -23,11 +23,13 @@
 //! lints the former, and reads an OpenMetrics counter family (named without `_total`) as a
 //! metric without help.
 
-pub mod counts;
+pub(crate) mod counts;
 mod fleet;
 mod histogram;
 mod labels;
 mod process;
+mod routes;
+mod shared;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,19 +44,13 @@ use crate::worker::Member;
 
 pub use counts::{Attempt, PollCounters, PollResult, RequestCounts, RequestKey, WorkerCounters};
 pub use histogram::BUCKETS;
-pub use labels::{ModelIdx, ModelSlot, RequestLabels, RouteIdx, UNKNOWN, UNMATCHED};
+pub use labels::{ModelIdx, ModelSlot, RequestLabels, UNKNOWN};
+pub use routes::{RouteIdx, UNMATCHED};
+
+use shared::Core;
 
 /// The `Content-Type` of `/metrics`.
 pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
-
-/// What the collectors read besides the snapshot: the label names and the series kept per model.
-#[derive(Debug)]
-struct Core {
-    routes: labels::Routes,
-    models: labels::Models,
-    /// Requests rankgate answered itself, without a worker.
-    local: RequestCounts,
-}
 
 /// The registry and the handles the proxy records through.
 #[derive(Debug)]
@@ -89,7 +85,7 @@ impl Metrics {
     fn build(extra_routes: &[String], table: Option<Arc<Table>>) -> Metrics {
         let mut registry = Registry::default();
         let core = Arc::new(Core {
-            routes: labels::Routes::new(extra_routes),
+            routes: routes::Routes::new(extra_routes),
             models: labels::Models::default(),
             local: RequestCounts::default(),
         });

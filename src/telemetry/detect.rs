@@ -14,8 +14,8 @@ use std::collections::BTreeSet;
 
 use serde_json::Value;
 
+use super::client::{fetch, HttpClient};
 use super::grpc::Transport;
-use super::poller::{fetch, HttpClient};
 use super::prom;
 use crate::proto::{sglang, vllm};
 use crate::worker::{Deployment, Engine, Flavor, Reported};

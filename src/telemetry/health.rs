@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use http_body_util::{BodyExt, Limited};
 
-use super::poller::HttpClient;
+use super::client::HttpClient;
 use crate::http::error_chain;
 use crate::reason::HealthFailure;
 

@@ -8,6 +8,7 @@
 //! compare-and-swap retry loop and owns the per-rank state-change log. Each poller also probes
 //! its engine's health path ([`health`]) and stops promptly on shutdown, mid-poll or not.
 
+mod client;
 mod detect;
 pub mod grpc;
 pub mod health;
@@ -16,6 +17,8 @@ mod models;
 mod poller;
 pub mod probe;
 pub mod prom;
+mod report;
+mod source;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -23,7 +26,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinSet};
 
-use crate::catalog::{Catalog, Model};
+use crate::catalog::Catalog;
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
 use crate::membership::{self, Change, MembershipError, Outcome, Sources};
@@ -31,18 +34,7 @@ use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
 use crate::upstream::ConnLimits;
 use crate::worker::{EngineEntry, EngineId, Fleet, Reported, WorkerId};
 
-/// One engine's poll, projected onto its ranks.
-pub struct Report {
-    engine: EngineId,
-    reachable: bool,
-    weight_at_poll: Vec<u64>,
-    ranks: Vec<RankTelemetry>,
-    source: &'static str,
-    /// The engine's models, when this poll read them.
-    models: Option<Vec<Model>>,
-    /// What the engine newly said of its flavor and size: its entry is built anew with it.
-    reported: Option<Reported>,
-}
+pub use report::Report;
 
 /// What the publisher needs besides the table.
 pub struct Settings {
@@ -67,7 +59,7 @@ pub fn spawn(
         let (tx, rx) = mpsc::channel(fleet.engines.len().max(16) * 2);
         let snap = table.snapshot.load_full();
         let mut p = Publisher {
-            http: poller::HttpClient::new(crate::http::client_with(
+            http: client::HttpClient::new(crate::http::client_with(
                 settings.telemetry.timeout,
                 &settings.upstream,
             )),
@@ -97,7 +89,7 @@ pub fn spawn(
 struct Publisher {
     table: Arc<Table>,
     settings: Settings,
-    http: poller::HttpClient,
+    http: client::HttpClient,
     grpc: grpc::Transport,
     /// Where pollers send their reports.
     tx: mpsc::Sender<Report>,

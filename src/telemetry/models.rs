@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use super::poller::{fetch, HttpClient};
+use super::client::{fetch, HttpClient};
 use crate::catalog::Model;
 
 /// Models are re-read every this many polls (about a minute at the default interval).

@@ -18,94 +18,27 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 
+use super::client::{Failure, HttpClient};
 use super::grpc::LoadsClient;
 use super::health::{self, Change, Health};
 use super::loads::{self, LoadsReport, ProjectionNotes};
 use super::models::ModelsReader;
-use super::{detect, prom, Report};
+use super::report::Report;
+use super::source::{fetch_source, uri, Down, Raw, Source};
+use super::{detect, prom};
 use crate::config::TelemetryConfig;
-use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::metrics::PollResult;
 use crate::reason::{HealthFailure, Reason, SourceFailure};
 use crate::table::RankTelemetry;
 use crate::worker::EngineEntry;
-use crate::worker::{ApiKey, Deployment, Engine, Flavor, TelemetrySource};
+use crate::worker::{Deployment, Engine, Flavor, TelemetrySource};
 
-/// Largest telemetry body accepted; a real vLLM /metrics is ~70 KB.
-const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
 /// Most polls between two background probes of a failed source.
 const MAX_SKIP: u32 = 32;
-
-/// The HTTP client of one engine's polls: the shared connection pool, and the engine's own key.
-#[derive(Clone)]
-pub struct HttpClient {
-    client: crate::http::HttpClient<Empty<Bytes>>,
-    key: Option<ApiKey>,
-}
-
-impl HttpClient {
-    pub fn new(client: crate::http::HttpClient<Empty<Bytes>>) -> HttpClient {
-        HttpClient { client, key: None }
-    }
-
-    pub(super) fn with_key(&self, key: Option<ApiKey>) -> HttpClient {
-        HttpClient {
-            client: self.client.clone(),
-            key,
-        }
-    }
-
-    /// GET `uri`, with the engine's bearer key when it has one.
-    pub fn get(&self, uri: http::Uri) -> hyper_util::client::legacy::ResponseFuture {
-        let mut req = http::Request::new(Empty::new());
-        *req.uri_mut() = uri;
-        if let Some(key) = &self.key {
-            req.headers_mut()
-                .insert(http::header::AUTHORIZATION, key.0.clone());
-        }
-        self.client.request(req)
-    }
-}
-
-/// A source, ready to be read.
-#[derive(Clone)]
-enum Source {
-    Grpc(Box<LoadsClient>),
-    Http(http::Uri),
-    Prometheus(http::Uri),
-}
-
-impl Source {
-    fn name(&self) -> &'static str {
-        match self {
-            Source::Grpc(_) => "grpc",
-            Source::Http(_) => "http",
-            Source::Prometheus(_) => "prometheus",
-        }
-    }
-}
-
-/// Why one read of one source failed.
-pub(super) struct Failure {
-    /// Something answered (an HTTP status, a gRPC status): the endpoint is up.
-    answered: bool,
-    pub(super) reason: String,
-}
-
-impl Failure {
-    fn silent(reason: String) -> Failure {
-        Failure {
-            answered: false,
-            reason,
-        }
-    }
-}
 
 pub struct Poller {
     entry: Arc<EngineEntry>,
@@ -130,15 +63,6 @@ pub struct Poller {
     down: Vec<Option<Down>>,
 }
 
-/// A source taken out of the polls, and its background probe.
-struct Down {
-    /// Polls between probes; doubles after each failed probe.
-    every: u32,
-    /// Polls until the next probe starts.
-    wait: u32,
-    probe: Option<tokio::task::JoinHandle<bool>>,
-}
-
 impl Drop for Poller {
     fn drop(&mut self) {
         for probe in self
@@ -150,47 +74,6 @@ impl Drop for Poller {
             probe.abort();
         }
     }
-}
-
-/// What a source answered, before projection.
-enum Raw {
-    Metrics(String),
-    Loads(LoadsReport),
-}
-
-/// Reads one source. Free of the poller so a background probe can run it.
-async fn fetch_source(src: Source, http: HttpClient) -> Result<Raw, Failure> {
-    match src {
-        Source::Prometheus(u) => {
-            let body = fetch(&http, u).await?;
-            String::from_utf8(body.to_vec())
-                .map(Raw::Metrics)
-                .map_err(|_| Failure {
-                    answered: true,
-                    reason: "body is not UTF-8".into(),
-                })
-        }
-        Source::Http(u) => {
-            let body = fetch(&http, u).await?;
-            LoadsReport::from_json(&body)
-                .map(Raw::Loads)
-                .map_err(|reason| Failure {
-                    answered: true,
-                    reason,
-                })
-        }
-        // The gRPC port answering says nothing of the HTTP port traffic goes to, so a gRPC
-        // failure never counts as the engine being reachable.
-        Source::Grpc(client) => client
-            .get_loads(None)
-            .await
-            .map(Raw::Loads)
-            .map_err(Failure::silent),
-    }
-}
-
-fn uri(s: &str) -> Result<http::Uri, String> {
-    s.parse().map_err(|e| format!("{s:?}: {e}"))
 }
 
 impl Poller {
@@ -562,27 +445,4 @@ impl Poller {
 fn asks(engine: &Engine) -> bool {
     engine.flavor != Flavor::Gateway
         && (engine.declared.flavor.is_none() || engine.deployment == Deployment::Own)
-}
-
-pub(super) async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
-    let resp = client
-        .get(uri)
-        .await
-        .map_err(|e| Failure::silent(error_chain(&e)))?;
-    let status = resp.status();
-    let body = Limited::new(resp.into_body(), MAX_TELEMETRY_BYTES)
-        .collect()
-        .await
-        .map_err(|e| Failure {
-            answered: true,
-            reason: format!("reading body: {e}"),
-        })?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(Failure {
-            answered: true,
-            reason: format!("HTTP {status}"),
-        });
-    }
-    Ok(body)
 }

@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use super::poller::{self, fetch, HttpClient};
+use super::client::{fetch, HttpClient};
+use super::poller;
 use super::{detect, grpc, models};
 use crate::config::TelemetryConfig;
 use crate::table::RankTelemetry;

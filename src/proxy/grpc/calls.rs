@@ -8,9 +8,7 @@ use tonic::Code;
 use crate::proxy::error::{GrpcError, ProxyError};
 use crate::worker::Flavor;
 
-pub const VLLM_SERVICE: &str = "vllm.grpc.engine.VllmEngine";
-pub const SGLANG_SERVICE: &str = "sglang.grpc.scheduler.SglangScheduler";
-pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+pub use crate::proto::{HEALTH_SERVICE, SGLANG_SERVICE, VLLM_SERVICE};
 
 /// What the front door does with one method of an engine service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,7 +24,7 @@ pub(crate) mod status;
 mod track;
 
 pub use answer::{answered, status_response};
-pub use calls::{pin, rank_field, HEALTH_SERVICE, SGLANG_SERVICE, VLLM_SERVICE};
+pub use calls::{pin, rank_field};
 pub use local::Local;
 pub use requests::Requests;
 pub use route::Route;
