@@ -163,92 +163,82 @@ fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr,
         .map_err(|_| invalid(key, format!("{s:?} is not an IP:port socket address")))
 }
 
-/// Validates `[server]`.
+/// A `[server]` duration's default and the range it must fall in.
+struct Bounds {
+    default: Duration,
+    min: Duration,
+    max: Duration,
+}
+
+impl Bounds {
+    const fn new(default: Duration, min: Duration, max: Duration) -> Bounds {
+        Bounds { default, min, max }
+    }
+
+    fn read(&self, key: &str, v: Option<HumanDuration>) -> Result<Duration, ConfigError> {
+        duration(key, v, self.default, self.min, self.max)
+    }
+}
+
+const CONNECT_TIMEOUT: Bounds = Bounds::new(DEFAULT_CONNECT_TIMEOUT, ms(10), secs(300));
+const RESPONSE_TIMEOUT: Bounds = Bounds::new(DEFAULT_RESPONSE_TIMEOUT, ms(100), secs(24 * 3600));
+const STREAM_IDLE_TIMEOUT: Bounds =
+    Bounds::new(DEFAULT_STREAM_IDLE_TIMEOUT, ms(100), secs(24 * 3600));
+const HEADER_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_HEADER_READ_TIMEOUT, ms(100), secs(600));
+const BODY_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_BODY_READ_TIMEOUT, ms(100), secs(3600));
+const IDLE_TIMEOUT: Bounds = Bounds::new(DEFAULT_IDLE_TIMEOUT, ms(100), secs(3600));
+const H2_KEEPALIVE: Bounds = Bounds::new(DEFAULT_H2_KEEPALIVE, ms(100), secs(3600));
+const SHUTDOWN_DELAY: Bounds = Bounds::new(Duration::ZERO, Duration::ZERO, secs(600));
+const DRAIN_GRACE: Bounds = Bounds::new(DEFAULT_DRAIN_GRACE, Duration::ZERO, secs(3600));
+
+/// Validates `[server]`: each value read (or defaulted), then the rules on them, in the order
+/// their errors are reported.
 pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
-    let mut server = ServerConfig {
+    let mut server = read(raw)?;
+    check_limits(&server)?;
+    check_env_names(&server)?;
+    server.admin_token = (server.admin_token_env.as_deref())
+        .map(admin_token)
+        .transpose()?;
+    check_access(&server)?;
+    check_listeners(&server)?;
+    Ok(server)
+}
+
+/// Every `[server]` value, its default where it is left out; addresses parse and durations
+/// fall in their ranges (in the order of the fields, which is the order of their errors).
+fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
+    Ok(ServerConfig {
         listen: parse_addr("server.listen", raw.listen, DEFAULT_LISTEN)?,
         admin_listen: parse_addr(
             "server.admin_listen",
             raw.admin_listen,
             DEFAULT_ADMIN_LISTEN,
         )?,
-        grpc_listen: raw
-            .grpc_listen
+        grpc_listen: (raw.grpc_listen)
             .map(|a| parse_addr("server.grpc_listen", Some(a), ""))
             .transpose()?,
         max_body_bytes: raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
-        connect_timeout: duration(
-            "server.connect_timeout",
-            raw.connect_timeout,
-            DEFAULT_CONNECT_TIMEOUT,
-            ms(10),
-            secs(300),
-        )?,
-        response_timeout: duration(
-            "server.response_timeout",
-            raw.response_timeout,
-            DEFAULT_RESPONSE_TIMEOUT,
-            ms(100),
-            secs(24 * 3600),
-        )?,
-        stream_idle_timeout: duration(
-            "server.stream_idle_timeout",
-            raw.stream_idle_timeout,
-            DEFAULT_STREAM_IDLE_TIMEOUT,
-            ms(100),
-            secs(24 * 3600),
-        )?,
-        header_read_timeout: duration(
-            "server.header_read_timeout",
-            raw.header_read_timeout,
-            DEFAULT_HEADER_READ_TIMEOUT,
-            ms(100),
-            secs(600),
-        )?,
-        body_read_timeout: duration(
-            "server.body_read_timeout",
-            raw.body_read_timeout,
-            DEFAULT_BODY_READ_TIMEOUT,
-            ms(100),
-            secs(3600),
-        )?,
-        idle_timeout: duration(
-            "server.idle_timeout",
-            raw.idle_timeout,
-            DEFAULT_IDLE_TIMEOUT,
-            ms(100),
-            secs(3600),
-        )?,
-        h2_keepalive_interval: duration(
-            "server.h2_keepalive_interval",
-            raw.h2_keepalive_interval,
-            DEFAULT_H2_KEEPALIVE,
-            ms(100),
-            secs(3600),
-        )?,
+        connect_timeout: CONNECT_TIMEOUT.read("server.connect_timeout", raw.connect_timeout)?,
+        response_timeout: RESPONSE_TIMEOUT.read("server.response_timeout", raw.response_timeout)?,
+        stream_idle_timeout: STREAM_IDLE_TIMEOUT
+            .read("server.stream_idle_timeout", raw.stream_idle_timeout)?,
+        header_read_timeout: HEADER_READ_TIMEOUT
+            .read("server.header_read_timeout", raw.header_read_timeout)?,
+        body_read_timeout: BODY_READ_TIMEOUT
+            .read("server.body_read_timeout", raw.body_read_timeout)?,
+        idle_timeout: IDLE_TIMEOUT.read("server.idle_timeout", raw.idle_timeout)?,
+        h2_keepalive_interval: H2_KEEPALIVE
+            .read("server.h2_keepalive_interval", raw.h2_keepalive_interval)?,
         max_header_bytes: raw.max_header_bytes.unwrap_or(DEFAULT_MAX_HEADER_BYTES),
         max_connections: raw.max_connections,
-        max_engine_connections: raw
-            .max_engine_connections
+        max_engine_connections: (raw.max_engine_connections)
             .unwrap_or(DEFAULT_MAX_ENGINE_CONNECTIONS),
-        grpc_streams_per_connection: raw
-            .grpc_streams_per_connection
+        grpc_streams_per_connection: (raw.grpc_streams_per_connection)
             .unwrap_or(DEFAULT_GRPC_STREAMS_PER_CONNECTION),
         max_in_flight: raw.max_in_flight,
-        shutdown_delay: duration(
-            "server.shutdown_delay",
-            raw.shutdown_delay,
-            Duration::ZERO,
-            Duration::ZERO,
-            secs(600),
-        )?,
-        drain_grace: duration(
-            "server.drain_grace",
-            raw.drain_grace,
-            DEFAULT_DRAIN_GRACE,
-            Duration::ZERO,
-            secs(3600),
-        )?,
+        shutdown_delay: SHUTDOWN_DELAY.read("server.shutdown_delay", raw.shutdown_delay)?,
+        drain_grace: DRAIN_GRACE.read("server.drain_grace", raw.drain_grace)?,
         extra_routes: raw.extra_routes.unwrap_or_default(),
         api_keys_env: raw.api_keys_env,
         api_keys_file: raw.api_keys_file,
@@ -259,7 +249,12 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         admin_token_env: raw.admin_token_env,
         tls: raw.tls,
         admin_tls: raw.admin_tls,
-    };
+    })
+}
+
+/// Sizes and counts: a body must be allowed, headers fit hyper's floor and an attack's cap,
+/// and a count set to 0 would refuse everything.
+fn check_limits(server: &ServerConfig) -> Result<(), ConfigError> {
     if server.max_body_bytes == 0 {
         return Err(invalid("server.max_body_bytes", "must be greater than 0"));
     }
@@ -291,6 +286,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             ));
         }
     }
+    Ok(())
+}
+
+/// The keys naming environment variables name ones that can exist.
+fn check_env_names(server: &ServerConfig) -> Result<(), ConfigError> {
     for (key, var) in [
         ("server.api_keys_env", &server.api_keys_env),
         ("server.admin_token_env", &server.admin_token_env),
@@ -304,11 +304,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             }
         }
     }
-    server.admin_token = server
-        .admin_token_env
-        .as_deref()
-        .map(admin_token)
-        .transpose()?;
+    Ok(())
+}
+
+/// Who may call: the client key file is named if set, each CORS origin is one a browser sends.
+fn check_access(server: &ServerConfig) -> Result<(), ConfigError> {
     if server
         .api_keys_file
         .as_ref()
@@ -322,6 +322,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
     for (i, o) in server.cors_allow_origins.iter().enumerate() {
         check_origin(o).map_err(|p| invalid(format!("server.cors_allow_origins[{i}]"), p))?;
     }
+    Ok(())
+}
+
+/// The listeners are distinct (port 0, "any free port", never collides).
+fn check_listeners(server: &ServerConfig) -> Result<(), ConfigError> {
     if server.listen == server.admin_listen && server.listen.port() != 0 {
         return Err(invalid(
             "server.admin_listen",
@@ -336,7 +341,7 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             ));
         }
     }
-    Ok(server)
+    Ok(())
 }
 
 /// An allowed CORS origin is `*` or what a browser sends in `Origin`: `scheme://host[:port]`,
