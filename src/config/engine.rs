@@ -128,12 +128,46 @@ impl TelemetrySource {
         format!("{scheme}://{authority}")
     }
 
-    pub fn name(&self) -> &'static str {
+    pub fn kind(&self) -> SourceKind {
         match self {
-            TelemetrySource::Grpc { .. } => "grpc",
-            TelemetrySource::Http { .. } => "http",
-            TelemetrySource::Prometheus => "prometheus",
+            TelemetrySource::Grpc { .. } => SourceKind::Grpc,
+            TelemetrySource::Http { .. } => SourceKind::Http,
+            TelemetrySource::Prometheus => SourceKind::Prometheus,
         }
+    }
+}
+
+/// The kind of a telemetry source: what the pollers count reads by, the `source` label of
+/// `rankgate_telemetry_polls`, and what `/workers` says produced a rank's numbers. Its name is
+/// in one place ([`SourceKind::as_str`]); counters are arrays indexed by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SourceKind {
+    Grpc,
+    Http,
+    Prometheus,
+}
+
+impl SourceKind {
+    /// Every kind, in the order counters index them.
+    pub const ALL: [SourceKind; 3] = [SourceKind::Grpc, SourceKind::Http, SourceKind::Prometheus];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceKind::Grpc => "grpc",
+            SourceKind::Http => "http",
+            SourceKind::Prometheus => "prometheus",
+        }
+    }
+
+    /// Its place in [`SourceKind::ALL`], for indexing counters.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for SourceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -32,7 +32,8 @@ pub use duration::{parse_duration, HumanDuration};
 #[cfg(test)]
 pub use engine::test_engine;
 pub use engine::{
-    ApiKey, Declared, Deployment, Engine, Flavor, RankNumbering, Reported, TelemetrySource,
+    ApiKey, Declared, Deployment, Engine, Flavor, RankNumbering, Reported, SourceKind,
+    TelemetrySource,
 };
 pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;

@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinSet};
 
 use crate::catalog::{Catalog, Model};
-use crate::config::TelemetryConfig;
+use crate::config::{SourceKind, TelemetryConfig};
 use crate::http::Shutdown;
 use crate::membership::{self, Change, MembershipError, Outcome, Sources};
 use crate::proxy::send::ConnLimits;
@@ -37,7 +37,7 @@ pub struct Report {
     reachable: bool,
     weight_at_poll: Vec<u64>,
     ranks: Vec<RankTelemetry>,
-    source: &'static str,
+    source: Option<SourceKind>,
     /// The engine's models, when this poll read them.
     models: Option<Vec<Model>>,
     /// What the engine newly said of its flavor and size: its entry is built anew with it.

@@ -28,7 +28,7 @@ use super::health::{self, Change, Health};
 use super::loads::{self, LoadsReport, ProjectionNotes};
 use super::models::ModelsReader;
 use super::{detect, prom, Report};
-use crate::config::TelemetryConfig;
+use crate::config::{SourceKind, TelemetryConfig};
 use crate::http::error_chain;
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::metrics::PollResult;
@@ -82,11 +82,11 @@ enum Source {
 }
 
 impl Source {
-    fn name(&self) -> &'static str {
+    fn kind(&self) -> SourceKind {
         match self {
-            Source::Grpc(_) => "grpc",
-            Source::Http(_) => "http",
-            Source::Prometheus(_) => "prometheus",
+            Source::Grpc(_) => SourceKind::Grpc,
+            Source::Http(_) => SourceKind::Http,
+            Source::Prometheus(_) => SourceKind::Prometheus,
         }
     }
 }
@@ -300,7 +300,7 @@ impl Poller {
                             reachable: true,
                             weight_at_poll: Vec::new(),
                             ranks: Vec::new(),
-                            source: "none",
+                            source: None,
                             models: None,
                             reported: Some(reported),
                         });
@@ -386,8 +386,9 @@ impl Poller {
         report.reachable = false;
     }
 
-    /// One poll for `check --probe`: the source that answered (`"none"`) and the ranks.
-    pub(super) async fn poll_once(&mut self) -> (&'static str, Vec<RankTelemetry>) {
+    /// One poll for `check --probe`: the kind of source that answered (`None`: none did) and
+    /// the ranks.
+    pub(super) async fn poll_once(&mut self) -> (Option<SourceKind>, Vec<RankTelemetry>) {
         let r = self.poll().await;
         (r.source, r.ranks)
     }
@@ -402,7 +403,7 @@ impl Poller {
         let mut answered = false;
         let last = self.sources.len().saturating_sub(1);
         for i in 0..self.sources.len() {
-            let name = self.sources[i].name();
+            let name = self.sources[i].kind();
             if i < last && !self.back_in_poll(i).await {
                 self.entry.polls.read(name, PollResult::Skipped);
                 failures.push(SourceFailure {
@@ -440,7 +441,7 @@ impl Poller {
                         reachable: true,
                         weight_at_poll,
                         ranks,
-                        source: name,
+                        source: Some(name),
                         models: None,
                         reported: None,
                     };
@@ -465,7 +466,7 @@ impl Poller {
             reachable: answered,
             weight_at_poll,
             ranks: vec![RankTelemetry::unavailable(reason); ranks],
-            source: "none",
+            source: None,
             models: None,
             reported: None,
         }

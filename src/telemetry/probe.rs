@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::poller::{self, fetch, HttpClient};
 use super::{detect, grpc, models};
-use crate::config::TelemetryConfig;
+use crate::config::{SourceKind, TelemetryConfig};
 use crate::proxy::send::ConnLimits;
 use crate::table::RankTelemetry;
 use crate::worker::{Engine, EngineEntry, Origin};
@@ -88,10 +88,10 @@ async fn one(
                         .filter(|r| matches!(r, RankTelemetry::Available(_)))
                         .count();
                     match (source, ranks.first()) {
-                        ("none", Some(RankTelemetry::Unavailable { reason })) => {
+                        (None, Some(RankTelemetry::Unavailable { reason })) => {
                             Err(reason.to_string())
                         }
-                        _ => Ok((source, fresh)),
+                        _ => Ok((source.map_or("none", SourceKind::as_str), fresh)),
                     }
                 }
                 Err(e) => Err(e),
