@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use http_body_util::BodyExt;
 
-use crate::config::RawEngine;
+use crate::config::{RawEngine, SourceKind};
 use crate::control::{Control, Refusal, ReloadError};
 use crate::http::{json_response, openai_error, respond};
 use crate::membership::{Change, MembershipError};
@@ -215,7 +215,7 @@ impl Admin {
                     "telemetry": if reason.is_none() { "available" } else { "unavailable" },
                     "reason": reason.as_ref().map(ToString::to_string),
                     "reason_kind": reason.as_ref().map(|r| r.kind()),
-                    "source": view.source,
+                    "source": view.source.map_or("none", SourceKind::as_str),
                     "reachable": view.reachable,
                     "kv_usage": load.map(|l| l.kv_usage),
                     "num_running_reqs": load.and_then(|l| l.running),

@@ -98,97 +98,10 @@ impl Control {
     }
 }
 
-/// The settings other than `[[engines]]` that differ between `a` and `b`.
+/// The settings other than `[[engines]]` that differ between `a` and `b` (listed in the
+/// config, where the settings are).
 fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
-    let (sa, sb) = (&a.server, &b.server);
-    let mut out: Vec<&'static str> = [
-        ("server.listen", sa.listen != sb.listen),
-        ("server.admin_listen", sa.admin_listen != sb.admin_listen),
-        ("server.grpc_listen", sa.grpc_listen != sb.grpc_listen),
-        (
-            "server.max_body_bytes",
-            sa.max_body_bytes != sb.max_body_bytes,
-        ),
-        (
-            "server.connect_timeout",
-            sa.connect_timeout != sb.connect_timeout,
-        ),
-        (
-            "server.response_timeout",
-            sa.response_timeout != sb.response_timeout,
-        ),
-        (
-            "server.stream_idle_timeout",
-            sa.stream_idle_timeout != sb.stream_idle_timeout,
-        ),
-        (
-            "server.header_read_timeout",
-            sa.header_read_timeout != sb.header_read_timeout,
-        ),
-        (
-            "server.body_read_timeout",
-            sa.body_read_timeout != sb.body_read_timeout,
-        ),
-        ("server.idle_timeout", sa.idle_timeout != sb.idle_timeout),
-        (
-            "server.h2_keepalive_interval",
-            sa.h2_keepalive_interval != sb.h2_keepalive_interval,
-        ),
-        (
-            "server.max_header_bytes",
-            sa.max_header_bytes != sb.max_header_bytes,
-        ),
-        (
-            "server.max_connections",
-            sa.max_connections != sb.max_connections,
-        ),
-        (
-            "server.max_engine_connections",
-            sa.max_engine_connections != sb.max_engine_connections,
-        ),
-        (
-            "server.grpc_streams_per_connection",
-            sa.grpc_streams_per_connection != sb.grpc_streams_per_connection,
-        ),
-        ("server.max_in_flight", sa.max_in_flight != sb.max_in_flight),
-        (
-            "server.shutdown_delay",
-            sa.shutdown_delay != sb.shutdown_delay,
-        ),
-        ("server.drain_grace", sa.drain_grace != sb.drain_grace),
-        ("server.extra_routes", sa.extra_routes != sb.extra_routes),
-        ("server.api_keys_env", sa.api_keys_env != sb.api_keys_env),
-        ("server.api_keys_file", sa.api_keys_file != sb.api_keys_file),
-        (
-            "server.cors_allow_origins",
-            sa.cors_allow_origins != sb.cors_allow_origins,
-        ),
-        (
-            "server.admin_token_env",
-            sa.admin_token_env != sb.admin_token_env,
-        ),
-        ("server.access_log", sa.access_log != sb.access_log),
-        (
-            "server.thread_per_core",
-            sa.thread_per_core != sb.thread_per_core,
-        ),
-        // The files' contents reload on their own (SIGHUP, a change on disk); other paths do not.
-        ("server.tls", sa.tls != sb.tls),
-        ("server.admin_tls", sa.admin_tls != sb.admin_tls),
-        ("engine_tls", a.engine_tls != b.engine_tls),
-        ("routing", a.routing != b.routing),
-        ("telemetry", a.telemetry != b.telemetry),
-        ("discovery", a.discovery != b.discovery),
-        ("tracing", a.tracing != b.tracing),
-    ]
-    .into_iter()
-    .filter_map(|(key, differs)| differs.then_some(key))
-    .collect();
-    // A server key this list does not name still says so.
-    if sa != sb && !out.iter().any(|k| k.starts_with("server.")) {
-        out.push("server");
-    }
-    out
+    a.restart_needed(b)
 }
 
 #[cfg(test)]

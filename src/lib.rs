@@ -2,7 +2,8 @@
 //!
 //! Module map, and what each owns:
 //! - [`config`]: the TOML config file, parsed then validated; errors name file, key and problem.
-//! - [`worker`]: engines, their expansion into virtual workers, the `RankId` identity, stable
+//!   It imports nothing of the crate; the engine types (`Engine`, `Flavor`, ...) are its own.
+//! - [`worker`]: engines' expansion into virtual workers, the `RankId` identity, stable
 //!   `EngineId`/`WorkerId`, and the fleet (`EngineEntry`, `Member`).
 //! - [`table`]: the one snapshot (fleet, telemetry, catalog) behind one `ArcSwap`, and the
 //!   per-worker live counters.

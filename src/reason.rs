@@ -3,11 +3,14 @@
 //!
 //! The router never parses these: the log compares variants (a new number in the same kind of
 //! fault is not a new state), and `/workers` shows the rendered message beside [`Reason::kind`].
-//! A leaf module so the snapshot ([`crate::table`]) and the pollers can both name it. Adding a
-//! cause is adding a variant, its `Display` arm and its `kind`; nothing compares messages.
+//! Low in the crate (it imports only `config`, for a source's kind) so the snapshot
+//! ([`crate::table`]) and the pollers can both name it. Adding a cause is adding a variant, its
+//! `Display` arm and its `kind`; nothing compares messages.
 
 use std::fmt;
 use std::time::Duration;
+
+use crate::config::SourceKind;
 
 /// Which report a rank was looked for in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,8 +24,8 @@ pub enum ReportKind {
 /// One telemetry source's failure in one poll.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceFailure {
-    /// The source's name (`grpc`, `http`, `prometheus`).
-    pub source: &'static str,
+    /// The source's kind.
+    pub source: SourceKind,
     pub problem: String,
 }
 
@@ -184,7 +187,7 @@ mod tests {
     #[test]
     fn every_reason_renders_its_cause() {
         let prom = SourceFailure {
-            source: "prometheus",
+            source: SourceKind::Prometheus,
             problem: "connection refused".into(),
         };
         let cases = [
@@ -222,7 +225,7 @@ mod tests {
                 Reason::SourcesFailed {
                     failures: vec![
                         SourceFailure {
-                            source: "grpc",
+                            source: SourceKind::Grpc,
                             problem: "failed recently, probed in the background".into(),
                         },
                         prom.clone(),

@@ -16,6 +16,7 @@ use arc_swap::ArcSwap;
 use tokio::time::Instant;
 
 use crate::catalog::{Catalog, Model};
+use crate::config::SourceKind;
 pub use crate::live::{Live, UNIT_WEIGHT};
 pub use crate::reason::Reason;
 use crate::worker::{Fleet, Member};
@@ -89,8 +90,8 @@ pub struct RankView {
     pub weight_at_poll: u64,
     /// Estimated KV fraction one more request takes on this rank.
     pub kv_per_request: f64,
-    /// Which telemetry source produced the numbers.
-    pub source: &'static str,
+    /// Which kind of telemetry source produced the numbers (`None`: none has yet).
+    pub source: Option<SourceKind>,
 }
 
 impl RankView {
@@ -100,7 +101,7 @@ impl RankView {
             reachable: false,
             weight_at_poll: 0,
             kv_per_request: 0.0,
-            source: "none",
+            source: None,
         }
     }
 }
@@ -122,7 +123,7 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
         reachable: true,
         weight_at_poll: 0,
         kv_per_request: 0.02,
-        source: "test",
+        source: None,
     }
 }
 

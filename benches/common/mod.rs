@@ -39,7 +39,7 @@ pub fn view(r: u32, now: tokio::time::Instant) -> RankView {
         reachable: true,
         weight_at_poll: 0,
         kv_per_request: 0.02,
-        source: "bench",
+        source: None,
     }
 }
 

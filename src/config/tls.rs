@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::{invalid, ConfigError};
+use super::error::{invalid, ConfigError};
 
 /// A listener's certificate: the chain and its private key in PEM files, re-read on SIGHUP and
 /// when either file changes.

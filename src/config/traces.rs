@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use super::{invalid, ConfigError};
+use super::error::{invalid, ConfigError};
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]

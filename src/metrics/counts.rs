@@ -12,6 +12,7 @@ use arc_swap::ArcSwap;
 use prometheus_client::metrics::counter::Counter;
 
 use super::labels::RequestLabels;
+use crate::config::SourceKind;
 
 /// One series of the requests counters: the request's labels and its status code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,14 +193,11 @@ impl PollResult {
     }
 }
 
-/// Telemetry source kinds, as the `source` label names them.
-pub const SOURCES: [&str; 3] = ["grpc", "http", "prometheus"];
-
 /// One engine's telemetry counters.
 #[derive(Debug, Default)]
 pub struct PollCounters {
-    /// Reads by source (in [`SOURCES`] order) and result (in [`PollResult::ALL`] order).
-    reads: [[AtomicU64; PollResult::ALL.len()]; SOURCES.len()],
+    /// Reads by source (in [`SourceKind::ALL`] order) and result (in [`PollResult::ALL`] order).
+    reads: [[AtomicU64; PollResult::ALL.len()]; SourceKind::ALL.len()],
     /// Polls in which no source answered.
     pub failed: AtomicU64,
     /// Lines of a Prometheus scrape that could not be parsed.
@@ -209,15 +207,13 @@ pub struct PollCounters {
 }
 
 impl PollCounters {
-    /// One read of the source named `source` (`grpc`, `http`, `prometheus`).
-    pub fn read(&self, source: &str, result: PollResult) {
-        if let Some(s) = SOURCES.iter().position(|n| *n == source) {
-            self.reads[s][result as usize].fetch_add(1, Relaxed);
-        }
+    /// One read of a source of kind `source`.
+    pub fn read(&self, source: SourceKind, result: PollResult) {
+        self.reads[source.index()][result as usize].fetch_add(1, Relaxed);
     }
 
-    pub fn reads(&self, source: usize, result: PollResult) -> u64 {
-        self.reads[source][result as usize].load(Relaxed)
+    pub fn reads(&self, source: SourceKind, result: PollResult) -> u64 {
+        self.reads[source.index()][result as usize].load(Relaxed)
     }
 }
 

@@ -15,8 +15,9 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use tokio::time::Instant;
 
-use super::counts::{Attempt, PollResult, RequestCounts, SOURCES};
+use super::counts::{Attempt, PollResult, RequestCounts};
 use super::shared::Core;
+use crate::config::SourceKind;
 use crate::reason::Reason;
 use crate::table::{RankTelemetry, Table};
 
@@ -349,17 +350,17 @@ impl Fleet {
         for e in engines {
             // By kind of source: an engine may list two of one kind (two loads URLs), which
             // count together.
-            for (s, kind) in SOURCES.iter().enumerate() {
-                if !e.telemetry.iter().any(|t| t.name() == *kind) {
+            for kind in SourceKind::ALL {
+                if !e.telemetry.iter().any(|t| t.kind() == kind) {
                     continue;
                 }
                 for r in PollResult::ALL {
                     let labels = [
                         ("engine", &*e.url),
-                        ("source", kind),
+                        ("source", kind.as_str()),
                         ("result", r.as_str()),
                     ];
-                    counter(&mut m, &labels, e.polls.reads(s, r))?;
+                    counter(&mut m, &labels, e.polls.reads(kind, r))?;
                 }
             }
         }

@@ -8,7 +8,8 @@ use std::fmt::Write;
 use serde::Serialize;
 use tokio::time::Instant;
 
-use super::{eligible, score, Avoid};
+use super::avoid::{eligible, Avoid};
+use super::scoring::score;
 use crate::config::Policy;
 use crate::outlier::Admit;
 use crate::table::{Snapshot, Table};

@@ -29,7 +29,7 @@ use super::models::ModelsReader;
 use super::report::Report;
 use super::source::{fetch_source, uri, Down, Raw, Source};
 use super::{detect, prom};
-use crate::config::TelemetryConfig;
+use crate::config::{SourceKind, TelemetryConfig};
 use crate::http::{shutdown_signalled, Shutdown};
 use crate::metrics::PollResult;
 use crate::reason::{HealthFailure, Reason, SourceFailure};
@@ -183,7 +183,7 @@ impl Poller {
                             reachable: true,
                             weight_at_poll: Vec::new(),
                             ranks: Vec::new(),
-                            source: "none",
+                            source: None,
                             models: None,
                             reported: Some(reported),
                         });
@@ -269,8 +269,9 @@ impl Poller {
         report.reachable = false;
     }
 
-    /// One poll for `check --probe`: the source that answered (`"none"`) and the ranks.
-    pub(super) async fn poll_once(&mut self) -> (&'static str, Vec<RankTelemetry>) {
+    /// One poll for `check --probe`: the kind of source that answered (`None`: none did) and
+    /// the ranks.
+    pub(super) async fn poll_once(&mut self) -> (Option<SourceKind>, Vec<RankTelemetry>) {
         let r = self.poll().await;
         (r.source, r.ranks)
     }
@@ -285,7 +286,7 @@ impl Poller {
         let mut answered = false;
         let last = self.sources.len().saturating_sub(1);
         for i in 0..self.sources.len() {
-            let name = self.sources[i].name();
+            let name = self.sources[i].kind();
             if i < last && !self.back_in_poll(i).await {
                 self.entry.polls.read(name, PollResult::Skipped);
                 failures.push(SourceFailure {
@@ -323,7 +324,7 @@ impl Poller {
                         reachable: true,
                         weight_at_poll,
                         ranks,
-                        source: name,
+                        source: Some(name),
                         models: None,
                         reported: None,
                     };
@@ -348,7 +349,7 @@ impl Poller {
             reachable: answered,
             weight_at_poll,
             ranks: vec![RankTelemetry::unavailable(reason); ranks],
-            source: "none",
+            source: None,
             models: None,
             reported: None,
         }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::client::{fetch, HttpClient};
 use super::poller;
 use super::{detect, grpc, models};
-use crate::config::TelemetryConfig;
+use crate::config::{SourceKind, TelemetryConfig};
 use crate::table::RankTelemetry;
 use crate::upstream::ConnLimits;
 use crate::worker::{Engine, EngineEntry, Origin};
@@ -89,10 +89,10 @@ async fn one(
                         .filter(|r| matches!(r, RankTelemetry::Available(_)))
                         .count();
                     match (source, ranks.first()) {
-                        ("none", Some(RankTelemetry::Unavailable { reason })) => {
+                        (None, Some(RankTelemetry::Unavailable { reason })) => {
                             Err(reason.to_string())
                         }
-                        _ => Ok((source, fresh)),
+                        _ => Ok((source.map_or("none", SourceKind::as_str), fresh)),
                     }
                 }
                 Err(e) => Err(e),

@@ -2,6 +2,7 @@
 //! learnt of the engine. A leaf: pollers build it and the publisher folds it in.
 
 use crate::catalog::Model;
+use crate::config::SourceKind;
 use crate::table::RankTelemetry;
 use crate::worker::{EngineId, Reported};
 
@@ -11,7 +12,7 @@ pub struct Report {
     pub(super) reachable: bool,
     pub(super) weight_at_poll: Vec<u64>,
     pub(super) ranks: Vec<RankTelemetry>,
-    pub(super) source: &'static str,
+    pub(super) source: Option<SourceKind>,
     /// The engine's models, when this poll read them.
     pub(super) models: Option<Vec<Model>>,
     /// What the engine newly said of its flavor and size: its entry is built anew with it.

@@ -4,6 +4,7 @@
 use super::client::{fetch, Failure, HttpClient};
 use super::grpc::LoadsClient;
 use super::loads::LoadsReport;
+use crate::config::SourceKind;
 
 /// A source, ready to be read.
 #[derive(Clone)]
@@ -14,11 +15,11 @@ pub(super) enum Source {
 }
 
 impl Source {
-    pub(super) fn name(&self) -> &'static str {
+    pub(super) fn kind(&self) -> SourceKind {
         match self {
-            Source::Grpc(_) => "grpc",
-            Source::Http(_) => "http",
-            Source::Prometheus(_) => "prometheus",
+            Source::Grpc(_) => SourceKind::Grpc,
+            Source::Http(_) => SourceKind::Http,
+            Source::Prometheus(_) => SourceKind::Prometheus,
         }
     }
 }

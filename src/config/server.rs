@@ -1,13 +1,14 @@
-//! The `[server]` and `[routing]` tables: the front door's limits and timeouts, and how requests
-//! are routed, retried and ejected. Every duration has bounds, every limit a floor; an error
-//! names the key.
+//! The `[server]` table: the front door's listeners, limits, timeouts and access keys. Every
+//! duration has bounds, every limit a floor; an error names the key.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{invalid, ConfigError, HumanDuration, NoTelemetry, Policy};
+use super::duration::{duration, ms, secs, HumanDuration};
+use super::error::{invalid, ConfigError};
+use super::tls::ListenerTls;
 
 /// The stream limit most gRPC servers advertise or are deployed with; an engine that allows more
 /// only gets a second connection it did not need.
@@ -15,9 +16,6 @@ pub const DEFAULT_GRPC_STREAMS_PER_CONNECTION: usize = 100;
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
-/// KV fraction one request is assumed to hold until the fleet's own numbers say otherwise.
-pub const DEFAULT_REQUEST_KV_ESTIMATE: f64 = 0.02;
-pub const DEFAULT_RETRY_AFTER_SECS: u32 = 1;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// A non-streamed vLLM answer sends its headers only when the whole completion is done, so the
 /// wait for response headers must allow for the longest generation.
@@ -34,25 +32,6 @@ pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
 pub const MAX_MAX_HEADER_BYTES: usize = 16 * 1024 * 1024;
 pub const DEFAULT_MAX_ENGINE_CONNECTIONS: usize = 1024;
 pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(30);
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-pub const MAX_MAX_ATTEMPTS: u32 = 10;
-pub const DEFAULT_RETRY_BUFFER_BYTES: usize = 4 * 1024 * 1024;
-/// Share of requests that may be retries, over the budget's window.
-pub const DEFAULT_RETRY_BUDGET: f64 = 0.2;
-pub const DEFAULT_EJECT_AFTER: u32 = 5;
-/// About one request's KV: ranks closer than that are the same load to a router that cannot see
-/// the other routers' requests.
-pub const DEFAULT_TIE_MARGIN: f64 = 0.02;
-/// Affinity may choose a rank this far above the best: about four requests of a multi-turn chat
-/// on a 32 K-token rank. At 0.1 the rank holding a conversation fell out of reach about one turn
-/// in five in the multi-turn scenario (docs/routing-quality.md); `affinity_max_kv` still keeps
-/// any full rank out.
-pub const DEFAULT_AFFINITY_MARGIN: f64 = 0.2;
-/// ...and never one whose projected KV is at or above this.
-pub const DEFAULT_AFFINITY_MAX_KV: f64 = 0.85;
-pub const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
-/// Longest an ejection lasts however often a rank is ejected in a row.
-pub const MAX_EJECT_FOR: Duration = Duration::from_secs(5 * 60);
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -82,26 +61,8 @@ pub(super) struct RawServer {
     admin_token_env: Option<String>,
     access_log: Option<bool>,
     thread_per_core: Option<bool>,
-    tls: Option<super::ListenerTls>,
-    admin_tls: Option<super::ListenerTls>,
-}
-
-#[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawRouting {
-    policy: Option<Policy>,
-    no_telemetry: Option<NoTelemetry>,
-    request_kv_estimate: Option<f64>,
-    retry_after_secs: Option<u32>,
-    max_attempts: Option<u32>,
-    retry_buffer_bytes: Option<usize>,
-    retry_budget: Option<f64>,
-    eject_after: Option<u32>,
-    eject_for: Option<HumanDuration>,
-    tie_margin: Option<f64>,
-    prefix_affinity: Option<bool>,
-    affinity_margin: Option<f64>,
-    affinity_max_kv: Option<f64>,
+    tls: Option<ListenerTls>,
+    admin_tls: Option<ListenerTls>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -158,9 +119,9 @@ pub struct ServerConfig {
     /// `SO_REUSEPORT` listener and engine connection pool (see [`crate::app`]); the default.
     pub thread_per_core: bool,
     /// TLS on the OpenAI front door and the gRPC front door (HTTP/1.1 and h2 by ALPN).
-    pub tls: Option<super::ListenerTls>,
+    pub tls: Option<ListenerTls>,
     /// TLS on the admin listener.
-    pub admin_tls: Option<super::ListenerTls>,
+    pub admin_tls: Option<ListenerTls>,
 }
 
 /// The admin token. Its Debug never shows it.
@@ -196,151 +157,88 @@ fn admin_token(var: &str) -> Result<AdminToken, ConfigError> {
     Ok(AdminToken(value.as_bytes().into()))
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct RoutingConfig {
-    pub policy: Policy,
-    pub no_telemetry: NoTelemetry,
-    pub request_kv_estimate: f64,
-    pub retry_after_secs: u32,
-    /// Attempts per request, the first included, when upstreams fail before the first byte.
-    pub max_attempts: u32,
-    /// Bodies up to this size are kept for a replay; larger ones stream and are not retried.
-    pub retry_buffer_bytes: usize,
-    /// Retries allowed as a share of requests (over a 10 s window, plus a small floor).
-    pub retry_budget: f64,
-    /// Consecutive failures that eject a rank; 0 never ejects.
-    pub eject_after: u32,
-    /// First ejection's length; it doubles with each ejection in a row, up to [`MAX_EJECT_FOR`].
-    pub eject_for: Duration,
-    /// `least_kv` picks at random among ranks scoring within this of the best, so that several
-    /// rankgates seeing the same telemetry do not all send to the one idlest rank.
-    pub tie_margin: f64,
-    /// Prefer, among ranks load allows, the one that was sent the longest prefix of the prompt.
-    pub prefix_affinity: bool,
-    /// Ranks scoring within this of the best are the ones affinity may choose among.
-    pub affinity_margin: f64,
-    /// ...and only those scoring below this.
-    pub affinity_max_kv: f64,
-}
-
-/// A duration from the config, its default, and the range it must fall in.
-fn duration(
-    key: &str,
-    v: Option<HumanDuration>,
-    default: Duration,
-    min: Duration,
-    max: Duration,
-) -> Result<Duration, ConfigError> {
-    let d = v.map_or(default, |d| d.0);
-    if d < min || d > max {
-        return Err(invalid(
-            key,
-            format!("{d:?} is outside the sane range [{min:?}, {max:?}]"),
-        ));
-    }
-    Ok(d)
-}
-
-const fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-const fn secs(n: u64) -> Duration {
-    Duration::from_secs(n)
-}
-
 fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr, ConfigError> {
     let s = v.as_deref().unwrap_or(default);
     s.parse()
         .map_err(|_| invalid(key, format!("{s:?} is not an IP:port socket address")))
 }
 
-/// Validates `[server]`.
+/// A `[server]` duration's default and the range it must fall in.
+struct Bounds {
+    default: Duration,
+    min: Duration,
+    max: Duration,
+}
+
+impl Bounds {
+    const fn new(default: Duration, min: Duration, max: Duration) -> Bounds {
+        Bounds { default, min, max }
+    }
+
+    fn read(&self, key: &str, v: Option<HumanDuration>) -> Result<Duration, ConfigError> {
+        duration(key, v, self.default, self.min, self.max)
+    }
+}
+
+const CONNECT_TIMEOUT: Bounds = Bounds::new(DEFAULT_CONNECT_TIMEOUT, ms(10), secs(300));
+const RESPONSE_TIMEOUT: Bounds = Bounds::new(DEFAULT_RESPONSE_TIMEOUT, ms(100), secs(24 * 3600));
+const STREAM_IDLE_TIMEOUT: Bounds =
+    Bounds::new(DEFAULT_STREAM_IDLE_TIMEOUT, ms(100), secs(24 * 3600));
+const HEADER_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_HEADER_READ_TIMEOUT, ms(100), secs(600));
+const BODY_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_BODY_READ_TIMEOUT, ms(100), secs(3600));
+const IDLE_TIMEOUT: Bounds = Bounds::new(DEFAULT_IDLE_TIMEOUT, ms(100), secs(3600));
+const H2_KEEPALIVE: Bounds = Bounds::new(DEFAULT_H2_KEEPALIVE, ms(100), secs(3600));
+const SHUTDOWN_DELAY: Bounds = Bounds::new(Duration::ZERO, Duration::ZERO, secs(600));
+const DRAIN_GRACE: Bounds = Bounds::new(DEFAULT_DRAIN_GRACE, Duration::ZERO, secs(3600));
+
+/// Validates `[server]`: each value read (or defaulted), then the rules on them, in the order
+/// their errors are reported.
 pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
-    let mut server = ServerConfig {
+    let mut server = read(raw)?;
+    check_limits(&server)?;
+    check_env_names(&server)?;
+    server.admin_token = (server.admin_token_env.as_deref())
+        .map(admin_token)
+        .transpose()?;
+    check_access(&server)?;
+    check_listeners(&server)?;
+    Ok(server)
+}
+
+/// Every `[server]` value, its default where it is left out; addresses parse and durations
+/// fall in their ranges (in the order of the fields, which is the order of their errors).
+fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
+    Ok(ServerConfig {
         listen: parse_addr("server.listen", raw.listen, DEFAULT_LISTEN)?,
         admin_listen: parse_addr(
             "server.admin_listen",
             raw.admin_listen,
             DEFAULT_ADMIN_LISTEN,
         )?,
-        grpc_listen: raw
-            .grpc_listen
+        grpc_listen: (raw.grpc_listen)
             .map(|a| parse_addr("server.grpc_listen", Some(a), ""))
             .transpose()?,
         max_body_bytes: raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
-        connect_timeout: duration(
-            "server.connect_timeout",
-            raw.connect_timeout,
-            DEFAULT_CONNECT_TIMEOUT,
-            ms(10),
-            secs(300),
-        )?,
-        response_timeout: duration(
-            "server.response_timeout",
-            raw.response_timeout,
-            DEFAULT_RESPONSE_TIMEOUT,
-            ms(100),
-            secs(24 * 3600),
-        )?,
-        stream_idle_timeout: duration(
-            "server.stream_idle_timeout",
-            raw.stream_idle_timeout,
-            DEFAULT_STREAM_IDLE_TIMEOUT,
-            ms(100),
-            secs(24 * 3600),
-        )?,
-        header_read_timeout: duration(
-            "server.header_read_timeout",
-            raw.header_read_timeout,
-            DEFAULT_HEADER_READ_TIMEOUT,
-            ms(100),
-            secs(600),
-        )?,
-        body_read_timeout: duration(
-            "server.body_read_timeout",
-            raw.body_read_timeout,
-            DEFAULT_BODY_READ_TIMEOUT,
-            ms(100),
-            secs(3600),
-        )?,
-        idle_timeout: duration(
-            "server.idle_timeout",
-            raw.idle_timeout,
-            DEFAULT_IDLE_TIMEOUT,
-            ms(100),
-            secs(3600),
-        )?,
-        h2_keepalive_interval: duration(
-            "server.h2_keepalive_interval",
-            raw.h2_keepalive_interval,
-            DEFAULT_H2_KEEPALIVE,
-            ms(100),
-            secs(3600),
-        )?,
+        connect_timeout: CONNECT_TIMEOUT.read("server.connect_timeout", raw.connect_timeout)?,
+        response_timeout: RESPONSE_TIMEOUT.read("server.response_timeout", raw.response_timeout)?,
+        stream_idle_timeout: STREAM_IDLE_TIMEOUT
+            .read("server.stream_idle_timeout", raw.stream_idle_timeout)?,
+        header_read_timeout: HEADER_READ_TIMEOUT
+            .read("server.header_read_timeout", raw.header_read_timeout)?,
+        body_read_timeout: BODY_READ_TIMEOUT
+            .read("server.body_read_timeout", raw.body_read_timeout)?,
+        idle_timeout: IDLE_TIMEOUT.read("server.idle_timeout", raw.idle_timeout)?,
+        h2_keepalive_interval: H2_KEEPALIVE
+            .read("server.h2_keepalive_interval", raw.h2_keepalive_interval)?,
         max_header_bytes: raw.max_header_bytes.unwrap_or(DEFAULT_MAX_HEADER_BYTES),
         max_connections: raw.max_connections,
-        max_engine_connections: raw
-            .max_engine_connections
+        max_engine_connections: (raw.max_engine_connections)
             .unwrap_or(DEFAULT_MAX_ENGINE_CONNECTIONS),
-        grpc_streams_per_connection: raw
-            .grpc_streams_per_connection
+        grpc_streams_per_connection: (raw.grpc_streams_per_connection)
             .unwrap_or(DEFAULT_GRPC_STREAMS_PER_CONNECTION),
         max_in_flight: raw.max_in_flight,
-        shutdown_delay: duration(
-            "server.shutdown_delay",
-            raw.shutdown_delay,
-            Duration::ZERO,
-            Duration::ZERO,
-            secs(600),
-        )?,
-        drain_grace: duration(
-            "server.drain_grace",
-            raw.drain_grace,
-            DEFAULT_DRAIN_GRACE,
-            Duration::ZERO,
-            secs(3600),
-        )?,
+        shutdown_delay: SHUTDOWN_DELAY.read("server.shutdown_delay", raw.shutdown_delay)?,
+        drain_grace: DRAIN_GRACE.read("server.drain_grace", raw.drain_grace)?,
         extra_routes: raw.extra_routes.unwrap_or_default(),
         api_keys_env: raw.api_keys_env,
         api_keys_file: raw.api_keys_file,
@@ -351,7 +249,12 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         admin_token_env: raw.admin_token_env,
         tls: raw.tls,
         admin_tls: raw.admin_tls,
-    };
+    })
+}
+
+/// Sizes and counts: a body must be allowed, headers fit hyper's floor and an attack's cap,
+/// and a count set to 0 would refuse everything.
+fn check_limits(server: &ServerConfig) -> Result<(), ConfigError> {
     if server.max_body_bytes == 0 {
         return Err(invalid("server.max_body_bytes", "must be greater than 0"));
     }
@@ -383,6 +286,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             ));
         }
     }
+    Ok(())
+}
+
+/// The keys naming environment variables name ones that can exist.
+fn check_env_names(server: &ServerConfig) -> Result<(), ConfigError> {
     for (key, var) in [
         ("server.api_keys_env", &server.api_keys_env),
         ("server.admin_token_env", &server.admin_token_env),
@@ -396,11 +304,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             }
         }
     }
-    server.admin_token = server
-        .admin_token_env
-        .as_deref()
-        .map(admin_token)
-        .transpose()?;
+    Ok(())
+}
+
+/// Who may call: the client key file is named if set, each CORS origin is one a browser sends.
+fn check_access(server: &ServerConfig) -> Result<(), ConfigError> {
     if server
         .api_keys_file
         .as_ref()
@@ -414,6 +322,11 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
     for (i, o) in server.cors_allow_origins.iter().enumerate() {
         check_origin(o).map_err(|p| invalid(format!("server.cors_allow_origins[{i}]"), p))?;
     }
+    Ok(())
+}
+
+/// The listeners are distinct (port 0, "any free port", never collides).
+fn check_listeners(server: &ServerConfig) -> Result<(), ConfigError> {
     if server.listen == server.admin_listen && server.listen.port() != 0 {
         return Err(invalid(
             "server.admin_listen",
@@ -428,7 +341,7 @@ pub(super) fn server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             ));
         }
     }
-    Ok(server)
+    Ok(())
 }
 
 /// An allowed CORS origin is `*` or what a browser sends in `Origin`: `scheme://host[:port]`,
@@ -457,87 +370,4 @@ fn check_origin(o: &str) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// Validates `[routing]`; replay buffers never exceed `max_body_bytes`.
-pub(super) fn routing(
-    raw: RawRouting,
-    max_body_bytes: usize,
-) -> Result<RoutingConfig, ConfigError> {
-    let routing = RoutingConfig {
-        policy: raw.policy.unwrap_or_default(),
-        no_telemetry: raw.no_telemetry.unwrap_or_default(),
-        request_kv_estimate: raw
-            .request_kv_estimate
-            .unwrap_or(DEFAULT_REQUEST_KV_ESTIMATE),
-        retry_after_secs: raw.retry_after_secs.unwrap_or(DEFAULT_RETRY_AFTER_SECS),
-        max_attempts: raw.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS),
-        retry_buffer_bytes: raw
-            .retry_buffer_bytes
-            .unwrap_or(DEFAULT_RETRY_BUFFER_BYTES)
-            .min(max_body_bytes),
-        retry_budget: raw.retry_budget.unwrap_or(DEFAULT_RETRY_BUDGET),
-        eject_after: raw.eject_after.unwrap_or(DEFAULT_EJECT_AFTER),
-        eject_for: duration(
-            "routing.eject_for",
-            raw.eject_for,
-            DEFAULT_EJECT_FOR,
-            ms(100),
-            MAX_EJECT_FOR,
-        )?,
-        tie_margin: raw.tie_margin.unwrap_or(DEFAULT_TIE_MARGIN),
-        prefix_affinity: raw.prefix_affinity.unwrap_or(false),
-        affinity_margin: raw.affinity_margin.unwrap_or(DEFAULT_AFFINITY_MARGIN),
-        affinity_max_kv: raw.affinity_max_kv.unwrap_or(DEFAULT_AFFINITY_MAX_KV),
-    };
-    for (key, v, max) in [
-        ("routing.tie_margin", routing.tie_margin, 0.5),
-        ("routing.affinity_margin", routing.affinity_margin, 1.0),
-    ] {
-        if !(0.0..=max).contains(&v) {
-            return Err(invalid(key, format!("{v} must be in [0, {max}]")));
-        }
-    }
-    let max_kv = routing.affinity_max_kv;
-    if !(max_kv > 0.0 && max_kv <= 1.0) {
-        return Err(invalid(
-            "routing.affinity_max_kv",
-            format!("{max_kv} must be in (0, 1] (0 would leave affinity no rank to choose)"),
-        ));
-    }
-    if routing.prefix_affinity && routing.policy != Policy::LeastKv {
-        return Err(invalid(
-            "routing.prefix_affinity",
-            format!(
-                "works with policy = \"least_kv\" only (it chooses among the ranks load allows); policy is {:?}",
-                routing.policy.as_str()
-            ),
-        ));
-    }
-    if !(1..=MAX_MAX_ATTEMPTS).contains(&routing.max_attempts) {
-        return Err(invalid(
-            "routing.max_attempts",
-            format!(
-                "{} must be between 1 (no retries) and {MAX_MAX_ATTEMPTS}",
-                routing.max_attempts
-            ),
-        ));
-    }
-    if !(0.0..=1.0).contains(&routing.retry_budget) {
-        return Err(invalid(
-            "routing.retry_budget",
-            format!(
-                "{} must be a share of requests in [0, 1]",
-                routing.retry_budget
-            ),
-        ));
-    }
-    let est = routing.request_kv_estimate;
-    if !(est > 0.0 && est <= 1.0) {
-        return Err(invalid(
-            "routing.request_kv_estimate",
-            format!("{est} must be in (0, 1]"),
-        ));
-    }
-    Ok(routing)
 }

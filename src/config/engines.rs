@@ -1,0 +1,209 @@
+//! One `[[engines]]` entry (also the admin API's `POST /engines` body) validated into an
+//! [`Engine`], and an engine re-shaped by what it reported of itself.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use super::engine::{ApiKey, Declared, Deployment, Engine, Flavor, RankNumbering, Reported};
+use super::error::{invalid, ConfigError};
+use super::rules::parse_health_path;
+use super::sources::{default_sources, engine_addresses, parse_sources, Addresses};
+
+pub const MAX_DP_SIZE: u32 = 4096;
+
+/// One `[[engines]]` entry as written (also the body of the admin API's `POST /engines`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEngine {
+    pub(super) url: Option<String>,
+    pub(super) grpc_url: Option<String>,
+    /// `None`: asked of the engine (`GET /get_server_info` answers for SGLang, `/version` for
+    /// vLLM, gRPC `GetServerInfo` for a gRPC-only engine).
+    pub(super) flavor: Option<Flavor>,
+    /// `None`: an independent engine's own count is read from it; a group member has 1.
+    pub(super) dp_size: Option<u32>,
+    /// Names the multi-server DP deployment this engine is one member of.
+    pub(super) dp_group: Option<String>,
+    pub(super) start_rank: Option<u32>,
+    pub(super) rank_header: Option<RankNumbering>,
+    pub(super) telemetry: Option<Vec<String>>,
+    pub(super) health_path: Option<String>,
+    pub(super) models: Option<Vec<String>>,
+    pub(super) api_key_env: Option<String>,
+}
+
+impl RawEngine {
+    /// The environment variable the entry names for the engine's key, if any.
+    pub fn api_key_env(&self) -> Option<&str> {
+        self.api_key_env.as_deref()
+    }
+
+    /// Validates one engine entry; `at` names it in errors (`engines[2]`, `POST /engines`).
+    pub fn validate(self, at: &str) -> Result<Engine, ConfigError> {
+        let addresses = engine_addresses(
+            at,
+            self.url.as_deref(),
+            self.grpc_url.as_deref(),
+            self.flavor,
+        )?;
+        let (url, authority) = (addresses.url.clone(), addresses.authority.clone());
+        let member = self.dp_group.is_some() || self.start_rank.is_some();
+        if self.flavor == Some(Flavor::Gateway) {
+            for (k, set) in [
+                ("dp_size", self.dp_size.is_some()),
+                ("start_rank", self.start_rank.is_some()),
+                ("dp_group", self.dp_group.is_some()),
+                ("rank_header", self.rank_header.is_some()),
+            ] {
+                if set {
+                    return Err(invalid(
+                        format!("{at}.{k}"),
+                        "a gateway is one worker without DP ranks: remove this key",
+                    ));
+                }
+            }
+        }
+        if self.flavor.is_none() && self.telemetry.is_some() {
+            return Err(invalid(
+                format!("{at}.telemetry"),
+                "what a source means depends on the engine's flavor: set `flavor` too (or leave `telemetry` out and both are read from the engine)",
+            ));
+        }
+        // Until the engine says otherwise, a flavor-less engine is read as vLLM; it has no
+        // workers until it has answered, so nothing is routed on the guess.
+        let flavor = self.flavor.unwrap_or(Flavor::Vllm);
+        let telemetry = parse_sources(at, flavor, &url, &addresses, self.telemetry.as_deref())?;
+        let health_path = match (addresses.http, self.health_path.as_deref()) {
+            (true, path) => parse_health_path(at, flavor, path)?,
+            (false, None) => None,
+            (false, Some(_)) => {
+                return Err(invalid(
+                    format!("{at}.health_path"),
+                    "probes the engine's url, and this engine has only grpc_url: remove this key (its GetLoads polls show whether it answers)",
+                ))
+            }
+        };
+        if let Some(dp_size) = self.dp_size {
+            if dp_size == 0 || dp_size > MAX_DP_SIZE {
+                return Err(invalid(
+                    format!("{at}.dp_size"),
+                    format!("{dp_size} must be between 1 and {MAX_DP_SIZE}"),
+                ));
+            }
+        }
+        let group = match self.dp_group.as_deref().map(str::trim) {
+            Some("") => {
+                return Err(invalid(
+                    format!("{at}.dp_group"),
+                    "must name the deployment (any non-empty name its members share)",
+                ))
+            }
+            g => g.map(Arc::<str>::from),
+        };
+        let deployment = match member {
+            true => Deployment::Member { group },
+            false => Deployment::Own,
+        };
+        let start_rank = self.start_rank.unwrap_or(0);
+        if start_rank
+            .checked_add(self.dp_size.unwrap_or(1))
+            .is_none_or(|end| end > i32::MAX as u32)
+        {
+            return Err(invalid(
+                format!("{at}.start_rank"),
+                format!("{start_rank} + dp_size overflows the rank range"),
+            ));
+        }
+        let models = match self.models {
+            Some(m) if m.is_empty() || m.iter().any(|id| id.trim().is_empty()) => {
+                return Err(invalid(
+                    format!("{at}.models"),
+                    "must list at least one model, each a non-empty id (leave the key out to read the engine's /v1/models)",
+                ))
+            }
+            m => m,
+        };
+        let api_key = self
+            .api_key_env
+            .as_deref()
+            .map(|var| engine_key(at, var, std::env::var(var).ok()))
+            .transpose()?;
+        let engine = Engine {
+            url: url.into(),
+            authority: authority.into(),
+            flavor,
+            dp_size: 0,
+            start_rank,
+            deployment,
+            declared: Declared {
+                flavor: self.flavor,
+                dp_size: self.dp_size,
+            },
+            reported: None,
+            rank_header: self.rank_header.unwrap_or_default(),
+            telemetry,
+            health_path,
+            models,
+            api_key,
+            http: addresses.http,
+            grpc: addresses.grpc.map(Into::into),
+        };
+        Ok(engine.with_reported(None))
+    }
+}
+
+impl Engine {
+    /// This engine as routed once it reported `reported` (or as configured, with `None`): the
+    /// configured flavor, else the reported one, with that flavor's default sources; an
+    /// independent engine's own rank count over the configured one (the engine knows how many
+    /// ranks it runs), a group member's configured share (1 when unset). Without a known flavor
+    /// or an independent engine's size, `dp_size` is 0: no workers yet.
+    pub fn with_reported(&self, reported: Option<&Reported>) -> Engine {
+        let flavor = self.declared.flavor.or(reported.map(|r| r.flavor));
+        let dp_size = match (flavor, &self.deployment) {
+            (None, _) => 0,
+            (Some(Flavor::Gateway), _) => 1,
+            (Some(_), Deployment::Own) => match reported {
+                Some(r) => r.ranks_with(self.declared.dp_size).unwrap_or(0),
+                None => self.declared.dp_size.unwrap_or(0),
+            },
+            (Some(_), Deployment::Member { .. }) => self.declared.dp_size.unwrap_or(1),
+        };
+        let mut e = self.clone();
+        e.reported = reported.cloned();
+        e.dp_size = dp_size;
+        if let Some(f) = flavor.filter(|f| *f != self.flavor) {
+            // Only a flavor-less engine changes flavor here, and such an engine has no
+            // `telemetry` list of its own (validation requires the flavor with one).
+            let addresses = Addresses {
+                url: e.url.to_string(),
+                authority: e.authority.to_string(),
+                http: e.http,
+                tls: e.tls(),
+                grpc: e.grpc.as_deref().map(Into::into),
+            };
+            e.telemetry = default_sources(f, &e.url, &addresses);
+            e.flavor = f;
+        }
+        e
+    }
+}
+
+/// The key in the environment variable `var` that `engines[i].api_key_env` names. The error
+/// names the variable, never a value.
+fn engine_key(at: &str, var: &str, value: Option<String>) -> Result<ApiKey, ConfigError> {
+    let key = format!("{at}.api_key_env");
+    match value.as_deref().map(str::trim) {
+        None | Some("") => Err(invalid(
+            key,
+            format!("environment variable {var:?} is not set or empty"),
+        )),
+        Some(v) => ApiKey::bearer(v).map_err(|_| {
+            invalid(
+                key,
+                format!("environment variable {var:?} holds characters a header cannot carry"),
+            )
+        }),
+    }
+}

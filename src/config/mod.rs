@@ -1,0 +1,47 @@
+//! The config file: TOML in, a validated [`Config`] out.
+//!
+//! Unknown keys are errors (`deny_unknown_fields`): a misspelt key that is silently ignored is
+//! how a router ends up running with defaults nobody chose. The config sits at the bottom of
+//! the crate: it imports nothing of it, and every engine type the rest routes by is defined in
+//! [`engine`]. This file only declares the parts and re-exports what the crate uses:
+//! - `error`: the error type; `duration`: durations as written, and their bounds;
+//! - [`engine`]: one engine as configured; `engines`: an `[[engines]]` entry validated;
+//!   `sources`: its addresses and telemetry sources;
+//! - `server`, `routing`, `polling`, `traces`, `tls`: the `[server]`, `[routing]`,
+//!   `[telemetry]`, `[tracing]` and TLS tables; `discovery`: `[[discovery]]`;
+//! - `rules`: rules across engines, and warnings; `whole`: the file as one [`Config`];
+//! - `restart`: which settings a reload cannot apply.
+
+mod discovery;
+mod duration;
+pub mod engine;
+mod engines;
+mod error;
+mod polling;
+mod restart;
+mod routing;
+mod rules;
+mod server;
+mod sources;
+mod tls;
+mod traces;
+mod whole;
+
+pub use discovery::{Discovery, EngineTemplate, Overrides, PortRef, Source as DiscoverySource};
+pub use duration::{parse_duration, HumanDuration};
+#[cfg(test)]
+pub use engine::test_engine;
+pub use engine::{
+    ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, SourceKind,
+    TelemetrySource,
+};
+pub use engines::{RawEngine, MAX_DP_SIZE};
+pub use error::ConfigError;
+pub use polling::*;
+pub use routing::*;
+pub(crate) use rules::group_text;
+pub use rules::DEFAULT_HEALTH_PATH;
+pub use server::*;
+pub use tls::{EngineTls, ListenerTls};
+pub use traces::TracingConfig;
+pub use whole::{Config, MAX_WORKERS};

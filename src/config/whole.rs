@@ -1,0 +1,183 @@
+//! The whole config: the file's tables read as one TOML document, each validated by its own
+//! module, then the rules across them. Parsing is pure (`from_str`), so every rule is
+//! unit-tested without files; `load` only adds the file name to the error.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
+
+use serde::Deserialize;
+
+use super::discovery::{Discovery, RawDiscovery};
+use super::engine::Engine;
+use super::engines::RawEngine;
+use super::error::{invalid, ConfigError};
+use super::polling::{telemetry_config, RawTelemetry, TelemetryConfig};
+use super::routing::{routing, RawRouting, RoutingConfig};
+use super::rules::{address_warnings, check_rank_overlap};
+use super::server::{server, RawServer, ServerConfig};
+use super::tls::EngineTls;
+use super::traces::{tracing_config, RawTracing, TracingConfig};
+
+/// Workers (ranks) one rankgate routes at most, over every engine of every source: each costs
+/// its share of every snapshot publish and of memory (about a kilobyte with its counters), and
+/// a fleet larger than this is better split between rankgates.
+pub const MAX_WORKERS: usize = 65_536;
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    server: RawServer,
+    #[serde(default)]
+    routing: RawRouting,
+    #[serde(default)]
+    telemetry: RawTelemetry,
+    #[serde(default)]
+    engines: Vec<RawEngine>,
+    #[serde(default)]
+    discovery: Vec<RawDiscovery>,
+    #[serde(default)]
+    tracing: RawTracing,
+    #[serde(default)]
+    engine_tls: EngineTls,
+}
+
+/// A validated config.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub routing: RoutingConfig,
+    pub telemetry: TelemetryConfig,
+    pub engines: Vec<Engine>,
+    pub discovery: Vec<Discovery>,
+    pub tracing: TracingConfig,
+    /// How `https://` engines are reached.
+    pub engine_tls: EngineTls,
+    /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
+    /// the only ones the admin API may name.
+    pub key_vars: Vec<String>,
+}
+
+/// "line N (`the line`): message": the line names the key, which toml's message may not.
+fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span() else {
+        return e.message().to_string();
+    };
+    let start = span.start.min(text.len());
+    let line_no = text[..start].matches('\n').count() + 1;
+    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+    format!("line {line_no} (`{line}`): {}", e.message())
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: p.clone(),
+            source,
+        })?;
+        Config::from_str(&text).map_err(|e| e.with_path(&p))
+    }
+
+    /// Parses and validates config text. Errors carry an empty path until `load` fills it.
+    #[allow(clippy::should_implement_trait)]
+    pub fn from_str(text: &str) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: String::new(),
+            message: describe_toml_error(text, &e),
+        })?;
+        Config::validate(raw)
+    }
+
+    fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+        let server = server(raw.server)?;
+        let routing = routing(raw.routing, server.max_body_bytes)?;
+
+        let telemetry = telemetry_config(raw.telemetry)?;
+        let tracing = tracing_config(raw.tracing)?;
+        let engine_tls = raw.engine_tls.validate()?;
+
+        let discovery = (raw.discovery.into_iter().enumerate())
+            .map(|(i, d)| d.validate(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        // A fleet may start empty when engines can join at runtime: found by discovery, or
+        // added through the admin API.
+        if raw.engines.is_empty() && discovery.is_empty() && server.admin_token_env.is_none() {
+            return Err(invalid(
+                "engines",
+                "at least one [[engines]] entry is required (or a [[discovery]] entry, or server.admin_token_env to add engines through the admin API)",
+            ));
+        }
+        let mut key_vars: Vec<String> = (raw.engines.iter())
+            .filter_map(|e| e.api_key_env().map(String::from))
+            .chain(
+                discovery
+                    .iter()
+                    .filter_map(|d| d.template.api_key_env().map(Into::into)),
+            )
+            .collect();
+        key_vars.sort();
+        key_vars.dedup();
+        let mut engines: Vec<Engine> = Vec::with_capacity(raw.engines.len());
+        for (i, e) in raw.engines.into_iter().enumerate() {
+            let engine = e.validate(&format!("engines[{i}]"))?;
+            if let Some(j) = engines.iter().position(|o| *o.url == *engine.url) {
+                return Err(invalid(
+                    format!("engines[{i}].url"),
+                    format!("{:?} is a duplicate of engines[{j}]", engine.url),
+                ));
+            }
+            if let Some(j) = engines
+                .iter()
+                .position(|o| o.grpc.is_some() && o.grpc == engine.grpc)
+            {
+                return Err(invalid(
+                    format!("engines[{i}].grpc_url"),
+                    format!("{:?} is a duplicate of engines[{j}]", engine.grpc_origin()),
+                ));
+            }
+            engines.push(engine);
+        }
+        check_rank_overlap(&engines)?;
+        // Sizes read from the engines are not known yet; the membership plan counts again.
+        let workers: usize = engines.iter().map(|e| e.dp_size as usize).sum();
+        if workers > MAX_WORKERS {
+            return Err(invalid(
+                "engines",
+                format!("{workers} workers (the sum of dp_size) is more than one rankgate routes ({MAX_WORKERS}): split the fleet between rankgates"),
+            ));
+        }
+        Ok(Config {
+            server,
+            routing,
+            telemetry,
+            engines,
+            discovery,
+            tracing,
+            engine_tls,
+            key_vars,
+        })
+    }
+}
+
+impl Config {
+    /// Legal but likely mistaken settings, for `main` to log at startup. Resolves each engine's
+    /// host name (blocking, through the system resolver): call it once, before serving.
+    pub fn warnings(&self) -> Vec<String> {
+        let resolved: Vec<Result<Vec<SocketAddr>, String>> = self
+            .engines
+            .iter()
+            .map(|e| {
+                e.authority
+                    .to_socket_addrs()
+                    .map(Iterator::collect)
+                    .map_err(|err| err.to_string())
+            })
+            .collect();
+        address_warnings(&self.engines, &resolved)
+    }
+}
+
+#[cfg(test)]
+mod tests;

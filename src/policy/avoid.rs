@@ -1,0 +1,92 @@
+//! What a request may not go to: its front door's engines only, those serving its model and
+//! route, and on a retry not the ranks (or engines) that failed it; and `eligible`, the one
+//! per-rank test every policy applies.
+
+use std::sync::Arc;
+
+use crate::outlier::Admit;
+use crate::worker::{Engine, EngineEntry, EngineId, Flavor, Fleet, Seat, WorkerId};
+
+/// Ranks a request must not go to: those of engines that do not serve its front door, model or
+/// route, and on a retry the ranks that failed it (every rank of an engine that failed at the
+/// transport level). Engines and workers are named by their stable ids, so an `Avoid` made
+/// against one version of the fleet means the same against the next. Empty (and
+/// allocation-free) for the usual request.
+#[derive(Debug, Clone, Default)]
+pub struct Avoid {
+    front: Front,
+    /// When set, the only engines that may serve the request (sorted): those serving its model
+    /// and route. An engine that joined after they were chosen is not among them.
+    only: Option<Vec<EngineId>>,
+    /// A few at most: one per failed attempt.
+    pub(super) workers: Vec<WorkerId>,
+    pub(super) engines: Vec<EngineId>,
+    /// The request's model, when no known model list has it (only engines whose list is
+    /// unknown may serve it): a failed pick then says so, naming the model.
+    pub unlisted_model: Option<Arc<str>>,
+}
+
+/// The front door a request came through; only engines serving it may take the request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Front {
+    /// The OpenAI HTTP API (every engine with a `url`).
+    #[default]
+    Http,
+    /// The gRPC service of this flavor (engines of the flavor with a `grpc_url`).
+    Grpc(Flavor),
+}
+
+impl Front {
+    pub fn served_by(self, e: &Engine) -> bool {
+        match self {
+            Front::Http => e.http,
+            Front::Grpc(f) => e.grpc.is_some() && e.flavor == f,
+        }
+    }
+}
+
+impl Avoid {
+    pub fn front(front: Front) -> Avoid {
+        Avoid {
+            front,
+            ..Avoid::default()
+        }
+    }
+
+    pub fn worker(&mut self, w: WorkerId) {
+        self.workers.push(w);
+    }
+
+    pub fn engine(&mut self, e: EngineId) {
+        self.engines.push(e);
+    }
+
+    /// Only these engines may serve the request.
+    pub fn only(&mut self, mut engines: Vec<EngineId>) {
+        engines.sort_unstable();
+        self.only = Some(engines);
+    }
+
+    /// Whether every rank of `e` is ruled out.
+    pub fn has_engine(&self, e: &EngineEntry) -> bool {
+        !self.may_serve(e) || self.engines.contains(&e.key)
+    }
+
+    /// Whether `e` is of the engines the request may go to at all (its front door, model and
+    /// route), failures aside.
+    pub(super) fn may_serve(&self, e: &EngineEntry) -> bool {
+        self.front.served_by(e)
+            && (self.only.as_ref()).is_none_or(|o| o.binary_search(&e.key).is_ok())
+    }
+
+    #[inline]
+    fn blocks(&self, fleet: &Fleet, w: &Seat) -> bool {
+        self.workers.contains(&w.key) || self.has_engine(&fleet.engines[w.engine])
+    }
+}
+
+/// Whether worker `w` may be picked at all: not ejected (or due for its trial), not avoided.
+#[inline]
+pub(super) fn eligible(fleet: &Fleet, w: &Seat, avoid: &Avoid) -> bool {
+    w.live.outlier.admit() != Admit::No && !avoid.blocks(fleet, w)
+}

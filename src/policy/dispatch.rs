@@ -1,0 +1,220 @@
+//! The [`Selector`]: the configured policy applied to one snapshot, the pick's outcome
+//! ([`Picked`], or why none: [`NoRank`]), the trial of an ejected rank, and affinity's record
+//! of what was sent where. `round_robin` and `random` are here whole; `least_kv` is its own
+//! module.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use super::avoid::{eligible, Avoid, Front};
+use super::explain::{explain_pick, By, Explanation};
+use super::in_flight::least_in_flight;
+use super::sizing::RequestSizer;
+use crate::config::{NoTelemetry, Policy, RoutingConfig};
+use crate::outlier::Admit;
+use crate::table::{InFlight, Table};
+use crate::worker::{EngineEntry, Flavor};
+
+/// Why no rank was picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NoRank {
+    #[error("no rank has fresh telemetry and the router is set to reject (routing.no_telemetry = \"reject\")")]
+    NoTelemetry,
+    #[error("no rank is reachable: every rank is ejected after failures, failed its last telemetry poll, or has not been polled yet")]
+    NoneReachable,
+    #[error("the fleet has no engine to serve this: none configured, added or discovered (yet)")]
+    NoEngine,
+    /// Engines that could serve it exist, but none has said its flavor and DP size yet.
+    #[error("no engine that could serve this has said what it is yet (flavor, DP size): each is asked until it answers; GET /workers on the admin listener says why for each")]
+    ShapeUnknown,
+}
+
+/// A successful pick.
+#[derive(Debug)]
+pub struct Picked {
+    pub guard: InFlight,
+    /// The engine of the picked worker.
+    pub engine: Arc<EngineEntry>,
+    /// At least one rank was passed over because its telemetry was missing, stale or invalid.
+    pub skipped_unavailable: bool,
+    /// The request is the trial of a rank whose ejection ran out.
+    pub trial: bool,
+}
+
+/// Chooses ranks according to the configured policy.
+#[derive(Debug)]
+pub struct Selector {
+    policy: Policy,
+    no_telemetry: NoTelemetry,
+    rr: AtomicU64,
+    pub(super) sizer: RequestSizer,
+    /// `least_kv` picks at random among ranks scoring within this of the best.
+    pub(super) tie_margin: f64,
+    /// `routing.prefix_affinity`: `(affinity_margin, affinity_max_kv)`.
+    pub(super) affinity: Option<(f64, f64)>,
+}
+
+impl Selector {
+    pub fn new(cfg: &RoutingConfig) -> Selector {
+        Selector {
+            policy: cfg.policy,
+            no_telemetry: cfg.no_telemetry,
+            rr: AtomicU64::new(0),
+            sizer: RequestSizer::default(),
+            tie_margin: cfg.tie_margin,
+            affinity: cfg
+                .prefix_affinity
+                .then_some((cfg.affinity_margin, cfg.affinity_max_kv)),
+        }
+    }
+
+    /// Whether picks weigh prompt prefixes (then `pick` layer reads them from the body).
+    pub fn affinity(&self) -> bool {
+        self.affinity.is_some()
+    }
+
+    /// True when [`Selector::pick`] would find a rank now (the admin `/ready`).
+    pub fn any_routable(&self, table: &Table, avoid: &Avoid) -> bool {
+        let snap = table.snapshot.load();
+        let now = Instant::now();
+        let ok = |w: usize| eligible(&snap.fleet, &snap.fleet.workers[w], avoid);
+        let reachable = (0..snap.ranks.len()).any(|w| ok(w) && snap.ranks[w].reachable);
+        let fresh = || {
+            (0..snap.ranks.len()).any(|w| {
+                ok(w)
+                    && snap.ranks[w]
+                        .telemetry
+                        .fresh(now, table.stale_after)
+                        .is_some()
+            })
+        };
+        match (self.policy, self.no_telemetry) {
+            (Policy::LeastKv, NoTelemetry::Reject) => fresh(),
+            (Policy::LeastKv, NoTelemetry::LeastInFlight) => reachable || fresh(),
+            _ => reachable,
+        }
+    }
+
+    /// Whether a request through some front door could be routed now: the OpenAI one, or with
+    /// `grpc` the gRPC one (for either flavor). A fleet of gRPC-only engines is ready through
+    /// the gRPC front door alone.
+    pub fn any_front_routable(&self, table: &Table, grpc: bool) -> bool {
+        self.any_routable(table, &Avoid::default())
+            || (grpc
+                && [Flavor::Vllm, Flavor::Sglang]
+                    .into_iter()
+                    .any(|f| self.any_routable(table, &Avoid::front(Front::Grpc(f)))))
+    }
+
+    /// Picks a worker, not one of `avoid`'s, and marks one request, of this body size if known,
+    /// in flight on it.
+    pub fn pick(
+        &self,
+        table: &Arc<Table>,
+        content_length: Option<u64>,
+        avoid: &Avoid,
+    ) -> Result<Picked, NoRank> {
+        self.pick_explained(table, content_length, avoid, &[], None)
+    }
+
+    /// [`Selector::pick`] for a prompt whose chunk names are `prompt` (see [`crate::prefix`];
+    /// empty when unknown or affinity is off), writing why it went where it did (or nowhere)
+    /// to `explain` when given: from the same snapshot and instant the pick used.
+    pub fn pick_explained(
+        &self,
+        table: &Arc<Table>,
+        content_length: Option<u64>,
+        avoid: &Avoid,
+        prompt: &[u64],
+        mut explain: Option<&mut Explanation>,
+    ) -> Result<Picked, NoRank> {
+        let snap = table.snapshot.load();
+        let now = Instant::now();
+        if !(snap.fleet.engines.iter()).any(|e| avoid.may_serve(e) && !e.members.is_empty()) {
+            if let Some(x) = explain {
+                *x = Explanation::new(self.policy, By::Kv);
+                x.not_serving = snap.ranks.len();
+            }
+            let unshaped = (snap.fleet.engines.iter()).any(|e| avoid.may_serve(e));
+            return Err(match unshaped {
+                true => NoRank::ShapeUnknown,
+                false => NoRank::NoEngine,
+            });
+        }
+        let mut rng = rand::rng();
+        let fleet = &snap.fleet;
+        let usable =
+            |w: usize| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid);
+        let (choice, by) = match self.policy {
+            Policy::LeastKv => match self.least_kv(table, &snap, now, avoid, prompt, &mut rng) {
+                Some((w, skipped)) => (Ok((w, skipped)), By::Kv),
+                None => match self.no_telemetry {
+                    NoTelemetry::Reject => (Err(NoRank::NoTelemetry), By::Kv),
+                    NoTelemetry::LeastInFlight => (
+                        least_in_flight(&snap, avoid, &mut rng)
+                            .map(|w| (w, true))
+                            .ok_or(NoRank::NoneReachable),
+                        By::InFlight,
+                    ),
+                },
+            },
+            Policy::RoundRobin => {
+                let n = snap.ranks.len();
+                let start = self.rr.fetch_add(1, Relaxed) as usize;
+                let w = (0..n).map(|i| (start + i) % n).find(|&w| usable(w));
+                (
+                    w.map(|w| (w, false)).ok_or(NoRank::NoneReachable),
+                    By::Reachable,
+                )
+            }
+            Policy::Random => {
+                let count = (0..snap.ranks.len()).filter(|&w| usable(w)).count();
+                let w = (count > 0)
+                    .then(|| rng.random_range(0..count))
+                    .and_then(|k| (0..snap.ranks.len()).filter(|&w| usable(w)).nth(k));
+                (
+                    w.map(|w| (w, false)).ok_or(NoRank::NoneReachable),
+                    By::Reachable,
+                )
+            }
+        };
+        if let Some(x) = explain.as_deref_mut() {
+            let affinity = self.affinity.map(|a| (a, prompt));
+            *x = explain_pick(table, &snap, now, avoid, self.policy, by, affinity);
+            x.set_picked(
+                (choice.as_ref().ok()).map(|(w, _)| fleet.workers[*w].id_text.to_string()),
+            );
+        }
+        let (choice, skipped) = choice?;
+        let member = &fleet.workers[choice].member;
+        let outlier = &member.live.outlier;
+        let trial = match outlier.admit() {
+            Admit::Yes => false,
+            Admit::Trial if outlier.start_trial() => true,
+            // Another request claimed its trial (or ejected it again) since it was chosen: it
+            // takes nothing else, so pick again without it. Each round avoids one more rank.
+            Admit::Trial | Admit::No => {
+                let mut again = avoid.clone();
+                again.worker(member.key);
+                return self.pick_explained(table, content_length, &again, prompt, explain);
+            }
+        };
+        if self.affinity.is_some() && !prompt.is_empty() {
+            let capacity = match &snap.ranks[choice].telemetry {
+                crate::table::RankTelemetry::Available(l) => l.capacity_tokens,
+                _ => None,
+            };
+            let budget = crate::prefix::budget(capacity, snap.ranks.len());
+            (member.prefixes).record(crate::prefix::recorded(prompt, budget), budget);
+        }
+        Ok(Picked {
+            guard: InFlight::start(member.clone(), self.sizer.weight(content_length)),
+            engine: fleet.engines[fleet.workers[choice].engine].clone(),
+            skipped_unavailable: skipped,
+            trial,
+        })
+    }
+}

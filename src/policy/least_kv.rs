@@ -1,0 +1,76 @@
+//! The `least_kv` pick: every eligible rank with fresh telemetry scored, a rank due for its
+//! trial first, then affinity's choice, then one at random among the near-best.
+
+use rand::Rng;
+use tokio::time::Instant;
+
+use super::affinity::longest_prefix;
+use super::avoid::Avoid;
+use super::dispatch::Selector;
+use super::scoring::score_of;
+use super::ties::random_at_most;
+use crate::outlier::Admit;
+use crate::table::{Snapshot, Table};
+
+thread_local! {
+    /// `least_kv`'s scores, kept between picks: no allocation per pick.
+    static SCORES: std::cell::RefCell<Vec<(usize, f64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Selector {
+    /// The pick among ranks with fresh telemetry: a rank due for its trial first; else, with
+    /// affinity and a prompt, the rank holding the longest prefix of it among those scoring
+    /// within `affinity_margin` of the best and below `affinity_max_kv`; else one at random
+    /// among those within `tie_margin` of the best. Returns the worker and whether an
+    /// unavailable rank was passed over.
+    pub(super) fn least_kv(
+        &self,
+        table: &Table,
+        snap: &Snapshot,
+        now: Instant,
+        avoid: &Avoid,
+        prompt: &[u64],
+        rng: &mut impl Rng,
+    ) -> Option<(usize, bool)> {
+        SCORES.with(|scores| {
+            let mut scores = scores.borrow_mut();
+            scores.clear();
+            let mut skipped = false;
+            let fleet = &snap.fleet;
+            // An engine's ranks are consecutive: its verdict is looked up once per engine.
+            let mut engine_ok = (usize::MAX, false);
+            for (w, (seat, view)) in fleet.workers.iter().zip(&snap.ranks).enumerate() {
+                if engine_ok.0 != seat.engine {
+                    engine_ok = (seat.engine, !avoid.has_engine(&fleet.engines[seat.engine]));
+                }
+                let admit = seat.live.outlier.admit();
+                if !engine_ok.1 || admit == Admit::No || avoid.workers.contains(&seat.key) {
+                    continue;
+                }
+                match score_of(table, view, seat, admit, now) {
+                    None => skipped = true,
+                    // A rank due for its ejection trial goes first: its failures would
+                    // otherwise keep its score above every healthy rank's, and it would never
+                    // get the one request that decides.
+                    Some(_) if admit == Admit::Trial => scores.push((w, f64::NEG_INFINITY)),
+                    Some(s) => scores.push((w, s)),
+                }
+            }
+            let best = scores.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+            if scores.is_empty() {
+                return None;
+            }
+            if best == f64::NEG_INFINITY {
+                return random_at_most(&scores, best, rng).map(|w| (w, skipped));
+            }
+            if let (Some((margin, max_kv)), false) = (self.affinity, prompt.is_empty()) {
+                if let Some(w) = longest_prefix(fleet, &scores, prompt, best + margin, max_kv) {
+                    return Some((w, skipped));
+                }
+            }
+            // Scores are sums of floats: within 1e-9 they are the same load.
+            let within = best + self.tie_margin.max(1e-9);
+            random_at_most(&scores, within, rng).map(|w| (w, skipped))
+        })
+    }
+}

@@ -1,0 +1,56 @@
+//! `least_kv`'s score of one rank: its reported KV plus the work it was sent since its poll,
+//! plus a penalty for its recent failures. Read by the pick and by its explanation alike.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use tokio::time::Instant;
+
+use crate::outlier::{Admit, FAILURE_WEIGHT};
+use crate::table::{RankView, Snapshot, Table, UNIT_WEIGHT};
+use crate::worker::Member;
+
+/// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry.
+#[inline]
+pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f64> {
+    let member = &snap.fleet.workers[w].member;
+    score_of(
+        table,
+        &snap.ranks[w],
+        member,
+        member.live.outlier.admit(),
+        now,
+    )
+}
+
+/// [`score`] of a rank whose view, worker and admission are at hand.
+#[inline]
+pub(super) fn score_of(
+    table: &Table,
+    view: &RankView,
+    member: &Member,
+    admit: Admit,
+    now: Instant,
+) -> Option<f64> {
+    let load = view.telemetry.fresh(now, table.stale_after)?;
+    let live = &member.live;
+    let since_poll = live
+        .dispatched_weight
+        .load(Relaxed)
+        .saturating_sub(view.weight_at_poll);
+    let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
+    let queued = load.waiting.unwrap_or(0) as f64;
+    Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(member, admit))
+}
+
+/// The penalty for a rank's recent consecutive failures. It steers traffic off a rank that fails
+/// before it is ejected, and fades (see [`crate::outlier::State::recent_failures`]), since only a
+/// success resets the count and a rank kept off by its penalty gets no request to succeed with.
+/// An ejected rank has no penalty: its trial is what decides.
+#[inline]
+fn failing(member: &Member, admit: Admit) -> f64 {
+    let outlier = &member.live.outlier;
+    match admit {
+        Admit::Yes => outlier.recent_failures() * FAILURE_WEIGHT,
+        Admit::Trial | Admit::No => 0.0,
+    }
+}
