@@ -44,6 +44,7 @@ pub mod app;
 pub mod catalog;
 pub mod config;
 pub mod control;
+pub mod deadlines;
 #[cfg(feature = "sim")]
 pub mod demo;
 pub mod discovery;

@@ -9,6 +9,7 @@ use tokio::sync::Semaphore;
 
 use super::throttle::Throttle;
 use crate::config::ServerConfig;
+use crate::deadlines::Deadlines;
 use crate::tls::ServerTls;
 
 /// File descriptors kept back from client connections for listeners, telemetry and logs.
@@ -73,10 +74,11 @@ impl Default for ServeOptions {
 impl ServeOptions {
     /// The front door's limits, from `[server]`.
     pub fn front_door(cfg: &ServerConfig) -> ServeOptions {
+        let deadlines = Deadlines::of(cfg);
         ServeOptions {
-            header_read_timeout: cfg.header_read_timeout,
-            idle_timeout: cfg.idle_timeout,
-            h2_keepalive: cfg.h2_keepalive_interval,
+            header_read_timeout: deadlines.header_read,
+            idle_timeout: deadlines.idle,
+            h2_keepalive: deadlines.h2_keepalive,
             max_header_bytes: cfg.max_header_bytes,
             max_connections: cfg.max_connections.unwrap_or_else(default_max_connections),
             drain_grace: cfg.drain_grace,

@@ -45,7 +45,6 @@ mod auth;
 mod body;
 mod budget;
 mod cors;
-mod deadlines;
 mod error;
 pub(crate) mod grpc;
 mod guards;

@@ -24,13 +24,13 @@ use hyper_util::client::legacy::ResponseFuture;
 use tokio::time::Sleep;
 
 use super::body::{Ending, ProxyBody};
-use super::deadlines::Deadlines;
 use super::error::ProxyError;
 use super::guards::Slot;
 use super::layer::WORKER_HEADER;
 use super::pin::strip_hop_by_hop;
 use super::shared::Ctx;
 use super::target::Picked;
+use crate::deadlines::Deadlines;
 use crate::tls::Upstream;
 use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
 use crate::worker::EngineEntry;

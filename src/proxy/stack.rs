@@ -14,7 +14,6 @@ use tower::ServiceBuilder;
 
 use super::auth::{Gate, Keys};
 use super::body::ProxyBody;
-use super::deadlines::Deadlines;
 use super::grpc::{Local, Requests};
 use super::read::Limits;
 use super::respond::Errors;
@@ -26,6 +25,7 @@ use super::{
 };
 use super::{send, trace};
 use crate::config::Config;
+use crate::deadlines::Deadlines;
 use crate::metrics::Metrics;
 use crate::policy::Selector;
 use crate::table::Table;

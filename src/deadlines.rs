@@ -2,14 +2,17 @@
 //! `[server]` and handed to whoever enforces it:
 //!
 //! ```text
-//! deadline      key (default)                      enforced by      on expiry
-//! header_read   server.header_read_timeout (10 s)  http::serve      408, connection closed
-//! idle          server.idle_timeout (60 s)         http::serve      idle keep-alive closed
-//! h2_keepalive  server.h2_keepalive_interval (20s) http::serve      unanswered ping: closed
-//! body_read     server.body_read_timeout (30 s)    read, pick, grpc 408 (DEADLINE_EXCEEDED)
-//! connect       server.connect_timeout (2 s)       send's connector 502, retried elsewhere
-//! response      server.response_timeout (30 min)   send, grpc       504; a slot wait too: 503
-//! stream_idle   server.stream_idle_timeout (5 min) body             stream cut, SSE error event
+//! deadline      key (default)                       enforced by         on expiry
+//! header_read   server.header_read_timeout (10 s)   http::watch         connection closed
+//! idle          server.idle_timeout (60 s)          http::watch         connection closed
+//! h2_keepalive  server.h2_keepalive_interval (20 s) hyper's h2 server   connection closed
+//! body_read     server.body_read_timeout (30 s)     proxy read, pick,   408 (gRPC:
+//!                                                   grpc local          DEADLINE_EXCEEDED)
+//! connect       server.connect_timeout (2 s)        proxy send          502, retried elsewhere
+//! response      server.response_timeout (30 min)    proxy send, grpc    504 (all engine
+//!                                                   local               connections busy: 503)
+//! stream_idle   server.stream_idle_timeout (5 min)  proxy body          stream cut (SSE: an
+//!                                                                       error event)
 //! ```
 //!
 //! Two more are not per request: an engine's idle kept-alive connection is closed after
