@@ -1,6 +1,6 @@
-//! The proxy's bodies: the request body sent upstream (kept whole for replays, or streamed with a
-//! size cap and a stall timeout), and the response body that streams the engine's answer back,
-//! bounded by the stream idle timeout, while holding the request's guards until its last frame.
+//! The response body: the engine's answer streamed back to the client, bounded by the stream
+//! idle timeout, holding the request's guards ([`Holds`]) until its last frame (or rankgate's
+//! own answer). The request body is [`crate::upstream::RequestBody`].
 //!
 //! A stream that breaks after its first byte can no longer become an error status, so when it is
 //! an SSE stream it ends with one final `data: {"error": ...}` event: clients (the OpenAI SDKs

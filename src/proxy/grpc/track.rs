@@ -1,8 +1,6 @@
-//! Which engine holds each in-flight gRPC request id, so that an `Abort` reaches the engine
-//! generating the request (another engine would answer OK and abort nothing).
-//!
-//! An id is entered when its call is sent and leaves when the call's response ends, however it
-//! ends; ids are the client's, so two calls may share one (each entry counts its calls).
+//! The `track` layer: a proxied call's request id is entered in [`Requests`] with the engine it
+//! was picked for, and its entry rides in the response body until the call ends, so that an
+//! `Abort` reaches the engine generating the request.
 
 use std::sync::Arc;
 
