@@ -2,6 +2,7 @@
 //! last said) and, the other way round, which engines serve a model. Part of the snapshot, and
 //! rebuilt only when a model list changes.
 
+use crate::ix::{EngineIx, IxVec};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -45,16 +46,17 @@ pub fn shown(model: &str) -> String {
 #[derive(Debug, Default)]
 pub struct Catalog {
     /// Per engine: its models, `None` until known.
-    engines: Vec<Option<Arc<[Model]>>>,
+    engines: IxVec<EngineIx, Option<Arc<[Model]>>>,
     /// Every model some engine serves, in id order, with the engines serving it.
-    models: BTreeMap<String, Vec<usize>>,
+    models: BTreeMap<String, Vec<EngineIx>>,
 }
 
 impl Catalog {
     /// `lists[e]` is engine `e`'s model list, if known.
-    pub fn new(lists: Vec<Option<Arc<[Model]>>>) -> Catalog {
-        let mut models: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-        for (e, list) in lists.iter().enumerate() {
+    pub fn new(lists: impl Into<IxVec<EngineIx, Option<Arc<[Model]>>>>) -> Catalog {
+        let lists = lists.into();
+        let mut models: BTreeMap<String, Vec<EngineIx>> = BTreeMap::new();
+        for (e, list) in lists.iter_enumerated() {
             for m in list.iter().flat_map(|l| l.iter()) {
                 let engines = models.entry(m.id.clone()).or_default();
                 if engines.last() != Some(&e) {
@@ -69,7 +71,7 @@ impl Catalog {
     }
 
     /// The same catalog with engine `e`'s list replaced.
-    pub fn with(&self, e: usize, list: Arc<[Model]>) -> Catalog {
+    pub fn with(&self, e: EngineIx, list: Arc<[Model]>) -> Catalog {
         let mut lists = self.engines.clone();
         if let Some(slot) = lists.get_mut(e) {
             *slot = Some(list);
@@ -78,7 +80,7 @@ impl Catalog {
     }
 
     /// Engine `e`'s models, if known.
-    pub fn of(&self, e: usize) -> Option<&[Model]> {
+    pub fn of(&self, e: EngineIx) -> Option<&[Model]> {
         self.engines.get(e)?.as_deref()
     }
 
@@ -87,7 +89,7 @@ impl Catalog {
         self.models.contains_key(model)
     }
 
-    pub fn serves(&self, e: usize, model: &str) -> bool {
+    pub fn serves(&self, e: EngineIx, model: &str) -> bool {
         self.of(e).is_some_and(|l| l.iter().any(|m| m.id == model))
     }
 
@@ -107,11 +109,11 @@ impl Catalog {
     pub fn engines_for(
         &self,
         model: Option<&str>,
-        allowed: impl Fn(usize) -> bool,
-    ) -> Result<Vec<usize>, ModelError> {
+        allowed: impl Fn(EngineIx) -> bool,
+    ) -> Result<Vec<EngineIx>, ModelError> {
         let served = || self.models.keys().cloned().collect::<Vec<_>>();
         let Some(model) = model else {
-            let engines: Vec<usize> = (0..self.engines.len()).filter(|&e| allowed(e)).collect();
+            let engines: Vec<EngineIx> = self.engines.indices().filter(|&e| allowed(e)).collect();
             let mut theirs: Vec<&str> = engines
                 .iter()
                 .flat_map(|&e| self.of(e).into_iter().flatten())
@@ -128,14 +130,14 @@ impl Catalog {
         };
         let known = self.models.get(model);
         if let Some(engines) = known {
-            let known: Vec<usize> = engines.iter().copied().filter(|&e| allowed(e)).collect();
+            let known: Vec<EngineIx> = engines.iter().copied().filter(|&e| allowed(e)).collect();
             if !known.is_empty() {
                 return Ok(known);
             }
         }
         // No engine known to serve it serves this route: one whose list is still unknown (it
         // just started) may, so it is tried rather than answering 404.
-        let unknown: Vec<usize> = (0..self.engines.len())
+        let unknown: Vec<EngineIx> = (self.engines.indices())
             .filter(|&e| self.engines[e].is_none() && allowed(e))
             .collect();
         if unknown.is_empty() && known.is_none() {
@@ -149,7 +151,7 @@ impl Catalog {
 
     /// The fleet's `/v1/models`: each model once, from the engines `listed` allows (those
     /// with fresh telemetry), in id order; the first such engine's entry stands for it.
-    pub fn listing(&self, listed: impl Fn(usize) -> bool) -> Value {
+    pub fn listing(&self, listed: impl Fn(EngineIx) -> bool) -> Value {
         let data: Vec<&Value> = self
             .models
             .iter()
@@ -162,7 +164,7 @@ impl Catalog {
     }
 
     /// One model's entry, if a listed engine serves it.
-    pub fn entry(&self, id: &str, listed: impl Fn(usize) -> bool) -> Option<&Value> {
+    pub fn entry(&self, id: &str, listed: impl Fn(EngineIx) -> bool) -> Option<&Value> {
         let e = *self.models.get(id)?.iter().find(|&&e| listed(e))?;
         self.of(e)?.iter().find(|m| m.id == id).map(|m| &m.entry)
     }
@@ -171,6 +173,15 @@ impl Catalog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ix::Ix;
+
+    fn ix(e: usize) -> EngineIx {
+        EngineIx::new(e)
+    }
+
+    fn ixs(es: &[usize]) -> Vec<EngineIx> {
+        es.iter().map(|&e| ix(e)).collect()
+    }
 
     fn list(ids: &[&str]) -> Option<Arc<[Model]>> {
         Some(ids.iter().map(|id| Model::named(id)).collect())
@@ -180,8 +191,8 @@ mod tests {
     fn a_model_goes_to_the_engines_that_serve_it() {
         let c = Catalog::new(vec![list(&["a"]), list(&["b", "a"]), list(&["b"])]);
         assert!(c.routes_by_model());
-        assert_eq!(c.engines_for(Some("a"), |_| true), Ok(vec![0, 1]));
-        assert_eq!(c.engines_for(Some("b"), |_| true), Ok(vec![1, 2]));
+        assert_eq!(c.engines_for(Some("a"), |_| true), Ok(ixs(&[0, 1])));
+        assert_eq!(c.engines_for(Some("b"), |_| true), Ok(ixs(&[1, 2])));
         let e = c.engines_for(Some("c"), |_| true).unwrap_err();
         assert_eq!(
             e.to_string(),
@@ -192,15 +203,15 @@ mod tests {
             Err(ModelError::Missing(_))
         ));
         // Only engine 2 serves the route: its one model needs no naming.
-        assert_eq!(c.engines_for(None, |e| e == 2), Ok(vec![2]));
-        assert_eq!(c.engines_for(Some("a"), |e| e != 0), Ok(vec![1]));
+        assert_eq!(c.engines_for(None, |e| e == ix(2)), Ok(ixs(&[2])));
+        assert_eq!(c.engines_for(Some("a"), |e| e != ix(0)), Ok(ixs(&[1])));
     }
 
     #[test]
     fn one_model_everywhere_needs_no_scan_and_no_model() {
         let c = Catalog::new(vec![list(&["a"]), list(&["a"])]);
         assert!(!c.routes_by_model());
-        assert_eq!(c.engines_for(None, |_| true), Ok(vec![0, 1]));
+        assert_eq!(c.engines_for(None, |_| true), Ok(ixs(&[0, 1])));
         assert!(!Catalog::new(vec![None, None]).routes_by_model());
     }
 
@@ -211,19 +222,19 @@ mod tests {
             c.routes_by_model(),
             "the unknown engine may serve another model"
         );
-        assert_eq!(c.engines_for(Some("a"), |_| true), Ok(vec![0]));
-        assert_eq!(c.engines_for(Some("z"), |_| true), Ok(vec![1]));
+        assert_eq!(c.engines_for(Some("a"), |_| true), Ok(ixs(&[0])));
+        assert_eq!(c.engines_for(Some("z"), |_| true), Ok(ixs(&[1])));
         // Only the unknown engine serves the route: it may serve `a` too.
-        assert_eq!(c.engines_for(Some("a"), |e| e == 1), Ok(vec![1]));
+        assert_eq!(c.engines_for(Some("a"), |e| e == ix(1)), Ok(ixs(&[1])));
         // A route only engines that do not serve `a` serve: none, though `a` exists.
         let c = Catalog::new(vec![list(&["a"]), list(&["b"])]);
-        assert_eq!(c.engines_for(Some("a"), |e| e == 1), Ok(vec![]));
+        assert_eq!(c.engines_for(Some("a"), |e| e == ix(1)), Ok(ixs(&[])));
     }
 
     #[test]
     fn the_listing_has_each_model_once_from_listed_engines_only() {
         let c = Catalog::new(vec![list(&["b", "a"]), list(&["a"]), list(&["c"])]);
-        let v = c.listing(|e| e != 2);
+        let v = c.listing(|e| e != ix(2));
         let ids: Vec<&str> = v["data"]
             .as_array()
             .unwrap()
@@ -231,7 +242,7 @@ mod tests {
             .map(|m| m["id"].as_str().unwrap())
             .collect();
         assert_eq!(ids, ["a", "b"]);
-        assert!(c.entry("c", |e| e != 2).is_none());
+        assert!(c.entry("c", |e| e != ix(2)).is_none());
         assert_eq!(c.entry("a", |_| true).unwrap()["id"], "a");
     }
 }

@@ -49,6 +49,7 @@ pub mod deadlines;
 pub mod demo;
 pub mod discovery;
 pub mod http;
+pub mod ix;
 pub mod live;
 #[cfg(feature = "sim")]
 pub mod load;

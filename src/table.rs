@@ -17,6 +17,7 @@ use tokio::time::Instant;
 
 use crate::catalog::{Catalog, Model};
 use crate::config::SourceKind;
+use crate::ix::{EngineIx, IxVec, WorkerIx};
 pub use crate::live::{Live, UNIT_WEIGHT};
 pub use crate::reason::Reason;
 use crate::worker::{Fleet, Member};
@@ -132,13 +133,13 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
 #[derive(Debug, Clone)]
 pub struct Snapshot {
     pub fleet: Arc<Fleet>,
-    pub ranks: Vec<RankView>,
+    pub ranks: IxVec<WorkerIx, RankView>,
     /// The fleet's models, and which engines serve each.
     pub catalog: Arc<Catalog>,
 }
 
 /// Per engine: its models when the config fixes them, else `None` (until `/v1/models` says).
-pub fn fixed_models(fleet: &Fleet) -> Vec<Option<Arc<[Model]>>> {
+pub fn fixed_models(fleet: &Fleet) -> IxVec<EngineIx, Option<Arc<[Model]>>> {
     fleet
         .engines
         .iter()
@@ -170,7 +171,7 @@ impl Snapshot {
     /// `fleet` with nothing polled yet.
     pub fn initial(fleet: Fleet) -> Snapshot {
         Snapshot {
-            ranks: vec![RankView::initial(); fleet.workers.len()],
+            ranks: vec![RankView::initial(); fleet.workers.len()].into(),
             catalog: Arc::new(Catalog::new(fixed_models(&fleet))),
             fleet: Arc::new(fleet),
         }

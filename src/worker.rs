@@ -19,6 +19,7 @@ pub use crate::config::test_engine;
 pub use crate::config::{
     ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, TelemetrySource,
 };
+use crate::ix::{EngineIx, Ix, IxVec, WorkerIx};
 use crate::live::Live;
 use crate::metrics::counts::{PollCounters, WorkerCounters};
 use crate::upstream::{ConnLimits, EngineConn};
@@ -202,7 +203,7 @@ impl EngineEntry {
 #[derive(Debug, Clone)]
 pub struct Seat {
     pub member: Arc<Member>,
-    pub engine: usize,
+    pub engine: EngineIx,
 }
 
 impl std::ops::Deref for Seat {
@@ -217,8 +218,8 @@ impl std::ops::Deref for Seat {
 /// meaningful together with the snapshot's other per-worker and per-engine vectors.
 #[derive(Debug, Clone, Default)]
 pub struct Fleet {
-    pub engines: Vec<Arc<EngineEntry>>,
-    pub workers: Vec<Seat>,
+    pub engines: IxVec<EngineIx, Arc<EngineEntry>>,
+    pub workers: IxVec<WorkerIx, Seat>,
     /// What the HTTP front door needs to know of the engines that serve it.
     pub http: HttpShape,
 }
@@ -235,7 +236,8 @@ pub struct HttpShape {
 
 impl Fleet {
     pub fn new(engines: Vec<Arc<EngineEntry>>) -> Fleet {
-        let workers = (engines.iter().enumerate())
+        let engines: IxVec<EngineIx, _> = engines.into();
+        let workers = (engines.iter_enumerated())
             .flat_map(|(e, entry)| {
                 (entry.members.iter()).map(move |m| Seat {
                     member: m.clone(),
@@ -268,13 +270,14 @@ impl Fleet {
         )
     }
 
-    /// Indices of engine `e`'s workers in [`Fleet::workers`] (they are contiguous).
-    pub fn workers_of(&self, engine: usize) -> std::ops::Range<usize> {
+    /// Engine `e`'s workers in [`Fleet::workers`] (they are contiguous).
+    pub fn workers_of(&self, engine: EngineIx) -> impl Iterator<Item = WorkerIx> + use<> {
         let start = self.workers.iter().position(|w| w.engine == engine);
-        match start {
+        let range = match start {
             Some(s) => s..s + self.engines[engine].members.len(),
             None => 0..0,
-        }
+        };
+        range.map(WorkerIx::new)
     }
 }
 
@@ -300,7 +303,8 @@ mod tests {
                 "http://b:2@6"
             ]
         );
-        assert_eq!(fleet.workers_of(1), 2..5);
+        let of = |e| fleet.workers_of(EngineIx::new(e)).collect::<Vec<_>>();
+        assert_eq!(of(1), (2..5).map(WorkerIx::new).collect::<Vec<_>>());
     }
 
     #[test]
@@ -320,7 +324,7 @@ mod tests {
         let fleet = Fleet::expand(vec![e]);
         let pins: Vec<Option<u32>> = fleet.workers.iter().map(|w| w.pin_rank).collect();
         assert_eq!(pins, [Some(0), Some(1)]);
-        assert_eq!(fleet.workers[1].id.rank, Some(5));
+        assert_eq!(fleet.workers[WorkerIx::new(1)].id.rank, Some(5));
     }
 
     #[test]
@@ -329,7 +333,8 @@ mod tests {
         e.flavor = Flavor::Gateway;
         let fleet = Fleet::expand(vec![e]);
         assert_eq!(fleet.workers.len(), 1);
-        assert_eq!(&*fleet.workers[0].id_text, "http://gw:9");
-        assert_eq!(fleet.workers[0].pin_rank, None);
+        let first = &fleet.workers[WorkerIx::new(0)];
+        assert_eq!(&*first.id_text, "http://gw:9");
+        assert_eq!(first.pin_rank, None);
     }
 }

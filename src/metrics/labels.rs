@@ -21,6 +21,7 @@ use arc_swap::ArcSwap;
 use super::histogram::Histogram;
 use super::routes::RouteIdx;
 use crate::catalog::Catalog;
+use crate::ix::{EngineIx, Ix};
 
 /// The `model` label of requests whose model the fleet's catalog does not know (or that name
 /// none where the fleet serves several).
@@ -191,7 +192,7 @@ impl Models {
             return;
         }
         let mut ids: Vec<&str> = (0..engines)
-            .filter_map(|e| catalog.of(e))
+            .filter_map(|e| catalog.of(EngineIx::new(e)))
             .flatten()
             .map(|m| m.id.as_str())
             .collect();
@@ -264,7 +265,7 @@ mod tests {
             lists
                 .iter()
                 .map(|l| Some(l.iter().map(|id| Model::named(id)).collect()))
-                .collect(),
+                .collect::<Vec<_>>(),
         ))
     }
 

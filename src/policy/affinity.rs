@@ -1,18 +1,19 @@
 //! Prefix affinity (`routing.prefix_affinity`): among the ranks load allows, the one that was
 //! sent the longest leading run of the prompt.
 
+use crate::ix::WorkerIx;
 use crate::worker::Fleet;
 
 /// Among `scores` at most `limit` and below `max_kv`, the rank holding the longest leading run
 /// of `prompt`'s chunks (the lower score between equal runs); `None` when none holds any.
 pub(super) fn longest_prefix(
     fleet: &Fleet,
-    scores: &[(usize, f64)],
+    scores: &[(WorkerIx, f64)],
     prompt: &[u64],
     limit: f64,
     max_kv: f64,
-) -> Option<usize> {
-    let mut best: Option<(usize, usize, f64)> = None;
+) -> Option<WorkerIx> {
+    let mut best: Option<(WorkerIx, usize, f64)> = None;
     for &(w, s) in scores {
         if s > limit || s >= max_kv {
             continue;

@@ -14,6 +14,7 @@ use super::explain::{explain_pick, By, Explanation};
 use super::in_flight::least_in_flight;
 use super::sizing::RequestSizer;
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
+use crate::ix::{Ix, WorkerIx};
 use crate::outlier::Admit;
 use crate::table::{InFlight, Table};
 use crate::worker::{EngineEntry, Flavor};
@@ -80,10 +81,10 @@ impl Selector {
     pub fn any_routable(&self, table: &Table, avoid: &Avoid) -> bool {
         let snap = table.snapshot.load();
         let now = Instant::now();
-        let ok = |w: usize| eligible(&snap.fleet, &snap.fleet.workers[w], avoid);
-        let reachable = (0..snap.ranks.len()).any(|w| ok(w) && snap.ranks[w].reachable);
+        let ok = |w: WorkerIx| eligible(&snap.fleet, &snap.fleet.workers[w], avoid);
+        let reachable = (snap.ranks.indices()).any(|w| ok(w) && snap.ranks[w].reachable);
         let fresh = || {
-            (0..snap.ranks.len()).any(|w| {
+            (snap.ranks.indices()).any(|w| {
                 ok(w)
                     && snap.ranks[w]
                         .telemetry
@@ -147,7 +148,7 @@ impl Selector {
         let mut rng = rand::rng();
         let fleet = &snap.fleet;
         let usable =
-            |w: usize| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid);
+            |w: WorkerIx| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid);
         let (choice, by) = match self.policy {
             Policy::LeastKv => match self.least_kv(table, &snap, now, avoid, prompt, &mut rng) {
                 Some((w, skipped)) => (Ok((w, skipped)), By::Kv),
@@ -164,17 +165,19 @@ impl Selector {
             Policy::RoundRobin => {
                 let n = snap.ranks.len();
                 let start = self.rr.fetch_add(1, Relaxed) as usize;
-                let w = (0..n).map(|i| (start + i) % n).find(|&w| usable(w));
+                let w = (0..n)
+                    .map(|i| WorkerIx::new((start + i) % n))
+                    .find(|&w| usable(w));
                 (
                     w.map(|w| (w, false)).ok_or(NoRank::NoneReachable),
                     By::Reachable,
                 )
             }
             Policy::Random => {
-                let count = (0..snap.ranks.len()).filter(|&w| usable(w)).count();
+                let count = (snap.ranks.indices()).filter(|&w| usable(w)).count();
                 let w = (count > 0)
                     .then(|| rng.random_range(0..count))
-                    .and_then(|k| (0..snap.ranks.len()).filter(|&w| usable(w)).nth(k));
+                    .and_then(|k| (snap.ranks.indices()).filter(|&w| usable(w)).nth(k));
                 (
                     w.map(|w| (w, false)).ok_or(NoRank::NoneReachable),
                     By::Reachable,

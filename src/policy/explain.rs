@@ -177,7 +177,7 @@ pub(super) fn explain_pick(
     let prompt = affinity.map(|(_, p)| p).filter(|p| !p.is_empty());
     x.prompt_chunks = prompt.map(<[u64]>::len);
     let fleet = &snap.fleet;
-    for (w, seat) in fleet.workers.iter().enumerate() {
+    for (w, seat) in fleet.workers.iter_enumerated() {
         let engine = &fleet.engines[seat.engine];
         if !avoid.may_serve(engine) {
             x.not_serving += 1;

@@ -5,13 +5,18 @@ use rand::Rng;
 
 use super::avoid::{eligible, Avoid};
 use super::ties::min_with_random_ties;
+use crate::ix::WorkerIx;
 use crate::outlier::Admit;
 use crate::table::Snapshot;
 
 /// Fewest requests in flight (and recent failures) among reachable ranks, ties at random.
-pub(super) fn least_in_flight(snap: &Snapshot, avoid: &Avoid, rng: &mut impl Rng) -> Option<usize> {
+pub(super) fn least_in_flight(
+    snap: &Snapshot,
+    avoid: &Avoid,
+    rng: &mut impl Rng,
+) -> Option<WorkerIx> {
     let fleet = &snap.fleet;
-    let counts = (0..snap.ranks.len())
+    let counts = (snap.ranks.indices())
         .filter(|&w| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid))
         .map(|w| {
             let live = &fleet.workers[w].live;

@@ -9,12 +9,13 @@ use super::avoid::Avoid;
 use super::dispatch::Selector;
 use super::scoring::score_of;
 use super::ties::random_at_most;
+use crate::ix::WorkerIx;
 use crate::outlier::Admit;
 use crate::table::{Snapshot, Table};
 
 thread_local! {
     /// `least_kv`'s scores, kept between picks: no allocation per pick.
-    static SCORES: std::cell::RefCell<Vec<(usize, f64)>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SCORES: std::cell::RefCell<Vec<(WorkerIx, f64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Selector {
@@ -31,17 +32,18 @@ impl Selector {
         avoid: &Avoid,
         prompt: &[u64],
         rng: &mut impl Rng,
-    ) -> Option<(usize, bool)> {
+    ) -> Option<(WorkerIx, bool)> {
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
             scores.clear();
             let mut skipped = false;
             let fleet = &snap.fleet;
             // An engine's ranks are consecutive: its verdict is looked up once per engine.
-            let mut engine_ok = (usize::MAX, false);
-            for (w, (seat, view)) in fleet.workers.iter().zip(&snap.ranks).enumerate() {
-                if engine_ok.0 != seat.engine {
-                    engine_ok = (seat.engine, !avoid.has_engine(&fleet.engines[seat.engine]));
+            let mut engine_ok = (None, false);
+            for ((w, seat), view) in fleet.workers.iter_enumerated().zip(&snap.ranks) {
+                if engine_ok.0 != Some(seat.engine) {
+                    let ok = !avoid.has_engine(&fleet.engines[seat.engine]);
+                    engine_ok = (Some(seat.engine), ok);
                 }
                 let admit = seat.live.outlier.admit();
                 if !engine_ok.1 || admit == Admit::No || avoid.workers.contains(&seat.key) {

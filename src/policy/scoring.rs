@@ -5,13 +5,14 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use tokio::time::Instant;
 
+use crate::ix::WorkerIx;
 use crate::outlier::{Admit, FAILURE_WEIGHT};
 use crate::table::{RankView, Snapshot, Table, UNIT_WEIGHT};
 use crate::worker::Member;
 
 /// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry.
 #[inline]
-pub fn score(table: &Table, snap: &Snapshot, w: usize, now: Instant) -> Option<f64> {
+pub fn score(table: &Table, snap: &Snapshot, w: WorkerIx, now: Instant) -> Option<f64> {
     let member = &snap.fleet.workers[w].member;
     score_of(
         table,

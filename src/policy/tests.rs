@@ -1,5 +1,6 @@
 use std::sync::Arc;
 
+use crate::ix::{EngineIx, Ix, WorkerIx};
 use tokio::time::Instant;
 
 use super::avoid::Avoid;
@@ -26,14 +27,16 @@ fn set(table: &Table, ranks: Vec<RankView>) {
     let (fleet, catalog) = (snap.fleet.clone(), snap.catalog.clone());
     table.snapshot.store(Arc::new(Snapshot {
         fleet,
-        ranks,
+        ranks: ranks.into(),
         catalog,
     }));
 }
 
 /// Worker `w` of the current fleet.
 fn member(table: &Table, w: usize) -> Arc<crate::worker::Member> {
-    table.snapshot.load().fleet.workers[w].member.clone()
+    table.snapshot.load().fleet.workers[WorkerIx::new(w)]
+        .member
+        .clone()
 }
 
 fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
@@ -318,7 +321,7 @@ fn ejected_and_avoided_ranks_are_passed_over_by_every_policy() {
             assert_eq!(s.pick(&t, None, &avoid).unwrap().guard.worker(), 2, "{p:?}");
         }
     }
-    avoid.engine(t.snapshot.load().fleet.engines[0].key);
+    avoid.engine(t.snapshot.load().fleet.engines[EngineIx::new(0)].key);
     let s = selector(Policy::LeastKv, NoTelemetry::LeastInFlight);
     assert_eq!(s.pick(&t, None, &avoid).unwrap_err(), NoRank::NoneReachable);
 }

@@ -5,11 +5,11 @@
 use rand::Rng;
 
 /// A rank chosen uniformly among `scores` at most `limit` (one pass, reservoir sampling).
-pub(super) fn random_at_most(
-    scores: &[(usize, f64)],
+pub(super) fn random_at_most<W: Copy>(
+    scores: &[(W, f64)],
     limit: f64,
     rng: &mut impl Rng,
-) -> Option<usize> {
+) -> Option<W> {
     let mut chosen = None;
     let mut seen = 0u32;
     for &(w, s) in scores {
@@ -25,12 +25,12 @@ pub(super) fn random_at_most(
 
 /// The candidate with the lowest key; keys within `tie` of the lowest share the pick uniformly at
 /// random (reservoir sampling over the tied, so one pass and no allocation).
-pub(super) fn min_with_random_ties(
-    cands: impl Iterator<Item = (usize, f64)>,
+pub(super) fn min_with_random_ties<W: Copy>(
+    cands: impl Iterator<Item = (W, f64)>,
     tie: f64,
     rng: &mut impl Rng,
-) -> Option<usize> {
-    let mut best: Option<(usize, f64)> = None;
+) -> Option<W> {
+    let mut best: Option<(W, f64)> = None;
     let mut ties = 0u32;
     for (w, key) in cands {
         match best {

@@ -15,6 +15,7 @@ use super::error::ProxyError;
 use super::layer::{Answer, Below, Step};
 use super::shared::Ctx;
 use crate::catalog::ModelError;
+use crate::ix::EngineIx;
 use crate::worker::Flavors;
 
 /// Where a request's model is, for routing by model.
@@ -185,7 +186,7 @@ fn models(ctx: &Ctx, id: Option<&str>) -> Answer {
     let table = &ctx.table;
     let snap = table.snapshot.load();
     let now = tokio::time::Instant::now();
-    let listed = |e: usize| {
+    let listed = |e: EngineIx| {
         snap.fleet.workers_of(e).any(|w| {
             snap.ranks[w].reachable
                 && snap.ranks[w]

@@ -93,7 +93,7 @@ impl<S> Select<S> {
             true => snap.catalog.engines_for(model.as_deref(), |e| {
                 engines[e].http && route.flavors.has(engines[e].flavor)
             })?,
-            false => (0..engines.len()).collect(),
+            false => engines.indices().collect(),
         };
         let only: Vec<_> = (serving.into_iter().map(|e| &engines[e]))
             .filter(|e| e.http && route.flavors.has(e.flavor))

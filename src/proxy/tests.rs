@@ -1,5 +1,6 @@
 //! The layers, one by one and stacked, driven with `oneshot` against a mock upstream: no sockets.
 
+use crate::ix::{Ix, WorkerIx};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -50,7 +51,7 @@ fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Fixture {
     let (fleet, catalog) = (snap.fleet.clone(), snap.catalog.clone());
     table.snapshot.store(Arc::new(Snapshot {
         fleet,
-        ranks: vec![view.clone(), view],
+        ranks: vec![view.clone(), view].into(),
         catalog,
     }));
     let metrics = Arc::new(Metrics::new());
@@ -77,7 +78,9 @@ fn target(req: &Request<Picked>) -> Target {
 
 /// Worker `w` of the context's fleet (one rank per engine: `w` is also its engine and rank).
 fn member(s: &Fixture, w: usize) -> Arc<crate::worker::Member> {
-    s.table.snapshot.load().fleet.workers[w].member.clone()
+    s.table.snapshot.load().fleet.workers[WorkerIx::new(w)]
+        .member
+        .clone()
 }
 
 /// The index of a target's engine (= its worker's, in these one-rank engines).

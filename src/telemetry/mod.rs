@@ -29,6 +29,7 @@ use tokio::task::{AbortHandle, JoinSet};
 use crate::catalog::Catalog;
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
+use crate::ix::{EngineIx, IxVec, WorkerIx};
 use crate::membership::{self, Change, MembershipError, Outcome, Sources};
 use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
 use crate::upstream::ConnLimits;
@@ -64,7 +65,7 @@ pub fn spawn(
                 &settings.upstream,
             )),
             grpc: grpc::transport_with(settings.telemetry.timeout, &settings.upstream),
-            stale: vec![false; snap.ranks.len()],
+            stale: vec![false; snap.ranks.len()].into(),
             views: snap.ranks.clone(),
             catalog: snap.catalog.clone(),
             fleet,
@@ -97,10 +98,10 @@ struct Publisher {
     sources: Sources,
     /// The fleet, views and catalog of the current snapshot.
     fleet: Arc<Fleet>,
-    views: Vec<RankView>,
+    views: IxVec<WorkerIx, RankView>,
     catalog: Arc<Catalog>,
     /// Per worker: whether its staleness was logged.
-    stale: Vec<bool>,
+    stale: IxVec<WorkerIx, bool>,
     pollers: HashMap<EngineId, AbortHandle>,
     tasks: JoinSet<()>,
     shutdown: Shutdown,
@@ -170,11 +171,8 @@ impl Publisher {
     /// Folds one engine's poll into the views (published by the caller).
     fn report(&mut self, report: Report) {
         // A report of an engine that left the fleet since its poll began.
-        let Some(e) = self
-            .fleet
-            .engines
-            .iter()
-            .position(|x| x.key == report.engine)
+        let Some(e) =
+            (self.fleet.engines.indices()).find(|&e| self.fleet.engines[e].key == report.engine)
         else {
             return;
         };
@@ -230,7 +228,7 @@ impl Publisher {
 
     /// Engine `e` said what it is: its entry is built anew with that (same-rank workers carry
     /// on), and a disagreement with the config is logged once, here.
-    fn reshape(&mut self, e: usize, reported: Reported) {
+    fn reshape(&mut self, e: EngineIx, reported: Reported) {
         let url = self.fleet.engines[e].url.clone();
         self.reported.insert(url.clone(), reported);
         let (listed, _) = self.sources.engines();
@@ -264,17 +262,21 @@ impl Publisher {
             .collect();
         let fleet = Fleet::new(entries);
         let mut known: HashMap<WorkerId, (RankView, bool)> = (old.workers.iter())
-            .zip(self.views.drain(..).zip(self.stale.drain(..)))
+            .zip(
+                std::mem::take(&mut self.views)
+                    .into_iter()
+                    .zip(std::mem::take(&mut self.stale)),
+            )
             .map(|(w, v)| (w.key, v))
             .collect();
         (self.views, self.stale) = (fleet.workers.iter())
             .map(|w| known.remove(&w.key).unwrap_or((RankView::initial(), false)))
             .unzip();
         let fixed = fixed_models(&fleet);
-        let lists = (fleet.engines.iter().zip(fixed))
+        let lists: IxVec<EngineIx, _> = (fleet.engines.iter().zip(fixed))
             .map(|(e, fixed)| {
                 fixed.or_else(|| {
-                    let was = old.engines.iter().position(|o| o.url == e.url)?;
+                    let was = (old.engines.indices()).find(|&o| old.engines[o].url == e.url)?;
                     self.catalog.of(was).map(Into::into)
                 })
             })
@@ -325,22 +327,27 @@ impl Publisher {
 /// refreshed first. (Public for `benches/telemetry.rs`: this is what one publish costs.)
 pub fn next_snapshot(
     fleet: &Arc<Fleet>,
-    views: &mut [RankView],
+    views: &mut IxVec<WorkerIx, RankView>,
     catalog: &Arc<Catalog>,
     default_kv_per_request: f64,
 ) -> Snapshot {
-    estimate_kv_per_request(views, default_kv_per_request);
+    estimate_kv_per_request(views.as_mut_slice(), default_kv_per_request);
     Snapshot {
         fleet: fleet.clone(),
-        ranks: views.to_vec(),
+        ranks: views.clone(),
         catalog: catalog.clone(),
     }
 }
 
 /// One log line when a rank's last sample ages past `stale_after`, one when fresh numbers return.
-fn log_staleness(table: &Table, fleet: &Fleet, views: &[RankView], stale: &mut [bool]) {
+fn log_staleness(
+    table: &Table,
+    fleet: &Fleet,
+    views: &IxVec<WorkerIx, RankView>,
+    stale: &mut IxVec<WorkerIx, bool>,
+) {
     let now = tokio::time::Instant::now();
-    for (w, v) in views.iter().enumerate() {
+    for (w, v) in views.iter_enumerated() {
         let RankTelemetry::Available(l) = &v.telemetry else {
             stale[w] = false;
             continue;
@@ -359,7 +366,7 @@ fn log_staleness(table: &Table, fleet: &Fleet, views: &[RankView], stale: &mut [
 }
 
 /// One log line per state change of a rank, not one per poll.
-fn log_change(fleet: &Fleet, w: usize, old: &RankTelemetry, new: &RankTelemetry) {
+fn log_change(fleet: &Fleet, w: WorkerIx, old: &RankTelemetry, new: &RankTelemetry) {
     let id = &fleet.workers[w].id_text;
     match (old, new) {
         (RankTelemetry::Available(_), RankTelemetry::Unavailable { reason }) => {

@@ -179,7 +179,7 @@ pub async fn get_loads(
     let now = Instant::now();
     let mut managed = 0;
     let mut fresh = Vec::new();
-    for (w, worker) in snap.fleet.workers.iter().enumerate() {
+    for (w, worker) in snap.fleet.workers.iter_enumerated() {
         let engine = &snap.fleet.engines[worker.engine];
         let (Some(rank), true) = (
             worker.id.rank,

@@ -64,6 +64,7 @@ impl Drop for Held {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ix::{EngineIx, Ix};
 
     #[test]
     fn an_id_leaves_with_its_last_call() {
@@ -72,7 +73,10 @@ mod tests {
             crate::worker::test_engine("http://a:1", 1, 0),
             crate::worker::test_engine("http://b:1", 1, 1),
         ]);
-        let (one, two) = (&fleet.engines[0], &fleet.engines[1]);
+        let (one, two) = (
+            &fleet.engines[EngineIx::new(0)],
+            &fleet.engines[EngineIx::new(1)],
+        );
         let of = |id| r.engine_of(id).map(|e| e.key);
         let a = r.enter("x", one);
         let b = r.enter("x", two);
