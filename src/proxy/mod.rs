@@ -20,8 +20,14 @@
 //!           response streamed back under server.stream_idle_timeout
 //! ```
 //!
-//! A request counts as in flight on its rank until the response body ends: the guards ride in the
-//! body ([`body::Holds`]), so a long SSE stream keeps counting while it streams.
+//! The stacks are assembled in `stack.rs`, where each layer is handed its own settings and state
+//! ([`Layers`], made once per router); all they share is [`Shared`] (table, selector, metrics)
+//! and, per connection, [`Ctx`]. The types the layers pass between them live in leaf files
+//! (`error.rs`, `layer.rs`, `target.rs`, `shared.rs`), so no layer imports this module.
+//!
+//! A request counts as in flight on its rank until the response body ends: the guards
+//! (`guards.rs`) ride in the body ([`Holds`]), so a long SSE stream keeps counting while it
+//! streams.
 
 /// The associated types and readiness every layer below `respond` shares: each is always ready
 /// (admission is decided per request, as a 429); the argument is the layer's future.
