@@ -28,27 +28,18 @@
 //! - `otlp` (feature `otlp`): the request spans exported over OTLP/HTTP.
 //! - [`app`]: starts and stops the whole router.
 //!
-//! Behind the `sim` feature (on by default; the production build turns it off with
-//! `--no-default-features`, so the router carries none of it):
-//! - [`sim`]: the simulated engine used by tests, the demo and benchmarks.
-//! - [`load`]: the load client (`examples/loadgen.rs`, scenarios, the demo).
-//! - [`scenario`]: routing-quality scenarios: a simulated fleet, a workload, events, per policy.
-//! - [`demo`]: the self-contained demo behind `rankgate demo`.
-//!
-//! Behind the `top` feature (on by default, off in the production build): [`top`], the live
-//! terminal view behind `rankgate top`.
+//! Not here: the simulator, the load client, the scenarios and the demo are the `rankgate-sim`
+//! crate (crates/sim), and `rankgate top` is the `rankgate-top` crate (crates/top). They use this
+//! library as any client would; the `rankgate` binary (src/main.rs, the root package) joins them.
+//! The production build leaves them out (`cargo build --release --no-default-features`).
 
 pub mod admin;
 pub mod app;
 pub mod catalog;
 pub mod config;
 pub mod control;
-#[cfg(feature = "sim")]
-pub mod demo;
 pub mod discovery;
 pub mod http;
-#[cfg(feature = "sim")]
-pub mod load;
 pub mod logging;
 pub mod membership;
 pub mod memory;
@@ -62,14 +53,8 @@ pub mod prefix;
 pub mod proto;
 pub mod proxy;
 pub mod reason;
-#[cfg(feature = "sim")]
-pub mod scenario;
-#[cfg(feature = "sim")]
-pub mod sim;
 pub mod table;
 pub mod telemetry;
 pub mod tls;
-#[cfg(feature = "top")]
-pub mod top;
 pub mod wire;
 pub mod worker;

@@ -11,8 +11,8 @@ use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use rankgate::sim::SimConfig;
-use rankgate::sim::SimFlavor as Flavor;
+use rankgate_sim::sim::SimConfig;
+use rankgate_sim::sim::SimFlavor as Flavor;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

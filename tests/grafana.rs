@@ -18,7 +18,7 @@ use std::process::Command;
 
 use http::StatusCode;
 use http_body_util::BodyExt;
-use rankgate::sim::SimFlavor;
+use rankgate_sim::sim::SimFlavor;
 use serde_json::Value;
 
 use common::*;

@@ -44,7 +44,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prost::Message;
 use rankgate::app::Router;
 use rankgate::proto::{sglang, vllm};
-use rankgate::sim::SimFlavor as Flavor;
+use rankgate_sim::sim::SimFlavor as Flavor;
 use tokio::task::{JoinHandle, JoinSet};
 use tonic::Code;
 

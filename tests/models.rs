@@ -6,7 +6,7 @@ mod common;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimFlavor};
 use serde_json::{json, Value};
 
 use common::*;
@@ -278,7 +278,7 @@ async fn a_native_sglang_request_without_model_goes_to_the_one_sglang_model() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_model_waiting_on_unknown_lists_is_named_in_the_503() {
     let (mute_url, held) = common::mute_engine().await;
-    let e = common::engine(common::sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
+    let e = common::engine(common::sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 0)).await;
     let r = common::router(
         "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\ntimeout = \"300ms\"\n",
         &[

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use common::{engine, get, post, send, sim, Reply};
 use http::StatusCode;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimEngine, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimEngine, SimFlavor};
 use serde_json::{json, Value};
 
 fn two_models(flavor: SimFlavor) -> SimConfig {

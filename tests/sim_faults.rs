@@ -16,7 +16,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rankgate::proto::vllm::vllm_engine_client::VllmEngineClient;
 use rankgate::proto::vllm::GetLoadsRequest;
-use rankgate::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
+use rankgate_sim::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
@@ -390,7 +390,7 @@ async fn die_after_counts_from_when_it_is_set() {
 
 #[tokio::test]
 async fn scenario_engine_faults_and_a_kill_event_apply_mid_run() {
-    let s = rankgate::scenario::Scenario::parse(
+    let s = rankgate_sim::scenario::Scenario::parse(
         r#"
 name = "kill mid-run"
 [[engines]]
@@ -416,7 +416,12 @@ kill = true
     .expect("scenario");
     let run = timeout(
         Duration::from_secs(30),
-        rankgate::scenario::run_policy(&s, rankgate::config::Policy::RoundRobin.into(), 1, false),
+        rankgate_sim::scenario::run_policy(
+            &s,
+            rankgate::config::Policy::RoundRobin.into(),
+            1,
+            false,
+        ),
     )
     .await
     .expect("the run ends although an engine died under it")

@@ -17,9 +17,9 @@ use bytes::Bytes;
 use common::*;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
-use rankgate::sim::SimFlavor;
-use rankgate::top::model::short_id;
-use rankgate::top::{render, State, Top};
+use rankgate_sim::sim::SimFlavor;
+use rankgate_top::model::short_id;
+use rankgate_top::{render, State, Top};
 use ratatui::backend::TestBackend;
 use ratatui::buffer::Buffer;
 use ratatui::style::Color;
@@ -143,7 +143,7 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
         .collect();
 
     // Sorted by state: the unavailable ranks come first, under the titles.
-    state.sort = rankgate::top::SortKey::State;
+    state.sort = rankgate_top::SortKey::State;
     let text = draw(&state, &mut term);
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines[2].contains("STATE▼"), "{text}");
@@ -365,7 +365,7 @@ async fn nothing_listening_and_not_an_admin() {
 #[ignore = "writes tests/fixtures/workers.json; run by hand to record a new one"]
 async fn record_workers_fixture() {
     let a = engine(serving(&["meta-llama/Llama-3.1-8B-Instruct"], 2, 0)).await;
-    let b = engine(rankgate::sim::SimConfig {
+    let b = engine(rankgate_sim::sim::SimConfig {
         models: vec!["Qwen/Qwen2.5-7B-Instruct".into()],
         ..sim(SimFlavor::Sglang, 4, 2)
     })

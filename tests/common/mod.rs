@@ -15,7 +15,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
 use rankgate::config::Config;
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 use serde_json::Value;
 
 pub fn loopback() -> SocketAddr {
@@ -197,7 +197,7 @@ pub async fn wait_models(router: &Router) -> Vec<Value> {
 pub fn serving(models: &[&str], dp_size: u32, start_rank: u32) -> SimConfig {
     SimConfig {
         models: models.iter().map(|m| m.to_string()).collect(),
-        ..sim(rankgate::sim::SimFlavor::Vllm, dp_size, start_rank)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, dp_size, start_rank)
     }
 }
 
@@ -221,7 +221,7 @@ pub async fn two_models() -> (SimEngine, SimEngine, Router) {
     (a, b, r)
 }
 
-pub fn sim(flavor: rankgate::sim::SimFlavor, dp_size: u32, start_rank: u32) -> SimConfig {
+pub fn sim(flavor: rankgate_sim::sim::SimFlavor, dp_size: u32, start_rank: u32) -> SimConfig {
     SimConfig {
         flavor,
         dp_size,

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use http_body_util::BodyExt;
 use rankgate::app::Router;
-use rankgate::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
+use rankgate_sim::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
