@@ -11,15 +11,6 @@ use serde_json::{json, Value};
 
 use common::*;
 
-async fn post_json(addr: std::net::SocketAddr, path: &str, body: Value) -> Reply {
-    send(
-        post(addr, path)
-            .body(Full::new(Bytes::from(body.to_string())))
-            .unwrap(),
-    )
-    .await
-}
-
 fn chat_for(model: Option<&str>) -> Value {
     let mut v = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
     if let Some(m) = model {

@@ -10,10 +10,10 @@
 mod common;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::admin::{token_env, TOKEN};
 use common::*;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
@@ -26,8 +26,6 @@ use ratatui::style::Color;
 use ratatui::Terminal;
 use serde_json::Value;
 use tokio::time::Instant;
-
-const TOKEN: &str = "top-test-admin-token";
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -190,18 +188,6 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
     for (w, h) in [(40, 10), (20, 5), (1, 1), (200, 60)] {
         draw(&state, &mut terminal(w, h));
     }
-}
-
-/// A fresh environment variable holding [`TOKEN`], and the `[server]` key naming it.
-fn token_env() -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let var = format!(
-        "RANKGATE_TOP_TEST_ADMIN_TOKEN_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Relaxed)
-    );
-    std::env::set_var(&var, TOKEN);
-    format!("admin_token_env = \"{var}\"\n")
 }
 
 fn ids_of(rows: &[Value], engine: &str) -> Vec<String> {
