@@ -2,16 +2,23 @@
 //! `protoc`. Generated clients and servers are transport-agnostic: rankgate drives them over its
 //! own hyper client and server, which keeps tonic's transport stack out of the build.
 
+use std::path::PathBuf;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The router's manifest is crates/rankgate/Cargo.toml, but its sources, this script and
+    // proto/ are at the repository root, two levels up: paths are made from there, since a
+    // build script runs in its manifest's directory.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../..");
+    let proto = root.join("proto");
     let files = [
-        "proto/vllm_engine.proto",
-        "proto/sglang_scheduler.proto",
-        "proto/health.proto",
+        proto.join("vllm_engine.proto"),
+        proto.join("sglang_scheduler.proto"),
+        proto.join("health.proto"),
     ];
-    for f in files {
-        println!("cargo:rerun-if-changed={f}");
+    for f in &files {
+        println!("cargo:rerun-if-changed={}", f.display());
     }
-    let fds = protox::compile(files, ["proto"])?;
+    let fds = protox::compile(&files, [&proto])?;
     tonic_prost_build::configure()
         .build_transport(false)
         .compile_fds(fds)?;

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use clap::Parser;
 use common::Router;
 use http_body_util::{BodyExt, Full};
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 
 #[derive(Parser)]
 #[command(about = "rankgate's RSS before, during and after a burst of concurrent streams")]

@@ -16,8 +16,8 @@ use http::{Method, Request};
 use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
 use rankgate::config::{parse_duration, Config};
-use rankgate::load::{Arrivals, Dist, Workload};
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::load::{Arrivals, Dist, Workload};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -139,7 +139,7 @@ async fn run(args: Args) -> Result<(), String> {
     w.duration = args.duration + Duration::from_secs(30);
     w.prompt_tokens = Dist::Fixed(100);
     w.output_tokens = Dist::Fixed(args.tokens);
-    let load = tokio::spawn(async move { rankgate::load::run(&w).await });
+    let load = tokio::spawn(async move { rankgate_sim::load::run(&w).await });
 
     // The fleet: engines 0 and 1. Each step one engine joins; half a period later the one that
     // has been in longest leaves, with streams running on it.

@@ -24,7 +24,7 @@ use http::{header, Method, Request};
 use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
 use rankgate::config::Config;
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 use serde_json::{json, Value};
 use tokio::task::JoinSet;
 use tokio::time::Instant;

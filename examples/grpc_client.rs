@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use rankgate::load::grpc::{Event, GenerateCall, GrpcClient};
 use rankgate::telemetry::grpc::{transport, LoadsClient};
 use rankgate::worker::Flavor;
+use rankgate_sim::load::grpc::{Event, GenerateCall, GrpcClient};
 
 #[derive(Parser)]
 #[command(about = "One streaming Generate and a GetLoads over gRPC (an engine's or rankgate's)")]

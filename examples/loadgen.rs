@@ -25,9 +25,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Parser;
 use rankgate::config::parse_duration;
-use rankgate::load::{self, Api, Arrivals, Dist, HotPrefix, Sessions, Workload};
-use rankgate::scenario::{self, render, Scenario, Variant};
 use rankgate::worker::Flavor;
+use rankgate_sim::load::{self, Api, Arrivals, Dist, HotPrefix, Sessions, Workload};
+use rankgate_sim::scenario::{self, render, Scenario, Variant};
 
 #[derive(Parser)]
 #[command(

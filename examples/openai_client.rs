@@ -6,7 +6,7 @@
 
 use anyhow::bail;
 use clap::Parser;
-use rankgate::load::sdk;
+use rankgate_sim::load::sdk;
 
 #[derive(Parser)]
 #[command(about = "The openai SDK's first requests, against rankgate")]

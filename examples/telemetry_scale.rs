@@ -16,7 +16,7 @@ use std::time::Duration;
 use clap::Parser;
 use common::Router;
 use rankgate::config::parse_duration;
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 
 #[derive(Parser)]
 #[command(about = "rankgate's idle CPU with a large simulated fleet")]

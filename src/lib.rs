@@ -14,11 +14,19 @@
 //!   [`telemetry::loads`] project what engines report onto their ranks.
 //! - [`wire`]: the load-report wire types and their JSON reader, shared by `table` and
 //!   `telemetry` (a leaf, so neither imports the other).
+//! - [`upstream`]: what reaches an engine: its connection state (slots, idle connections, h2
+//!   streams) and the request body as it goes out; below both the fleet and the proxy.
+//! - [`live`]: the per-worker counters that change with every request.
+//! - [`ix`]: typed indices (`WorkerIx`, `EngineIx`) for the snapshot's per-worker and per-engine
+//!   vectors.
+//! - [`scan`]: one field of a JSON or multipart body, read without a parse.
+//! - [`tracecontext`]: W3C `traceparent`, read and written.
+//! - [`deadlines`]: every deadline of the request path, and who enforces it.
 //! - [`reason`]: why a rank is Unavailable, one variant per kind of cause.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.
-//! - [`proxy`]: the OpenAI-compatible front door, a stack of tower layers: route, admit, read,
-//!   retry, pick + pin, observe, send (with its timeouts).
+//! - [`proxy`]: the OpenAI-compatible and gRPC front doors, stacks of tower layers, each layer
+//!   given its own state when the stack is built (see docs/architecture.md).
 //! - [`proto`]: code generated from `proto/` (gRPC load services, health).
 //! - [`admin`]: `/health`, `/ready`, `/workers`, `/engines`, `/loads`, `/metrics`, and the
 //!   admin API's changes.
@@ -29,15 +37,10 @@
 //! - `otlp` (feature `otlp`): the request spans exported over OTLP/HTTP.
 //! - [`app`]: starts and stops the whole router.
 //!
-//! Behind the `sim` feature (on by default; the production build turns it off with
-//! `--no-default-features`, so the router carries none of it):
-//! - [`sim`]: the simulated engine used by tests, the demo and benchmarks.
-//! - [`load`]: the load client (`examples/loadgen.rs`, scenarios, the demo).
-//! - [`scenario`]: routing-quality scenarios: a simulated fleet, a workload, events, per policy.
-//! - [`demo`]: the self-contained demo behind `rankgate demo`.
-//!
-//! Behind the `top` feature (on by default, off in the production build): [`top`], the live
-//! terminal view behind `rankgate top`.
+//! Not here: the simulator, the load client, the scenarios and the demo are the `rankgate-sim`
+//! crate (crates/sim), and `rankgate top` is the `rankgate-top` crate (crates/top). They use this
+//! library as any client would; the `rankgate` binary (src/main.rs, the root package) joins them.
+//! The production build leaves them out (`cargo build --release --no-default-features`).
 
 pub mod admin;
 pub mod app;
@@ -45,14 +48,10 @@ pub mod catalog;
 pub mod config;
 pub mod control;
 pub mod deadlines;
-#[cfg(feature = "sim")]
-pub mod demo;
 pub mod discovery;
 pub mod http;
 pub mod ix;
 pub mod live;
-#[cfg(feature = "sim")]
-pub mod load;
 pub mod logging;
 pub mod membership;
 pub mod memory;
@@ -67,15 +66,9 @@ pub mod proto;
 pub mod proxy;
 pub mod reason;
 pub mod scan;
-#[cfg(feature = "sim")]
-pub mod scenario;
-#[cfg(feature = "sim")]
-pub mod sim;
 pub mod table;
 pub mod telemetry;
 pub mod tls;
-#[cfg(feature = "top")]
-pub mod top;
 pub mod tracecontext;
 pub mod upstream;
 pub mod wire;

@@ -108,7 +108,7 @@ enum Command {
     /// A simulated vLLM or SGLang engine with N DP ranks (per-rank KV, queues, /metrics, gRPC),
     /// for trying rankgate without GPUs.
     #[cfg(feature = "sim")]
-    MockEngine(Box<rankgate::sim::cli::Args>),
+    MockEngine(Box<rankgate_sim::sim::cli::Args>),
     /// Live terminal view of every rank of a running rankgate, read from its admin listener.
     #[cfg(feature = "top")]
     Top {
@@ -116,7 +116,7 @@ enum Command {
         #[arg(long, default_value = "http://127.0.0.1:9090")]
         admin: String,
         /// How often to poll it (100ms to 60s).
-        #[arg(long, default_value = "1s", value_parser = rankgate::top::parse_interval)]
+        #[arg(long, default_value = "1s", value_parser = rankgate_top::parse_interval)]
         interval: std::time::Duration,
         /// For an https:// admin listener: the CA its certificate is checked against (PEM);
         /// default: the system's roots.
@@ -349,7 +349,7 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
-            match rt.block_on(rankgate::sim::cli::run(*args)) {
+            match rt.block_on(rankgate_sim::sim::cli::run(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("rankgate mock-engine: {e}");
@@ -363,8 +363,8 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
-            let result = rankgate::demo::scenario(requests, rate)
-                .and_then(|s| rt.block_on(rankgate::demo::run(s)));
+            let result = rankgate_sim::demo::scenario(requests, rate)
+                .and_then(|s| rt.block_on(rankgate_sim::demo::run(s)));
             match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -383,7 +383,7 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
-            match rt.block_on(rankgate::top::run(&admin, interval, ca_file.as_deref())) {
+            match rt.block_on(rankgate_top::run(&admin, interval, ca_file.as_deref())) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     // Not eprintln!: it panics when stderr was the terminal that went away.

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use bytes::Bytes;
 use common::*;
 use http_body_util::{BodyExt, Full};
-use rankgate::sim::SimConfig;
+use rankgate_sim::sim::SimConfig;
 use serde_json::Value;
 
 /// Every line the process logged, JSON, from the first call on.
@@ -76,7 +76,7 @@ fn with_id(req: http::request::Builder, id: &str) -> http::request::Builder {
 async fn one_line_per_request_with_its_fields() {
     captured();
     let a = engine(SimConfig::default()).await;
-    let b = engine(sim(rankgate::sim::SimFlavor::Vllm, 2, 2)).await;
+    let b = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)).await;
     a.set_kv_usage(vec![0.0, 0.0]);
     b.set_kv_usage(vec![0.5, 0.5]);
     let r = router(

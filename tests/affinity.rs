@@ -6,7 +6,7 @@ mod common;
 use bytes::Bytes;
 use common::*;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimFlavor};
 use serde_json::{json, Value};
 
 /// `turns` chat turns of one conversation (a long system prompt, then each turn's question and
@@ -40,7 +40,7 @@ async fn conversation(r: &rankgate::app::Router, turns: usize) -> Vec<String> {
     workers
 }
 
-async fn two_equal_ranks(routing: &str) -> (rankgate::sim::SimEngine, rankgate::app::Router) {
+async fn two_equal_ranks(routing: &str) -> (rankgate_sim::sim::SimEngine, rankgate::app::Router) {
     let e = engine(SimConfig {
         kv_usage: vec![0.1, 0.1],
         ..sim(SimFlavor::Vllm, 2, 0)

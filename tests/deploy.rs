@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use http::StatusCode;
 use rankgate::config::Config;
-use rankgate::sim::SimFlavor;
+use rankgate_sim::sim::SimFlavor;
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -427,7 +427,7 @@ async fn engine_origins(r: &rankgate::app::Router) -> Vec<(String, String)> {
 /// each source's last set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_discovered_engine_the_file_drops_again_returns_to_discovery() {
-    let a = common::engine(rankgate::sim::SimConfig::default()).await;
+    let a = common::engine(rankgate_sim::sim::SimConfig::default()).await;
     let port: u16 = a.url().rsplit(':').next().unwrap().parse().unwrap();
     let server = DnsServer::start(Mode::Answer, &["127.0.0.1"]).await;
     let dns = server.addr;

@@ -11,7 +11,7 @@ use common::{chat, router, router_with, wait_available, wait_workers, workers, F
 
 use http::{Method, StatusCode};
 use rankgate::app::Router;
-use rankgate::sim::SimFlavor;
+use rankgate_sim::sim::SimFlavor;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -338,7 +338,7 @@ async fn a_server_restarted_with_another_size_is_asked_again() {
     let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
     first.kill().await;
     wait_available(&r, |ids| ids.is_empty()).await;
-    let second = rankgate::sim::SimEngine::start(addr, common::sim(SimFlavor::Vllm, 3, 0))
+    let second = rankgate_sim::sim::SimEngine::start(addr, common::sim(SimFlavor::Vllm, 3, 0))
         .await
         .expect("the port is free again");
     shaped(&r, &url, "vllm", 3).await;
@@ -355,7 +355,7 @@ async fn a_server_restarted_with_another_size_is_asked_again() {
 /// grows once the rank's series appears.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_missing_from_the_labels_is_unavailable_not_gone() {
-    let dark = || rankgate::sim::SimConfig {
+    let dark = || rankgate_sim::sim::SimConfig {
         dark_ranks: vec![1],
         ..common::sim(SimFlavor::Vllm, 2, 0)
     };

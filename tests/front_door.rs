@@ -11,34 +11,21 @@ use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use rankgate::sim::SimConfig;
-use rankgate::sim::SimFlavor as Flavor;
+use rankgate_sim::sim::SimConfig;
+use rankgate_sim::sim::SimFlavor as Flavor;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-
-fn assert_openai_error(reply: &Reply, status: u16) {
-    assert_eq!(
-        reply.status,
-        status,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
-    let v = reply.json();
-    assert_eq!(v["error"]["code"], status);
-    assert!(v["error"]["message"]
-        .as_str()
-        .is_some_and(|m| !m.is_empty()));
-    assert!(v["error"]["type"].is_string());
-}
 
 #[tokio::test]
 async fn unknown_path_wrong_method_and_models() {
     let (_e, r) = fleet(sim(Flavor::Vllm, 1, 0)).await;
     wait_state(&r, &[0], "available").await;
     wait_models(&r).await;
-    assert_openai_error(&get(r.addr, "/v2/nothing").await, 404);
+    get(r.addr, "/v2/nothing")
+        .await
+        .assert_openai_error(404, None);
     let wrong = get(r.addr, "/v1/chat/completions").await;
-    assert_openai_error(&wrong, 405);
+    wrong.assert_openai_error(405, None);
     assert_eq!(wrong.headers["allow"], "POST");
     // The fleet's list, answered by rankgate itself.
     let models = get(r.addr, "/v1/models").await;
@@ -66,7 +53,7 @@ async fn oversized_bodies_get_413_declared_or_streamed() {
             .unwrap(),
     )
     .await;
-    assert_openai_error(&reply, 413);
+    reply.assert_openai_error(413, None);
 
     // A chunked body announces no length: the cap applies while it streams.
     let mut s = TcpStream::connect(r.addr).await.unwrap();
@@ -97,7 +84,7 @@ async fn sglang_bad_json_is_400_and_nothing_reaches_the_engine() {
                 .unwrap(),
         )
         .await;
-        assert_openai_error(&reply, 400);
+        reply.assert_openai_error(400, None);
     }
     assert!(e.seen().is_empty());
     assert_eq!(workers(&r).await[0]["in_flight"], 0);
@@ -121,7 +108,7 @@ async fn reject_mode_answers_503_with_retry_after_when_no_rank_has_telemetry() {
         "{rows:?}"
     );
     let reply = chat(r.addr, 1).await;
-    assert_openai_error(&reply, 503);
+    reply.assert_openai_error(503, None);
     assert_eq!(reply.headers["retry-after"], "3");
     assert!(e.seen().is_empty());
     assert_eq!(get(r.admin_addr, "/ready").await.status, 503);
@@ -169,7 +156,7 @@ async fn unreachable_engine_means_503_not_a_hang() {
     })
     .await;
     assert_eq!(rows[0]["reachable"], false);
-    assert_openai_error(&chat(r.addr, 1).await, 503);
+    chat(r.addr, 1).await.assert_openai_error(503, None);
     assert_eq!(get(r.admin_addr, "/ready").await.status, 503);
     assert_eq!(get(r.admin_addr, "/health").await.status, 200);
 }
@@ -206,7 +193,7 @@ async fn upstream_failure_is_502_naming_the_engine() {
     let r = router(FAST, &[engine_toml(&url, "vllm", 1, 0)]).await;
     wait_state(&r, &[0], "available").await;
     let reply = chat(r.addr, 1).await;
-    assert_openai_error(&reply, 502);
+    reply.assert_openai_error(502, None);
     assert!(reply.json()["error"]["message"]
         .as_str()
         .unwrap()

@@ -12,7 +12,7 @@ use common::*;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use rankgate::sim::SimFlavor as Flavor;
+use rankgate_sim::sim::SimFlavor as Flavor;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 

@@ -44,7 +44,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prost::Message;
 use rankgate::app::Router;
 use rankgate::proto::{sglang, vllm};
-use rankgate::sim::SimFlavor as Flavor;
+use rankgate_sim::sim::SimFlavor as Flavor;
 use tokio::task::{JoinHandle, JoinSet};
 use tonic::Code;
 
@@ -261,9 +261,11 @@ impl FaultyEngine {
 
     /// Waits (bounded) until no call is open on it any more: rankgate cancelled its streams.
     async fn wait_all_closed(&self) {
-        until("the engine's streams are cancelled", || {
-            self.open.load(SeqCst) == 0
-        })
+        until(
+            "the engine's streams are cancelled",
+            Duration::from_secs(10),
+            || self.open.load(SeqCst) == 0,
+        )
         .await;
     }
 }
@@ -277,15 +279,6 @@ fn faulty_toml(addr: SocketAddr, flavor: Flavor, tele: &Eng) -> String {
         tele.start_rank,
         tele.grpc
     )
-}
-
-/// Polls `check` every 10 ms until it holds, at most 10 s.
-async fn until(what: &str, check: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !check() {
-        assert!(Instant::now() < deadline, "not within 10 s: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Reads the stream until it fails; the events before, and the status it failed with. Panics
@@ -475,7 +468,10 @@ async fn a_client_that_gives_up_on_a_hung_engine_cancels_the_engines_call() {
         let (grpc, path) = (r.grpc_addr.unwrap(), method_path(flavor, "Generate"));
         let raw = generate_bytes(flavor, "impatient", None, 3);
         let call = tokio::spawn(async move { raw_call(grpc, &path, &raw).await });
-        until("the engine has the call", || hung.calls() == 1).await;
+        until("the engine has the call", Duration::from_secs(10), || {
+            hung.calls() == 1
+        })
+        .await;
         wait_workers(&r, Duration::from_secs(10), |rows| {
             rows[0]["in_flight"] == 1
         })

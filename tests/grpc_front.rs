@@ -27,8 +27,8 @@ use rankgate::proto::health::health_check_response::ServingStatus;
 use rankgate::proto::health::health_client::HealthClient;
 use rankgate::proto::health::HealthCheckRequest;
 use rankgate::proto::vllm;
-use rankgate::sim::SimFlavor as Flavor;
 use rankgate::telemetry::grpc::transport;
+use rankgate_sim::sim::SimFlavor as Flavor;
 use tonic::{Code, Status};
 
 /// The error a generation that must not start gets.

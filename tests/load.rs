@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use common::*;
 use rankgate::config::Policy;
-use rankgate::load::{self, Api, Arrivals, Dist, ErrorKind, TraceEntry, Workload};
-use rankgate::scenario::{self, Scenario};
-use rankgate::sim::SimFlavor;
+use rankgate_sim::load::{self, Api, Arrivals, Dist, ErrorKind, TraceEntry, Workload};
+use rankgate_sim::scenario::{self, Scenario};
+use rankgate_sim::sim::SimFlavor;
 
 #[tokio::test]
 async fn closed_loop_streaming_measures_every_token() {
@@ -129,8 +129,8 @@ async fn scenario_counts_requests_sent_while_dark() {
     assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
 }
 
-fn caching(dp_size: u32) -> rankgate::sim::SimConfig {
-    rankgate::sim::SimConfig {
+fn caching(dp_size: u32) -> rankgate_sim::sim::SimConfig {
+    rankgate_sim::sim::SimConfig {
         prefix_caching: true,
         ..sim(SimFlavor::Vllm, dp_size, 0)
     }

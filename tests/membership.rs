@@ -12,7 +12,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
 use rankgate::config::Config;
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 use serde_json::{json, Value};
 
 /// A router whose admin API takes [`TOKEN`], polling every `interval`.
@@ -45,7 +45,7 @@ async fn an_engine_added_through_the_admin_api_takes_traffic_within_one_poll_int
     let r = admin_router("1s", &[engine_toml(&a.url(), "vllm", 2, 0)]).await;
     wait_state(&r, &[0, 1], "available").await;
 
-    let b = engine(sim(rankgate::sim::SimFlavor::Vllm, 2, 2)).await;
+    let b = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)).await;
     b.set_kv_usage(vec![0.0, 0.0]);
     let added_at = tokio::time::Instant::now();
     let reply = admin(
@@ -95,7 +95,7 @@ async fn an_engine_removed_mid_stream_finishes_its_streams_and_gets_no_new_reque
     let a = engine(SimConfig::default()).await;
     let b = engine(SimConfig {
         decode_tokens_per_sec: 40.0,
-        ..sim(rankgate::sim::SimFlavor::Vllm, 2, 2)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)
     })
     .await;
     a.set_kv_usage(vec![0.8, 0.8]);
@@ -169,7 +169,7 @@ async fn an_engine_removed_mid_stream_finishes_its_streams_and_gets_no_new_reque
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_applies_a_valid_file_and_an_invalid_one_changes_nothing() {
     let a = engine(SimConfig::default()).await;
-    let b = engine(sim(rankgate::sim::SimFlavor::Vllm, 2, 2)).await;
+    let b = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)).await;
     let head = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{FAST}",
         token_env()
@@ -228,7 +228,7 @@ async fn reload_applies_a_valid_file_and_an_invalid_one_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changes_need_the_admin_token_and_bad_ones_are_named() {
     let a = engine(SimConfig::default()).await;
-    let b = engine(sim(rankgate::sim::SimFlavor::Vllm, 2, 2)).await;
+    let b = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)).await;
 
     // Without server.admin_token_env: reading works, changing is forbidden.
     let open = router(FAST, &[engine_toml(&a.url(), "vllm", 2, 0)]).await;

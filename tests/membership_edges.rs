@@ -12,7 +12,7 @@ use common::*;
 use http::{Method, StatusCode};
 use rankgate::app::Router;
 use rankgate::config::Config;
-use rankgate::sim::SimConfig;
+use rankgate_sim::sim::SimConfig;
 use serde_json::Value;
 
 /// `(url, origin)` of every engine, from `GET /engines`.

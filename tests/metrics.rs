@@ -17,7 +17,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
 use rankgate::config::Config;
-use rankgate::sim::{SimConfig, DEFAULT_MODEL};
+use rankgate_sim::sim::{SimConfig, DEFAULT_MODEL};
 use serde_json::json;
 
 use common::*;
@@ -307,7 +307,7 @@ const FAMILIES: [(&str, &str); 28] = [
 /// A router's page while four streams are in flight (after an answered, a refused and an
 /// unknown request), and once they have ended; with the engine's URL.
 async fn pages_with_traffic() -> (String, String, String) {
-    let (e, r) = fleet(sim(rankgate::sim::SimFlavor::Vllm, 2, 0)).await;
+    let (e, r) = fleet(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 0)).await;
     wait_state(&r, &[0, 1], "available").await;
     let mut streams = Vec::new();
     for _ in 0..4 {
@@ -374,7 +374,7 @@ async fn promtool_accepts_the_page_while_traffic_flows() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn time_to_first_byte_is_observed_once_per_stream() {
-    let (_e, r) = fleet(sim(rankgate::sim::SimFlavor::Vllm, 2, 0)).await;
+    let (_e, r) = fleet(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 0)).await;
     wait_state(&r, &[0, 1], "available").await;
     wait_models(&r).await;
     let count = |page: &str| {

@@ -6,19 +6,10 @@ mod common;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimFlavor};
 use serde_json::{json, Value};
 
 use common::*;
-
-async fn post_json(addr: std::net::SocketAddr, path: &str, body: Value) -> Reply {
-    send(
-        post(addr, path)
-            .body(Full::new(Bytes::from(body.to_string())))
-            .unwrap(),
-    )
-    .await
-}
 
 fn chat_for(model: Option<&str>) -> Value {
     let mut v = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
@@ -278,7 +269,7 @@ async fn a_native_sglang_request_without_model_goes_to_the_one_sglang_model() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_model_waiting_on_unknown_lists_is_named_in_the_503() {
     let (mute_url, held) = common::mute_engine().await;
-    let e = common::engine(common::sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
+    let e = common::engine(common::sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 0)).await;
     let r = common::router(
         "[telemetry]\ninterval = \"50ms\"\nstale_after = \"2s\"\ntimeout = \"300ms\"\n",
         &[

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use common::*;
 use rankgate::app::Router;
-use rankgate::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
 use rankgate::telemetry::grpc::{transport, LoadsClient};
 use rankgate::worker;
+use rankgate_sim::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;

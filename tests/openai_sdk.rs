@@ -1,10 +1,10 @@
-//! The `openai` SDK's first requests (`rankgate::load::sdk`, what `examples/openai_client.rs`
+//! The `openai` SDK's first requests (`rankgate_sim::load::sdk`, what `examples/openai_client.rs`
 //! sends), against a router in front of two engines serving different models: every call is
 //! answered as one engine would answer it, by an engine serving the model.
 
 mod common;
 
-use rankgate::load::sdk;
+use rankgate_sim::load::sdk;
 
 use common::*;
 

@@ -17,7 +17,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use prost::Message;
-use rankgate::sim::SimConfig;
+use rankgate_sim::sim::SimConfig;
 
 // The OTLP messages this test reads (opentelemetry/proto/collector/trace/v1 and trace/v1):
 // only the fields it looks at; prost skips the rest.
@@ -167,7 +167,7 @@ async fn spans_reach_the_collector_continuing_the_clients_trace() {
     let (collector_addr, exports) = collector(StatusCode::OK).await;
     let e = engine(SimConfig {
         kv_usage: vec![0.6, 0.2],
-        ..sim(rankgate::sim::SimFlavor::Vllm, 2, 0)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 0)
     })
     .await;
     let tracing =
@@ -266,7 +266,7 @@ async fn spans_reach_the_collector_continuing_the_clients_trace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_collector_is_logged_and_costs_no_request() {
     let (collector_addr, exports) = collector(StatusCode::INTERNAL_SERVER_ERROR).await;
-    let e = engine(sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
+    let e = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 0)).await;
     let tracing = format!("otlp_endpoint = \"http://{collector_addr}\"\n");
     let mut rg = serve("otlp-500", &tracing, &engine_toml(&e.url(), "vllm", 1, 0)).await;
     let reply = send(

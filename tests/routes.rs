@@ -6,7 +6,7 @@ mod common;
 
 use bytes::Bytes;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimFlavor};
 use serde_json::json;
 
 use common::*;

@@ -9,8 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use http_body_util::{BodyExt, Full};
-use rankgate::sim::SimConfig;
-use rankgate::sim::SimFlavor as Flavor;
+use rankgate_sim::sim::SimConfig;
+use rankgate_sim::sim::SimFlavor as Flavor;
 
 #[tokio::test]
 async fn expands_engines_into_global_rank_workers() {
@@ -280,7 +280,7 @@ async fn local_rank_numbering_pins_node_local_index() {
 }
 
 /// One rank decoding at 20 tokens/s behind a router, ready.
-async fn slow_fleet() -> (rankgate::sim::SimEngine, rankgate::app::Router) {
+async fn slow_fleet() -> (rankgate_sim::sim::SimEngine, rankgate::app::Router) {
     let (e, r) = fleet(SimConfig {
         decode_tokens_per_sec: 20.0,
         ..sim(Flavor::Vllm, 1, 0)

@@ -4,10 +4,10 @@
 mod common;
 
 use bytes::Bytes;
-use common::{engine, get, post, send, sim, Reply};
+use common::{engine, get, post, post_json, send, sim, Reply};
 use http::StatusCode;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimEngine, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimEngine, SimFlavor};
 use serde_json::{json, Value};
 
 fn two_models(flavor: SimFlavor) -> SimConfig {
@@ -15,15 +15,6 @@ fn two_models(flavor: SimFlavor) -> SimConfig {
         models: vec!["alpha".into(), "beta".into()],
         ..sim(flavor, 2, 0)
     }
-}
-
-async fn post_json(e: &SimEngine, path: &str, body: Value) -> Reply {
-    send(
-        post(e.addr, path)
-            .body(Full::new(Bytes::from(body.to_string())))
-            .unwrap(),
-    )
-    .await
 }
 
 #[tokio::test]
@@ -49,7 +40,7 @@ async fn lists_every_served_model_and_routes_by_name() {
         if let Some(m) = named {
             body["model"] = json!(m);
         }
-        let r = post_json(&e, "/v1/completions", body).await;
+        let r = post_json(e.addr, "/v1/completions", body).await;
         assert_eq!(r.status, StatusCode::OK);
         assert_eq!(r.json()["model"], echoed);
     }
@@ -60,7 +51,7 @@ async fn unknown_model_is_a_vllm_shaped_404() {
     for flavor in [SimFlavor::Vllm, SimFlavor::Sglang] {
         let e = engine(two_models(flavor)).await;
         let body = json!({"model": "gamma", "messages": [{"role": "user", "content": "hi"}]});
-        let r = post_json(&e, "/v1/chat/completions", body).await;
+        let r = post_json(e.addr, "/v1/chat/completions", body).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND);
         assert_eq!(
             r.json(),
@@ -180,7 +171,12 @@ async fn records_what_it_saw_and_names_the_serving_rank() {
     assert_eq!(s.forwarded_for.as_deref(), Some("10.1.2.3"));
 
     // An unpinned request still says where it ran, and a refused model is recorded too.
-    let r = post_json(&e, "/v1/embeddings", json!({"model": "nope", "input": "x"})).await;
+    let r = post_json(
+        e.addr,
+        "/v1/embeddings",
+        json!({"model": "nope", "input": "x"}),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED, "no key, no record");
     let r = send(
         post(e.addr, "/v1/embeddings")
@@ -389,7 +385,7 @@ async fn vllm_streams_responses_and_messages() {
 async fn messages_errors_are_anthropic_shaped() {
     let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
     let body = json!({"model": "nope", "max_tokens": 1, "messages": []});
-    let r = post_json(&e, "/v1/messages", body).await;
+    let r = post_json(e.addr, "/v1/messages", body).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(
         r.json(),
@@ -473,11 +469,11 @@ async fn max_completion_tokens_is_the_newer_max_tokens() {
         let e = engine(sim(flavor, 1, 0)).await;
         let chat = json!({"messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 9, "max_completion_tokens": 3});
-        let r = post_json(&e, "/v1/chat/completions", chat).await.json();
+        let r = post_json(e.addr, "/v1/chat/completions", chat).await.json();
         assert_eq!(r["usage"]["completion_tokens"], 3);
         assert_eq!(r["choices"][0]["message"]["content"], "t0 t1 t2 ");
         let r = post_json(
-            &e,
+            e.addr,
             "/v1/completions",
             json!({"prompt": "hi", "max_completion_tokens": 2}),
         )
@@ -485,7 +481,7 @@ async fn max_completion_tokens_is_the_newer_max_tokens() {
         .json();
         assert_eq!(r["usage"]["completion_tokens"], 2);
         let r = post_json(
-            &e,
+            e.addr,
             "/v1/completions",
             json!({"prompt": "hi", "max_tokens": 4}),
         )
@@ -571,7 +567,7 @@ async fn sglang_endpoints_answer_in_shape_on_the_pinned_rank() {
     // The older field name pins too, and the native /generate streams SGLang's way.
     let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 2}, "stream": true,
         "data_parallel_rank": 3});
-    let r = post_json(&e, "/generate", body).await;
+    let r = post_json(e.addr, "/generate", body).await;
     assert_eq!(served_by(&r), 3);
     let (events, data) = sse(&r);
     assert!(events.is_empty());
@@ -621,7 +617,7 @@ async fn fault_knobs_reach_the_new_endpoints() {
     let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
     e.set_fail(503, 100.0).unwrap();
     for path in ["/v1/responses", "/v1/rerank", "/tokenize", "/v1/messages"] {
-        let r = post_json(&e, path, json!({"input": "x"})).await;
+        let r = post_json(e.addr, path, json!({"input": "x"})).await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{path}");
     }
     assert_eq!(e.requests_received(), 4);

@@ -16,7 +16,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rankgate::proto::vllm::vllm_engine_client::VllmEngineClient;
 use rankgate::proto::vllm::GetLoadsRequest;
-use rankgate::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
+use rankgate_sim::sim::{SimConfig, SimEngine, SimFlavor as Flavor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
@@ -25,18 +25,6 @@ use tokio::time::timeout;
 const HANG: Duration = Duration::from_millis(300);
 /// Bound on anything that should happen promptly.
 const SOON: Duration = Duration::from_secs(5);
-
-/// Polls `check` every 10 ms until it holds, at most [`SOON`].
-async fn until(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + SOON;
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not within {SOON:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 /// Sends a raw HTTP/1.1 request and returns the open socket, so a test controls exactly when
 /// the client goes away.
@@ -168,7 +156,7 @@ async fn hung_requests_never_answer_and_leave_nothing_behind() {
     // The rest of the engine keeps answering.
     assert_eq!(get(e.addr, "/metrics").await.status, 200);
     drop(s);
-    until("the hung request is dropped with its client", || {
+    until("the hung request is dropped with its client", SOON, || {
         e.open_requests() == 0
     })
     .await;
@@ -276,7 +264,7 @@ async fn a_stalled_stream_sends_k_chunks_then_nothing() {
     // The stalled request holds its KV, as a wedged one does.
     assert_eq!(running(&e), 1);
     drop(body);
-    until("the stalled request ends with its client", || {
+    until("the stalled request ends with its client", SOON, || {
         e.open_requests() == 0 && running(&e) == 0
     })
     .await;
@@ -341,7 +329,7 @@ async fn kill_cuts_streams_mid_body_and_refuses_connections() {
         matches!(grpc_result, Ok(Err(_))),
         "the hung GetLoads did not fail at the kill: {grpc_result:?}"
     );
-    until("the cut stream frees its KV", || {
+    until("the cut stream frees its KV", SOON, || {
         e.open_requests() == 0 && running(&e) == 0
     })
     .await;
@@ -390,7 +378,7 @@ async fn die_after_counts_from_when_it_is_set() {
 
 #[tokio::test]
 async fn scenario_engine_faults_and_a_kill_event_apply_mid_run() {
-    let s = rankgate::scenario::Scenario::parse(
+    let s = rankgate_sim::scenario::Scenario::parse(
         r#"
 name = "kill mid-run"
 [[engines]]
@@ -416,7 +404,12 @@ kill = true
     .expect("scenario");
     let run = timeout(
         Duration::from_secs(30),
-        rankgate::scenario::run_policy(&s, rankgate::config::Policy::RoundRobin.into(), 1, false),
+        rankgate_sim::scenario::run_policy(
+            &s,
+            rankgate::config::Policy::RoundRobin.into(),
+            1,
+            false,
+        ),
     )
     .await
     .expect("the run ends although an engine died under it")
@@ -441,7 +434,7 @@ async fn a_stalled_non_streaming_request_holds_its_kv_and_never_answers() {
     assert_eq!(e.served(), [1], "a stalled request was admitted");
     assert_eq!(running(&e), 1);
     drop(s);
-    until("the stalled request ends with its client", || {
+    until("the stalled request ends with its client", SOON, || {
         e.open_requests() == 0 && running(&e) == 0
     })
     .await;

@@ -6,7 +6,7 @@ mod common;
 
 use common::grpc::*;
 use common::*;
-use rankgate::sim::{SimEngine, SimFlavor as Flavor};
+use rankgate_sim::sim::{SimEngine, SimFlavor as Flavor};
 use tonic::Code;
 
 /// An engine of 2 ranks numbered 2 and 3, its gRPC side started, and a client for it.

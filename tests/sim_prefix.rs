@@ -7,7 +7,7 @@ mod common;
 
 use common::{engine, get, post, send, sim};
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimFlavor};
 use serde_json::{json, Value};
 
 fn caching(flavor: SimFlavor) -> SimConfig {

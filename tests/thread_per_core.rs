@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use http_body_util::BodyExt;
-use rankgate::sim::{SimConfig, SimFlavor};
+use rankgate_sim::sim::{SimConfig, SimFlavor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const PER_CORE: &str = "thread_per_core = true";

@@ -16,9 +16,9 @@ use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
 use rankgate::config::{Config, ListenerTls};
 use rankgate::http::HttpClient;
-use rankgate::load::sdk;
-use rankgate::sim::SimConfig;
 use rankgate::tls::Upstream;
+use rankgate_sim::load::sdk;
+use rankgate_sim::sim::SimConfig;
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
 };
@@ -132,7 +132,7 @@ fn chat_to(base: &str) -> Request<Full<Bytes>> {
 
 /// A simulated engine behind a router whose front door serves `files`' certificate (`server`:
 /// more `[server]` keys), once both ranks are available.
-async fn tls_router(files: &ListenerTls, server: &str) -> (rankgate::sim::SimEngine, Router) {
+async fn tls_router(files: &ListenerTls, server: &str) -> (rankgate_sim::sim::SimEngine, Router) {
     let e = engine(SimConfig::default()).await;
     let r = start(&format!(
         "{}{server}{}{FAST}{}",
@@ -200,7 +200,7 @@ async fn the_admin_listener_and_the_grpc_front_door_take_tls_too() {
     let pki = Pki::new("admin");
     let (front, _) = pki.issue("front");
     let (admin, _) = pki.issue("admin");
-    let e = engine(sim(rankgate::sim::SimFlavor::Vllm, 1, 0)).await;
+    let e = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 0)).await;
     let grpc = e.start_grpc(loopback()).await.unwrap();
     let r = start(&format!(
         "{}grpc_listen = \"127.0.0.1:0\"\n{}{}{FAST}[[engines]]\nurl = \"{}\"\ngrpc_url = \"http://{grpc}\"\nflavor = \"vllm\"\ndp_size = 1\n",
@@ -234,7 +234,7 @@ async fn the_admin_listener_and_the_grpc_front_door_take_tls_too() {
         .is_err());
 
     // `rankgate top --admin https://... --ca-file ca.pem` reads it.
-    let mut top = rankgate::top::Top::with_tls(
+    let mut top = rankgate_top::Top::with_tls(
         &format!("https://127.0.0.1:{}", r.admin_addr.port()),
         Duration::from_secs(1),
         &pki.trust(),

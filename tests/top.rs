@@ -10,24 +10,22 @@
 mod common;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::admin::{token_env, TOKEN};
 use common::*;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
-use rankgate::sim::SimFlavor;
-use rankgate::top::model::short_id;
-use rankgate::top::{render, State, Top};
+use rankgate_sim::sim::SimFlavor;
+use rankgate_top::model::short_id;
+use rankgate_top::{render, State, Top};
 use ratatui::backend::TestBackend;
 use ratatui::buffer::Buffer;
 use ratatui::style::Color;
 use ratatui::Terminal;
 use serde_json::Value;
 use tokio::time::Instant;
-
-const TOKEN: &str = "top-test-admin-token";
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -143,7 +141,7 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
         .collect();
 
     // Sorted by state: the unavailable ranks come first, under the titles.
-    state.sort = rankgate::top::SortKey::State;
+    state.sort = rankgate_top::SortKey::State;
     let text = draw(&state, &mut term);
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines[2].contains("STATE▼"), "{text}");
@@ -190,18 +188,6 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
     for (w, h) in [(40, 10), (20, 5), (1, 1), (200, 60)] {
         draw(&state, &mut terminal(w, h));
     }
-}
-
-/// A fresh environment variable holding [`TOKEN`], and the `[server]` key naming it.
-fn token_env() -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let var = format!(
-        "RANKGATE_TOP_TEST_ADMIN_TOKEN_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Relaxed)
-    );
-    std::env::set_var(&var, TOKEN);
-    format!("admin_token_env = \"{var}\"\n")
 }
 
 fn ids_of(rows: &[Value], engine: &str) -> Vec<String> {
@@ -365,7 +351,7 @@ async fn nothing_listening_and_not_an_admin() {
 #[ignore = "writes tests/fixtures/workers.json; run by hand to record a new one"]
 async fn record_workers_fixture() {
     let a = engine(serving(&["meta-llama/Llama-3.1-8B-Instruct"], 2, 0)).await;
-    let b = engine(rankgate::sim::SimConfig {
+    let b = engine(rankgate_sim::sim::SimConfig {
         models: vec!["Qwen/Qwen2.5-7B-Instruct".into()],
         ..sim(SimFlavor::Sglang, 4, 2)
     })

@@ -14,7 +14,7 @@ use common::admin::{token_env, TOKEN};
 use common::*;
 use http::StatusCode;
 use http_body_util::Full;
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 use serde_json::Value;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -151,12 +151,12 @@ async fn fleet_with_a_dark_rank(
 ) -> (SimEngine, SimEngine, rankgate::app::Router) {
     let a = engine(SimConfig {
         kv_usage: vec![0.5, 0.1],
-        ..sim(rankgate::sim::SimFlavor::Vllm, 2, 0)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 0)
     })
     .await;
     let b = engine(SimConfig {
         dark_ranks: vec![2],
-        ..sim(rankgate::sim::SimFlavor::Vllm, 1, 2)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 2)
     })
     .await;
     let r = router_with(
@@ -276,12 +276,12 @@ async fn a_retried_request_explains_every_attempt() {
         kv_usage: vec![0.0],
         fail_status: 503,
         fail_percent: 100.0,
-        ..sim(rankgate::sim::SimFlavor::Vllm, 1, 0)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 0)
     })
     .await;
     let b = engine(SimConfig {
         kv_usage: vec![0.4],
-        ..sim(rankgate::sim::SimFlavor::Vllm, 1, 1)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 1)
     })
     .await;
     let r = router_with(
@@ -394,7 +394,7 @@ async fn a_request_the_client_abandons_ends_its_spans_as_cancelled() {
     capture_spans();
     let e = engine(SimConfig {
         hang_requests: true,
-        ..sim(rankgate::sim::SimFlavor::Vllm, 1, 0)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, 1, 0)
     })
     .await;
     let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;

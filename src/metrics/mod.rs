@@ -89,6 +89,8 @@ impl Metrics {
             models: labels::Models::default(),
             local: RequestCounts::default(),
         });
+        // `sim` and `top` are the binary's features (their crates are not this one), passed down
+        // to this crate as markers so the label names the whole build.
         let features: Vec<&str> = [
             (cfg!(feature = "sim"), "sim"),
             (cfg!(feature = "kubernetes"), "kubernetes"),

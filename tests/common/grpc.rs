@@ -13,8 +13,8 @@ use http_body_util::{BodyExt, Full};
 use prost::Message;
 use rankgate::app::Router;
 use rankgate::proto::{sglang, vllm};
-use rankgate::sim::{SimEngine, SimFlavor as Flavor};
 use rankgate::telemetry::grpc::{transport, Transport};
+use rankgate_sim::sim::{SimEngine, SimFlavor as Flavor};
 use tonic::{Code, Status, Streaming};
 
 use super::{engine, loopback, router, wait_state, wait_workers};

@@ -15,7 +15,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
 use rankgate::config::Config;
-use rankgate::sim::{SimConfig, SimEngine};
+use rankgate_sim::sim::{SimConfig, SimEngine};
 use serde_json::Value;
 
 pub fn loopback() -> SocketAddr {
@@ -63,6 +63,37 @@ pub async fn router_with(server: &str, extra: &str, engines: &[String]) -> Route
     Router::start(cfg).await.expect("start router")
 }
 
+/// Polls `check` every 10 ms until it holds, at most `limit`.
+pub async fn until(what: &str, limit: Duration, check: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {limit:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The OpenAI error shape: `{"error": {"message", "type", "code"}}` with `code` the status, a
+/// message, and `type` the given `kind` (any string when `None`). Returns the parsed body.
+pub fn assert_openai_error(body: &[u8], status: u16, kind: Option<&str>) -> Value {
+    let v: Value = serde_json::from_slice(body)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(body)));
+    assert_eq!(v["error"]["code"], status, "{v}");
+    match kind {
+        Some(kind) => assert_eq!(v["error"]["type"], kind, "{v}"),
+        None => assert!(v["error"]["type"].is_string(), "{v}"),
+    }
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    v
+}
+
 pub fn client() -> rankgate::http::HttpClient<Full<Bytes>> {
     rankgate::http::client(Duration::from_secs(2))
 }
@@ -77,6 +108,18 @@ impl Reply {
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    /// Asserts the reply is `status` with an OpenAI-shaped error body
+    /// ([`assert_openai_error`]); returns the body.
+    pub fn assert_openai_error(&self, status: u16, kind: Option<&str>) -> Value {
+        assert_eq!(
+            self.status,
+            status,
+            "{}",
+            String::from_utf8_lossy(&self.body)
+        );
+        assert_openai_error(&self.body, status, kind)
     }
 
     pub fn worker(&self) -> String {
@@ -121,6 +164,16 @@ pub fn post(addr: SocketAddr, path: &str) -> http::request::Builder {
         .method(Method::POST)
         .uri(format!("http://{addr}{path}"))
         .header("content-type", "application/json")
+}
+
+/// POSTs `body` as JSON to `path` and returns the reply.
+pub async fn post_json(addr: SocketAddr, path: &str, body: Value) -> Reply {
+    send(
+        post(addr, path)
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap(),
+    )
+    .await
 }
 
 /// POSTs a chat completion and returns the reply.
@@ -197,7 +250,7 @@ pub async fn wait_models(router: &Router) -> Vec<Value> {
 pub fn serving(models: &[&str], dp_size: u32, start_rank: u32) -> SimConfig {
     SimConfig {
         models: models.iter().map(|m| m.to_string()).collect(),
-        ..sim(rankgate::sim::SimFlavor::Vllm, dp_size, start_rank)
+        ..sim(rankgate_sim::sim::SimFlavor::Vllm, dp_size, start_rank)
     }
 }
 
@@ -221,7 +274,7 @@ pub async fn two_models() -> (SimEngine, SimEngine, Router) {
     (a, b, r)
 }
 
-pub fn sim(flavor: rankgate::sim::SimFlavor, dp_size: u32, start_rank: u32) -> SimConfig {
+pub fn sim(flavor: rankgate_sim::sim::SimFlavor, dp_size: u32, start_rank: u32) -> SimConfig {
     SimConfig {
         flavor,
         dp_size,

@@ -16,7 +16,7 @@ use tokio::time::{timeout, timeout_at, Instant};
 use crate::common::binary::Rankgate;
 use crate::common::*;
 use crate::shutdown::{try_get, wait_status};
-use rankgate::sim::SimConfig;
+use rankgate_sim::sim::SimConfig;
 
 /// This process's soft RLIMIT_NOFILE.
 fn nofile_limit() -> u64 {
@@ -141,7 +141,7 @@ fn still_open(s: &TcpStream) -> bool {
 /// while all of them are open, and that rankgate closes every one after `limit` (not before).
 async fn stall_kind(
     router: &rankgate::app::Router,
-    engine: &rankgate::sim::SimEngine,
+    engine: &rankgate_sim::sim::SimEngine,
     kind: Stall,
     n: usize,
     limit: Duration,

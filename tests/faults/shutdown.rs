@@ -13,7 +13,7 @@ use tokio::time::{timeout, Instant};
 
 use crate::common::binary::Rankgate;
 use crate::common::*;
-use rankgate::sim::SimConfig;
+use rankgate_sim::sim::SimConfig;
 
 /// GET `path` with a bound: `None` when no answer came (refused, reset, timed out).
 pub async fn try_get(addr: SocketAddr, path: &str, limit: Duration) -> Option<(u16, String)> {
@@ -46,7 +46,7 @@ pub async fn wait_status(addr: SocketAddr, path: &str, status: u16, limit: Durat
 
 /// A simulated engine decoding `tps` tokens a second whatever its batch, for streams of a known
 /// length.
-pub async fn slow_engine(tps: f64) -> rankgate::sim::SimEngine {
+pub async fn slow_engine(tps: f64) -> rankgate_sim::sim::SimEngine {
     engine(SimConfig {
         decode_tokens_per_sec: tps,
         batch_slowdown: 0.0,

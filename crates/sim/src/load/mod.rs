@@ -92,7 +92,7 @@ impl HotPrefix {
 }
 
 pub(crate) fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    crate::config::HumanDuration::deserialize(d).map(|h| h.0)
+    rankgate::config::HumanDuration::deserialize(d).map(|h| h.0)
 }
 
 /// A workload against one target.
@@ -114,7 +114,7 @@ pub struct Workload {
     pub bursts: Vec<Burst>,
     pub model: String,
     /// gRPC instead of HTTP: streaming `Generate` on this flavor's service at `url`.
-    pub grpc: Option<crate::worker::Flavor>,
+    pub grpc: Option<rankgate::worker::Flavor>,
     /// Multi-turn chat sessions instead of independent requests (HTTP chat only).
     pub sessions: Option<Sessions>,
     /// A share of the generated requests starting with one shared prefix.
@@ -195,7 +195,7 @@ impl Outcome {
     }
 }
 
-pub(crate) type HttpClient = crate::http::HttpClient<Full<Bytes>>;
+pub(crate) type HttpClient = rankgate::http::HttpClient<Full<Bytes>>;
 
 /// Where a run's requests go.
 enum Target {
@@ -334,7 +334,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     if let Some(h) = &w.hot_prefix {
         h.validate()?;
     }
-    let client = crate::http::client(Duration::from_secs(2));
+    let client = rankgate::http::client(Duration::from_secs(2));
     let target = match w.grpc {
         Some(flavor) => Target::Grpc(grpc::GrpcClient::new(flavor, w.url.trim_end_matches('/'))?),
         None => Target::Http(client.clone(), uris.clone()),

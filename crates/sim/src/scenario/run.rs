@@ -10,10 +10,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{events, Scenario, Variant};
-use crate::app::Router;
-use crate::config::Config;
 use crate::load::{self, Arrivals, Dist, Report, Workload};
 use crate::sim::SimEngine;
+use rankgate::app::Router;
+use rankgate::config::Config;
 
 /// One rank's results under one policy.
 #[derive(Debug, Clone, serde::Serialize)]

@@ -8,7 +8,7 @@ use http::{Response, StatusCode};
 use serde_json::{json, Value};
 
 use super::{read, Sim, SimBody, SimFlavor};
-use crate::http::{json_response, openai_error};
+use rankgate::http::{json_response, openai_error};
 
 /// One rank's published numbers.
 #[derive(Debug, Clone, Copy)]

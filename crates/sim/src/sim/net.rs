@@ -1,4 +1,4 @@
-//! The simulated engine's own accept loop. Unlike `crate::http::serve` it can die like a process
+//! The simulated engine's own accept loop. Unlike `rankgate::http::serve` it can die like a process
 //! under `kill -9`: the listener closes and every open connection is dropped at once, mid-body or
 //! not, so the router meets the failure it would meet in production.
 
@@ -17,8 +17,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::http::{shutdown_signalled, Shutdown};
-use crate::tls::ServerTls;
+use rankgate::http::{shutdown_signalled, Shutdown};
+use rankgate::tls::ServerTls;
 
 /// Longest a client's TLS handshake may take.
 const HANDSHAKE: Duration = Duration::from_secs(10);

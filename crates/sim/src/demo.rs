@@ -9,7 +9,7 @@
 
 use crate::scenario::{self, render, Scenario};
 
-const DEMO: &str = include_str!("../configs/scenarios/demo.toml");
+const DEMO: &str = include_str!("../../../configs/scenarios/demo.toml");
 
 /// The demo's scenario, with the request count and rate optionally overridden.
 pub fn scenario(requests: Option<usize>, rate: Option<f64>) -> Result<Scenario, String> {

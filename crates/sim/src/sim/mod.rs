@@ -46,11 +46,11 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::worker::RankNumbering;
 use faults::Faults;
 pub use faults::{check_percent, check_status, FaultError};
 pub use grpc_decode::GrpcSeen;
 use rank::Rank;
+use rankgate::worker::RankNumbering;
 pub use serve::SimBody;
 use telemetry::RankReport;
 
@@ -73,11 +73,11 @@ pub(crate) async fn pause(d: Duration) {
     }
 }
 
-impl From<SimFlavor> for crate::worker::Flavor {
+impl From<SimFlavor> for rankgate::worker::Flavor {
     fn from(f: SimFlavor) -> Self {
         match f {
-            SimFlavor::Vllm => crate::worker::Flavor::Vllm,
-            SimFlavor::Sglang => crate::worker::Flavor::Sglang,
+            SimFlavor::Vllm => rankgate::worker::Flavor::Vllm,
+            SimFlavor::Sglang => rankgate::worker::Flavor::Sglang,
         }
     }
 }
@@ -155,7 +155,7 @@ pub struct SimConfig {
     /// Serve HTTPS (and gRPC over TLS) with this certificate, like `vllm serve --ssl-certfile
     /// --ssl-keyfile [--ssl-ca-certs --ssl-cert-reqs 2]`; `client_ca_file` requires clients
     /// to present a certificate (mTLS).
-    pub tls: Option<crate::config::ListenerTls>,
+    pub tls: Option<rankgate::config::ListenerTls>,
 }
 
 impl Default for SimConfig {
@@ -245,7 +245,7 @@ struct Knobs {
 pub(crate) struct Sim {
     pub(crate) cfg: SimConfig,
     /// The certificate both listeners serve, when `cfg.tls` is set.
-    pub(crate) tls: Option<Arc<crate::tls::ServerTls>>,
+    pub(crate) tls: Option<Arc<rankgate::tls::ServerTls>>,
     pub(crate) ranks: Vec<Rank>,
     knobs: RwLock<Knobs>,
     seen: Mutex<VecDeque<Seen>>,
@@ -292,7 +292,7 @@ impl SimEngine {
             )));
         }
         let tls = (cfg.tls.as_ref())
-            .map(|t| crate::tls::ServerTls::load("sim tls", t))
+            .map(|t| rankgate::tls::ServerTls::load("sim tls", t))
             .transpose()
             .map_err(|e| invalid(e.to_string()))?;
         let listener = TcpListener::bind(listen).await?;

@@ -7,7 +7,7 @@
 
 use serde::Deserialize;
 
-use crate::config::Policy;
+use rankgate::config::Policy;
 
 /// A router configuration a scenario runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

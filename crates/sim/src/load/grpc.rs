@@ -9,9 +9,9 @@ use tokio::time::Instant;
 use tonic::{Code, Status};
 
 use super::{ErrorKind, Outcome};
-use crate::proto::{sglang, vllm};
-use crate::telemetry::grpc::{transport, Transport};
-use crate::worker::Flavor;
+use rankgate::proto::{sglang, vllm};
+use rankgate::telemetry::grpc::{transport, Transport};
+use rankgate::worker::Flavor;
 
 /// A client for one flavor's service at one address.
 #[derive(Clone)]

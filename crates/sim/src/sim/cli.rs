@@ -21,7 +21,7 @@ use clap::ValueEnum;
 
 use super::SimFlavor as Flavor;
 use super::{check_percent, check_status, SimConfig, SimEngine};
-use crate::worker::RankNumbering;
+use rankgate::worker::RankNumbering;
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum FlavorArg {
@@ -187,7 +187,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         tls: a
             .tls_cert
             .zip(a.tls_key)
-            .map(|(cert_file, key_file)| crate::config::ListenerTls {
+            .map(|(cert_file, key_file)| rankgate::config::ListenerTls {
                 cert_file,
                 key_file,
                 client_ca_file: a.tls_client_ca,

@@ -24,14 +24,14 @@ use super::grpc_decode::{
     first_message, prompt_bytes, prompt_tokens, Gen, GenJob, RawMessage, EMBED_DIM,
 };
 use super::{net, RankReport, Sim, SimFlavor, MAX_REQUEST_BYTES};
-use crate::http::Shutdown;
-use crate::proto::health::health_server::{Health, HealthServer};
-use crate::proto::health::{
+use rankgate::http::Shutdown;
+use rankgate::proto::health::health_server::{Health, HealthServer};
+use rankgate::proto::health::{
     health_check_response::ServingStatus, HealthCheckRequest, HealthCheckResponse,
 };
-use crate::proto::sglang::sglang_scheduler_server::{SglangScheduler, SglangSchedulerServer};
-use crate::proto::vllm::vllm_engine_server::{VllmEngine, VllmEngineServer};
-use crate::proto::{sglang, vllm};
+use rankgate::proto::sglang::sglang_scheduler_server::{SglangScheduler, SglangSchedulerServer};
+use rankgate::proto::vllm::vllm_engine_server::{VllmEngine, VllmEngineServer};
+use rankgate::proto::{sglang, vllm};
 
 #[derive(Clone)]
 pub(crate) struct GrpcSim(pub Arc<Sim>);

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use http::{Response, StatusCode};
 
 use super::{lock, Sim, SimBody, SimConfig};
-use crate::http::{openai_error, shutdown_signalled};
+use rankgate::http::{openai_error, shutdown_signalled};
 
 /// A fault knob was given a value it cannot take.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

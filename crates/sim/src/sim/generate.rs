@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use super::routes::Api;
 use super::serve::Call;
 use super::{Sim, SimBody};
-use crate::http::json_response;
+use rankgate::http::json_response;
 
 /// What a generation request asks for, and how its answer is framed.
 pub(super) struct Job {

@@ -9,7 +9,7 @@ use http::{Response, StatusCode};
 use serde_json::{json, Value};
 
 use super::{Sim, SimBody};
-use crate::http::json_response;
+use rankgate::http::json_response;
 
 impl Sim {
     /// `/v1/models`: one card per served name.

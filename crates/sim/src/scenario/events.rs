@@ -6,8 +6,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use crate::config::HumanDuration;
 use crate::sim::{check_percent, check_status, SimEngine};
+use rankgate::config::HumanDuration;
 
 /// A count, or the word "off" to clear it (TOML has no null).
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -22,8 +22,8 @@ use super::faults::Open;
 use super::routes::{self, Endpoint};
 use super::{auth, multipart};
 use super::{lock, read, Seen, Sim, SimFlavor, MAX_REQUEST_BYTES, SEEN_CAP};
-use crate::http::{json_response, openai_error, respond};
-use crate::worker::RankNumbering;
+use rankgate::http::{json_response, openai_error, respond};
+use rankgate::worker::RankNumbering;
 
 /// Response body of the simulated engine: whole, or SSE chunks as the generator sends them.
 pub enum SimBody {

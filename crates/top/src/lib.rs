@@ -1,7 +1,7 @@
 //! `rankgate top`: a live terminal view of every rank of a running rankgate, read from its admin
 //! listener (`GET /workers`, and `GET /metrics` for requests per second).
 //!
-//! This module owns the parts that touch the world: the terminal (raw mode and the alternate
+//! This crate's root owns the parts that touch the world: the terminal (raw mode and the alternate
 //! screen, always given back, on panic too), the keyboard, the polling task, and the loop that
 //! joins them. What is known lives in [`model`] and how it looks in [`view`], both pure, so
 //! [`Top::poll_once`] and [`render`] drive them headless (tests use ratatui's `TestBackend`).
@@ -53,7 +53,7 @@ pub enum TopError {
 
 /// Parses `--interval` (`500ms`, `2s`), within 100 ms to 60 s.
 pub fn parse_interval(s: &str) -> Result<Duration, String> {
-    let d = crate::config::parse_duration(s)?;
+    let d = rankgate::config::parse_duration(s)?;
     if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&d) {
         return Err(format!("interval {s:?} must be within 100ms and 60s"));
     }
@@ -63,7 +63,7 @@ pub fn parse_interval(s: &str) -> Result<Duration, String> {
 /// Reads the admin listener: one GET of `/workers` and one of `/metrics` per poll.
 #[derive(Clone)]
 struct Fetcher {
-    client: crate::http::HttpClient<Empty<Bytes>>,
+    client: rankgate::http::HttpClient<Empty<Bytes>>,
     workers: Uri,
     metrics: Uri,
     timeout: Duration,
@@ -93,7 +93,7 @@ impl Fetcher {
 
 /// One GET, the whole body, within `timeout`; the error is short enough for the status line.
 async fn get(
-    client: &crate::http::HttpClient<Empty<Bytes>>,
+    client: &rankgate::http::HttpClient<Empty<Bytes>>,
     uri: &Uri,
     timeout: Duration,
 ) -> Result<Bytes, String> {
@@ -187,14 +187,14 @@ impl Top {
     /// Checks the admin URL; nothing is sent until [`Top::poll_once`] (or [`run`]). An
     /// `https://` admin listener is verified against the system's roots.
     pub fn new(admin: &str, interval: Duration) -> Result<Top, TopError> {
-        Top::with_tls(admin, interval, crate::tls::Upstream::system())
+        Top::with_tls(admin, interval, rankgate::tls::Upstream::system())
     }
 
     /// [`Top::new`], verifying an `https://` admin listener as `tls` says.
     pub fn with_tls(
         admin: &str,
         interval: Duration,
-        tls: &crate::tls::Upstream,
+        tls: &rankgate::tls::Upstream,
     ) -> Result<Top, TopError> {
         let base = admin_base(admin)?;
         let uri = |path: &str| -> Result<Uri, TopError> {
@@ -210,7 +210,7 @@ impl Top {
         let timeout = interval.clamp(Duration::from_secs(2), Duration::from_secs(10));
         Ok(Top {
             fetcher: Fetcher {
-                client: crate::http::client_with(timeout, tls),
+                client: rankgate::http::client_with(timeout, tls),
                 workers: uri("/workers")?,
                 metrics: uri("/metrics")?,
                 timeout,
@@ -359,7 +359,7 @@ pub async fn run(
     interval: Duration,
     ca_file: Option<&std::path::Path>,
 ) -> Result<(), TopError> {
-    let tls = crate::tls::Upstream::trusting(ca_file).map_err(|e| TopError::Admin {
+    let tls = rankgate::tls::Upstream::trusting(ca_file).map_err(|e| TopError::Admin {
         url: admin.to_string(),
         problem: e.to_string(),
     })?;

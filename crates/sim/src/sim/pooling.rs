@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use super::routes::Pooled;
 use super::serve::Call;
 use super::{Sim, SimBody, SimFlavor};
-use crate::http::json_response;
+use rankgate::http::json_response;
 
 /// The vector every embedding-like answer carries.
 const VECTOR: [f64; 4] = [0.1, 0.2, 0.3, 0.4];

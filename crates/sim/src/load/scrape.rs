@@ -32,7 +32,7 @@ pub fn prefix_counters(metrics: &str) -> (u64, u64) {
 /// Scrapes every engine base URL's `/metrics` and sums their counters; an engine that does not
 /// answer, or answers without a 200, is an error naming it.
 pub async fn scrape(urls: &[String]) -> Result<(u64, u64), String> {
-    let client = crate::http::client(Duration::from_secs(2));
+    let client = rankgate::http::client(Duration::from_secs(2));
     let (mut q, mut h) = (0, 0);
     for url in urls {
         let uri: http::Uri = format!("{}/metrics", url.trim_end_matches('/'))
@@ -66,7 +66,8 @@ mod tests {
 
     #[test]
     fn sums_the_two_counters_over_ranks() {
-        let fixture = include_str!("../../tests/fixtures/vllm-0.32-dp2-metrics-under-load.txt");
+        let fixture =
+            include_str!("../../../../tests/fixtures/vllm-0.32-dp2-metrics-under-load.txt");
         assert_eq!(prefix_counters(fixture), (911, 0));
         let text = "# HELP x\nvllm:prefix_cache_hits_total{engine=\"0\"} 32.0\nvllm:prefix_cache_hits_total{engine=\"1\"} 16.0\nvllm:prefix_cache_queries_total{engine=\"1\"} 100.0\nvllm:external_prefix_cache_hits_total{engine=\"0\"} 999.0\n";
         assert_eq!(prefix_counters(text), (100, 48));

@@ -93,7 +93,7 @@ pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60)
 /// Makes `call` against `base` (e.g. `http://127.0.0.1:8080`) with the SDK's headers, within
 /// [`CALL_TIMEOUT`].
 pub async fn send(
-    client: &crate::http::HttpClient<Full<Bytes>>,
+    client: &rankgate::http::HttpClient<Full<Bytes>>,
     base: &str,
     api_key: &str,
     call: &Call,
@@ -104,7 +104,7 @@ pub async fn send(
 }
 
 async fn exchange(
-    client: &crate::http::HttpClient<Full<Bytes>>,
+    client: &rankgate::http::HttpClient<Full<Bytes>>,
     base: &str,
     api_key: &str,
     call: &Call,
@@ -137,7 +137,7 @@ async fn exchange(
     let resp = client
         .request(req)
         .await
-        .map_err(|e| crate::http::error_chain(&e))?;
+        .map_err(|e| rankgate::http::error_chain(&e))?;
     let header_text = |name: &str| {
         resp.headers()
             .get(name)

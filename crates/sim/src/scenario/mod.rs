@@ -20,10 +20,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::config::{HumanDuration, Policy};
 use crate::load::{self, Api, Burst, Dist, HotPrefix, Sessions};
 pub use engine::EngineSpec;
 pub use events::{Event, Limit};
+use rankgate::config::{HumanDuration, Policy};
 pub use run::{run, run_policy, PolicyRun, RankResult};
 pub use variant::{Replicas, Variant};
 
@@ -330,7 +330,8 @@ dark = []
 
     #[test]
     fn shipped_scenarios_parse() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/scenarios");
+        // The scenarios live at the repository root, two levels above this crate.
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/scenarios");
         let mut n = 0;
         for entry in std::fs::read_dir(dir).unwrap() {
             let p = entry.unwrap().path();
