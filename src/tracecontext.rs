@@ -88,18 +88,54 @@ pub fn trace_context(h: &mut HeaderMap) -> TraceContext {
     tc
 }
 
-/// Lowercase hex of `n`'s low `N / 2` bytes into `out`.
-pub fn hex_into<const N: usize>(mut n: u128, out: &mut [u8; N]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for b in out.iter_mut().rev() {
-        *b = HEX[(n & 0xf) as usize];
-        n >>= 4;
+/// Lowercase hex of `n`'s low `N / 2` bytes into `out` (`N` even, at most 32). Two digits per
+/// step from a table: one digit per step on a `u128` (each of whose shifts takes two registers)
+/// cost about 300 instructions per request for the request id and `traceparent`.
+#[inline]
+pub fn hex_into<const N: usize>(n: u128, out: &mut [u8; N]) {
+    const { assert!(N.is_multiple_of(2) && N <= 32) };
+    let bytes = n.to_be_bytes();
+    for (pair, b) in out.chunks_exact_mut(2).zip(&bytes[16 - N / 2..]) {
+        pair.copy_from_slice(&HEX_PAIRS[usize::from(*b)]);
     }
 }
+
+/// Every byte's two lowercase hex digits.
+static HEX_PAIRS: [[u8; 2]; 256] = {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut pairs = [[0u8; 2]; 256];
+    let mut b = 0;
+    while b < 256 {
+        pairs[b] = [HEX[b >> 4], HEX[b & 0xf]];
+        b += 1;
+    }
+    pairs
+};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_digits_are_the_low_bytes_of_the_number_in_order() {
+        for n in [
+            0u128,
+            1,
+            0xabcdef,
+            u128::MAX,
+            0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+        ] {
+            let mut long = [0u8; 32];
+            hex_into(n, &mut long);
+            assert_eq!(std::str::from_utf8(&long).unwrap(), format!("{n:032x}"));
+            let mut short = [0u8; 16];
+            hex_into(n, &mut short);
+            assert_eq!(
+                std::str::from_utf8(&short).unwrap(),
+                format!("{:016x}", n as u64)
+            );
+        }
+    }
 
     #[test]
     fn a_valid_trace_is_continued_with_a_new_parent_and_an_invalid_one_replaced() {
