@@ -31,14 +31,15 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-/// A connection's own handle on [`Shared`], what the layers and guards that read it hold, with what is
-/// known of the connection itself.
+/// A connection's own handle on [`Shared`], what the layers and guards that read it hold, with
+/// what is known of the connection itself.
 ///
-/// hyper's adapter clones the whole stack for every request, `read` and `retry` clone what is
-/// below them, and each guard in a response body holds a reference: on one `Arc` shared by all
-/// connections, every one of those reference counts is a cache line bouncing between cores on
-/// every request. Each connection gets its own handle (one allocation per connection), so these
-/// counts stay on the core that runs the connection.
+/// `read` and `retry` clone the layers below them for every request, and each guard in a
+/// response body holds a reference: on one `Arc` shared by all connections, every one of those
+/// reference counts would be a cache line bouncing between cores on every request. Each
+/// connection gets its own handle (one allocation per connection), so these counts stay on the
+/// core that runs the connection. (A layer's own state, one for the router, is cloned only by
+/// the few layers that keep it in their futures: the retry policy, the error answers, the dial.)
 #[derive(Clone)]
 pub struct Ctx(Arc<Conn>);
 
