@@ -17,7 +17,7 @@
 //!
 //! Two more are not per request: an engine's idle kept-alive connection is closed after
 //! [`crate::upstream::idle::IDLE_FOR`], and `server.drain_grace` bounds the drain at shutdown
-//! (app).
+//! (http::serve).
 
 use std::time::Duration;
 
