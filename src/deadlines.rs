@@ -3,12 +3,13 @@
 //!
 //! ```text
 //! deadline      key (default)                       enforced by         on expiry
-//! header_read   server.header_read_timeout (10 s)   http::watch         connection closed
+//! header_read   server.header_read_timeout (10 s)   http::serve, watch  connection closed
 //! idle          server.idle_timeout (60 s)          http::watch         connection closed
 //! h2_keepalive  server.h2_keepalive_interval (20 s) hyper's h2 server   connection closed
 //! body_read     server.body_read_timeout (30 s)     proxy read, pick,   408 (gRPC:
-//!                                                   grpc local          DEADLINE_EXCEEDED)
-//! connect       server.connect_timeout (2 s)        proxy send          502, retried elsewhere
+//!                                                   grpc local,         DEADLINE_EXCEEDED)
+//!                                                   upstream request
+//! connect       server.connect_timeout (2 s)        proxy send (TCP)    502, retryable
 //! response      server.response_timeout (30 min)    proxy send, grpc    504 (all engine
 //!                                                   local               connections busy: 503)
 //! stream_idle   server.stream_idle_timeout (5 min)  proxy body          stream cut (SSE: an
@@ -25,7 +26,8 @@ use crate::config::ServerConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Deadlines {
-    /// A client's request head, from its first byte (or the connection's opening).
+    /// A connection's first request head, counted from its opening (TLS handshake and h2
+    /// preface included); later heads fall under `idle`.
     pub header_read: Duration,
     /// A client connection with no request in flight.
     pub idle: Duration,
@@ -33,7 +35,8 @@ pub struct Deadlines {
     pub h2_keepalive: Duration,
     /// Any wait for more of a client's request body.
     pub body_read: Duration,
-    /// Opening a connection to an engine (TCP and, for `https://` engines, TLS).
+    /// The TCP connect to an engine (a TLS or HTTP/1 handshake that hangs is bounded by
+    /// `response`).
     pub connect: Duration,
     /// From sending a request to an engine to its response headers (connection slot wait
     /// included).

@@ -13,7 +13,7 @@
 //!   preference), health probes, and the single publisher; [`telemetry::prom`] and
 //!   [`telemetry::loads`] project what engines report onto their ranks.
 //! - [`wire`]: the load-report wire types and their JSON reader, shared by `table` and
-//!   `telemetry` (a leaf, so neither imports the other).
+//!   `telemetry` (a leaf, so `table` need not import `telemetry`).
 //! - [`upstream`]: what reaches an engine: its connection state (slots, idle connections, h2
 //!   streams) and the request body as it goes out; below both the fleet and the proxy.
 //! - [`live`]: the per-worker counters that change with every request.
@@ -22,6 +22,9 @@
 //! - [`scan`]: one field of a JSON or multipart body, read without a parse.
 //! - [`tracecontext`]: W3C `traceparent`, read and written.
 //! - [`deadlines`]: every deadline of the request path, and who enforces it.
+//! - [`catalog`]: the fleet's models and which engines serve each; [`prefix`]: the prompt
+//!   prefixes sent to each rank (affinity); [`pbwire`]: protobuf edited at the wire level;
+//!   [`tls`]: certificates for the listeners and engines; [`memory`]: giving freed heap back.
 //! - [`reason`]: why a rank is Unavailable, one variant per kind of cause.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.

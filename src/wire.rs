@@ -3,7 +3,7 @@
 //!
 //! A leaf module: the snapshot ([`crate::table`]) keeps a gateway's entries as they came, and the
 //! projection ([`crate::telemetry::loads`]) reads them, so both import these types from here and
-//! neither imports the other.
+//! the snapshot never imports telemetry.
 
 use serde::Serialize;
 use serde_json::Value;

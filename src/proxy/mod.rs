@@ -13,7 +13,8 @@
 //! select    the engines serving the request's model (scanned, not parsed) and route
 //! admit     server.max_in_flight -> 429 (after the body is in: a slow upload holds no slot)
 //! retry     failover before the first byte, to another rank, within a retry budget
-//! pick      the rank (never one with unknown telemetry, never an ejected one), pinned; an
+//! pick      the rank (never one with unknown telemetry while one has numbers, never an ejected
+//!           one), pinned; an
 //!           `upstream` span per attempt of a traced request
 //! observe   outlier accounting: consecutive failures eject a rank
 //! send      the engine connection (capped per engine); server.response_timeout -> 504; the
