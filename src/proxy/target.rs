@@ -9,7 +9,7 @@ use crate::worker::{EngineEntry, Member};
 
 /// The worker a request was sent to, and whether it is that rank's ejection trial; set by `pick`
 /// on the request for the layers below it ([`Picked`]), and on the response body for those
-/// above ([`ProxyBody::target`]). Carried in the types rather than in `http::Extensions`, whose
+/// above ([`ProxyBody::target`](super::body::ProxyBody::target)). Carried in the types rather than in `http::Extensions`, whose
 /// first insert allocates a map: this is every request's path.
 #[derive(Debug, Clone)]
 pub struct Target {

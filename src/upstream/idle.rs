@@ -7,7 +7,7 @@
 //! `server.max_engine_connections` allows, a core with none idle takes another core's rather
 //! than open one more. A connection comes back when its response body has ended cleanly, and
 //! only then: one left mid-response may never be ready again (a stalled engine). Idle ones go
-//! after [`IDLE_FOR`] (a sweep every few seconds, [`sweep`]), and all of them with the
+//! after [`IDLE_FOR`] (a sweep every few seconds, `proxy::sweep_idle_connections`), and all of them with the
 //! engine's fleet entry.
 
 use std::sync::Mutex;
