@@ -455,8 +455,9 @@ impl Future for Sending {
     }
 }
 
-/// Every [`IDLE_FOR`](crate::upstream::idle::IDLE_FOR) / 3, closes the idle connections of every engine in the fleet that have
-/// waited [`IDLE_FOR`](crate::upstream::idle::IDLE_FOR), until `shutdown`: without traffic nothing else would look at them.
+/// Every `IDLE_FOR` / 3 ([`crate::upstream::idle::IDLE_FOR`]), closes the idle connections of
+/// every engine in the fleet that have waited that long, until `shutdown`: without traffic
+/// nothing else would look at them.
 pub async fn sweep_idle_connections(
     table: std::sync::Arc<crate::table::Table>,
     mut shutdown: crate::http::Shutdown,
