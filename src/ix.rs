@@ -91,10 +91,6 @@ impl<I: Ix, T> IxVec<I, T> {
         self.items.iter()
     }
 
-    pub fn iter_mut(&mut self) -> std::slice::IterMut<'_, T> {
-        self.items.iter_mut()
-    }
-
     /// Every index, in order.
     #[inline]
     pub fn indices(&self) -> impl DoubleEndedIterator<Item = I> + ExactSizeIterator + use<I, T> {
@@ -105,10 +101,6 @@ impl<I: Ix, T> IxVec<I, T> {
     #[inline]
     pub fn iter_enumerated(&self) -> impl DoubleEndedIterator<Item = (I, &T)> + '_ {
         self.items.iter().enumerate().map(|(i, t)| (I::new(i), t))
-    }
-
-    pub fn as_slice(&self) -> &[T] {
-        &self.items
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [T] {
