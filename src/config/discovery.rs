@@ -144,6 +144,9 @@ impl EngineTemplate {
             health_path: self.health_path.clone(),
             models: self.models.clone(),
             api_key_env: self.api_key_env.clone(),
+            // A found engine's events: its GET /kv_event_sources says where.
+            kv_events: None,
+            kv_events_topic: None,
         }
         .validate(at)
     }

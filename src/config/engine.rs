@@ -244,6 +244,9 @@ pub struct Engine {
     pub http: bool,
     /// `host:port` of its gRPC service (`engines[].grpc_url`), for the gRPC front door.
     pub grpc: Option<Arc<str>>,
+    /// Where its KV-cache events come from (`engines[].kv_events`); `None`: its
+    /// `GET /kv_event_sources` says, when `routing.kv_events` is on.
+    pub kv_events: Option<super::kv::KvEvents>,
 }
 
 impl Engine {
@@ -354,5 +357,6 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         api_key: None,
         http: true,
         grpc: None,
+        kv_events: None,
     }
 }

@@ -31,6 +31,9 @@ pub struct RawEngine {
     pub(super) health_path: Option<String>,
     pub(super) models: Option<Vec<String>>,
     pub(super) api_key_env: Option<String>,
+    /// Its KV-cache events' endpoint, as its `--kv-events-config` writes it.
+    pub(super) kv_events: Option<String>,
+    pub(super) kv_events_topic: Option<String>,
 }
 
 impl RawEngine {
@@ -124,6 +127,12 @@ impl RawEngine {
             }
             m => m,
         };
+        let kv_events = super::kv::kv_events(
+            at,
+            self.kv_events.as_deref(),
+            self.kv_events_topic.as_deref(),
+            self.dp_size,
+        )?;
         let api_key = self
             .api_key_env
             .as_deref()
@@ -148,6 +157,7 @@ impl RawEngine {
             api_key,
             http: addresses.http,
             grpc: addresses.grpc.map(Into::into),
+            kv_events,
         };
         Ok(engine.with_reported(None))
     }

@@ -9,6 +9,7 @@
 //!   `sources`: its addresses and telemetry sources;
 //! - `server`, `routing`, `polling`, `traces`, `tls`: the `[server]`, `[routing]`,
 //!   `[telemetry]`, `[tracing]` and TLS tables; `discovery`: `[[discovery]]`;
+//! - `kv`: an engine's KV-event endpoint, and `[[models]]` (tokenizers);
 //! - `rules`: rules across engines, and warnings; `whole`: the file as one [`Config`];
 //! - `restart`: which settings a reload cannot apply.
 
@@ -17,6 +18,7 @@ mod duration;
 pub mod engine;
 mod engines;
 mod error;
+mod kv;
 mod polling;
 mod restart;
 mod routing;
@@ -37,6 +39,7 @@ pub use engine::{
 };
 pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;
+pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
 pub use routing::*;
 pub(crate) use rules::group_text;

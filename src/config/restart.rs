@@ -31,7 +31,7 @@ restart_keys! {
         grpc_streams_per_connection, max_in_flight, shutdown_delay, drain_grace, extra_routes,
         api_keys_env, api_keys_file, cors_allow_origins, admin_token_env, access_log,
         thread_per_core, tls, admin_tls;
-    whole: engine_tls, routing, telemetry, discovery, tracing;
+    whole: engine_tls, routing, telemetry, discovery, tracing, models;
 }
 
 impl Config {

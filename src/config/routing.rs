@@ -75,6 +75,7 @@ pub(super) struct RawRouting {
     prefix_affinity: Option<bool>,
     affinity_margin: Option<f64>,
     affinity_max_kv: Option<f64>,
+    kv_events: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -102,6 +103,9 @@ pub struct RoutingConfig {
     pub affinity_margin: f64,
     /// ...and only those scoring below this.
     pub affinity_max_kv: f64,
+    /// Affinity follows the engines' own KV-cache events where a rank publishes them (its
+    /// cached blocks, exactly), and rankgate's record of what it sent elsewhere.
+    pub kv_events: bool,
 }
 
 /// Validates `[routing]`; replay buffers never exceed `max_body_bytes`.
@@ -134,6 +138,7 @@ pub(super) fn routing(
         prefix_affinity: raw.prefix_affinity.unwrap_or(false),
         affinity_margin: raw.affinity_margin.unwrap_or(DEFAULT_AFFINITY_MARGIN),
         affinity_max_kv: raw.affinity_max_kv.unwrap_or(DEFAULT_AFFINITY_MAX_KV),
+        kv_events: raw.kv_events.unwrap_or(false),
     };
     for (key, v, max) in [
         ("routing.tie_margin", routing.tie_margin, 0.5),
@@ -157,6 +162,12 @@ pub(super) fn routing(
                 "works with policy = \"least_kv\" only (it chooses among the ranks load allows); policy is {:?}",
                 routing.policy.as_str()
             ),
+        ));
+    }
+    if routing.kv_events && !routing.prefix_affinity {
+        return Err(invalid(
+            "routing.kv_events",
+            "refines prefix affinity (which rank holds the prompt's prefix): set routing.prefix_affinity = true too",
         ));
     }
     if !(1..=MAX_MAX_ATTEMPTS).contains(&routing.max_attempts) {

@@ -11,6 +11,7 @@ use super::discovery::{Discovery, RawDiscovery};
 use super::engine::Engine;
 use super::engines::RawEngine;
 use super::error::{invalid, ConfigError};
+use super::kv::{models, ModelConfig, RawModel};
 use super::polling::{telemetry_config, RawTelemetry, TelemetryConfig};
 use super::routing::{routing, RawRouting, RoutingConfig};
 use super::rules::{address_warnings, check_rank_overlap};
@@ -40,6 +41,8 @@ struct RawConfig {
     tracing: RawTracing,
     #[serde(default)]
     engine_tls: EngineTls,
+    #[serde(default)]
+    models: Vec<RawModel>,
 }
 
 /// A validated config.
@@ -53,6 +56,8 @@ pub struct Config {
     pub tracing: TracingConfig,
     /// How `https://` engines are reached.
     pub engine_tls: EngineTls,
+    /// `[[models]]`: their tokenizers, for `routing.kv_events`.
+    pub models: Vec<ModelConfig>,
     /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
     /// the only ones the admin API may name.
     pub key_vars: Vec<String>,
@@ -97,6 +102,7 @@ impl Config {
         let telemetry = telemetry_config(raw.telemetry)?;
         let tracing = tracing_config(raw.tracing)?;
         let engine_tls = raw.engine_tls.validate()?;
+        let models = models(raw.models)?;
 
         let discovery = (raw.discovery.into_iter().enumerate())
             .map(|(i, d)| d.validate(i))
@@ -156,6 +162,7 @@ impl Config {
             discovery,
             tracing,
             engine_tls,
+            models,
             key_vars,
         })
     }

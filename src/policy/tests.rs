@@ -55,6 +55,7 @@ fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
         prefix_affinity: false,
         affinity_margin: 0.1,
         affinity_max_kv: 0.85,
+        kv_events: false,
     }
 }
 
