@@ -21,6 +21,8 @@
 # Needs valgrind, nginx, python3, curl. Loopback only; every step bounded.
 # Usage: bench/instructions.sh [REQUESTS=2000]
 #   TARGETS="nginx lean bare vllm sglang models stream-nginx stream-lean stream-bare stream-vllm" (the default)
+# ROUTER=PATH measures that rankgate binary instead of the one built here (an A/B against
+# another commit's build, run back to back).
 # KEEP=DIR keeps each target's callgrind output there (callgrind_annotate DIR/vllm.callgrind).
 # CHECK=bench/instructions.expected compares the vllm figure with the one committed there and
 # exits 1 when it is more than 5% above (.ci/run's guard, with REQUESTS=300 TARGETS=vllm).
@@ -146,9 +148,9 @@ start_target() { # NAME -> sets PORT, PID
     nginx) nginx_conf "$PORT" "$upstream" > "$work/cg-nginx.conf"; "${cg[@]}" nginx -c "$work/cg-nginx.conf" -p "$work" 2>/dev/null & ;;
     bare|lean) "${cg[@]}" "target/release/examples/${base}_proxy" "127.0.0.1:$PORT" "127.0.0.1:$upstream" 2>/dev/null & ;;
     vllm|sglang) rankgate_conf "$PORT" "$admin" "$base" "$upstream" > "$work/$name.toml"
-      RUST_LOG=error "${cg[@]}" target/release/rankgate serve --config "$work/$name.toml" 2>/dev/null & ;;
+      RUST_LOG=error "${cg[@]}" "${ROUTER:-target/release/rankgate}" serve --config "$work/$name.toml" 2>/dev/null & ;;
     models) rankgate_conf "$PORT" "$admin" vllm "$UP" "$UP2" > "$work/$name.toml"
-      RUST_LOG=error "${cg[@]}" target/release/rankgate serve --config "$work/$name.toml" 2>/dev/null & ;;
+      RUST_LOG=error "${cg[@]}" "${ROUTER:-target/release/rankgate}" serve --config "$work/$name.toml" 2>/dev/null & ;;
     *) echo "unknown target $name" >&2; exit 2 ;;
   esac
   PID=$!; pids+=("$PID")

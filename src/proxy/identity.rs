@@ -36,7 +36,7 @@ pub fn valid_request_id(v: &[u8]) -> bool {
 pub fn new_request_id() -> HeaderValue {
     let mut buf = [0u8; 32];
     crate::tracecontext::hex_into(rand::random(), &mut buf);
-    HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("0"))
+    crate::tracecontext::shared_value(buf)
 }
 
 /// The request's id: its own single valid `x-request-id`, or a new one put in its place.
