@@ -246,7 +246,7 @@ pub struct Engine {
     pub grpc: Option<Arc<str>>,
     /// Where its KV-cache events come from (`engines[].kv_events`); `None`: its
     /// `GET /kv_event_sources` says, when `routing.kv_events` is on.
-    pub kv_events: Option<super::kv::KvEvents>,
+    pub kv_events: Option<Arc<super::kv::KvEvents>>,
 }
 
 impl Engine {

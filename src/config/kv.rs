@@ -91,7 +91,7 @@ pub(super) fn kv_events(
     endpoint: Option<&str>,
     topic: Option<&str>,
     dp_size: Option<u32>,
-) -> Result<Option<KvEvents>, ConfigError> {
+) -> Result<Option<Arc<KvEvents>>, ConfigError> {
     let Some(endpoint) = endpoint else {
         return match topic {
             Some(_) => Err(invalid(
@@ -114,10 +114,10 @@ pub(super) fn kv_events(
             ));
         }
     }
-    Ok(Some(KvEvents {
+    Ok(Some(Arc::new(KvEvents {
         endpoint,
         topic: topic.unwrap_or("").into(),
-    }))
+    })))
 }
 
 /// One `[[models]]` entry as written.
