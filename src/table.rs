@@ -36,8 +36,19 @@ pub struct Load {
     pub aggregate: bool,
     /// For an upstream gateway: the entries of its rollup, annotations and all.
     pub upstream: Option<Arc<[crate::wire::RankLoad]>>,
+    /// The engine's own prefix-cache counters for the rank, where it reports them (vLLM's
+    /// `prefix_cache_queries_total` and `prefix_cache_hits_total`): prompt tokens looked up,
+    /// and of those found cached. What affinity predicted is checked against these.
+    pub prefix_cache: Option<PrefixCounters>,
     /// When the response carrying these numbers arrived.
     pub sampled_at: Instant,
+}
+
+/// An engine's prefix-cache counters for one rank, in tokens since it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixCounters {
+    pub queries: u64,
+    pub hits: u64,
 }
 
 /// A rank's telemetry state. Missing or bad numbers are a state with a reason, never zeros:
@@ -119,6 +130,7 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
             capacity_tokens: None,
             aggregate: false,
             upstream: None,
+            prefix_cache: None,
             sampled_at: now,
         }),
         reachable: true,

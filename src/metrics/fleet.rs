@@ -269,6 +269,28 @@ impl Collector for Fleet {
                 gauge(&mut m, &id(w), n as i64)?;
             }
         }
+        for (name, help, hits) in [
+            (
+                "rankgate_rank_engine_prefix_cache_queries",
+                "Prompt tokens the rank's engine looked up in its prefix cache (its own counter, \
+                 as last polled; vLLM's prefix_cache_queries_total).",
+                false,
+            ),
+            (
+                "rankgate_rank_engine_prefix_cache_hits",
+                "Prompt tokens the rank's engine found in its prefix cache (its own counter, as \
+                 last polled; vLLM's prefix_cache_hits_total): what prefix affinity's \
+                 predictions are checked against.",
+                true,
+            ),
+        ] {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (w, v) in ranks.clone() {
+                if let Some(c) = v.telemetry.fresh(now, stale).and_then(|l| l.prefix_cache) {
+                    counter(&mut m, &id(w), if hits { c.hits } else { c.queries })?;
+                }
+            }
+        }
         let mut m = enc.encode_descriptor(
             "rankgate_rank_in_flight_requests",
             "Requests in flight on the rank through this router (until their response body \

@@ -136,6 +136,7 @@ fn to_load(l: &RankLoad, capacity_divisor: u64, sampled_at: Instant) -> Load {
             .map(|c| c as u64 / capacity_divisor),
         aggregate: false,
         upstream: None,
+        prefix_cache: None,
         sampled_at,
     }
 }
@@ -185,6 +186,7 @@ pub fn rollup(report: &LoadsReport, sampled_at: Instant) -> RankTelemetry {
         capacity_tokens: None,
         aggregate: true,
         upstream: Some(Arc::from(report.loads.clone())),
+        prefix_cache: None,
         sampled_at,
     })
 }

@@ -448,6 +448,7 @@ mod tests {
                 capacity_tokens: capacity,
                 aggregate: false,
                 upstream: None,
+                prefix_cache: None,
                 sampled_at: Instant::now(),
             }),
             ..RankView::initial()

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use tokio::time::Instant;
 
 use crate::reason::{Reason, ReportKind};
-use crate::table::{Load, RankTelemetry};
+use crate::table::{Load, PrefixCounters, RankTelemetry};
 use crate::worker::Engine;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +20,9 @@ enum Field {
     Waiting,
     /// `vllm:cache_config_info`, whose `kv_cache_size_tokens` label is the capacity.
     CacheInfo,
+    /// The engine's prefix-cache counters: prompt tokens looked up, and those found cached.
+    PrefixQueries,
+    PrefixHits,
 }
 
 /// The series rankgate reads: name, field, and the label that carries the DP rank.
@@ -30,6 +33,12 @@ const SERIES: &[(&str, Field, &str)] = &[
     ("vllm:num_requests_running", Field::Running, "engine"),
     ("vllm:num_requests_waiting", Field::Waiting, "engine"),
     ("vllm:cache_config_info", Field::CacheInfo, "engine"),
+    (
+        "vllm:prefix_cache_queries_total",
+        Field::PrefixQueries,
+        "engine",
+    ),
+    ("vllm:prefix_cache_hits_total", Field::PrefixHits, "engine"),
     ("sglang:token_usage", Field::Kv, "dp_rank"),
     ("sglang_token_usage", Field::Kv, "dp_rank"),
     ("sglang:num_running_reqs", Field::Running, "dp_rank"),
@@ -45,6 +54,8 @@ pub struct Series {
     pub running: Option<f64>,
     pub waiting: Option<f64>,
     pub capacity_tokens: Option<f64>,
+    pub prefix_queries: Option<f64>,
+    pub prefix_hits: Option<f64>,
 }
 
 /// What one scrape says, keyed by the rank label's value.
@@ -146,6 +157,12 @@ impl Scrape {
             Field::Kv => series.kv = Some(series.kv.map_or(value, |v| v.max(value))),
             Field::Running => series.running = Some(series.running.unwrap_or(0.0) + value),
             Field::Waiting => series.waiting = Some(series.waiting.unwrap_or(0.0) + value),
+            Field::PrefixQueries => {
+                series.prefix_queries = Some(series.prefix_queries.unwrap_or(0.0) + value)
+            }
+            Field::PrefixHits => {
+                series.prefix_hits = Some(series.prefix_hits.unwrap_or(0.0) + value)
+            }
             Field::CacheInfo => {
                 if let Some(tokens) = label("kv_cache_size_tokens").and_then(|t| t.parse().ok()) {
                     series.capacity_tokens = Some(tokens);
@@ -283,6 +300,12 @@ fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelem
         .capacity_tokens
         .filter(|c| c.is_finite() && *c >= 1.0)
         .map(|c| c as u64);
+    // Counters are optional extras: a bad one is left out, not held against the rank's load.
+    let counter = |v: Option<f64>| v.filter(|x| x.is_finite() && *x >= 0.0).map(|x| x as u64);
+    let prefix_cache = match (counter(s.prefix_queries), counter(s.prefix_hits)) {
+        (Some(queries), Some(hits)) if hits <= queries => Some(PrefixCounters { queries, hits }),
+        _ => None,
+    };
     RankTelemetry::Available(Load {
         kv_usage: kv,
         running,
@@ -291,6 +314,7 @@ fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelem
         capacity_tokens,
         aggregate,
         upstream: None,
+        prefix_cache,
         sampled_at,
     })
 }
@@ -329,8 +353,36 @@ mod tests {
             assert_eq!(l.capacity_tokens, Some(4096));
             assert!(!l.aggregate);
         }
+        // Each rank's own prefix-cache counters (rank 0 was sent more prompt tokens).
+        let counters = |r: usize| load(&ranks[r]).prefix_cache;
+        assert_eq!(
+            counters(0),
+            Some(PrefixCounters {
+                queries: 860,
+                hits: 0
+            })
+        );
+        assert_eq!(
+            counters(1),
+            Some(PrefixCounters {
+                queries: 51,
+                hits: 0
+            })
+        );
         let idle = project(&parse(IDLE), &engine(2, 0), now);
         assert_eq!(load(&idle[0]).running, Some(0));
+    }
+
+    #[test]
+    fn prefix_counters_that_make_no_sense_are_left_out_not_the_load() {
+        for (q, h) in [("10", "11"), ("-1", "0"), ("NaN", "0"), ("5", "+Inf")] {
+            let text = format!(
+                "vllm:kv_cache_usage_perc{{engine=\"0\"}} 0.5\nvllm:prefix_cache_queries_total{{engine=\"0\"}} {q}\nvllm:prefix_cache_hits_total{{engine=\"0\"}} {h}\n"
+            );
+            let ranks = project(&parse(&text), &engine(1, 0), Instant::now());
+            let l = load(&ranks[0]);
+            assert_eq!((l.kv_usage, l.prefix_cache), (0.5, None), "{q} {h}");
+        }
     }
 
     #[test]
