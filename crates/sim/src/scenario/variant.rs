@@ -2,7 +2,9 @@
 //! run with one or several rankgate replicas side by side.
 //!
 //! A variant is written as its policy's name, `+affinity` appended for `prefix_affinity = true`
-//! in `[routing]` (`"least_kv"`, `"least_kv+affinity"`, `"round_robin"`), so the scenario file's
+//! in `[routing]` (rankgate's record of what it sent where), `+kv_events` for affinity that
+//! follows the engines' own KV-cache events (`kv_events = true` too): `"least_kv"`,
+//! `"least_kv+affinity"`, `"least_kv+kv_events"`, `"round_robin"`. The scenario file's
 //! `policies = [...]` and loadgen's `--policies` read the same strings.
 
 use serde::Deserialize;
@@ -13,15 +15,24 @@ use rankgate::config::Policy;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Variant {
     pub policy: Policy,
-    /// `[routing] prefix_affinity = true`.
-    pub affinity: bool,
+    pub affinity: Affinity,
+}
+
+/// Whether and how picks weigh where a prompt's prefix is cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Affinity {
+    Off,
+    /// `prefix_affinity = true`: rankgate's record of the prefixes it sent to each rank.
+    Guess,
+    /// `kv_events = true` as well: the blocks each rank's engine says it holds.
+    Events,
 }
 
 impl From<Policy> for Variant {
     fn from(policy: Policy) -> Variant {
         Variant {
             policy,
-            affinity: false,
+            affinity: Affinity::Off,
         }
     }
 }
@@ -29,13 +40,15 @@ impl From<Policy> for Variant {
 impl Variant {
     /// Its name as written in scenario files.
     pub fn as_str(&self) -> &'static str {
+        use Affinity::*;
         match (self.policy, self.affinity) {
-            (Policy::LeastKv, false) => "least_kv",
-            (Policy::LeastKv, true) => "least_kv+affinity",
-            (Policy::RoundRobin, false) => "round_robin",
-            (Policy::RoundRobin, true) => "round_robin+affinity",
-            (Policy::Random, false) => "random",
-            (Policy::Random, true) => "random+affinity",
+            (Policy::LeastKv, Off) => "least_kv",
+            (Policy::LeastKv, Guess) => "least_kv+affinity",
+            (Policy::LeastKv, Events) => "least_kv+kv_events",
+            (Policy::RoundRobin, Off) => "round_robin",
+            (Policy::RoundRobin, _) => "round_robin+affinity",
+            (Policy::Random, Off) => "random",
+            (Policy::Random, _) => "random+affinity",
         }
     }
 
@@ -43,10 +56,18 @@ impl Variant {
     pub fn routing_toml(&self) -> String {
         let mut t = format!("[routing]\npolicy = \"{}\"\n", self.policy.as_str());
         // Written only when on, so a router without the key still reads the other variants.
-        if self.affinity {
+        if self.affinity != Affinity::Off {
             t.push_str("prefix_affinity = true\n");
         }
+        if self.affinity == Affinity::Events {
+            t.push_str("kv_events = true\n");
+        }
         t
+    }
+
+    /// Whether the engines must publish their KV-cache events for it.
+    pub fn kv_events(&self) -> bool {
+        self.affinity == Affinity::Events
     }
 }
 
@@ -55,13 +76,12 @@ impl std::str::FromStr for Variant {
 
     fn from_str(s: &str) -> Result<Variant, String> {
         let (name, affinity) = match s.trim().split_once('+') {
-            Some((name, "affinity")) => (name, true),
-            Some((_, other)) => {
-                return Err(format!(
-                    "variant {s:?}: unknown option {other:?} after `+` (only `+affinity`)"
-                ))
-            }
-            None => (s.trim(), false),
+            Some((name, "affinity")) => (name, Affinity::Guess),
+            Some((name, "kv_events")) => (name, Affinity::Events),
+            Some((_, other)) => return Err(format!(
+                "variant {s:?}: unknown option {other:?} after `+` (`+affinity` or `+kv_events`)"
+            )),
+            None => (s.trim(), Affinity::Off),
         };
         let policy = match name {
             "least_kv" => Policy::LeastKv,
@@ -73,6 +93,11 @@ impl std::str::FromStr for Variant {
                 ))
             }
         };
+        if affinity != Affinity::Off && policy != Policy::LeastKv {
+            return Err(format!(
+                "variant {s:?}: affinity chooses among the ranks load allows, so it goes with least_kv only"
+            ));
+        }
         Ok(Variant { policy, affinity })
     }
 }
@@ -125,7 +150,13 @@ mod tests {
 
     #[test]
     fn variants_round_trip_and_bad_ones_are_named() {
-        for s in ["least_kv", "least_kv+affinity", "round_robin", "random"] {
+        for s in [
+            "least_kv",
+            "least_kv+affinity",
+            "least_kv+kv_events",
+            "round_robin",
+            "random",
+        ] {
             assert_eq!(s.parse::<Variant>().unwrap().as_str(), s);
         }
         let v: Variant = "least_kv+affinity".parse().unwrap();
@@ -133,6 +164,13 @@ mod tests {
         assert!(!Variant::from(Policy::LeastKv)
             .routing_toml()
             .contains("affinity"));
+        let v: Variant = "least_kv+kv_events".parse().unwrap();
+        assert!(v
+            .routing_toml()
+            .contains("prefix_affinity = true\nkv_events = true"));
+        assert!(v.kv_events());
+        let e = "round_robin+affinity".parse::<Variant>().unwrap_err();
+        assert!(e.contains("least_kv only"), "{e}");
         let e = "least_kv+afinity".parse::<Variant>().unwrap_err();
         assert!(e.contains("afinity"), "{e}");
         let e = "leastkv".parse::<Variant>().unwrap_err();
