@@ -78,9 +78,11 @@ impl std::str::FromStr for Variant {
         let (name, affinity) = match s.trim().split_once('+') {
             Some((name, "affinity")) => (name, Affinity::Guess),
             Some((name, "kv_events")) => (name, Affinity::Events),
-            Some((_, other)) => return Err(format!(
+            Some((_, other)) => {
+                return Err(format!(
                 "variant {s:?}: unknown option {other:?} after `+` (`+affinity` or `+kv_events`)"
-            )),
+            ))
+            }
             None => (s.trim(), Affinity::Off),
         };
         let policy = match name {
@@ -89,7 +91,7 @@ impl std::str::FromStr for Variant {
             "random" => Policy::Random,
             other => {
                 return Err(format!(
-                    "variant {s:?}: unknown policy {other:?} (least_kv, round_robin or random, optionally +affinity)"
+                    "variant {s:?}: unknown policy {other:?} (least_kv, round_robin or random; least_kv optionally +affinity or +kv_events)"
                 ))
             }
         };
