@@ -2,7 +2,9 @@
 //! 32k prompt tokens, with the fixture model's tokenizer and chat template
 //! (tests/fixtures/vllm-0.32-kv-events/): the whole request (`chat`: parse, template, cut,
 //! tokenize), the template alone (`render`), the tokenizer alone (`encode`), and the whole
-//! request under an 8k-token cap (`chat_capped_8k`).
+//! request under an 8k-token cap (`chat_capped_8k`), all without the piece cache; and with it,
+//! the request that adds a user turn to a conversation whose previous request was tokenized
+//! (`chat_next_turn`: the cache holds only that previous request's pieces).
 //!
 //! Block hashing is not measured here: its function (`kv::hash`) is another module's.
 //!
@@ -12,7 +14,7 @@ use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
 use rankgate::tokenize::{ChatTokenizer, Limits};
 
 const WORDS: [&str; 24] = [
@@ -42,16 +44,18 @@ const WORDS: [&str; 24] = [
     "scheduler",
 ];
 
-fn tokenizer(limits: Limits) -> ChatTokenizer {
+fn tokenizer(limits: Limits, cache: usize) -> ChatTokenizer {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vllm-0.32-kv-events");
     ChatTokenizer::from_dir(&dir)
         .expect("fixture tokenizer")
         .with_limits(limits)
+        .with_cache(cache)
 }
 
 /// A multi-turn chat body of at least `tokens` prompt tokens: a system prompt, then user and
-/// assistant turns of ~150 words of a fixed pseudo-random text, with numbers and punctuation.
-fn chat_body(tok: &ChatTokenizer, tokens: usize) -> Vec<u8> {
+/// assistant turns of ~150 words of a fixed pseudo-random text, with numbers and punctuation;
+/// and the body before its last assistant and user turns (the conversation's previous request).
+fn chat_body(tok: &ChatTokenizer, tokens: usize) -> (Vec<u8>, Vec<u8>) {
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next = move || {
         seed = seed
@@ -77,6 +81,7 @@ fn chat_body(tok: &ChatTokenizer, tokens: usize) -> Vec<u8> {
         text
     };
     let mut messages = vec![serde_json::json!({"role": "system", "content": turn(300)})];
+    let mut previous = Vec::new();
     loop {
         let role = if messages.len() % 2 == 1 {
             "user"
@@ -88,25 +93,31 @@ fn chat_body(tok: &ChatTokenizer, tokens: usize) -> Vec<u8> {
             let body = serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages}))
                 .expect("json");
             if tok.chat(&body).expect("tokenize").ids.len() >= tokens {
-                return body;
+                return (body, previous);
             }
+            previous = body;
         }
     }
 }
 
 fn tokenize(c: &mut Criterion) {
-    let whole = tokenizer(Limits {
+    let unbounded = Limits {
         max_bytes: usize::MAX,
         max_tokens: usize::MAX,
-    });
-    let capped = tokenizer(Limits {
-        max_bytes: 8192 * 4,
-        max_tokens: 8192,
-    });
+    };
+    let whole = tokenizer(unbounded, 0);
+    let cached = tokenizer(unbounded, 64 << 20);
+    let capped = tokenizer(
+        Limits {
+            max_bytes: 8192 * 4,
+            max_tokens: 8192,
+        },
+        0,
+    );
     let mut g = c.benchmark_group("tokenize");
     g.sample_size(20).measurement_time(Duration::from_secs(4));
     for tokens in [1024usize, 8192, 32768] {
-        let body = chat_body(&whole, tokens);
+        let (body, previous) = chat_body(&whole, tokens);
         let (text, _) = whole.render_chat(&body).expect("render");
         let n = whole.chat(&body).expect("tokenize").ids.len();
         eprintln!(
@@ -128,6 +139,20 @@ fn tokenize(c: &mut Criterion) {
             BenchmarkId::new("chat_capped_8k", tokens),
             &body,
             |b, body| b.iter(|| capped.chat(black_box(body)).expect("tokenize")),
+        );
+        g.bench_with_input(
+            BenchmarkId::new("chat_next_turn", tokens),
+            &body,
+            |b, body| {
+                b.iter_batched(
+                    || {
+                        cached.clear_cache();
+                        cached.chat(&previous).expect("previous turn")
+                    },
+                    |_| cached.chat(black_box(body)).expect("tokenize"),
+                    BatchSize::PerIteration,
+                )
+            },
         );
     }
     g.finish();

@@ -46,7 +46,13 @@ fn chat_body(messages: &Value) -> Vec<u8> {
 
 #[test]
 fn every_golden_chat_turn_is_reproduced_exactly() {
-    let tok = tokenizer();
+    // With the piece cache (the default here) and without it.
+    for tok in [tokenizer(), tokenizer().with_cache(0)] {
+        every_golden_turn(&tok);
+    }
+}
+
+fn every_golden_turn(tok: &ChatTokenizer) {
     let golden = golden();
     assert_eq!(golden.len(), 6);
     for turn in &golden {
@@ -98,6 +104,41 @@ fn a_later_turn_starts_with_the_earlier_turns_tokens() {
         assert_eq!(a[..shared], b[..shared]);
         assert_eq!(a[shared..], [31, 95, 319, 505, 268, 1080, 95, 33, 202]);
     }
+}
+
+#[test]
+fn the_piece_cache_serves_the_next_turn_and_changes_no_id() {
+    let cached = tokenizer();
+    let plain = tokenizer().with_cache(0);
+    assert!(plain.cache_stats().is_none());
+    // The golden conversations with a system prompt 40 times longer (~15 KB): several pieces.
+    for conversation in ["A", "B"] {
+        let mut earlier_misses = None;
+        for turn in golden()
+            .iter()
+            .filter(|t| t["conversation"] == conversation)
+        {
+            let mut messages = turn["messages"].clone();
+            let system = messages[0]["content"].as_str().unwrap().repeat(40);
+            messages[0]["content"] = json!(system);
+            let body = chat_body(&messages);
+            let got = cached.chat(&body).unwrap();
+            assert_eq!(got, plain.chat(&body).unwrap());
+            let (hits, misses, _) = cached.cache_stats().unwrap();
+            if let Some((hits_before, misses_before)) = earlier_misses {
+                // Most pieces came from the cache; the new tail was tokenized.
+                assert!(hits - hits_before >= 5, "{hits} {hits_before}");
+                assert!(misses - misses_before <= 2, "{misses} {misses_before}");
+            }
+            earlier_misses = Some((hits, misses));
+        }
+    }
+    // Asked again, a whole request is served from the cache.
+    let body = chat_body(&golden()[0]["messages"]);
+    let first = cached.chat(&body).unwrap();
+    let (_, misses, _) = cached.cache_stats().unwrap();
+    assert_eq!(cached.chat(&body).unwrap(), first);
+    assert_eq!(cached.cache_stats().unwrap().1, misses);
 }
 
 #[test]

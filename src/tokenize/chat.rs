@@ -8,27 +8,24 @@
 //! (`/v1/completions`): the prompt string is tokenized with `add_special_tokens` true, so the
 //! post-processor in tokenizer.json decides BOS/EOS; a list of token ids is taken as it is.
 //!
-//! The cap ([`Limits`]): the rendered text is cut before tokenizing at a point where the
-//! engine's tokens provably do not depend on what follows, so the ids returned are exactly the
-//! engine's first ones:
-//! - at the start of an added token written in the text (`</s>`, `<|im_end|>`...): the
-//!   tokenizer splits the text at added tokens before normalizing or pre-tokenizing anything,
-//!   so what precedes one is tokenized on its own in any tokenizer;
-//! - for byte-level BPE tokenizers (GPT-2's pre-tokenizer regex, a normalizer that leaves ASCII
-//!   alone), also between an ASCII letter and a space followed by an ASCII letter: every
-//!   pre-token before it ends there whatever follows, and BPE never merges across pre-tokens.
-//!
-//! Then the ids are cut at `max_tokens`.
+//! The cap ([`Limits`]): the rendered text is cut before tokenizing at the last exact cut
+//! ([`super::cut`]) within `max_bytes`, so the ids returned are exactly the engine's first
+//! ones, then at `max_tokens`. With a byte-level tokenizer the text is tokenized in pieces
+//! between exact cuts, each looked up in [`super::cache`] first: a chat's next turn repeats
+//! the conversation so far, and only its new pieces are tokenized.
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
-use minijinja::value::{Serde, ValueKind};
 use minijinja::Value;
 use serde::Deserialize;
 
+use super::cache::{ChunkCache, CHUNK_BYTES};
+use super::cut::Cuts;
 use super::error::TokenizeError;
 use super::files::{self, Config, TokenizerFiles};
+use super::messages::{at, final_content, message};
 use super::template::ChatTemplate;
 
 /// How much of a prompt is tokenized.
@@ -50,6 +47,9 @@ impl Limits {
         max_tokens: 32 * 1024,
     };
 }
+
+/// The piece cache's default bound: ~300 conversations of 32k tokens (~200 KB each here).
+pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 impl Default for Limits {
     fn default() -> Limits {
@@ -73,10 +73,10 @@ pub struct ChatTokenizer {
     /// Chat templates by name ("default", "tool_use", ...); empty when the model has none.
     templates: Vec<(String, ChatTemplate)>,
     config: Config,
-    /// Added tokens the text may be cut before (see the module doc).
-    cut_tokens: Vec<String>,
-    /// Whether the byte-level letter-space-letter cut is exact for this tokenizer.
-    word_cuts: bool,
+    /// Where the text may be cut exactly (the cap, the cache's pieces).
+    cuts: Cuts,
+    /// Pieces of prompts already tokenized; only where pieces are exact (byte-level BPE).
+    cache: Option<ChunkCache>,
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     limits: Limits,
@@ -134,7 +134,7 @@ impl ChatTokenizer {
             .with_truncation(None)
             .map_err(|e| bad(e.to_string()))?;
         tokenizer.with_padding(None);
-        let word_cuts = byte_level_words(&bytes);
+        let cuts = Cuts::new(&tokenizer, &bytes);
         let config = match &files.config {
             Some(path) => Config::load(path)?,
             None => Config::default(),
@@ -167,14 +167,6 @@ impl ChatTokenizer {
                     .collect::<Result<Vec<_>, TokenizeError>>()?
             }
         };
-        let cut_tokens = tokenizer
-            .get_added_tokens_decoder()
-            .into_values()
-            // Tokens matched after normalization or that eat the spaces before them or need
-            // word boundaries do not start exactly where their text does.
-            .filter(|t| !t.normalized && !t.lstrip && !t.single_word && !t.content.is_empty())
-            .map(|t| t.content)
-            .collect();
         let id = |name: &str| config.special(name).and_then(|t| tokenizer.token_to_id(t));
         Ok(ChatTokenizer {
             bos_id: id("bos_token"),
@@ -182,8 +174,8 @@ impl ChatTokenizer {
             tokenizer,
             templates,
             config,
-            cut_tokens,
-            word_cuts,
+            cache: cuts.words.then(|| ChunkCache::new(DEFAULT_CACHE_BYTES)),
+            cuts,
             limits: Limits::DEFAULT,
             dir: files.dir(),
         })
@@ -193,6 +185,25 @@ impl ChatTokenizer {
     pub fn with_limits(mut self, limits: Limits) -> ChatTokenizer {
         self.limits = limits;
         self
+    }
+
+    /// The same tokenizer with a piece cache of at most `max_bytes` (0: none). Only
+    /// tokenizers whose pieces are exact (byte-level BPE) keep one; others ignore this.
+    pub fn with_cache(mut self, max_bytes: usize) -> ChatTokenizer {
+        self.cache = (self.cuts.words && max_bytes > 0).then(|| ChunkCache::new(max_bytes));
+        self
+    }
+
+    /// Empties the piece cache.
+    pub fn clear_cache(&self) {
+        if let Some(cache) = &self.cache {
+            cache.clear();
+        }
+    }
+
+    /// The piece cache's (hits, misses, bytes held), if there is one.
+    pub fn cache_stats(&self) -> Option<(u64, u64, usize)> {
+        self.cache.as_ref().map(ChunkCache::stats)
     }
 
     /// The limits in force.
@@ -340,55 +351,65 @@ impl ChatTokenizer {
     pub fn text(&self, text: &str, add_special_tokens: bool) -> Result<Tokens, TokenizeError> {
         let end = self.cut(text);
         let cut = end < text.len();
-        let encoding = self
-            .tokenizer
-            .encode_fast(&text[..end], add_special_tokens)
-            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
-        let mut ids = encoding.get_ids().to_vec();
-        if cut && add_special_tokens {
-            // What the post-processor appends (an EOS) ends the whole prompt, not the cut.
-            let mask = encoding.get_special_tokens_mask();
-            while ids.len() > 1 && mask.get(ids.len() - 1) == Some(&1) {
-                ids.pop();
+        let head = &text[..end];
+        let mut ids = match &self.cache {
+            // The post-processor's tokens belong to the whole text, not to a piece: pieces
+            // only without them (chat's default).
+            Some(cache) if !add_special_tokens => self.pieces(cache, head)?,
+            _ => {
+                let encoding = self
+                    .tokenizer
+                    .encode_fast(head, add_special_tokens)
+                    .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+                let mut ids = encoding.get_ids().to_vec();
+                if cut && add_special_tokens {
+                    // What the post-processor appends (an EOS) ends the whole prompt, not
+                    // the cut.
+                    let mask = encoding.get_special_tokens_mask();
+                    while ids.len() > 1 && mask.get(ids.len() - 1) == Some(&1) {
+                        ids.pop();
+                    }
+                }
+                ids
             }
-        }
+        };
         let complete = !cut && ids.len() <= self.limits.max_tokens;
         ids.truncate(self.limits.max_tokens);
         Ok(Tokens { ids, complete })
     }
 
-    /// The byte offset `text` is tokenized up to: all of it within `max_bytes`, else the last
-    /// safe cut at or before `max_bytes` (0 when there is none).
-    pub fn cut(&self, text: &str) -> usize {
-        let max = self.limits.max_bytes;
-        if text.len() <= max {
-            return text.len();
-        }
-        let occurrences = added_occurrences(text, &self.cut_tokens, max);
-        let mut best = occurrences
-            .iter()
-            .map(|&(start, _)| start)
-            .filter(|&start| start <= max)
-            .max()
-            .unwrap_or(0);
-        if self.word_cuts {
-            let bytes = text.as_bytes();
-            // The last letter-space-letter point after `best` that no added token spans.
-            let mut at = max.min(bytes.len().saturating_sub(1));
-            while at > best {
-                if at >= 1
-                    && bytes[at] == b' '
-                    && bytes[at - 1].is_ascii_alphabetic()
-                    && bytes.get(at + 1).is_some_and(u8::is_ascii_alphabetic)
-                    && !occurrences.iter().any(|&(s, e)| s < at && at < e)
-                {
-                    best = at;
-                    break;
+    /// `text`'s ids piece by piece (pieces cut exactly, [`Cuts::chunks`]), each from the
+    /// cache or tokenized and cached; stops once `max_tokens` are had.
+    fn pieces(&self, cache: &ChunkCache, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = Vec::new();
+        let mut from = 0;
+        let ends = self.cuts.chunks(text, CHUNK_BYTES);
+        for end in ends.into_iter().chain(std::iter::once(text.len())) {
+            let piece = &text[from..end];
+            from = end;
+            match cache.get(piece) {
+                Some(hit) => ids.extend_from_slice(&hit),
+                None => {
+                    let encoding = self
+                        .tokenizer
+                        .encode_fast(piece, false)
+                        .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+                    let piece_ids: Arc<[u32]> = Arc::from(encoding.get_ids());
+                    ids.extend_from_slice(&piece_ids);
+                    cache.put(piece, piece_ids);
                 }
-                at -= 1;
+            }
+            if ids.len() >= self.limits.max_tokens {
+                break;
             }
         }
-        best
+        Ok(ids)
+    }
+
+    /// The byte offset `text` is tokenized up to: all of it within `max_bytes`, else the last
+    /// exact cut at or before `max_bytes` (0 when there is none).
+    pub fn cut(&self, text: &str) -> usize {
+        self.cuts.cut(text, self.limits.max_bytes)
     }
 
     fn template(&self, tools: bool) -> Result<&ChatTemplate, TokenizeError> {
@@ -400,214 +421,5 @@ impl ChatTokenizer {
             .ok_or_else(|| TokenizeError::NoTemplate {
                 dir: self.dir.clone(),
             })
-    }
-}
-
-fn at(index: usize, e: TokenizeError) -> TokenizeError {
-    match e {
-        TokenizeError::Body(detail) => TokenizeError::Body(format!("messages[{index}]: {detail}")),
-        other => other,
-    }
-}
-
-/// Where the added tokens `tokens` occur in `text[..limit + longest]`, as the tokenizer matches
-/// them (leftmost, longest first at one start): (start, end) byte ranges, in order.
-fn added_occurrences(text: &str, tokens: &[String], limit: usize) -> Vec<(usize, usize)> {
-    let longest = tokens.iter().map(String::len).max().unwrap_or(0);
-    let mut end = (limit + longest).min(text.len());
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    let scope = &text[..end];
-    let mut all: Vec<(usize, usize)> = tokens
-        .iter()
-        .flat_map(|t| {
-            scope
-                .match_indices(t.as_str())
-                .map(|(s, m)| (s, s + m.len()))
-        })
-        .collect();
-    all.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-    let mut kept: Vec<(usize, usize)> = Vec::new();
-    for (start, end) in all {
-        if kept.last().is_none_or(|&(_, last_end)| start >= last_end) {
-            kept.push((start, end));
-        }
-    }
-    kept
-}
-
-/// Whether tokenizer.json's pipeline makes the letter-space-letter cut exact: a ByteLevel
-/// pre-tokenizer with its GPT-2 regex, and no normalizer or one that leaves ASCII alone.
-fn byte_level_words(tokenizer_json: &[u8]) -> bool {
-    let Ok(json) = serde_json::from_slice::<serde_json::Value>(tokenizer_json) else {
-        return false;
-    };
-    let kind = |v: &serde_json::Value| v.get("type").and_then(|t| t.as_str()).map(str::to_owned);
-    let pre = &json["pre_tokenizer"];
-    let byte_level = kind(pre).as_deref() == Some("ByteLevel")
-        && pre.get("use_regex").and_then(|v| v.as_bool()) != Some(false)
-        && pre.get("add_prefix_space").and_then(|v| v.as_bool()) != Some(true);
-    let normalizer_ok = match &json["normalizer"] {
-        serde_json::Value::Null => true,
-        n => matches!(kind(n).as_deref(), Some("NFC" | "NFKC" | "NFD" | "NFKD")),
-    };
-    let bpe = kind(&json["model"]).as_deref() == Some("BPE");
-    byte_level && normalizer_ok && bpe
-}
-
-/// One message as vLLM hands it to the template: role, content (a string, or a list of text
-/// parts when the template walks parts), then `tool_calls` (arguments parsed), `tool_call_id`
-/// and `name` when given. Keys are kept in that order (`tojson(message)` prints them).
-fn message(m: &Value, wants_parts: bool) -> Result<Value, TokenizeError> {
-    if m.kind() != ValueKind::Map {
-        return Err(TokenizeError::Body("not an object".into()));
-    }
-    let field = |key: &str| m.get_attr(key).ok().filter(|v| !v.is_undefined());
-    let role = field("role")
-        .filter(|r| r.as_str().is_some())
-        .ok_or_else(|| TokenizeError::Body("no string role".into()))?;
-    let texts: Vec<String> = match field("content") {
-        None => Vec::new(),
-        Some(c) if c.is_none() => Vec::new(),
-        Some(c) if c.kind() == ValueKind::String => vec![c.as_str().unwrap_or_default().into()],
-        Some(c) if c.kind() == ValueKind::Seq => {
-            let mut texts = Vec::new();
-            for part in c
-                .try_iter()
-                .map_err(|e| TokenizeError::Body(e.to_string()))?
-            {
-                let kind = part.get_attr("type").ok();
-                match kind.as_ref().and_then(Value::as_str) {
-                    Some("text") => {
-                        let text = part.get_attr("text").ok();
-                        let text = text.as_ref().and_then(Value::as_str).ok_or_else(|| {
-                            TokenizeError::Body("a text part without a string text".into())
-                        })?;
-                        texts.push(text.to_string());
-                    }
-                    // Images, audio...: vLLM writes a model-specific placeholder; not here.
-                    other => {
-                        return Err(TokenizeError::Body(format!(
-                            "content part of type {other:?} is not tokenized here"
-                        )))
-                    }
-                }
-            }
-            texts
-        }
-        Some(_) => {
-            return Err(TokenizeError::Body(
-                "content: not a string or a list".into(),
-            ))
-        }
-    };
-    let content = if wants_parts {
-        let parts: Vec<Value> = texts
-            .into_iter()
-            .map(|text| {
-                Value::from(Serde(Ordered(vec![
-                    ("type", "text".into()),
-                    ("text", text.into()),
-                ])))
-            })
-            .collect();
-        Value::from(parts)
-    } else {
-        Value::from(texts.join("\n"))
-    };
-    let mut fields: Vec<(&str, Value)> = vec![("role", role.clone()), ("content", content)];
-    if role.as_str() == Some("assistant") {
-        if let Some(calls) = field("tool_calls").filter(|c| !c.is_none()) {
-            fields.push(("tool_calls", tool_calls(&calls)?));
-        }
-    }
-    if role.as_str() == Some("tool") {
-        if let Some(id) = field("tool_call_id") {
-            fields.push(("tool_call_id", id));
-        }
-    }
-    if let Some(name) = field("name").filter(|n| n.as_str().is_some()) {
-        fields.push(("name", name));
-    }
-    Ok(Value::from(Serde(Ordered(fields))))
-}
-
-/// The final message's text, for `continue_final_message`.
-fn final_content(m: &Value) -> Option<String> {
-    let content = m.get_attr("content").ok()?;
-    if let Some(text) = content.as_str() {
-        return Some(text.to_string());
-    }
-    let parts = content.try_iter().ok()?;
-    let last = parts.last()?;
-    last.get_attr("text").ok()?.as_str().map(str::to_string)
-}
-
-/// Tool calls with each `function.arguments` JSON string parsed into its value, as vLLM does
-/// before the template (templates print `arguments | tojson`); a missing one becomes `{}`.
-fn tool_calls(calls: &Value) -> Result<Value, TokenizeError> {
-    let bad = |d: &str| TokenizeError::Body(format!("tool_calls: {d}"));
-    let mut out = Vec::new();
-    for call in calls.try_iter().map_err(|_| bad("not a list"))? {
-        if call.kind() != ValueKind::Map {
-            return Err(bad("an entry is not an object"));
-        }
-        let mut fields: Vec<(String, Value)> = Vec::new();
-        for key in call.try_iter().map_err(|e| bad(&e.to_string()))? {
-            let value = call.get_item(&key).map_err(|e| bad(&e.to_string()))?;
-            let key = key.as_str().unwrap_or_default().to_string();
-            let value = if key == "function" && value.kind() == ValueKind::Map {
-                function(&value).map_err(|d| bad(&d))?
-            } else {
-                value
-            };
-            fields.push((key, value));
-        }
-        out.push(Value::from(Serde(Ordered(fields))));
-    }
-    Ok(Value::from(out))
-}
-
-fn function(f: &Value) -> Result<Value, String> {
-    let mut fields: Vec<(String, Value)> = Vec::new();
-    let mut has_arguments = false;
-    for key in f.try_iter().map_err(|e| e.to_string())? {
-        let value = f.get_item(&key).map_err(|e| e.to_string())?;
-        let key = key.as_str().unwrap_or_default().to_string();
-        let value = if key == "arguments" {
-            has_arguments = true;
-            match value.as_str() {
-                Some("") => Value::from(Serde(Ordered::<String>(Vec::new()))),
-                Some(json) => serde_json::from_str::<Value>(json)
-                    .map_err(|e| format!("arguments: not JSON: {e}"))?,
-                None if value.is_none() => Value::from(Serde(Ordered::<String>(Vec::new()))),
-                None => value,
-            }
-        } else {
-            value
-        };
-        fields.push((key, value));
-    }
-    if !has_arguments {
-        fields.push((
-            "arguments".into(),
-            Value::from(Serde(Ordered::<String>(Vec::new()))),
-        ));
-    }
-    Ok(Value::from(Serde(Ordered(fields))))
-}
-
-/// A map with its keys in the given order (minijinja keeps a serialized map's order).
-struct Ordered<K>(Vec<(K, Value)>);
-
-impl<K: serde::Serialize> serde::Serialize for Ordered<K> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut map = s.serialize_map(Some(self.0.len()))?;
-        for (k, v) in &self.0 {
-            map.serialize_entry(k, v)?;
-        }
-        map.end()
     }
 }

@@ -10,6 +10,9 @@
 //! - [`strftime`]: the date formats templates ask `strftime_now` for, without a date crate.
 //! - [`chat`]: [`ChatTokenizer`]: a request body (chat `messages` or completions `prompt`) to
 //!   token ids, as vLLM's OpenAI server tokenizes it, and the cap on what is tokenized.
+//! - [`messages`]: the chat messages reshaped as vLLM hands them to the template.
+//! - [`cut`]: where a text may be cut without changing the tokens before the cut.
+//! - [`cache`]: the ids of prompt pieces already seen (a chat's earlier turns).
 //! - [`error`]: [`TokenizeError`], one type for loading and tokenizing.
 //! - [`engine`]: the opt-in fallback, the engine's own `POST /tokenize`, timed.
 //!
@@ -22,14 +25,17 @@
 //! This module is a leaf: it imports nothing of the crate, so the KV index, the policy and the
 //! simulator can all use it.
 
+pub mod cache;
 pub mod chat;
+pub mod cut;
 pub mod engine;
 pub mod error;
 pub mod files;
+pub mod messages;
 pub mod strftime;
 pub mod template;
 
-pub use chat::{ChatTokenizer, Limits, Tokens};
+pub use chat::{ChatTokenizer, Limits, Tokens, DEFAULT_CACHE_BYTES};
 pub use engine::{engine_tokenize, EngineTokens, TokenizeRequest};
 pub use error::TokenizeError;
 pub use files::TokenizerFiles;
