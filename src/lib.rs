@@ -25,6 +25,9 @@
 //! - [`catalog`]: the fleet's models and which engines serve each; [`prefix`]: the prompt
 //!   prefixes sent to each rank (affinity); [`pbwire`]: protobuf edited at the wire level;
 //!   [`tls`]: certificates for the listeners and engines; [`memory`]: giving freed heap back.
+//! - [`tokenize`]: a request's prompt as the engine's token ids (the model's tokenizer and chat
+//!   template run in-process, or the engine's `/tokenize`), for exact prefix-cache routing; a
+//!   leaf.
 //! - [`reason`]: why a rank is Unavailable, one variant per kind of cause.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.
@@ -72,6 +75,7 @@ pub mod scan;
 pub mod table;
 pub mod telemetry;
 pub mod tls;
+pub mod tokenize;
 pub mod tracecontext;
 pub mod upstream;
 pub mod wire;
