@@ -23,7 +23,8 @@
 //! - [`tracecontext`]: W3C `traceparent`, read and written.
 //! - [`deadlines`]: every deadline of the request path, and who enforces it.
 //! - [`catalog`]: the fleet's models and which engines serve each; [`prefix`]: the prompt
-//!   prefixes sent to each rank (affinity); [`pbwire`]: protobuf edited at the wire level;
+//!   prefixes sent to each rank (affinity); [`prompt`]: a request's prompt as affinity
+//!   compares it (chunk names, and token ids where the model's tokenizer is known); [`pbwire`]: protobuf edited at the wire level;
 //!   [`tls`]: certificates for the listeners and engines; [`memory`]: giving freed heap back.
 //! - [`tokenize`]: a request's prompt as the engine's token ids (the model's tokenizer and chat
 //!   template run in-process, or the engine's `/tokenize`), for exact prefix-cache routing; a
@@ -68,6 +69,7 @@ pub mod outlier;
 pub mod pbwire;
 pub mod policy;
 pub mod prefix;
+pub mod prompt;
 pub mod proto;
 pub mod proxy;
 pub mod reason;

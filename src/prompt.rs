@@ -1,0 +1,185 @@
+//! A request's prompt as prefix affinity compares it with what each rank holds: the chunk names
+//! of its raw JSON (what rankgate recorded sending, [`crate::prefix`]) and, where the model's
+//! tokenizer is configured (`[[models]]`) and `routing.kv_events` is on, its leading token ids
+//! exactly as the engine computes them, which the ranks' KV-event indexes are keyed by.
+//!
+//! Tokenizers are loaded once at startup ([`Prompts::load`]; a missing or broken file is a
+//! config error naming it). Tokenizing is best effort per request: a body the template refuses
+//! or a model without a tokenizer routes by the record alone, never fails the request (the
+//! engine says what is wrong with it).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::config::ModelConfig;
+use crate::scan::json_member_raw;
+use crate::tokenize::{ChatTokenizer, TokenizeError, TokenizerFiles};
+
+/// A request's prompt, read for affinity.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prompt {
+    /// Chunk names of the raw `messages` (or `prompt`) JSON; empty when none or too short.
+    pub chunks: Vec<u64>,
+    /// The engine's leading token ids for it; empty when not tokenized.
+    pub tokens: Vec<u32>,
+}
+
+impl Prompt {
+    /// Nothing to match: no chunk and no token.
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty() && self.tokens.is_empty()
+    }
+}
+
+/// A model's tokenizer could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("models[{index}] ({model}): {source}")]
+pub struct LoadError {
+    pub index: usize,
+    pub model: Arc<str>,
+    pub source: TokenizeError,
+}
+
+/// The tokenizers of `[[models]]`, by model id.
+#[derive(Debug, Default)]
+pub struct Prompts {
+    tokenizers: HashMap<Arc<str>, Arc<ChatTokenizer>>,
+}
+
+impl Prompts {
+    /// Loads every model's tokenizer; the first that fails is the error. Models that name
+    /// only the engine's `/tokenize` load nothing here.
+    pub fn load(models: &[ModelConfig]) -> Result<Prompts, LoadError> {
+        let mut tokenizers = HashMap::new();
+        for (index, m) in models.iter().enumerate() {
+            let Some(path) = &m.tokenizer else { continue };
+            let err = |source| LoadError {
+                index,
+                model: m.name.clone(),
+                source,
+            };
+            let mut files = files(path).map_err(err)?;
+            if let Some(t) = &m.chat_template {
+                files.chat_template = Some(t.clone());
+            }
+            let tokenizer = ChatTokenizer::from_files(&files).map_err(err)?;
+            tokenizers.insert(m.name.clone(), Arc::new(tokenizer));
+        }
+        Ok(Prompts { tokenizers })
+    }
+
+    /// Whether any model has a tokenizer.
+    pub fn any(&self) -> bool {
+        !self.tokenizers.is_empty()
+    }
+
+    /// The prompt of a request body kept whole: its chunk names, and its tokens when `tokens`
+    /// (some rank publishes KV events) and its model's tokenizer is known.
+    pub fn read(&self, body: &[u8], tokens: bool) -> Prompt {
+        let chunks = crate::prefix::prompt_chunks(body);
+        let tokens = match tokens {
+            true => self.tokens(body).unwrap_or_default(),
+            false => Vec::new(),
+        };
+        Prompt { chunks, tokens }
+    }
+
+    /// The body's leading token ids, by its model's tokenizer (the only one when the body
+    /// names none, as the engine then serves its only model). `None` without a tokenizer or
+    /// when the body does not tokenize.
+    fn tokens(&self, body: &[u8]) -> Option<Vec<u32>> {
+        let t = match json_member_raw(body, &["model"]).ok()? {
+            Some(raw) => {
+                let model: &str = serde_json::from_slice(raw).ok()?;
+                self.tokenizers.get(model)?
+            }
+            None if self.tokenizers.len() == 1 => self.tokenizers.values().next()?,
+            None => return None,
+        };
+        let chat = json_member_raw(body, &["messages"]).ok()?.is_some();
+        let result = match chat {
+            true => t.chat(body),
+            false => t.completion(body),
+        };
+        match result {
+            Ok(tokens) => Some(tokens.ids),
+            Err(e) => {
+                tracing::debug!(error = %e, "prompt not tokenized: affinity uses the record");
+                None
+            }
+        }
+    }
+}
+
+/// A model's files: a directory, or its `tokenizer.json` itself (with whatever config and
+/// template sit beside it).
+fn files(path: &Path) -> Result<TokenizerFiles, TokenizeError> {
+    match path.is_dir() {
+        true => TokenizerFiles::in_dir(path),
+        false => {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            let mut files = TokenizerFiles::in_dir(dir)?;
+            files.tokenizer = path.to_path_buf();
+            Ok(files)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture_dir() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vllm-0.32-kv-events")
+    }
+
+    fn model(name: &str, tokenizer: Option<std::path::PathBuf>) -> ModelConfig {
+        ModelConfig {
+            name: name.into(),
+            tokenizer,
+            chat_template: None,
+            engine_tokenize: false,
+        }
+    }
+
+    #[test]
+    fn a_chat_body_reads_as_chunks_and_the_engines_tokens() {
+        let p = Prompts::load(&[model("tiny-llama", Some(fixture_dir()))]).unwrap();
+        let golden: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(fixture_dir().join("chat_tokenize_golden.json")).unwrap(),
+        )
+        .unwrap();
+        let turn = &golden[0];
+        let body = serde_json::json!({"model": "tiny-llama", "messages": turn["messages"]});
+        let body = serde_json::to_vec(&body).unwrap();
+        let want: Vec<u32> = serde_json::from_value(turn["tokenize"].clone()).unwrap();
+        let prompt = p.read(&body, true);
+        assert_eq!(prompt.tokens, want);
+        assert!(!prompt.chunks.is_empty());
+        // Without events no tokenizing; another model, or garbage, has no tokens.
+        assert!(p.read(&body, false).tokens.is_empty());
+        let other = String::from_utf8(body.clone())
+            .unwrap()
+            .replace("tiny-llama", "other");
+        assert!(p.read(other.as_bytes(), true).tokens.is_empty());
+        assert_eq!(p.read(b"{\"messages\": 3", true), Prompt::default());
+        // The only tokenizer serves a body that names no model.
+        let unnamed = serde_json::json!({"messages": turn["messages"]});
+        assert_eq!(
+            p.read(&serde_json::to_vec(&unnamed).unwrap(), true).tokens,
+            want
+        );
+    }
+
+    #[test]
+    fn a_missing_tokenizer_names_the_model_and_the_file() {
+        let e = Prompts::load(&[model("m", Some("/nonexistent/model".into()))]).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("models[0] (m)") && text.contains("tokenizer.json"),
+            "{text}"
+        );
+        assert!(!Prompts::load(&[]).unwrap().any());
+    }
+}
