@@ -58,6 +58,7 @@ pub mod deadlines;
 pub mod discovery;
 pub mod http;
 pub mod ix;
+pub mod kv;
 pub mod live;
 pub mod logging;
 pub mod membership;

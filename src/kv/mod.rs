@@ -1,0 +1,19 @@
+//! Exact prefix-cache routing's view of the engines: the KV-cache events each rank publishes
+//! (vLLM's and SGLang's `--kv-events-config`), followed into a per-rank index of the blocks it
+//! holds, named by rankgate's own hash of their token ids.
+//!
+//! - [`hash`]: the block names (one function for the engines' blocks and the prompts');
+//! - [`msgpack`]: a bounded reader of the payloads; [`event`]: one message decoded;
+//! - [`index`]: a rank's index: read by picks without a lock, written by one task.
+
+pub mod event;
+pub mod hash;
+pub mod index;
+pub mod msgpack;
+
+pub use event::{decode, DecodeError, Event, Message};
+pub use hash::block_hashes;
+pub use index::{KvState, RankIndex, Writer};
+
+#[cfg(test)]
+mod tests;
