@@ -4,12 +4,14 @@
 //!
 //! - [`hash`]: the block names (one function for the engines' blocks and the prompts');
 //! - [`msgpack`]: a bounded reader of the payloads; [`event`]: one message decoded;
-//! - [`index`]: a rank's index: read by picks without a lock, written by one task.
+//! - [`index`]: a rank's index: read by picks without a lock, written by one task;
+//! - [`zmtp`]: ZeroMQ's wire protocol, as much as a SUB (and the simulator's PUB) needs.
 
 pub mod event;
 pub mod hash;
 pub mod index;
 pub mod msgpack;
+pub mod zmtp;
 
 pub use event::{decode, DecodeError, Event, Message};
 pub use hash::block_hashes;
