@@ -5,9 +5,11 @@
 //! - [`hash`]: the block names (one function for the engines' blocks and the prompts');
 //! - [`msgpack`]: a bounded reader of the payloads; [`event`]: one message decoded;
 //! - [`index`]: a rank's index: read by picks without a lock, written by one task;
+//! - [`feed`]: where each rank's events come from, and the tasks that read them;
 //! - [`zmtp`]: ZeroMQ's wire protocol, as much as a SUB (and the simulator's PUB) needs.
 
 pub mod event;
+pub mod feed;
 pub mod hash;
 pub mod index;
 pub mod msgpack;
