@@ -52,9 +52,10 @@ fn tokenizer(limits: Limits, cache: usize) -> ChatTokenizer {
         .with_cache(cache)
 }
 
-/// A multi-turn chat body of at least `tokens` prompt tokens: a system prompt, then user and
-/// assistant turns of ~150 words of a fixed pseudo-random text, with numbers and punctuation;
-/// and the body before its last assistant and user turns (the conversation's previous request).
+/// A multi-turn chat body of at least `tokens` prompt tokens: a system prompt of 100 words,
+/// then user and assistant turns of 80 words of a fixed pseudo-random text, with numbers and
+/// punctuation; and the body before its last assistant and user turns (the conversation's
+/// previous request).
 fn chat_body(tok: &ChatTokenizer, tokens: usize) -> (Vec<u8>, Vec<u8>) {
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next = move || {
@@ -80,7 +81,7 @@ fn chat_body(tok: &ChatTokenizer, tokens: usize) -> (Vec<u8>, Vec<u8>) {
         }
         text
     };
-    let mut messages = vec![serde_json::json!({"role": "system", "content": turn(300)})];
+    let mut messages = vec![serde_json::json!({"role": "system", "content": turn(100)})];
     let mut previous = Vec::new();
     loop {
         let role = if messages.len() % 2 == 1 {
@@ -88,7 +89,7 @@ fn chat_body(tok: &ChatTokenizer, tokens: usize) -> (Vec<u8>, Vec<u8>) {
         } else {
             "assistant"
         };
-        messages.push(serde_json::json!({"role": role, "content": turn(150)}));
+        messages.push(serde_json::json!({"role": role, "content": turn(80)}));
         if role == "user" {
             let body = serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages}))
                 .expect("json");
