@@ -31,7 +31,10 @@ fn chat_body(kib: usize) -> Vec<u8> {
 
 fn pick(c: &mut Criterion) {
     let body = chat_body(8);
-    let prompt = rankgate::prefix::prompt_chunks(&body);
+    let prompt = rankgate::prompt::Prompt {
+        chunks: rankgate::prefix::prompt_chunks(&body),
+        tokens: None,
+    };
     let none = Avoid::default();
     let mut g = c.benchmark_group("pick");
     for ranks in [8u32, 64, 1024] {

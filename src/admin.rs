@@ -229,12 +229,36 @@ impl Admin {
                     "consecutive_failures": live.outlier.failures(),
                     "models": snap.catalog.of(w.engine).map(|l| l.iter().map(|m| m.id.as_str()).collect::<Vec<_>>()).unwrap_or_default(),
                     "engine_note": engine.mismatch(),
+                    "kv_index": kv_index(&w.kv),
                 })
             })
             .chain(snap.fleet.engines.iter().filter(|e| !e.shaped()).map(unshaped_row))
             .collect();
         Value::Array(rows)
     }
+}
+
+/// A rank's KV-event index (`routing.kv_events`): whether picks use it, why not, what it holds
+/// and what it took in.
+fn kv_index(i: &crate::kv::RankIndex) -> Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (state, reason, block_size) = match i.state() {
+        crate::kv::KvState::Available { block_size, .. } => ("available", None, Some(block_size)),
+        crate::kv::KvState::Unavailable { reason } => ("unavailable", Some(reason), None),
+    };
+    let c = &i.counts;
+    json!({
+        "state": state,
+        "reason": reason,
+        "blocks": i.blocks(),
+        "block_size": block_size,
+        "memory_bytes": i.memory_bytes(),
+        "messages": c.messages.load(Relaxed),
+        "stored": c.stored.load(Relaxed),
+        "removed": c.removed.load(Relaxed),
+        "skipped": c.skipped.load(Relaxed),
+        "resets": c.resets.load(Relaxed),
+    })
 }
 
 /// A `/workers` row for an engine that has no workers yet because it has not said its flavor or

@@ -41,6 +41,9 @@ pub enum StartError {
     /// A certificate, key or CA file of the TLS settings could not be used.
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    /// A model's tokenizer (`[[models]]`) could not be loaded.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::prompt::LoadError),
     /// A front door thread (thread-per-core) could not be started.
     #[error("cannot start the front door's thread for core {core}: {source}")]
     Thread { core: usize, source: std::io::Error },
@@ -50,7 +53,10 @@ impl StartError {
     /// A file the config names could not be used (keys, certificates): a config error, as
     /// `rankgate check` reports it, rather than a failure of the machine.
     pub fn is_config(&self) -> bool {
-        matches!(self, StartError::Keys(_) | StartError::Tls(_))
+        matches!(
+            self,
+            StartError::Keys(_) | StartError::Tls(_) | StartError::Tokenizer(_)
+        )
     }
 }
 
@@ -246,13 +252,22 @@ impl Router {
                 default_kv_per_request: cfg.routing.request_kv_estimate,
                 limits,
                 upstream: upstream.clone(),
+                kv_events: cfg.routing.kv_events,
             },
             changes,
             rest_rx.clone(),
         );
 
         let memory = crate::memory::spawn(table.clone(), rest_rx.clone());
-        let layers = Layers::new(&cfg, table.clone(), metrics.clone(), keys, &upstream);
+        let prompts = crate::prompt::Prompts::load(&cfg.models)?;
+        let layers = Layers::new(
+            &cfg,
+            table.clone(),
+            metrics.clone(),
+            keys,
+            &upstream,
+            prompts,
+        );
         let selector = layers.shared().selector.clone();
         let front_opts = ServeOptions {
             tls: front_tls.clone(),

@@ -17,20 +17,25 @@ use crate::scan::json_member_raw;
 use crate::tokenize::{ChatTokenizer, TokenizeError, TokenizerFiles};
 
 /// A request's prompt, read for affinity.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct Prompt {
     /// Chunk names of the raw `messages` (or `prompt`) JSON; empty when none or too short.
     pub chunks: Vec<u64>,
-    /// The engine's leading token ids for it; empty when not tokenized.
-    pub tokens: Vec<u32>,
+    /// The engine's leading token ids for it, when tokenized.
+    pub tokens: Option<Arc<Vec<u32>>>,
 }
 
 impl Prompt {
     /// Nothing to match: no chunk and no token.
     pub fn is_empty(&self) -> bool {
-        self.chunks.is_empty() && self.tokens.is_empty()
+        self.chunks.is_empty() && self.tokens.as_ref().is_none_or(|t| t.is_empty())
     }
 }
+
+/// A request's token ids, computed before the pick (`proxy::tokens`), carried in its
+/// extensions (and to a retry's attempts).
+#[derive(Debug, Clone)]
+pub struct PromptTokens(pub Arc<Vec<u32>>);
 
 /// A model's tokenizer could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -74,21 +79,10 @@ impl Prompts {
         !self.tokenizers.is_empty()
     }
 
-    /// The prompt of a request body kept whole: its chunk names, and its tokens when `tokens`
-    /// (some rank publishes KV events) and its model's tokenizer is known.
-    pub fn read(&self, body: &[u8], tokens: bool) -> Prompt {
-        let chunks = crate::prefix::prompt_chunks(body);
-        let tokens = match tokens {
-            true => self.tokens(body).unwrap_or_default(),
-            false => Vec::new(),
-        };
-        Prompt { chunks, tokens }
-    }
-
     /// The body's leading token ids, by its model's tokenizer (the only one when the body
     /// names none, as the engine then serves its only model). `None` without a tokenizer or
     /// when the body does not tokenize.
-    fn tokens(&self, body: &[u8]) -> Option<Vec<u32>> {
+    pub fn tokens(&self, body: &[u8]) -> Option<Vec<u32>> {
         let t = match json_member_raw(body, &["model"]).ok()? {
             Some(raw) => {
                 let model: &str = serde_json::from_slice(raw).ok()?;
@@ -144,7 +138,7 @@ mod tests {
     }
 
     #[test]
-    fn a_chat_body_reads_as_chunks_and_the_engines_tokens() {
+    fn a_chat_body_reads_as_the_engines_tokens() {
         let p = Prompts::load(&[model("tiny-llama", Some(fixture_dir()))]).unwrap();
         let golden: serde_json::Value = serde_json::from_slice(
             &std::fs::read(fixture_dir().join("chat_tokenize_golden.json")).unwrap(),
@@ -154,22 +148,16 @@ mod tests {
         let body = serde_json::json!({"model": "tiny-llama", "messages": turn["messages"]});
         let body = serde_json::to_vec(&body).unwrap();
         let want: Vec<u32> = serde_json::from_value(turn["tokenize"].clone()).unwrap();
-        let prompt = p.read(&body, true);
-        assert_eq!(prompt.tokens, want);
-        assert!(!prompt.chunks.is_empty());
-        // Without events no tokenizing; another model, or garbage, has no tokens.
-        assert!(p.read(&body, false).tokens.is_empty());
+        assert_eq!(p.tokens(&body), Some(want.clone()));
+        // Another model, or garbage, has no tokens.
         let other = String::from_utf8(body.clone())
             .unwrap()
             .replace("tiny-llama", "other");
-        assert!(p.read(other.as_bytes(), true).tokens.is_empty());
-        assert_eq!(p.read(b"{\"messages\": 3", true), Prompt::default());
+        assert_eq!(p.tokens(other.as_bytes()), None);
+        assert_eq!(p.tokens(b"{\"messages\": 3"), None);
         // The only tokenizer serves a body that names no model.
         let unnamed = serde_json::json!({"messages": turn["messages"]});
-        assert_eq!(
-            p.read(&serde_json::to_vec(&unnamed).unwrap(), true).tokens,
-            want
-        );
+        assert_eq!(p.tokens(&serde_json::to_vec(&unnamed).unwrap()), Some(want));
     }
 
     #[test]

@@ -114,6 +114,9 @@ pub struct Member {
     pub invalid_entries: AtomicU64,
     /// Prompt prefixes recently sent here (`routing.prefix_affinity`).
     pub prefixes: crate::prefix::RankPrefixes,
+    /// The blocks its engine says it holds (`routing.kv_events`), read by picks without a
+    /// lock, written by its engine's event feed.
+    pub kv: Arc<crate::kv::RankIndex>,
 }
 
 /// One engine in the fleet: its config, where it came from, its connections and its workers.
@@ -183,6 +186,7 @@ impl EngineEntry {
                     counters: WorkerCounters::default(),
                     invalid_entries: AtomicU64::new(0),
                     prefixes: Default::default(),
+                    kv: Default::default(),
                 })
             })
             .collect();

@@ -191,16 +191,19 @@ pub struct Listeners {
     bound: Mutex<HashMap<SocketAddr, Arc<Bound>>>,
 }
 
+/// A rank's messages on a bound endpoint: its topic and DP rank.
+type RouteKey = (Vec<u8>, u32);
+
 /// One bound endpoint: the ranks that publish to it, by topic and DP rank.
 #[derive(Default)]
 struct Bound {
-    routes: Mutex<HashMap<(Vec<u8>, u32), Weak<Mutex<Writer>>>>,
+    routes: Mutex<HashMap<RouteKey, Weak<Mutex<Writer>>>>,
 }
 
 /// A rank's place on a bound endpoint; dropping it (the engine left) takes the rank off.
 pub struct Registration {
     bound: Arc<Bound>,
-    key: (Vec<u8>, u32),
+    key: RouteKey,
 }
 
 impl Drop for Registration {

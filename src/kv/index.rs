@@ -187,6 +187,11 @@ impl RankIndex {
         prompt.iter().take_while(|&&h| table.contains(h)).count()
     }
 
+    /// Blocks it holds (while rebuilding too).
+    pub fn blocks(&self) -> usize {
+        self.blocks.load(Relaxed)
+    }
+
     pub fn state(&self) -> KvState {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -241,7 +246,13 @@ pub struct Writer {
 }
 
 impl Writer {
+    /// The writer of `index`, which starts empty: what an earlier writer left there was
+    /// followed by a feed that is gone.
     pub fn new(index: Arc<RankIndex>) -> Writer {
+        index.table.store(Arc::new(Table::with_room_for(0)));
+        index.set(KvState::Unavailable {
+            reason: "no KV events yet".into(),
+        });
         Writer {
             index,
             names: HashMap::new(),

@@ -154,9 +154,18 @@ pub struct WorkerCounters {
     /// Upstream attempts by [`Attempt`] (in [`Attempt::ALL`] order).
     pub attempts: [AtomicU64; Attempt::ALL.len()],
     pub ejections: AtomicU64,
+    /// Prompt tokens prefix affinity expected the worker to hold for the requests sent to it:
+    /// `[by rankgate's record, by its engine's KV events]`.
+    pub predicted_hit_tokens: [AtomicU64; 2],
 }
 
 impl WorkerCounters {
+    /// A request sent here with `tokens` of its prompt expected cached.
+    #[inline]
+    pub fn predicted(&self, exact: bool, tokens: u64) {
+        self.predicted_hit_tokens[exact as usize].fetch_add(tokens, Relaxed);
+    }
+
     #[inline]
     pub fn attempt(&self, a: Attempt) {
         self.attempts[a as usize].fetch_add(1, Relaxed);

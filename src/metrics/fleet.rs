@@ -292,6 +292,23 @@ impl Collector for Fleet {
             }
         }
         let mut m = enc.encode_descriptor(
+            "rankgate_rank_prefix_predicted_hit_tokens",
+            "Prompt tokens prefix affinity expected the rank to hold for the requests sent to \
+             it, by whose account: events (its engine's KV events) or record (rankgate's record \
+             of what it sent). Compare with rankgate_rank_engine_prefix_cache_hits_total.",
+            None,
+            MetricType::Counter,
+        )?;
+        for w in workers {
+            for (by, n) in ["record", "events"]
+                .iter()
+                .zip(&w.counters.predicted_hit_tokens)
+            {
+                let n = n.load(std::sync::atomic::Ordering::Relaxed);
+                counter(&mut m, &[("worker", &*w.id_text), ("by", by)], n)?;
+            }
+        }
+        let mut m = enc.encode_descriptor(
             "rankgate_rank_in_flight_requests",
             "Requests in flight on the rank through this router (until their response body \
              ends).",

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use rand::Rng;
 use tokio::time::Instant;
 
+use super::affinity::Holdings;
 use super::avoid::{eligible, Avoid, Front};
 use super::explain::{explain_pick, By, Explanation};
 use super::in_flight::least_in_flight;
@@ -16,6 +17,7 @@ use super::sizing::RequestSizer;
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
 use crate::ix::{Ix, WorkerIx};
 use crate::outlier::Admit;
+use crate::prompt::Prompt;
 use crate::table::{InFlight, Table};
 use crate::worker::{EngineEntry, Flavor};
 
@@ -118,18 +120,18 @@ impl Selector {
         content_length: Option<u64>,
         avoid: &Avoid,
     ) -> Result<Picked, NoRank> {
-        self.pick_explained(table, content_length, avoid, &[], None)
+        self.pick_explained(table, content_length, avoid, &Prompt::default(), None)
     }
 
-    /// [`Selector::pick`] for a prompt whose chunk names are `prompt` (see [`crate::prefix`];
-    /// empty when unknown or affinity is off), writing why it went where it did (or nowhere)
-    /// to `explain` when given: from the same snapshot and instant the pick used.
+    /// [`Selector::pick`] for `prompt` (see [`crate::prompt`]; empty when unknown or affinity
+    /// is off), writing why it went where it did (or nowhere) to `explain` when given: from the
+    /// same snapshot and instant the pick used.
     pub fn pick_explained(
         &self,
         table: &Arc<Table>,
         content_length: Option<u64>,
         avoid: &Avoid,
-        prompt: &[u64],
+        prompt: &Prompt,
         mut explain: Option<&mut Explanation>,
     ) -> Result<Picked, NoRank> {
         let snap = table.snapshot.load();
@@ -146,22 +148,25 @@ impl Selector {
             });
         }
         let mut rng = rand::rng();
+        let mut holdings = Holdings::new(prompt);
         let fleet = &snap.fleet;
         let usable =
             |w: WorkerIx| snap.ranks[w].reachable && eligible(fleet, &fleet.workers[w], avoid);
         let (choice, by) = match self.policy {
-            Policy::LeastKv => match self.least_kv(table, &snap, now, avoid, prompt, &mut rng) {
-                Some((w, skipped)) => (Ok((w, skipped)), By::Kv),
-                None => match self.no_telemetry {
-                    NoTelemetry::Reject => (Err(NoRank::NoTelemetry), By::Kv),
-                    NoTelemetry::LeastInFlight => (
-                        least_in_flight(&snap, avoid, &mut rng)
-                            .map(|w| (w, true))
-                            .ok_or(NoRank::NoneReachable),
-                        By::InFlight,
-                    ),
-                },
-            },
+            Policy::LeastKv => {
+                match self.least_kv(table, &snap, now, avoid, &mut holdings, &mut rng) {
+                    Some((w, skipped)) => (Ok((w, skipped)), By::Kv),
+                    None => match self.no_telemetry {
+                        NoTelemetry::Reject => (Err(NoRank::NoTelemetry), By::Kv),
+                        NoTelemetry::LeastInFlight => (
+                            least_in_flight(&snap, avoid, &mut rng)
+                                .map(|w| (w, true))
+                                .ok_or(NoRank::NoneReachable),
+                            By::InFlight,
+                        ),
+                    },
+                }
+            }
             Policy::RoundRobin => {
                 let n = snap.ranks.len();
                 let start = self.rr.fetch_add(1, Relaxed) as usize;
@@ -185,7 +190,7 @@ impl Selector {
             }
         };
         if let Some(x) = explain.as_deref_mut() {
-            let affinity = self.affinity.map(|a| (a, prompt));
+            let affinity = self.affinity.map(|a| (a, &mut holdings));
             *x = explain_pick(table, &snap, now, avoid, self.policy, by, affinity);
             x.set_picked(
                 (choice.as_ref().ok()).map(|(w, _)| fleet.workers[*w].id_text.to_string()),
@@ -206,12 +211,17 @@ impl Selector {
             }
         };
         if self.affinity.is_some() && !prompt.is_empty() {
+            // What the pick expects the rank to hold, for checking against what its engine
+            // reports it found.
+            let held = holdings.of(member);
+            member.counters.predicted(held.exact, held.tokens);
             let capacity = match &snap.ranks[choice].telemetry {
                 crate::table::RankTelemetry::Available(l) => l.capacity_tokens,
                 _ => None,
             };
             let budget = crate::prefix::budget(capacity, snap.ranks.len());
-            (member.prefixes).record(crate::prefix::recorded(prompt, budget), budget);
+            let chunks = &prompt.chunks;
+            (member.prefixes).record(crate::prefix::recorded(chunks, budget), budget);
         }
         Ok(Picked {
             guard: InFlight::start(member.clone(), self.sizer.weight(content_length)),

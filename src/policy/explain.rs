@@ -8,6 +8,7 @@ use std::fmt::Write;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use super::affinity::Holdings;
 use super::avoid::{eligible, Avoid};
 use super::scoring::score;
 use crate::config::Policy;
@@ -46,6 +47,10 @@ pub struct Explanation {
     /// With prefix affinity: the prompt's chunks (see [`crate::prefix`]); 0 when it has none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_chunks: Option<usize>,
+    /// With `routing.kv_events`: the prompt's leading tokens, as its model's tokenizer (the
+    /// engine's) counts them; absent when it was not tokenized.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<usize>,
     /// Entries left out of the two lists to keep the explanation within its size.
     #[serde(skip_serializing_if = "is_zero")]
     pub omitted: usize,
@@ -68,6 +73,13 @@ pub struct Candidate {
     /// before. Affinity prefers the longest among ranks within `affinity_margin` of the best.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefix: Option<usize>,
+    /// With prefix affinity: the prompt's leading tokens this rank holds (the prefill a hit
+    /// there saves), and by whose account: `events` (its engine's KV events) or `record`
+    /// (rankgate's record of the chunks it sent, at 64 tokens a chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cached_by: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -120,6 +132,9 @@ impl Explanation {
             if let Some(p) = c.prefix {
                 let _ = write!(out, "(prefix {p})");
             }
+            if let (Some(t), Some(by)) = (c.cached_tokens, c.cached_by) {
+                let _ = write!(out, "(cached {t} by {by})");
+            }
         }
         out
     }
@@ -169,13 +184,16 @@ pub(super) fn explain_pick(
     avoid: &Avoid,
     policy: Policy,
     by: By,
-    affinity: Option<((f64, f64), &[u64])>,
+    affinity: Option<((f64, f64), &mut Holdings)>,
 ) -> Explanation {
     let mut x = Explanation::new(policy, by);
     // A prompt not read (too large to keep, not JSON, shorter than a chunk) matches nothing
     // and says so by its absence.
-    let prompt = affinity.map(|(_, p)| p).filter(|p| !p.is_empty());
-    x.prompt_chunks = prompt.map(<[u64]>::len);
+    let mut prompt = affinity.map(|(_, p)| p).filter(|p| !p.is_empty());
+    if let Some(p) = &prompt {
+        x.prompt_chunks = Some(p.prompt().chunks.len());
+        x.prompt_tokens = p.prompt().tokens.as_ref().map(|t| t.len());
+    }
     let fleet = &snap.fleet;
     for (w, seat) in fleet.workers.iter_enumerated() {
         let engine = &fleet.engines[seat.engine];
@@ -216,8 +234,15 @@ pub(super) fn explain_pick(
             worker,
             score,
             trial: admit == Admit::Trial,
-            prefix: prompt.map(|p| seat.prefixes.matched(p)),
+            prefix: (prompt.as_ref()).map(|p| seat.prefixes.matched(&p.prompt().chunks)),
+            cached_tokens: None,
+            cached_by: None,
         });
+        if let (Some(p), Some(c)) = (prompt.as_mut(), x.candidates.last_mut()) {
+            let held = p.of(seat);
+            c.cached_tokens = Some(held.tokens);
+            c.cached_by = Some(if held.exact { "events" } else { "record" });
+        }
     }
     // Trials first (they are picked first), then by score.
     x.candidates.sort_by(|a, b| {

@@ -4,7 +4,7 @@
 use rand::Rng;
 use tokio::time::Instant;
 
-use super::affinity::longest_prefix;
+use super::affinity::{longest_prefix, Holdings};
 use super::avoid::Avoid;
 use super::dispatch::Selector;
 use super::scoring::score_of;
@@ -30,7 +30,7 @@ impl Selector {
         snap: &Snapshot,
         now: Instant,
         avoid: &Avoid,
-        prompt: &[u64],
+        prompt: &mut Holdings,
         rng: &mut impl Rng,
     ) -> Option<(WorkerIx, bool)> {
         SCORES.with(|scores| {
@@ -66,7 +66,8 @@ impl Selector {
                 return random_at_most(&scores, best, rng).map(|w| (w, skipped));
             }
             if let (Some((margin, max_kv)), false) = (self.affinity, prompt.is_empty()) {
-                if let Some(w) = longest_prefix(fleet, &scores, prompt, best + margin, max_kv) {
+                if let Some((w, _)) = longest_prefix(fleet, &scores, prompt, best + margin, max_kv)
+                {
                     return Some((w, skipped));
                 }
             }

@@ -59,6 +59,14 @@ fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
     }
 }
 
+/// A prompt known by its chunk names only (no tokens: rankgate's record decides).
+fn chunks(names: &[u64]) -> crate::prompt::Prompt {
+    crate::prompt::Prompt {
+        chunks: names.to_vec(),
+        tokens: None,
+    }
+}
+
 fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {
     Selector::new(&routing(policy, no_telemetry))
 }
@@ -116,7 +124,7 @@ fn affinity_prefers_the_longest_prefix_within_the_margin_only() {
     // Rank 2 holds the whole prompt but is 0.40 above the best; rank 1 holds three chunks
     // within the margin.
     let p = s
-        .pick_explained(&t, None, &Avoid::default(), &prompt, None)
+        .pick_explained(&t, None, &Avoid::default(), &chunks(&prompt), None)
         .unwrap();
     assert_eq!(p.guard.worker(), 1);
     // The pick is remembered: rank 1 now holds the whole prompt.
@@ -124,7 +132,7 @@ fn affinity_prefers_the_longest_prefix_within_the_margin_only() {
     // A prompt no rank holds goes by load; it is then remembered where it went.
     let fresh = [21, 22];
     let p = s
-        .pick_explained(&t, None, &Avoid::default(), &fresh, None)
+        .pick_explained(&t, None, &Avoid::default(), &chunks(&fresh), None)
         .unwrap();
     assert_eq!(p.guard.worker(), 0);
     assert_eq!(member(&t, 0).prefixes.matched(&fresh), 2);
@@ -137,7 +145,7 @@ fn affinity_never_takes_a_rank_at_the_kv_ceiling() {
     set(&t, vec![available(0.84, now), available(0.86, now)]);
     member(&t, 1).prefixes.record(&[1, 2, 3], 100);
     let p = affine(0.1, 0.85)
-        .pick_explained(&t, None, &Avoid::default(), &[1, 2, 3], None)
+        .pick_explained(&t, None, &Avoid::default(), &chunks(&[1, 2, 3]), None)
         .unwrap();
     assert_eq!(
         p.guard.worker(),
@@ -388,7 +396,7 @@ proptest! {
         set(&t, ranks);
         let s = affine(margin, max_kv);
         let best = views.iter().filter_map(|(kv, _)| *kv).fold(f64::INFINITY, f64::min);
-        match s.pick_explained(&t, None, &Avoid::default(), &prompt, None) {
+        match s.pick_explained(&t, None, &Avoid::default(), &chunks(&prompt), None) {
             Ok(p) => {
                 let w = p.guard.worker();
                 let kv = views[w].0;

@@ -11,6 +11,7 @@
 //! route     the route table: what is proxied to which flavor; the fleet's /v1/models; 404 / 405
 //! read      the request body: 413, 400 when broken, 408 when stalled; kept whole for replays
 //! select    the engines serving the request's model (scanned, not parsed) and route
+//! tokens    routing.kv_events: the prompt's token ids, off the runtime's threads
 //! admit     server.max_in_flight -> 429 (after the body is in: a slow upload holds no slot)
 //! retry     failover before the first byte, to another rank, within a retry budget
 //! pick      the rank (never one with unknown telemetry while one has numbers, never an ejected
@@ -71,6 +72,7 @@ mod stack;
 mod target;
 #[cfg(test)]
 mod tests;
+mod tokens;
 pub(crate) mod trace;
 
 pub use crate::scan::json_member;

@@ -17,6 +17,7 @@ use super::target::{Picked, Target};
 use super::trace::{self, Traced};
 use super::{grpc, read, route};
 use crate::policy::{Avoid, Explanation};
+use crate::prompt::{Prompt, PromptTokens};
 use crate::upstream::{RequestBody, StreamBody};
 use crate::worker::Flavor;
 
@@ -57,8 +58,11 @@ where
         // Affinity reads the prompt from a body kept whole (one too large to keep is routed
         // by load alone).
         let prompt = match (shared.selector.affinity(), req.body()) {
-            (true, RequestBody::Full(b)) => crate::prefix::prompt_chunks(b),
-            _ => Vec::new(),
+            (true, RequestBody::Full(b)) => Prompt {
+                chunks: crate::prefix::prompt_chunks(b),
+                tokens: req.extensions().get::<PromptTokens>().map(|t| t.0.clone()),
+            },
+            _ => Prompt::default(),
         };
         let (table, x) = (&shared.table, explained.as_mut());
         let picked = match (shared.selector).pick_explained(table, length, &avoid, &prompt, x) {

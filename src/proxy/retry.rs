@@ -21,6 +21,7 @@ use super::layer::{Answer, Below};
 use super::shared::Ctx;
 use super::trace::Traced;
 use crate::policy::Avoid;
+use crate::prompt::PromptTokens;
 use crate::upstream::RequestBody;
 use crate::worker::Member;
 use std::sync::Arc;
@@ -249,6 +250,8 @@ struct Head {
     headers: http::HeaderMap,
     /// A traced request's span: each attempt's span is its child.
     traced: Option<Traced>,
+    /// The prompt's token ids, when `tokens` computed them.
+    tokens: Option<PromptTokens>,
 }
 
 fn head(req: &Request<RequestBody>) -> Head {
@@ -258,6 +261,7 @@ fn head(req: &Request<RequestBody>) -> Head {
         version: req.version(),
         headers: req.headers().clone(),
         traced: req.extensions().get::<Traced>().cloned(),
+        tokens: req.extensions().get::<PromptTokens>().cloned(),
     }
 }
 
@@ -268,6 +272,9 @@ fn rebuild(h: &Head, body: RequestBody) -> Request<RequestBody> {
     *req.version_mut() = h.version;
     *req.headers_mut() = h.headers.clone();
     if let Some(t) = &h.traced {
+        req.extensions_mut().insert(t.clone());
+    }
+    if let Some(t) = &h.tokens {
         req.extensions_mut().insert(t.clone());
     }
     req

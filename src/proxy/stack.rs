@@ -21,7 +21,7 @@ use super::retry::Policy;
 use super::send::Dial;
 use super::shared::{Ctx, Front, Shared};
 use super::{
-    admit, auth, cors, grpc, identity, observe, pick, read, respond, retry, route, select,
+    admit, auth, cors, grpc, identity, observe, pick, read, respond, retry, route, select, tokens,
 };
 use super::{send, trace};
 use crate::config::Config;
@@ -47,6 +47,8 @@ pub struct Layers {
     ejection: crate::outlier::Policy,
     dial: Arc<Dial>,
     grpc: Arc<Local>,
+    /// `[[models]]`' tokenizers while `routing.kv_events` is on; `None` otherwise.
+    prompts: Option<Arc<crate::prompt::Prompts>>,
 }
 
 impl std::fmt::Debug for Layers {
@@ -56,13 +58,15 @@ impl std::fmt::Debug for Layers {
 }
 
 impl Layers {
-    /// `keys` as [`Keys::load`] read them at startup; `upstream` as `[engine_tls]` says.
+    /// `keys` as [`Keys::load`] read them at startup; `upstream` as `[engine_tls]` says;
+    /// `prompts`: the models' tokenizers, loaded at startup ([`crate::prompt::Prompts::load`]).
     pub fn new(
         cfg: &Config,
         table: Arc<Table>,
         metrics: Arc<Metrics>,
         keys: Option<Keys>,
         upstream: &Upstream,
+        prompts: crate::prompt::Prompts,
     ) -> Arc<Layers> {
         let (server, routing) = (&cfg.server, &cfg.routing);
         let deadlines = Deadlines::of(server);
@@ -108,6 +112,7 @@ impl Layers {
             }),
             dial,
             shared,
+            prompts: (cfg.routing.kv_events && prompts.any()).then(|| Arc::new(prompts)),
         })
     }
 
@@ -162,6 +167,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
         .layer_fn(|inner| l.route(inner, c))
         .layer_fn(|inner| l.read(inner, c))
         .layer_fn(|inner| select::Select::new(inner, c, &l.extra_routes))
+        .layer_fn(|inner| tokens::Tokens::new(inner, &l.prompts))
         .layer_fn(|inner| l.admit_retry_pick(inner, c))
         .service(l.observe_send(c))
 }

@@ -55,7 +55,14 @@ fn shared_with_keys(extra: &str, keys: Option<Keys>) -> Fixture {
         catalog,
     }));
     let metrics = Arc::new(Metrics::new());
-    let layers = Layers::new(&cfg, table, metrics, keys, crate::tls::Upstream::system());
+    let layers = Layers::new(
+        &cfg,
+        table,
+        metrics,
+        keys,
+        crate::tls::Upstream::system(),
+        Default::default(),
+    );
     let ctx = Ctx::new(layers.shared(), ([127, 0, 0, 1], 9).into(), Front::Http);
     Fixture { layers, ctx }
 }

@@ -10,6 +10,7 @@
 
 mod client;
 mod detect;
+mod events;
 pub mod grpc;
 pub mod health;
 pub mod loads;
@@ -44,6 +45,8 @@ pub struct Settings {
     pub limits: ConnLimits,
     /// How `https://` engines are reached.
     pub upstream: crate::tls::Upstream,
+    /// `routing.kv_events`: every engine's KV events are read into its ranks' indexes.
+    pub kv_events: bool,
 }
 
 /// Starts the publisher and a poller for every engine of the table's fleet; they run until
@@ -74,6 +77,8 @@ pub fn spawn(
             settings,
             tx,
             pollers: HashMap::new(),
+            feeds: HashMap::new(),
+            listeners: Arc::default(),
             tasks: JoinSet::new(),
             shutdown: shutdown.clone(),
             reported: HashMap::new(),
@@ -103,6 +108,10 @@ struct Publisher {
     /// Per worker: whether its staleness was logged.
     stale: IxVec<WorkerIx, bool>,
     pollers: HashMap<EngineId, AbortHandle>,
+    /// Each engine's KV-event feed (`routing.kv_events`).
+    feeds: HashMap<EngineId, AbortHandle>,
+    /// The endpoints rankgate binds for engines that connect to publish their events.
+    listeners: Arc<crate::kv::feed::Listeners>,
     tasks: JoinSet<()>,
     shutdown: Shutdown,
     /// What each engine (by URL) last said of its flavor and size.
@@ -286,13 +295,15 @@ impl Publisher {
         self.publish();
         self.start_pollers();
         let keys: Vec<EngineId> = self.fleet.engines.iter().map(|e| e.key).collect();
-        self.pollers.retain(|k, task| {
-            let stays = keys.contains(k);
-            if !stays {
-                task.abort();
-            }
-            stays
-        });
+        for tasks in [&mut self.pollers, &mut self.feeds] {
+            tasks.retain(|k, task| {
+                let stays = keys.contains(k);
+                if !stays {
+                    task.abort();
+                }
+                stays
+            });
+        }
     }
 
     /// A poller for every engine of the fleet that has none.
@@ -316,6 +327,19 @@ impl Publisher {
                 // Config validation makes this unreachable; if it is not, the engine's ranks
                 // stay Unavailable ("not polled") instead of taking the router down.
                 Err(err) => tracing::error!(engine = %entry.url, %err, "engine not polled"),
+            }
+            // An engine without workers yet (shape unknown) gets its feed once it has them.
+            if self.settings.kv_events
+                && !entry.members.is_empty()
+                && !self.feeds.contains_key(&entry.key)
+            {
+                let task = self.tasks.spawn(events::feed(
+                    entry.clone(),
+                    self.http.clone(),
+                    self.listeners.clone(),
+                    self.table.clone(),
+                ));
+                self.feeds.insert(entry.key, task);
             }
         }
         // Finished pollers (aborted ones) leave the set.

@@ -1,0 +1,164 @@
+//! One engine's KV-event feed (`routing.kv_events`): finds where each of its ranks publishes
+//! (`engines[].kv_events`, else the engine's `GET /kv_event_sources`, asked again every
+//! [`ASK_AGAIN`] until it answers), reads every rank's events into that rank's index
+//! ([`crate::kv`]), keeps each index's bound at the rank's reported KV capacity, and marks a
+//! rank whose publisher fell silent while it ran requests. Started and stopped with the
+//! engine's poller.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+
+use super::client::{fetch, HttpClient};
+use crate::kv::feed::{self, Listeners, RankSource, Reach, Registration, SharedWriter};
+use crate::table::{RankTelemetry, Table};
+use crate::worker::{EngineEntry, Member};
+
+/// Between two asks of an engine's `/kv_event_sources` that failed.
+const ASK_AGAIN: Duration = Duration::from_secs(10);
+/// How often capacities and silence are checked.
+const TICK: Duration = Duration::from_secs(1);
+/// A rank that ran requests this long without one event is taken as silent.
+const SILENT_FOR: u32 = 30;
+
+/// Runs the feed until aborted.
+pub(super) async fn feed(
+    entry: Arc<EngineEntry>,
+    http: HttpClient,
+    listeners: Arc<Listeners>,
+    table: Arc<Table>,
+) {
+    let host = host_of(&entry.authority);
+    let sources = loop {
+        let found = match &entry.kv_events {
+            Some(kv) => feed::from_config(kv, host, entry.start_rank, entry.dp_size),
+            None => ask(&entry, &http, host).await,
+        };
+        match found {
+            Ok(s) => break s,
+            Err(why) => {
+                for m in entry.members.iter() {
+                    feed::writer(&m.kv)
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .lost(&why);
+                }
+                if entry.kv_events.is_some() {
+                    // A configured endpoint that cannot work will not start working.
+                    return;
+                }
+                tokio::time::sleep(ASK_AGAIN).await;
+            }
+        }
+    };
+    let mut tasks = JoinSet::new();
+    let mut held: Vec<Registration> = Vec::new();
+    let mut ranks: Vec<(Arc<Member>, SharedWriter, u64, u32)> = Vec::new();
+    for m in entry.members.iter() {
+        let writer = feed::writer(&m.kv);
+        let Some(src) = sources.iter().find(|s| Some(s.rank) == m.id.rank) else {
+            feed::lock(&writer).lost("the engine lists no KV-event source for this rank");
+            continue;
+        };
+        start(src, &writer, &listeners, &mut tasks, &mut held).await;
+        ranks.push((m.clone(), writer, 0, 0));
+    }
+    let mut tick = tokio::time::interval(TICK);
+    loop {
+        tick.tick().await;
+        let snap = table.snapshot.load();
+        for (member, writer, last_messages, silent) in &mut ranks {
+            let Some(w) = (snap.fleet.workers.iter_enumerated())
+                .find(|(_, s)| s.key == member.key)
+                .map(|(w, _)| w)
+            else {
+                continue;
+            };
+            let RankTelemetry::Available(load) = &snap.ranks[w].telemetry else {
+                continue;
+            };
+            let mut wr = feed::lock(writer);
+            if let Some(cap) = load.capacity_tokens {
+                wr.set_capacity_tokens(cap);
+            }
+            let messages = member.kv.counts.messages.load(Relaxed);
+            let busy = load.running.is_some_and(|r| r > 0);
+            *silent = if busy && messages == *last_messages {
+                *silent + 1
+            } else {
+                0
+            };
+            *last_messages = messages;
+            if *silent == SILENT_FOR {
+                wr.lost(&format!(
+                    "no KV events for {SILENT_FOR} s while the rank ran requests"
+                ));
+            }
+        }
+    }
+}
+
+async fn start(
+    src: &RankSource,
+    writer: &SharedWriter,
+    listeners: &Listeners,
+    tasks: &mut JoinSet<()>,
+    held: &mut Vec<Registration>,
+) {
+    match &src.reach {
+        Reach::Connect(addr) => {
+            tasks.spawn(feed::connect_rank(
+                addr.clone(),
+                src.topic.clone(),
+                writer.clone(),
+            ));
+        }
+        Reach::Bind(addr) => match listeners
+            .register(*addr, src.topic.clone(), src.rank, writer)
+            .await
+        {
+            Ok(r) => {
+                feed::lock(writer).lost(&format!("waiting for the engine to connect to {addr}"));
+                held.push(r);
+            }
+            Err(why) => feed::lock(writer).lost(&why),
+        },
+    }
+}
+
+/// The engine's `/kv_event_sources`, read.
+async fn ask(
+    entry: &EngineEntry,
+    http: &HttpClient,
+    host: &str,
+) -> Result<Vec<RankSource>, String> {
+    let uri: http::Uri = format!("{}/kv_event_sources", entry.url)
+        .parse()
+        .map_err(|e| format!("/kv_event_sources: {e}"))?;
+    let http = http.with_key(entry.api_key.clone());
+    match fetch(&http, uri).await {
+        Ok(body) => feed::from_sources(&body, host),
+        Err(f) => Err(format!(
+            "no KV-event sources: GET /kv_event_sources: {} (set engines[].kv_events, or start the engine with --kv-events-config)",
+            f.reason
+        )),
+    }
+}
+
+/// The host of an authority `host:port` (`[v6]:port`).
+fn host_of(authority: &str) -> &str {
+    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn hosts_come_out_of_authorities() {
+        assert_eq!(super::host_of("10.0.0.5:8000"), "10.0.0.5");
+        assert_eq!(super::host_of("[::1]:8000"), "::1");
+        assert_eq!(super::host_of("engine.local:80"), "engine.local");
+    }
+}
