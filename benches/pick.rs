@@ -43,7 +43,8 @@ fn pick(c: &mut Criterion) {
             let other: Vec<u64> = (0..32).map(|i| (w as u64) << 32 | i).collect();
             seat.prefixes.record(&other, 4096);
             if w % 16 == 0 {
-                seat.prefixes.record(&prompt[..prompt.len() / 2], 4096);
+                seat.prefixes
+                    .record(&prompt.chunks[..prompt.chunks.len() / 2], 4096);
             }
         }
         let (plain, affine) = (selector(false), selector(true));

@@ -34,6 +34,7 @@ pub fn view(r: u32, now: tokio::time::Instant) -> RankView {
             capacity_tokens: Some(262_144),
             aggregate: false,
             upstream: None,
+            prefix_cache: None,
             sampled_at: now,
         }),
         reachable: true,
