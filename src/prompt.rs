@@ -46,10 +46,23 @@ pub struct LoadError {
     pub source: TokenizeError,
 }
 
-/// The tokenizers of `[[models]]`, by model id.
+/// The tokenizers of `[[models]]`, by model id, and the models whose engines tokenize.
 #[derive(Debug, Default)]
 pub struct Prompts {
     tokenizers: HashMap<Arc<str>, Arc<ChatTokenizer>>,
+    /// `models[].engine_tokenize` without a tokenizer: an engine's `POST /tokenize` is asked.
+    by_engine: Vec<Arc<str>>,
+}
+
+/// How a request's prompt gets its tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Tokenizer {
+    /// In-process, by its model's tokenizer.
+    Here,
+    /// By an engine serving this model (`POST /tokenize`).
+    Engine(Arc<str>),
+    /// Not at all: its model has neither.
+    None,
 }
 
 impl Prompts {
@@ -57,8 +70,14 @@ impl Prompts {
     /// only the engine's `/tokenize` load nothing here.
     pub fn load(models: &[ModelConfig]) -> Result<Prompts, LoadError> {
         let mut tokenizers = HashMap::new();
+        let mut by_engine = Vec::new();
         for (index, m) in models.iter().enumerate() {
-            let Some(path) = &m.tokenizer else { continue };
+            let Some(path) = &m.tokenizer else {
+                if m.engine_tokenize {
+                    by_engine.push(m.name.clone());
+                }
+                continue;
+            };
             let err = |source| LoadError {
                 index,
                 model: m.name.clone(),
@@ -71,12 +90,32 @@ impl Prompts {
             let tokenizer = ChatTokenizer::from_files(&files).map_err(err)?;
             tokenizers.insert(m.name.clone(), Arc::new(tokenizer));
         }
-        Ok(Prompts { tokenizers })
+        Ok(Prompts {
+            tokenizers,
+            by_engine,
+        })
     }
 
-    /// Whether any model has a tokenizer.
+    /// Whether any model's prompts can be tokenized.
     pub fn any(&self) -> bool {
-        !self.tokenizers.is_empty()
+        !self.tokenizers.is_empty() || !self.by_engine.is_empty()
+    }
+
+    /// How the prompt of `body` gets its tokens.
+    pub fn tokenizer(&self, body: &[u8]) -> Tokenizer {
+        let model = match json_member_raw(body, &["model"]) {
+            Ok(Some(raw)) => serde_json::from_slice::<&str>(raw).ok(),
+            _ => None,
+        };
+        match model {
+            Some(m) if self.tokenizers.contains_key(m) => Tokenizer::Here,
+            Some(m) => match self.by_engine.iter().find(|e| ***e == *m) {
+                Some(e) => Tokenizer::Engine(e.clone()),
+                None => Tokenizer::None,
+            },
+            None if self.tokenizers.len() == 1 => Tokenizer::Here,
+            None => Tokenizer::None,
+        }
     }
 
     /// The body's leading token ids, by its model's tokenizer (the only one when the body

@@ -62,6 +62,10 @@ pub struct Metrics {
     retries_refused: Counter,
     /// Streams cut after their first byte: `[broken, idle]`.
     streams_cut: [Counter; 2],
+    /// Prompts tokenized by an engine's `POST /tokenize` (`models[].engine_tokenize`):
+    /// `[ok, failed]`, and the seconds they took.
+    engine_tokenize: [Counter; 2],
+    engine_tokenize_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl Default for Metrics {
@@ -152,6 +156,26 @@ impl Metrics {
             streams_cut.get_or_create_owned(&[("reason", "broken")]),
             streams_cut.get_or_create_owned(&[("reason", "idle")]),
         ];
+        let tokenize = prometheus_client::metrics::family::Family::<
+            [(&'static str, &'static str); 1],
+            Counter,
+        >::default();
+        registry.register(
+            "rankgate_engine_tokenize",
+            "Prompts an engine tokenized for exact prefix routing (models[].engine_tokenize), by \
+             result: ok, or failed (the request then routes by rankgate's record)",
+            tokenize.clone(),
+        );
+        let engine_tokenize = [
+            tokenize.get_or_create_owned(&[("result", "ok")]),
+            tokenize.get_or_create_owned(&[("result", "failed")]),
+        ];
+        let engine_tokenize_seconds = Counter::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "rankgate_engine_tokenize_seconds",
+            "Time requests waited for an engine's POST /tokenize, before their pick",
+            engine_tokenize_seconds.clone(),
+        );
         registry.register_collector(Box::new(fleet::Requests {
             core: core.clone(),
             table: table.clone(),
@@ -167,7 +191,15 @@ impl Metrics {
             retries,
             retries_refused,
             streams_cut,
+            engine_tokenize,
+            engine_tokenize_seconds,
         }
+    }
+
+    /// A prompt an engine's `/tokenize` answered (`ok`) or not, after `took`.
+    pub fn engine_tokenize(&self, ok: bool, took: std::time::Duration) {
+        self.engine_tokenize[usize::from(!ok)].inc();
+        self.engine_tokenize_seconds.inc_by(took.as_secs_f64());
     }
 
     /// The labels of a request for `path` (on the gRPC front door if `grpc`) in the fleet of

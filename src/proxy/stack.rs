@@ -48,7 +48,7 @@ pub struct Layers {
     dial: Arc<Dial>,
     grpc: Arc<Local>,
     /// `[[models]]`' tokenizers while `routing.kv_events` is on; `None` otherwise.
-    prompts: Option<Arc<crate::prompt::Prompts>>,
+    prompts: Option<Arc<tokens::State>>,
 }
 
 impl std::fmt::Debug for Layers {
@@ -112,7 +112,12 @@ impl Layers {
             }),
             dial,
             shared,
-            prompts: (cfg.routing.kv_events && prompts.any()).then(|| Arc::new(prompts)),
+            prompts: (cfg.routing.kv_events && prompts.any()).then(|| {
+                Arc::new(tokens::State {
+                    prompts,
+                    client: crate::http::client_with(server.connect_timeout, upstream),
+                })
+            }),
         })
     }
 
@@ -167,7 +172,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
         .layer_fn(|inner| l.route(inner, c))
         .layer_fn(|inner| l.read(inner, c))
         .layer_fn(|inner| select::Select::new(inner, c, &l.extra_routes))
-        .layer_fn(|inner| tokens::Tokens::new(inner, &l.prompts))
+        .layer_fn(|inner| tokens::Tokens::new(inner, c, &l.prompts))
         .layer_fn(|inner| l.admit_retry_pick(inner, c))
         .service(l.observe_send(c))
 }

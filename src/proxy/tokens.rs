@@ -1,29 +1,48 @@
 //! Tokenizing the prompt for exact prefix-cache routing (`routing.kv_events` with a model's
 //! tokenizer in `[[models]]`): a body kept whole is tokenized off the runtime's threads
-//! (`spawn_blocking`: a fresh 8k-token prompt takes milliseconds) and its token ids ride on
-//! the request to `pick`, which names its blocks the way the ranks' indexes do. Any other
-//! request passes straight through, with no allocation.
+//! (`spawn_blocking`: a fresh 8k-token prompt takes milliseconds), or, for a model configured
+//! with `engine_tokenize` and no tokenizer, by an engine serving it (`POST /tokenize`, its
+//! time counted on `/metrics`). The token ids ride on the request to `pick`, which names its
+//! blocks the way the ranks' indexes do. A failure costs only the exact match: the request
+//! routes by rankgate's record. Any other request passes straight through, with no
+//! allocation.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use bytes::Bytes;
 use http::Request;
+use http_body_util::Full;
 
 use super::layer::{Below, Step};
-use crate::prompt::{PromptTokens, Prompts};
+use super::shared::Ctx;
+use crate::prompt::{PromptTokens, Prompts, Tokenizer};
+use crate::tokenize::{engine_tokenize, TokenizeRequest};
 use crate::upstream::RequestBody;
+
+/// Longest wait for an engine's `/tokenize`: the request waits for it before its pick.
+const ENGINE_TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The prompts' tokenizers and the client that asks engines.
+pub struct State {
+    pub prompts: Prompts,
+    pub client: crate::http::HttpClient<Full<Bytes>>,
+}
 
 #[derive(Clone)]
 pub struct Tokens<S> {
     inner: S,
-    /// `None`: off (no `routing.kv_events`, or no model has a tokenizer).
-    prompts: Option<Arc<Prompts>>,
+    ctx: Ctx,
+    /// `None`: off (no `routing.kv_events`, or no model's prompts can be tokenized).
+    state: Option<Arc<State>>,
 }
 
 impl<S> Tokens<S> {
-    pub fn new(inner: S, prompts: &Option<Arc<Prompts>>) -> Tokens<S> {
+    pub fn new(inner: S, ctx: &Ctx, state: &Option<Arc<State>>) -> Tokens<S> {
         Tokens {
             inner,
-            prompts: prompts.clone(),
+            ctx: ctx.clone(),
+            state: state.clone(),
         }
     }
 }
@@ -35,18 +54,74 @@ where
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
-        let (Some(prompts), RequestBody::Full(body)) = (&self.prompts, req.body()) else {
+        let (Some(state), RequestBody::Full(body)) = (&self.state, req.body()) else {
             return Step::Below(self.inner.call(req));
         };
-        let (prompts, body, mut inner) = (prompts.clone(), body.clone(), self.inner.clone());
+        let how = state.prompts.tokenizer(body);
+        if how == Tokenizer::None {
+            return Step::Below(self.inner.call(req));
+        }
+        let (state, body, ctx, mut inner) = (
+            state.clone(),
+            body.clone(),
+            self.ctx.clone(),
+            self.inner.clone(),
+        );
+        let chat = req.uri().path().ends_with("/chat/completions");
         Step::Own(Box::pin(async move {
             let mut req = req;
-            // A tokenizer that panics (it is someone else's code) costs only the exact match.
-            if let Ok(Some(ids)) = tokio::task::spawn_blocking(move || prompts.tokens(&body)).await
-            {
+            let ids = match how {
+                // A tokenizer that panics (it is someone else's code) costs only the match.
+                Tokenizer::Here => {
+                    let s = state.clone();
+                    tokio::task::spawn_blocking(move || s.prompts.tokens(&body))
+                        .await
+                        .ok()
+                        .flatten()
+                }
+                Tokenizer::Engine(model) => by_engine(&ctx, &state, &model, chat, &body).await,
+                Tokenizer::None => None,
+            };
+            if let Some(ids) = ids {
                 req.extensions_mut().insert(PromptTokens(Arc::new(ids)));
             }
             inner.call(req).await
         }))
+    }
+}
+
+/// The prompt's tokens from the first engine serving `model` that has workers.
+async fn by_engine(
+    ctx: &Ctx,
+    state: &State,
+    model: &str,
+    chat: bool,
+    body: &[u8],
+) -> Option<Vec<u32>> {
+    let url = {
+        let snap = ctx.table.snapshot.load();
+        let fleet = &snap.fleet;
+        let found = (fleet.engines.iter_enumerated())
+            .find(|(e, entry)| {
+                entry.http && !entry.members.is_empty() && snap.catalog.serves(*e, model)
+            })
+            .map(|(_, entry)| entry.url.clone());
+        found?
+    };
+    let kind = if chat {
+        TokenizeRequest::Chat
+    } else {
+        TokenizeRequest::Completion
+    };
+    let started = std::time::Instant::now();
+    let answer = engine_tokenize(&state.client, &url, kind, body, ENGINE_TOKENIZE_TIMEOUT).await;
+    ctx.metrics
+        .engine_tokenize(answer.is_ok(), started.elapsed());
+    match answer {
+        Ok(t) => Some(t.tokens),
+        Err(e) => {
+            tracing::debug!(error = %e, "prompt not tokenized by the engine: affinity uses the record");
+            None
+        }
     }
 }
