@@ -237,3 +237,55 @@ pub async fn run(a: Args) -> Result<(), String> {
     engine.shutdown().await;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn parse(extra: &[&str]) -> Result<SimConfig, String> {
+        let mut argv = vec![
+            "mock-engine",
+            "--listen",
+            "127.0.0.1:0",
+            "--flavor",
+            "vllm",
+            "--dp-size",
+            "2",
+        ];
+        argv.extend_from_slice(extra);
+        let cmd = Cmd::try_parse_from(argv).map_err(|e| e.to_string())?;
+        config(cmd.args).map(|(cfg, _, _)| cfg)
+    }
+
+    #[test]
+    fn kv_events_config_reads_like_vllms_and_turns_prefix_caching_on() {
+        let cfg = parse(&[
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}"#,
+        ])
+        .expect("valid");
+        assert!(cfg.prefix_caching);
+        let kv = cfg.kv_events.expect("events on");
+        assert_eq!(kv.topic, "kv");
+        let off =
+            parse(&["--kv-events-config", r#"{"enable_kv_cache_events": false}"#]).expect("valid");
+        assert!(off.kv_events.is_none() && !off.prefix_caching);
+        let bad = parse(&[
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events": true, "publisher": "redis"}"#,
+        ])
+        .unwrap_err();
+        assert!(bad.contains("publisher"), "{bad}");
+        assert!(
+            parse(&[]).expect("valid").kv_events.is_none(),
+            "off by default"
+        );
+    }
+}

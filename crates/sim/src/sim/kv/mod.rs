@@ -507,6 +507,12 @@ async fn publish(
         if p.events.is_empty() {
             continue;
         }
+        // Nobody listening: the number still counts (a subscriber arriving later sees where the
+        // stream is), the encoding is saved.
+        if hub.subscribers() == 0 {
+            seq += 1;
+            continue;
+        }
         let payload = event::encode_batch(event::now_ts(), &p.events, rank);
         let msg = zmtp::message(&[&topic, &seq.to_be_bytes(), &payload]);
         hub.publish(&topic, &msg);
