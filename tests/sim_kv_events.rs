@@ -1,7 +1,7 @@
 //! The simulated engine's KV-cache events over real TCP on 127.0.0.1: a ZMTP subscriber gets,
 //! per rank, vLLM-framed batches whose `BlockStored` token ids and chaining are what the rank
 //! cached, `BlockRemoved` for evictions, a sequence restarting at 0 with `AllBlocksCleared` after
-//! a restart, both connection directions, `GET /kv_event_sources`, and a stalled or late
+//! a restart (and going on after a prefix-cache reset), both connection directions, `GET /kv_event_sources`, and a stalled or late
 //! subscriber that never slows requests. Every wait is bounded in count and time.
 #![cfg(feature = "sim")] // the simulated engine
 
@@ -275,6 +275,12 @@ async fn a_restart_starts_the_sequence_again_with_all_blocks_cleared() {
     assert_eq!(seq, 1);
     assert_eq!(events[0]["block_hashes"], first[0]["block_hashes"]);
     assert_eq!(events[0]["parent_block_hash"], Value::Null);
+
+    // vLLM's reset_prefix_cache: cleared too, but the numbering goes on.
+    assert_eq!(e.reset_prefix_cache(), [true]);
+    let (seq, events, _) = recv(&mut sub).await;
+    assert_eq!(seq, 2);
+    assert_eq!(events, vec![json!({"type": "AllBlocksCleared"})]);
     e.shutdown().await;
 }
 

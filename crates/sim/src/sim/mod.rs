@@ -636,6 +636,17 @@ impl SimEngine {
         }
     }
 
+    /// Like vLLM's `POST /reset_prefix_cache` on every rank: each rank with no running request
+    /// drops its cached blocks and publishes `AllBlocksCleared` (its numbering goes on). Returns,
+    /// per local rank, whether it did.
+    pub fn reset_prefix_cache(&self) -> Vec<bool> {
+        self.sim
+            .ranks
+            .iter()
+            .map(|r| r.reset_prefix_cache())
+            .collect()
+    }
+
     /// Restarts every rank ([`SimEngine::restart_rank`]), as a restarted engine server does.
     pub fn restart(&self) {
         for r in &self.sim.ranks {

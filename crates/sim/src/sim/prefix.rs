@@ -328,6 +328,21 @@ impl PrefixCache {
         }
     }
 
+    /// vLLM's `reset_prefix_cache`: drops every cached block and records `AllBlocksCleared`,
+    /// but only when no running request holds any (vLLM refuses otherwise); returns whether it
+    /// did.
+    pub fn reset(&mut self) -> bool {
+        if self.in_use > 0 {
+            return false;
+        }
+        self.blocks.clear();
+        self.idle.clear();
+        if let Some(j) = self.journal.as_mut() {
+            j.push(KvEvent::AllBlocksCleared);
+        }
+        true
+    }
+
     /// A request admitted in `epoch`, before a restart, ended: it lets go of its blocks.
     pub fn release_detached(&mut self, epoch: u64, ids: &[u64]) {
         for &id in ids {
@@ -529,5 +544,19 @@ mod tests {
         assert_eq!(c.in_use(), 1);
         c.release(&[1]);
         assert_eq!((c.in_use(), c.idle()), (0, 1));
+    }
+
+    #[test]
+    fn a_reset_clears_an_idle_cache_and_is_refused_while_blocks_are_held() {
+        let mut c = PrefixCache::default();
+        c.record_events();
+        c.acquire(&[1, 2]);
+        c.take_events();
+        assert!(!c.reset(), "blocks in use");
+        assert!(c.take_events().is_empty());
+        c.release(&[1, 2]);
+        assert!(c.reset());
+        assert_eq!(c.take_events(), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!((c.in_use(), c.idle(), c.lookup(&[1]).hit), (0, 0, 0));
     }
 }

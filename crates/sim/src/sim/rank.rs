@@ -119,6 +119,15 @@ impl Rank {
         self.lock().cache.cached_ids()
     }
 
+    /// vLLM's `reset_prefix_cache` ([`PrefixCache::reset`]): the cache empties and the event
+    /// stream says `AllBlocksCleared`, numbering going on; refused (`false`) while requests run.
+    pub fn reset_prefix_cache(&self) -> bool {
+        let mut s = self.lock();
+        let done = s.cache.reset();
+        self.flush(&mut s);
+        done
+    }
+
     /// The engine process restarted: the prefix cache is empty and the event stream starts
     /// again (`AllBlocksCleared` first, numbered 0). Requests in flight are not failed: they run
     /// to the end and release their KV (still counted as used until then), but their blocks are
