@@ -75,7 +75,9 @@ impl Job {
         let (prompt_tokens, blocks) = match &tokenized {
             Some(ids) => (
                 (ids.len() as u64).max(1),
-                sim.cfg.prefix_caching.then(|| Blocks::of_tokens(ids)),
+                sim.cfg
+                    .prefix_caching
+                    .then(|| sim.held(Blocks::of_tokens(ids))),
             ),
             None => {
                 let n = call.prompt_tokens();
@@ -299,11 +301,11 @@ impl Sim {
         if let (Some(ids), Some(t)) = (&job.prompt_ids, &self.cfg.tokenizer) {
             let mut all = ids.clone();
             all.extend(t.text_ids(answer)?);
-            return Some(Blocks::of_tokens(&all));
+            return Some(self.held(Blocks::of_tokens(&all)));
         }
         let next = job.continued(answer)?;
         let tokens = (next.len() / TOKEN_BYTES) as u64;
-        Some(Blocks::of_text(next.as_bytes(), tokens))
+        Some(self.held(Blocks::of_text(next.as_bytes(), tokens)))
     }
 
     /// Answers a generation request, streaming or whole.

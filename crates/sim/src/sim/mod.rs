@@ -666,7 +666,16 @@ impl Sim {
     pub(crate) fn prompt_blocks(&self, text: &[u8], tokens: u64) -> Option<prefix::Blocks> {
         self.cfg
             .prefix_caching
-            .then(|| prefix::Blocks::of_text(text, tokens))
+            .then(|| self.held(prefix::Blocks::of_text(text, tokens)))
+    }
+
+    /// `b` as a request holds it: the token ids only matter to KV events, so without them a
+    /// request does not carry a copy of its prompt's ids while it runs.
+    pub(crate) fn held(&self, mut b: prefix::Blocks) -> prefix::Blocks {
+        if self.cfg.kv_events.is_none() {
+            b.tokens = Vec::new();
+        }
+        b
     }
 
     /// The first served model: what a request that names none gets, and the `model_name` label

@@ -244,6 +244,9 @@ struct PeerState {
     closed: bool,
 }
 
+/// The most topic prefixes one subscriber may hold.
+const MAX_TOPICS: usize = 1024;
+
 /// A rank's subscribers.
 #[derive(Debug)]
 pub(crate) struct Hub {
@@ -301,7 +304,7 @@ impl Hub {
 
 /// Serves one subscriber connection until it ends: handshake, then its subscriptions in and
 /// its messages out.
-async fn serve_peer(mut stream: TcpStream, peer: Arc<Peer>) -> Result<(), ZmtpError> {
+async fn serve_peer(mut stream: TcpStream, peer: Arc<Peer>, hwm: usize) -> Result<(), ZmtpError> {
     let _ = stream.set_nodelay(true);
     let result = async {
         zmtp::handshake(&mut stream, "PUB", &["SUB", "XSUB"]).await?;
@@ -313,7 +316,13 @@ async fn serve_peer(mut stream: TcpStream, peer: Arc<Peer>) -> Result<(), ZmtpEr
                     Err(e) => return e,
                 };
                 match zmtp::sub_request(f) {
-                    SubRequest::Subscribe(t) => lock(&peer.state).topics.push(t),
+                    SubRequest::Subscribe(t) => {
+                        let mut s = lock(&peer.state);
+                        // A peer cannot grow our memory without bound by subscribing forever.
+                        if s.topics.len() < MAX_TOPICS {
+                            s.topics.push(t);
+                        }
+                    }
                     SubRequest::Cancel(t) => {
                         let mut s = lock(&peer.state);
                         if let Some(i) = s.topics.iter().position(|x| *x == t) {
@@ -321,8 +330,13 @@ async fn serve_peer(mut stream: TcpStream, peer: Arc<Peer>) -> Result<(), ZmtpEr
                         }
                     }
                     SubRequest::Ping(pong) => {
-                        // Queued like a message so that writes stay in one task.
-                        lock(&peer.state).queue.push_back(pong.into());
+                        // Queued like a message so that writes stay in one task, within the
+                        // same bound (a peer that pings and never reads gets no more).
+                        let mut s = lock(&peer.state);
+                        if s.queue.len() < hwm {
+                            s.queue.push_back(pong.into());
+                        }
+                        drop(s);
                         peer.wake.notify_one();
                     }
                     SubRequest::Other => {}
@@ -440,9 +454,10 @@ async fn accept(listener: TcpListener, hub: Arc<Hub>, mut stop: watch::Receiver<
             Ok((stream, _)) => {
                 let peer = hub.add();
                 let mut stop = stop.clone();
+                let hwm = hub.hwm;
                 tokio::spawn(async move {
                     tokio::select! {
-                        r = serve_peer(stream, peer) => {
+                        r = serve_peer(stream, peer, hwm) => {
                             if let Err(e) = r {
                                 tracing::debug!("kv events subscriber gone: {e}");
                             }
@@ -465,7 +480,7 @@ async fn dial(host: String, port: u16, hub: Arc<Hub>, mut stop: watch::Receiver<
         let attempt = async {
             let stream = TcpStream::connect((host.as_str(), port)).await?;
             let peer = hub.add();
-            serve_peer(stream, peer).await
+            serve_peer(stream, peer, hub.hwm).await
         };
         let ok = tokio::select! {
             r = attempt => r.is_ok(),
