@@ -3,6 +3,7 @@
 
 use serde::Deserialize;
 
+use crate::sim::kv::KvEventsConfig;
 use crate::sim::{check_percent, check_status, SimConfig, SimFlavor};
 
 /// One simulated engine of the fleet.
@@ -31,6 +32,11 @@ pub struct EngineSpec {
     /// unaffected by it.
     #[serde(default = "default_true")]
     pub prefix_caching: bool,
+    /// Like vLLM's `--kv-events-config`: each rank publishes its prefix cache's KV events over
+    /// ZeroMQ, bound on 127.0.0.1 with a free port per rank (read back from the engine's
+    /// `GET /kv_event_sources`, which reports `tcp://*:PORT`). Needs `prefix_caching`.
+    #[serde(default)]
+    pub kv_events: bool,
     /// Ranks dark for the whole run, as this engine numbers them.
     #[serde(default)]
     pub dark_ranks: Vec<u32>,
@@ -109,6 +115,11 @@ impl EngineSpec {
         if self.die_after == Some(0) {
             return Err("die_after must be at least 1".into());
         }
+        if self.kv_events && !self.prefix_caching {
+            return Err(
+                "kv_events needs prefix_caching (the events are the prefix cache's)".into(),
+            );
+        }
         Ok(())
     }
 
@@ -124,6 +135,7 @@ impl EngineSpec {
             decode_tokens_per_sec: self.decode_rate,
             prefill_tokens_per_sec: self.prefill_rate,
             prefix_caching: self.prefix_caching,
+            kv_events: self.kv_events.then(KvEventsConfig::bind_local),
             fail_status: self.fail_status,
             fail_percent: self.fail_percent,
             hang_requests: self.hang_requests,

@@ -29,7 +29,8 @@ impl Limit {
 
 /// At `at`: `dark` replaces the set of ranks publishing no telemetry, numbered in fleet order
 /// (the scenario's rank N, see [`super::Scenario::ranks`]), on every engine;
-/// the fault keys change engine `engine` (index into `[[engines]]`), or every engine without it.
+/// the fault keys (and `restart`) change engine `engine` (index into `[[engines]]`), or every
+/// engine without it.
 /// Keys left out leave that knob as it was.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -52,6 +53,11 @@ pub struct Event {
     /// Die now, like `kill -9`.
     #[serde(default)]
     pub kill: bool,
+    /// Restart the engine's caches now, as a restarted engine process has them: every rank's
+    /// prefix cache empties and its KV-event stream starts again at sequence 0 with
+    /// `AllBlocksCleared` (see `SimEngine::restart`; requests in flight finish, uncached).
+    #[serde(default)]
+    pub restart: bool,
 }
 
 impl Event {
@@ -64,6 +70,7 @@ impl Event {
             || self.die_after.is_some()
             || self.stall_after_tokens.is_some()
             || self.kill
+            || self.restart
     }
 
     /// Checks everything that could make applying the event fail, so a run never stops half-way.
@@ -127,6 +134,9 @@ impl Event {
         }
         if let Some(Ok(k)) = self.stall_after_tokens.as_ref().map(Limit::value) {
             e.set_stall_after_tokens(k);
+        }
+        if self.restart {
+            e.restart();
         }
         if self.kill {
             e.kill().await;
@@ -224,6 +234,7 @@ dark = []
             Some(Limit::Word("off".into()))
         );
         assert!(s.events[1].kill);
+        assert!(!s.events[1].restart);
         // A fault-only event does not end a dark window.
         let w = s.dark_windows();
         assert_eq!(
@@ -275,5 +286,29 @@ dark = []
         let e = Scenario::parse(&BASE.replace("hang_metrics = true", "die_after = 0"), None)
             .unwrap_err();
         assert!(e.contains("engines[1]: die_after"), "{e}");
+    }
+
+    #[test]
+    fn restart_events_and_kv_events_engines_parse() {
+        let s = parse("[[events]]\nat = \"1s\"\nengine = 0\nrestart = true\n").unwrap();
+        assert!(s.events[0].restart && s.events[0].touches_faults());
+        let with = BASE.replacen("dp_size = 2", "dp_size = 2\nkv_events = true", 1);
+        let s = Scenario::parse(&with, None).unwrap();
+        let cfg = s.engines[0].sim_config();
+        assert!(cfg.kv_events.is_some() && cfg.prefix_caching);
+        assert!(
+            s.engines[1].sim_config().kv_events.is_none(),
+            "off by default"
+        );
+        let off = with.replacen(
+            "kv_events = true",
+            "kv_events = true\nprefix_caching = false",
+            1,
+        );
+        let e = Scenario::parse(&off, None).unwrap_err();
+        assert!(
+            e.contains("engines[0]: kv_events needs prefix_caching"),
+            "{e}"
+        );
     }
 }

@@ -6,6 +6,7 @@
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
 //!     [--grpc-listen 127.0.0.1:18051] [--servicer-quirks] [--model a,b] [--api-key K] \
 //!     [--prefill-rate 20000] [--prefix-caching]
+//!     [--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}']
 //!     [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
 //!
 //! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
@@ -84,6 +85,12 @@ pub struct Args {
     /// prefill, /metrics reports vllm:prefix_cache_{queries,hits}_total.
     #[arg(long)]
     prefix_caching: bool,
+    /// Like vLLM's --kv-events-config (JSON: enable_kv_cache_events, publisher "zmq",
+    /// endpoint "tcp://*:PORT" to bind or "tcp://HOST:PORT" to connect, topic; rank r uses
+    /// PORT + r): each rank publishes its prefix cache's KV events over ZeroMQ, and
+    /// GET /kv_event_sources lists them. Turns on --prefix-caching.
+    #[arg(long)]
+    kv_events_config: Option<String>,
     /// Served model names, comma-separated; the first is the default for requests naming none.
     #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
     model: Vec<String>,
@@ -152,6 +159,10 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
                 .into(),
         );
     }
+    let kv_events = match &a.kv_events_config {
+        Some(j) => super::kv::KvEventsConfig::from_vllm_json(j).map_err(|e| e.to_string())?,
+        None => None,
+    };
     let cfg = SimConfig {
         flavor: match a.flavor {
             FlavorArg::Vllm => Flavor::Vllm,
@@ -172,7 +183,9 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         prefill_tokens_per_sec: a
             .prefill_rate
             .unwrap_or(SimConfig::default().prefill_tokens_per_sec),
-        prefix_caching: a.prefix_caching,
+        // Events come from the prefix cache; vLLM has it on by default.
+        prefix_caching: a.prefix_caching || kv_events.is_some(),
+        kv_events,
         models: a.model,
         api_key: a.api_key,
         servicer_quirks: a.servicer_quirks,
@@ -223,4 +236,56 @@ pub async fn run(a: Args) -> Result<(), String> {
     }
     engine.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn parse(extra: &[&str]) -> Result<SimConfig, String> {
+        let mut argv = vec![
+            "mock-engine",
+            "--listen",
+            "127.0.0.1:0",
+            "--flavor",
+            "vllm",
+            "--dp-size",
+            "2",
+        ];
+        argv.extend_from_slice(extra);
+        let cmd = Cmd::try_parse_from(argv).map_err(|e| e.to_string())?;
+        config(cmd.args).map(|(cfg, _, _)| cfg)
+    }
+
+    #[test]
+    fn kv_events_config_reads_like_vllms_and_turns_prefix_caching_on() {
+        let cfg = parse(&[
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}"#,
+        ])
+        .expect("valid");
+        assert!(cfg.prefix_caching);
+        let kv = cfg.kv_events.expect("events on");
+        assert_eq!(kv.topic, "kv");
+        let off =
+            parse(&["--kv-events-config", r#"{"enable_kv_cache_events": false}"#]).expect("valid");
+        assert!(off.kv_events.is_none() && !off.prefix_caching);
+        let bad = parse(&[
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events": true, "publisher": "redis"}"#,
+        ])
+        .unwrap_err();
+        assert!(bad.contains("publisher"), "{bad}");
+        assert!(
+            parse(&[]).expect("valid").kv_events.is_none(),
+            "off by default"
+        );
+    }
 }

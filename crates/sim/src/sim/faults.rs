@@ -147,6 +147,8 @@ impl Sim {
     /// connections at once.
     pub(crate) fn kill(&self) {
         self.kill.send_replace(true);
+        // A killed process's KV-event sockets close with it.
+        self.kv_stop.send_replace(true);
     }
 
     pub(crate) fn is_dead(&self) -> bool {

@@ -23,6 +23,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::prefix::{Blocks, TOKEN_BYTES};
 use super::routes::Api;
 use super::serve::Call;
 use super::{Sim, SimBody};
@@ -33,8 +34,11 @@ pub(super) struct Job {
     api: Api,
     stream: bool,
     prompt_tokens: u64,
-    /// The prompt's KV block ids, with prefix caching on.
-    blocks: Option<Vec<u64>>,
+    /// The prompt's KV blocks, with prefix caching on.
+    blocks: Option<Blocks>,
+    /// The prompt's token ids when the engine's tokenizer gave them (else the sim counts four
+    /// bytes a token).
+    prompt_ids: Option<Vec<u32>>,
     /// What the conversation's next request will start with, with prefix caching on: the chat
     /// `messages`, or the completion `prompt` text.
     history: Option<History>,
@@ -67,7 +71,19 @@ impl Job {
             Api::Messages => format!("msg_sim{n}"),
             Api::Generate => format!("sim{n}"),
         };
-        let prompt_tokens = call.prompt_tokens();
+        let tokenized = (sim.cfg.tokenizer.as_ref()).and_then(|t| t.prompt_ids(&call.body));
+        let (prompt_tokens, blocks) = match &tokenized {
+            Some(ids) => (
+                (ids.len() as u64).max(1),
+                sim.cfg
+                    .prefix_caching
+                    .then(|| sim.held(Blocks::of_tokens(ids))),
+            ),
+            None => {
+                let n = call.prompt_tokens();
+                (n, sim.prompt_blocks(call.prompt_text().as_bytes(), n))
+            }
+        };
         let history = match (api, sim.cfg.prefix_caching) {
             (Api::Chat, true) => v.get("messages").cloned().map(History::Messages),
             (Api::Completion, true) => v
@@ -81,7 +97,8 @@ impl Job {
             api,
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
             prompt_tokens,
-            blocks: sim.prompt_blocks(call.prompt_text().as_bytes(), prompt_tokens),
+            blocks,
+            prompt_ids: tokenized,
             max_tokens: max_tokens.max(1),
             id,
             model: call.model.clone(),
@@ -275,6 +292,22 @@ fn event(name: &str, v: Value) -> Bytes {
 }
 
 impl Sim {
+    /// The blocks a finished generation leaves cached, with prefix caching on. With the
+    /// tokenizer's ids: the prompt's tokens followed by the answer's, as vLLM keeps the blocks
+    /// of computed tokens. Without: the blocks of the text the conversation's next request
+    /// starts with ([`Job::continued`]), chat and completions only.
+    fn kept_blocks(&self, job: &Job, answer: &str) -> Option<Blocks> {
+        job.blocks.as_ref()?;
+        if let (Some(ids), Some(t)) = (&job.prompt_ids, &self.cfg.tokenizer) {
+            let mut all = ids.clone();
+            all.extend(t.text_ids(answer)?);
+            return Some(self.held(Blocks::of_tokens(&all)));
+        }
+        let next = job.continued(answer)?;
+        let tokens = (next.len() / TOKEN_BYTES) as u64;
+        Some(self.held(Blocks::of_text(next.as_bytes(), tokens)))
+    }
+
     /// Answers a generation request, streaming or whole.
     pub(super) async fn decode(self: Arc<Self>, api: Api, call: Call) -> Response<SimBody> {
         let job = Job::new(&self, api, &call, self.next_id.fetch_add(1, Relaxed));
@@ -319,7 +352,7 @@ impl Sim {
             tx.send(open).await.ok()?;
         }
         let mut adm = rank
-            .admit_blocks(job.prompt_tokens, job.blocks.as_deref(), job.max_tokens)
+            .admit_prompt(job.prompt_tokens, job.blocks.as_ref(), job.max_tokens)
             .await;
         self.admitted();
         let prefill = self.prefill_time(job.prompt_tokens - adm.cached_tokens);
@@ -349,9 +382,8 @@ impl Sim {
             self.hold().await;
             return None;
         }
-        if let Some(next) = job.continued(&text) {
-            let tokens = (next.len() / super::prefix::TOKEN_BYTES) as u64;
-            adm.keep(super::prefix::block_ids(next.as_bytes(), tokens));
+        if let Some(keep) = self.kept_blocks(job, &text) {
+            adm.keep_blocks(keep);
         }
         match tx {
             Some(tx) => {

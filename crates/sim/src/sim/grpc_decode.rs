@@ -74,8 +74,8 @@ pub(crate) struct GenJob {
     pub id: String,
     pub local: usize,
     pub prompt_tokens: u64,
-    /// The prompt's KV block ids, with prefix caching on.
-    pub blocks: Option<Vec<u64>>,
+    /// The prompt's KV blocks, with prefix caching on.
+    pub blocks: Option<super::prefix::Blocks>,
     pub max_tokens: u64,
     /// Whether chunks are sent; a non-streaming request gets the `Complete` only.
     pub stream: bool,
@@ -149,7 +149,7 @@ impl Sim {
     async fn decode_grpc(&self, job: &GenJob, tx: &mpsc::Sender<Gen>, output: &mut Vec<u32>) {
         let rank = &self.ranks[job.local];
         let mut adm = rank
-            .admit_blocks(job.prompt_tokens, job.blocks.as_deref(), job.max_tokens)
+            .admit_prompt(job.prompt_tokens, job.blocks.as_ref(), job.max_tokens)
             .await;
         self.admitted();
         let prefill = self.prefill_time(job.prompt_tokens - adm.cached_tokens);

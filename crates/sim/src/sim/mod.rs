@@ -17,8 +17,9 @@
 //! through, `generate` the decoding APIs, `pooling` the answers without decoding, `multipart` the
 //! audio forms, `info` what the engine says about itself, `auth` the API key check, `telemetry`
 //! what the ranks publish, `grpc` the gRPC services and `grpc_decode` their inference calls,
-//! `rank` the KV and queue model, `faults` the fault knobs and `net` the accept loop that can die
-//! like a killed process.
+//! `rank` the KV and queue model, `prefix` its prefix cache, `kv` the KV-cache events the ranks
+//! publish over ZeroMQ as vLLM does, `faults` the fault knobs and `net` the accept loop that can
+//! die like a killed process.
 
 mod auth;
 pub mod cli;
@@ -27,6 +28,7 @@ mod generate;
 mod grpc;
 mod grpc_decode;
 mod info;
+pub mod kv;
 mod multipart;
 mod net;
 mod pooling;
@@ -156,6 +158,55 @@ pub struct SimConfig {
     /// --ssl-keyfile [--ssl-ca-certs --ssl-cert-reqs 2]`; `client_ca_file` requires clients
     /// to present a certificate (mTLS).
     pub tls: Option<rankgate::config::ListenerTls>,
+    /// Like vLLM's `--kv-events-config`: each rank publishes its prefix cache's KV events
+    /// ([`kv`]). Only meaningful with `prefix_caching`. `None` (the default) publishes nothing.
+    pub kv_events: Option<kv::KvEventsConfig>,
+    /// Token ids for prompts and answers in place of the 4-bytes-a-token stand-in (see
+    /// [`prefix`]); `None` (the default) keeps the stand-in.
+    pub tokenizer: Option<SimTokenizer>,
+}
+
+/// A request's prompt ids and a text's ids, as the engine's tokenizer would give them: the seam
+/// through which a real tokenizer (and chat template) names the sim's KV blocks, so that the
+/// token ids its KV events carry are the ones a router computes for the same request.
+#[derive(Clone)]
+pub struct SimTokenizer {
+    prompt: Arc<PromptIds>,
+    text: Arc<TextIds>,
+}
+
+/// A request body's prompt token ids (the chat template applied for `messages`); `None` when
+/// the request cannot be tokenized (the sim falls back to its stand-in).
+pub type PromptIds = dyn Fn(&Value) -> Option<Vec<u32>> + Send + Sync;
+/// Generated text's token ids, without special tokens.
+pub type TextIds = dyn Fn(&str) -> Option<Vec<u32>> + Send + Sync;
+
+impl SimTokenizer {
+    pub fn new(
+        prompt: impl Fn(&Value) -> Option<Vec<u32>> + Send + Sync + 'static,
+        text: impl Fn(&str) -> Option<Vec<u32>> + Send + Sync + 'static,
+    ) -> SimTokenizer {
+        SimTokenizer {
+            prompt: Arc::new(prompt),
+            text: Arc::new(text),
+        }
+    }
+
+    /// The prompt's token ids for a request body.
+    pub fn prompt_ids(&self, body: &Value) -> Option<Vec<u32>> {
+        (self.prompt)(body)
+    }
+
+    /// The token ids of generated text.
+    pub fn text_ids(&self, text: &str) -> Option<Vec<u32>> {
+        (self.text)(text)
+    }
+}
+
+impl std::fmt::Debug for SimTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SimTokenizer")
+    }
 }
 
 impl Default for SimConfig {
@@ -187,6 +238,8 @@ impl Default for SimConfig {
             die_after: None,
             stall_after_tokens: None,
             tls: None,
+            kv_events: None,
+            tokenizer: None,
         }
     }
 }
@@ -264,6 +317,10 @@ pub(crate) struct Sim {
     servers: watch::Sender<usize>,
     /// The graceful shutdown signal, which releases hung requests.
     shutdown: watch::Receiver<bool>,
+    /// Each rank's KV-event publisher, with events on (local rank order).
+    pub(crate) kv_publishers: Vec<kv::RankPublisher>,
+    /// Stops the publishers: on kill and on shutdown (and when the sim goes).
+    kv_stop: watch::Sender<bool>,
 }
 
 /// How many requests the engine remembers for [`SimEngine::seen`].
@@ -297,17 +354,24 @@ impl SimEngine {
             .map_err(|e| invalid(e.to_string()))?;
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
-        let ranks = (0..cfg.dp_size)
-            .map(|i| {
-                let preload = cfg.preload.get(i as usize).copied().unwrap_or(0.0);
-                let capacity = cfg
-                    .capacities
-                    .get(i as usize)
-                    .copied()
-                    .unwrap_or(cfg.capacity_tokens);
-                Rank::new(cfg.start_rank + i, capacity.max(1), preload)
-            })
-            .collect();
+        let kv_stop = watch::Sender::new(false);
+        let mut ranks = Vec::new();
+        let mut kv_publishers = Vec::new();
+        for i in 0..cfg.dp_size {
+            let preload = cfg.preload.get(i as usize).copied().unwrap_or(0.0);
+            let capacity = cfg
+                .capacities
+                .get(i as usize)
+                .copied()
+                .unwrap_or(cfg.capacity_tokens);
+            let mut rank = Rank::new(cfg.start_rank + i, capacity.max(1), preload);
+            if let Some(kc) = &cfg.kv_events {
+                let events = Arc::new(kv::RankEvents::default());
+                rank = rank.with_events(events.clone());
+                kv_publishers.push(kv::start(kc, rank.global, events, kv_stop.subscribe()).await?);
+            }
+            ranks.push(rank);
+        }
         let (shutdown, shutdown_rx) = watch::channel(false);
         let sim = Arc::new(Sim {
             knobs: RwLock::new(Knobs {
@@ -329,6 +393,8 @@ impl SimEngine {
             servers: watch::Sender::new(0),
             shutdown: shutdown_rx.clone(),
             tls,
+            kv_publishers,
+            kv_stop,
         });
         let s = sim.clone();
         let task = tokio::spawn(net::serve(
@@ -523,18 +589,93 @@ impl SimEngine {
         let _ = servers.wait_for(|n| *n == 0).await;
     }
 
+    /// Per local rank, the endpoint its KV events are published on, as `/kv_event_sources`
+    /// reports it (`tcp://*:PORT` when bound, `tcp://HOST:PORT` when dialling); empty with
+    /// events off.
+    pub fn kv_event_endpoints(&self) -> Vec<String> {
+        self.sim
+            .kv_publishers
+            .iter()
+            .map(|p| p.endpoint.clone())
+            .collect()
+    }
+
+    /// Per local rank, the address its KV-event PUB socket is bound to (`None` when it dials);
+    /// empty with events off.
+    pub fn kv_event_addrs(&self) -> Vec<Option<SocketAddr>> {
+        self.sim.kv_publishers.iter().map(|p| p.bound).collect()
+    }
+
+    /// Per local rank, KV-event subscribers connected and subscribed right now.
+    pub fn kv_event_subscribers(&self) -> Vec<usize> {
+        self.sim
+            .kv_publishers
+            .iter()
+            .map(|p| p.subscribers())
+            .collect()
+    }
+
+    /// Per local rank, KV-event messages dropped because a subscriber's queue was full.
+    pub fn kv_events_dropped(&self) -> Vec<u64> {
+        self.sim.kv_publishers.iter().map(|p| p.dropped()).collect()
+    }
+
+    /// Per local rank, the ids of the blocks its prefix cache holds (running requests' and
+    /// idle ones), sorted: what a subscriber's index should hold.
+    pub fn cached_blocks(&self) -> Vec<Vec<u64>> {
+        self.sim.ranks.iter().map(|r| r.cached_ids()).collect()
+    }
+
+    /// Restarts local rank `local`'s engine process as far as its caches go: see
+    /// [`rank::Rank::restart`] (the prefix cache empties, requests in flight finish but are no
+    /// longer cached, the KV-event stream starts again at sequence 0 with `AllBlocksCleared`).
+    /// Out-of-range ranks are ignored.
+    pub fn restart_rank(&self, local: usize) {
+        if let Some(r) = self.sim.ranks.get(local) {
+            r.restart();
+        }
+    }
+
+    /// Like vLLM's `POST /reset_prefix_cache` on every rank: each rank with no running request
+    /// drops its cached blocks and publishes `AllBlocksCleared` (its numbering goes on). Returns,
+    /// per local rank, whether it did.
+    pub fn reset_prefix_cache(&self) -> Vec<bool> {
+        self.sim
+            .ranks
+            .iter()
+            .map(|r| r.reset_prefix_cache())
+            .collect()
+    }
+
+    /// Restarts every rank ([`SimEngine::restart_rank`]), as a restarted engine server does.
+    pub fn restart(&self) {
+        for r in &self.sim.ranks {
+            r.restart();
+        }
+    }
+
     pub async fn shutdown(self) {
+        let _ = self.sim.kv_stop.send(true);
         let _ = self.shutdown.send(true);
         let _ = self.task.await;
     }
 }
 
 impl Sim {
-    /// The ids of a prompt's full KV blocks when prefix caching is on; `None` when it is off.
-    pub(crate) fn prompt_blocks(&self, text: &[u8], tokens: u64) -> Option<Vec<u64>> {
+    /// A prompt's full KV blocks when prefix caching is on; `None` when it is off.
+    pub(crate) fn prompt_blocks(&self, text: &[u8], tokens: u64) -> Option<prefix::Blocks> {
         self.cfg
             .prefix_caching
-            .then(|| prefix::block_ids(text, tokens))
+            .then(|| self.held(prefix::Blocks::of_text(text, tokens)))
+    }
+
+    /// `b` as a request holds it: the token ids only matter to KV events, so without them a
+    /// request does not carry a copy of its prompt's ids while it runs.
+    pub(crate) fn held(&self, mut b: prefix::Blocks) -> prefix::Blocks {
+        if self.cfg.kv_events.is_none() {
+            b.tokens = Vec::new();
+        }
+        b
     }
 
     /// The first served model: what a request that names none gets, and the `model_name` label

@@ -11,13 +11,18 @@
 //! counted once, and kept (idle, evictable) after the request ends. Idle blocks do not count as
 //! KV usage (vLLM reports cached free blocks as free) and never make a request wait: admission
 //! evicts them, least recently used first, to make room.
+//!
+//! With KV events on ([`Rank::with_events`]) every change of the prefix cache is handed, in
+//! order and inside the same critical section, to the rank's [`RankEvents`] for its publisher.
+//! [`Rank::restart`] empties the cache as a restarted engine process has it empty.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use super::prefix::{PrefixCache, BLOCK_TOKENS};
+use super::kv::RankEvents;
+use super::prefix::{Blocks, PrefixCache, BLOCK_TOKENS};
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RankCounts {
@@ -59,6 +64,8 @@ pub struct Rank {
     freed: Notify,
     /// Requests this rank has admitted, ever.
     pub served: AtomicU64,
+    /// Where the cache's KV events go, with events on.
+    events: Option<Arc<RankEvents>>,
 }
 
 /// A request's hold on its rank's KV; released (and waiters woken) on drop, so a client that goes
@@ -69,9 +76,11 @@ pub struct Admission<'a> {
     reserved: u64,
     used: u64,
     blocks: Vec<u64>,
+    /// The cache's epoch at admission: after a restart the blocks are no longer the cache's.
+    epoch: u64,
     /// Blocks to keep cached once the request ends (its prompt's and its answer's), set by
     /// [`Admission::keep`].
-    keep: Vec<u64>,
+    keep: Blocks,
     /// Prompt tokens found in the prefix cache: their prefill is skipped.
     pub cached_tokens: u64,
 }
@@ -86,7 +95,55 @@ impl Rank {
             state: Mutex::new(State::default()),
             freed: Notify::new(),
             served: AtomicU64::new(0),
+            events: None,
         }
+    }
+
+    /// The rank with KV events on: its cache records them and hands them to `events`.
+    pub fn with_events(mut self, events: Arc<RankEvents>) -> Rank {
+        self.lock().cache.record_events();
+        self.events = Some(events);
+        self
+    }
+
+    /// Hands what the cache recorded to the publisher; called with the lock held so that
+    /// batches keep the cache's order.
+    fn flush(&self, s: &mut State) {
+        if let Some(ev) = &self.events {
+            ev.push(s.cache.take_events());
+        }
+    }
+
+    /// The ids of the blocks the prefix cache holds, sorted.
+    pub fn cached_ids(&self) -> Vec<u64> {
+        self.lock().cache.cached_ids()
+    }
+
+    /// vLLM's `reset_prefix_cache` ([`PrefixCache::reset`]): the cache empties and the event
+    /// stream says `AllBlocksCleared`, numbering going on; refused (`false`) while requests run.
+    pub fn reset_prefix_cache(&self) -> bool {
+        let mut s = self.lock();
+        let done = s.cache.reset();
+        self.flush(&mut s);
+        done
+    }
+
+    /// The engine process restarted: the prefix cache is empty and the event stream starts
+    /// again (`AllBlocksCleared` first, numbered 0). Requests in flight are not failed: they run
+    /// to the end and release their KV (still counted as used until then), but their blocks are
+    /// no longer cached or shared and their answers are not kept. The rank's counters (`served`,
+    /// the prefix-cache totals of `/metrics`) go on counting across it, so a run's totals stay
+    /// sums of deltas.
+    pub fn restart(&self) {
+        {
+            let mut s = self.lock();
+            s.cache.restart();
+            s.cache.take_events();
+            if let Some(ev) = &self.events {
+                ev.restart();
+            }
+        }
+        self.freed.notify_waiters();
     }
 
     pub fn counts(&self) -> RankCounts {
@@ -132,8 +189,24 @@ impl Rank {
         blocks: Option<&[u64]>,
         max_tokens: u64,
     ) -> Admission<'_> {
-        let caching = blocks.is_some();
-        let blocks = blocks.unwrap_or_default();
+        let blocks = blocks.map(|ids| Blocks {
+            ids: ids.to_vec(),
+            tokens: Vec::new(),
+        });
+        self.admit_prompt(prompt, blocks.as_ref(), max_tokens).await
+    }
+
+    /// [`Rank::admit_blocks`] with the blocks' token ids, which the KV events carry.
+    pub async fn admit_prompt(
+        &self,
+        prompt: u64,
+        prompt_blocks: Option<&Blocks>,
+        max_tokens: u64,
+    ) -> Admission<'_> {
+        let caching = prompt_blocks.is_some();
+        let empty = Blocks::default();
+        let prompt_blocks = prompt_blocks.unwrap_or(&empty);
+        let blocks = &prompt_blocks.ids[..];
         let free = self.capacity.saturating_sub(self.preload).max(1);
         let block_tokens = blocks.len() as u64 * BLOCK_TOKENS;
         let tail = prompt.saturating_sub(block_tokens);
@@ -156,12 +229,13 @@ impl Rank {
                 let held = s.reserved + s.cache.in_use() * BLOCK_TOKENS;
                 let taking = need + (look.new + look.revived) as u64 * BLOCK_TOKENS;
                 if s.running == 0 || held + taking <= free {
-                    s.cache.acquire(blocks);
+                    s.cache.acquire_blocks(prompt_blocks);
                     // Whatever the cache still holds past capacity is idle: evict it.
                     let occupied =
                         s.reserved + need + (s.cache.in_use() + s.cache.idle()) * BLOCK_TOKENS;
                     let over = occupied.saturating_sub(free).div_ceil(BLOCK_TOKENS);
                     s.cache.evict(over);
+                    self.flush(&mut s);
                     // vLLM recomputes at least the prompt's last token, whatever is cached.
                     let cached = (look.hit as u64 * BLOCK_TOKENS).min(prompt.saturating_sub(1));
                     if caching {
@@ -182,7 +256,8 @@ impl Rank {
                         reserved: need,
                         used,
                         blocks: blocks.to_vec(),
-                        keep: Vec::new(),
+                        epoch: s.cache.epoch(),
+                        keep: Blocks::default(),
                         cached_tokens: cached,
                     };
                 }
@@ -216,7 +291,16 @@ impl Admission<'_> {
     /// blocks of generated tokens too; a later turn whose template renders the answer the same
     /// way finds them.
     pub fn keep(&mut self, ids: Vec<u64>) {
-        self.keep = ids;
+        self.keep = Blocks {
+            ids,
+            tokens: Vec::new(),
+        };
+    }
+
+    /// [`Admission::keep`] with the blocks' token ids (the prompt's tokens followed by the
+    /// answer's), which the KV events carry.
+    pub fn keep_blocks(&mut self, blocks: Blocks) {
+        self.keep = blocks;
     }
 
     /// One more token decoded: it occupies KV until the request ends.
@@ -235,14 +319,20 @@ impl Drop for Admission<'_> {
             c.reserved -= self.reserved;
             c.used -= self.used;
             c.running -= 1;
-            // The answer's blocks first (those of the prompt are cached already and skipped),
-            // so that they are evicted before the prompt they follow.
-            c.cache.insert_idle(&self.keep);
-            c.cache.release(&self.blocks);
+            if c.cache.epoch() == self.epoch {
+                // The answer's blocks first (those of the prompt are cached already and
+                // skipped), so that they are evicted before the prompt they follow.
+                c.cache.insert_idle_blocks(&self.keep);
+                c.cache.release(&self.blocks);
+            } else {
+                // Taken before a restart: the blocks belong to the old process's cache.
+                c.cache.release_detached(self.epoch, &self.blocks);
+            }
             let free = self.rank.capacity.saturating_sub(self.rank.preload).max(1);
             let occupied = c.reserved + (c.cache.in_use() + c.cache.idle()) * BLOCK_TOKENS;
             c.cache
                 .evict(occupied.saturating_sub(free).div_ceil(BLOCK_TOKENS));
+            self.rank.flush(&mut c);
         }
         self.rank.freed.notify_waiters();
     }
@@ -250,6 +340,7 @@ impl Drop for Admission<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kv::event::KvEvent;
     use super::*;
 
     #[tokio::test]
@@ -344,6 +435,44 @@ mod tests {
         big.keep((10..20).collect());
         drop(big);
         assert!(rank.counts().idle_blocks <= 6);
+    }
+
+    #[tokio::test]
+    async fn events_reach_the_journal_in_order_and_a_restart_starts_it_again() {
+        let events = Arc::new(RankEvents::default());
+        let rank = Rank::new(0, 96, 0.0).with_events(events.clone());
+        let prompt = Blocks::of_tokens(&(0..40).collect::<Vec<u32>>());
+        let mut a = rank.admit_prompt(40, Some(&prompt), 8).await;
+        let mut kept = prompt.clone();
+        kept.ids.push(77);
+        kept.tokens.extend(100..116);
+        a.keep_blocks(kept);
+        drop(a);
+        let p = events.take();
+        assert_eq!(p.events.len(), 2, "{:?}", p.events);
+        assert!(
+            matches!(&p.events[1], KvEvent::BlockStored { block_hashes, parent_block_hash, .. }
+            if block_hashes == &[77] && *parent_block_hash == Some(prompt.ids[1]))
+        );
+        assert_eq!(rank.cached_ids().len(), 3);
+        // A request in flight across a restart finishes and frees its KV, uncached.
+        let held = rank.admit_prompt(40, Some(&prompt), 8).await;
+        assert_eq!(held.cached_tokens, 32);
+        rank.restart();
+        let p = events.take();
+        assert!(p.restarted);
+        assert_eq!(p.events, vec![KvEvent::AllBlocksCleared]);
+        assert!(rank.cached_ids().is_empty());
+        let again = rank.admit_prompt(40, Some(&prompt), 8).await;
+        assert_eq!(again.cached_tokens, 0, "the restarted cache is empty");
+        drop(held);
+        drop(again);
+        let c = rank.counts();
+        assert_eq!((c.used, c.reserved, c.running), (0, 0, 0));
+        assert_eq!(
+            c.idle_blocks, 2,
+            "only the new admission's blocks are cached"
+        );
     }
 
     async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {

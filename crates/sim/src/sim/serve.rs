@@ -128,6 +128,17 @@ impl Sim {
             {
                 json_response(StatusCode::OK, &self.model_info())
             }
+            // vLLM's list of where each DP rank publishes its KV events.
+            (&Method::GET, "/kv_event_sources")
+                if self.cfg.flavor == SimFlavor::Vllm && self.cfg.kv_events.is_some() =>
+            {
+                match &self.cfg.kv_events {
+                    Some(kc) => {
+                        json_response(StatusCode::OK, &super::kv::sources(kc, &self.kv_publishers))
+                    }
+                    None => no_route(&path),
+                }
+            }
             (&Method::GET, "/v1/loads") if self.cfg.flavor == SimFlavor::Sglang => {
                 self.telemetry_requests.fetch_add(1, Relaxed);
                 if self.faults.hang_metrics.load(Relaxed) {
