@@ -136,6 +136,20 @@ impl EngineSpec {
             prefill_tokens_per_sec: self.prefill_rate,
             prefix_caching: self.prefix_caching,
             kv_events: self.kv_events.then(KvEventsConfig::bind_local),
+            // An engine publishing events names its blocks by the tiny model's real token ids,
+            // which the router's `[[models]]` tokenizer computes too.
+            tokenizer: self
+                .kv_events
+                .then(|| {
+                    crate::sim::model::tiny_model_dir()
+                        .and_then(|d| crate::sim::model::tokenizer(&d))
+                })
+                .and_then(|t| {
+                    t.map_err(
+                        |e| tracing::warn!(error = %e, "no tokenizer: the stand-in names blocks"),
+                    )
+                    .ok()
+                }),
             fail_status: self.fail_status,
             fail_percent: self.fail_percent,
             hang_requests: self.hang_requests,

@@ -113,6 +113,15 @@ pub async fn run_policy(
             ));
         }
     }
+    if policy.kv_events() {
+        // The engines' model, tokenized as they tokenize it (`sim::model`).
+        let dir = crate::sim::model::tiny_model_dir()?;
+        toml.push_str(&format!(
+            "[[models]]\nname = \"{}\"\ntokenizer = {:?}\n",
+            crate::sim::DEFAULT_MODEL,
+            dir.display().to_string()
+        ));
+    }
     let mut routers = Vec::new();
     for _ in 0..replicas.max(1) {
         let cfg = Config::from_str(&toml).map_err(|e| format!("router config: {e}\n{toml}"))?;

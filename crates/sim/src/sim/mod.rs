@@ -29,6 +29,7 @@ mod grpc;
 mod grpc_decode;
 mod info;
 pub mod kv;
+pub mod model;
 mod multipart;
 mod net;
 mod pooling;

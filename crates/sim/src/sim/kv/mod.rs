@@ -21,7 +21,8 @@
 
 pub mod event;
 pub mod msgpack;
-pub mod zmtp;
+/// ZeroMQ's wire protocol: the router's own (its subscriber and this publisher speak the same).
+pub use rankgate::kv::zmtp;
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
