@@ -16,23 +16,6 @@ use rankgate::kv::{block_hashes, decode, RankIndex, Writer};
 
 const CAPTURE: &str = include_str!("../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");
 
-fn base64(s: &str) -> Vec<u8> {
-    let val = |c: u8| match c {
-        b'A'..=b'Z' => c - b'A',
-        b'a'..=b'z' => c - b'a' + 26,
-        b'0'..=b'9' => c - b'0' + 52,
-        b'+' => 62,
-        _ => 63,
-    };
-    let digits: Vec<u8> = s.bytes().filter(|&c| c != b'=').map(val).collect();
-    let mut out = Vec::new();
-    for quad in digits.chunks(4) {
-        let n = (quad.iter().enumerate()).fold(0u32, |n, (i, &d)| n | u32::from(d) << (18 - 6 * i));
-        out.extend_from_slice(&n.to_be_bytes()[1..quad.len()]);
-    }
-    out
-}
-
 /// An index holding `tokens` as one stored sequence of 128-token blocks.
 fn index_holding(tokens: &[u32]) -> (Arc<RankIndex>, Writer) {
     let index = Arc::new(RankIndex::default());
@@ -84,13 +67,10 @@ fn bench(c: &mut Criterion) {
     }
     g.finish();
 
-    let msgs: Vec<Vec<Vec<u8>>> = (CAPTURE.lines())
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["parts_b64"].as_array().unwrap().iter())
-                .map(|p| base64(p.as_str().unwrap()))
-                .collect()
-        })
+    // Rank 0's messages: one unbroken sequence (3..44), as one rank's feed reads them.
+    let msgs: Vec<Vec<Vec<u8>>> = (rankgate::kv::capture::read(CAPTURE).unwrap().into_iter())
+        .filter(|r| r.rank == 0)
+        .map(|r| r.frames)
         .collect();
     let events: usize = msgs
         .iter()

@@ -2,12 +2,14 @@
 //! (vLLM's and SGLang's `--kv-events-config`), followed into a per-rank index of the blocks it
 //! holds, named by rankgate's own hash of their token ids.
 //!
+//! - [`capture`]: a recorded capture's messages, replayed by tests, benches and the simulator;
 //! - [`hash`]: the block names (one function for the engines' blocks and the prompts');
 //! - [`msgpack`]: a bounded reader of the payloads; [`event`]: one message decoded;
 //! - [`index`]: a rank's index: read by picks without a lock, written by one task;
 //! - [`feed`]: where each rank's events come from, and the tasks that read them;
 //! - [`zmtp`]: ZeroMQ's wire protocol, as much as a SUB (and the simulator's PUB) needs.
 
+pub mod capture;
 pub mod event;
 pub mod feed;
 pub mod hash;

@@ -13,41 +13,10 @@ use super::index::{KvState, RankIndex, Writer};
 
 const CAPTURE: &str = include_str!("../../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");
 
-/// Standard base64, as the capture writes frames.
-pub(crate) fn base64(s: &str) -> Vec<u8> {
-    let val = |c: u8| match c {
-        b'A'..=b'Z' => c - b'A',
-        b'a'..=b'z' => c - b'a' + 26,
-        b'0'..=b'9' => c - b'0' + 52,
-        b'+' => 62,
-        _ => 63,
-    };
-    let digits: Vec<u8> = s.bytes().filter(|&c| c != b'=').map(val).collect();
-    let mut out = Vec::with_capacity(digits.len() * 3 / 4);
-    for quad in digits.chunks(4) {
-        let n = quad
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &d)| n | u32::from(d) << (18 - 6 * i));
-        out.extend_from_slice(&n.to_be_bytes()[1..quad.len()]);
-    }
-    out
-}
-
-/// Each line's rank and frames.
-pub(crate) fn capture() -> Vec<(u32, Vec<Vec<u8>>, Value)> {
-    CAPTURE
-        .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).unwrap();
-            let frames = v["parts_b64"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|p| base64(p.as_str().unwrap()))
-                .collect();
-            (v["rank_endpoint"].as_u64().unwrap() as u32, frames, v)
-        })
+/// Each line's rank, frames and JSON.
+fn capture() -> Vec<(u32, Vec<Vec<u8>>, Value)> {
+    (super::capture::read(CAPTURE).unwrap().into_iter())
+        .map(|r| (r.rank, r.frames, r.line))
         .collect()
 }
 

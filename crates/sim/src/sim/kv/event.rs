@@ -200,25 +200,7 @@ mod tests {
     }
 
     fn base64(s: &str) -> Vec<u8> {
-        let val = |c: u8| match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => panic!("not base64: {c}"),
-        };
-        let digits: Vec<u8> = s.bytes().filter(|&c| c != b'=').map(val).collect();
-        let mut out = Vec::new();
-        for chunk in digits.chunks(4) {
-            let mut n = 0u32;
-            for (i, d) in chunk.iter().enumerate() {
-                n |= u32::from(*d) << (18 - 6 * i);
-            }
-            let bytes = n.to_be_bytes();
-            out.extend_from_slice(&bytes[1..chunk.len()]);
-        }
-        out
+        rankgate::kv::capture::base64(s).expect("the capture's frames are base64")
     }
 
     fn hashes(v: &Value) -> Vec<u64> {
