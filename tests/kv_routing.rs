@@ -9,9 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use common::*;
-use http_body_util::Full;
 use rankgate_sim::sim::kv::KvEventsConfig;
 use rankgate_sim::sim::{model, SimConfig, SimEngine, SimFlavor};
 use serde_json::{json, Value};
@@ -45,12 +43,7 @@ async fn exact_router(e: &SimEngine) -> rankgate::app::Router {
 /// One chat turn through `r`; returns the worker and the answer.
 async fn turn(r: &rankgate::app::Router, messages: &[Value]) -> (String, Value) {
     let body = json!({"model": "tiny-llama", "messages": messages, "max_tokens": 4});
-    let reply = send(
-        post(r.addr, "/v1/chat/completions")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .unwrap(),
-    )
-    .await;
+    let reply = post_json(r.addr, "/v1/chat/completions", body).await;
     assert_eq!(
         reply.status,
         200,
