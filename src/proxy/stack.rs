@@ -113,10 +113,10 @@ impl Layers {
             dial,
             shared,
             prompts: (cfg.routing.kv_events && prompts.any()).then(|| {
-                Arc::new(tokens::State {
+                Arc::new(tokens::State::new(
                     prompts,
-                    client: crate::http::client_with(server.connect_timeout, upstream),
-                })
+                    crate::http::client_with(server.connect_timeout, upstream),
+                ))
             }),
         })
     }

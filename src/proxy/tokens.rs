@@ -23,10 +23,25 @@ use crate::upstream::RequestBody;
 /// Longest wait for an engine's `/tokenize`: the request waits for it before its pick.
 const ENGINE_TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The prompts' tokenizers and the client that asks engines.
+/// The prompts' tokenizers, the client that asks engines, and how many prompts are tokenized
+/// at once: one per core. A request that finds them all busy is not tokenized (it routes by
+/// the record) rather than queue, so a flood of long prompts cannot fill the blocking pool or
+/// delay picks.
 pub struct State {
     pub prompts: Prompts,
     pub client: crate::http::HttpClient<Full<Bytes>>,
+    pub permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl State {
+    pub fn new(prompts: Prompts, client: crate::http::HttpClient<Full<Bytes>>) -> State {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        State {
+            prompts,
+            client,
+            permits: Arc::new(tokio::sync::Semaphore::new(cores)),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -72,13 +87,17 @@ where
             let mut req = req;
             let ids = match how {
                 // A tokenizer that panics (it is someone else's code) costs only the match.
-                Tokenizer::Here => {
-                    let s = state.clone();
-                    tokio::task::spawn_blocking(move || s.prompts.tokens(&body))
-                        .await
-                        .ok()
-                        .flatten()
-                }
+                Tokenizer::Here => match state.permits.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        let s = state.clone();
+                        let work = move || {
+                            let _permit = permit;
+                            s.prompts.tokens(&body)
+                        };
+                        tokio::task::spawn_blocking(work).await.ok().flatten()
+                    }
+                    Err(_) => None,
+                },
                 Tokenizer::Engine(model) => by_engine(&ctx, &state, &model, chat, &body).await,
                 Tokenizer::None => None,
             };
