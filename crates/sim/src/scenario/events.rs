@@ -144,19 +144,22 @@ impl Event {
     }
 }
 
-/// Plays the timeline against the fleet until it ends or `stop` fires.
+/// Plays the timeline against the fleet until it ends or `stop` fires. Returns the fleet's
+/// prefix-cache counters (queries, hits) right after the last event, for the figures of what
+/// came after it.
 pub(super) async fn play(
     engines: Arc<Vec<SimEngine>>,
     ranks: Vec<(usize, u32)>,
     mut events: Vec<Event>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+) -> Option<(u64, u64)> {
+    let mut after = None;
     events.sort_by_key(|e| e.at.0);
     let start = Instant::now();
     for ev in events {
         tokio::select! {
             _ = tokio::time::sleep_until(start + ev.at.0) => {}
-            _ = stop.changed() => return,
+            _ = stop.changed() => return after,
         }
         for (i, e) in engines.iter().enumerate() {
             if let Some(dark) = &ev.dark {
@@ -170,7 +173,14 @@ pub(super) async fn play(
                 ev.apply(e).await;
             }
         }
+        after = Some(
+            engines
+                .iter()
+                .flat_map(|e| e.prefix_cache())
+                .fold((0, 0), |(q, h), (a, b)| (q + a, h + b)),
+        );
     }
+    after
 }
 
 #[cfg(test)]

@@ -46,6 +46,40 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
             r.report.achieved_rate,
         );
     }
+    if let Some(last) = s.events.iter().map(|e| e.at.0).max() {
+        let _ = writeln!(
+            o,
+            "\nFrom the timeline's last event ({} s) to the end:\n",
+            last.as_secs()
+        );
+        let _ = writeln!(
+            o,
+            "| policy | prefix hits | TTFT p50 ms | TTFT p99 ms | requests |"
+        );
+        let _ = writeln!(o, "|---|---|---|---|---|");
+        for r in runs {
+            let after = crate::load::report::Percentiles::of(
+                r.report
+                    .ok()
+                    .filter(|x| x.sent >= last)
+                    .filter_map(|x| x.ttft),
+            );
+            let hits = r
+                .prefix_after_events
+                .filter(|(q, _)| *q > 0)
+                .map_or("-".into(), |(q, h)| {
+                    format!("{:.1}%", 100.0 * h as f64 / q as f64)
+                });
+            let n = r.report.ok().filter(|x| x.sent >= last).count();
+            let _ = writeln!(
+                o,
+                "| {} | {hits} | {:.0} | {:.0} | {n} |",
+                r.label(),
+                after.p50,
+                after.p99
+            );
+        }
+    }
     for r in runs {
         let total = r.report.ok().count().max(1);
         let _ = writeln!(o, "\n`{}` per rank ({}):\n", r.label(), s.name);

@@ -42,6 +42,9 @@ pub struct PolicyRun {
     pub ranks: Vec<RankResult>,
     /// (seconds since start, KV usage per rank in fleet order).
     pub kv_series: Vec<(f64, Vec<f64>)>,
+    /// With a timeline: the fleet's prefix-cache (queries, hits) from its last event to the
+    /// end of the run.
+    pub prefix_after_events: Option<(u64, u64)>,
 }
 
 fn loopback() -> SocketAddr {
@@ -202,7 +205,7 @@ pub async fn run_policy(
     let report = load::run(&workload).await;
     let _ = stop_tx.send(true);
     let kv_series = sampler.await.unwrap_or_default();
-    let _ = timeline.await;
+    let at_last_event = timeline.await.ok().flatten();
     for router in routers {
         router.shutdown().await;
     }
@@ -215,6 +218,9 @@ pub async fn run_policy(
     }
     let mut report = report?;
     report.prefix_cache = Some(prefix.iter().fold((0, 0), |(q, h), &(a, b)| (q + a, h + b)));
+    let prefix_after_events = at_last_event
+        .zip(report.prefix_cache)
+        .map(|((q0, h0), (q, h))| (q.saturating_sub(q0), h.saturating_sub(h0)));
 
     let per = report.per_worker();
     let windows = s.dark_windows();
@@ -257,6 +263,7 @@ pub async fn run_policy(
         report,
         ranks,
         kv_series,
+        prefix_after_events,
     })
 }
 
