@@ -73,7 +73,16 @@ where
             return Step::Below(self.inner.call(req));
         };
         let how = state.prompts.tokenizer(body);
-        if how == Tokenizer::None {
+        // Tokens only help where some rank's index can be asked now (its engine publishes,
+        // and its index is available): otherwise the record decides anyway.
+        let usable = || {
+            let snap = self.ctx.table.snapshot.load();
+            snap.fleet
+                .workers
+                .iter()
+                .any(|w| w.kv.block_size().is_some())
+        };
+        if how == Tokenizer::None || !usable() {
             return Step::Below(self.inner.call(req));
         }
         let (state, body, ctx, mut inner) = (
