@@ -636,7 +636,12 @@ fn legend_labels(legend: &str) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_query_of_the_dashboard_reads_metrics_and_labels_the_router_serves() {
-    let (_e, r) = fleet(sim(SimFlavor::Vllm, 2, 0)).await;
+    // Prefix caching on: the engine's prefix-cache counters are on the page too.
+    let (_e, r) = fleet(rankgate_sim::sim::SimConfig {
+        prefix_caching: true,
+        ..sim(SimFlavor::Vllm, 2, 0)
+    })
+    .await;
     wait_state(&r, &[0, 1], "available").await;
     wait_models(&r).await;
     // Streamed and plain completions on the engine, and answers rankgate writes itself.
