@@ -289,11 +289,7 @@ async fn accept(listener: TcpListener, bound: Weak<Bound>) {
                 };
                 let writer = {
                     let routes = b.routes.lock().unwrap_or_else(|p| p.into_inner());
-                    let rank = m.batch.dp_rank.unwrap_or(0);
-                    routes
-                        .get(&(m.topic.clone(), rank))
-                        .or_else(|| routes.get(&(Vec::new(), rank)))
-                        .and_then(Weak::upgrade)
+                    route(&routes, &m.topic, m.batch.dp_rank)
                 };
                 let Some(w) = writer else { continue };
                 lock(&w).apply(&m);
@@ -305,6 +301,29 @@ async fn accept(listener: TcpListener, bound: Weak<Bound>) {
                 lock(&w).lost(&format!("publisher {peer}: {why}"));
             }
         });
+    }
+}
+
+/// The rank a message on a bound endpoint is for: by its topic (or the empty topic, which takes
+/// every message) and the batch's `data_parallel_rank`; a batch without one (SGLang's) is for
+/// the only rank publishing on that topic here (each DP rank has its own port).
+fn route(
+    routes: &HashMap<RouteKey, Weak<Mutex<Writer>>>,
+    topic: &[u8],
+    rank: Option<u32>,
+) -> Option<SharedWriter> {
+    let matches = |k: &RouteKey| k.0 == topic || k.0.is_empty();
+    match rank {
+        Some(r) => (routes.iter())
+            .find(|(k, _)| k.1 == r && matches(k))
+            .and_then(|(_, w)| w.upgrade()),
+        None => {
+            let mut on_topic = routes.iter().filter(|(k, _)| matches(k));
+            match (on_topic.next(), on_topic.next()) {
+                (Some((_, w)), None) => w.upgrade(),
+                _ => None,
+            }
+        }
     }
 }
 
@@ -351,6 +370,24 @@ mod tests {
         }
         let off = "{\"0\":{\"endpoint\":\"tcp://*:1\",\"enable_kv_cache_events\":false}}";
         assert!(from_sources(off.as_bytes(), "h").unwrap().is_empty());
+    }
+
+    #[test]
+    fn messages_on_a_bound_endpoint_find_their_rank() {
+        let (a, b) = (writer(&Arc::default()), writer(&Arc::default()));
+        let mut routes = HashMap::new();
+        routes.insert((b"kv".to_vec(), 3), Arc::downgrade(&a));
+        let is = |w: Option<SharedWriter>, x: &SharedWriter| w.is_some_and(|w| Arc::ptr_eq(&w, x));
+        assert!(is(route(&routes, b"kv", Some(3)), &a));
+        assert!(route(&routes, b"kv", Some(4)).is_none());
+        assert!(route(&routes, b"other", Some(3)).is_none());
+        // SGLang's batches carry no rank: the endpoint's only rank on the topic takes them.
+        assert!(is(route(&routes, b"kv", None), &a));
+        routes.insert((b"kv".to_vec(), 4), Arc::downgrade(&b));
+        assert!(
+            route(&routes, b"kv", None).is_none(),
+            "two ranks: which one is unknown"
+        );
     }
 
     #[test]

@@ -150,3 +150,38 @@ fn replayed_each_ranks_index_holds_exactly_the_engines_blocks() {
     // 0-2), so the index never held them.
     assert_eq!((removed(0), removed(1)), (14, 0));
 }
+
+#[test]
+fn sglangs_array_form_without_a_rank_decodes() {
+    // SGLang's batch: [ts, [["BlockStored", [5], nil, [1, 2], 2, nil], ["BlockRemoved", [5]],
+    // ["AllBlocksCleared"]]]: tagged arrays, and no data_parallel_rank.
+    let mut p = vec![0x92, 0xcb];
+    p.extend_from_slice(&1.5f64.to_be_bytes());
+    p.push(0x93);
+    p.extend_from_slice(&[0x96, 0xab]);
+    p.extend_from_slice(b"BlockStored");
+    p.extend_from_slice(&[0x91, 0x05, 0xc0, 0x92, 0x01, 0x02, 0x02, 0xc0]);
+    p.extend_from_slice(&[0x92, 0xac]);
+    p.extend_from_slice(b"BlockRemoved");
+    p.extend_from_slice(&[0x91, 0x05, 0x91, 0xb0]);
+    p.extend_from_slice(b"AllBlocksCleared");
+    let b = super::event::decode_batch(&p).unwrap();
+    assert_eq!((b.ts, b.dp_rank), (1.5, None));
+    assert_eq!(
+        b.events,
+        [
+            Event::Stored {
+                hashes: vec![5],
+                parent: None,
+                tokens: vec![1, 2],
+                block_size: 2,
+                special: false
+            },
+            Event::Removed {
+                hashes: vec![5],
+                other_medium: false
+            },
+            Event::AllCleared,
+        ]
+    );
+}
