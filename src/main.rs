@@ -210,6 +210,11 @@ fn main() -> ExitCode {
             for w in cfg.warnings() {
                 eprintln!("rankgate: warning: {w}");
             }
+            // The models' tokenizers, loaded as `serve` loads them.
+            if let Err(e) = rankgate::prompt::Prompts::load(&cfg.models) {
+                eprintln!("rankgate: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
             // The certificate, key and CA files, read as `serve` reads them.
             let upstream = match check_tls(&cfg) {
                 Ok(u) => u,

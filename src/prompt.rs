@@ -39,7 +39,7 @@ pub struct PromptTokens(pub Arc<Vec<u32>>);
 
 /// A model's tokenizer could not be loaded.
 #[derive(Debug, thiserror::Error)]
-#[error("models[{index}] ({model}): {source}")]
+#[error("models[{index}].tokenizer ({model}): {source}")]
 pub struct LoadError {
     pub index: usize,
     pub model: Arc<str>,
@@ -150,6 +150,13 @@ impl Prompts {
 fn files(path: &Path) -> Result<TokenizerFiles, TokenizeError> {
     match path.is_dir() {
         true => TokenizerFiles::in_dir(path),
+        false if !path.exists() => Err(TokenizeError::Read {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no such model directory or tokenizer.json",
+            ),
+        }),
         false => {
             let dir = path.parent().unwrap_or(Path::new("."));
             let mut files = TokenizerFiles::in_dir(dir)?;
@@ -204,7 +211,7 @@ mod tests {
         let e = Prompts::load(&[model("m", Some("/nonexistent/model".into()))]).unwrap_err();
         let text = e.to_string();
         assert!(
-            text.contains("models[0] (m)") && text.contains("tokenizer.json"),
+            text.contains("models[0].tokenizer (m): /nonexistent/model:"),
             "{text}"
         );
         assert!(!Prompts::load(&[]).unwrap().any());

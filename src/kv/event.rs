@@ -165,7 +165,8 @@ fn event(r: &mut Reader) -> Result<Event, MsgpackError> {
                 "block_size",
                 "lora_id",
                 "medium",
-                "lora_name",
+                // SGLang's stores may carry a metadata map here (a cache salt): salted blocks
+                // are not a plain prompt's (`extra_keys` marks them special).
                 "extra_keys",
             ];
             let names_removed = ["type", "block_hashes", "medium"];
@@ -242,7 +243,11 @@ fn field(r: &mut Reader, f: &mut Fields, key: &str) -> Result<(), MsgpackError> 
                     .ok_or_else(|| r.error(format!("block_size {b}")))?,
             );
         }
-        "lora_id" | "lora_name" => f.special |= !matches!(r.value()?, Value::Nil),
+        "lora_id" | "lora_name" => {
+            let v = r.value()?;
+            f.special |= !matches!(v, Value::Nil);
+            skip_body(r, v)?;
+        }
         "medium" => match r.value()? {
             Value::Nil => {}
             Value::Str(m) => f.other_medium |= !m.eq_ignore_ascii_case("gpu"),
@@ -266,11 +271,24 @@ fn field(r: &mut Reader, f: &mut Fields, key: &str) -> Result<(), MsgpackError> 
                     }
                 }
             }
-            _ => f.special = true,
+            v => {
+                f.special = true;
+                skip_body(r, v)?;
+            }
         },
         _ => r.skip()?,
     }
     Ok(())
+}
+
+/// Skips what follows a container's head `v` (its elements), so a field of an unexpected shape
+/// never leaves the reader inside it.
+fn skip_body(r: &mut Reader, v: Value) -> Result<(), MsgpackError> {
+    match v {
+        Value::Array(n) => (0..n).try_for_each(|_| r.skip()),
+        Value::Map(n) => (0..2 * n).try_for_each(|_| r.skip()),
+        _ => Ok(()),
+    }
 }
 
 /// A block hash as the engine sent it: an integer (vLLM's builtin hash; negative ones too),

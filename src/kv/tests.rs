@@ -185,3 +185,34 @@ fn sglangs_array_form_without_a_rank_decodes() {
         ]
     );
 }
+
+#[test]
+fn a_salted_sglang_store_is_read_whole_and_left_out() {
+    // ["BlockStored", [7], nil, [1, 2], 2, nil, "GPU", {"cache_salt": "s"}], then a removal:
+    // the metadata map is skipped whole and marks the block special.
+    let mut p = vec![0x93, 0x00, 0x92, 0x98, 0xab];
+    p.extend_from_slice(b"BlockStored");
+    p.extend_from_slice(&[0x91, 0x07, 0xc0, 0x92, 0x01, 0x02, 0x02, 0xc0, 0xa3]);
+    p.extend_from_slice(b"GPU");
+    p.extend_from_slice(&[0x81, 0xaa]);
+    p.extend_from_slice(b"cache_salt");
+    p.extend_from_slice(&[0xa1, b's', 0x93, 0xac]);
+    p.extend_from_slice(b"BlockRemoved");
+    p.extend_from_slice(&[0x91, 0x07, 0xa3]);
+    p.extend_from_slice(b"GPU");
+    p.push(0x03);
+    let b = super::event::decode_batch(&p).unwrap();
+    assert_eq!(b.dp_rank, Some(3));
+    assert!(
+        matches!(b.events[0], Event::Stored { special: true, .. }),
+        "{:?}",
+        b.events[0]
+    );
+    assert_eq!(
+        b.events[1],
+        Event::Removed {
+            hashes: vec![7],
+            other_medium: false
+        }
+    );
+}

@@ -91,6 +91,13 @@ pub struct Args {
     /// GET /kv_event_sources lists them. Turns on --prefix-caching.
     #[arg(long)]
     kv_events_config: Option<String>,
+    /// A model directory (tokenizer.json, tokenizer_config.json, chat template) whose tokenizer
+    /// names the prompt tokens and KV blocks, as a real engine's would. With
+    /// --kv-events-config and no --tokenizer: the built-in tiny model's (the one the real vLLM
+    /// capture was made with), so a router's `[[models]]` with the same files matches the
+    /// blocks exactly.
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
     /// Served model names, comma-separated; the first is the default for requests naming none.
     #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
     model: Vec<String>,
@@ -163,7 +170,19 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         Some(j) => super::kv::KvEventsConfig::from_vllm_json(j).map_err(|e| e.to_string())?,
         None => None,
     };
+    let tokenizer = match (&a.tokenizer, &kv_events) {
+        (Some(dir), _) => {
+            Some(super::model::tokenizer(dir).map_err(|e| format!("--tokenizer: {e}"))?)
+        }
+        (None, Some(_)) => Some(
+            super::model::tiny_model_dir()
+                .and_then(|d| super::model::tokenizer(&d))
+                .map_err(|e| format!("the built-in tokenizer: {e}"))?,
+        ),
+        (None, None) => None,
+    };
     let cfg = SimConfig {
+        tokenizer,
         flavor: match a.flavor {
             FlavorArg::Vllm => Flavor::Vllm,
             FlavorArg::Sglang => Flavor::Sglang,
