@@ -130,6 +130,10 @@ fn join(host: &str, port: u16) -> String {
     }
 }
 
+/// Longest wait for a publisher's TCP connect (the handshake has its own bound).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Publishers one bound endpoint takes at once: each engine rank is one; more is a flood.
+const MAX_PUBLISHERS: usize = 256;
 /// Backoff between attempts to reach a publisher.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
@@ -140,8 +144,10 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 pub async fn connect_rank(addr: String, topic: Vec<u8>, writer: SharedWriter) {
     let mut wait = RETRY_MIN;
     loop {
-        let why = match TcpStream::connect(&addr).await {
-            Ok(s) => {
+        let why = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&addr)).await {
+            Err(_) => format!("cannot connect within {} s", CONNECT_TIMEOUT.as_secs()),
+            Ok(Err(e)) => format!("cannot connect: {e}"),
+            Ok(Ok(s)) => {
                 let _ = s.set_nodelay(true);
                 match Subscriber::start(s, &topic, MAX_PAYLOAD as u64 + 64).await {
                     Ok(mut sub) => {
@@ -151,7 +157,6 @@ pub async fn connect_rank(addr: String, topic: Vec<u8>, writer: SharedWriter) {
                     Err(e) => e.to_string(),
                 }
             }
-            Err(e) => format!("cannot connect: {e}"),
         };
         lock(&writer).lost(&format!("publisher tcp://{addr}: {why}"));
         tokio::time::sleep(wait).await;
@@ -257,12 +262,18 @@ impl Listeners {
 
 /// Accepts publishers on a bound endpoint until nobody routes to it any more.
 async fn accept(listener: TcpListener, bound: Weak<Bound>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_PUBLISHERS));
     loop {
         let Ok((s, peer)) = listener.accept().await else {
             continue;
         };
         let Some(b) = bound.upgrade() else { return };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "KV-event publisher refused: {MAX_PUBLISHERS} already connected");
+            continue;
+        };
         tokio::spawn(async move {
+            let _slot = slot;
             let _ = s.set_nodelay(true);
             let mut sub = match Subscriber::start(s, b"", MAX_PAYLOAD as u64 + 64).await {
                 Ok(sub) => sub,

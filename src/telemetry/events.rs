@@ -18,6 +18,8 @@ use crate::worker::{EngineEntry, Member};
 
 /// Between two asks of an engine's `/kv_event_sources` that failed.
 const ASK_AGAIN: Duration = Duration::from_secs(10);
+/// Longest wait for an engine's `/kv_event_sources`.
+const ASK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often capacities and silence are checked.
 const TICK: Duration = Duration::from_secs(1);
 /// A rank that ran requests this long without one event is taken as silent.
@@ -138,7 +140,16 @@ async fn ask(
         .parse()
         .map_err(|e| format!("/kv_event_sources: {e}"))?;
     let http = http.with_key(entry.api_key.clone());
-    match fetch(&http, uri).await {
+    // An engine that accepts and never answers must not hold the feed: asked again later.
+    let answer = tokio::time::timeout(ASK_TIMEOUT, fetch(&http, uri))
+        .await
+        .map_err(|_| {
+            format!(
+                "no KV-event sources: GET /kv_event_sources: no answer within {} s",
+                ASK_TIMEOUT.as_secs()
+            )
+        })?;
+    match answer {
         Ok(body) => feed::from_sources(&body, host),
         Err(f) => Err(format!(
             "no KV-event sources: GET /kv_event_sources: {} (set engines[].kv_events, or start the engine with --kv-events-config)",
