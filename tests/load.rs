@@ -237,3 +237,69 @@ async fn scenario_runs_each_variant_per_replica_count_with_sessions() {
     let md = scenario::render::markdown(&s, &runs);
     assert!(md.contains("| least_kv x2 |"), "{md}");
 }
+
+/// A killed engine's streams (`die_after`: it dies like `kill -9` after admitting N requests)
+/// are errors, never ok: straight from the engine they end without `[DONE]` (cut); through
+/// rankgate they end with its error event, which is counted as such and never as a token.
+#[tokio::test]
+async fn a_killed_engines_cut_streams_are_errors_by_kind() {
+    const REQUESTS: usize = 8;
+    for through_router in [false, true] {
+        let mut cfg = sim(SimFlavor::Vllm, 1, 0);
+        // Slow enough that every stream is still running when the engine dies.
+        cfg.decode_tokens_per_sec = 20.0;
+        let e = engine(cfg).await;
+        let r = match through_router {
+            true => Some(fleet_router(&e).await),
+            false => None,
+        };
+        let url = match &r {
+            Some(r) => format!("http://{}", r.addr),
+            None => e.url(),
+        };
+        e.die_after(Some(REQUESTS as u64));
+        let mut w = Workload::new(url);
+        w.arrivals = Arrivals::Closed(REQUESTS);
+        w.requests = REQUESTS;
+        w.output_tokens = Dist::Fixed(200);
+        w.duration = Duration::from_secs(30);
+        let run = load::run(&w);
+        let (report, ()) = tokio::join!(run, async {
+            // The engine dies once it has admitted all of them: they were all streaming.
+            tokio::time::timeout(Duration::from_secs(20), e.dead())
+                .await
+                .expect("engine died");
+        });
+        let report = report.unwrap();
+        let kinds = report.errors_by_kind();
+        let want = match through_router {
+            true => ErrorKind::StreamErrorEvent,
+            false => ErrorKind::StreamCut,
+        };
+        assert_eq!(
+            report.ok().count(),
+            0,
+            "router: {through_router}: {kinds:?}"
+        );
+        // The last admission kills the engine, so that one may fail before its headers; every
+        // other one was streaming.
+        let cut: Vec<_> = report
+            .outcomes
+            .iter()
+            .filter(|o| o.error == Some(want))
+            .collect();
+        assert!(
+            cut.len() >= REQUESTS - 1,
+            "router: {through_router}: {kinds:?}"
+        );
+        // Tokens are the engine's only: fewer than a full stream, none for the error event.
+        assert!(cut.iter().all(|o| o.status == 200 && o.tokens < 200));
+        println!("router {through_router}: {kinds:?}");
+    }
+}
+
+async fn fleet_router(e: &rankgate_sim::sim::SimEngine) -> rankgate::app::Router {
+    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 1, 0)]).await;
+    wait_state(&r, &[0], "available").await;
+    r
+}

@@ -207,6 +207,8 @@ pub async fn one(mut client: GrpcClient, call: GenerateCall, start: Instant) -> 
         ..Outcome::failed(ErrorKind::Body, Duration::ZERO)
     };
     let mut last: Option<Instant> = None;
+    // Ok only once the engine's completion came: a stream that ends without it was cut.
+    o.error = Some(ErrorKind::StreamCut);
     loop {
         match g.next().await {
             Ok(Some(Event::Chunk { completion })) => {
@@ -218,11 +220,14 @@ pub async fn one(mut client: GrpcClient, call: GenerateCall, start: Instant) -> 
                 last = Some(now);
                 o.tokens = u64::from(completion);
             }
-            Ok(Some(Event::Complete { tokens, .. })) => o.tokens = tokens as u64,
+            Ok(Some(Event::Complete { tokens, .. })) => {
+                o.tokens = tokens as u64;
+                o.error = None;
+            }
             Ok(None) => break,
             Err(s) => {
                 let f = failed(&s);
-                (o.status, o.error) = (f.status, Some(ErrorKind::Body));
+                (o.status, o.error) = (f.status, Some(ErrorKind::StreamErrorEvent));
                 break;
             }
         }

@@ -157,7 +157,14 @@ pub enum ErrorKind {
     Connect,
     Http4xx,
     Http5xx,
+    /// The body failed to arrive whole (a non-streaming answer broken or unreadable).
     Body,
+    /// A 2xx stream that ended (cleanly or broken) before the engine's end: no `data: [DONE]`
+    /// for SSE, no completion message for gRPC.
+    StreamCut,
+    /// A 2xx stream that carried an error event (rankgate's `data: {"error": ...}` when it cuts a
+    /// stream after its first byte): the answer is incomplete whatever followed.
+    StreamErrorEvent,
     Deadline,
 }
 
@@ -239,9 +246,10 @@ pub(crate) async fn one(
     let mut sse = SseTokens::default();
     let mut whole = Vec::new();
     let mut last: Option<Instant> = None;
+    let mut broken = false;
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
-            o.error = Some(ErrorKind::Body);
+            broken = true;
             break;
         };
         let Some(data) = frame.data_ref() else {
@@ -269,38 +277,58 @@ pub(crate) async fn one(
             .and_then(|v| v["usage"]["completion_tokens"].as_u64())
             .unwrap_or(0);
     }
-    if o.error.is_none() {
-        o.error = match o.status {
-            200..=299 => None,
-            400..=499 => Some(ErrorKind::Http4xx),
-            _ => Some(ErrorKind::Http5xx),
-        };
-    }
+    o.error = match o.status {
+        // A 2xx stream is ok only when it ended as the engine ends it.
+        200..=299 if stream => sse.ending(broken),
+        200..=299 if broken => Some(ErrorKind::Body),
+        200..=299 => None,
+        400..=499 => Some(ErrorKind::Http4xx),
+        _ => Some(ErrorKind::Http5xx),
+    };
     o
 }
 
-/// Counts token-bearing SSE events across frame boundaries: an event is complete at a blank
-/// line; `[DONE]` and the final usage-only chunk (`"choices":[]`) carry no token.
+/// Reads an SSE stream across frame boundaries (an event is complete at a blank line): counts
+/// the events that carry a token and notes how the stream ended. `[DONE]`, the final usage-only
+/// chunk (`"choices":[]`) and error events (`data: {"error": ...}`) carry no token.
 #[derive(Debug, Default)]
 pub struct SseTokens {
     pending: Vec<u8>,
+    /// `data: [DONE]` came: the engine ended the stream.
+    done: bool,
+    /// An error event came (rankgate's, when it cut the stream, or an engine's own).
+    error_event: bool,
 }
 
 impl SseTokens {
+    /// Takes the next bytes of the stream; returns how many token events they completed.
     pub fn feed(&mut self, data: &[u8]) -> usize {
         self.pending.extend_from_slice(data);
         let mut tokens = 0;
         while let Some(end) = find(&self.pending, b"\n\n") {
             let event = &self.pending[..end];
-            if event.starts_with(b"data: ")
-                && !event.starts_with(b"data: [DONE]")
-                && find(event, b"\"choices\":[]").is_none()
+            if event.starts_with(b"data: [DONE]") {
+                self.done = true;
+            } else if event.starts_with(b"data: {\"error\"")
+                || (event.starts_with(b"data: {") && find(event, b"\"object\":\"error\"").is_some())
             {
+                self.error_event = true;
+            } else if event.starts_with(b"data: ") && find(event, b"\"choices\":[]").is_none() {
                 tokens += 1;
             }
             self.pending.drain(..end + 2);
         }
         tokens
+    }
+
+    /// What the stream's ending makes of a 2xx answer: `None` (ok) only for a stream that
+    /// reached `[DONE]` without an error event; `broken`: the body failed mid-way.
+    pub fn ending(&self, broken: bool) -> Option<ErrorKind> {
+        match (self.error_event, self.done && !broken) {
+            (true, _) => Some(ErrorKind::StreamErrorEvent),
+            (false, false) => Some(ErrorKind::StreamCut),
+            (false, true) => None,
+        }
     }
 }
 
@@ -519,6 +547,38 @@ mod tests {
         assert_eq!(
             s.feed(b"\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n"),
             1
+        );
+        assert_eq!(s.ending(false), None, "[DONE] came");
+        assert_eq!(
+            s.ending(true),
+            Some(ErrorKind::StreamCut),
+            "then the body broke"
+        );
+    }
+
+    #[test]
+    fn a_stream_is_ok_only_when_it_reached_done_without_an_error_event() {
+        let token = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
+        let mut cut = SseTokens::default();
+        assert_eq!(cut.feed(token), 1);
+        assert_eq!(cut.ending(false), Some(ErrorKind::StreamCut), "no [DONE]");
+
+        let mut errored = SseTokens::default();
+        let event = b"data: {\"error\":{\"message\":\"cut\",\"type\":\"UpstreamError\"}}\n\n";
+        assert_eq!(
+            errored.feed(token) + errored.feed(event),
+            1,
+            "an error is no token"
+        );
+        assert_eq!(errored.feed(b"data: [DONE]\n\n"), 0);
+        assert_eq!(errored.ending(false), Some(ErrorKind::StreamErrorEvent));
+
+        let mut engine_error = SseTokens::default();
+        let vllm = b"data: {\"object\":\"error\",\"message\":\"x\",\"code\":500}\n\n";
+        assert_eq!(engine_error.feed(vllm), 0);
+        assert_eq!(
+            engine_error.ending(false),
+            Some(ErrorKind::StreamErrorEvent)
         );
     }
 }
