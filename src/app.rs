@@ -23,7 +23,7 @@ use crate::proxy::{Keys, KeysError, Layers};
 use crate::table::Table;
 use crate::telemetry;
 use crate::tls::{ServerTls, Upstream};
-use crate::upstream::ConnLimits;
+use crate::upstream::{ConnLimits, Cutoff};
 use crate::worker::{EngineEntry, Fleet, Origin};
 
 /// Why rankgate could not start.
@@ -60,6 +60,38 @@ impl StartError {
     }
 }
 
+/// How long the front door waits, once the engine connections are cut, for the cut streams'
+/// last events to reach their clients before it closes the connections still open.
+pub const CUT_FLUSH: Duration = Duration::from_secs(1);
+
+/// Cuts a router's streams at once (see [`Router::cut_handle`]).
+pub struct Cut {
+    cutoff: Cutoff,
+    table: Arc<Table>,
+}
+
+impl Cut {
+    /// Cuts every engine connection, then waits (at most [`CUT_FLUSH`]) until no request is in
+    /// flight and the cut streams' last events have had a moment to go out.
+    pub async fn now(self) {
+        self.cutoff.cut();
+        let flushed = async {
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            loop {
+                tick.tick().await;
+                let snap = self.table.snapshot.load();
+                if snap.fleet.workers.iter().all(|w| w.live.in_flight() == 0) {
+                    break;
+                }
+            }
+            // A body lets go of its request as it yields its last event: give the
+            // connection a moment to write it.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let _ = tokio::time::timeout(CUT_FLUSH, flushed).await;
+    }
+}
+
 /// A running rankgate.
 pub struct Router {
     /// Where the OpenAI-compatible front door listens (the bound port when the config said 0).
@@ -76,6 +108,9 @@ pub struct Router {
     /// Set once shutdown begins: `/ready` answers 503 from then on.
     draining: Arc<AtomicBool>,
     shutdown_delay: Duration,
+    /// `server.drain_grace`: when it ends, the engine connections are cut ([`Cutoff`]).
+    drain_grace: Duration,
+    cutoff: Cutoff,
     /// Stops the front doors' accept loops (their connections then drain).
     stop_front: watch::Sender<bool>,
     /// Stops telemetry and the admin listener, once the front door has drained.
@@ -271,6 +306,10 @@ impl Router {
         let selector = layers.shared().selector.clone();
         let front_opts = ServeOptions {
             tls: front_tls.clone(),
+            // The drain grace ends here with the engine connections cut (see `shutdown`);
+            // the front door waits a moment more for the cut streams' last events to go out
+            // before it closes what is left.
+            drain_grace: cfg.server.drain_grace + CUT_FLUSH,
             ..ServeOptions::front_door(&cfg.server)
         };
         tracing::debug!(
@@ -352,6 +391,8 @@ impl Router {
             control,
             draining,
             shutdown_delay: cfg.server.shutdown_delay,
+            drain_grace: cfg.server.drain_grace,
+            cutoff: layers.cutoff().clone(),
             stop_front,
             stop_rest,
             front,
@@ -375,6 +416,15 @@ impl Router {
         }
     }
 
+    /// What a second signal does while [`Router::shutdown`] runs: cuts every stream still running,
+    /// each ending as a broken stream does for its client (SSE's error event, gRPC's status).
+    pub fn cut_handle(&self) -> Cut {
+        Cut {
+            cutoff: self.cutoff.clone(),
+            table: self.table.clone(),
+        }
+    }
+
     /// Turns `/ready` to 503, so load balancers stop sending new clients; serving goes on.
     pub fn begin_drain(&self) {
         self.draining.store(true, Relaxed);
@@ -393,8 +443,18 @@ impl Router {
             tokio::time::sleep(self.shutdown_delay).await;
         }
         let _ = self.stop_front.send(true);
-        for task in self.front {
-            let _ = task.await;
+        let mut front = std::pin::pin!(async {
+            for task in self.front {
+                let _ = task.await;
+            }
+        });
+        if tokio::time::timeout(self.drain_grace, &mut front)
+            .await
+            .is_err()
+        {
+            tracing::warn!("drain grace expired with streams still running: cutting them");
+            self.cutoff.cut();
+            front.await;
         }
         let _ = self.stop_rest.send(true);
         for task in self.rest {

@@ -333,13 +333,18 @@ fn main() -> ExitCode {
                 };
                 let first = signals.next(&router).await;
                 tracing::info!(signal = first, "shutting down: /ready is 503, draining requests in flight");
+                let cut = router.cut_handle();
+                let mut shutdown = std::pin::pin!(router.shutdown());
                 tokio::select! {
-                    _ = router.shutdown() => {
+                    _ = &mut shutdown => {
                         tracing::info!("drained; exiting");
                         ExitCode::SUCCESS
                     }
                     second = signals.stop() => {
-                        tracing::warn!(signal = second, "second signal: exiting without waiting for the drain");
+                        tracing::warn!(signal = second, "second signal: cutting the streams still running and exiting without waiting for the drain");
+                        // Each cut stream's last event (SSE's error event, gRPC's status)
+                        // goes out before the process ends; at most CUT_FLUSH.
+                        cut.now().await;
                         ExitCode::from(EXIT_INTERRUPTED)
                     }
                 }

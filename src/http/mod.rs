@@ -98,11 +98,22 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    h2_client_over(connector(connect_timeout, tls, true))
+}
+
+/// [`h2_client_with`] over any connector (the proxy's, whose connections a shutdown can cut).
+pub fn h2_client_over<C, B>(connector: C) -> Client<C, B>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone,
+    B: Body + Send + 'static + Unpin,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     Client::builder(TokioExecutor::new())
         .http2_only(true)
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
-        .build(connector(connect_timeout, tls, true))
+        .build(connector)
 }
 
 /// Renders an error with its sources, since hyper's top-level message alone ("client error

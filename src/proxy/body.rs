@@ -98,6 +98,9 @@ pub enum StreamError {
     Broken(String),
     #[error("engine sent nothing for {} ms (server.stream_idle_timeout)", .0.as_millis())]
     Idle(Duration),
+    /// The drain grace ran out, or a second signal came, with the stream still going.
+    #[error("rankgate is shutting down: the stream was cut before its end")]
+    ShuttingDown,
 }
 
 impl ProxyBody {
@@ -125,8 +128,11 @@ impl ProxyBody {
     /// Ends the stream: releases the engine's body and every guard, and says why.
     fn broke(&mut self, err: StreamError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let idle = matches!(err, StreamError::Idle(_));
+        // rankgate's own shutdown is no verdict on the engine: the watch is dropped unjudged.
         if let Some(watch) = self.holds.on_break.take() {
-            watch.fire(idle);
+            if !matches!(err, StreamError::ShuttingDown) {
+                watch.fire(idle);
+            }
         }
         if let Some(done) = &self.holds.done {
             done.ctx.metrics.stream_cut(idle);
@@ -145,7 +151,7 @@ impl ProxyBody {
         if up.ending == Ending::GrpcStatus {
             let code = match err {
                 StreamError::Idle(_) => tonic::Code::DeadlineExceeded,
-                StreamError::Broken(_) => tonic::Code::Unavailable,
+                StreamError::Broken(_) | StreamError::ShuttingDown => tonic::Code::Unavailable,
             };
             let message = match worker {
                 Some(w) => format!("{w}: {err}"),
@@ -155,11 +161,12 @@ impl ProxyBody {
             return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
         }
         if up.ending == Ending::SseEvent {
-            let status = match err {
-                StreamError::Idle(_) => StatusCode::GATEWAY_TIMEOUT,
-                StreamError::Broken(_) => StatusCode::BAD_GATEWAY,
+            let (status, kind) = match err {
+                StreamError::Idle(_) => (StatusCode::GATEWAY_TIMEOUT, "UpstreamError"),
+                StreamError::Broken(_) => (StatusCode::BAD_GATEWAY, "UpstreamError"),
+                StreamError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "ShuttingDown"),
             };
-            let json = crate::http::error_json(status, "UpstreamError", &err.to_string());
+            let json = crate::http::error_json(status, kind, &err.to_string());
             let mut event = Vec::with_capacity(json.len() + 8);
             event.extend_from_slice(b"data: ");
             event.extend_from_slice(&json);
@@ -252,6 +259,9 @@ impl Body for ProxyBody {
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) if crate::upstream::cutoff::is_shutdown(&e) => {
+                this.broke(StreamError::ShuttingDown)
             }
             Poll::Ready(Some(Err(e))) => {
                 this.broke(StreamError::Broken(crate::http::error_chain(&e)))

@@ -32,7 +32,7 @@ use super::shared::Ctx;
 use super::target::Picked;
 use crate::deadlines::Deadlines;
 use crate::tls::Upstream;
-use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
+use crate::upstream::{BodyTooLarge, ClientBodyError, Cutoff, RequestBody, Sender};
 use crate::worker::EngineEntry;
 
 #[derive(Clone)]
@@ -57,7 +57,10 @@ pub struct Dial {
     connector: crate::http::Connector,
     /// Client `k` holds each engine's `k`th h2 connection, opened once the connections before
     /// it carry their share of calls.
-    pub grpc_clients: Vec<crate::http::HttpClient<RequestBody>>,
+    pub grpc_clients: Vec<GrpcClient>,
+    /// Every engine connection's reads, failed at once when a shutdown cuts what is still
+    /// streaming (so each cut stream ends with its error event or status).
+    pub cutoff: Cutoff,
     /// `server.response_timeout`.
     pub response: Duration,
     /// `server.stream_idle_timeout`.
@@ -65,6 +68,12 @@ pub struct Dial {
     /// `server.max_body_bytes` (a client body that outgrows it while streaming).
     max_body: usize,
 }
+
+/// A client for engines' gRPC services, over connections a shutdown can cut.
+pub type GrpcClient = hyper_util::client::legacy::Client<
+    crate::upstream::CutConnector<crate::http::Connector>,
+    RequestBody,
+>;
 
 impl std::fmt::Debug for Dial {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -80,11 +89,16 @@ impl Dial {
         upstream: &Upstream,
     ) -> Dial {
         let h2 = max_engine_connections.min(crate::upstream::MAX_GRPC_CONNECTIONS);
+        let cutoff = Cutoff::default();
         Dial {
             connector: crate::http::connector(deadlines.connect, upstream, false),
             grpc_clients: (0..h2)
-                .map(|_| crate::http::h2_client_with(deadlines.connect, upstream))
+                .map(|_| {
+                    let connector = crate::http::connector(deadlines.connect, upstream, true);
+                    crate::http::h2_client_over(cutoff.connector(connector))
+                })
                 .collect(),
+            cutoff,
             response: deadlines.response,
             stream_idle: deadlines.stream_idle,
             max_body,
@@ -267,6 +281,7 @@ impl Sending {
     fn connect(&self, req: Request<RequestBody>, counted: Counted) -> State {
         let engine = self.target.engine.clone();
         let mut connector = self.dial.connector.clone();
+        let cutoff = self.dial.cutoff.clone();
         let opened = async move {
             let failed = |what: &str, e: &(dyn std::error::Error + 'static)| ProxyError::Upstream {
                 engine: engine.url.clone(),
@@ -275,6 +290,7 @@ impl Sending {
             let io = tower::Service::call(&mut connector, engine.conn.origin.clone())
                 .await
                 .map_err(|e| failed("connect", &*e))?;
+            let io = cutoff.wrap(io);
             let (sender, conn) = hyper::client::conn::http1::handshake(io)
                 .await
                 .map_err(|e| failed("handshake", &e))?;

@@ -129,6 +129,11 @@ impl Layers {
     pub fn draining(&self) -> &Arc<AtomicBool> {
         &self.grpc.draining
     }
+
+    /// The switch that fails every engine connection at once (shutdown's last step).
+    pub fn cutoff(&self) -> &crate::upstream::Cutoff {
+        &self.dial.cutoff
+    }
 }
 
 /// The answer every stack gives (errors included), the way the accept loop takes it.

@@ -66,6 +66,22 @@ impl Streamed {
     pub fn done(&self) -> bool {
         self.error.is_none() && self.text.trim_end().ends_with("data: [DONE]")
     }
+
+    /// The stream ended cleanly with rankgate's shutdown error event as its last event (what
+    /// the README promises a cut stream ends with), and carried tokens before it.
+    pub fn assert_cut_with_shutdown_event(&self) {
+        assert!(self.error.is_none(), "cut as a transport error: {:?}", self.error);
+        let events: Vec<&str> = self.text.split("\n\n").filter(|e| !e.is_empty()).collect();
+        let last = events.last().expect("events");
+        let json: serde_json::Value = serde_json::from_str(
+            last.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("last event: {last}")),
+        )
+        .unwrap_or_else(|e| panic!("last event {last}: {e}"));
+        assert_eq!(json["error"]["type"], "ShuttingDown", "{last}");
+        assert_eq!(json["error"]["code"], 503, "{last}");
+        assert!(events.len() > 1, "tokens came before the cut");
+    }
 }
 
 /// Opens a streaming chat, waits for its response head (so it is in flight), and returns a task
@@ -233,6 +249,7 @@ async fn second_signal_exits_130_at_once() {
     assert!(took < Duration::from_secs(1), "exit took {took:?}");
     let s = stream.await.unwrap();
     assert!(!s.done(), "the stream cannot have finished: {}", s.text);
+    s.assert_cut_with_shutdown_event();
     eprintln!(
         "second signal: exit 130 {took:?} after it; the open stream was cut ({:?})",
         s.error
@@ -296,6 +313,7 @@ async fn router_shutdown_waits_for_streams_and_cuts_at_grace() {
         .expect("the stream outliving the grace is cut when shutdown returns")
         .unwrap();
     assert!(!s.done(), "the long stream cannot have finished");
+    s.assert_cut_with_shutdown_event();
     let cut_after = s.ended - t0;
     assert!(
         cut_after < Duration::from_millis(1500),
