@@ -890,6 +890,40 @@ async fn shutdown_lets_a_stream_in_flight_finish_and_refuses_new_connections() {
     }
 }
 
+/// A stream that outlives the drain grace ends with a status, as every gRPC call must: HTTP 200,
+/// the messages sent before, then trailers saying UNAVAILABLE because rankgate is shutting down.
+#[tokio::test]
+async fn a_stream_outliving_the_drain_grace_ends_unavailable_in_its_trailers() {
+    let flavor = Flavor::Vllm;
+    let e = Eng::start(flavor, 1, 0).await;
+    let r = grpc_router_with("drain_grace = \"300ms\"", &[e.toml()]).await;
+    wait_state(&r, &[0], "available").await;
+    let raw = generate_bytes(flavor, "outlives", None, 100_000);
+    let req = grpc_request(r.grpc_addr.unwrap(), &method_path(flavor, "Generate"))
+        .body(Full::new(frame(&raw)))
+        .unwrap();
+    let client = rankgate::http::h2_client::<Full<Bytes>>(Duration::from_secs(2));
+    let resp = bounded(client.request(req)).await.expect("h2 request");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let first = bounded(body.frame())
+        .await
+        .expect("a frame")
+        .expect("a chunk");
+    assert!(first.is_data(), "{first:?}");
+
+    let shutdown = tokio::spawn(r.shutdown());
+    let rest = bounded(body.collect())
+        .await
+        .expect("the rest, then trailers");
+    let trailers = rest.trailers().expect("trailers").clone();
+    assert_eq!(trailers["grpc-status"], "14", "UNAVAILABLE: {trailers:?}");
+    let message = trailers["grpc-message"].to_str().unwrap();
+    assert!(message.contains("shutting down"), "{message}");
+    bounded(shutdown).await.expect("shutdown");
+    wait_idle(&e.sim).await;
+}
+
 /// Waits (bounded) until connecting to `addr` is refused.
 async fn until_refused(addr: SocketAddr) {
     let deadline = Instant::now() + Duration::from_secs(10);

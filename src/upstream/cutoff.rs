@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 
 use atomic_waker::AtomicWaker;
-use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper_util::client::legacy::connect::{Connected, Connection};
 
 /// The error a cut connection's reads fail with; [`is_shutdown`] finds it in an error chain.
 #[derive(Debug, thiserror::Error)]
@@ -180,7 +180,8 @@ where
 {
     type Response = CutIo<C::Response>;
     type Error = C::Error;
-    type Future = Pin<Box<dyn std::future::Future<Output = Result<Self::Response, C::Error>> + Send>>;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, C::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), C::Error>> {
         self.inner.poll_ready(cx)

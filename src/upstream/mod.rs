@@ -7,7 +7,7 @@ pub mod cutoff;
 pub mod idle;
 pub mod request;
 
-pub use cutoff::{CutConnector, CutIo, Cutoff};
 pub use conn::{ConnLimits, EngineConn, Slots, Streams, MAX_GRPC_CONNECTIONS};
+pub use cutoff::{CutConnector, CutIo, Cutoff};
 pub use idle::{Idle, Sender};
 pub use request::{BodyTooLarge, BoxError, ClientBodyError, RequestBody, StreamBody};

@@ -70,7 +70,11 @@ impl Streamed {
     /// The stream ended cleanly with rankgate's shutdown error event as its last event (what
     /// the README promises a cut stream ends with), and carried tokens before it.
     pub fn assert_cut_with_shutdown_event(&self) {
-        assert!(self.error.is_none(), "cut as a transport error: {:?}", self.error);
+        assert!(
+            self.error.is_none(),
+            "cut as a transport error: {:?}",
+            self.error
+        );
         let events: Vec<&str> = self.text.split("\n\n").filter(|e| !e.is_empty()).collect();
         let last = events.last().expect("events");
         let json: serde_json::Value = serde_json::from_str(
