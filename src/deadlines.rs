@@ -18,7 +18,9 @@
 //!
 //! Two more are not per request: an engine's idle kept-alive connection is closed after
 //! [`crate::upstream::idle::IDLE_FOR`], and `server.drain_grace` bounds the drain at shutdown
-//! (http::serve).
+//! (`app::Router::shutdown`): when it ends, the engine connections are cut
+//! ([`crate::upstream::Cutoff`]) so every stream still running ends with its error event or
+//! status, and the front door (http::serve) closes what is left [`crate::app::CUT_FLUSH`] later.
 
 use std::time::Duration;
 
