@@ -1,6 +1,7 @@
 //! The whole config: the file's tables read as one TOML document, each validated by its own
 //! module, then the rules across them. Parsing is pure (`from_str`), so every rule is
-//! unit-tested without files; `load` only adds the file name to the error.
+//! unit-tested without files; `load` only adds the reading (`read`) and the file name to the
+//! error.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::Path;
@@ -75,10 +76,12 @@ fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
 }
 
 impl Config {
-    /// Reads and validates a config file.
+    /// Reads and validates a config file: a regular file of at most
+    /// [`MAX_CONFIG_BYTES`](super::MAX_CONFIG_BYTES) (see `read`). Blocking: the runtime calls it
+    /// through `spawn_blocking`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = super::read::read_text(path).map_err(|source| ConfigError::Read {
             path: p.clone(),
             source,
         })?;
