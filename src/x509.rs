@@ -16,7 +16,10 @@ fn element(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
         0x81..=0x84 => {
             let n = (first & 0x7f) as usize;
             let (bytes, rest) = (rest.get(..n)?, rest.get(n..)?);
-            (bytes.iter().fold(0usize, |l, &b| (l << 8) | b as usize), rest)
+            (
+                bytes.iter().fold(0usize, |l, &b| (l << 8) | b as usize),
+                rest,
+            )
         }
         _ => return None,
     };
@@ -120,7 +123,10 @@ mod tests {
         assert_eq!(utc_text(951_782_400), "2000-02-29 00:00:00 UTC");
         assert_eq!(time_of(UTC_TIME, b"491231235959Z"), Some(2_524_607_999));
         assert_eq!(time_of(UTC_TIME, b"500101000000Z"), Some(-631_152_000));
-        assert_eq!(time_of(GENERALIZED_TIME, b"20500101000000Z"), Some(2_524_608_000));
+        assert_eq!(
+            time_of(GENERALIZED_TIME, b"20500101000000Z"),
+            Some(2_524_608_000)
+        );
         assert_eq!(time_of(UTC_TIME, b"501301000000Z"), None);
         assert_eq!(time_of(UTC_TIME, b"5001010000+0Z"), None);
         assert_eq!(time_of(GENERALIZED_TIME, b"500101000000Z"), None);

@@ -20,9 +20,12 @@ const PROMPTLY: Duration = Duration::from_secs(5);
 
 /// `POST /reload`, its status and error message, answered within [`PROMPTLY`].
 async fn reload(r: &Router) -> (StatusCode, String) {
-    let reply = tokio::time::timeout(PROMPTLY, admin(r, Method::POST, "/reload", Some(TOKEN), None))
-        .await
-        .expect("the reload is answered promptly");
+    let reply = tokio::time::timeout(
+        PROMPTLY,
+        admin(r, Method::POST, "/reload", Some(TOKEN), None),
+    )
+    .await
+    .expect("the reload is answered promptly");
     let msg = reply.json()["error"]["message"]
         .as_str()
         .unwrap_or_default()
@@ -59,10 +62,15 @@ async fn a_fifo_dev_zero_or_oversized_file_is_refused_and_a_later_reload_applies
     let (status, msg) = reload(&r).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
     assert!(msg.contains("named pipe (FIFO)"), "{msg}");
-    assert!(msg.contains(&*file.0.to_string_lossy()), "names the path: {msg}");
+    assert!(
+        msg.contains(&*file.0.to_string_lossy()),
+        "names the path: {msg}"
+    );
 
     // Endless bytes, through a link (the link is followed, and what it leads to refused).
-    replace(&file.0, |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap());
+    replace(&file.0, |p| {
+        std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+    });
     let (status, msg) = reload(&r).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
     assert!(msg.contains("a character device"), "{msg}");
@@ -71,7 +79,10 @@ async fn a_fifo_dev_zero_or_oversized_file_is_refused_and_a_later_reload_applies
     let mut big = head.clone();
     let mut n = 0;
     while big.len() as u64 <= MAX_CONFIG_BYTES {
-        big.push_str(&format!("[[engines]]\nurl = \"http://127.0.0.1:{}\"\n", 1 + n % 60_000));
+        big.push_str(&format!(
+            "[[engines]]\nurl = \"http://127.0.0.1:{}\"\n",
+            1 + n % 60_000
+        ));
         n += 1;
     }
     replace(&file.0, |p| std::fs::write(p, &big).unwrap());
@@ -93,8 +104,13 @@ async fn a_fifo_dev_zero_or_oversized_file_is_refused_and_a_later_reload_applies
 
 #[test]
 fn the_start_refuses_what_a_reload_refuses() {
-    let err = Config::load(Path::new("/dev/zero")).unwrap_err().to_string();
-    assert!(err.contains("config file /dev/zero") && err.contains("a character device"), "{err}");
+    let err = Config::load(Path::new("/dev/zero"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("config file /dev/zero") && err.contains("a character device"),
+        "{err}"
+    );
     let err = Config::load(&std::env::temp_dir()).unwrap_err().to_string();
     assert!(err.contains("a directory"), "{err}");
 }
