@@ -242,16 +242,18 @@ fn expiry_warning(key: &str, path: &Path, not_after: i64, now: i64) -> Option<St
     let at = crate::x509::utc_text(not_after);
     let file = format!("{key}.cert_file {}", path.display());
     let renew = "renew it: the file is read again when it changes, and on SIGHUP";
-    Some(match left {
-        ..=0 => format!(
+    Some(if left <= 0 {
+        format!(
             "{file}: the certificate EXPIRED at {at} ({} days ago), and clients refuse it: {renew}",
             -left / 86_400
-        ),
-        ..86_400 => format!("{file}: the certificate expires at {at}, in less than a day: {renew}"),
-        _ => format!(
+        )
+    } else if left < 86_400 {
+        format!("{file}: the certificate expires at {at}, in less than a day: {renew}")
+    } else {
+        format!(
             "{file}: the certificate expires at {at}, in {} days: {renew}",
             left / 86_400
-        ),
+        )
     })
 }
 
