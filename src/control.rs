@@ -153,6 +153,30 @@ fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn a_reload_while_one_runs_is_answered_busy() {
+        let text = "[[engines]]\nurl = \"http://a:1\"\nflavor = \"vllm\"\n";
+        let path = std::env::temp_dir().join(format!("rankgate-busy-{}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let (membership, changes) = Membership::channel();
+        let control = Control::new(
+            &Config::from_str(text).unwrap(),
+            Some(path.clone()),
+            membership,
+        );
+        // The running reload's permit, as its reader holds it.
+        let running = control.reloading.clone().try_acquire_owned().unwrap();
+        assert!(matches!(control.reload().await, Err(ReloadError::Busy)));
+        drop(running);
+        // Free again: this one reads the file and waits for the publisher (none here).
+        drop(changes);
+        assert!(matches!(
+            control.reload().await,
+            Err(ReloadError::Membership(MembershipError::Stopped))
+        ));
+        let _ = std::fs::remove_file(&path);
+    }
+
     #[test]
     fn reload_names_what_waits_for_a_restart() {
         let base = "[[engines]]\nurl = \"http://a:1\"\nflavor = \"vllm\"\n";
