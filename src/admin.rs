@@ -112,10 +112,15 @@ impl Admin {
                     tracing::warn!(error = %err, "reload refused: the fleet is unchanged");
                     match err {
                         ReloadError::Membership(m) => membership_error(&m),
-                        ReloadError::NoFile => {
+                        ReloadError::NoFile | ReloadError::Busy => {
                             openai_error(StatusCode::CONFLICT, "ConflictError", &err.to_string())
                         }
                         ReloadError::Config(e) => bad(e.to_string()),
+                        ReloadError::Deadline { .. } | ReloadError::Reader { .. } => openai_error(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "ServiceUnavailableError",
+                            &err.to_string(),
+                        ),
                     }
                 }
             },

@@ -272,7 +272,12 @@ impl Router {
         );
         let workers = fleet.workers.len();
         let table = Table::new(fleet, cfg.telemetry.stale_after);
-        let metrics = Arc::new(Metrics::for_router(table.clone(), &cfg.server.extra_routes));
+        let certificates: Vec<_> = (front_tls.iter()).chain(&admin_tls).cloned().collect();
+        let metrics = Arc::new(Metrics::for_router(
+            table.clone(),
+            &cfg.server.extra_routes,
+            certificates.clone(),
+        ));
         let (stop_front, front_rx) = watch::channel(false);
         let (stop_rest, rest_rx) = watch::channel(false);
 
@@ -370,7 +375,6 @@ impl Router {
                 ..ServeOptions::default()
             },
         ));
-        let certificates: Vec<_> = front_tls.into_iter().chain(admin_tls).collect();
         let tls_watch = tokio::spawn(crate::tls::watch(certificates.clone(), {
             let mut stop = rest_rx;
             async move { crate::http::shutdown_signalled(&mut stop).await }

@@ -5,10 +5,19 @@
 //! process (listeners are bound, pools sized, discovery tasks running), so a reload that changes
 //! one applies the engines and names the settings that wait for a restart. A file that does not
 //! parse or validate changes nothing.
+//!
+//! A reload reads and parses on a blocking thread, never on the runtime that serves and
+//! publishes telemetry: a large file costs that thread, not a stale rank. The file is bounded
+//! in size and kind (`config::read`), the read, parse and validation in time
+//! ([`RELOAD_DEADLINE`]), and one reload runs at a time: another asked for meanwhile is
+//! answered busy at once rather than queued behind it.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
+use tokio::sync::Semaphore;
 
 use crate::config::{Config, ConfigError};
 use crate::membership::{Change, Membership, MembershipError, Outcome};
@@ -24,7 +33,19 @@ pub enum ReloadError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Membership(#[from] MembershipError),
+    #[error("another reload is running: try again when it has finished")]
+    Busy,
+    #[error("config file {path}: not read, parsed and validated within {}s: the fleet is unchanged", RELOAD_DEADLINE.as_secs())]
+    Deadline { path: String },
+    #[error("config file {path}: the reload's reader stopped: {problem}")]
+    Reader { path: String, problem: String },
 }
+
+/// How long a reload may take to read, parse and validate the file. A file within
+/// `config::MAX_CONFIG_BYTES` takes well under a second; past this the reload fails, and its
+/// thread finishes on its own (the file is bounded, so it does) while the next reload waits
+/// for it as for any running reload.
+pub const RELOAD_DEADLINE: Duration = Duration::from_secs(10);
 
 /// What a reload did.
 #[derive(Debug, Serialize)]
@@ -43,6 +64,8 @@ pub struct Control {
     started: Config,
     path: Option<PathBuf>,
     token: Option<Keys>,
+    /// One permit: held by the running reload, its blocking reader included.
+    reloading: Arc<Semaphore>,
 }
 
 /// Why an admin mutation was refused before it was looked at.
@@ -63,6 +86,7 @@ impl Control {
             started: cfg.clone(),
             path,
             token,
+            reloading: Arc::new(Semaphore::new(1)),
         }
     }
 
@@ -79,10 +103,30 @@ impl Control {
         token.check(headers).map_err(Refusal::Denied)
     }
 
-    /// Re-reads the config file and applies its engines.
+    /// Re-reads the config file (off the runtime, within [`RELOAD_DEADLINE`]) and applies its
+    /// engines; [`ReloadError::Busy`] while another reload runs.
     pub async fn reload(&self) -> Result<Reloaded, ReloadError> {
-        let path = self.path.as_ref().ok_or(ReloadError::NoFile)?;
-        let cfg = Config::load(path)?;
+        let path = self.path.clone().ok_or(ReloadError::NoFile)?;
+        let permit = (self.reloading.clone().try_acquire_owned()).map_err(|_| ReloadError::Busy)?;
+        // The reader holds the permit too: a reader past the deadline keeps later reloads
+        // busy until it ends, so no two ever run at once.
+        let permit = Arc::new(permit);
+        let held = permit.clone();
+        let shown = path.display().to_string();
+        let read = tokio::task::spawn_blocking(move || {
+            let _held = held;
+            Config::load(&path)
+        });
+        let cfg = match tokio::time::timeout(RELOAD_DEADLINE, read).await {
+            Err(_) => return Err(ReloadError::Deadline { path: shown }),
+            Ok(Err(e)) => {
+                return Err(ReloadError::Reader {
+                    path: shown,
+                    problem: e.to_string(),
+                })
+            }
+            Ok(Ok(cfg)) => cfg?,
+        };
         let restart_needed = restart_needed(&self.started, &cfg);
         let outcome = self
             .membership
@@ -91,6 +135,7 @@ impl Control {
                 engines: cfg.engines,
             })
             .await?;
+        drop(permit);
         Ok(Reloaded {
             outcome,
             restart_needed,
@@ -107,6 +152,30 @@ fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_reload_while_one_runs_is_answered_busy() {
+        let text = "[[engines]]\nurl = \"http://a:1\"\nflavor = \"vllm\"\n";
+        let path = std::env::temp_dir().join(format!("rankgate-busy-{}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let (membership, changes) = Membership::channel();
+        let control = Control::new(
+            &Config::from_str(text).unwrap(),
+            Some(path.clone()),
+            membership,
+        );
+        // The running reload's permit, as its reader holds it.
+        let running = control.reloading.clone().try_acquire_owned().unwrap();
+        assert!(matches!(control.reload().await, Err(ReloadError::Busy)));
+        drop(running);
+        // Free again: this one reads the file and waits for the publisher (none here).
+        drop(changes);
+        assert!(matches!(
+            control.reload().await,
+            Err(ReloadError::Membership(MembershipError::Stopped))
+        ));
+        let _ = std::fs::remove_file(&path);
+    }
 
     #[test]
     fn reload_names_what_waits_for_a_restart() {

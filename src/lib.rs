@@ -25,7 +25,8 @@
 //! - [`catalog`]: the fleet's models and which engines serve each; [`prefix`]: the prompt
 //!   prefixes sent to each rank (affinity); [`prompt`]: a request's prompt as affinity
 //!   compares it (chunk names, and token ids where the model's tokenizer is known); [`pbwire`]: protobuf edited at the wire level;
-//!   [`tls`]: certificates for the listeners and engines; [`memory`]: giving freed heap back.
+//!   [`tls`]: certificates for the listeners and engines; [`x509`]: a certificate's expiry
+//!   read from its DER (a leaf); [`memory`]: giving freed heap back.
 //! - [`tokenize`]: a request's prompt as the engine's token ids (the model's tokenizer and chat
 //!   template run in-process, or the engine's `/tokenize`), for exact prefix-cache routing; a
 //!   leaf.
@@ -83,3 +84,4 @@ pub mod tracecontext;
 pub mod upstream;
 pub mod wire;
 pub mod worker;
+pub mod x509;

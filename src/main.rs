@@ -187,7 +187,9 @@ fn check_tls(
         ("server.admin_tls", &cfg.server.admin_tls),
     ] {
         if let Some(t) = tls {
-            ServerTls::load(key, t)?;
+            if let Some(w) = ServerTls::load(key, t)?.expiry_warning() {
+                eprintln!("rankgate: warning: {w}");
+            }
         }
     }
     rankgate::tls::Upstream::load(&cfg.engine_tls)

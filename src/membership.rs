@@ -11,7 +11,8 @@
 //! Each source owns its engines: a reload does not touch what the admin API added or discovery
 //! found, and discovery never takes over an address the file or the admin API named.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -108,13 +109,25 @@ impl Sources {
             );
         let mut out: Vec<(Origin, Engine)> = Vec::new();
         let mut shadowed = Vec::new();
+        // Each URL and each gRPC address with the source that took it first: one look-up per
+        // engine, so a large fleet is listed in one pass.
+        let mut urls: HashMap<&str, Origin> = HashMap::new();
+        let mut grpcs: HashMap<&str, Origin> = HashMap::new();
         for (origin, e) in listed {
-            match out.iter().find(|(_, o)| same_address(o, e)) {
-                Some((by, _)) => shadowed.push((
+            let by = (urls.get(&*e.url).copied())
+                .or_else(|| e.grpc.as_deref().and_then(|g| grpcs.get(g).copied()));
+            match by {
+                Some(by) => shadowed.push((
                     origin,
                     format!("{} (already in the fleet from {by})", e.url),
                 )),
-                None => out.push((origin, e.clone())),
+                None => {
+                    urls.insert(&e.url, origin);
+                    if let Some(g) = e.grpc.as_deref() {
+                        grpcs.insert(g, origin);
+                    }
+                    out.push((origin, e.clone()));
+                }
             }
         }
         (out, shadowed)
@@ -172,18 +185,22 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
             max: crate::config::MAX_WORKERS,
         });
     }
-    let url_in =
-        |list: &[(Origin, Engine)], url: &str| list.iter().find(|(_, e)| &*e.url == url).cloned();
+    let by_url = |list: &[(Origin, Engine)]| -> HashMap<Arc<str>, usize> {
+        (list.iter().enumerate())
+            .map(|(i, (_, e))| (e.url.clone(), i))
+            .collect()
+    };
+    let (was_at, now_at) = (by_url(&before), by_url(&engines));
     let mut outcome = Outcome::default();
     for (o, e) in &engines {
-        match url_in(&before, &e.url) {
+        match was_at.get(&e.url).map(|&i| &before[i]) {
             None => outcome.added.push(e.url.to_string()),
-            Some((was, cfg)) if was != *o || cfg != *e => outcome.changed.push(e.url.to_string()),
+            Some((was, cfg)) if was != o || cfg != e => outcome.changed.push(e.url.to_string()),
             Some(_) => {}
         }
     }
     for (_, e) in &before {
-        if url_in(&engines, &e.url).is_none() {
+        if !now_at.contains_key(&e.url) {
             outcome.removed.push(e.url.to_string());
         }
     }
@@ -233,8 +250,12 @@ fn same_address(a: &Engine, b: &Engine) -> bool {
 /// engines and other groups are not compared (see [`crate::worker::Deployment`]).
 fn check_overlap(engines: &[(Origin, Engine)]) -> Result<(), MembershipError> {
     let declared = |o: &Origin| matches!(o, Origin::Config | Origin::Admin);
-    for (j, (ob, b)) in engines.iter().enumerate() {
-        for (oa, a) in &engines[..j] {
+    // Only members of a multi-server deployment can overlap (see `config::rules`).
+    let members: Vec<&(Origin, Engine)> = (engines.iter())
+        .filter(|(_, e)| matches!(e.deployment, crate::worker::Deployment::Member { .. }))
+        .collect();
+    for (j, (ob, b)) in members.iter().map(|m| (&m.0, &m.1)).enumerate() {
+        for (oa, a) in members[..j].iter().map(|m| (&m.0, &m.1)) {
             if !(a.deployment).shares_ranks_with(&b.deployment, declared(oa) && declared(ob)) {
                 continue;
             }

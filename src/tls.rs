@@ -4,8 +4,16 @@
 //! ALPN; optionally client certificates (mTLS). Engines: `https://` URLs verified against the
 //! system's roots or a CA file, SNI from the URL host (or one configured name), an optional
 //! client certificate.
+//!
+//! A listener's certificate is watched for its end: one that has expired or expires within
+//! [`EXPIRY_WARNING`] is warned of when it is read (start, `rankgate check`, each reload), and
+//! its `notAfter` is on `/metrics` for an alert that does not wait for a reload. A CA
+//! certificate served as a server's own (`openssl req -x509` makes one by default) is the
+//! commonest self-made mistake, and rustls names it only by a variant name, so
+//! [`advice`] turns that name into what to do wherever a TLS error is shown.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -20,6 +28,20 @@ use crate::config::{EngineTls, ListenerTls};
 
 /// How often the listeners' certificate files are looked at for a change.
 pub const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+/// A listener's certificate that expires within this is warned of.
+pub const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 24 * 3600);
+
+/// What to do when a server presents a CA certificate as its own: rustls says only
+/// `CaUsedAsEndEntity`.
+pub const CA_AS_SERVER_ADVICE: &str = "this certificate is a CA (CA:TRUE, as `openssl req -x509` makes by default); give the CA that signed the server's certificate as the trust root, and serve a certificate that CA signed (CA:FALSE, with the server's names): README \"TLS certificates with openssl\" shows how";
+
+/// Advice for a TLS error's text, when rustls's words alone do not say what to do.
+pub fn advice(error_text: &str) -> Option<&'static str> {
+    error_text
+        .contains("CaUsedAsEndEntity")
+        .then_some(CA_AS_SERVER_ADVICE)
+}
 
 /// ALPN for the listeners: h2 first, so clients that speak it get it.
 const ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
@@ -115,19 +137,49 @@ pub struct ServerTls {
     /// The files' modification times and sizes when last read, successfully or not: a change
     /// is read once, and a pair caught half-written is read again when the second file lands.
     seen: Mutex<Vec<Option<(SystemTime, u64)>>>,
+    /// The served certificate's `notAfter` (seconds since the epoch); `i64::MIN`: unknown.
+    not_after: AtomicI64,
 }
 
 impl ServerTls {
     /// Reads the files; an error here stops the start.
     pub fn load(key: &'static str, files: &ListenerTls) -> Result<Arc<ServerTls>, TlsError> {
         let seen = stamps(files);
-        let config = server_config(key, files)?;
-        Ok(Arc::new(ServerTls {
+        let (config, not_after) = server_config(key, files)?;
+        let tls = Arc::new(ServerTls {
             key,
             files: files.clone(),
             current: ArcSwap::from_pointee(config),
             seen: Mutex::new(seen),
-        }))
+            not_after: AtomicI64::new(not_after.unwrap_or(i64::MIN)),
+        });
+        tls.warn_expiry();
+        Ok(tls)
+    }
+
+    /// The config key: `server.tls` or `server.admin_tls`.
+    pub fn key(&self) -> &'static str {
+        self.key
+    }
+
+    /// When the served certificate expires, in seconds since the epoch (unknown if its DER
+    /// could not be read for it).
+    pub fn not_after(&self) -> Option<i64> {
+        Some(self.not_after.load(Ordering::Relaxed)).filter(|&t| t != i64::MIN)
+    }
+
+    /// The warning for a certificate that has expired or expires within [`EXPIRY_WARNING`].
+    pub fn expiry_warning(&self) -> Option<String> {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        expiry_warning(self.key, &self.files.cert_file, self.not_after()?, now)
+    }
+
+    fn warn_expiry(&self) {
+        if let Some(w) = self.expiry_warning() {
+            tracing::warn!("{w}");
+        }
     }
 
     /// The acceptor for the next connection.
@@ -141,7 +193,10 @@ impl ServerTls {
         let seen = stamps(&self.files);
         let result = server_config(self.key, &self.files);
         *self.seen.lock().unwrap_or_else(|p| p.into_inner()) = seen;
-        self.current.store(Arc::new(result?));
+        let (config, not_after) = result?;
+        self.current.store(Arc::new(config));
+        (self.not_after).store(not_after.unwrap_or(i64::MIN), Ordering::Relaxed);
+        self.warn_expiry();
         Ok(())
     }
 
@@ -177,8 +232,35 @@ fn stamps(files: &ListenerTls) -> Vec<Option<(SystemTime, u64)>> {
         .collect()
 }
 
-fn server_config(key: &str, files: &ListenerTls) -> Result<ServerConfig, TlsError> {
+/// The warning for a certificate at `path` that ends at `not_after`, seen at `now` (both in
+/// seconds since the epoch), if it has ended or ends within [`EXPIRY_WARNING`].
+fn expiry_warning(key: &str, path: &Path, not_after: i64, now: i64) -> Option<String> {
+    let left = not_after - now;
+    if left > EXPIRY_WARNING.as_secs() as i64 {
+        return None;
+    }
+    let at = crate::x509::utc_text(not_after);
+    let file = format!("{key}.cert_file {}", path.display());
+    let renew = "renew it: the file is read again when it changes, and on SIGHUP";
+    Some(if left <= 0 {
+        format!(
+            "{file}: the certificate EXPIRED at {at} ({} days ago), and clients refuse it: {renew}",
+            -left / 86_400
+        )
+    } else if left < 86_400 {
+        format!("{file}: the certificate expires at {at}, in less than a day: {renew}")
+    } else {
+        format!(
+            "{file}: the certificate expires at {at}, in {} days: {renew}",
+            left / 86_400
+        )
+    })
+}
+
+/// The server config, and its certificate's `notAfter` if its DER could be read for it.
+fn server_config(key: &str, files: &ListenerTls) -> Result<(ServerConfig, Option<i64>), TlsError> {
     let chain = certs(&format!("{key}.cert_file"), &files.cert_file)?;
+    let not_after = chain.first().and_then(|c| crate::x509::not_after(c));
     let private = private_key(&format!("{key}.key_file"), &files.key_file)?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -211,7 +293,7 @@ fn server_config(key: &str, files: &ListenerTls) -> Result<ServerConfig, TlsErro
             problem: format!("does not go with {}: {e}", files.cert_file.display()),
         })?;
     config.alpn_protocols = ALPN.iter().map(|p| p.to_vec()).collect();
-    Ok(config)
+    Ok((config, not_after))
 }
 
 /// Looks at the listeners' certificate files every [`WATCH_EVERY`] and reloads those that
@@ -378,5 +460,25 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_certificate_near_its_end_is_warned_of() {
+        let path = Path::new("/etc/rankgate/cert.pem");
+        let day = 86_400;
+        let warn = |left: i64| expiry_warning("server.tls", path, 1_000 * day + left, 1_000 * day);
+        assert_eq!(warn(15 * day), None);
+        let w = warn(14 * day).unwrap();
+        assert!(w.starts_with("server.tls.cert_file /etc/rankgate/cert.pem: the certificate expires at 1972-10-11 00:00:00 UTC"), "{w}");
+        assert!(w.contains("in 14 days"), "{w}");
+        assert!(warn(3600).unwrap().contains("in less than a day"));
+        let w = warn(-3 * day).unwrap();
+        assert!(
+            w.contains("EXPIRED at") && w.contains("(3 days ago)"),
+            "{w}"
+        );
+        let text = "invalid peer certificate: Other(OtherError(CaUsedAsEndEntity))";
+        assert_eq!(advice(text), Some(CA_AS_SERVER_ADVICE));
+        assert_eq!(advice("invalid peer certificate: UnknownIssuer"), None);
     }
 }

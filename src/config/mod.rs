@@ -11,7 +11,7 @@
 //!   `[telemetry]`, `[tracing]` and TLS tables; `discovery`: `[[discovery]]`;
 //! - `kv`: an engine's KV-event endpoint, and `[[models]]` (tokenizers);
 //! - `rules`: rules across engines, and warnings; `whole`: the file as one [`Config`];
-//! - `restart`: which settings a reload cannot apply.
+//! - `restart`: which settings a reload cannot apply; `read`: the file read, bounded.
 
 mod discovery;
 mod duration;
@@ -20,6 +20,7 @@ mod engines;
 mod error;
 mod kv;
 mod polling;
+mod read;
 mod restart;
 mod routing;
 mod rules;
@@ -41,6 +42,7 @@ pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;
 pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
+pub use read::MAX_CONFIG_BYTES;
 pub use routing::*;
 pub(crate) use rules::group_text;
 pub use rules::DEFAULT_HEALTH_PATH;

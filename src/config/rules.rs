@@ -55,8 +55,13 @@ fn ranks_text(r: std::ops::Range<u32>) -> String {
 /// claiming the same rank would make a pinned rank ambiguous. Independent engines and members of
 /// different groups number their ranks apart, so nothing is checked between them.
 pub(super) fn check_rank_overlap(engines: &[Engine]) -> Result<(), ConfigError> {
-    for (j, b) in engines.iter().enumerate() {
-        for (i, a) in engines[..j].iter().enumerate() {
+    // Only members of a multi-server deployment can overlap: the pairs are looked at among
+    // them, so a large fleet of whole engines costs one pass, not one per pair.
+    let members: Vec<(usize, &Engine)> = (engines.iter().enumerate())
+        .filter(|(_, e)| matches!(e.deployment, Deployment::Member { .. }))
+        .collect();
+    for (n, &(j, b)) in members.iter().enumerate() {
+        for &(i, a) in &members[..n] {
             if !a.deployment.shares_ranks_with(&b.deployment, true) {
                 continue;
             }

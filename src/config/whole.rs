@@ -1,9 +1,12 @@
 //! The whole config: the file's tables read as one TOML document, each validated by its own
 //! module, then the rules across them. Parsing is pure (`from_str`), so every rule is
-//! unit-tested without files; `load` only adds the file name to the error.
+//! unit-tested without files; `load` only adds the reading (`read`) and the file name to the
+//! error.
 
+use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -63,6 +66,24 @@ pub struct Config {
     pub key_vars: Vec<String>,
 }
 
+/// Where `key` was first seen, or `None` (and `i` noted) if this is its first.
+fn first_at(seen: &mut HashMap<Arc<str>, usize>, key: &Arc<str>, i: usize) -> Option<usize> {
+    match seen.entry(key.clone()) {
+        std::collections::hash_map::Entry::Occupied(at) => Some(*at.get()),
+        std::collections::hash_map::Entry::Vacant(at) => {
+            at.insert(i);
+            None
+        }
+    }
+}
+
+fn too_many(workers: usize) -> ConfigError {
+    invalid(
+        "engines",
+        format!("{workers} workers (the sum of dp_size) is more than one rankgate routes ({MAX_WORKERS}): split the fleet between rankgates"),
+    )
+}
+
 /// "line N (`the line`): message": the line names the key, which toml's message may not.
 fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
     let Some(span) = e.span() else {
@@ -75,10 +96,12 @@ fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
 }
 
 impl Config {
-    /// Reads and validates a config file.
+    /// Reads and validates a config file: a regular file of at most
+    /// [`MAX_CONFIG_BYTES`](super::MAX_CONFIG_BYTES) (see `read`). Blocking: the runtime calls it
+    /// through `spawn_blocking`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = super::read::read_text(path).map_err(|source| ConfigError::Read {
             path: p.clone(),
             source,
         })?;
@@ -125,23 +148,30 @@ impl Config {
             .collect();
         key_vars.sort();
         key_vars.dedup();
+        // The engines' count is bounded before any is validated: a file of more entries than
+        // workers one rankgate routes is refused in one step (each entry is at least a worker).
+        if raw.engines.len() > MAX_WORKERS {
+            return Err(too_many(raw.engines.len()));
+        }
         let mut engines: Vec<Engine> = Vec::with_capacity(raw.engines.len());
+        // Where each URL and gRPC address was first seen: duplicates found in one pass.
+        let mut urls: HashMap<Arc<str>, usize> = HashMap::with_capacity(raw.engines.len());
+        let mut grpcs: HashMap<Arc<str>, usize> = HashMap::new();
         for (i, e) in raw.engines.into_iter().enumerate() {
             let engine = e.validate(&format!("engines[{i}]"))?;
-            if let Some(j) = engines.iter().position(|o| *o.url == *engine.url) {
+            if let Some(j) = first_at(&mut urls, &engine.url, i) {
                 return Err(invalid(
                     format!("engines[{i}].url"),
                     format!("{:?} is a duplicate of engines[{j}]", engine.url),
                 ));
             }
-            if let Some(j) = engines
-                .iter()
-                .position(|o| o.grpc.is_some() && o.grpc == engine.grpc)
-            {
-                return Err(invalid(
-                    format!("engines[{i}].grpc_url"),
-                    format!("{:?} is a duplicate of engines[{j}]", engine.grpc_origin()),
-                ));
+            if let Some(grpc) = &engine.grpc {
+                if let Some(j) = first_at(&mut grpcs, grpc, i) {
+                    return Err(invalid(
+                        format!("engines[{i}].grpc_url"),
+                        format!("{:?} is a duplicate of engines[{j}]", engine.grpc_origin()),
+                    ));
+                }
             }
             engines.push(engine);
         }
@@ -149,10 +179,7 @@ impl Config {
         // Sizes read from the engines are not known yet; the membership plan counts again.
         let workers: usize = engines.iter().map(|e| e.dp_size as usize).sum();
         if workers > MAX_WORKERS {
-            return Err(invalid(
-                "engines",
-                format!("{workers} workers (the sum of dp_size) is more than one rankgate routes ({MAX_WORKERS}): split the fleet between rankgates"),
-            ));
+            return Err(too_many(workers));
         }
         Ok(Config {
             server,

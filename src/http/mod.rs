@@ -134,6 +134,9 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     } else if out.contains("invalid HTTP version parsed") {
         out.push_str(" (plain HTTP to a server that may speak TLS: should its URL be https://?)");
     }
+    if let Some(advice) = crate::tls::advice(&out) {
+        out.push_str(&format!(" ({advice})"));
+    }
     out
 }
 

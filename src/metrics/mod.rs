@@ -23,6 +23,7 @@
 //! lints the former, and reads an OpenMetrics counter family (named without `_total`) as a
 //! metric without help.
 
+mod certs;
 pub(crate) mod counts;
 mod fleet;
 mod histogram;
@@ -81,9 +82,20 @@ impl Metrics {
     }
 
     /// The router's metrics: the request-path counters, the fleet of `table` as the current
-    /// snapshot has it at each scrape, and `extra_routes` (`server.extra_routes`) as labels.
-    pub fn for_router(table: Arc<Table>, extra_routes: &[String]) -> Metrics {
-        Metrics::build(extra_routes, Some(table))
+    /// snapshot has it at each scrape, `extra_routes` (`server.extra_routes`) as labels, and
+    /// when the TLS listeners' certificates expire.
+    pub fn for_router(
+        table: Arc<Table>,
+        extra_routes: &[String],
+        certificates: Vec<Arc<crate::tls::ServerTls>>,
+    ) -> Metrics {
+        let mut m = Metrics::build(extra_routes, Some(table));
+        if !certificates.is_empty() {
+            (m.registry).register_collector(Box::new(certs::Certificates {
+                listeners: certificates,
+            }));
+        }
+        m
     }
 
     fn build(extra_routes: &[String], table: Option<Arc<Table>>) -> Metrics {

@@ -21,7 +21,7 @@ pub mod prom;
 mod report;
 mod source;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -82,7 +82,11 @@ pub fn spawn(
             tasks: JoinSet::new(),
             shutdown: shutdown.clone(),
             reported: HashMap::new(),
+            by_key: HashMap::new(),
         };
+        p.by_key = (p.fleet.engines.iter_enumerated())
+            .map(|(i, e)| (e.key, i))
+            .collect();
         p.start_pollers();
         p.run(rx, changes, shutdown).await;
         p.tasks.abort_all();
@@ -116,6 +120,8 @@ struct Publisher {
     shutdown: Shutdown,
     /// What each engine (by URL) last said of its flavor and size.
     reported: HashMap<Arc<str>, Reported>,
+    /// Each engine of `fleet` by key, for its poll reports.
+    by_key: HashMap<EngineId, EngineIx>,
 }
 
 impl Publisher {
@@ -180,9 +186,7 @@ impl Publisher {
     /// Folds one engine's poll into the views (published by the caller).
     fn report(&mut self, report: Report) {
         // A report of an engine that left the fleet since its poll began.
-        let Some(e) =
-            (self.fleet.engines.indices()).find(|&e| self.fleet.engines[e].key == report.engine)
-        else {
+        let Some(&e) = self.by_key.get(&report.engine) else {
             return;
         };
         if let Some(reported) = report.reported {
@@ -220,8 +224,8 @@ impl Publisher {
         let plan = membership::plan(&self.sources, change)?;
         self.sources = plan.sources;
         // What engines that left said of themselves goes with them.
-        self.reported
-            .retain(|url, _| plan.engines.iter().any(|(_, e)| *e.url == **url));
+        let stay: HashSet<&str> = plan.engines.iter().map(|(_, e)| &*e.url).collect();
+        self.reported.retain(|url, _| stay.contains(&**url));
         self.rebuild(plan.engines);
         for url in &plan.outcome.added {
             tracing::info!(engine = %url, "engine joined the fleet");
@@ -257,12 +261,16 @@ impl Publisher {
     /// entries that did not change, and swaps it in with the telemetry carried over.
     fn rebuild(&mut self, listed: Vec<membership::Listed>) {
         let old = &self.fleet;
+        // Looked up by URL (one pass, not one per engine: fleets run to tens of thousands).
+        let old_at: HashMap<&str, EngineIx> = (old.engines.iter_enumerated())
+            .map(|(i, e)| (&*e.url, i))
+            .collect();
         // An engine that stays (same URL) keeps its entry if nothing about it changed, else
         // its workers: same ranks, same counters, same telemetry until the next poll.
         let entries: Vec<Arc<EngineEntry>> = (listed.into_iter())
             .map(|(origin, cfg)| {
                 let cfg = cfg.with_reported(self.reported.get(&cfg.url));
-                let was = old.engines.iter().find(|e| e.url == cfg.url);
+                let was = old_at.get(&*cfg.url).map(|&i| &old.engines[i]);
                 match was {
                     Some(e) if e.origin == origin && e.cfg == cfg => e.clone(),
                     was => EngineEntry::new(cfg, origin, self.settings.limits, was.map(|e| &**e)),
@@ -285,19 +293,22 @@ impl Publisher {
         let lists: IxVec<EngineIx, _> = (fleet.engines.iter().zip(fixed))
             .map(|(e, fixed)| {
                 fixed.or_else(|| {
-                    let was = (old.engines.indices()).find(|&o| old.engines[o].url == e.url)?;
+                    let was = *old_at.get(&*e.url)?;
                     self.catalog.of(was).map(Into::into)
                 })
             })
             .collect();
         self.catalog = Arc::new(Catalog::new(lists));
+        self.by_key = (fleet.engines.iter_enumerated())
+            .map(|(i, e)| (e.key, i))
+            .collect();
         self.fleet = Arc::new(fleet);
         self.publish();
         self.start_pollers();
-        let keys: Vec<EngineId> = self.fleet.engines.iter().map(|e| e.key).collect();
+        let keys = &self.by_key;
         for tasks in [&mut self.pollers, &mut self.feeds] {
             tasks.retain(|k, task| {
-                let stays = keys.contains(k);
+                let stays = keys.contains_key(k);
                 if !stays {
                     task.abort();
                 }

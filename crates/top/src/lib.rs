@@ -106,7 +106,7 @@ async fn get(
         .body(Empty::new())
         .map_err(|e| format!("GET {path}: {e}"))?;
     let read = async {
-        let resp = client.request(req).await.map_err(|e| root_cause(&e))?;
+        let resp = (client.request(req).await).map_err(|e| explained(&e))?;
         if resp.status() == http::StatusCode::NOT_FOUND {
             // The usual mistake: the front door's address for the admin listener's.
             return Err(format!(
@@ -126,6 +126,16 @@ async fn get(
             "GET {path}: no answer within {} ms",
             timeout.as_millis()
         )),
+    }
+}
+
+/// The innermost error, with advice where rustls's words alone do not say what to do (a CA
+/// served as the server's certificate).
+fn explained(e: &(dyn std::error::Error + 'static)) -> String {
+    let cause = root_cause(e);
+    match rankgate::tls::advice(&cause) {
+        Some(advice) => format!("{cause}: {advice}"),
+        None => cause,
     }
 }
 

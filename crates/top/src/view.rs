@@ -72,7 +72,9 @@ pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
         status,
     );
     frame.render_widget(Paragraph::new(title_line(state, id_w)), titles);
-    let lines: Vec<Line> = if rows.is_empty() {
+    let lines: Vec<Line> = if let Some(whole) = whole_error(state, body.width, page) {
+        whole
+    } else if rows.is_empty() {
         vec![Line::styled(
             match (state.updated, state.rows().is_empty()) {
                 (None, _) => " waiting for the first answer from the admin listener",
@@ -99,6 +101,20 @@ pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
     };
     frame.render_widget(Paragraph::new(lines), body);
     draw_keys(frame, state, keys);
+}
+
+/// With no rows to show and the admin listener failing, the error in full, wrapped over the
+/// body (the status line has room for part of it only): a mistake such as a CA served as the
+/// server's certificate is read there with its advice, never cut.
+fn whole_error(state: &State, width: u16, page: usize) -> Option<Vec<Line<'static>>> {
+    let o = state.outage.as_ref().filter(|_| state.rows().is_empty())?;
+    let width = (width as usize).saturating_sub(2);
+    let lines = wrap_words(&o.error, width, width, page.max(1));
+    Some(
+        (lines.into_iter())
+            .map(|l| Line::styled(format!(" {l}"), Style::new().fg(Color::Red)))
+            .collect(),
+    )
 }
 
 /// Fleet totals, then the admin URL in what is left.
@@ -535,6 +551,26 @@ mod tests {
                 assert!(line.chars().count() <= first.max(rest).max(1), "{line}");
             }
         }
+    }
+
+    #[test]
+    fn a_failing_admin_with_no_rows_shows_its_whole_error() {
+        let mut state = State::new("https://127.0.0.1:9090", std::time::Duration::from_secs(1));
+        assert!(whole_error(&state, 80, 20).is_none());
+        let error = format!(
+            "invalid peer certificate: Other(OtherError(CaUsedAsEndEntity)): {}",
+            rankgate::tls::CA_AS_SERVER_ADVICE
+        );
+        state.failed(error.clone());
+        let lines = whole_error(&state, 80, 20).unwrap();
+        let shown: Vec<String> = (lines.iter())
+            .map(|l| l.spans.iter().map(|s| s.content.trim()).collect())
+            .collect();
+        assert_eq!(
+            shown.join(" "),
+            error.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+        assert!(lines.iter().all(|l| l.width() <= 80));
     }
 
     #[test]

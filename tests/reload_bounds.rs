@@ -1,0 +1,116 @@
+//! A reload's file is bounded over real sockets: a path that points at a FIFO, at `/dev/zero` or
+//! at a file over `config::MAX_CONFIG_BYTES` is refused promptly with what it is, the fleet keeps
+//! serving as it was, and a later valid reload still applies.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::admin::*;
+use common::*;
+use http::{Method, StatusCode};
+use rankgate::app::Router;
+use rankgate::config::{Config, MAX_CONFIG_BYTES};
+use rankgate_sim::sim::SimConfig;
+use serde_json::json;
+
+/// "Answered at all while the file is hostile": far above what a refusal takes.
+const PROMPTLY: Duration = Duration::from_secs(5);
+
+/// `POST /reload`, its status and error message, answered within [`PROMPTLY`].
+async fn reload(r: &Router) -> (StatusCode, String) {
+    let reply = tokio::time::timeout(
+        PROMPTLY,
+        admin(r, Method::POST, "/reload", Some(TOKEN), None),
+    )
+    .await
+    .expect("the reload is answered promptly");
+    let msg = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    (reply.status, msg)
+}
+
+/// Puts `make`'s file (or link, or FIFO) where the config was.
+fn replace(path: &Path, make: impl FnOnce(&Path)) {
+    let _ = std::fs::remove_file(path);
+    make(path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_dev_zero_or_oversized_file_is_refused_and_a_later_reload_applies() {
+    let a = engine(SimConfig::default()).await;
+    let b = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)).await;
+    let head = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{FAST}",
+        token_env()
+    );
+    let valid = format!("{head}{}", engine_toml(&a.url(), "vllm", 2, 0));
+    let file = TempConfig::new(&valid);
+    let cfg = Config::load(&file.0).unwrap();
+    let r = Router::start_from(cfg, Some(file.0.clone())).await.unwrap();
+    wait_state(&r, &[0, 1], "available").await;
+
+    // A named pipe nobody writes to: opening it to read would wait for a writer forever.
+    replace(&file.0, |p| {
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    });
+    let (status, msg) = reload(&r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
+    assert!(msg.contains("named pipe (FIFO)"), "{msg}");
+    assert!(
+        msg.contains(&*file.0.to_string_lossy()),
+        "names the path: {msg}"
+    );
+
+    // Endless bytes, through a link (the link is followed, and what it leads to refused).
+    replace(&file.0, |p| {
+        std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+    });
+    let (status, msg) = reload(&r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
+    assert!(msg.contains("a character device"), "{msg}");
+
+    // A valid TOML file one byte over the cap: many engines, refused before it is parsed.
+    let mut big = head.clone();
+    let mut n = 0;
+    while big.len() as u64 <= MAX_CONFIG_BYTES {
+        big.push_str(&format!(
+            "[[engines]]\nurl = \"http://127.0.0.1:{}\"\n",
+            1 + n % 60_000
+        ));
+        n += 1;
+    }
+    replace(&file.0, |p| std::fs::write(p, &big).unwrap());
+    let (status, msg) = reload(&r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
+    assert!(msg.contains("larger than a config file may be"), "{msg}");
+
+    // The fleet served throughout, and a valid file still reloads.
+    wait_state(&r, &[0, 1], "available").await;
+    replace(&file.0, |p| {
+        std::fs::write(p, format!("{valid}{}", engine_toml(&b.url(), "vllm", 2, 2))).unwrap()
+    });
+    let reply = admin(&r, Method::POST, "/reload", Some(TOKEN), None).await;
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["added"], json!([b.url()]));
+    wait_state(&r, &[0, 1, 2, 3], "available").await;
+    r.shutdown().await;
+}
+
+#[test]
+fn the_start_refuses_what_a_reload_refuses() {
+    let err = Config::load(Path::new("/dev/zero"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("config file /dev/zero") && err.contains("a character device"),
+        "{err}"
+    );
+    let err = Config::load(&std::env::temp_dir()).unwrap_err().to_string();
+    assert!(err.contains("a directory"), "{err}");
+}
