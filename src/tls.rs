@@ -69,11 +69,18 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// The largest certificate, key or CA file read: a PEM bundle of a few hundred certificates.
+pub const MAX_PEM_BYTES: u64 = 1 << 20;
+
+/// A TLS file, read as the config is: a regular file of bounded size, so a path swapped for a
+/// FIFO or a device cannot wedge a reload (SIGHUP, the file watch).
 fn read(key: &str, path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
-        key: key.into(),
-        path: path.into(),
-        source,
+    crate::config::read_regular(path, MAX_PEM_BYTES, "a TLS file").map_err(|source| {
+        TlsError::Read {
+            key: key.into(),
+            path: path.into(),
+            source,
+        }
     })
 }
 

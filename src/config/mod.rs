@@ -42,7 +42,7 @@ pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;
 pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
-pub use read::MAX_CONFIG_BYTES;
+pub use read::{read_regular, MAX_CONFIG_BYTES};
 pub use routing::*;
 pub(crate) use rules::group_text;
 pub use rules::DEFAULT_HEALTH_PATH;

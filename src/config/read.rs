@@ -32,19 +32,37 @@ fn kind(meta: &Metadata) -> &'static str {
     }
 }
 
-fn refuse(meta: &Metadata) -> io::Error {
+fn refuse(meta: &Metadata, what: &str) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidInput,
-        format!("it is {}: a config file must be a regular file", kind(meta)),
+        format!("it is {}: {what} must be a regular file", kind(meta)),
     )
 }
 
-/// The file's text, or why it cannot be used (the caller adds the path).
+/// The config file's text, or why it cannot be used (the caller adds the path).
 pub(super) fn read_text(path: &Path) -> io::Result<String> {
+    let bytes = read_regular(path, MAX_CONFIG_BYTES, "a config file").map_err(|e| {
+        match e.kind() == io::ErrorKind::FileTooLarge {
+            true => too_large(e.to_string()),
+            false => e,
+        }
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()),
+        )
+    })
+}
+
+/// The bytes of `path`, a regular file of at most `max` bytes (`what` names it in the errors):
+/// never a FIFO, a device or a file that grows without end. Also for the files read again while
+/// serving (TLS certificates and keys), so a path swapped for one of those cannot wedge a reload.
+pub fn read_regular(path: &Path, max: u64, what: &str) -> io::Result<Vec<u8>> {
     // Looked at before opening: opening a FIFO for reading waits for a writer.
     let meta = std::fs::metadata(path)?;
     if !meta.is_file() {
-        return Err(refuse(&meta));
+        return Err(refuse(&meta, what));
     }
     // O_NONBLOCK in case the path was swapped for a FIFO since: the open returns at once, and
     // the opened file is looked at again before a byte is read.
@@ -54,31 +72,30 @@ pub(super) fn read_text(path: &Path) -> io::Result<String> {
         .open(path)?;
     let meta = file.metadata()?;
     if !meta.is_file() {
-        return Err(refuse(&meta));
+        return Err(refuse(&meta, what));
     }
-    if meta.len() > MAX_CONFIG_BYTES {
-        return Err(too_large(format!("{} bytes", meta.len())));
+    let over = |size: String| {
+        io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!("larger than {what} may be ({size}; at most {max} bytes)"),
+        )
+    };
+    if meta.len() > max {
+        return Err(over(format!("{} bytes", meta.len())));
     }
     let mut bytes = Vec::with_capacity(meta.len() as usize);
     // At most one byte past the cap, whatever the file does while it is read.
-    file.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_CONFIG_BYTES {
-        return Err(too_large("it grew while read".into()));
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(over("it grew while read".into()));
     }
-    String::from_utf8(bytes).map_err(|e| {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("not UTF-8 text (byte {})", e.utf8_error().valid_up_to()),
-        )
-    })
+    Ok(bytes)
 }
 
-fn too_large(what: String) -> io::Error {
+fn too_large(e: String) -> io::Error {
     io::Error::new(
         io::ErrorKind::InvalidData,
-        format!(
-            "larger than a config file may be ({what}; at most {MAX_CONFIG_BYTES} bytes): a fleet that large belongs in [[discovery]] or the admin API"
-        ),
+        format!("{e}: a fleet that large belongs in [[discovery]] or the admin API"),
     )
 }
 
@@ -118,6 +135,16 @@ mod tests {
         assert!(err.contains("larger than a config file may be"), "{err}");
         std::fs::write(&big, vec![b'#'; MAX_CONFIG_BYTES as usize]).unwrap();
         assert!(read_text(&big).is_ok());
+
+        // Any file read this way says what it is for.
+        let err = read_regular(&fifo, 10, "a TLS file")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a TLS file must be a regular file"), "{err}");
+        let err = read_regular(&big, 10, "a TLS file")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("larger than a TLS file may be"), "{err}");
 
         let bin = dir.join("bin.toml");
         std::fs::write(&bin, [b'a', 0xff]).unwrap();
