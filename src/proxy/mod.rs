@@ -54,6 +54,7 @@ mod body;
 mod budget;
 mod cors;
 mod error;
+mod exposure;
 pub(crate) mod grpc;
 mod guards;
 mod identity;
