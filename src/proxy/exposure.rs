@@ -191,7 +191,7 @@ mod tests {
         for e in errors(&w) {
             let m = Exposure::new(ExposeWorker::None).error(&e);
             assert!(!m.contains("10.9.8.7") && !m.contains("decode-a"), "{m}");
-            for key in ["server.", "routing.", "engines[", "://"] {
+            for key in ["server.", "routing.", "engines[", "http://10"] {
                 assert!(!m.contains(key), "{m}");
             }
         }

@@ -191,6 +191,27 @@ mod tests {
     }
 
     #[test]
+    fn connection_cannot_remove_the_messages_own_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("Content-Type, content-length,HOST, x-custom"),
+        );
+        for (k, v) in [
+            ("content-type", "application/json"),
+            ("content-length", "2"),
+            ("host", "h"),
+            ("x-custom", "1"),
+        ] {
+            h.insert(k, HeaderValue::from_static(v));
+        }
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(left, ["content-length", "content-type", "host"]);
+    }
+
+    #[test]
     fn the_usual_connection_values_take_their_headers_with_them() {
         for value in ["keep-alive", " Keep-Alive ", "close", "CLOSE"] {
             let mut h = HeaderMap::new();

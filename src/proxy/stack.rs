@@ -176,7 +176,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
     let ctx = Ctx::on(&layers.shared, core, peer, Front::Http);
     let (l, c) = (layers, &ctx);
     ServiceBuilder::new()
-        .layer_fn(|inner| identity::Identity::new(inner, c, &l.forwarding))
+        .layer_fn(|inner| l.identity(inner, c))
         .layer_fn(|inner| trace::Trace::new(inner, c))
         .layer_fn(|inner| l.cors(inner, c))
         .layer_fn(|inner| l.respond(inner, c))
@@ -195,7 +195,7 @@ pub fn grpc_stack(layers: &Layers, peer: SocketAddr) -> impl FrontDoor {
     let ctx = Ctx::new(&layers.shared, peer, Front::Grpc);
     let (l, c) = (layers, &ctx);
     ServiceBuilder::new()
-        .layer_fn(|inner| identity::Identity::new(inner, c, &l.forwarding))
+        .layer_fn(|inner| l.identity(inner, c))
         .layer_fn(|inner| trace::Trace::new(inner, c))
         .layer_fn(|inner| l.respond(inner, c))
         .layer_fn(|inner| l.auth(inner))
@@ -209,6 +209,10 @@ pub fn grpc_stack(layers: &Layers, peer: SocketAddr) -> impl FrontDoor {
 /// Each layer over `inner`, with its own state and settings: the stacks above and the layers'
 /// tests build them here.
 impl Layers {
+    pub(super) fn identity<S>(&self, inner: S, c: &Ctx) -> identity::Identity<S> {
+        identity::Identity::new(inner, c, &self.forwarding)
+    }
+
     pub(super) fn cors<S>(&self, inner: S, c: &Ctx) -> cors::Cors<S> {
         cors::Cors::new(inner, c, &self.origins, &self.errors)
     }
