@@ -445,7 +445,10 @@ async fn forwarding_headers_are_kept_from_a_trusted_proxy_only() {
     let (stranger, proxy) = ([127, 0, 0, 1].into(), [127, 0, 0, 2].into());
 
     // A stranger's claims are replaced by what rankgate saw; the rest of them dropped.
-    assert_eq!(send_from(stranger, r.addr, with_forwarding(r.addr)).await, 200);
+    assert_eq!(
+        send_from(stranger, r.addr, with_forwarding(r.addr)).await,
+        200
+    );
     let seen = e.last();
     assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
     assert_eq!(seen["x-forwarded-proto"], "http");
@@ -470,12 +473,22 @@ async fn forwarding_headers_are_kept_from_a_trusted_proxy_only() {
 /// What the engine received, without the headers that differ between requests anyway (the
 /// id, the trace, the rank picked).
 fn comparable(mut h: http::HeaderMap) -> Vec<(String, String)> {
-    for varying in ["x-request-id", "traceparent", "tracestate", "x-data-parallel-rank"] {
+    for varying in [
+        "x-request-id",
+        "traceparent",
+        "tracestate",
+        "x-data-parallel-rank",
+    ] {
         h.remove(varying);
     }
     let mut all: Vec<(String, String)> = h
         .iter()
-        .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+        .map(|(k, v)| {
+            (
+                k.to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
         .collect();
     all.sort();
     all
@@ -505,7 +518,11 @@ async fn a_connection_header_cannot_strip_what_rankgate_forwards() {
         let seen = e.last();
         // The engine hears the id the client is told: a listed one was the client's to drop,
         // and rankgate made another for both.
-        assert_eq!(seen["x-request-id"], request_id(&reply).as_str(), "{listed}");
+        assert_eq!(
+            seen["x-request-id"],
+            request_id(&reply).as_str(),
+            "{listed}"
+        );
         assert_eq!(comparable(seen), comparable(want.clone()), "{listed}");
     }
     r.shutdown().await;

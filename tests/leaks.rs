@@ -124,9 +124,11 @@ async fn engines_that_hang_die_or_refuse_are_not_named_by_default() {
     wait_state(&r, &[0], "available").await;
     hung.set_hang_requests(true);
     let first = tokio::spawn(chat(r.addr, 4));
-    until("the engine holds the request", Duration::from_secs(5), || {
-        hung.requests_received() == 1
-    })
+    until(
+        "the engine holds the request",
+        Duration::from_secs(5),
+        || hung.requests_received() == 1,
+    )
     .await;
     let addrs = [authority(&hung.url())];
     let over = chat(r.addr, 4).await;

@@ -79,7 +79,9 @@ impl Cidr {
         };
         let cidr = Cidr { net, prefix };
         if cidr.masked(net) != bits(net) {
-            return Err(format!("{s:?} has address bits set beyond its /{prefix} prefix"));
+            return Err(format!(
+                "{s:?} has address bits set beyond its /{prefix} prefix"
+            ));
         }
         Ok(cidr)
     }
@@ -118,7 +120,9 @@ impl std::fmt::Display for Cidr {
 /// `server.trusted_proxies` as written, each entry parsed; errors name the entry.
 pub(super) fn trusted_proxies(raw: Option<Vec<String>>) -> Result<Vec<Cidr>, ConfigError> {
     (raw.unwrap_or_default().iter().enumerate())
-        .map(|(i, s)| Cidr::parse(s).map_err(|p| invalid(format!("server.trusted_proxies[{i}]"), p)))
+        .map(|(i, s)| {
+            Cidr::parse(s).map_err(|p| invalid(format!("server.trusted_proxies[{i}]"), p))
+        })
         .collect()
 }
 
@@ -148,18 +152,31 @@ mod tests {
 
     #[test]
     fn bad_blocks_are_refused() {
-        for bad in ["", "10.0.0.0/33", "10.0.0.1/8", "nope", "10.0.0.0/x", "::/129"] {
+        for bad in [
+            "",
+            "10.0.0.0/33",
+            "10.0.0.1/8",
+            "nope",
+            "10.0.0.0/x",
+            "::/129",
+        ] {
             assert!(Cidr::parse(bad).is_err(), "{bad:?}");
         }
         let err = trusted_proxies(Some(vec!["10.0.0.0/8".into(), "x".into()])).unwrap_err();
-        assert!(err.to_string().contains("server.trusted_proxies[1]"), "{err}");
+        assert!(
+            err.to_string().contains("server.trusted_proxies[1]"),
+            "{err}"
+        );
     }
 
     #[test]
     fn engine_names_are_header_safe() {
         assert!(check_engine_name("engines[0].name", "prefill-a").is_ok());
         for bad in ["", "has space", "a@b", &"x".repeat(65), "caf\u{e9}"] {
-            assert!(check_engine_name("engines[0].name", bad).is_err(), "{bad:?}");
+            assert!(
+                check_engine_name("engines[0].name", bad).is_err(),
+                "{bad:?}"
+            );
         }
     }
 }

@@ -205,7 +205,10 @@ mod tests {
         let by_name = Exposure::new(ExposeWorker::Name);
         assert_eq!(by_name.worker(&named).unwrap(), "decode-a@1");
         let m = by_name.error(&timeout);
-        assert!(m.starts_with("decode-a@1: ") && !m.contains("10.9.8.7"), "{m}");
+        assert!(
+            m.starts_with("decode-a@1: ") && !m.contains("10.9.8.7"),
+            "{m}"
+        );
         // A nameless engine is not named at all.
         let nameless = member(None);
         assert_eq!(by_name.worker(&nameless), None);
@@ -217,7 +220,9 @@ mod tests {
         let m = url.error(&timeout);
         assert!(m.starts_with("http://10.9.8.7:8000@1: ") && m.contains("server.response_timeout"));
         let cut = StreamError::Idle(Duration::from_millis(7));
-        assert!(url.stream(Some(&named), &cut).contains("server.stream_idle_timeout"));
+        assert!(url
+            .stream(Some(&named), &cut)
+            .contains("server.stream_idle_timeout"));
         let m = Exposure::new(ExposeWorker::None).stream(Some(&named), &cut);
         assert_eq!(m, "the engine sent nothing for 7 ms");
     }

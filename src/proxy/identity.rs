@@ -293,7 +293,10 @@ mod tests {
         let mut h = claims();
         forwarded(&mut h, &ip, true, &https);
         assert_eq!(h[FORWARDED_FOR], "1.1.1.1, 10.0.0.9");
-        assert_eq!(h[FORWARDED_PROTO], "http", "the proxy saw the client's scheme");
+        assert_eq!(
+            h[FORWARDED_PROTO], "http",
+            "the proxy saw the client's scheme"
+        );
         assert_eq!(h["x-forwarded-host"], "evil.example");
 
         let mut h = HeaderMap::new();

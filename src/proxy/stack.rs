@@ -14,9 +14,9 @@ use tower::ServiceBuilder;
 
 use super::auth::{Gate, Keys};
 use super::body::ProxyBody;
+use super::exposure::Exposure;
 use super::grpc::{Local, Requests};
 use super::read::Limits;
-use super::exposure::Exposure;
 use super::respond::Errors;
 use super::retry::Policy;
 use super::send::Dial;

@@ -79,7 +79,6 @@ fn answer(record: &Mutex<Vec<HeaderMap>>, req: &Request<Incoming>) -> Response<F
         .unwrap()
 }
 
-
 impl HeaderEngine {
     /// Its `[[engines]]` table: vLLM, DP=2, polled through its `/metrics`; `more`: more keys.
     pub fn toml(&self, more: &str) -> String {

@@ -80,8 +80,7 @@ impl Projector {
                 .map(|g| g.trim().to_string()),
             // What clients may be told (`server.expose_worker = "name"`); a name that could
             // not be one is left out rather than the pod refused.
-            name: (pod.metadata.name.clone())
-                .filter(|n| crate::config::engine_name_ok(n)),
+            name: (pod.metadata.name.clone()).filter(|n| crate::config::engine_name_ok(n)),
         };
         let Some(ip) = serving_ip(pod) else {
             return Ok(None);

@@ -275,16 +275,19 @@ async fn call_engine(
             trailers,
         })
     };
-    tokio::time::timeout(timeout, exchange).await.map_err(|_| {
-        GrpcError {
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| GrpcError {
             setting: Some("server.response_timeout"),
             ..GrpcError::new(
                 Code::DeadlineExceeded,
-                format!("the engine sent no answer within {} ms", timeout.as_millis()),
+                format!(
+                    "the engine sent no answer within {} ms",
+                    timeout.as_millis()
+                ),
             )
             .on(&engine.url)
-        }
-    })?
+        })?
 }
 
 /// An engine's answer that is not OK, as the error the client gets: the engine's own status,
