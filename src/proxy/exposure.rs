@@ -21,8 +21,8 @@ use crate::upstream::ClientBodyError;
 use crate::worker::Member;
 
 /// One router's answer to "what does a client learn about our fleet". `Copy`: the layers that
-/// answer carry it by value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// answer carry it by value. The default tells nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Exposure(ExposeWorker);
 
 impl Exposure {

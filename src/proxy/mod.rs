@@ -83,6 +83,7 @@ pub use crate::upstream::{BodyTooLarge, BoxError, ClientBodyError, RequestBody};
 pub use auth::{Keys, KeysError};
 pub use body::{Ending, Holds, ProxyBody};
 pub use error::{DebugRefused, Denied, GrpcError, ProxyError};
+pub use exposure::Exposure;
 pub use identity::REQUEST_ID;
 pub use layer::{Answer, Below, Step, RANK_HEADER, WORKER_HEADER};
 pub use pin::pin_in_body;

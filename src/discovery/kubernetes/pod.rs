@@ -18,6 +18,8 @@ pub const START_RANK_ANNOTATION: &str = "rankgate.io/start-rank";
 pub const DP_GROUP_ANNOTATION: &str = "rankgate.io/dp-group";
 
 /// What one pod contributes now.
+// Nearly every pod is an engine, so the size is the engine's anyway: boxing would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum PodState {
     /// Ready, addressed and valid.
