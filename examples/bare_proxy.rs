@@ -40,6 +40,7 @@ async fn main() -> anyhow::Result<()> {
                             rankgate::proxy::Ending::Cut,
                             Duration::from_secs(300),
                             None,
+                            rankgate::proxy::Exposure::default(),
                         )
                     }),
                     Err(e) => rankgate::http::openai_error(

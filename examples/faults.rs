@@ -58,6 +58,7 @@ const ROUTER_TOML: &str = r#"
 [server]
 listen = "127.0.0.1:0"
 admin_listen = "127.0.0.1:0"
+expose_worker = "url"
 connect_timeout = "300ms"
 response_timeout = "1s"
 stream_idle_timeout = "1s"

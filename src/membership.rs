@@ -19,6 +19,8 @@ use tokio::sync::{mpsc, oneshot};
 use crate::worker::{Engine, Origin};
 
 /// A change to the fleet.
+// One value per admin call or reload, moved a few times: boxing the engine would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Change {
     /// `origin`'s engines become exactly `engines` (reload: the file's; discovery: what it found).

@@ -102,8 +102,11 @@ pub struct Member {
     pub id: RankId,
     /// The id pre-rendered once, since every proxied response carries it in a header.
     pub id_text: Arc<str>,
-    /// The same as an `x-rankgate-worker` header value.
+    /// The same as an `x-rankgate-worker` header value (`server.expose_worker = "url"`).
     pub header: HeaderValue,
+    /// `<name>@<rank>` for an engine with a `name`, as clients are told it under
+    /// `server.expose_worker = "name"`; `None`: clients learn nothing of this worker.
+    pub named: Option<HeaderValue>,
     /// Value of the pinning header / body field, per the engine's numbering; `None` for a
     /// gateway, which routes by itself.
     pub pin_rank: Option<u32>,
@@ -165,10 +168,18 @@ impl EngineEntry {
                     RankNumbering::Global => rank,
                     RankNumbering::Local => rank - cfg.start_rank,
                 });
+                // Names are validated header-safe, as are URLs.
+                let named = cfg.name.as_ref().and_then(|n| {
+                    let text = match id.rank {
+                        Some(r) => format!("{n}@{r}"),
+                        None => n.to_string(),
+                    };
+                    HeaderValue::from_str(&text).ok()
+                });
                 let same = prev
                     .into_iter()
                     .flat_map(|p| p.members.iter())
-                    .find(|m| m.id == id && m.pin_rank == pin_rank);
+                    .find(|m| m.id == id && m.pin_rank == pin_rank && m.named == named);
                 if let Some(m) = same {
                     return m.clone();
                 }
@@ -180,6 +191,7 @@ impl EngineEntry {
                         .unwrap_or(HeaderValue::from_static("invalid")),
                     id_text,
                     id,
+                    named,
                     pin_rank,
                     pin_header: pin_rank.map(HeaderValue::from),
                     live: Live::default(),

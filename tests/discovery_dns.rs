@@ -399,7 +399,7 @@ async fn records_added_and_removed_change_the_routers_fleet() {
 /// A router whose fleet is what `dns` says, engines at `port` with the engine keys `keys`.
 async fn dns_router(dns: &DnsServer, port: u16, keys: &str) -> rankgate::app::Router {
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
          [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{}\"\ninterval = \"{}ms\"\n\
          port = {port}\n{keys}",
         common::FAST,
@@ -433,7 +433,7 @@ async fn a_discovered_engine_the_file_drops_again_returns_to_discovery() {
     let dns = server.addr;
 
     let head = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{}\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}{}\
          [[discovery]]\nkind = \"dns\"\nname = \"{NAME}\"\nresolver = \"{dns}\"\n\
          interval = \"100ms\"\nport = {port}\nflavor = \"vllm\"\ndp_size = 2\n",
         token_env(),

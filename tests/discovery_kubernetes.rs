@@ -625,7 +625,7 @@ async fn pod_events_change_the_routers_fleet() {
     let kubeconfig = dir.0.join("kubeconfig");
     write_kubeconfig(&kubeconfig, api.addr);
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
          [[discovery]]\nkind = \"kubernetes\"\nnamespace = \"{NS}\"\nselector = \"{SELECTOR}\"\n\
          port = {port}\nflavor = \"vllm\"\ndp_size = 2\nkubeconfig = {:?}\n",
         common::FAST,

@@ -38,7 +38,7 @@ async fn unknown_path_wrong_method_and_models() {
 async fn oversized_bodies_get_413_declared_or_streamed() {
     let e = engine(sim(Flavor::Vllm, 1, 0)).await;
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nmax_body_bytes = 1024\n{FAST}{}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\nmax_body_bytes = 1024\n{FAST}{}",
         engine_toml(&e.url(), "vllm", 1, 0)
     );
     let r = rankgate::app::Router::start(rankgate::config::Config::from_str(&text).unwrap())

@@ -5,84 +5,13 @@
 mod common;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use common::headers::HeaderEngine;
 use common::*;
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::{Method, Request, StatusCode};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use rankgate_sim::sim::SimFlavor as Flavor;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
-
-/// What a real vLLM 0.32 with `--data-parallel-size 2` served on `/metrics`.
-const METRICS: &str = include_str!("fixtures/vllm-0.32-dp2-metrics.txt");
-
-/// A stand-in vLLM (DP=2) that records the headers of every request it is sent besides the
-/// router's own polls. The simulated engine does not keep headers; this one exists for that.
-struct HeaderEngine {
-    url: String,
-    seen: Arc<Mutex<Vec<HeaderMap>>>,
-    _stop: watch::Sender<bool>,
-}
-
-impl HeaderEngine {
-    async fn start() -> HeaderEngine {
-        let listener = TcpListener::bind(loopback()).await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let (stop, stop_rx) = watch::channel(false);
-        let record = seen.clone();
-        tokio::spawn(rankgate::http::serve(
-            listener,
-            move |req: Request<Incoming>| {
-                let record = record.clone();
-                async move { Ok(answer(&record, &req)) }
-            },
-            stop_rx,
-        ));
-        HeaderEngine {
-            url,
-            seen,
-            _stop: stop,
-        }
-    }
-
-    /// The headers of the last request an engine client sent.
-    fn last(&self) -> HeaderMap {
-        self.seen
-            .lock()
-            .unwrap()
-            .last()
-            .cloned()
-            .expect("the engine saw no request")
-    }
-}
-
-fn answer(record: &Mutex<Vec<HeaderMap>>, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-    let (ctype, body): (&str, &str) = match req.uri().path() {
-        "/metrics" => ("text/plain; version=0.0.4", METRICS),
-        "/health" => ("text/plain", ""),
-        "/v1/models" => (
-            "application/json",
-            r#"{"object":"list","data":[{"id":"tiny-llama","object":"model"}]}"#,
-        ),
-        _ => {
-            record.lock().unwrap().push(req.headers().clone());
-            (
-                "application/json",
-                r#"{"id":"cmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}"#,
-            )
-        }
-    };
-    Response::builder()
-        .header("content-type", ctype)
-        // As vLLM's server answers by default: any origin.
-        .header("access-control-allow-origin", "*")
-        .body(Full::new(Bytes::from_static(body.as_bytes())))
-        .unwrap()
-}
 
 /// A router with `server_keys` (more `[server]` keys) in front of the header-recording engine,
 /// its two ranks showing fresh telemetry.
@@ -223,7 +152,7 @@ async fn keys_from_the_environment_and_the_client_header_reaches_the_engine() {
 async fn unreadable_key_sources_stop_the_start_and_say_where() {
     let text = |server: &str| {
         format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{}",
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{server}\n{}",
             engine_toml("http://127.0.0.1:1", "vllm", 1, 0)
         )
     };
@@ -272,8 +201,8 @@ async fn request_ids_and_forwarded_headers_reach_the_engine_and_come_back() {
     );
     assert_eq!(e.last()["x-request-id"], id.as_str());
 
-    // An id that cannot be kept is replaced; an earlier proxy's chain is extended, and its
-    // protocol kept.
+    // An id that cannot be kept is replaced; a client that is no trusted proxy claims an
+    // earlier hop and another scheme in vain.
     let long = "x".repeat(129);
     let reply = send(chat_with(
         r.addr,
@@ -288,8 +217,8 @@ async fn request_ids_and_forwarded_headers_reach_the_engine_and_come_back() {
     assert_eq!(id.len(), 32);
     let seen = e.last();
     assert_eq!(seen["x-request-id"], id.as_str());
-    assert_eq!(seen["x-forwarded-for"], "203.0.113.7, 127.0.0.1");
-    assert_eq!(seen["x-forwarded-proto"], "https");
+    assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(seen["x-forwarded-proto"], "http");
 
     // rankgate's own answers carry the id too.
     let req = Request::get(format!("http://{}/v2/nothing", r.addr))
@@ -473,4 +402,128 @@ async fn without_cors_config_options_goes_down_the_stack() {
     assert_eq!(served.status, 200);
     assert!(served.headers.get("access-control-allow-origin").is_none());
     assert!(served.headers.get("vary").is_none());
+}
+
+/// A request through `addr` from the client address `from` (another loopback address stands for
+/// another machine), over a fresh HTTP/1.1 connection.
+async fn send_from(
+    from: std::net::IpAddr,
+    addr: std::net::SocketAddr,
+    req: Request<Full<Bytes>>,
+) -> u16 {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind((from, 0).into()).unwrap();
+    let stream = tokio::time::timeout(std::time::Duration::from_secs(5), socket.connect(addr))
+        .await
+        .expect("connected within 5 s")
+        .unwrap();
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+    tokio::spawn(conn);
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(10), sender.send_request(req))
+        .await
+        .expect("answered within 10 s")
+        .unwrap();
+    resp.status().as_u16()
+}
+
+fn with_forwarding(addr: std::net::SocketAddr) -> Request<Full<Bytes>> {
+    chat_with(
+        addr,
+        &[
+            ("x-forwarded-for", "203.0.113.7"),
+            ("x-forwarded-proto", "https"),
+            ("x-forwarded-host", "api.example.com"),
+            ("forwarded", "for=203.0.113.7;proto=https"),
+        ],
+    )
+}
+
+#[tokio::test]
+async fn forwarding_headers_are_kept_from_a_trusted_proxy_only() {
+    let (e, r) = header_fleet("trusted_proxies = [\"127.0.0.2/32\", \"10.0.0.0/8\"]").await;
+    let (stranger, proxy) = ([127, 0, 0, 1].into(), [127, 0, 0, 2].into());
+
+    // A stranger's claims are replaced by what rankgate saw; the rest of them dropped.
+    assert_eq!(
+        send_from(stranger, r.addr, with_forwarding(r.addr)).await,
+        200
+    );
+    let seen = e.last();
+    assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(seen["x-forwarded-proto"], "http");
+    assert!(!seen.contains_key("x-forwarded-host") && !seen.contains_key("forwarded"));
+
+    // The trusted proxy's chain is appended to, its scheme and host kept.
+    assert_eq!(send_from(proxy, r.addr, with_forwarding(r.addr)).await, 200);
+    let seen = e.last();
+    assert_eq!(seen["x-forwarded-for"], "203.0.113.7, 127.0.0.2");
+    assert_eq!(seen["x-forwarded-proto"], "https");
+    assert_eq!(seen["x-forwarded-host"], "api.example.com");
+    assert_eq!(seen["forwarded"], "for=203.0.113.7;proto=https");
+
+    // Sending none, the proxy is the client.
+    assert_eq!(send_from(proxy, r.addr, chat_with(r.addr, &[])).await, 200);
+    let seen = e.last();
+    assert_eq!(seen["x-forwarded-for"], "127.0.0.2");
+    assert_eq!(seen["x-forwarded-proto"], "http");
+    r.shutdown().await;
+}
+
+/// What the engine received, without the headers that differ between requests anyway (the
+/// id, the trace, the rank picked).
+fn comparable(mut h: http::HeaderMap) -> Vec<(String, String)> {
+    for varying in [
+        "x-request-id",
+        "traceparent",
+        "tracestate",
+        "x-data-parallel-rank",
+    ] {
+        h.remove(varying);
+    }
+    let mut all: Vec<(String, String)> = h
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+#[tokio::test]
+async fn a_connection_header_cannot_strip_what_rankgate_forwards() {
+    let (e, r) = header_fleet("").await;
+    let plain = send(chat_with(r.addr, &[("x-request-id", "same-id")])).await;
+    assert_eq!(plain.status, 200);
+    let want = e.last();
+    assert_eq!(want["x-request-id"], "same-id");
+    assert_eq!(want["content-type"], "application/json");
+
+    for listed in [
+        "X-Forwarded-For, X-Forwarded-Proto, X-Request-Id",
+        "content-type",
+        "Content-Length, Host, Transfer-Encoding, x-forwarded-for",
+        "keep-alive, X-Request-Id",
+    ] {
+        let reply = send(chat_with(
+            r.addr,
+            &[("x-request-id", "same-id"), ("connection", listed)],
+        ))
+        .await;
+        assert_eq!(reply.status, 200, "{listed}");
+        let seen = e.last();
+        // The engine hears the id the client is told: a listed one was the client's to drop,
+        // and rankgate made another for both.
+        assert_eq!(
+            seen["x-request-id"],
+            request_id(&reply).as_str(),
+            "{listed}"
+        );
+        assert_eq!(comparable(seen), comparable(want.clone()), "{listed}");
+    }
+    r.shutdown().await;
 }

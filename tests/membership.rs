@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 /// A router whose admin API takes [`TOKEN`], polling every `interval`.
 async fn admin_router(interval: &str, engines: &[String]) -> Router {
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
          [telemetry]\ninterval = \"{interval}\"\nstale_after = \"5s\"\n{}",
         token_env(),
         engines.concat()
@@ -171,7 +171,7 @@ async fn reload_applies_a_valid_file_and_an_invalid_one_changes_nothing() {
     let a = engine(SimConfig::default()).await;
     let b = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)).await;
     let head = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{FAST}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}{FAST}",
         token_env()
     );
     let file = TempConfig::new(&format!("{head}{}", engine_toml(&a.url(), "vllm", 2, 0)));

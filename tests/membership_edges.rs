@@ -39,7 +39,7 @@ async fn engines(r: &Router) -> Vec<(String, String)> {
 async fn a_reload_that_edits_an_engines_keys_keeps_its_ranks_routable() {
     let a = engine(SimConfig::default()).await;
     let head = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
          [telemetry]\ninterval = \"100ms\"\nstale_after = \"5s\"\n",
         token_env()
     );
@@ -78,7 +78,7 @@ async fn a_reload_that_edits_an_engines_keys_keeps_its_ranks_routable() {
 async fn an_engine_the_file_takes_over_from_the_admin_api_stays_routable() {
     let a = engine(SimConfig::default()).await;
     let head = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
          [telemetry]\ninterval = \"100ms\"\nstale_after = \"5s\"\n",
         token_env()
     );
@@ -135,7 +135,7 @@ fn a_dns_discovery_name_that_is_not_a_dns_name_is_refused_at_load() {
 fn an_unset_admin_token_variable_is_a_config_error_for_check_and_serve() {
     let var = format!("RANKGATE_ATTACK_UNSET_{}", std::process::id());
     let file = TempConfig::new(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"{var}\"\n"
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\nadmin_token_env = \"{var}\"\n"
     ));
     let bin = env!("CARGO_BIN_EXE_rankgate");
     let check = Command::new(bin)

@@ -514,7 +514,7 @@ async fn a_removed_engines_series_leave_the_page() {
     let var = format!("RANKGATE_METRICS_TEST_ADMIN_TOKEN_{}", std::process::id());
     std::env::set_var(&var, TOKEN);
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nadmin_token_env = \"{var}\"\n{FAST}{}{}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\nadmin_token_env = \"{var}\"\n{FAST}{}{}",
         engine_toml(&a.url(), "vllm", 2, 0),
         engine_toml(&b.url(), "vllm", 2, 2),
     );

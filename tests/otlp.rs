@@ -142,7 +142,7 @@ async fn collector(
 /// `rankgate serve` with these `[tracing]` keys in front of `engines`, once every rank reports.
 async fn serve(name: &str, tracing: &str, engines: &str) -> Rankgate {
     let config = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_delay = \"0s\"\n\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\nshutdown_delay = \"0s\"\n\
          {FAST}[tracing]\n{tracing}{engines}"
     );
     let rg = Rankgate::start(name, &config, None).await;

@@ -196,7 +196,7 @@ async fn a_route_goes_only_to_engines_of_a_flavor_that_serves_it() {
 async fn extra_routes_are_proxied_to_every_engine() {
     let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
     let cfg = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nextra_routes = [\"/v1/custom\"]\n{FAST}{}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\nextra_routes = [\"/v1/custom\"]\n{FAST}{}",
         engine_toml(&e.url(), "vllm", 2, 0)
     );
     let r = rankgate::app::Router::start(rankgate::config::Config::from_str(&cfg).unwrap())

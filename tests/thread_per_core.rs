@@ -137,7 +137,7 @@ async fn a_port_another_rankgate_holds_is_an_error() {
     let e = engine(sim(SimFlavor::Vllm, 2, 0)).await;
     let first = router_with(PER_CORE, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     let text = format!(
-        "[server]\nlisten = \"{}\"\nadmin_listen = \"127.0.0.1:0\"\n{PER_CORE}\n{FAST}{}",
+        "[server]\nlisten = \"{}\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{PER_CORE}\n{FAST}{}",
         first.addr,
         engine_toml(&e.url(), "vllm", 2, 0)
     );

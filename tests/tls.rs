@@ -107,7 +107,7 @@ async fn start(text: &str) -> Router {
 }
 
 fn ports() -> &'static str {
-    "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n"
+    "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n"
 }
 
 async fn request(
@@ -547,5 +547,34 @@ async fn a_stalled_or_garbage_handshake_is_closed_and_others_are_served() {
         started.elapsed() >= Duration::from_millis(250),
         "closed before its deadline"
     );
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn behind_the_tls_listener_the_engine_is_told_https() {
+    let pki = Pki::new("proto");
+    let (files, _) = pki.issue("proto");
+    let e = common::headers::HeaderEngine::start().await;
+    let r = start(&format!(
+        "{}{}{FAST}{}",
+        ports(),
+        listener_toml("server.tls", &files),
+        e.toml("")
+    ))
+    .await;
+    wait_state(&r, &[0, 1], "available").await;
+    let base = format!("https://127.0.0.1:{}", r.addr.port());
+    let h1 = rankgate::http::client_with(Duration::from_secs(2), &pki.trust());
+    let h2 = rankgate::http::h2_client_with(Duration::from_secs(2), &pki.trust());
+    for (client, version) in [(&h1, Version::HTTP_11), (&h2, Version::HTTP_2)] {
+        // A client's own claim changes nothing: it is no trusted proxy.
+        let mut req = chat_to(&base);
+        (req.headers_mut()).insert("x-forwarded-proto", "http".parse().unwrap());
+        let (status, got, _, body) = request(client, req).await;
+        assert_eq!((status, got), (StatusCode::OK, version), "{body:?}");
+        let seen = e.last();
+        assert_eq!(seen["x-forwarded-proto"], "https", "{version:?}");
+        assert_eq!(seen["x-forwarded-for"], "127.0.0.1", "{version:?}");
+    }
     r.shutdown().await;
 }

@@ -57,6 +57,9 @@ pub struct Overrides {
     pub dp_size: Option<u32>,
     pub start_rank: Option<u32>,
     pub dp_group: Option<String>,
+    /// The engine's name for clients (`server.expose_worker = "name"`): the pod's name. A DNS
+    /// finding has none (one DNS name stands for all of its addresses).
+    pub name: Option<String>,
 }
 
 /// A container port: by number, or (Kubernetes) by its name in the pod spec.
@@ -134,6 +137,7 @@ impl EngineTemplate {
         let url = |p: u16| format!("{scheme}://{}", SocketAddr::new(ip, p));
         RawEngine {
             url: port.map(url),
+            name: found.name,
             grpc_url: grpc_port.map(url),
             flavor: self.flavor,
             dp_size: found.dp_size.or(self.dp_size),

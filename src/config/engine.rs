@@ -217,6 +217,10 @@ impl fmt::Display for SourceKind {
 pub struct Engine {
     /// Base URL without trailing slash, e.g. `http://127.0.0.1:8000`.
     pub url: Arc<str>,
+    /// `engines[].name` (or the pod's, for one Kubernetes found): what clients are told the
+    /// engine is called under `server.expose_worker = "name"`. Never an address: an engine
+    /// without one is not named to clients at all.
+    pub name: Option<Arc<str>>,
     /// `host:port` authority of `url`, kept for building upstream URIs without re-parsing.
     pub authority: Arc<str>,
     /// The flavor routed by: as configured, else as the engine reported it. Meaningless while
@@ -339,6 +343,7 @@ impl Engine {
 pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
     Engine {
         url: url.into(),
+        name: None,
         authority: url.trim_start_matches("http://").into(),
         flavor: Flavor::Vllm,
         dp_size,

@@ -17,6 +17,8 @@ pub const MAX_DP_SIZE: u32 = 4096;
 #[serde(deny_unknown_fields)]
 pub struct RawEngine {
     pub(super) url: Option<String>,
+    /// What clients are told this engine is called, under `server.expose_worker = "name"`.
+    pub(super) name: Option<String>,
     pub(super) grpc_url: Option<String>,
     /// `None`: asked of the engine (`GET /get_server_info` answers for SGLang, `/version` for
     /// vLLM, gRPC `GetServerInfo` for a gRPC-only engine).
@@ -133,6 +135,9 @@ impl RawEngine {
             self.kv_events_topic.as_deref(),
             self.dp_size,
         )?;
+        if let Some(name) = &self.name {
+            super::edge::check_engine_name(&format!("{at}.name"), name)?;
+        }
         let api_key = self
             .api_key_env
             .as_deref()
@@ -140,6 +145,7 @@ impl RawEngine {
             .transpose()?;
         let engine = Engine {
             url: url.into(),
+            name: self.name.as_deref().map(Into::into),
             authority: authority.into(),
             flavor,
             dp_size: 0,

@@ -10,11 +10,13 @@
 //! - `server`, `routing`, `polling`, `traces`, `tls`: the `[server]`, `[routing]`,
 //!   `[telemetry]`, `[tracing]` and TLS tables; `discovery`: `[[discovery]]`;
 //! - `kv`: an engine's KV-event endpoint, and `[[models]]` (tokenizers);
+//! - `edge`: what clients are told of the fleet, and whose forwarding headers are believed;
 //! - `rules`: rules across engines, and warnings; `whole`: the file as one [`Config`];
 //! - `restart`: which settings a reload cannot apply; `read`: the file read, bounded.
 
 mod discovery;
 mod duration;
+mod edge;
 pub mod engine;
 mod engines;
 mod error;
@@ -32,6 +34,7 @@ mod whole;
 
 pub use discovery::{Discovery, EngineTemplate, Overrides, PortRef, Source as DiscoverySource};
 pub use duration::{parse_duration, HumanDuration};
+pub use edge::{engine_name_ok, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER, MAX_ENGINE_NAME_BYTES};
 #[cfg(test)]
 pub use engine::test_engine;
 pub use engine::{

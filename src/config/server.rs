@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::duration::{duration, ms, secs, HumanDuration};
+use super::edge::{trusted_proxies, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER};
 use super::error::{invalid, ConfigError};
 use super::tls::ListenerTls;
 
@@ -63,6 +64,8 @@ pub(super) struct RawServer {
     thread_per_core: Option<bool>,
     tls: Option<ListenerTls>,
     admin_tls: Option<ListenerTls>,
+    expose_worker: Option<ExposeWorker>,
+    trusted_proxies: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -122,6 +125,11 @@ pub struct ServerConfig {
     pub tls: Option<ListenerTls>,
     /// TLS on the admin listener.
     pub admin_tls: Option<ListenerTls>,
+    /// What clients are told of the engine that served them (see [`ExposeWorker`]).
+    pub expose_worker: ExposeWorker,
+    /// Peers whose `X-Forwarded-*` headers are kept (appended to); everyone else's are
+    /// replaced by what rankgate saw itself. Empty: nobody's.
+    pub trusted_proxies: Vec<Cidr>,
 }
 
 /// The admin token. Its Debug never shows it.
@@ -249,6 +257,8 @@ fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         admin_token_env: raw.admin_token_env,
         tls: raw.tls,
         admin_tls: raw.admin_tls,
+        expose_worker: raw.expose_worker.unwrap_or(DEFAULT_EXPOSE_WORKER),
+        trusted_proxies: trusted_proxies(raw.trusted_proxies)?,
     })
 }
 

@@ -17,6 +17,8 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
+use super::error::StreamError;
+use super::exposure::Exposure;
 use super::grpc::requests::Held;
 use super::grpc::status::status_headers;
 use super::guards::{Admitted, BreakWatch, Done, Slot};
@@ -89,18 +91,8 @@ struct Upstream {
     /// not fired, a wait for the next chunk leaves the timer alone: polling it again cost about
     /// 450 instructions per relayed SSE event (bench/instructions.sh).
     timer_waker: Option<std::task::Waker>,
-}
-
-/// Why an upstream stream ended early.
-#[derive(Debug, thiserror::Error)]
-pub enum StreamError {
-    #[error("engine stream broke: {0}")]
-    Broken(String),
-    #[error("engine sent nothing for {} ms (server.stream_idle_timeout)", .0.as_millis())]
-    Idle(Duration),
-    /// The drain grace ran out, or a second signal came, with the stream still going.
-    #[error("rankgate is shutting down: the stream was cut before its end")]
-    ShuttingDown,
+    /// What the client is told of the engine when the stream is cut (`server.expose_worker`).
+    exposure: Exposure,
 }
 
 impl ProxyBody {
@@ -110,6 +102,7 @@ impl ProxyBody {
         ending: Ending,
         idle: Duration,
         timer: Option<Pin<Box<Sleep>>>,
+        exposure: Exposure,
     ) -> ProxyBody {
         ProxyBody {
             kind: Kind::Upstream(Box::new(Upstream {
@@ -119,6 +112,7 @@ impl ProxyBody {
                 last_frame: None,
                 timer,
                 timer_waker: None,
+                exposure,
             })),
             holds: Holds::default(),
             target: None,
@@ -138,24 +132,18 @@ impl ProxyBody {
             done.ctx.metrics.stream_cut(idle);
         }
         tracing::warn!(error = %err, "stream cut after its first byte");
-        let worker = self
-            .holds
-            .in_flight
-            .as_ref()
-            .map(|g| g.member().id_text.clone());
-        self.holds = Holds::default();
         let Kind::Upstream(up) = &mut self.kind else {
+            self.holds = Holds::default();
             return Poll::Ready(None);
         };
+        let worker = self.holds.in_flight.as_ref().map(|g| &**g.member());
+        let message = up.exposure.stream(worker, &err);
+        self.holds = Holds::default();
         up.body = None;
         if up.ending == Ending::GrpcStatus {
             let code = match err {
                 StreamError::Idle(_) => tonic::Code::DeadlineExceeded,
                 StreamError::Broken(_) | StreamError::ShuttingDown => tonic::Code::Unavailable,
-            };
-            let message = match worker {
-                Some(w) => format!("{w}: {err}"),
-                None => err.to_string(),
             };
             let trailers = status_headers(code, &message);
             return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
@@ -166,7 +154,7 @@ impl ProxyBody {
                 StreamError::Broken(_) => (StatusCode::BAD_GATEWAY, "UpstreamError"),
                 StreamError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "ShuttingDown"),
             };
-            let json = crate::http::error_json(status, kind, &err.to_string());
+            let json = crate::http::error_json(status, kind, &message);
             let mut event = Vec::with_capacity(json.len() + 8);
             event.extend_from_slice(b"data: ");
             event.extend_from_slice(&json);

@@ -235,6 +235,18 @@ impl From<DebugRefused> for ProxyError {
     }
 }
 
+/// Why an engine's answer ended early, after its first byte (`body`).
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("engine stream broke: {0}")]
+    Broken(String),
+    #[error("engine sent nothing for {} ms (server.stream_idle_timeout)", .0.as_millis())]
+    Idle(Duration),
+    /// The drain grace ran out, or a second signal came, with the stream still going.
+    #[error("rankgate is shutting down: the stream was cut before its end")]
+    ShuttingDown,
+}
+
 /// Why a request was refused: what the client is told (never what was sent).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Denied {
@@ -262,15 +274,34 @@ pub enum DebugRefused {
 }
 
 /// A gRPC-specific failure, with the status code it becomes.
-#[derive(Debug, thiserror::Error)]
-#[error("{message}")]
+#[derive(Debug)]
 pub struct GrpcError {
     pub code: Code,
+    /// What went wrong, in words any client may read: no address, no setting.
     pub message: String,
     /// The HTTP status of the answer when it is not 200: a request that is no gRPC call gets a
     /// status any HTTP client reads as an error.
     pub http: Option<StatusCode>,
+    /// The engine it happened on, and the setting that decided, when there is one: for the
+    /// logs, and for clients only under `server.expose_worker = "url"` (see `exposure`).
+    pub engine: Option<Arc<str>>,
+    pub setting: Option<&'static str>,
 }
+
+impl std::fmt::Display for GrpcError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(engine) = &self.engine {
+            write!(f, "{engine}: ")?;
+        }
+        f.write_str(&self.message)?;
+        match self.setting {
+            Some(key) => write!(f, " ({key})"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::error::Error for GrpcError {}
 
 impl GrpcError {
     pub fn new(code: Code, message: impl Into<String>) -> GrpcError {
@@ -278,7 +309,15 @@ impl GrpcError {
             code,
             message: message.into(),
             http: None,
+            engine: None,
+            setting: None,
         }
+    }
+
+    /// The same, said of `engine`.
+    pub fn on(mut self, engine: &Arc<str>) -> GrpcError {
+        self.engine = Some(engine.clone());
+        self
     }
 
     /// Not a gRPC call at all: answered with HTTP `http` (and the gRPC status too).

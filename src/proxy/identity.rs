@@ -3,6 +3,14 @@
 //! the client, on rankgate's own error answers too; the engine learns who asked through
 //! `X-Forwarded-For` and `X-Forwarded-Proto`. (The trace context is [`super::trace`]'s.)
 //!
+//! The hop-by-hop headers go first, here, before anything is written: a client's
+//! `Connection: X-Forwarded-For, X-Request-Id` then removes only its own copies, never the
+//! headers rankgate writes after (see [`strip_hop_by_hop`] for the names no client can remove).
+//! A client's own `X-Forwarded-*` (and `Forwarded`) are believed only from a peer in
+//! `server.trusted_proxies`, which they are appended to, as nginx's realip module and Envoy's
+//! trusted hops do; anyone else's are replaced by what rankgate saw: the peer's address, and
+//! `https` behind rankgate's own TLS listener.
+//!
 //! It runs on every request, so it allocates as little as it can: a generated id is 32 hex
 //! digits written into a stack buffer, and the connection's own address is rendered once per
 //! connection ([`super::Conn::peer_ip`]), so the usual request (no `X-Forwarded-For` of its own)
@@ -17,7 +25,9 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response};
 
 use super::body::ProxyBody;
+use super::pin::strip_hop_by_hop;
 use super::shared::Ctx;
+use crate::config::Cidr;
 
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 pub const FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -76,17 +86,68 @@ pub fn forward_for(h: &mut HeaderMap, peer_ip: &HeaderValue) {
     h.insert(FORWARDED_FOR, v);
 }
 
+/// Whether `n` is a forwarding header a client may have written: `X-Forwarded-*`, `Forwarded`.
+fn is_forwarding(n: &HeaderName) -> bool {
+    let n = n.as_str().as_bytes();
+    n.starts_with(b"x-forwarded-") || n == b"forwarded"
+}
+
+/// The forwarding headers the engine gets: a trusted proxy's appended to, anyone else's
+/// replaced by the peer's address and `proto`.
+pub fn forwarded(h: &mut HeaderMap, peer_ip: &HeaderValue, trusted: bool, proto: &HeaderValue) {
+    // The usual request carries none: one look at its few names, then two inserts.
+    if h.keys().any(is_forwarding) {
+        if trusted {
+            forward_for(h, peer_ip);
+            if !h.contains_key(FORWARDED_PROTO) {
+                h.insert(FORWARDED_PROTO, proto.clone());
+            }
+            return;
+        }
+        // A stranger's claims (`X-Forwarded-Host`, `-Port`, `Forwarded` too) are dropped.
+        while let Some(n) = h.keys().find(|n| is_forwarding(n)).cloned() {
+            h.remove(&n);
+        }
+    }
+    h.insert(FORWARDED_FOR, peer_ip.clone());
+    h.insert(FORWARDED_PROTO, proto.clone());
+}
+
+/// How forwarding headers are written, one for the router.
+#[derive(Debug)]
+pub struct Forwarding {
+    /// `server.trusted_proxies`.
+    pub trusted: Box<[Cidr]>,
+    /// `X-Forwarded-Proto` as rankgate saw it: `https` behind its own TLS listener.
+    pub proto: HeaderValue,
+}
+
+impl Forwarding {
+    pub fn new(trusted: &[Cidr], tls: bool) -> Forwarding {
+        Forwarding {
+            trusted: trusted.into(),
+            proto: HeaderValue::from_static(if tls { "https" } else { "http" }),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Identity<S> {
     inner: S,
     ctx: Ctx,
+    /// The connection's peer is a trusted proxy (decided once per connection).
+    trusted: bool,
+    proto: HeaderValue,
 }
 
 impl<S> Identity<S> {
-    pub fn new(inner: S, ctx: &Ctx) -> Identity<S> {
+    pub fn new(inner: S, ctx: &Ctx, forwarding: &Forwarding) -> Identity<S> {
+        let peer = ctx.conn().peer.ip();
         Identity {
             inner,
             ctx: ctx.clone(),
+            trusted: forwarding.trusted.iter().any(|c| c.contains(peer)),
+            proto: forwarding.proto.clone(),
         }
     }
 }
@@ -106,10 +167,9 @@ where
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let h = req.headers_mut();
+        strip_hop_by_hop(h);
         let id = request_id(h);
-        forward_for(h, &self.ctx.conn().peer_ip);
-        h.entry(FORWARDED_PROTO)
-            .or_insert(HeaderValue::from_static("http"));
+        forwarded(h, &self.ctx.conn().peer_ip, self.trusted, &self.proto);
         Identified {
             inner: self.inner.call(req),
             id: Some(id),
@@ -210,6 +270,38 @@ mod tests {
         forward_for(&mut h, &ip);
         assert_eq!(h.get_all(FORWARDED_FOR).iter().count(), 1);
         assert_eq!(h[FORWARDED_FOR], "1.1.1.1, 2.2.2.2, 10.0.0.9");
+    }
+
+    #[test]
+    fn strangers_forwarding_headers_are_replaced_trusted_ones_kept() {
+        let ip = peer_ip_header(([10, 0, 0, 9], 5000).into());
+        let https = HeaderValue::from_static("https");
+        let claims = || {
+            let mut h = HeaderMap::new();
+            h.insert(FORWARDED_FOR, HeaderValue::from_static("1.1.1.1"));
+            h.insert(FORWARDED_PROTO, HeaderValue::from_static("http"));
+            h.insert("x-forwarded-host", HeaderValue::from_static("evil.example"));
+            h.insert("forwarded", HeaderValue::from_static("for=1.1.1.1"));
+            h
+        };
+        let mut h = claims();
+        forwarded(&mut h, &ip, false, &https);
+        assert_eq!(h[FORWARDED_FOR], "10.0.0.9");
+        assert_eq!(h[FORWARDED_PROTO], "https");
+        assert!(!h.contains_key("x-forwarded-host") && !h.contains_key("forwarded"));
+
+        let mut h = claims();
+        forwarded(&mut h, &ip, true, &https);
+        assert_eq!(h[FORWARDED_FOR], "1.1.1.1, 10.0.0.9");
+        assert_eq!(
+            h[FORWARDED_PROTO], "http",
+            "the proxy saw the client's scheme"
+        );
+        assert_eq!(h["x-forwarded-host"], "evil.example");
+
+        let mut h = HeaderMap::new();
+        forwarded(&mut h, &ip, true, &https);
+        assert_eq!((&h[FORWARDED_FOR], &h[FORWARDED_PROTO]), (&ip, &https));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The OpenAI-compatible front door, as a stack of tower layers, each owning one concern:
 //!
 //! ```text
-//! identity  x-request-id (kept or made) to the engine and back; X-Forwarded-For/-Proto
+//! identity  hop-by-hop headers removed; x-request-id (kept or made) to the engine and back;
+//!           X-Forwarded-For/-Proto (a client's kept only from server.trusted_proxies)
 //! trace     W3C trace context continued or started; the request's span; x-rankgate-debug
 //! cors      server.cors_allow_origins: preflights answered here (before any key is asked
 //!           for), CORS headers on every answer to an allowed origin
@@ -25,7 +26,8 @@
 //! The stacks are assembled in `stack.rs`, where each layer is handed its own settings and state
 //! ([`Layers`], made once per router); all they share is [`Shared`] (table, selector, metrics)
 //! and, per connection, [`Ctx`]. The types the layers pass between them live in leaf files
-//! (`error.rs`, `layer.rs`, `target.rs`, `shared.rs`), so no layer imports this module.
+//! (`error.rs`, `layer.rs`, `target.rs`, `shared.rs`), so no layer imports this module. What a
+//! client learns of the fleet (the worker header, error messages) is `exposure.rs`'s alone.
 //!
 //! A request counts as in flight on its rank until the response body ends: the guards
 //! (`guards.rs`) ride in the body ([`Holds`]), so a long SSE stream keeps counting while it
@@ -54,6 +56,7 @@ mod body;
 mod budget;
 mod cors;
 mod error;
+mod exposure;
 pub(crate) mod grpc;
 mod guards;
 mod identity;
@@ -80,6 +83,7 @@ pub use crate::upstream::{BodyTooLarge, BoxError, ClientBodyError, RequestBody};
 pub use auth::{Keys, KeysError};
 pub use body::{Ending, Holds, ProxyBody};
 pub use error::{DebugRefused, Denied, GrpcError, ProxyError};
+pub use exposure::Exposure;
 pub use identity::REQUEST_ID;
 pub use layer::{Answer, Below, Step, RANK_HEADER, WORKER_HEADER};
 pub use pin::pin_in_body;

@@ -11,7 +11,7 @@ use http::{Request, Uri, Version};
 
 use super::error::ProxyError;
 use super::layer::{content_length, Below, Step, RANK_HEADER};
-use super::pin::{pin_in_body, strip_hop_by_hop};
+use super::pin::pin_in_body;
 use super::shared::Ctx;
 use super::target::{Picked, Target};
 use super::trace::{self, Traced};
@@ -91,8 +91,9 @@ where
         let attempt = (traced.as_ref().zip(explained.as_ref()))
             .and_then(|(t, x)| t.picked(x, Some((w, engine, target.trial))));
 
+        // The hop-by-hop headers are gone already: `identity` removed them before writing
+        // its own, so that no client can have those removed.
         let (mut parts, body) = req.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
         #[cfg(feature = "otlp")]
         if let Some(v) = attempt.as_ref().and_then(crate::otlp::traceparent) {
             // The engine's spans are children of this attempt's.

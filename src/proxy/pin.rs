@@ -50,7 +50,18 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     }
 }
 
-/// Removes the headers a Connection header value names.
+/// Headers a `Connection` header cannot remove: the message's own framing and type, and the
+/// headers rankgate itself relies on. A sender must not list them (RFC 9110, 7.6.1); a client
+/// that does gets them forwarded anyway, rather than an engine told less than it needs.
+/// (`Transfer-Encoding` is hop-by-hop in any case, and `Host` rewritten for the engine.)
+static NEVER_LISTED: [HeaderName; 4] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_LENGTH,
+    header::CONTENT_ENCODING,
+    header::HOST,
+];
+
+/// Removes the headers a Connection header value names, except [`NEVER_LISTED`].
 fn remove_listed(h: &mut HeaderMap, connection: &HeaderValue) {
     // What HTTP/1.1 clients and servers nearly always send names no header (`close`) or one
     // on the hop-by-hop list anyway (`keep-alive`): nothing to look up by name.
@@ -59,7 +70,12 @@ fn remove_listed(h: &mut HeaderMap, connection: &HeaderValue) {
         return;
     }
     for name in connection.to_str().into_iter().flat_map(|v| v.split(',')) {
-        h.remove(name.trim());
+        let Ok(name) = HeaderName::from_bytes(name.trim().as_bytes()) else {
+            continue;
+        };
+        if !NEVER_LISTED.contains(&name) {
+            h.remove(name);
+        }
     }
 }
 
@@ -172,6 +188,27 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("x-keep"));
+    }
+
+    #[test]
+    fn connection_cannot_remove_the_messages_own_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("Content-Type, content-length,HOST, x-custom"),
+        );
+        for (k, v) in [
+            ("content-type", "application/json"),
+            ("content-length", "2"),
+            ("host", "h"),
+            ("x-custom", "1"),
+        ] {
+            h.insert(k, HeaderValue::from_static(v));
+        }
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(left, ["content-length", "content-type", "host"]);
     }
 
     #[test]

@@ -20,6 +20,7 @@ use tokio::time::Instant;
 
 use super::body::ProxyBody;
 use super::error::ProxyError;
+use super::exposure::Exposure;
 use super::guards::{Access, Done};
 use super::layer::{Answer, WORKER_HEADER};
 use super::shared::Ctx;
@@ -42,14 +43,30 @@ pub struct Errors {
     retry_after: HeaderValue,
     /// `server.access_log`: a line per request.
     access_log: bool,
+    /// `server.expose_worker`: what the answer tells of the engine.
+    exposure: Exposure,
 }
 
 impl Errors {
-    pub fn new(access_log: bool, retry_after_secs: u32) -> Errors {
+    pub fn new(access_log: bool, retry_after_secs: u32, exposure: Exposure) -> Errors {
         Errors {
             storm: Throttle::new(Duration::from_secs(5)),
             retry_after: HeaderValue::from(retry_after_secs),
             access_log,
+            exposure,
+        }
+    }
+}
+
+/// An error as the logs write it: the worker's full id and every detail, whatever clients are
+/// told. Written only when a line is logged.
+struct Logged<'a>(&'a ProxyError);
+
+impl std::fmt::Display for Logged<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.worker() {
+            Some(w) => write!(f, "{}: {}", w.id_text, self.0),
+            None => write!(f, "{}", self.0),
         }
     }
 }
@@ -188,24 +205,22 @@ fn count(ctx: &Ctx, err: &ProxyError, labels: RequestLabels) {
 /// The client's answer to `err`.
 fn render(ctx: &Ctx, errors: &Errors, err: &ProxyError) -> Response<ProxyBody> {
     let status = err.status();
-    let message = match err.worker() {
-        Some(w) => format!("{}: {err}", w.id_text),
-        None => err.to_string(),
-    };
     if status.is_server_error() {
         if let Some(held) = errors.storm.allow() {
-            tracing::warn!(status = status.as_u16(), error = ?message, similar_since_last = held, "request failed");
+            tracing::warn!(status = status.as_u16(), error = %Logged(err), similar_since_last = held, "request failed");
         }
     } else {
-        tracing::debug!(status = status.as_u16(), error = ?message, "request refused");
+        tracing::debug!(status = status.as_u16(), error = %Logged(err), "request refused");
     }
+    let message = errors.exposure.error(err);
+    let worker = err.worker().and_then(|w| errors.exposure.worker(w));
     if ctx.grpc() {
         let mut resp = super::grpc::status_response(err.grpc_code(), &message);
         if let ProxyError::Grpc(super::error::GrpcError { http: Some(s), .. }) = err.root() {
             *resp.status_mut() = *s;
         }
-        if let Some(w) = err.worker() {
-            resp.headers_mut().insert(WORKER_HEADER, w.header.clone());
+        if let Some(w) = worker {
+            resp.headers_mut().insert(WORKER_HEADER, w.clone());
         }
         return resp;
     }
@@ -229,8 +244,8 @@ fn render(ctx: &Ctx, errors: &Errors, err: &ProxyError) -> Response<ProxyBody> {
             resp.headers_mut().insert(header::ALLOW, v);
         }
     }
-    if let Some(w) = err.worker() {
-        resp.headers_mut().insert(WORKER_HEADER, w.header.clone());
+    if let Some(w) = worker {
+        resp.headers_mut().insert(WORKER_HEADER, w.clone());
     }
     resp
 }

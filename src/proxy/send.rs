@@ -7,8 +7,8 @@
 //! requests in flight on it), so a burst cannot open more sockets than the engine or this
 //! process's file descriptors allow; a request waits for a slot within its response timeout.
 //! Upstream failures are classified here, once: the client's broken body stays the client's.
-//! The response leaves carrying its rank: the `x-rankgate-worker` header, the target and the
-//! request's in-flight mark in its body.
+//! The response leaves carrying its rank: the target and the request's in-flight mark in its
+//! body, and the `x-rankgate-worker` header as far as `server.expose_worker` lets clients know.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -25,6 +25,7 @@ use tokio::time::Sleep;
 
 use super::body::{Ending, ProxyBody};
 use super::error::ProxyError;
+use super::exposure::Exposure;
 use super::guards::Slot;
 use super::layer::WORKER_HEADER;
 use super::pin::strip_hop_by_hop;
@@ -67,6 +68,8 @@ pub struct Dial {
     stream_idle: Duration,
     /// `server.max_body_bytes` (a client body that outgrows it while streaming).
     max_body: usize,
+    /// `server.expose_worker`: whether the answer names its worker, and how.
+    exposure: Exposure,
 }
 
 /// A client for engines' gRPC services, over connections a shutdown can cut.
@@ -87,6 +90,7 @@ impl Dial {
         max_body: usize,
         deadlines: Deadlines,
         upstream: &Upstream,
+        exposure: Exposure,
     ) -> Dial {
         let h2 = max_engine_connections.min(crate::upstream::MAX_GRPC_CONNECTIONS);
         let cutoff = Cutoff::default();
@@ -102,6 +106,7 @@ impl Dial {
             response: deadlines.response,
             stream_idle: deadlines.stream_idle,
             max_body,
+            exposure,
         }
     }
 }
@@ -460,10 +465,12 @@ impl Future for Sending {
         } else {
             Ending::Cut
         };
-        parts
-            .headers
-            .insert(WORKER_HEADER, this.target.worker.header.clone());
-        let mut body = ProxyBody::upstream(body, ending, this.dial.stream_idle, this.timer.take());
+        let exposure = this.dial.exposure;
+        if let Some(shown) = exposure.worker(&this.target.worker) {
+            parts.headers.insert(WORKER_HEADER, shown.clone());
+        }
+        let (idle, timer) = (this.dial.stream_idle, this.timer.take());
+        let mut body = ProxyBody::upstream(body, ending, idle, timer, exposure);
         body.holds.connection = this.slot.take();
         body.holds.in_flight = this.guard.take();
         body.target = Some(this.target.clone());

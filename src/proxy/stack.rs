@@ -14,6 +14,7 @@ use tower::ServiceBuilder;
 
 use super::auth::{Gate, Keys};
 use super::body::ProxyBody;
+use super::exposure::Exposure;
 use super::grpc::{Local, Requests};
 use super::read::Limits;
 use super::respond::Errors;
@@ -35,6 +36,8 @@ use crate::tls::Upstream;
 /// layer's own (settings, and counters that must be one for all connections), made once.
 pub struct Layers {
     shared: Arc<Shared>,
+    /// `server.trusted_proxies`, and the scheme of the front doors.
+    forwarding: Arc<identity::Forwarding>,
     /// `server.cors_allow_origins`; `None`: CORS is off.
     origins: Option<Arc<[String]>>,
     errors: Arc<Errors>,
@@ -80,6 +83,7 @@ impl Layers {
             server.max_body_bytes,
             deadlines,
             upstream,
+            Exposure::new(server.expose_worker),
         ));
         let shared = Arc::new(Shared {
             table,
@@ -87,9 +91,17 @@ impl Layers {
             metrics,
         });
         Arc::new(Layers {
+            forwarding: Arc::new(identity::Forwarding::new(
+                &server.trusted_proxies,
+                server.tls.is_some(),
+            )),
             origins: (!server.cors_allow_origins.is_empty())
                 .then(|| server.cors_allow_origins.clone().into()),
-            errors: Arc::new(Errors::new(server.access_log, routing.retry_after_secs)),
+            errors: Arc::new(Errors::new(
+                server.access_log,
+                routing.retry_after_secs,
+                Exposure::new(server.expose_worker),
+            )),
             gate: Arc::new(Gate {
                 keys,
                 debug_token: (server.admin_token.as_ref()).map(|t| Keys::single(&t.0)),
@@ -169,7 +181,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
     let ctx = Ctx::on(&layers.shared, core, peer, Front::Http);
     let (l, c) = (layers, &ctx);
     ServiceBuilder::new()
-        .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| l.identity(inner, c))
         .layer_fn(|inner| trace::Trace::new(inner, c))
         .layer_fn(|inner| l.cors(inner, c))
         .layer_fn(|inner| l.respond(inner, c))
@@ -188,7 +200,7 @@ pub fn grpc_stack(layers: &Layers, peer: SocketAddr) -> impl FrontDoor {
     let ctx = Ctx::new(&layers.shared, peer, Front::Grpc);
     let (l, c) = (layers, &ctx);
     ServiceBuilder::new()
-        .layer_fn(|inner| identity::Identity::new(inner, c))
+        .layer_fn(|inner| l.identity(inner, c))
         .layer_fn(|inner| trace::Trace::new(inner, c))
         .layer_fn(|inner| l.respond(inner, c))
         .layer_fn(|inner| l.auth(inner))
@@ -202,6 +214,10 @@ pub fn grpc_stack(layers: &Layers, peer: SocketAddr) -> impl FrontDoor {
 /// Each layer over `inner`, with its own state and settings: the stacks above and the layers'
 /// tests build them here.
 impl Layers {
+    pub(super) fn identity<S>(&self, inner: S, c: &Ctx) -> identity::Identity<S> {
+        identity::Identity::new(inner, c, &self.forwarding)
+    }
+
     pub(super) fn cors<S>(&self, inner: S, c: &Ctx) -> cors::Cors<S> {
         cors::Cors::new(inner, c, &self.origins, &self.errors)
     }

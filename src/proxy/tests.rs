@@ -135,7 +135,8 @@ async fn admission_counts_until_the_body_ends() {
 
 #[tokio::test]
 async fn respond_turns_errors_into_openai_answers() {
-    let s = shared("");
+    // Told in full: by default the worker and the setting are not named (see `exposure`).
+    let s = shared("[server]\nexpose_worker = \"url\"\n");
     let on = member(&s, 1);
     let inner = service_fn(move |_: Request<()>| {
         let e = ProxyError::Timeout(Duration::from_millis(5)).at(&on);
@@ -200,7 +201,7 @@ async fn the_outer_layers_mark_rankgates_own_refusals() {
     );
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
     let l = &s.layers;
-    let stack = identity::Identity::new(l.cors(l.respond(l.auth(inner), &s), &s), &s);
+    let stack = l.identity(l.cors(l.respond(l.auth(inner), &s), &s), &s);
     let mut req = Request::new(());
     req.headers_mut().insert(
         http::header::ORIGIN,

@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod binary;
 pub mod grpc;
+pub mod headers;
 pub mod recorded;
 
 use std::net::SocketAddr;
@@ -53,10 +54,16 @@ pub async fn router(extra: &str, engines: &[String]) -> Router {
     router_with("", extra, engines).await
 }
 
-/// [`router`] with more `[server]` keys (`server`, one per line).
+/// [`router`] with more `[server]` keys (`server`, one per line). The tests read which rank
+/// served from `x-rankgate-worker`, so the router names it (`expose_worker = "url"`) unless
+/// `server` sets `expose_worker` itself.
 pub async fn router_with(server: &str, extra: &str, engines: &[String]) -> Router {
+    let expose = match server.contains("expose_worker") {
+        true => "",
+        false => "expose_worker = \"url\"\n",
+    };
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{extra}\n{}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{expose}{server}\n{extra}\n{}",
         engines.concat()
     );
     let cfg = Config::from_str(&text).unwrap_or_else(|e| panic!("config: {e}\n{text}"));

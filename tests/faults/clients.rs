@@ -549,7 +549,7 @@ async fn open_many(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
 fn fd_limit_config(engine_url: &str, server: &str) -> String {
     // A long header timeout: the idle connections must stay, holding their slots.
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n\
          header_read_timeout = \"60s\"\n{server}\n{FAST}\n{}",
         engine_toml(engine_url, "vllm", 2, 0)
     )

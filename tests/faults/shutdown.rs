@@ -125,7 +125,7 @@ pub async fn open_stream(
 
 fn binary_config(engine_url: &str, server: &str) -> String {
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{FAST}\n{}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{server}\n{FAST}\n{}",
         engine_toml(engine_url, "vllm", 2, 0)
     )
 }

@@ -18,6 +18,8 @@ pub const START_RANK_ANNOTATION: &str = "rankgate.io/start-rank";
 pub const DP_GROUP_ANNOTATION: &str = "rankgate.io/dp-group";
 
 /// What one pod contributes now.
+// Nearly every pod is an engine, so the size is the engine's anyway: boxing would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum PodState {
     /// Ready, addressed and valid.
@@ -78,6 +80,9 @@ impl Projector {
             dp_group: (pod.metadata.annotations.as_ref())
                 .and_then(|a| a.get(DP_GROUP_ANNOTATION))
                 .map(|g| g.trim().to_string()),
+            // What clients may be told (`server.expose_worker = "name"`); a name that could
+            // not be one is left out rather than the pod refused.
+            name: (pod.metadata.name.clone()).filter(|n| crate::config::engine_name_ok(n)),
         };
         let Some(ip) = serving_ip(pod) else {
             return Ok(None);

@@ -275,23 +275,26 @@ async fn call_engine(
             trailers,
         })
     };
-    tokio::time::timeout(timeout, exchange).await.map_err(|_| {
-        GrpcError::new(
-            Code::DeadlineExceeded,
-            format!(
-                "{}: no answer within {} ms (server.response_timeout)",
-                engine.url,
-                timeout.as_millis()
-            ),
-        )
-    })?
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| GrpcError {
+            setting: Some("server.response_timeout"),
+            ..GrpcError::new(
+                Code::DeadlineExceeded,
+                format!(
+                    "the engine sent no answer within {} ms",
+                    timeout.as_millis()
+                ),
+            )
+            .on(&engine.url)
+        })?
 }
 
 /// An engine's answer that is not OK, as the error the client gets: the engine's own status,
 /// with the engine named.
 fn engine_status(engine: &EngineEntry, answer: &Answer) -> Option<ProxyError> {
     let (code, message) = answer.status();
-    (code != Code::Ok).then(|| GrpcError::new(code, format!("{}: {message}", engine.url)).into())
+    (code != Code::Ok).then(|| GrpcError::new(code, message).on(&engine.url).into())
 }
 
 /// `Abort`: each request id goes to the engine that holds it (vLLM's request lists several, and

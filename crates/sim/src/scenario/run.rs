@@ -90,7 +90,9 @@ pub async fn run_policy(
         engines.push(e);
     }
     let mut toml = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}\
+        // `expose_worker = "url"`: the load client reads which rank served each request from
+        // `x-rankgate-worker`, which a router tells no client by default.
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
          {}\
          [telemetry]\ninterval = \"{}ms\"\nstale_after = \"{}ms\"\n",
         if grpc {

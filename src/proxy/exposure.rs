@@ -1,0 +1,230 @@
+//! What a client learns about the fleet, decided here and nowhere else (`server.expose_worker`):
+//! the `x-rankgate-worker` header on answers and gRPC metadata, and the text of every error
+//! answer rankgate makes itself (JSON bodies, gRPC statuses, the error event or trailers of a
+//! cut stream).
+//!
+//! By default a client learns nothing: no header, and messages that name no engine address,
+//! no internal URL and no setting (`server.response_timeout` tells an attacker which knob it is
+//! pushing on). `name` adds the engine's configured name with the rank; `url` gives the whole
+//! detail, addresses included, as the errors' own `Display` writes it. Operators keep that
+//! detail whatever the setting: the access log and error log, `x-rankgate-debug` (admin token)
+//! and `/workers` on the admin listener read the errors and workers directly, not through here.
+
+use std::fmt::Write;
+
+use http::HeaderValue;
+
+use super::error::{DebugRefused, ProxyError, StreamError};
+use crate::config::ExposeWorker;
+use crate::policy::NoRank;
+use crate::upstream::ClientBodyError;
+use crate::worker::Member;
+
+/// One router's answer to "what does a client learn about our fleet". `Copy`: the layers that
+/// answer carry it by value. The default tells nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Exposure(ExposeWorker);
+
+impl Exposure {
+    pub fn new(mode: ExposeWorker) -> Exposure {
+        Exposure(mode)
+    }
+
+    /// The `x-rankgate-worker` value (and gRPC metadata) for an answer from `m`; `None`: the
+    /// header is not sent.
+    pub fn worker(self, m: &Member) -> Option<&HeaderValue> {
+        match self.0 {
+            ExposeWorker::None => None,
+            ExposeWorker::Name => m.named.as_ref(),
+            ExposeWorker::Url => Some(&m.header),
+        }
+    }
+
+    /// The message of rankgate's own answer to `err`.
+    pub fn error(self, err: &ProxyError) -> String {
+        let mut out = String::with_capacity(96);
+        self.prefix(&mut out, err.worker().map(|w| &**w));
+        // Writing into a String cannot fail.
+        let _ = match self.0 {
+            ExposeWorker::Url => write!(out, "{err}"),
+            _ => write_public(&mut out, err.root()),
+        };
+        out
+    }
+
+    /// The message of a stream cut after its first byte, on `worker`.
+    pub fn stream(self, worker: Option<&Member>, err: &StreamError) -> String {
+        let mut out = String::with_capacity(64);
+        self.prefix(&mut out, worker);
+        let _ = match (self.0, err) {
+            (ExposeWorker::Url, err) => write!(out, "{err}"),
+            (_, StreamError::Broken(_)) => out.write_str("the engine's stream broke"),
+            (_, StreamError::Idle(d)) => {
+                write!(out, "the engine sent nothing for {} ms", d.as_millis())
+            }
+            (_, err @ StreamError::ShuttingDown) => write!(out, "{err}"),
+        };
+        out
+    }
+
+    /// `<worker>: ` as far as clients may know the worker.
+    fn prefix(self, out: &mut String, worker: Option<&Member>) {
+        let shown = worker.and_then(|w| self.worker(w));
+        if let Some(text) = shown.and_then(|v| v.to_str().ok()) {
+            out.push_str(text);
+            out.push_str(": ");
+        }
+    }
+}
+
+/// What a client may read of `err` under `none` and `name`: what went wrong and what it can do,
+/// without addresses, internal URLs, engine replies or setting names. The client's own input
+/// (its path, origin, model) may be echoed: it is no news to the client.
+fn write_public(out: &mut String, err: &ProxyError) -> std::fmt::Result {
+    match err {
+        ProxyError::NotFound(path) => write!(out, "unknown path {path}"),
+        ProxyError::Debug(DebugRefused::Off) => out.write_str("x-rankgate-debug is off"),
+        ProxyError::OriginNotAllowed(origin) => write!(out, "origin {origin:?} is not allowed"),
+        ProxyError::TooLarge(n) => write!(out, "request body exceeds {n} bytes"),
+        ProxyError::ClientBody(ClientBodyError::Stalled(d)) => write!(
+            out,
+            "request body stalled: no data for {} ms",
+            d.as_millis()
+        ),
+        ProxyError::Overloaded(_) => out.write_str("too many requests in flight; retry later"),
+        ProxyError::NoRank(why) | ProxyError::NoRankUnlisted { why, .. } => {
+            write!(out, "no routable rank: {}", no_rank(*why))
+        }
+        ProxyError::Upstream { .. } => out.write_str("the engine failed before answering"),
+        ProxyError::StaleConnection { .. } => {
+            out.write_str("the engine closed its connection before answering")
+        }
+        ProxyError::Timeout(d) => write!(
+            out,
+            "the engine sent no response headers within {} ms",
+            d.as_millis()
+        ),
+        ProxyError::EngineBusy { waited, .. } => write!(
+            out,
+            "every connection to the engine stayed busy for {} ms; retry later",
+            waited.as_millis()
+        ),
+        ProxyError::Internal(_) => out.write_str("internal error"),
+        // Never an engine or a setting: those go in its `engine` (shown under `url` only).
+        ProxyError::Grpc(g) => out.write_str(&g.message),
+        // The client's own mistakes, said in the client's terms (no address or setting in
+        // them): the path and method, a refused key, a broken or non-JSON body, a model the
+        // fleet does not serve (whose list of served models is public at /v1/models anyway).
+        e @ (ProxyError::NoEngineFor(_)
+        | ProxyError::Refused(_)
+        | ProxyError::Model(_)
+        | ProxyError::Scan(_)
+        | ProxyError::MethodNotAllowed { .. }
+        | ProxyError::Unauthorized(_)
+        | ProxyError::Debug(_)
+        | ProxyError::BadJson(_)
+        | ProxyError::NotObject
+        | ProxyError::ClientBody(_)
+        | ProxyError::At { .. }) => write!(out, "{e}"),
+    }
+}
+
+/// Why no rank was picked, without the setting that decided it.
+fn no_rank(why: NoRank) -> &'static str {
+    match why {
+        NoRank::NoTelemetry => "no rank has fresh load telemetry",
+        NoRank::NoneReachable => "no rank is reachable now; retry later",
+        NoRank::NoEngine => "no engine serves this",
+        NoRank::ShapeUnknown => "no engine that could serve this is ready yet",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::worker::{test_engine, EngineEntry, Origin};
+
+    fn member(name: Option<&str>) -> Arc<Member> {
+        let mut cfg = test_engine("http://10.9.8.7:8000", 2, 0);
+        cfg.name = name.map(Into::into);
+        let entry = EngineEntry::new(cfg, Origin::Config, Default::default(), None);
+        entry.members[1].clone()
+    }
+
+    /// Every error kind rankgate answers with, on a worker where one can be.
+    fn errors(w: &Arc<Member>) -> Vec<ProxyError> {
+        let ms = Duration::from_millis(2000);
+        let upstream = ProxyError::Upstream {
+            engine: "http://10.9.8.7:8000".into(),
+            reason: "connect: tcp connect error: 10.9.8.7:8000 refused".into(),
+        };
+        vec![
+            ProxyError::NotFound("/x".into()),
+            ProxyError::Debug(DebugRefused::Off),
+            ProxyError::OriginNotAllowed("https://a.example".into()),
+            ProxyError::TooLarge(10),
+            ProxyError::ClientBody(ClientBodyError::Stalled(ms)),
+            ProxyError::Overloaded(4),
+            ProxyError::NoRank(NoRank::NoTelemetry),
+            ProxyError::NoRank(NoRank::ShapeUnknown),
+            ProxyError::Timeout(ms).at(w),
+            ProxyError::EngineBusy {
+                limit: 3,
+                waited: ms,
+            }
+            .at(w),
+            ProxyError::StaleConnection {
+                engine: "http://10.9.8.7:8000".into(),
+                reason: "reset".into(),
+            }
+            .at(w),
+            ProxyError::Internal("building URI: http://10.9.8.7".into()).at(w),
+            upstream.at(w),
+        ]
+    }
+
+    #[test]
+    fn by_default_errors_name_no_address_and_no_setting() {
+        let w = member(Some("decode-a"));
+        for e in errors(&w) {
+            let m = Exposure::new(ExposeWorker::None).error(&e);
+            assert!(!m.contains("10.9.8.7") && !m.contains("decode-a"), "{m}");
+            for key in ["server.", "routing.", "engines[", "http://10"] {
+                assert!(!m.contains(key), "{m}");
+            }
+        }
+        assert_eq!(Exposure::new(ExposeWorker::None).worker(&w), None);
+    }
+
+    #[test]
+    fn name_shows_the_name_and_url_shows_everything() {
+        let named = member(Some("decode-a"));
+        let timeout = ProxyError::Timeout(Duration::from_millis(5)).at(&named);
+        let by_name = Exposure::new(ExposeWorker::Name);
+        assert_eq!(by_name.worker(&named).unwrap(), "decode-a@1");
+        let m = by_name.error(&timeout);
+        assert!(
+            m.starts_with("decode-a@1: ") && !m.contains("10.9.8.7"),
+            "{m}"
+        );
+        // A nameless engine is not named at all.
+        let nameless = member(None);
+        assert_eq!(by_name.worker(&nameless), None);
+        let m = by_name.error(&ProxyError::Timeout(Duration::ZERO).at(&nameless));
+        assert!(!m.contains("10.9.8.7") && !m.contains('@'), "{m}");
+
+        let url = Exposure::new(ExposeWorker::Url);
+        assert_eq!(url.worker(&named).unwrap(), "http://10.9.8.7:8000@1");
+        let m = url.error(&timeout);
+        assert!(m.starts_with("http://10.9.8.7:8000@1: ") && m.contains("server.response_timeout"));
+        let cut = StreamError::Idle(Duration::from_millis(7));
+        assert!(url
+            .stream(Some(&named), &cut)
+            .contains("server.stream_idle_timeout"));
+        let m = Exposure::new(ExposeWorker::None).stream(Some(&named), &cut);
+        assert_eq!(m, "the engine sent nothing for 7 ms");
+    }
+}
