@@ -247,6 +247,9 @@ pub struct Engine {
     /// Where its KV-cache events come from (`engines[].kv_events`); `None`: its
     /// `GET /kv_event_sources` says, when `routing.kv_events` is on.
     pub kv_events: Option<Arc<super::kv::KvEvents>>,
+    /// Addresses besides its URL's whence its KV events may be published to an endpoint
+    /// rankgate binds (`engines[].kv_events_from`; empty: its URL's only).
+    pub kv_events_from: Arc<[std::net::IpAddr]>,
 }
 
 impl Engine {
@@ -358,5 +361,6 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         http: true,
         grpc: None,
         kv_events: None,
+        kv_events_from: Arc::default(),
     }
 }

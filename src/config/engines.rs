@@ -34,6 +34,8 @@ pub struct RawEngine {
     /// Its KV-cache events' endpoint, as its `--kv-events-config` writes it.
     pub(super) kv_events: Option<String>,
     pub(super) kv_events_topic: Option<String>,
+    /// Addresses its events may also come from, when it connects to an endpoint rankgate binds.
+    pub(super) kv_events_from: Option<Vec<String>>,
 }
 
 impl RawEngine {
@@ -133,6 +135,7 @@ impl RawEngine {
             self.kv_events_topic.as_deref(),
             self.dp_size,
         )?;
+        let kv_events_from = super::kv::kv_events_from(at, self.kv_events_from.as_deref())?;
         let api_key = self
             .api_key_env
             .as_deref()
@@ -158,6 +161,7 @@ impl RawEngine {
             http: addresses.http,
             grpc: addresses.grpc.map(Into::into),
             kv_events,
+            kv_events_from,
         };
         Ok(engine.with_reported(None))
     }

@@ -7,6 +7,7 @@
 //! the engine's host; a concrete host — the engine connects there, so rankgate binds it. DP rank
 //! `r` publishes on `PORT + r` either way.
 
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -118,6 +119,24 @@ pub(super) fn kv_events(
         endpoint,
         topic: topic.unwrap_or("").into(),
     })))
+}
+
+/// Validates `engines[i].kv_events_from`: IP addresses (an engine's publisher connects from an
+/// address, not a name; a name could resolve to anyone's later).
+pub(super) fn kv_events_from(
+    at: &str,
+    from: Option<&[String]>,
+) -> Result<Arc<[IpAddr]>, ConfigError> {
+    (from.unwrap_or_default().iter().enumerate())
+        .map(|(i, a)| {
+            a.trim().parse::<IpAddr>().map_err(|_| {
+                invalid(
+                    format!("{at}.kv_events_from[{i}]"),
+                    format!("{a:?} is not an IP address (the engine's publisher connects from one)"),
+                )
+            })
+        })
+        .collect()
 }
 
 /// One `[[models]]` entry as written.
