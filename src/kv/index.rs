@@ -32,10 +32,18 @@ use super::event::{EngineHash, Event, Message};
 use super::hash::chain;
 
 /// Blocks one rank's index holds at most, whatever the rank reports (4 M blocks of 16 tokens:
-/// 64 M tokens of KV; about 240 MB of index).
+/// 64 M tokens of KV; about 330 MB of index).
 pub const MAX_BLOCKS: usize = 4 << 20;
 /// Blocks assumed until the rank's KV capacity is known.
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 1 << 16;
+/// Blocks an index may hold while the rank's KV capacity is unknown (about 20 MB of index):
+/// four times [`DEFAULT_CAPACITY_BLOCKS`], so that a big rank whose telemetry is late is not
+/// reset, and 16 times less than [`MAX_BLOCKS`], so that a publisher cannot grow it further.
+pub const UNKNOWN_CAPACITY_MAX_BLOCKS: usize = 1 << 18;
+/// An index may hold its rank's KV capacity times this (in quarters: 1.25) before the engine
+/// is taken to claim more than it can hold: capacity is reported in tokens and rounded, and a
+/// block freed and stored again may briefly be counted twice.
+const CAPACITY_SLACK_QUARTERS: usize = 5;
 
 const EMPTY: u64 = 0;
 const REMOVED: u64 = 1;
@@ -240,6 +248,9 @@ pub struct Writer {
     /// Tokens per block, from the engine's stores.
     block_size: u32,
     capacity_blocks: usize,
+    /// Blocks held at most: the capacity with its slack once known, else
+    /// [`UNKNOWN_CAPACITY_MAX_BLOCKS`].
+    max_blocks: usize,
     last_seq: Option<u64>,
     phase: Phase,
     why: String,
@@ -260,6 +271,7 @@ impl Writer {
             removed_slots: 0,
             block_size: 0,
             capacity_blocks: DEFAULT_CAPACITY_BLOCKS,
+            max_blocks: UNKNOWN_CAPACITY_MAX_BLOCKS,
             last_seq: None,
             phase: Phase::Paused {
                 then: Resume::Rebuilding { stored: 0 },
@@ -272,13 +284,20 @@ impl Writer {
         &self.index
     }
 
-    /// The rank's KV capacity in tokens, when its telemetry reports it: bounds the index and
-    /// says when a rebuild is complete.
+    /// The rank's KV capacity in tokens, when its telemetry reports it: bounds the index (with
+    /// a quarter's slack) and says when a rebuild is complete.
     pub fn set_capacity_tokens(&mut self, tokens: u64) {
         if self.block_size > 0 {
-            let blocks = (tokens / u64::from(self.block_size)) as usize;
+            let blocks = usize::try_from(tokens / u64::from(self.block_size)).unwrap_or(MAX_BLOCKS);
             self.capacity_blocks = blocks.clamp(1, MAX_BLOCKS);
+            self.max_blocks =
+                (self.capacity_blocks.saturating_mul(CAPACITY_SLACK_QUARTERS) / 4).min(MAX_BLOCKS);
         }
+    }
+
+    /// Blocks the index may hold before it is dropped as claiming too much.
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
     }
 
     /// The publisher went away (or fell silent while the rank was busy): unavailable until its
@@ -439,11 +458,13 @@ impl Writer {
                 self.why.clear();
             }
         }
-        if self.names.len() > MAX_BLOCKS {
+        if self.names.len() > self.max_blocks {
+            // More than the rank can hold: events were missed (or someone else's were taken).
             self.reset(
                 Phase::Rebuilding { stored: 0 },
                 format!(
-                    "the engine holds more than {MAX_BLOCKS} blocks, the index's bound: rebuilding"
+                    "the engine claims more than {} blocks, the index's bound (its KV capacity and a quarter): rebuilding",
+                    self.max_blocks
                 ),
             );
             return;
@@ -475,7 +496,7 @@ impl Writer {
 
     /// A fresh table for what is held, with room for the rank's capacity.
     fn rebuild(&mut self) {
-        let table = Table::with_room_for(self.held.len().max(self.capacity_blocks.min(MAX_BLOCKS)));
+        let table = Table::with_room_for(self.held.len().max(self.capacity_blocks.min(self.max_blocks)));
         for &name in self.held.keys() {
             table.insert(name);
         }
