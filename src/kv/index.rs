@@ -6,9 +6,11 @@
 //! and the rank's state. [`Writer`] is the one writer, owned by the task that reads the rank's
 //! events: it follows the engine's own block hashes (a removal names only those; a store names
 //! its parent by one) with a map from the engine's hash to rankgate's name, and counts names
-//! held twice. Memory per cached block: 8 bytes a table slot at most half full (16), and the
-//! writer's two map entries (about 40): [`RankIndex::memory_bytes`] says what one holds, the
-//! `kv_index` bench measures it per 100,000 blocks.
+//! held twice. Memory per cached block: 8 bytes a table slot, the table at most 3/4 full and
+//! rebuilt half full (16-32), and the writer's two map entries, 17 bytes a bucket each, buckets
+//! a power of two at most 7/8 full (39-78): 65 bytes at 100,000 blocks, 88 allocated (80-87
+//! resident) at 1-4 M. [`RankIndex::memory_bytes`] says what one allocated; it is bounded by
+//! the rank's KV capacity ([`Writer::set_capacity_tokens`]).
 //!
 //! State: the index is `Available` only while it can claim no block the engine does not hold.
 //! It starts exact when it sees the engine's first message (sequence 0) or `AllBlocksCleared`;
@@ -217,6 +219,20 @@ impl RankIndex {
         *self.state.lock().unwrap_or_else(|p| p.into_inner()) = state;
         self.block_size.store(size, Release);
     }
+}
+
+/// What a std `HashMap` of `capacity` entries of type `T` allocates: hashbrown keeps its
+/// buckets a power of two at most 7/8 full, each an entry and a control byte, plus a group of
+/// control bytes.
+fn map_bytes<T>(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = match capacity < 8 {
+        true => (capacity + 1).next_power_of_two(),
+        false => (capacity * 8 / 7).next_power_of_two(),
+    };
+    buckets * (std::mem::size_of::<T>() + 1) + 16
 }
 
 /// Where the writer is in the engine's sequence.
@@ -526,11 +542,9 @@ impl Writer {
         let i = &self.index;
         let blocks = self.held.len();
         i.blocks.store(blocks, Relaxed);
-        let slot = 8;
-        let map_entry = std::mem::size_of::<(u64, u64)>() + 1;
-        let memory = i.table.load().slots.len() * slot
-            + self.names.capacity() * map_entry
-            + self.held.capacity() * (std::mem::size_of::<(u64, u32)>() + 1);
+        let memory = i.table.load().slots.len() * std::mem::size_of::<AtomicU64>()
+            + map_bytes::<(EngineHash, u64)>(self.names.capacity())
+            + map_bytes::<(u64, u32)>(self.held.capacity());
         i.memory.store(memory, Relaxed);
         let state = match self.phase {
             Phase::Exact if self.block_size > 0 || blocks == 0 => KvState::Available {
@@ -671,6 +685,49 @@ mod tests {
         w.apply(&msg(0, vec![lora, stored(&[101], Some(99), &[3, 4])]));
         assert_eq!(w.index().counts.skipped.load(Relaxed), 2);
         assert_eq!(w.index().matched_blocks(&block_hashes(&[1, 2], 2)), 0);
+    }
+
+    #[test]
+    fn an_endless_store_stream_stays_within_the_ranks_capacity() {
+        let mut w = writer();
+        w.apply(&msg(0, vec![stored(&[1], None, &[0, 0])]));
+        // 1,000 tokens of KV in blocks of 2: 500 blocks, 625 with the slack.
+        w.set_capacity_tokens(1000);
+        assert_eq!(w.max_blocks(), 625);
+        let mut peak = 0;
+        let mut resets = 0;
+        for seq in 1..=100u64 {
+            // 100 new blocks a message, never removed: an engine (or an impostor) claiming
+            // 10,000 blocks of a 500-block cache.
+            let hashes: Vec<u64> = (seq * 1000..seq * 1000 + 100).collect();
+            let tokens: Vec<u32> = (0..200).map(|t| (seq * 1000) as u32 + t).collect();
+            w.apply(&msg(seq, vec![stored(&hashes, None, &tokens)]));
+            peak = peak.max(w.index().blocks());
+            resets = w.index().counts.resets.load(Relaxed);
+        }
+        assert!(peak <= 625, "held {peak} blocks, over the bound");
+        assert!(resets >= 10, "dropped each time it passed the bound: {resets}");
+        assert!(
+            w.index().memory_bytes() < 625 * 200,
+            "{} bytes",
+            w.index().memory_bytes()
+        );
+    }
+
+    #[test]
+    fn without_a_known_capacity_the_index_is_bounded_far_below_the_hard_cap() {
+        let mut w = writer();
+        let n = UNKNOWN_CAPACITY_MAX_BLOCKS + 1;
+        let tokens: Vec<u32> = (0..n as u32 * 2).collect();
+        let hashes: Vec<u64> = (10..10 + n as u64).collect();
+        w.apply(&msg(0, vec![stored(&hashes, None, &tokens)]));
+        assert!(w.index().blocks() <= UNKNOWN_CAPACITY_MAX_BLOCKS);
+        assert!(
+            matches!(w.index().state(), KvState::Unavailable { reason } if reason.contains("claims more than 262144 blocks")),
+            "{:?}",
+            w.index().state()
+        );
+        assert!(UNKNOWN_CAPACITY_MAX_BLOCKS * 16 <= MAX_BLOCKS);
     }
 
     #[test]
