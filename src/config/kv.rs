@@ -132,7 +132,9 @@ pub(super) fn kv_events_from(
             a.trim().parse::<IpAddr>().map_err(|_| {
                 invalid(
                     format!("{at}.kv_events_from[{i}]"),
-                    format!("{a:?} is not an IP address (the engine's publisher connects from one)"),
+                    format!(
+                        "{a:?} is not an IP address (the engine's publisher connects from one)"
+                    ),
                 )
             })
         })

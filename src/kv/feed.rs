@@ -288,16 +288,25 @@ mod tests {
         assert_eq!(trusted(&s, 0, 2, &local), Ok(()));
         let elsewhere: [IpAddr; 1] = ["10.0.0.5".parse().unwrap()];
         let e = trusted(&s, 0, 2, &elsewhere).unwrap_err();
-        assert!(e.contains("bind 127.0.0.1:5557, not an address of the engine (10.0.0.5)"), "{e}");
+        assert!(
+            e.contains("bind 127.0.0.1:5557, not an address of the engine (10.0.0.5)"),
+            "{e}"
+        );
         let e = trusted(&s, 0, 1, &local).unwrap_err();
         assert!(e.contains("it lists 2 ranks, the engine has 1"), "{e}");
         let e = trusted(&s, 1, 2, &local).unwrap_err();
-        assert!(e.contains("it lists rank 0, the engine's ranks are 1..2"), "{e}");
+        assert!(
+            e.contains("it lists rank 0, the engine's ranks are 1..2"),
+            "{e}"
+        );
         // Three hundred ranks on another address, as a hostile engine might answer.
         let many: serde_json::Map<String, serde_json::Value> = (0..300)
             .map(|r| {
                 let ep = format!("tcp://127.0.0.2:{}", 31600 + r);
-                (r.to_string(), serde_json::json!({ "endpoint": ep, "topic": "kv" }))
+                (
+                    r.to_string(),
+                    serde_json::json!({ "endpoint": ep, "topic": "kv" }),
+                )
             })
             .collect();
         let body = serde_json::to_vec(&many).unwrap();

@@ -512,7 +512,11 @@ impl Writer {
 
     /// A fresh table for what is held, with room for the rank's capacity.
     fn rebuild(&mut self) {
-        let table = Table::with_room_for(self.held.len().max(self.capacity_blocks.min(self.max_blocks)));
+        let table = Table::with_room_for(
+            self.held
+                .len()
+                .max(self.capacity_blocks.min(self.max_blocks)),
+        );
         for &name in self.held.keys() {
             table.insert(name);
         }
@@ -706,7 +710,10 @@ mod tests {
             resets = w.index().counts.resets.load(Relaxed);
         }
         assert!(peak <= 625, "held {peak} blocks, over the bound");
-        assert!(resets >= 10, "dropped each time it passed the bound: {resets}");
+        assert!(
+            resets >= 10,
+            "dropped each time it passed the bound: {resets}"
+        );
         assert!(
             w.index().memory_bytes() < 625 * 200,
             "{} bytes",

@@ -159,7 +159,10 @@ impl Listeners {
         };
         let key = (topic, rank);
         let mut routes = bound.routes();
-        if routes.get(&key).is_some_and(|r| r.writer.strong_count() > 0) {
+        if routes
+            .get(&key)
+            .is_some_and(|r| r.writer.strong_count() > 0)
+        {
             return Err(format!(
                 "another engine's rank {rank} already publishes to {addr} on topic {:?}: give each engine its own topic or port",
                 String::from_utf8_lossy(&key.0)
@@ -309,7 +312,8 @@ fn route(
     rank: Option<u32>,
     ip: IpAddr,
 ) -> Option<(SharedWriter, Arc<Semaphore>)> {
-    let matches = |k: &RouteKey, r: &Route| (k.0 == topic || k.0.is_empty()) && r.from.contains(&ip);
+    let matches =
+        |k: &RouteKey, r: &Route| (k.0 == topic || k.0.is_empty()) && r.from.contains(&ip);
     let found = match rank {
         Some(n) => routes.iter().find(|(k, r)| k.1 == n && matches(k, r)),
         None => {

@@ -312,8 +312,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Subscriber<S> {
             let message = self.rest_of_message(flags);
             let read = match deadline {
                 None => message.await,
-                Some(d) => (tokio::time::timeout(d, message).await)
-                    .map_err(|_| ZmtpError::Deadline(d))?,
+                Some(d) => {
+                    (tokio::time::timeout(d, message).await).map_err(|_| ZmtpError::Deadline(d))?
+                }
             };
             if let Some(parts) = read? {
                 return Ok(parts);
