@@ -373,3 +373,26 @@ async fn a_hostile_kv_event_sources_answer_binds_nothing() {
     r.shutdown().await;
     server.abort();
 }
+
+#[tokio::test]
+async fn a_ranks_feed_restarting_keeps_its_place_and_its_engine() {
+    // The engine's entry is replaced (it reported its shape): the rank's new feed registers
+    // before the old one's registration is dropped. The old one must not take the new route
+    // with it, nor may the new one be refused as another engine's.
+    let listeners = Listeners::default();
+    let (addr, index, _old_writer, old) = endpoint(&listeners).await;
+    let writer = feed::writer(&index);
+    let engine: Arc<[IpAddr]> = ["127.0.0.1".parse().unwrap()].into();
+    let new = listeners
+        .register(addr, b"kv".to_vec(), 0, engine, &writer)
+        .await;
+    let _new = new.expect("the same rank's index registers again");
+    drop(old);
+    let mut s = publisher("127.0.0.1", addr).await;
+    send(&mut s, 0, &payload()).await.unwrap();
+    until("the engine's message applied", WAIT, || {
+        index.counts.messages.load(Relaxed) == 1 && index.block_size().is_some()
+    })
+    .await;
+    assert_eq!(listeners.refused().stranger.load(Relaxed), 0);
+}

@@ -91,11 +91,17 @@ struct Bound {
 pub struct Registration {
     bound: Arc<Bound>,
     key: RouteKey,
+    writer: Weak<Mutex<Writer>>,
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.bound.routes().remove(&self.key);
+        // Only its own route: the rank's next feed may have registered already (the engine's
+        // entry was replaced, and the old feed's task is dropped after the new one starts).
+        let mut routes = self.bound.routes();
+        if (routes.get(&self.key)).is_some_and(|r| Weak::ptr_eq(&r.writer, &self.writer)) {
+            routes.remove(&self.key);
+        }
     }
 }
 
@@ -159,10 +165,12 @@ impl Listeners {
         };
         let key = (topic, rank);
         let mut routes = bound.routes();
-        if routes
-            .get(&key)
-            .is_some_and(|r| r.writer.strong_count() > 0)
-        {
+        let live = routes.get(&key).and_then(|r| r.writer.upgrade());
+        // The same rank's index is its feed restarting (the old one is going), not another's.
+        let taken = live.is_some_and(|w| {
+            !Arc::ptr_eq(&w, writer) && !Arc::ptr_eq(lock(&w).index(), lock(writer).index())
+        });
+        if taken {
             return Err(format!(
                 "another engine's rank {rank} already publishes to {addr} on topic {:?}: give each engine its own topic or port",
                 String::from_utf8_lossy(&key.0)
@@ -175,7 +183,11 @@ impl Listeners {
         };
         routes.insert(key.clone(), route);
         drop(routes);
-        Ok(Registration { bound, key })
+        Ok(Registration {
+            bound,
+            key,
+            writer: Arc::downgrade(writer),
+        })
     }
 }
 
