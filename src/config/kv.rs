@@ -254,6 +254,23 @@ mod tests {
     }
 
     #[test]
+    fn publishers_addresses_are_ip_addresses() {
+        let ok = kv_events_from("engines[0]", Some(&["10.0.0.5".into(), " ::1 ".into()])).unwrap();
+        assert_eq!(ok.len(), 2);
+        assert!(kv_events_from("engines[0]", None).unwrap().is_empty());
+        let e = kv_events_from(
+            "engines[0]",
+            Some(&["10.0.0.5".into(), "engine.local".into()]),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("engines[0].kv_events_from[1]"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not an IP address"), "{e}");
+    }
+
+    #[test]
     fn models_need_a_name_and_a_way_to_tokenize() {
         let raw = |t: &str| -> Vec<RawModel> {
             #[derive(Deserialize)]
