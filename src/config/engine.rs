@@ -244,12 +244,10 @@ pub struct Engine {
     pub http: bool,
     /// `host:port` of its gRPC service (`engines[].grpc_url`), for the gRPC front door.
     pub grpc: Option<Arc<str>>,
-    /// Where its KV-cache events come from (`engines[].kv_events`); `None`: its
-    /// `GET /kv_event_sources` says, when `routing.kv_events` is on.
+    /// Where its KV-cache events come from and whom they are taken from
+    /// (`engines[].kv_events`, `kv_events_topic`, `kv_events_from`); `None`: its
+    /// `GET /kv_event_sources` says where, and they come from its URL's addresses.
     pub kv_events: Option<Arc<super::kv::KvEvents>>,
-    /// Addresses besides its URL's whence its KV events may be published to an endpoint
-    /// rankgate binds (`engines[].kv_events_from`; empty: its URL's only).
-    pub kv_events_from: Arc<[std::net::IpAddr]>,
 }
 
 impl Engine {
@@ -361,6 +359,5 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         http: true,
         grpc: None,
         kv_events: None,
-        kv_events_from: Arc::default(),
     }
 }

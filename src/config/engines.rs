@@ -133,9 +133,9 @@ impl RawEngine {
             at,
             self.kv_events.as_deref(),
             self.kv_events_topic.as_deref(),
+            self.kv_events_from.as_deref(),
             self.dp_size,
         )?;
-        let kv_events_from = super::kv::kv_events_from(at, self.kv_events_from.as_deref())?;
         let api_key = self
             .api_key_env
             .as_deref()
@@ -161,7 +161,6 @@ impl RawEngine {
             http: addresses.http,
             grpc: addresses.grpc.map(Into::into),
             kv_events,
-            kv_events_from,
         };
         Ok(engine.with_reported(None))
     }

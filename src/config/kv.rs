@@ -79,27 +79,40 @@ impl std::fmt::Display for KvEndpoint {
     }
 }
 
-/// An engine's KV events: where, and which topic (empty: every message).
+/// An engine's KV events as its entry says: where, which topic (empty: every message), and
+/// whom else they may come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvEvents {
-    pub endpoint: KvEndpoint,
+    /// `None`: the engine's `GET /kv_event_sources` says where.
+    pub endpoint: Option<KvEndpoint>,
     pub topic: Arc<str>,
+    /// Addresses besides its URL's whence its events may be published to an endpoint rankgate
+    /// binds (`engines[].kv_events_from`).
+    pub from: Vec<IpAddr>,
 }
 
-/// Validates `engines[i].kv_events` and `kv_events_topic`.
+/// Validates `engines[i].kv_events`, `kv_events_topic` and `kv_events_from`; `None` when none
+/// is set.
 pub(super) fn kv_events(
     at: &str,
     endpoint: Option<&str>,
     topic: Option<&str>,
+    from: Option<&[String]>,
     dp_size: Option<u32>,
 ) -> Result<Option<Arc<KvEvents>>, ConfigError> {
+    let from = kv_events_from(at, from)?;
     let Some(endpoint) = endpoint else {
         return match topic {
             Some(_) => Err(invalid(
                 format!("{at}.kv_events_topic"),
                 "names the topic of engines[].kv_events: set that too (or leave both out and rankgate asks the engine's GET /kv_event_sources)",
             )),
-            None => Ok(None),
+            None if from.is_empty() => Ok(None),
+            None => Ok(Some(Arc::new(KvEvents {
+                endpoint: None,
+                topic: "".into(),
+                from,
+            }))),
         };
     };
     let endpoint =
@@ -116,17 +129,15 @@ pub(super) fn kv_events(
         }
     }
     Ok(Some(Arc::new(KvEvents {
-        endpoint,
+        endpoint: Some(endpoint),
         topic: topic.unwrap_or("").into(),
+        from,
     })))
 }
 
 /// Validates `engines[i].kv_events_from`: IP addresses (an engine's publisher connects from an
 /// address, not a name; a name could resolve to anyone's later).
-pub(super) fn kv_events_from(
-    at: &str,
-    from: Option<&[String]>,
-) -> Result<Arc<[IpAddr]>, ConfigError> {
+fn kv_events_from(at: &str, from: Option<&[String]>) -> Result<Vec<IpAddr>, ConfigError> {
     (from.unwrap_or_default().iter().enumerate())
         .map(|(i, a)| {
             a.trim().parse::<IpAddr>().map_err(|_| {
@@ -243,11 +254,11 @@ mod tests {
 
     #[test]
     fn a_topic_needs_an_endpoint_and_ranks_need_ports() {
-        let e = kv_events("engines[0]", None, Some("kv"), None).unwrap_err();
+        let e = kv_events("engines[0]", None, Some("kv"), None, None).unwrap_err();
         assert!(e.to_string().contains("engines[0].kv_events_topic"), "{e}");
-        let e = kv_events("engines[0]", Some("tcp://*:65535"), None, Some(2)).unwrap_err();
+        let e = kv_events("engines[0]", Some("tcp://*:65535"), None, None, Some(2)).unwrap_err();
         assert!(e.to_string().contains("pass 65535"), "{e}");
-        let k = kv_events("engines[0]", Some("tcp://*:5557"), None, Some(2))
+        let k = kv_events("engines[0]", Some("tcp://*:5557"), None, None, Some(2))
             .unwrap()
             .unwrap();
         assert_eq!(&*k.topic, "");

@@ -27,7 +27,7 @@ use tokio::net::TcpStream;
 use super::event::{decode, MAX_PAYLOAD};
 use super::index::{RankIndex, Writer};
 use super::zmtp::{Subscriber, ZmtpError};
-use crate::config::{KvEndpoint, KvEvents};
+use crate::config::KvEndpoint;
 
 /// One rank's writer, shared by whichever task reads its events.
 pub type SharedWriter = Arc<Mutex<Writer>>;
@@ -53,21 +53,20 @@ pub struct RankSource {
 /// The sources of ranks `first..first + count` from `engines[].kv_events`; `engine_host` is the
 /// host of the engine's URL.
 pub fn from_config(
-    kv: &KvEvents,
+    endpoint: &KvEndpoint,
+    topic: &str,
     engine_host: &str,
     first: u32,
     count: u32,
 ) -> Result<Vec<RankSource>, String> {
     (0..count)
         .map(|i| {
-            let port = kv
-                .endpoint
-                .port_of(i)
+            let port = (endpoint.port_of(i))
                 .ok_or_else(|| format!("rank {} past port 65535", first + i))?;
             Ok(RankSource {
                 rank: first + i,
-                reach: reach(&kv.endpoint, port, engine_host)?,
-                topic: kv.topic.as_bytes().to_vec(),
+                reach: reach(endpoint, port, engine_host)?,
+                topic: topic.as_bytes().to_vec(),
             })
         })
         .collect()
@@ -320,11 +319,8 @@ mod tests {
 
     #[test]
     fn configured_endpoints_add_the_rank_to_the_port() {
-        let kv = KvEvents {
-            endpoint: KvEndpoint::parse("tcp://*:6000").unwrap(),
-            topic: "t".into(),
-        };
-        let s = from_config(&kv, "::1", 4, 2).unwrap();
+        let endpoint = KvEndpoint::parse("tcp://*:6000").unwrap();
+        let s = from_config(&endpoint, "t", "::1", 4, 2).unwrap();
         assert_eq!(
             (s[0].rank, &s[0].reach),
             (4, &Reach::Connect("[::1]:6000".into()))

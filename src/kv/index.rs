@@ -734,7 +734,7 @@ mod tests {
             "{:?}",
             w.index().state()
         );
-        assert!(UNKNOWN_CAPACITY_MAX_BLOCKS * 16 <= MAX_BLOCKS);
+        const { assert!(UNKNOWN_CAPACITY_MAX_BLOCKS * 16 <= MAX_BLOCKS) };
     }
 
     #[test]

@@ -40,18 +40,23 @@ pub(super) async fn feed(
     table: Arc<Table>,
 ) {
     let host = host_of(&entry.authority);
+    let kv = entry.kv_events.as_deref();
+    let configured = kv.and_then(|k| Some((k.endpoint.as_ref()?, &*k.topic)));
+    let also_from = kv.map_or(&[][..], |k| &k.from[..]);
     let mut logged = String::new();
     let (sources, from) = loop {
         let engine = addresses_of(host).await;
-        let found = match &entry.kv_events {
-            Some(kv) => feed::from_config(kv, host, entry.start_rank, entry.dp_size),
+        let found = match configured {
+            Some((endpoint, topic)) => {
+                feed::from_config(endpoint, topic, host, entry.start_rank, entry.dp_size)
+            }
             None => (ask(&entry, &http, host).await).and_then(|s| {
                 feed::trusted(&s, entry.start_rank, entry.dp_size, &engine).map(|()| s)
             }),
         };
         let found = found.and_then(|s| {
             let binds = s.iter().any(|s| matches!(s.reach, Reach::Bind(_)));
-            match binds && engine.is_empty() && entry.kv_events_from.is_empty() {
+            match binds && engine.is_empty() && also_from.is_empty() {
                 true => Err(format!(
                     "no KV events: the engine's host {host} does not resolve, and its events are taken only from its addresses (or engines[].kv_events_from)"
                 )),
@@ -60,10 +65,7 @@ pub(super) async fn feed(
         });
         match found {
             Ok(s) => {
-                let from: Arc<[IpAddr]> = (engine.iter())
-                    .chain(entry.kv_events_from.iter())
-                    .copied()
-                    .collect();
+                let from: Arc<[IpAddr]> = (engine.iter()).chain(also_from).copied().collect();
                 break (s, from);
             }
             Err(why) => {
@@ -78,7 +80,7 @@ pub(super) async fn feed(
                     tracing::warn!(engine = %entry.url, "KV events: {why}");
                     logged = why;
                 }
-                if entry.kv_events.is_some() && !logged.contains("does not resolve") {
+                if configured.is_some() && !logged.contains("does not resolve") {
                     // A configured endpoint that cannot work will not start working.
                     return;
                 }
