@@ -278,7 +278,10 @@ mod tests {
             e.to_string().contains("engines[0].kv_events_from[1]"),
             "{e}"
         );
-        assert!(e.to_string().contains("not an IP address"), "{e}");
+        assert!(e.to_string().contains("not an IP address"), "{e}"); // Alone: the engine's /kv_event_sources still says where, these say whom else to trust.
+        let only = ["10.0.0.7".to_string()];
+        let k = (kv_events("engines[0]", None, None, Some(&only), None).unwrap()).unwrap();
+        assert_eq!((k.endpoint.as_ref(), k.from.len()), (None, 1));
     }
 
     #[test]
