@@ -19,7 +19,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use rankgate::kv::feed::{self, SharedWriter};
-use rankgate::kv::listen::{Listeners, Registration, CLAIM_WAIT};
+use rankgate::kv::listen::{Listeners, Registration, CLAIM_WAIT, STALE_CLAIM};
 use rankgate::kv::zmtp::{self, read_frame};
 use rankgate::kv::{KvState, RankIndex};
 use rankgate_sim::sim::kv::event::{encode_batch, KvEvent};
@@ -395,4 +395,30 @@ async fn a_ranks_feed_restarting_keeps_its_place_and_its_engine() {
     })
     .await;
     assert_eq!(listeners.refused().stranger.load(Relaxed), 0);
+}
+
+#[tokio::test]
+async fn a_publisher_silent_past_the_stale_claim_gives_its_rank_to_the_engines_next() {
+    // The engine's host rebooted without closing its connection: the old one stays open and
+    // silent, the restarted engine connects from the same address.
+    let listeners = Listeners::default();
+    let (addr, index, _w, _reg) = endpoint(&listeners).await;
+    let mut old = publisher("127.0.0.1", addr).await;
+    send(&mut old, 0, &payload()).await.unwrap();
+    until("the old publisher's message applied", WAIT, || {
+        index.counts.messages.load(Relaxed) == 1
+    })
+    .await;
+    // Its silence, without waiting for it.
+    tokio::time::pause();
+    tokio::time::advance(STALE_CLAIM + Duration::from_secs(1)).await;
+    tokio::time::resume();
+    let mut new = publisher("127.0.0.1", addr).await;
+    send(&mut new, 0, &payload()).await.unwrap();
+    assert!(closed(&mut old).await, "the silent publisher is closed");
+    until("the new publisher's message applied", WAIT, || {
+        index.counts.messages.load(Relaxed) == 2 && index.block_size().is_some()
+    })
+    .await;
+    assert_eq!(listeners.refused().duplicate.load(Relaxed), 0);
 }

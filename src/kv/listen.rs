@@ -17,9 +17,12 @@
 //! - one publisher per rank and topic: a rank's events come from the connection that claimed it
 //!   with its first message. A second connection that speaks for a claimed rank waits at most
 //!   [`CLAIM_WAIT`] for the first to go (an engine restarting reconnects while its old
-//!   connection is being closed), then is refused and closed; the first keeps the rank. It
-//!   never replaces a live one: which of two is the engine cannot be told, and the first has
-//!   the sequence the index follows.
+//!   connection is being closed), then is refused and closed; the first keeps the rank: which
+//!   of two is the engine cannot be told, and the first has the sequence the index follows.
+//!   Unless the first has sent nothing for [`STALE_CLAIM`]: then it is closed and the second
+//!   takes the rank. Both come from the engine's address, and a connection whose host
+//!   vanished without closing it (a crash, a reboot) never errors on its own, since rankgate
+//!   only reads from it: without this, the engine's next connection would be refused for good.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -28,7 +31,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::time::{timeout, Instant};
 
 use super::event::{decode, MAX_PAYLOAD};
 use super::feed::{describe, lock, SharedWriter, MESSAGE_DEADLINE};
@@ -42,6 +46,9 @@ use crate::http::Throttle;
 pub const MAX_PUBLISHERS: usize = 64;
 /// How long a second connection for a claimed rank waits for the first to go.
 pub const CLAIM_WAIT: Duration = Duration::from_secs(2);
+/// A rank's publisher silent this long gives the rank up to a second connection that claims
+/// it (an engine restarting takes longer than this to load its model).
+pub const STALE_CLAIM: Duration = Duration::from_secs(30);
 /// At most one log line per endpoint this often about refused publishers (each is counted).
 pub const LOG_EVERY: Duration = Duration::from_secs(10);
 
@@ -75,8 +82,56 @@ struct Route {
     writer: Weak<Mutex<Writer>>,
     /// The addresses its engine publishes from.
     from: Arc<[IpAddr]>,
-    /// One permit, held by the connection publishing this rank's events.
-    claim: Arc<Semaphore>,
+    claim: Arc<Claim>,
+}
+
+/// Which connection publishes a rank's events.
+struct Claim {
+    /// One permit, held by that connection.
+    permit: Arc<Semaphore>,
+    /// When it last applied a message, and how to make it go.
+    holder: Mutex<Option<(Instant, Arc<Notify>)>>,
+}
+
+impl Claim {
+    fn new() -> Arc<Claim> {
+        Arc::new(Claim {
+            permit: Arc::new(Semaphore::new(1)),
+            holder: Mutex::default(),
+        })
+    }
+
+    fn holder(&self) -> std::sync::MutexGuard<'_, Option<(Instant, Arc<Notify>)>> {
+        self.holder.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the rank for the connection signalled by `kick`: at once when free, else after
+    /// the holder goes within [`CLAIM_WAIT`], or after closing a holder silent for
+    /// [`STALE_CLAIM`]. `None`: refused.
+    async fn take(&self, kick: &Arc<Notify>) -> Option<OwnedSemaphorePermit> {
+        let permit = match timeout(CLAIM_WAIT, self.permit.clone().acquire_owned()).await {
+            Ok(Ok(p)) => p,
+            _ => {
+                let stale = (self.holder().as_ref())
+                    .filter(|(last, _)| last.elapsed() >= STALE_CLAIM)
+                    .map(|(_, k)| k.clone());
+                stale?.notify_one();
+                timeout(CLAIM_WAIT, self.permit.clone().acquire_owned())
+                    .await
+                    .ok()?
+                    .ok()?
+            }
+        };
+        *self.holder() = Some((Instant::now(), kick.clone()));
+        Some(permit)
+    }
+
+    /// Its holder applied a message now.
+    fn heard(&self) {
+        if let Some((last, _)) = self.holder().as_mut() {
+            *last = Instant::now();
+        }
+    }
 }
 
 /// One bound endpoint: the ranks that publish to it, by topic and DP rank.
@@ -179,7 +234,7 @@ impl Listeners {
         let route = Route {
             writer: Arc::downgrade(writer),
             from: from.iter().map(|ip| ip.to_canonical()).collect(),
-            claim: Arc::new(Semaphore::new(1)),
+            claim: Claim::new(),
         };
         routes.insert(key.clone(), route);
         drop(routes);
@@ -264,9 +319,19 @@ async fn publisher(s: TcpStream, peer: SocketAddr, b: Arc<Bound>, _slot: OwnedSe
         }
     };
     // The ranks this connection claimed, with their claims: told when it goes.
-    let mut held: Vec<(SharedWriter, OwnedSemaphorePermit)> = Vec::new();
+    let mut held: Vec<(SharedWriter, Arc<Claim>, OwnedSemaphorePermit)> = Vec::new();
+    // Notified when a newcomer takes over a rank this connection left silent.
+    let kick = Arc::new(Notify::new());
     let why = loop {
-        let frames = match sub.recv().await {
+        let received = tokio::select! {
+            r = sub.recv() => r,
+            // The connection is closed either way, so the message in progress is not needed.
+            () = kick.notified() => break format!(
+                "silent for {} s while another connection claimed its rank: replaced",
+                STALE_CLAIM.as_secs()
+            ),
+        };
+        let frames = match received {
             Ok(f) => f,
             Err(e) => {
                 match e {
@@ -282,7 +347,7 @@ async fn publisher(s: TcpStream, peer: SocketAddr, b: Arc<Bound>, _slot: OwnedSe
         let m = match decode(&frames) {
             Ok(m) => m,
             Err(e) => {
-                for (w, _) in &held {
+                for (w, _, _) in &held {
                     lock(w).undecodable(&e.to_string());
                 }
                 continue;
@@ -291,10 +356,10 @@ async fn publisher(s: TcpStream, peer: SocketAddr, b: Arc<Bound>, _slot: OwnedSe
         let Some((w, claim)) = route(&b.routes(), &m.topic, m.batch.dp_rank, ip) else {
             continue;
         };
-        if !held.iter().any(|(h, _)| Arc::ptr_eq(h, &w)) {
-            match tokio::time::timeout(CLAIM_WAIT, claim.acquire_owned()).await {
-                Ok(Ok(permit)) => held.push((w.clone(), permit)),
-                _ => {
+        if !held.iter().any(|(h, _, _)| Arc::ptr_eq(h, &w)) {
+            match claim.take(&kick).await {
+                Some(permit) => held.push((w.clone(), claim.clone(), permit)),
+                None => {
                     let says = format!(
                         "rank {} on topic {:?} already has a publisher connected",
                         m.batch.dp_rank.map_or("?".into(), |r| r.to_string()),
@@ -306,11 +371,13 @@ async fn publisher(s: TcpStream, peer: SocketAddr, b: Arc<Bound>, _slot: OwnedSe
             }
         }
         lock(&w).apply(&m);
+        claim.heard();
     };
     // Each rank is told before its claim is let go, so a successor's messages come after.
-    for (w, claim) in held {
+    for (w, claim, permit) in held {
         lock(&w).lost(&format!("publisher {peer}: {why}"));
-        drop(claim);
+        *claim.holder() = None;
+        drop(permit);
     }
 }
 
@@ -323,7 +390,7 @@ fn route(
     topic: &[u8],
     rank: Option<u32>,
     ip: IpAddr,
-) -> Option<(SharedWriter, Arc<Semaphore>)> {
+) -> Option<(SharedWriter, Arc<Claim>)> {
     let matches =
         |k: &RouteKey, r: &Route| (k.0 == topic || k.0.is_empty()) && r.from.contains(&ip);
     let found = match rank {
@@ -349,7 +416,7 @@ mod tests {
         Route {
             writer: Arc::downgrade(w),
             from: [from.parse().unwrap()].into(),
-            claim: Arc::new(Semaphore::new(1)),
+            claim: Claim::new(),
         }
     }
 
@@ -360,7 +427,7 @@ mod tests {
         let stranger: IpAddr = "10.0.0.6".parse().unwrap();
         let mut routes = HashMap::new();
         routes.insert((b"kv".to_vec(), 3), at(&a, "10.0.0.5"));
-        let is = |w: Option<(SharedWriter, Arc<Semaphore>)>, x: &SharedWriter| {
+        let is = |w: Option<(SharedWriter, Arc<Claim>)>, x: &SharedWriter| {
             w.is_some_and(|(w, _)| Arc::ptr_eq(&w, x))
         };
         assert!(is(route(&routes, b"kv", Some(3), engine), &a));
