@@ -168,6 +168,8 @@ pub fn fixed_models(fleet: &Fleet) -> IxVec<EngineIx, Option<Arc<[Model]>>> {
 pub struct Table {
     pub snapshot: ArcSwap<Snapshot>,
     pub stale_after: Duration,
+    /// KV-event publishers refused on rankgate's bound endpoints, for `/metrics`.
+    pub kv_refused: Arc<crate::kv::listen::Refusals>,
 }
 
 impl Table {
@@ -175,6 +177,7 @@ impl Table {
         Arc::new(Table {
             snapshot: ArcSwap::from_pointee(Snapshot::initial(fleet)),
             stale_after,
+            kv_refused: Arc::default(),
         })
     }
 }

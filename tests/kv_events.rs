@@ -10,7 +10,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rankgate::kv::feed::{self, Listeners, SharedWriter};
+use rankgate::kv::feed::{self, SharedWriter};
+use rankgate::kv::listen::Listeners;
 use rankgate::kv::zmtp::{self, read_frame, sub_request, SubRequest};
 use rankgate::kv::{block_hashes, KvState, RankIndex};
 use tokio::io::AsyncWriteExt;
@@ -66,6 +67,11 @@ fn subscriber(
         writer.clone(),
     ));
     (index, writer, task)
+}
+
+/// The engine's address on the tests' bound endpoints.
+fn local() -> Arc<[std::net::IpAddr]> {
+    [std::net::IpAddr::from([127, 0, 0, 1])].into()
 }
 
 fn unavailable_because(index: &RankIndex, says: &str) -> bool {
@@ -226,11 +232,11 @@ async fn engines_that_connect_are_told_apart_by_topic_and_rank() {
     );
     let (wa, wb) = (feed::writer(&a), feed::writer(&b));
     let _ra = listeners
-        .register(port, b"a".to_vec(), 0, &wa)
+        .register(port, b"a".to_vec(), 0, local(), &wa)
         .await
         .unwrap();
     let _rb = listeners
-        .register(port, b"b".to_vec(), 0, &wb)
+        .register(port, b"b".to_vec(), 0, local(), &wb)
         .await
         .unwrap();
     let dup = listeners
@@ -238,6 +244,7 @@ async fn engines_that_connect_are_told_apart_by_topic_and_rank() {
             port,
             b"a".to_vec(),
             0,
+            local(),
             &feed::writer(&Arc::new(RankIndex::default())),
         )
         .await;

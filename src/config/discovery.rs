@@ -148,9 +148,11 @@ impl EngineTemplate {
             health_path: self.health_path.clone(),
             models: self.models.clone(),
             api_key_env: self.api_key_env.clone(),
-            // A found engine's events: its GET /kv_event_sources says where.
+            // A found engine's events: its GET /kv_event_sources says where, and they come
+            // from its own address.
             kv_events: None,
             kv_events_topic: None,
+            kv_events_from: None,
         }
         .validate(at)
     }

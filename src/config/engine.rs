@@ -248,8 +248,9 @@ pub struct Engine {
     pub http: bool,
     /// `host:port` of its gRPC service (`engines[].grpc_url`), for the gRPC front door.
     pub grpc: Option<Arc<str>>,
-    /// Where its KV-cache events come from (`engines[].kv_events`); `None`: its
-    /// `GET /kv_event_sources` says, when `routing.kv_events` is on.
+    /// Where its KV-cache events come from and whom they are taken from
+    /// (`engines[].kv_events`, `kv_events_topic`, `kv_events_from`); `None`: its
+    /// `GET /kv_event_sources` says where, and they come from its URL's addresses.
     pub kv_events: Option<Arc<super::kv::KvEvents>>,
 }
 

@@ -36,6 +36,8 @@ pub struct RawEngine {
     /// Its KV-cache events' endpoint, as its `--kv-events-config` writes it.
     pub(super) kv_events: Option<String>,
     pub(super) kv_events_topic: Option<String>,
+    /// Addresses its events may also come from, when it connects to an endpoint rankgate binds.
+    pub(super) kv_events_from: Option<Vec<String>>,
 }
 
 impl RawEngine {
@@ -133,6 +135,7 @@ impl RawEngine {
             at,
             self.kv_events.as_deref(),
             self.kv_events_topic.as_deref(),
+            self.kv_events_from.as_deref(),
             self.dp_size,
         )?;
         if let Some(name) = &self.name {

@@ -7,6 +7,7 @@
 //! the engine's host; a concrete host — the engine connects there, so rankgate binds it. DP rank
 //! `r` publishes on `PORT + r` either way.
 
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -78,27 +79,40 @@ impl std::fmt::Display for KvEndpoint {
     }
 }
 
-/// An engine's KV events: where, and which topic (empty: every message).
+/// An engine's KV events as its entry says: where, which topic (empty: every message), and
+/// whom else they may come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvEvents {
-    pub endpoint: KvEndpoint,
+    /// `None`: the engine's `GET /kv_event_sources` says where.
+    pub endpoint: Option<KvEndpoint>,
     pub topic: Arc<str>,
+    /// Addresses besides its URL's whence its events may be published to an endpoint rankgate
+    /// binds (`engines[].kv_events_from`).
+    pub from: Vec<IpAddr>,
 }
 
-/// Validates `engines[i].kv_events` and `kv_events_topic`.
+/// Validates `engines[i].kv_events`, `kv_events_topic` and `kv_events_from`; `None` when none
+/// is set.
 pub(super) fn kv_events(
     at: &str,
     endpoint: Option<&str>,
     topic: Option<&str>,
+    from: Option<&[String]>,
     dp_size: Option<u32>,
 ) -> Result<Option<Arc<KvEvents>>, ConfigError> {
+    let from = kv_events_from(at, from)?;
     let Some(endpoint) = endpoint else {
         return match topic {
             Some(_) => Err(invalid(
                 format!("{at}.kv_events_topic"),
                 "names the topic of engines[].kv_events: set that too (or leave both out and rankgate asks the engine's GET /kv_event_sources)",
             )),
-            None => Ok(None),
+            None if from.is_empty() => Ok(None),
+            None => Ok(Some(Arc::new(KvEvents {
+                endpoint: None,
+                topic: "".into(),
+                from,
+            }))),
         };
     };
     let endpoint =
@@ -115,9 +129,27 @@ pub(super) fn kv_events(
         }
     }
     Ok(Some(Arc::new(KvEvents {
-        endpoint,
+        endpoint: Some(endpoint),
         topic: topic.unwrap_or("").into(),
+        from,
     })))
+}
+
+/// Validates `engines[i].kv_events_from`: IP addresses (an engine's publisher connects from an
+/// address, not a name; a name could resolve to anyone's later).
+fn kv_events_from(at: &str, from: Option<&[String]>) -> Result<Vec<IpAddr>, ConfigError> {
+    (from.unwrap_or_default().iter().enumerate())
+        .map(|(i, a)| {
+            a.trim().parse::<IpAddr>().map_err(|_| {
+                invalid(
+                    format!("{at}.kv_events_from[{i}]"),
+                    format!(
+                        "{a:?} is not an IP address (the engine's publisher connects from one)"
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 /// One `[[models]]` entry as written.
@@ -222,14 +254,34 @@ mod tests {
 
     #[test]
     fn a_topic_needs_an_endpoint_and_ranks_need_ports() {
-        let e = kv_events("engines[0]", None, Some("kv"), None).unwrap_err();
+        let e = kv_events("engines[0]", None, Some("kv"), None, None).unwrap_err();
         assert!(e.to_string().contains("engines[0].kv_events_topic"), "{e}");
-        let e = kv_events("engines[0]", Some("tcp://*:65535"), None, Some(2)).unwrap_err();
+        let e = kv_events("engines[0]", Some("tcp://*:65535"), None, None, Some(2)).unwrap_err();
         assert!(e.to_string().contains("pass 65535"), "{e}");
-        let k = kv_events("engines[0]", Some("tcp://*:5557"), None, Some(2))
+        let k = kv_events("engines[0]", Some("tcp://*:5557"), None, None, Some(2))
             .unwrap()
             .unwrap();
         assert_eq!(&*k.topic, "");
+    }
+
+    #[test]
+    fn publishers_addresses_are_ip_addresses() {
+        let ok = kv_events_from("engines[0]", Some(&["10.0.0.5".into(), " ::1 ".into()])).unwrap();
+        assert_eq!(ok.len(), 2);
+        assert!(kv_events_from("engines[0]", None).unwrap().is_empty());
+        let e = kv_events_from(
+            "engines[0]",
+            Some(&["10.0.0.5".into(), "engine.local".into()]),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("engines[0].kv_events_from[1]"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not an IP address"), "{e}"); // Alone: the engine's /kv_event_sources still says where, these say whom else to trust.
+        let only = ["10.0.0.7".to_string()];
+        let k = (kv_events("engines[0]", None, None, Some(&only), None).unwrap()).unwrap();
+        assert_eq!((k.endpoint.as_ref(), k.from.len()), (None, 1));
     }
 
     #[test]

@@ -11,8 +11,14 @@
 
 use super::msgpack::{MsgpackError, Reader, Value};
 
-/// A payload longer than this is refused (a batch of 10,000 blocks of 128 tokens is ~5 MB).
-pub const MAX_PAYLOAD: usize = 32 << 20;
+/// A payload longer than this is refused, and its frame with it before a byte of it is read
+/// (`feed.rs` passes this bound to the ZMTP reader). Sized to real batches: the capture's
+/// largest (`tests/fixtures/vllm-0.32-kv-events`, vLLM 0.32) is 1,099 bytes for 384 token ids,
+/// about 3 bytes a token; a batch carries the blocks one engine step stored, so its tokens are
+/// bounded by the step's scheduled tokens (`--max-num-batched-tokens`, 2-16 K usually). At 5
+/// bytes a token (ids past 65,535) plus 9 a block hash, 1 MiB holds a step of about 200 K
+/// tokens: ample headroom, and 32 times less than a stalled stranger could once pin.
+pub const MAX_PAYLOAD: usize = 1 << 20;
 /// Events in one batch, and token ids in one event, at most.
 const MAX_EVENTS: usize = 1 << 20;
 

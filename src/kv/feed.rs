@@ -9,21 +9,25 @@
 //! endpoint need topics of their own; a second engine on the same endpoint and topic is refused
 //! and says so).
 //!
+//! Trust: rankgate connects only to the engine's own host, binds only where the operator's
+//! `engines[].kv_events` says or, from the engine's `/kv_event_sources`, an address of the
+//! engine itself, for at most the engine's ranks ([`trusted`]); who may publish on a bound
+//! endpoint is [`super::listen`]'s concern.
+//!
 //! Per rank one [`Writer`] behind a mutex that only the event tasks take (picks read the index
 //! without it). A task that loses its publisher marks the rank unavailable and reconnects with
 //! a backoff; in-flight requests and other ranks are untouched.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, Weak};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 use super::event::{decode, MAX_PAYLOAD};
 use super::index::{RankIndex, Writer};
 use super::zmtp::{Subscriber, ZmtpError};
-use crate::config::{KvEndpoint, KvEvents};
+use crate::config::KvEndpoint;
 
 /// One rank's writer, shared by whichever task reads its events.
 pub type SharedWriter = Arc<Mutex<Writer>>;
@@ -49,21 +53,20 @@ pub struct RankSource {
 /// The sources of ranks `first..first + count` from `engines[].kv_events`; `engine_host` is the
 /// host of the engine's URL.
 pub fn from_config(
-    kv: &KvEvents,
+    endpoint: &KvEndpoint,
+    topic: &str,
     engine_host: &str,
     first: u32,
     count: u32,
 ) -> Result<Vec<RankSource>, String> {
     (0..count)
         .map(|i| {
-            let port = kv
-                .endpoint
-                .port_of(i)
+            let port = (endpoint.port_of(i))
                 .ok_or_else(|| format!("rank {} past port 65535", first + i))?;
             Ok(RankSource {
                 rank: first + i,
-                reach: reach(&kv.endpoint, port, engine_host)?,
-                topic: kv.topic.as_bytes().to_vec(),
+                reach: reach(endpoint, port, engine_host)?,
+                topic: topic.as_bytes().to_vec(),
             })
         })
         .collect()
@@ -109,6 +112,46 @@ pub fn from_sources(body: &[u8], engine_host: &str) -> Result<Vec<RankSource>, S
     Ok(out)
 }
 
+/// Refuses an engine's `/kv_event_sources` answer that asks more of rankgate than the engine
+/// is owed: more ranks than the engine has (ranks `first..first + count`), a rank not its own,
+/// or a bound address that is not one of the engine's own (`engine`, what its URL's host
+/// resolves to). An engine elsewhere that connects to rankgate is given its endpoint in
+/// `engines[].kv_events`, the operator's word, instead.
+pub fn trusted(
+    sources: &[RankSource],
+    first: u32,
+    count: u32,
+    engine: &[IpAddr],
+) -> Result<(), String> {
+    let refused = |why: String| Err(format!("/kv_event_sources refused: {why}"));
+    if sources.len() > count as usize {
+        return refused(format!(
+            "it lists {} ranks, the engine has {count}",
+            sources.len()
+        ));
+    }
+    let last = first.saturating_add(count);
+    for s in sources {
+        if !(first..last).contains(&s.rank) {
+            return refused(format!(
+                "it lists rank {}, the engine's ranks are {first}..{}",
+                s.rank,
+                last.saturating_sub(1)
+            ));
+        }
+        if let Reach::Bind(addr) = s.reach {
+            if !engine.contains(&addr.ip().to_canonical()) {
+                return refused(format!(
+                    "rank {} asks rankgate to bind {addr}, not an address of the engine ({}); to bind it, write it in engines[].kv_events",
+                    s.rank,
+                    engine.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn reach(ep: &KvEndpoint, port: u16, engine_host: &str) -> Result<Reach, String> {
     Ok(match ep.host.as_deref() {
         None => Reach::Connect(join(engine_host, port)),
@@ -132,8 +175,9 @@ fn join(host: &str, port: u16) -> String {
 
 /// Longest wait for a publisher's TCP connect (the handshake has its own bound).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Publishers one bound endpoint takes at once: each engine rank is one; more is a flood.
-const MAX_PUBLISHERS: usize = 256;
+/// A message must arrive whole within this of its first byte: real batches are KBs and take
+/// milliseconds, and a publisher that starts a message and stalls holds its buffer.
+pub const MESSAGE_DEADLINE: Duration = Duration::from_secs(5);
 /// Backoff between attempts to reach a publisher.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
@@ -150,7 +194,8 @@ pub async fn connect_rank(addr: String, topic: Vec<u8>, writer: SharedWriter) {
             Ok(Ok(s)) => {
                 let _ = s.set_nodelay(true);
                 match Subscriber::start(s, &topic, MAX_PAYLOAD as u64 + 64).await {
-                    Ok(mut sub) => {
+                    Ok(sub) => {
+                        let mut sub = sub.with_deadline(MESSAGE_DEADLINE);
                         wait = RETRY_MIN;
                         read(&mut sub, &writer).await
                     }
@@ -177,7 +222,7 @@ async fn read(sub: &mut Subscriber<TcpStream>, writer: &SharedWriter) -> String 
     }
 }
 
-fn describe(e: ZmtpError) -> String {
+pub(super) fn describe(e: ZmtpError) -> String {
     match e {
         ZmtpError::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
             "connection closed".into()
@@ -188,154 +233,6 @@ fn describe(e: ZmtpError) -> String {
 
 pub(crate) fn lock(w: &SharedWriter) -> std::sync::MutexGuard<'_, Writer> {
     w.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// rankgate's bound endpoints, shared by every engine whose ranks connect to it.
-#[derive(Default)]
-pub struct Listeners {
-    bound: Mutex<HashMap<SocketAddr, Arc<Bound>>>,
-}
-
-/// A rank's messages on a bound endpoint: its topic and DP rank.
-type RouteKey = (Vec<u8>, u32);
-
-/// One bound endpoint: the ranks that publish to it, by topic and DP rank.
-#[derive(Default)]
-struct Bound {
-    routes: Mutex<HashMap<RouteKey, Weak<Mutex<Writer>>>>,
-}
-
-/// A rank's place on a bound endpoint; dropping it (the engine left) takes the rank off.
-pub struct Registration {
-    bound: Arc<Bound>,
-    key: RouteKey,
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        (self.bound.routes.lock().unwrap_or_else(|p| p.into_inner())).remove(&self.key);
-    }
-}
-
-impl Listeners {
-    /// Routes rank `rank`'s messages on `topic` arriving at `addr` to `writer`, binding `addr`
-    /// on first use. Refused (with why) when another rank already has that topic and rank
-    /// there, or the address cannot be bound.
-    pub async fn register(
-        &self,
-        addr: SocketAddr,
-        topic: Vec<u8>,
-        rank: u32,
-        writer: &SharedWriter,
-    ) -> Result<Registration, String> {
-        let existing = self
-            .bound
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&addr)
-            .cloned();
-        let bound = match existing {
-            Some(b) => b,
-            None => {
-                let listener = TcpListener::bind(addr)
-                    .await
-                    .map_err(|e| format!("cannot bind {addr} for the engine to publish to: {e}"))?;
-                let b = Arc::new(Bound::default());
-                tokio::spawn(accept(listener, Arc::downgrade(&b)));
-                let mut map = self.bound.lock().unwrap_or_else(|p| p.into_inner());
-                map.entry(addr).or_insert(b).clone()
-            }
-        };
-        let key = (topic, rank);
-        let mut routes = bound.routes.lock().unwrap_or_else(|p| p.into_inner());
-        if routes.get(&key).is_some_and(|w| w.strong_count() > 0) {
-            return Err(format!(
-                "another engine's rank {rank} already publishes to {addr} on topic {:?}: give each engine its own topic or port",
-                String::from_utf8_lossy(&key.0)
-            ));
-        }
-        routes.insert(key.clone(), Arc::downgrade(writer));
-        drop(routes);
-        Ok(Registration { bound, key })
-    }
-}
-
-/// Accepts publishers on a bound endpoint until nobody routes to it any more.
-async fn accept(listener: TcpListener, bound: Weak<Bound>) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_PUBLISHERS));
-    loop {
-        let Ok((s, peer)) = listener.accept().await else {
-            continue;
-        };
-        let Some(b) = bound.upgrade() else { return };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, "KV-event publisher refused: {MAX_PUBLISHERS} already connected");
-            continue;
-        };
-        tokio::spawn(async move {
-            let _slot = slot;
-            let _ = s.set_nodelay(true);
-            let mut sub = match Subscriber::start(s, b"", MAX_PAYLOAD as u64 + 64).await {
-                Ok(sub) => sub,
-                Err(e) => {
-                    tracing::debug!(%peer, error = %e, "KV-event publisher refused");
-                    return;
-                }
-            };
-            // The ranks this publisher spoke for: told when it goes.
-            let mut seen: Vec<SharedWriter> = Vec::new();
-            let why = loop {
-                let frames = match sub.recv().await {
-                    Ok(f) => f,
-                    Err(e) => break describe(e),
-                };
-                let m = match decode(&frames) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        for w in &seen {
-                            lock(w).undecodable(&e.to_string());
-                        }
-                        continue;
-                    }
-                };
-                let writer = {
-                    let routes = b.routes.lock().unwrap_or_else(|p| p.into_inner());
-                    route(&routes, &m.topic, m.batch.dp_rank)
-                };
-                let Some(w) = writer else { continue };
-                lock(&w).apply(&m);
-                if !seen.iter().any(|s| Arc::ptr_eq(s, &w)) {
-                    seen.push(w);
-                }
-            };
-            for w in seen {
-                lock(&w).lost(&format!("publisher {peer}: {why}"));
-            }
-        });
-    }
-}
-
-/// The rank a message on a bound endpoint is for: by its topic (or the empty topic, which takes
-/// every message) and the batch's `data_parallel_rank`; a batch without one (SGLang's) is for
-/// the only rank publishing on that topic here (each DP rank has its own port).
-fn route(
-    routes: &HashMap<RouteKey, Weak<Mutex<Writer>>>,
-    topic: &[u8],
-    rank: Option<u32>,
-) -> Option<SharedWriter> {
-    let matches = |k: &RouteKey| k.0 == topic || k.0.is_empty();
-    match rank {
-        Some(r) => (routes.iter())
-            .find(|(k, _)| k.1 == r && matches(k))
-            .and_then(|(_, w)| w.upgrade()),
-        None => {
-            let mut on_topic = routes.iter().filter(|(k, _)| matches(k));
-            match (on_topic.next(), on_topic.next()) {
-                (Some((_, w)), None) => w.upgrade(),
-                _ => None,
-            }
-        }
-    }
 }
 
 /// A fresh writer for `index` (its old content dropped: a new feed starts from nothing).
@@ -384,30 +281,46 @@ mod tests {
     }
 
     #[test]
-    fn messages_on_a_bound_endpoint_find_their_rank() {
-        let (a, b) = (writer(&Arc::default()), writer(&Arc::default()));
-        let mut routes = HashMap::new();
-        routes.insert((b"kv".to_vec(), 3), Arc::downgrade(&a));
-        let is = |w: Option<SharedWriter>, x: &SharedWriter| w.is_some_and(|w| Arc::ptr_eq(&w, x));
-        assert!(is(route(&routes, b"kv", Some(3)), &a));
-        assert!(route(&routes, b"kv", Some(4)).is_none());
-        assert!(route(&routes, b"other", Some(3)).is_none());
-        // SGLang's batches carry no rank: the endpoint's only rank on the topic takes them.
-        assert!(is(route(&routes, b"kv", None), &a));
-        routes.insert((b"kv".to_vec(), 4), Arc::downgrade(&b));
+    fn an_engines_sources_may_bind_only_its_own_addresses_for_its_own_ranks() {
+        let s = from_sources(SOURCES.as_bytes(), "127.0.0.1").unwrap();
+        let local: [IpAddr; 1] = ["127.0.0.1".parse().unwrap()];
+        assert_eq!(trusted(&s, 0, 2, &local), Ok(()));
+        let elsewhere: [IpAddr; 1] = ["10.0.0.5".parse().unwrap()];
+        let e = trusted(&s, 0, 2, &elsewhere).unwrap_err();
         assert!(
-            route(&routes, b"kv", None).is_none(),
-            "two ranks: which one is unknown"
+            e.contains("bind 127.0.0.1:5557, not an address of the engine (10.0.0.5)"),
+            "{e}"
         );
+        let e = trusted(&s, 0, 1, &local).unwrap_err();
+        assert!(e.contains("it lists 2 ranks, the engine has 1"), "{e}");
+        let e = trusted(&s, 1, 2, &local).unwrap_err();
+        assert!(
+            e.contains("it lists rank 0, the engine's ranks are 1..2"),
+            "{e}"
+        );
+        // Three hundred ranks on another address, as a hostile engine might answer.
+        let many: serde_json::Map<String, serde_json::Value> = (0..300)
+            .map(|r| {
+                let ep = format!("tcp://127.0.0.2:{}", 31600 + r);
+                (
+                    r.to_string(),
+                    serde_json::json!({ "endpoint": ep, "topic": "kv" }),
+                )
+            })
+            .collect();
+        let body = serde_json::to_vec(&many).unwrap();
+        let s = from_sources(&body, "127.0.0.1").unwrap();
+        assert!(trusted(&s, 0, 2, &local).unwrap_err().contains("300 ranks"));
+        // Connecting to the engine's own host needs no address check.
+        let star = SOURCES.replace("127.0.0.1", "*");
+        let s = from_sources(star.as_bytes(), "10.0.0.5").unwrap();
+        assert_eq!(trusted(&s, 0, 2, &elsewhere), Ok(()));
     }
 
     #[test]
     fn configured_endpoints_add_the_rank_to_the_port() {
-        let kv = KvEvents {
-            endpoint: KvEndpoint::parse("tcp://*:6000").unwrap(),
-            topic: "t".into(),
-        };
-        let s = from_config(&kv, "::1", 4, 2).unwrap();
+        let endpoint = KvEndpoint::parse("tcp://*:6000").unwrap();
+        let s = from_config(&endpoint, "t", "::1", 4, 2).unwrap();
         assert_eq!(
             (s[0].rank, &s[0].reach),
             (4, &Reach::Connect("[::1]:6000".into()))

@@ -6,9 +6,11 @@
 //! and the rank's state. [`Writer`] is the one writer, owned by the task that reads the rank's
 //! events: it follows the engine's own block hashes (a removal names only those; a store names
 //! its parent by one) with a map from the engine's hash to rankgate's name, and counts names
-//! held twice. Memory per cached block: 8 bytes a table slot at most half full (16), and the
-//! writer's two map entries (about 40): [`RankIndex::memory_bytes`] says what one holds, the
-//! `kv_index` bench measures it per 100,000 blocks.
+//! held twice. Memory per cached block: 8 bytes a table slot, the table at most 3/4 full and
+//! rebuilt half full (16-32), and the writer's two map entries, 17 bytes a bucket each, buckets
+//! a power of two at most 7/8 full (39-78): 65 bytes at 100,000 blocks, 88 allocated (80-87
+//! resident) at 1-4 M. [`RankIndex::memory_bytes`] says what one allocated; it is bounded by
+//! the rank's KV capacity ([`Writer::set_capacity_tokens`]).
 //!
 //! State: the index is `Available` only while it can claim no block the engine does not hold.
 //! It starts exact when it sees the engine's first message (sequence 0) or `AllBlocksCleared`;
@@ -32,10 +34,18 @@ use super::event::{EngineHash, Event, Message};
 use super::hash::chain;
 
 /// Blocks one rank's index holds at most, whatever the rank reports (4 M blocks of 16 tokens:
-/// 64 M tokens of KV; about 240 MB of index).
+/// 64 M tokens of KV; about 330 MB of index).
 pub const MAX_BLOCKS: usize = 4 << 20;
 /// Blocks assumed until the rank's KV capacity is known.
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 1 << 16;
+/// Blocks an index may hold while the rank's KV capacity is unknown (about 20 MB of index):
+/// four times [`DEFAULT_CAPACITY_BLOCKS`], so that a big rank whose telemetry is late is not
+/// reset, and 16 times less than [`MAX_BLOCKS`], so that a publisher cannot grow it further.
+pub const UNKNOWN_CAPACITY_MAX_BLOCKS: usize = 1 << 18;
+/// An index may hold its rank's KV capacity times this (in quarters: 1.25) before the engine
+/// is taken to claim more than it can hold: capacity is reported in tokens and rounded, and a
+/// block freed and stored again may briefly be counted twice.
+const CAPACITY_SLACK_QUARTERS: usize = 5;
 
 const EMPTY: u64 = 0;
 const REMOVED: u64 = 1;
@@ -211,6 +221,20 @@ impl RankIndex {
     }
 }
 
+/// What a std `HashMap` of `capacity` entries of type `T` allocates: hashbrown keeps its
+/// buckets a power of two at most 7/8 full, each an entry and a control byte, plus a group of
+/// control bytes.
+fn map_bytes<T>(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = match capacity < 8 {
+        true => (capacity + 1).next_power_of_two(),
+        false => (capacity * 8 / 7).next_power_of_two(),
+    };
+    buckets * (std::mem::size_of::<T>() + 1) + 16
+}
+
 /// Where the writer is in the engine's sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -240,6 +264,9 @@ pub struct Writer {
     /// Tokens per block, from the engine's stores.
     block_size: u32,
     capacity_blocks: usize,
+    /// Blocks held at most: the capacity with its slack once known, else
+    /// [`UNKNOWN_CAPACITY_MAX_BLOCKS`].
+    max_blocks: usize,
     last_seq: Option<u64>,
     phase: Phase,
     why: String,
@@ -260,6 +287,7 @@ impl Writer {
             removed_slots: 0,
             block_size: 0,
             capacity_blocks: DEFAULT_CAPACITY_BLOCKS,
+            max_blocks: UNKNOWN_CAPACITY_MAX_BLOCKS,
             last_seq: None,
             phase: Phase::Paused {
                 then: Resume::Rebuilding { stored: 0 },
@@ -272,13 +300,20 @@ impl Writer {
         &self.index
     }
 
-    /// The rank's KV capacity in tokens, when its telemetry reports it: bounds the index and
-    /// says when a rebuild is complete.
+    /// The rank's KV capacity in tokens, when its telemetry reports it: bounds the index (with
+    /// a quarter's slack) and says when a rebuild is complete.
     pub fn set_capacity_tokens(&mut self, tokens: u64) {
         if self.block_size > 0 {
-            let blocks = (tokens / u64::from(self.block_size)) as usize;
+            let blocks = usize::try_from(tokens / u64::from(self.block_size)).unwrap_or(MAX_BLOCKS);
             self.capacity_blocks = blocks.clamp(1, MAX_BLOCKS);
+            self.max_blocks =
+                (self.capacity_blocks.saturating_mul(CAPACITY_SLACK_QUARTERS) / 4).min(MAX_BLOCKS);
         }
+    }
+
+    /// Blocks the index may hold before it is dropped as claiming too much.
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
     }
 
     /// The publisher went away (or fell silent while the rank was busy): unavailable until its
@@ -439,11 +474,13 @@ impl Writer {
                 self.why.clear();
             }
         }
-        if self.names.len() > MAX_BLOCKS {
+        if self.names.len() > self.max_blocks {
+            // More than the rank can hold: events were missed (or someone else's were taken).
             self.reset(
                 Phase::Rebuilding { stored: 0 },
                 format!(
-                    "the engine holds more than {MAX_BLOCKS} blocks, the index's bound: rebuilding"
+                    "the engine claims more than {} blocks, the index's bound (its KV capacity and a quarter): rebuilding",
+                    self.max_blocks
                 ),
             );
             return;
@@ -475,7 +512,11 @@ impl Writer {
 
     /// A fresh table for what is held, with room for the rank's capacity.
     fn rebuild(&mut self) {
-        let table = Table::with_room_for(self.held.len().max(self.capacity_blocks.min(MAX_BLOCKS)));
+        let table = Table::with_room_for(
+            self.held
+                .len()
+                .max(self.capacity_blocks.min(self.max_blocks)),
+        );
         for &name in self.held.keys() {
             table.insert(name);
         }
@@ -505,11 +546,9 @@ impl Writer {
         let i = &self.index;
         let blocks = self.held.len();
         i.blocks.store(blocks, Relaxed);
-        let slot = 8;
-        let map_entry = std::mem::size_of::<(u64, u64)>() + 1;
-        let memory = i.table.load().slots.len() * slot
-            + self.names.capacity() * map_entry
-            + self.held.capacity() * (std::mem::size_of::<(u64, u32)>() + 1);
+        let memory = i.table.load().slots.len() * std::mem::size_of::<AtomicU64>()
+            + map_bytes::<(EngineHash, u64)>(self.names.capacity())
+            + map_bytes::<(u64, u32)>(self.held.capacity());
         i.memory.store(memory, Relaxed);
         let state = match self.phase {
             Phase::Exact if self.block_size > 0 || blocks == 0 => KvState::Available {
@@ -650,6 +689,52 @@ mod tests {
         w.apply(&msg(0, vec![lora, stored(&[101], Some(99), &[3, 4])]));
         assert_eq!(w.index().counts.skipped.load(Relaxed), 2);
         assert_eq!(w.index().matched_blocks(&block_hashes(&[1, 2], 2)), 0);
+    }
+
+    #[test]
+    fn an_endless_store_stream_stays_within_the_ranks_capacity() {
+        let mut w = writer();
+        w.apply(&msg(0, vec![stored(&[1], None, &[0, 0])]));
+        // 1,000 tokens of KV in blocks of 2: 500 blocks, 625 with the slack.
+        w.set_capacity_tokens(1000);
+        assert_eq!(w.max_blocks(), 625);
+        let mut peak = 0;
+        let mut resets = 0;
+        for seq in 1..=100u64 {
+            // 100 new blocks a message, never removed: an engine (or an impostor) claiming
+            // 10,000 blocks of a 500-block cache.
+            let hashes: Vec<u64> = (seq * 1000..seq * 1000 + 100).collect();
+            let tokens: Vec<u32> = (0..200).map(|t| (seq * 1000) as u32 + t).collect();
+            w.apply(&msg(seq, vec![stored(&hashes, None, &tokens)]));
+            peak = peak.max(w.index().blocks());
+            resets = w.index().counts.resets.load(Relaxed);
+        }
+        assert!(peak <= 625, "held {peak} blocks, over the bound");
+        assert!(
+            resets >= 10,
+            "dropped each time it passed the bound: {resets}"
+        );
+        assert!(
+            w.index().memory_bytes() < 625 * 200,
+            "{} bytes",
+            w.index().memory_bytes()
+        );
+    }
+
+    #[test]
+    fn without_a_known_capacity_the_index_is_bounded_far_below_the_hard_cap() {
+        let mut w = writer();
+        let n = UNKNOWN_CAPACITY_MAX_BLOCKS + 1;
+        let tokens: Vec<u32> = (0..n as u32 * 2).collect();
+        let hashes: Vec<u64> = (10..10 + n as u64).collect();
+        w.apply(&msg(0, vec![stored(&hashes, None, &tokens)]));
+        assert!(w.index().blocks() <= UNKNOWN_CAPACITY_MAX_BLOCKS);
+        assert!(
+            matches!(w.index().state(), KvState::Unavailable { reason } if reason.contains("claims more than 262144 blocks")),
+            "{:?}",
+            w.index().state()
+        );
+        const { assert!(UNKNOWN_CAPACITY_MAX_BLOCKS * 16 <= MAX_BLOCKS) };
     }
 
     #[test]

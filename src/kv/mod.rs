@@ -7,6 +7,7 @@
 //! - [`msgpack`]: a bounded reader of the payloads; [`event`]: one message decoded;
 //! - [`index`]: a rank's index: read by picks without a lock, written by one task;
 //! - [`feed`]: where each rank's events come from, and the tasks that read them;
+//! - [`listen`]: the endpoints rankgate binds for engines that connect, and whom they trust;
 //! - [`zmtp`]: ZeroMQ's wire protocol, as much as a SUB (and the simulator's PUB) needs.
 
 pub mod capture;
@@ -14,6 +15,7 @@ pub mod event;
 pub mod feed;
 pub mod hash;
 pub mod index;
+pub mod listen;
 pub mod msgpack;
 pub mod zmtp;
 

@@ -37,6 +37,11 @@ pub const MAX_PARTS: usize = 16;
 /// How long a peer has to complete the greeting and READY exchange.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A frame's body is read into a buffer that starts this big and grows as its bytes arrive,
+/// never to the length its header announces: a peer that announces a large frame and stalls
+/// costs what it sent, not what it promised.
+const FIRST_READ: usize = 8 * 1024;
+
 /// What can go wrong on a ZMTP connection.
 #[derive(Debug, thiserror::Error)]
 pub enum ZmtpError {
@@ -58,6 +63,8 @@ pub enum ZmtpError {
     Timeout,
     #[error("zmtp: a message of more than {0} frames")]
     TooManyParts(usize),
+    #[error("zmtp: a message not finished within {} s of its first byte", .0.as_secs())]
+    Deadline(Duration),
 }
 
 /// The 64-byte greeting: signature, version 3.1, mechanism NULL, not a server (meaningless for
@@ -154,6 +161,16 @@ impl Frame {
 /// Reads one frame, refusing bodies over `max` bytes before reading them.
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: u64) -> Result<Frame, ZmtpError> {
     let flags = r.read_u8().await?;
+    read_frame_after(r, flags, max).await
+}
+
+/// The rest of a frame whose flags byte was read: its size (refused over `max` before any body
+/// is read), then its body, in a buffer grown as the bytes arrive.
+async fn read_frame_after<R: AsyncRead + Unpin>(
+    r: &mut R,
+    flags: u8,
+    max: u64,
+) -> Result<Frame, ZmtpError> {
     let len = if flags & LONG != 0 {
         r.read_u64().await?
     } else {
@@ -162,8 +179,12 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: u64) -> Result<Fra
     if len > max {
         return Err(ZmtpError::TooBig(len, max));
     }
-    let mut body = vec![0; len as usize];
-    r.read_exact(&mut body).await?;
+    // `len <= max`, and `max` is a limit of ours that fits in memory.
+    let mut body = Vec::with_capacity((len as usize).min(FIRST_READ));
+    let read = r.take(len).read_to_end(&mut body).await?;
+    if (read as u64) < len {
+        return Err(ZmtpError::Io(io::ErrorKind::UnexpectedEof.into()));
+    }
     Ok(Frame { flags, body })
 }
 
@@ -250,6 +271,8 @@ pub fn sub_request(f: Frame) -> SubRequest {
 pub struct Subscriber<S> {
     stream: S,
     max_frame: u64,
+    /// How long a message may take from its first byte to its last; `None`: no bound.
+    deadline: Option<Duration>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Subscriber<S> {
@@ -264,29 +287,61 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Subscriber<S> {
         frame(&mut out, 0, &sub);
         stream.write_all(&out).await?;
         stream.flush().await?;
-        Ok(Subscriber { stream, max_frame })
+        Ok(Subscriber {
+            stream,
+            max_frame,
+            deadline: None,
+        })
+    }
+
+    /// Bounds each message: once its first byte has arrived, its last must follow within
+    /// `deadline`, or [`Subscriber::recv`] fails with [`ZmtpError::Deadline`]. The wait for a
+    /// message's first byte stays unbounded: a publisher with nothing to say is quiet.
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
     }
 
     /// The next whole message's frames; commands in between (PING) are skipped. A message of
     /// more than [`MAX_PARTS`] frames, or whose frames add up to more than `max_frame`, ends
     /// the connection: a publisher cannot grow the subscriber's memory without bound.
     pub async fn recv(&mut self) -> Result<Vec<Vec<u8>>, ZmtpError> {
+        loop {
+            let flags = self.stream.read_u8().await?;
+            let deadline = self.deadline;
+            let message = self.rest_of_message(flags);
+            let read = match deadline {
+                None => message.await,
+                Some(d) => {
+                    (tokio::time::timeout(d, message).await).map_err(|_| ZmtpError::Deadline(d))?
+                }
+            };
+            if let Some(parts) = read? {
+                return Ok(parts);
+            }
+        }
+    }
+
+    /// The message whose first flags byte was read; `None` when that was a lone command.
+    async fn rest_of_message(&mut self, mut flags: u8) -> Result<Option<Vec<Vec<u8>>>, ZmtpError> {
         let mut parts = Vec::new();
         let mut total = 0u64;
         loop {
-            let f = read_frame(&mut self.stream, self.max_frame - total).await?;
-            if f.is_command() {
-                continue;
+            let f = read_frame_after(&mut self.stream, flags, self.max_frame - total).await?;
+            if !f.is_command() {
+                let more = f.more();
+                total += f.body.len() as u64;
+                parts.push(f.body);
+                if !more {
+                    return Ok(Some(parts));
+                }
+                if parts.len() >= MAX_PARTS {
+                    return Err(ZmtpError::TooManyParts(MAX_PARTS));
+                }
+            } else if parts.is_empty() {
+                return Ok(None);
             }
-            let more = f.more();
-            total += f.body.len() as u64;
-            parts.push(f.body);
-            if !more {
-                return Ok(parts);
-            }
-            if parts.len() >= MAX_PARTS {
-                return Err(ZmtpError::TooManyParts(MAX_PARTS));
-            }
+            flags = self.stream.read_u8().await?;
         }
     }
 }

@@ -27,6 +27,7 @@ mod certs;
 pub(crate) mod counts;
 mod fleet;
 mod histogram;
+mod kv;
 mod labels;
 mod process;
 mod routes;
@@ -193,6 +194,9 @@ impl Metrics {
             table: table.clone(),
         }));
         if let Some(table) = table {
+            registry.register_collector(Box::new(kv::KvPublishers {
+                table: table.clone(),
+            }));
             registry.register_collector(Box::new(fleet::Fleet { table }));
         }
         registry.register_collector(Box::new(process::Process));

@@ -4,7 +4,13 @@
 //! ([`crate::kv`]), keeps each index's bound at the rank's reported KV capacity, and marks a
 //! rank whose publisher fell silent while it ran requests. Started and stopped with the
 //! engine's poller.
+//!
+//! The engine's URL decides whom its ranks' events are taken from: the addresses its host
+//! resolves to (and `engines[].kv_events_from`) may publish to an endpoint rankgate binds for
+//! it, and its `/kv_event_sources` may name no other address for rankgate to bind, nor more
+//! ranks than it has ([`feed::trusted`]; refused and logged, naming the engine).
 
+use std::net::IpAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +18,8 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 
 use super::client::{fetch, HttpClient};
-use crate::kv::feed::{self, Listeners, RankSource, Reach, Registration, SharedWriter};
+use crate::kv::feed::{self, RankSource, Reach, SharedWriter};
+use crate::kv::listen::{Listeners, Registration};
 use crate::table::{RankTelemetry, Table};
 use crate::worker::{EngineEntry, Member};
 
@@ -33,13 +40,34 @@ pub(super) async fn feed(
     table: Arc<Table>,
 ) {
     let host = host_of(&entry.authority);
-    let sources = loop {
-        let found = match &entry.kv_events {
-            Some(kv) => feed::from_config(kv, host, entry.start_rank, entry.dp_size),
-            None => ask(&entry, &http, host).await,
+    let kv = entry.kv_events.as_deref();
+    let configured = kv.and_then(|k| Some((k.endpoint.as_ref()?, &*k.topic)));
+    let also_from = kv.map_or(&[][..], |k| &k.from[..]);
+    let mut logged = String::new();
+    let (sources, from) = loop {
+        let engine = addresses_of(host).await;
+        let found = match configured {
+            Some((endpoint, topic)) => {
+                feed::from_config(endpoint, topic, host, entry.start_rank, entry.dp_size)
+            }
+            None => (ask(&entry, &http, host).await).and_then(|s| {
+                feed::trusted(&s, entry.start_rank, entry.dp_size, &engine).map(|()| s)
+            }),
         };
+        let found = found.and_then(|s| {
+            let binds = s.iter().any(|s| matches!(s.reach, Reach::Bind(_)));
+            match binds && engine.is_empty() && also_from.is_empty() {
+                true => Err(format!(
+                    "no KV events: the engine's host {host} does not resolve, and its events are taken only from its addresses (or engines[].kv_events_from)"
+                )),
+                false => Ok(s),
+            }
+        });
         match found {
-            Ok(s) => break s,
+            Ok(s) => {
+                let from: Arc<[IpAddr]> = (engine.iter()).chain(also_from).copied().collect();
+                break (s, from);
+            }
             Err(why) => {
                 for m in entry.members.iter() {
                     feed::writer(&m.kv)
@@ -47,7 +75,12 @@ pub(super) async fn feed(
                         .unwrap_or_else(|p| p.into_inner())
                         .lost(&why);
                 }
-                if entry.kv_events.is_some() {
+                // Once per reason, not every ASK_AGAIN.
+                if why != logged {
+                    tracing::warn!(engine = %entry.url, "KV events: {why}");
+                    logged = why;
+                }
+                if configured.is_some() && !logged.contains("does not resolve") {
                     // A configured endpoint that cannot work will not start working.
                     return;
                 }
@@ -64,7 +97,7 @@ pub(super) async fn feed(
             feed::lock(&writer).lost("the engine lists no KV-event source for this rank");
             continue;
         };
-        start(src, &writer, &listeners, &mut tasks, &mut held).await;
+        start(src, &from, &writer, &listeners, &mut tasks, &mut held).await;
         ranks.push((m.clone(), writer, 0, 0));
     }
     let mut tick = tokio::time::interval(TICK);
@@ -104,6 +137,7 @@ pub(super) async fn feed(
 
 async fn start(
     src: &RankSource,
+    from: &Arc<[IpAddr]>,
     writer: &SharedWriter,
     listeners: &Listeners,
     tasks: &mut JoinSet<()>,
@@ -118,7 +152,7 @@ async fn start(
             ));
         }
         Reach::Bind(addr) => match listeners
-            .register(*addr, src.topic.clone(), src.rank, writer)
+            .register(*addr, src.topic.clone(), src.rank, from.clone(), writer)
             .await
         {
             Ok(r) => {
@@ -155,6 +189,23 @@ async fn ask(
             "no KV-event sources: GET /kv_event_sources: {} (set engines[].kv_events, or start the engine with --kv-events-config)",
             f.reason
         )),
+    }
+}
+
+/// The addresses the engine's host resolves to, canonical (an IPv4-mapped IPv6 address as
+/// IPv4); empty when it does not resolve within [`ASK_TIMEOUT`].
+async fn addresses_of(host: &str) -> Vec<IpAddr> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return vec![ip.to_canonical()];
+    }
+    match tokio::time::timeout(ASK_TIMEOUT, tokio::net::lookup_host((host, 0))).await {
+        Ok(Ok(found)) => {
+            let mut ips: Vec<IpAddr> = found.map(|a| a.ip().to_canonical()).collect();
+            ips.sort();
+            ips.dedup();
+            ips
+        }
+        _ => Vec::new(),
     }
 }
 

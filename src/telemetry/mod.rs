@@ -31,6 +31,7 @@ use crate::catalog::Catalog;
 use crate::config::TelemetryConfig;
 use crate::http::Shutdown;
 use crate::ix::{EngineIx, IxVec, WorkerIx};
+use crate::kv::listen::Listeners;
 use crate::membership::{self, Change, MembershipError, Outcome, Sources};
 use crate::table::{fixed_models, RankTelemetry, RankView, Snapshot, Table};
 use crate::upstream::ConnLimits;
@@ -62,6 +63,7 @@ pub fn spawn(
         let fleet = table.snapshot.load().fleet.clone();
         let (tx, rx) = mpsc::channel(fleet.engines.len().max(16) * 2);
         let snap = table.snapshot.load_full();
+        let listeners = Arc::new(Listeners::new(table.kv_refused.clone()));
         let mut p = Publisher {
             http: client::HttpClient::new(crate::http::client_with(
                 settings.telemetry.timeout,
@@ -78,7 +80,7 @@ pub fn spawn(
             tx,
             pollers: HashMap::new(),
             feeds: HashMap::new(),
-            listeners: Arc::default(),
+            listeners,
             tasks: JoinSet::new(),
             shutdown: shutdown.clone(),
             reported: HashMap::new(),
@@ -115,7 +117,7 @@ struct Publisher {
     /// Each engine's KV-event feed (`routing.kv_events`).
     feeds: HashMap<EngineId, AbortHandle>,
     /// The endpoints rankgate binds for engines that connect to publish their events.
-    listeners: Arc<crate::kv::feed::Listeners>,
+    listeners: Arc<Listeners>,
     tasks: JoinSet<()>,
     shutdown: Shutdown,
     /// What each engine (by URL) last said of its flavor and size.
