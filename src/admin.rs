@@ -171,6 +171,7 @@ impl Admin {
             .map(|e| {
                 json!({
                     "url": e.url.as_ref(),
+                    "name": e.cfg.name.as_deref(),
                     "grpc_url": e.grpc.is_some().then(|| e.grpc_origin()),
                     "flavor": e.flavor.as_str(),
                     "dp_size": e.dp_size,
@@ -215,6 +216,7 @@ impl Admin {
                 json!({
                     "id": w.id_text.as_ref(),
                     "engine": engine.url.as_ref(),
+                    "name": w.named.as_ref().and_then(|v| v.to_str().ok()),
                     "dp_rank": w.id.rank,
                     "flavor": engine.flavor.as_str(),
                     "telemetry": if reason.is_none() { "available" } else { "unavailable" },

@@ -241,5 +241,9 @@ async fn expose_worker_name_tells_the_configured_name_only() {
     let mut headers = late.headers.clone();
     headers.remove("x-rankgate-worker");
     assert_discreet("named 504", &headers, &late.body, &addrs);
+    // The operator's side shows both: the name and the address it stands for.
+    let rows = workers(&r).await;
+    assert_eq!(rows[0]["name"], "decode-a@0", "{rows:?}");
+    assert_eq!(rows[0]["engine"], e.url(), "{rows:?}");
     r.shutdown().await;
 }
