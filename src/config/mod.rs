@@ -43,7 +43,7 @@ pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
 pub use routing::*;
 pub(crate) use rules::group_text;
-pub use rules::DEFAULT_HEALTH_PATH;
+pub use rules::{address_warnings, Resolved, DEFAULT_HEALTH_PATH};
 pub use server::*;
 pub use tls::{EngineTls, ListenerTls};
 pub use traces::TracingConfig;
