@@ -50,7 +50,10 @@ impl Door {
     async fn start(to: SocketAddr) -> Door {
         let listener = TcpListener::bind(loopback()).await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (hung, held) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let (hung, held) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+        );
         let (h, n) = (hung.clone(), held.clone());
         let task = tokio::spawn(async move {
             // Held until the door is dropped: the test's few attempts.
@@ -320,7 +323,11 @@ async fn an_engines_500_is_retried_only_when_retry_on_lists_it() {
         "{:?}",
         reply.body
     );
-    assert!(reply.worker().starts_with(&failing.url()), "{}", reply.worker());
+    assert!(
+        reply.worker().starts_with(&failing.url()),
+        "{}",
+        reply.worker()
+    );
     assert_eq!(plain.metrics.retries_total(), 0);
     assert_eq!(workers(&plain).await[0]["consecutive_failures"], 1);
     plain.shutdown().await;
@@ -393,7 +400,10 @@ async fn a_second_name_of_a_server_in_the_fleet_is_accepted_with_a_warning() {
     )
     .await;
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
-    assert!(reply.json().get("warnings").is_none(), "a removal brings nothing to check");
+    assert!(
+        reply.json().get("warnings").is_none(),
+        "a removal brings nothing to check"
+    );
     file.write(&format!("{head}{}{}", own(&ip_url), own(&name_url)));
     let reply = admin(&r, Method::POST, "/reload", Some(TOKEN), None).await;
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
