@@ -13,11 +13,13 @@
 # and how many connections the door held silent.
 #
 # Needs python3, curl, openssl. Loopback only; every wait bounded.
-# Usage: bench/hostile/engines.sh [REQUESTS=20] [CONNECT_TIMEOUT=300ms]
+# The hung engine is tried less and less as its failures weigh on its score, so routing.eject_after
+# is 3 here (default 5) for the ejection to show within a short run.
+# Usage: bench/hostile/engines.sh [REQUESTS=30] [CONNECT_TIMEOUT=300ms]
 # RANKGATE=PATH runs that binary (default target/release/rankgate, built when absent).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-REQUESTS=${1:-20}
+REQUESTS=${1:-30}
 CONNECT_TIMEOUT=${2:-300ms}
 RANKGATE=${RANKGATE:-target/release/rankgate}
 for t in python3 curl openssl; do
@@ -82,6 +84,8 @@ cat > "$work/rankgate.toml" <<TOML
 listen = "127.0.0.1:$PORT"
 admin_listen = "127.0.0.1:$ADMIN"
 connect_timeout = "$CONNECT_TIMEOUT"
+[routing]
+eject_after = 3
 [telemetry]
 interval = "100ms"
 [engine_tls]
@@ -113,7 +117,7 @@ done
 
 touch "$work/hang"
 body='{"model":"tiny-llama","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
-ejected_after="-"
+ejected_after="-"; ok=0; good=0
 printf '%-8s %-7s %-10s %12s  %s\n' request status engine latency_ms hung_engine_state
 : > "$work/latencies"
 for i in $(seq "$REQUESTS"); do
@@ -130,6 +134,8 @@ for i in $(seq "$REQUESTS"); do
   echo "$ms" >> "$work/latencies"
   state=$(workers | head -1 | cut -d' ' -f2)
   [ "$ejected_after" = "-" ] && [ "$state" = ejected ] && ejected_after=$i
+  [ "$status" = 200 ] && ok=$((ok + 1))
+  [ "$engine" = good ] && good=$((good + 1))
   printf '%-8s %-7s %-10s %12s  %s\n' "$i" "$status" "$engine" "$ms" "$state"
 done
 
@@ -140,5 +146,6 @@ echo
 printf '%-34s %s\n' "connect_timeout" "$CONNECT_TIMEOUT" \
   "requests" "$REQUESTS" \
   "p50 / max latency (ms)" "$p50 / $max" \
+  "answered 200 / by the good engine" "$ok / $good" \
   "hung engine ejected after request" "$ejected_after" \
   "connections the door held silent" "$(cat "$work/held")"
