@@ -122,6 +122,14 @@ pub struct Dialed<T> {
     silent: Option<Box<Silent>>,
 }
 
+impl<T> Dialed<T> {
+    /// The stream itself, for a connection that has nothing left to watch (HTTP/1): the
+    /// proxy's HTTP/1 connections carry every request's bytes, and go without the wrapper.
+    pub fn into_inner(self) -> T {
+        self.io
+    }
+}
+
 impl<T: Read + Unpin> Read for Dialed<T> {
     fn poll_read(
         self: Pin<&mut Self>,
