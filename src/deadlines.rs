@@ -9,12 +9,20 @@
 //! body_read     server.body_read_timeout (30 s)     proxy read, pick,   408 (gRPC:
 //!                                                   grpc local,         DEADLINE_EXCEEDED)
 //!                                                   upstream request
-//! connect       server.connect_timeout (2 s)        proxy send (TCP)    502, retryable
+//! connect       server.connect_timeout (2 s)        http::dial (every   502, retryable,
+//!                                                   client's connector) counted against the
+//!                                                                       engine
 //! response      server.response_timeout (30 min)    proxy send, grpc    504 (all engine
 //!                                                   local               connections busy: 503)
 //! stream_idle   server.stream_idle_timeout (5 min)  proxy body          stream cut (SSE: an
 //!                                                                       error event)
 //! ```
+//!
+//! `connect` is one deadline for the whole establishment of a connection, counted from the start
+//! of the TCP connect: the connect, the TLS handshake of an `https://` engine, and for h2 (gRPC)
+//! connections the engine's first bytes (its SETTINGS; an h2 client may send before them, so a
+//! silent server would otherwise hang every call on the connection). An HTTP/1 handshake
+//! exchanges nothing: the engine speaks only to answer, under `response`.
 //!
 //! Two more are not per request: an engine's idle kept-alive connection is closed after
 //! [`crate::upstream::idle::IDLE_FOR`], and `server.drain_grace` bounds the drain at shutdown
@@ -37,8 +45,8 @@ pub struct Deadlines {
     pub h2_keepalive: Duration,
     /// Any wait for more of a client's request body.
     pub body_read: Duration,
-    /// The TCP connect to an engine (a TLS or HTTP/1 handshake that hangs is bounded by
-    /// `response`).
+    /// A new connection to an engine established: TCP connect, TLS handshake, and an h2
+    /// engine's first frame, one deadline from the start of the connect.
     pub connect: Duration,
     /// From sending a request to an engine to its response headers (connection slot wait
     /// included).

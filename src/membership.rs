@@ -10,9 +10,16 @@
 //!
 //! Each source owns its engines: a reload does not touch what the admin API added or discovery
 //! found, and discovery never takes over an address the file or the admin API named.
+//!
+//! Two URLs can still name one server (`http://localhost:8000` and `http://127.0.0.1:8000`):
+//! a change that brings engines is checked as the startup check does
+//! ([`crate::config::address_warnings`]), with the names resolved by the caller of
+//! [`Membership::apply`] (never by the publisher, which must not wait on DNS); what it finds
+//! is logged and returned as the outcome's `warnings`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -47,6 +54,67 @@ pub struct Outcome {
     /// Engines a source names that an earlier source already names (kept as that one has them).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<String>,
+    /// Likely mistakes the change brings (a second name of a server already in the fleet, a
+    /// host that does not resolve): applied all the same, as at startup.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+    /// The fleet's addresses, for the caller to check when the change brought engines.
+    #[serde(skip)]
+    check: Vec<Address>,
+}
+
+/// One engine of the fleet for the address check: its name in a warning, its `host:port`, and
+/// whether the change brought it.
+#[derive(Debug, Clone, PartialEq)]
+struct Address {
+    name: String,
+    authority: Arc<str>,
+    concerned: bool,
+}
+
+/// How long the address check may resolve names, all of them together: an admin call waits
+/// for it. Names not resolved by then are left out of the check.
+pub const RESOLVE_WITHIN: Duration = Duration::from_secs(2);
+
+impl Outcome {
+    /// Resolves the fleet's host names (each once, together within [`RESOLVE_WITHIN`]) and
+    /// fills `warnings` with what the address check finds about the engines the change brought.
+    async fn check_addresses(&mut self) {
+        let check = std::mem::take(&mut self.check);
+        if !check.iter().any(|a| a.concerned) {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
+        let mut known: BTreeMap<Arc<str>, Result<Vec<std::net::SocketAddr>, String>> =
+            BTreeMap::new();
+        let mut resolved = Vec::with_capacity(check.len());
+        for a in check {
+            let addrs = match known.get(&a.authority) {
+                Some(r) => r.clone(),
+                None => {
+                    let r = match tokio::time::timeout_at(
+                        deadline,
+                        tokio::net::lookup_host(&*a.authority),
+                    )
+                    .await
+                    {
+                        Ok(Ok(addrs)) => Ok(addrs.collect()),
+                        Ok(Err(e)) => Err(e.to_string()),
+                        // Out of time: not checked rather than reported unresolvable.
+                        Err(_) => Ok(Vec::new()),
+                    };
+                    known.insert(a.authority.clone(), r.clone());
+                    r
+                }
+            };
+            resolved.push(crate::config::Resolved {
+                name: a.name,
+                addrs,
+                concerned: a.concerned,
+            });
+        }
+        self.warnings = crate::config::address_warnings(&resolved);
+    }
 }
 
 /// Why a change was refused; the fleet is then as it was.
@@ -210,6 +278,16 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
         .filter(|(o, _)| *o == origin)
         .map(|(_, text)| text)
         .collect();
+    let brought = |url: &str| (outcome.added.iter().chain(&outcome.changed)).any(|u| u == url);
+    if engines.iter().any(|(_, e)| brought(&e.url)) {
+        outcome.check = (engines.iter())
+            .map(|(o, e)| Address {
+                name: format!("{} (from {o})", e.url),
+                authority: e.authority.clone(),
+                concerned: brought(&e.url),
+            })
+            .collect();
+    }
     Ok(Plan {
         sources: next,
         engines,
@@ -233,13 +311,20 @@ impl Membership {
         (Membership { tx }, rx)
     }
 
+    /// Applies `change`; the outcome's `warnings` (also logged) say what the address check
+    /// found about the engines it brought.
     pub async fn apply(&self, change: Change) -> Result<Outcome, MembershipError> {
         let (done, outcome) = oneshot::channel();
         self.tx
             .send((change, done))
             .await
             .map_err(|_| MembershipError::Stopped)?;
-        outcome.await.map_err(|_| MembershipError::Stopped)?
+        let mut outcome = outcome.await.map_err(|_| MembershipError::Stopped)??;
+        outcome.check_addresses().await;
+        for warning in &outcome.warnings {
+            tracing::warn!(%warning, "fleet change applied with a warning");
+        }
+        Ok(outcome)
     }
 }
 
@@ -436,6 +521,59 @@ mod tests {
         .unwrap();
         assert_eq!(p.outcome.removed, ["http://d:1"]);
         assert_eq!(p.engines.len(), 1);
+    }
+
+    /// A change that brings a second name of a server already in the fleet is applied with a
+    /// warning naming both; one that brings nothing new checks nothing.
+    #[tokio::test]
+    async fn a_second_name_of_one_server_is_warned_about() {
+        let cur = Sources::new(vec![test_engine("http://127.0.0.1:18000", 1, 0)]);
+        let p = plan(
+            &cur,
+            Change::Add(test_engine("http://localhost:18000", 1, 1)),
+        )
+        .unwrap();
+        assert_eq!(p.outcome.check.len(), 2);
+        assert!(!p.outcome.check[0].concerned && p.outcome.check[1].concerned);
+        let mut outcome = p.outcome;
+        outcome.check_addresses().await;
+        assert_eq!(outcome.warnings.len(), 1, "{:?}", outcome.warnings);
+        let w = &outcome.warnings[0];
+        assert!(
+            w.contains("http://127.0.0.1:18000 (from config)")
+                && w.contains("http://localhost:18000 (from admin)")
+                && w.contains("counted twice"),
+            "{w}"
+        );
+        let json = serde_json::to_value(&outcome).unwrap();
+        assert_eq!(json["warnings"][0], w.as_str());
+        assert!(json.get("check").is_none(), "{json}");
+        // A reload naming the same engines again brings nothing: nothing to check.
+        let again = plan(
+            &p.sources,
+            Change::Replace {
+                origin: Origin::Config,
+                engines: vec![test_engine("http://127.0.0.1:18000", 1, 0)],
+            },
+        )
+        .unwrap();
+        assert!(again.outcome.check.is_empty());
+        // Discovery finding the same server by another name is warned about too.
+        let found = plan(
+            &cur,
+            Change::Replace {
+                origin: Origin::Discovery(0),
+                engines: vec![test_engine("http://localhost:18000", 1, 0)],
+            },
+        )
+        .unwrap();
+        let mut outcome = found.outcome;
+        outcome.check_addresses().await;
+        assert!(
+            outcome.warnings.len() == 1 && outcome.warnings[0].contains("(from discovery[0])"),
+            "{:?}",
+            outcome.warnings
+        );
     }
 
     /// One rule for every source: independent engines never conflict; members of a named group

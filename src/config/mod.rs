@@ -48,7 +48,7 @@ pub use polling::*;
 pub use read::{read_regular, MAX_CONFIG_BYTES};
 pub use routing::*;
 pub(crate) use rules::group_text;
-pub use rules::DEFAULT_HEALTH_PATH;
+pub use rules::{address_warnings, Resolved, DEFAULT_HEALTH_PATH};
 pub use server::*;
 pub use tls::{EngineTls, ListenerTls};
 pub use traces::TracingConfig;

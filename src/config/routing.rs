@@ -44,6 +44,10 @@ pub const MAX_MAX_ATTEMPTS: u32 = 10;
 pub const DEFAULT_RETRY_BUFFER_BYTES: usize = 4 * 1024 * 1024;
 /// Share of requests that may be retries, over the budget's window.
 pub const DEFAULT_RETRY_BUDGET: f64 = 0.2;
+/// Engine statuses `routing.retry_on` may name: 500, and the three that are retried anyway.
+/// Any other 5xx (501 Not Implemented, 505) would be the same answer on every engine, and a
+/// 4xx is the client's own.
+pub const RETRY_ON_STATUSES: [u16; 4] = [500, 502, 503, 504];
 pub const DEFAULT_EJECT_AFTER: u32 = 5;
 /// About one request's KV: ranks closer than that are the same load to a router that cannot see
 /// the other routers' requests.
@@ -69,6 +73,7 @@ pub(super) struct RawRouting {
     max_attempts: Option<u32>,
     retry_buffer_bytes: Option<usize>,
     retry_budget: Option<f64>,
+    retry_on: Option<Vec<u16>>,
     eject_after: Option<u32>,
     eject_for: Option<HumanDuration>,
     tie_margin: Option<f64>,
@@ -90,6 +95,9 @@ pub struct RoutingConfig {
     pub retry_buffer_bytes: usize,
     /// Retries allowed as a share of requests (over a 10 s window, plus a small floor).
     pub retry_budget: f64,
+    /// Engine statuses retried besides 502, 503 and 504 (only 500 may be added; none by
+    /// default: an engine's 500 may come from the request itself).
+    pub retry_on: Vec<u16>,
     /// Consecutive failures that eject a rank; 0 never ejects.
     pub eject_after: u32,
     /// First ejection's length; it doubles with each ejection in a row, up to [`MAX_EJECT_FOR`].
@@ -126,6 +134,7 @@ pub(super) fn routing(
             .unwrap_or(DEFAULT_RETRY_BUFFER_BYTES)
             .min(max_body_bytes),
         retry_budget: raw.retry_budget.unwrap_or(DEFAULT_RETRY_BUDGET),
+        retry_on: raw.retry_on.unwrap_or_default(),
         eject_after: raw.eject_after.unwrap_or(DEFAULT_EJECT_AFTER),
         eject_for: duration(
             "routing.eject_for",
@@ -186,6 +195,12 @@ pub(super) fn routing(
                 "{} must be a share of requests in [0, 1]",
                 routing.retry_budget
             ),
+        ));
+    }
+    if let Some(s) = (routing.retry_on.iter()).find(|s| !RETRY_ON_STATUSES.contains(s)) {
+        return Err(invalid(
+            "routing.retry_on",
+            format!("{s} cannot be retried: list 500 (502, 503 and 504 are retried anyway); another 5xx would be the same on every engine, and a 4xx is the client's own"),
         ));
     }
     let est = routing.request_kv_estimate;

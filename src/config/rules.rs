@@ -94,21 +94,35 @@ pub(crate) fn group_text(d: &Deployment) -> String {
     }
 }
 
-/// Warnings from already-resolved engine addresses (`Err` = the name did not resolve).
-pub(super) fn address_warnings(
-    engines: &[Engine],
-    resolved: &[Result<Vec<SocketAddr>, String>],
-) -> Vec<String> {
+/// An engine as the address check sees it: how a warning names it, what its host resolved to
+/// (`Err`: why it did not), and whether warnings about it are wanted.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// `engines[i] (url)` at startup, `url (from source)` for a runtime change.
+    pub name: String,
+    pub addrs: Result<Vec<SocketAddr>, String>,
+    /// Only warnings naming a concerned engine are returned: at startup every engine, on a
+    /// runtime change the engines it added or changed (the others were warned about before).
+    pub concerned: bool,
+}
+
+/// The one check of engine addresses, wherever engines arrive (startup and `rankgate check`,
+/// the admin API, a reload, discovery): a host that does not resolve, and two engines on one
+/// server (`localhost` and `127.0.0.1`, two names of one host), whose ranks would be polled
+/// and counted twice. Pure: the caller resolves.
+pub fn address_warnings(engines: &[Resolved]) -> Vec<String> {
     let mut out = Vec::new();
     let mut owner: BTreeMap<SocketAddr, usize> = BTreeMap::new();
-    for (j, r) in resolved.iter().enumerate() {
-        let addrs = match r {
+    for (j, b) in engines.iter().enumerate() {
+        let addrs = match &b.addrs {
             Ok(a) => a,
             Err(e) => {
-                out.push(format!(
-                    "engines[{j}].url: {} does not resolve now ({e}); its polls fail until it does",
-                    engines[j].url
-                ));
+                if b.concerned {
+                    out.push(format!(
+                        "{} does not resolve now ({e}); its polls fail until it does",
+                        b.name
+                    ));
+                }
                 continue;
             }
         };
@@ -118,10 +132,12 @@ pub(super) fn address_warnings(
             match owner.get(a) {
                 Some(&i) if i != j && !seen.contains(&i) => {
                     seen.push(i);
-                    out.push(format!(
-                        "engines[{i}] ({}) and engines[{j}] ({}) both resolve to {a}: one server configured twice is polled twice and its ranks counted twice",
-                        engines[i].url, engines[j].url
-                    ));
+                    if engines[i].concerned || b.concerned {
+                        out.push(format!(
+                            "{} and {} both resolve to {a}: one server configured twice is polled twice and its ranks counted twice",
+                            engines[i].name, b.name
+                        ));
+                    }
                 }
                 Some(_) => {}
                 None => {

@@ -75,6 +75,8 @@ pub struct ServerConfig {
     /// The gRPC (h2c) front door, for engines' own gRPC APIs; off when unset.
     pub grpc_listen: Option<SocketAddr>,
     pub max_body_bytes: usize,
+    /// A new engine connection established (TCP, TLS, an h2 engine's first frame), one
+    /// deadline for all of it.
     pub connect_timeout: Duration,
     /// Longest wait for an engine's response headers.
     pub response_timeout: Duration,

@@ -4,7 +4,7 @@
 //! error.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::ToSocketAddrs;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -17,7 +17,7 @@ use super::error::{invalid, ConfigError};
 use super::kv::{models, ModelConfig, RawModel};
 use super::polling::{telemetry_config, RawTelemetry, TelemetryConfig};
 use super::routing::{routing, RawRouting, RoutingConfig};
-use super::rules::{address_warnings, check_rank_overlap};
+use super::rules::{address_warnings, check_rank_overlap, Resolved};
 use super::server::{server, RawServer, ServerConfig};
 use super::tls::EngineTls;
 use super::traces::{tracing_config, RawTracing, TracingConfig};
@@ -199,17 +199,16 @@ impl Config {
     /// Legal but likely mistaken settings, for `main` to log at startup. Resolves each engine's
     /// host name (blocking, through the system resolver): call it once, before serving.
     pub fn warnings(&self) -> Vec<String> {
-        let resolved: Vec<Result<Vec<SocketAddr>, String>> = self
-            .engines
-            .iter()
-            .map(|e| {
-                e.authority
-                    .to_socket_addrs()
+        let resolved: Vec<Resolved> = (self.engines.iter().enumerate())
+            .map(|(i, e)| Resolved {
+                name: format!("engines[{i}] ({})", e.url),
+                addrs: (e.authority.to_socket_addrs())
                     .map(Iterator::collect)
-                    .map_err(|err| err.to_string())
+                    .map_err(|err| err.to_string()),
+                concerned: true,
             })
             .collect();
-        address_warnings(&self.engines, &resolved)
+        address_warnings(&resolved)
     }
 }
 

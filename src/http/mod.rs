@@ -4,6 +4,7 @@
 //! OpenAI-shaped error body.
 
 mod conn;
+mod dial;
 mod limits;
 mod serve;
 mod shutdown;
@@ -11,6 +12,7 @@ mod throttle;
 mod watch;
 
 pub use conn::MAX_HEADER_LINES;
+pub use dial::{ConnectTimeout, Dialed, Dialer};
 pub use limits::{Door, ServeOptions};
 pub use serve::{serve, serve_with};
 pub use shutdown::{shutdown_signalled, Shutdown};
@@ -27,8 +29,9 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::tls::Upstream;
 
-/// What rankgate's clients connect with: TCP, and TLS for `https://` URIs.
-pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
+/// What rankgate's clients connect with: TCP, and TLS for `https://` URIs, established within
+/// the connect timeout ([`dial`]).
+pub type Connector = Dialer;
 
 /// A client of rankgate's: engines, the admin listener, the tools.
 pub type HttpClient<B> = Client<Connector, B>;
@@ -47,10 +50,11 @@ pub(crate) fn connector(connect_timeout: Duration, tls: &Upstream, h2: bool) -> 
             .with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name.clone()));
     }
     // ALPN offers what the client will speak.
-    match h2 {
+    let tls = match h2 {
         true => builder.enable_http2().wrap_connector(tcp),
         false => builder.enable_http1().wrap_connector(tcp),
-    }
+    };
+    Dialer::new(tls, connect_timeout, h2)
 }
 
 /// [`client_with`] trusting the system's roots.

@@ -48,6 +48,7 @@ fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
         max_attempts: 3,
         retry_buffer_bytes: 1 << 20,
         retry_budget: 0.2,
+        retry_on: Vec::new(),
         eject_after: 5,
         eject_for: Duration::from_secs(10),
         // Exact picks, so the tests can tell which rank the credit points at.

@@ -1,7 +1,7 @@
 //! Failover before the first byte: a request whose upstream failed before anything reached the
-//! client (the transport failed, or the engine answered 502/503/504) is sent again to a
-//! different rank, and to a different engine when the transport failed, up to
-//! `routing.max_attempts`. Never after a byte went to the client (this layer only ever sees
+//! client (the transport failed, or the engine answered 502/503/504, or 500 when
+//! `routing.retry_on` lists it) is sent again to a different rank, and to a different engine
+//! when the transport failed, up to `routing.max_attempts`. Never after a byte went to the client (this layer only ever sees
 //! response heads), never on 4xx or the client's own errors, never for a client that left (its
 //! future is dropped), never for a body too large to keep.
 //!
@@ -33,19 +33,26 @@ pub struct Retry<S> {
     policy: Arc<Policy>,
 }
 
-/// How far failover goes, one for the router: `routing.max_attempts`, and the budget all
-/// connections' retries draw on (`routing.retry_budget`).
+/// How far failover goes, one for the router: `routing.max_attempts`, the budget all
+/// connections' retries draw on (`routing.retry_budget`), and whether an engine's 500 is
+/// retried (`routing.retry_on`).
 #[derive(Debug)]
 pub struct Policy {
     max_attempts: u32,
     budget: RetryBudget,
+    /// An HTTP engine's 500 is retried like a 502. Off by default: a 500 may be the request's
+    /// own doing (a prompt that crashes the engine's handler), and would then be sent to every
+    /// engine in turn. A gRPC engine's errors come as `grpc-status` (its UNAVAILABLE is retried
+    /// as a 503 is).
+    on_500: bool,
 }
 
 impl Policy {
-    pub fn new(max_attempts: u32, share: f64) -> Policy {
+    pub fn new(max_attempts: u32, share: f64, retry_on: &[u16]) -> Policy {
         Policy {
             max_attempts,
             budget: RetryBudget::new(share),
+            on_500: retry_on.contains(&500),
         }
     }
 }
@@ -67,7 +74,7 @@ const MAX_RESENDS: u32 = 3;
 /// What a failed attempt rules out for the next one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ruled {
-    /// The rank that answered 502-504.
+    /// The rank that answered 502-504 (or 500, by `routing.retry_on`).
     Worker,
     /// Every rank of the engine whose transport failed.
     Engine,
@@ -76,12 +83,15 @@ enum Ruled {
 }
 
 /// Why an attempt may be worth another: the worker it failed on, and what it rules out.
+/// `on_500`: an HTTP engine's 500 is one.
 fn failed(
     result: &Result<Response<ProxyBody>, ProxyError>,
     grpc: bool,
+    on_500: bool,
 ) -> Option<(Arc<Member>, Ruled)> {
+    let retried = |status: u16| matches!(status, 502..=504) || (on_500 && !grpc && status == 500);
     match result {
-        Ok(resp) if matches!(super::grpc::answered(resp, grpc).as_u16(), 502..=504) => resp
+        Ok(resp) if retried(super::grpc::answered(resp, grpc).as_u16()) => resp
             .body()
             .target
             .as_ref()
@@ -176,7 +186,7 @@ where
                     a.ctx.metrics.retried();
                 }
             }
-            let Some((worker, ruled)) = failed(&result, a.ctx.grpc()) else {
+            let Some((worker, ruled)) = failed(&result, a.ctx.grpc(), a.policy.on_500) else {
                 return Poll::Ready(attempted(result, a.attempts));
             };
             if ruled == Ruled::Nothing {

@@ -292,9 +292,12 @@ impl Sending {
                 engine: engine.url.clone(),
                 reason: format!("{what}: {}", crate::http::error_chain(e)),
             };
+            // Established within the connect timeout (TLS included); HTTP/1 has nothing more to
+            // watch on it.
             let io = tower::Service::call(&mut connector, engine.conn.origin.clone())
                 .await
-                .map_err(|e| failed("connect", &*e))?;
+                .map_err(|e| failed("connect", &*e))?
+                .into_inner();
             let io = cutoff.wrap(io);
             let (sender, conn) = hyper::client::conn::http1::handshake(io)
                 .await

@@ -111,7 +111,11 @@ impl Layers {
             admission: server
                 .max_in_flight
                 .map(|limit| Arc::new(admit::Admission::new(limit))),
-            retry: Arc::new(Policy::new(routing.max_attempts, routing.retry_budget)),
+            retry: Arc::new(Policy::new(
+                routing.max_attempts,
+                routing.retry_budget,
+                &routing.retry_on,
+            )),
             ejection: crate::outlier::Policy {
                 after: routing.eject_after,
                 base: routing.eject_for,

@@ -171,14 +171,17 @@ fn engines_resolving_to_one_address_are_warned_about() {
     .unwrap();
     let same: SocketAddr = "10.0.0.7:8000".parse().unwrap();
     let other: SocketAddr = "10.0.0.8:8000".parse().unwrap();
-    let w = address_warnings(
-        &c.engines,
-        &[
-            Ok(vec![same]),
-            Ok(vec![other, same]),
-            Err("no such host".into()),
-        ],
-    );
+    let named = |i: usize, addrs: Result<Vec<SocketAddr>, String>| Resolved {
+        name: format!("engines[{i}] ({})", c.engines[i].url),
+        addrs,
+        concerned: true,
+    };
+    let mut resolved = vec![
+        named(0, Ok(vec![same])),
+        named(1, Ok(vec![other, same])),
+        named(2, Err("no such host".into())),
+    ];
+    let w = address_warnings(&resolved);
     assert_eq!(w.len(), 2, "{w:?}");
     assert!(
         w[0].contains("engines[0]")
@@ -187,9 +190,18 @@ fn engines_resolving_to_one_address_are_warned_about() {
         "{w:?}"
     );
     assert!(
-        w[1].contains("engines[2].url") && w[1].contains("no such host"),
+        w[1].contains("engines[2] (http://c:1)") && w[1].contains("no such host"),
         "{w:?}"
     );
+    // A runtime change warns about the engines it brings only: b alone is new here.
+    for (i, r) in resolved.iter_mut().enumerate() {
+        r.concerned = i == 1;
+    }
+    let w = address_warnings(&resolved);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].contains("engines[1] (http://b:1)"), "{w:?}");
+    resolved[1].concerned = false;
+    assert!(address_warnings(&resolved).is_empty());
 }
 
 #[test]

@@ -144,6 +144,21 @@ fn resilience_keys_have_defaults_and_bounds() {
     assert!(e.contains("routing.max_attempts"), "{e}");
     let e = err(&format!("[routing]\nretry_budget = 1.5\n{MIN}"));
     assert!(e.contains("routing.retry_budget"), "{e}");
+    assert!(
+        c.routing.retry_on.is_empty(),
+        "an engine's 500 is not retried by default"
+    );
+    let c500 = Config::from_str(&format!("[routing]\nretry_on = [500, 503]\n{MIN}")).unwrap();
+    assert_eq!(c500.routing.retry_on, [500, 503]);
+    for bad in ["501", "404", "429"] {
+        let e = err(&format!("[routing]\nretry_on = [{bad}]\n{MIN}"));
+        assert!(
+            e.contains("routing.retry_on") && e.contains(&format!("{bad} cannot be retried")),
+            "{e}"
+        );
+    }
+    let e = err(&format!("[routing]\nretry_on = [\"5xx\"]\n{MIN}"));
+    assert!(e.contains("retry_on"), "{e}");
     let e = err(&format!("[server]\nmax_in_flight = 0\n{MIN}"));
     assert!(e.contains("server.max_in_flight"), "{e}");
     let e = err(&format!("[server]\nmax_header_bytes = 100\n{MIN}"));
