@@ -3,6 +3,7 @@
 //! graceful drain), pooled clients for `http://` and `https://` upstreams, and the
 //! OpenAI-shaped error body.
 
+mod admission;
 mod conn;
 mod limits;
 mod serve;
@@ -11,7 +12,7 @@ mod throttle;
 mod watch;
 
 pub use conn::MAX_HEADER_LINES;
-pub use limits::{Door, ServeOptions};
+pub use limits::{default_per_client, Door, DoorStats, ServeOptions};
 pub use serve::{serve, serve_with};
 pub use shutdown::{shutdown_signalled, Shutdown};
 pub use throttle::Throttle;

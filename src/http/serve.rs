@@ -5,10 +5,12 @@
 //! down, so each connection lives under a deadline: its first request's headers must arrive
 //! within `header_read_timeout` (the HTTP version sniff and the h2 preface included, which hyper's
 //! own HTTP/1 header timeout does not cover), and a connection with no request in progress is
-//! closed after `idle_timeout`. Accepting pauses at `max_connections`, whose default leaves file
-//! descriptors for the upstream connections and the admin listener, so the admin listener keeps
-//! answering when the front door is full. Shutdown stops accepting, lets requests and streams in
-//! flight finish for the drain grace, then returns.
+//! closed after `idle_timeout`. One client address holds at most `max_connections_per_client`
+//! connections, and a full table (`max_connections`, whose default leaves file descriptors for
+//! the upstream connections and the admin listener) first closes its oldest connection that has
+//! not sent a request yet; only a table of serving connections pauses accepting
+//! ([`super::admission`]). Shutdown stops accepting, lets requests and streams in flight finish
+//! for the drain grace, then returns.
 
 use std::cell::RefCell;
 use std::convert::Infallible;
@@ -26,6 +28,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::admission::Ticket;
 use super::conn::{self, Builders};
 use super::limits::{Door, ServeOptions};
 use super::shutdown::{shutdown_signalled, Shutdown};
@@ -73,10 +76,12 @@ pub async fn serve_with<M, S, B>(
     let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     // Told when the drain grace expires: connections still open then are cut.
     let (cut, cut_rx) = watch::channel(false);
-    let door = (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(opts.max_connections)));
+    let door = (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(&opts)));
     let Door {
         max_connections,
         slots,
+        admission,
+        client_full,
         accept_errors,
         cap_reached,
     } = &*door;
@@ -95,20 +100,39 @@ pub async fn serve_with<M, S, B>(
             },
             _ = shutdown_signalled(&mut shutdown) => break,
         };
+        let activity = Arc::new(Activity::new());
+        if admission.admit(peer.ip(), &activity).is_none() {
+            admission.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Some(held) = client_full.allow() {
+                tracing::warn!(
+                    client = %peer.ip(),
+                    max_connections_per_client = admission.per_client,
+                    repeated = held,
+                    "client address at its connection limit, all serving: connection closed"
+                );
+            }
+            continue;
+        }
+        let ticket = Ticket::new(admission, peer.ip(), &activity);
         // The slot is taken once a client is there, never while waiting for one: with several
         // listeners on one door, a slot held by an idle listener was a slot the busy ones
         // lacked (below the cap, clients waited; with a cap under the core count, forever). At
-        // the cap this client waits here, accepted but not served, and accepting pauses: the
-        // kernel's backlog holds the next ones, and at most one descriptor per listener is
-        // held beyond the cap.
+        // the cap the oldest connection with no request yet makes room; with none, this client
+        // waits here, accepted but not served, and accepting pauses: the kernel's backlog
+        // holds the next ones, and at most one descriptor per listener is held beyond the cap.
         let slot = match slots.clone().try_acquire_owned() {
             Ok(s) => s,
             Err(_) => {
+                let replaced = admission.replace_oldest();
                 if let Some(held) = cap_reached.allow() {
+                    let outcome = match replaced {
+                        true => "the oldest connection with no request yet closed",
+                        false => "all serving, accepting paused",
+                    };
                     tracing::warn!(
                         max_connections,
                         repeated = held,
-                        "connection limit reached: accepting paused"
+                        "connection limit reached: {outcome}"
                     );
                 }
                 tokio::select! {
@@ -121,7 +145,6 @@ pub async fn serve_with<M, S, B>(
             }
         };
         let _ = stream.set_nodelay(true);
-        let activity = Arc::new(Activity::new());
         let svc = Tracked {
             inner: RefCell::new(make(peer)),
             activity: activity.clone(),
@@ -148,9 +171,14 @@ pub async fn serve_with<M, S, B>(
                     // client that connects and never finishes it holds its slot no longer
                     // than one that never sends headers.
                     let deadline = activity.opened + opts.header_read_timeout;
-                    let stream = match tokio::time::timeout_at(deadline, acceptor.accept(stream))
-                        .await
-                    {
+                    let handshake = tokio::select! {
+                        r = tokio::time::timeout_at(deadline, acceptor.accept(stream)) => r,
+                        () = activity.evicted() => {
+                            tracing::debug!(%peer, "TLS handshake cut: replaced by a newer connection");
+                            return;
+                        }
+                    };
+                    let stream = match handshake {
                         Ok(Ok(s)) => s,
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
@@ -164,6 +192,7 @@ pub async fn serve_with<M, S, B>(
                     serve_conn(stream, svc, &builders, watch).await;
                 }
             }
+            drop(ticket);
             drop(slot);
             drop(open);
         });
@@ -204,6 +233,10 @@ where
         r = tokio::time::timeout_at(deadline, conn::sniff(&mut io)) => r,
         _ = cut.wait_for(|c| *c) => return,
         _ = shutdown_signalled(&mut shutdown) => return,
+        () = w.activity.evicted() => {
+            tracing::debug!("client connection closed before its first bytes: replaced by a newer one");
+            return;
+        }
     };
     let (first, h2) = match sniffed {
         Ok(Ok(s)) => s,

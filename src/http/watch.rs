@@ -10,7 +10,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -39,6 +39,12 @@ pub(super) struct Activity {
     /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
     /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
     pub(super) answered_431: AtomicUsize,
+    /// Closed to make room for a newer connection (see [`super::admission`]); told through
+    /// `evict`, which keeps the word until the connection's task looks (a stored permit).
+    evicted: AtomicBool,
+    evict: Notify,
+    /// Its place in its address's count went to the connection that replaced it.
+    handed_over: AtomicBool,
 }
 
 impl Activity {
@@ -49,6 +55,37 @@ impl Activity {
             started: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(0),
             answered_431: AtomicUsize::new(0),
+            evicted: AtomicBool::new(false),
+            evict: Notify::new(),
+            handed_over: AtomicBool::new(false),
+        }
+    }
+
+    /// No request yet, and not told to close: a connection a newer one may replace.
+    pub(super) fn waiting(&self) -> bool {
+        self.started.load(Relaxed) == 0 && !self.evicted.load(Relaxed)
+    }
+
+    /// Tells the connection to close (it does unless a request began meanwhile); `hand_over`:
+    /// its place in its address's count goes to the newcomer.
+    pub(super) fn evict(&self, hand_over: bool) {
+        self.handed_over.store(hand_over, Relaxed);
+        self.evicted.store(true, Relaxed);
+        self.evict.notify_one();
+    }
+
+    pub(super) fn handed_over(&self) -> bool {
+        self.handed_over.load(Relaxed)
+    }
+
+    /// Resolves once the connection is told to close for a newer one while it has served no
+    /// request (an eviction that came after its first request began is let go).
+    pub(super) async fn evicted(&self) {
+        loop {
+            self.evict.notified().await;
+            if self.started.load(Relaxed) == 0 {
+                return;
+            }
         }
     }
 
@@ -224,6 +261,10 @@ async fn watch(
                 }
             }
             _ = &mut cut => return orders.tell(CLOSE),
+            () = activity.evicted(), if activity.started.load(Relaxed) == 0 => {
+                tracing::debug!("client connection closed before its first request: replaced by a newer one");
+                return orders.tell(CLOSE);
+            }
             _ = shutdown_signalled(&mut shutdown), if !shutting_down => {
                 shutting_down = true;
                 orders.tell(FINISH);

@@ -24,6 +24,7 @@
 //! metric without help.
 
 pub(crate) mod counts;
+mod doors;
 mod fleet;
 mod histogram;
 mod labels;
@@ -77,16 +78,25 @@ impl Default for Metrics {
 impl Metrics {
     /// Metrics of no fleet: the request-path counters only (unit tests of the proxy).
     pub fn new() -> Metrics {
-        Metrics::build(&[], None)
+        Metrics::build(&[], None, Vec::new())
     }
 
     /// The router's metrics: the request-path counters, the fleet of `table` as the current
-    /// snapshot has it at each scrape, and `extra_routes` (`server.extra_routes`) as labels.
-    pub fn for_router(table: Arc<Table>, extra_routes: &[String]) -> Metrics {
-        Metrics::build(extra_routes, Some(table))
+    /// snapshot has it at each scrape, `extra_routes` (`server.extra_routes`) as labels, and
+    /// the listeners' `doors` (connection limits and counts), each with its `listener` label.
+    pub fn for_router(
+        table: Arc<Table>,
+        extra_routes: &[String],
+        doors: Vec<(&'static str, Arc<crate::http::Door>)>,
+    ) -> Metrics {
+        Metrics::build(extra_routes, Some(table), doors)
     }
 
-    fn build(extra_routes: &[String], table: Option<Arc<Table>>) -> Metrics {
+    fn build(
+        extra_routes: &[String],
+        table: Option<Arc<Table>>,
+        doors: Vec<(&'static str, Arc<crate::http::Door>)>,
+    ) -> Metrics {
         let mut registry = Registry::default();
         let core = Arc::new(Core {
             routes: routes::Routes::new(extra_routes),
@@ -184,6 +194,9 @@ impl Metrics {
             registry.register_collector(Box::new(fleet::Fleet { table }));
         }
         registry.register_collector(Box::new(process::Process));
+        if !doors.is_empty() {
+            registry.register_collector(Box::new(doors::Doors(doors)));
+        }
         Metrics {
             registry,
             core,
