@@ -256,7 +256,10 @@ impl Router {
             tls: admin_tls.clone(),
             ..ServeOptions::default()
         });
-        let mut doors = vec![("front", door_of(&front_opts)), ("admin", door_of(&admin_opts))];
+        let mut doors = vec![
+            ("front", door_of(&front_opts)),
+            ("admin", door_of(&admin_opts)),
+        ];
         if grpc_listener.is_some() {
             doors.push(("grpc", door_of(&grpc_opts)));
         }

@@ -56,7 +56,12 @@ pub fn spawn(
             match until {
                 Some(t) if now <= t => {
                     let freed = tokio::task::spawn_blocking(trim).await.unwrap_or(false);
-                    tracing::debug!(in_flight, connections, freed, "allocator trimmed after a burst");
+                    tracing::debug!(
+                        in_flight,
+                        connections,
+                        freed,
+                        "allocator trimmed after a burst"
+                    );
                 }
                 _ => until = None,
             }

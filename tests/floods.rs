@@ -112,7 +112,10 @@ async fn small_door(server: &str) -> (SimEngine, Router) {
 async fn an_address_over_its_limit_keeps_no_other_address_out() {
     let (_e, r) = small_door("max_connections = 16\nmax_connections_per_client = 2").await;
     assert_eq!(
-        metric(&r, "rankgate_connections_per_client_max{listener=\"front\"}"),
+        metric(
+            &r,
+            "rankgate_connections_per_client_max{listener=\"front\"}"
+        ),
         2
     );
     // Two serving connections from 127.0.0.1 hold its limit.
@@ -124,17 +127,25 @@ async fn an_address_over_its_limit_keeps_no_other_address_out() {
     }
     // A third is closed on arrival, nothing answered.
     let mut c = connect_from(1, r.addr).await;
-    assert!(closed_by_rankgate(&mut c).await, "a third connection stayed open");
+    assert!(
+        closed_by_rankgate(&mut c).await,
+        "a third connection stayed open"
+    );
     assert_eq!(
         metric(&r, "rankgate_connections_refused_total{listener=\"front\"}"),
         1
     );
     // Another address is served meanwhile, and so are the first two.
     let mut d = connect_from(2, r.addr).await;
-    let (status, _) = roundtrip(&mut d, "/nope").await.expect("another address served");
+    let (status, _) = roundtrip(&mut d, "/nope")
+        .await
+        .expect("another address served");
     assert!(status.starts_with("HTTP/1.1 404"), "{status}");
     for s in [&mut a, &mut b] {
-        assert!(roundtrip(s, "/nope").await.is_some(), "a serving connection was closed");
+        assert!(
+            roundtrip(s, "/nope").await.is_some(),
+            "a serving connection was closed"
+        );
     }
 
     // An address whose connections have sent nothing yet: the newcomer takes the place of
@@ -144,15 +155,23 @@ async fn an_address_over_its_limit_keeps_no_other_address_out() {
     let mut idle2 = connect_from(3, r.addr).await;
     wait_metric(&r, OPEN, 5).await;
     let mut newest = connect_from(3, r.addr).await;
-    let (status, _) = roundtrip(&mut newest, "/nope").await.expect("the newest served");
+    let (status, _) = roundtrip(&mut newest, "/nope")
+        .await
+        .expect("the newest served");
     assert!(status.starts_with("HTTP/1.1 404"), "{status}");
-    assert!(closed_by_rankgate(&mut idle1).await, "the oldest idle one stayed");
+    assert!(
+        closed_by_rankgate(&mut idle1).await,
+        "the oldest idle one stayed"
+    );
     assert!(
         roundtrip(&mut idle2, "/nope").await.is_some(),
         "the younger idle connection was closed too"
     );
     assert_eq!(
-        metric(&r, "rankgate_connections_replaced_total{listener=\"front\"}"),
+        metric(
+            &r,
+            "rankgate_connections_replaced_total{listener=\"front\"}"
+        ),
         1
     );
 }
@@ -172,11 +191,19 @@ async fn a_full_table_closes_a_connection_with_no_request_before_a_serving_one()
     wait_metric(&r, OPEN, 4).await;
     // The table is full: a fifth client is served, in place of the oldest idle connection.
     let mut fifth = connect_from(2, r.addr).await;
-    let (status, _) = roundtrip(&mut fifth, "/nope").await.expect("the fifth served");
+    let (status, _) = roundtrip(&mut fifth, "/nope")
+        .await
+        .expect("the fifth served");
     assert!(status.starts_with("HTTP/1.1 404"), "{status}");
-    assert!(closed_by_rankgate(&mut older).await, "the oldest idle one stayed");
+    assert!(
+        closed_by_rankgate(&mut older).await,
+        "the oldest idle one stayed"
+    );
     for s in serving.iter_mut().chain([&mut younger]) {
-        assert!(roundtrip(s, "/nope").await.is_some(), "a connection was closed");
+        assert!(
+            roundtrip(s, "/nope").await.is_some(),
+            "a connection was closed"
+        );
     }
     assert_eq!(metric(&r, OPEN), 4);
 }
@@ -197,10 +224,16 @@ async fn admin_ready_answers_with_its_table_full_of_idle_sockets() {
         .expect("/ready answered within 5 s while the admin table is full");
     assert_eq!(ready.status, 200);
     // Accepted in order, the 300 idle ones before the probe: at least 45 made room.
-    let replaced = metric(&r, "rankgate_connections_replaced_total{listener=\"admin\"}");
+    let replaced = metric(
+        &r,
+        "rankgate_connections_replaced_total{listener=\"admin\"}",
+    );
     assert!(replaced >= 45, "{replaced} replaced");
     assert!(metric(&r, "rankgate_connections_open{listener=\"admin\"}") <= 256);
-    assert_eq!(metric(&r, "rankgate_connections_max{listener=\"admin\"}"), 256);
+    assert_eq!(
+        metric(&r, "rankgate_connections_max{listener=\"admin\"}"),
+        256
+    );
     drop(idle);
 }
 
@@ -240,5 +273,9 @@ async fn a_dripping_body_gets_408_at_the_body_timeout() {
     assert!(answered.is_ok(), "no answer within 5 s");
     let text = String::from_utf8_lossy(&got);
     assert!(text.starts_with("HTTP/1.1 408 "), "{text}");
-    assert_eq!(e.requests_received(), received, "the body reached an engine");
+    assert_eq!(
+        e.requests_received(),
+        received,
+        "the body reached an engine"
+    );
 }

@@ -22,7 +22,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 
-use super::watch::Activity;
+use super::activity::Activity;
 
 /// The client address limit and the queues of connections not serving yet.
 #[derive(Debug)]

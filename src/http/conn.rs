@@ -23,8 +23,9 @@ use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
+use super::activity::Activity;
 use super::limits::ServeOptions;
-use super::watch::{Activity, Graceful};
+use super::watch::Graceful;
 
 /// Most header lines one HTTP/1 request may carry (431 beyond).
 pub const MAX_HEADER_LINES: usize = 512;

@@ -74,8 +74,14 @@ impl Door {
             max_connections_per_client: self.admission.per_client,
             open: self.max_connections - self.slots.available_permits().min(self.max_connections),
             clients: self.admission.clients(),
-            refused: self.admission.refused.load(std::sync::atomic::Ordering::Relaxed),
-            replaced: self.admission.replaced.load(std::sync::atomic::Ordering::Relaxed),
+            refused: self
+                .admission
+                .refused
+                .load(std::sync::atomic::Ordering::Relaxed),
+            replaced: self
+                .admission
+                .replaced
+                .load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 

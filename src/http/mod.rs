@@ -3,6 +3,7 @@
 //! graceful drain), pooled clients for `http://` and `https://` upstreams, and the
 //! OpenAI-shaped error body.
 
+mod activity;
 mod admission;
 mod conn;
 mod limits;

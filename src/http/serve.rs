@@ -28,11 +28,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::activity::{ActiveGuard, Activity};
 use super::admission::Ticket;
 use super::conn::{self, Builders};
 use super::limits::{Door, ServeOptions};
 use super::shutdown::{shutdown_signalled, Shutdown};
-use super::watch::{drive, ActiveGuard, Activity, Watch};
+use super::watch::{drive, Watch};
 
 /// Serves a handler function with the default limits; see [`serve_with`].
 pub async fn serve<F, Fut, B>(listener: TcpListener, handler: F, shutdown: Shutdown)
@@ -102,7 +103,9 @@ pub async fn serve_with<M, S, B>(
         };
         let activity = Arc::new(Activity::new());
         if admission.admit(peer.ip(), &activity).is_none() {
-            admission.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            admission
+                .refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if let Some(held) = client_full.allow() {
                 tracing::warn!(
                     client = %peer.ip(),

@@ -70,8 +70,7 @@ impl Collector for Doors {
         for (name, help, read) in counters {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             for (listener, s) in &stats {
-                ConstCounter::new(read(s))
-                    .encode(m.encode_family(&[("listener", *listener)])?)?;
+                ConstCounter::new(read(s)).encode(m.encode_family(&[("listener", *listener)])?)?;
             }
         }
         Ok(())

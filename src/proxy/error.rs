@@ -213,9 +213,7 @@ impl ProxyError {
             ProxyError::OriginNotAllowed(_) => Code::PermissionDenied,
             ProxyError::TooLarge(_) | ProxyError::Overloaded(_) => Code::ResourceExhausted,
             ProxyError::ClientBody(ClientBodyError::Stalled(_) | ClientBodyError::TooSlow(_))
-            | ProxyError::Timeout(_) => {
-                Code::DeadlineExceeded
-            }
+            | ProxyError::Timeout(_) => Code::DeadlineExceeded,
             ProxyError::BadJson(_)
             | ProxyError::NotObject
             | ProxyError::Refused(_)
