@@ -1,7 +1,7 @@
 //! Floods from one client address, over real sockets on loopback (127.0.0.2 and up stand for
 //! other clients): an address over `max_connections_per_client` replaces its own connections
-//! that have sent nothing yet, is refused once all of them serve, and never keeps another
-//! address out; a full table closes a connection with no request yet before any serving one;
+//! that have sent nothing yet, waits for a place once all of them serve, and never keeps
+//! another address out; a full table closes a connection with no request yet before any serving one;
 //! the admin listener answers `/ready` with its table full of idle sockets; and a body that
 //! drips just inside `body_read_timeout` still ends at `body_timeout`, with a 408.
 #![cfg(feature = "sim")] // the simulated engine
@@ -108,9 +108,14 @@ async fn small_door(server: &str) -> (SimEngine, Router) {
     (e, r)
 }
 
+/// An address whose places all serve: its newcomer waits for one, closed at its header
+/// deadline if none comes, while another address is served at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_address_over_its_limit_keeps_no_other_address_out() {
-    let (_e, r) = small_door("max_connections = 16\nmax_connections_per_client = 2").await;
+    let (_e, r) = small_door(
+        "max_connections = 16\nmax_connections_per_client = 2\nheader_read_timeout = \"1s\"",
+    )
+    .await;
     assert_eq!(
         metric(
             &r,
@@ -125,35 +130,48 @@ async fn an_address_over_its_limit_keeps_no_other_address_out() {
         let (status, _) = roundtrip(s, "/nope").await.expect("served");
         assert!(status.starts_with("HTTP/1.1 404"), "{status}");
     }
-    // A third is closed on arrival, nothing answered.
+    // A third waits for a place; another address is served meanwhile.
     let mut c = connect_from(1, r.addr).await;
-    assert!(
-        closed_by_rankgate(&mut c).await,
-        "a third connection stayed open"
-    );
-    assert_eq!(
-        metric(&r, "rankgate_connections_refused_total{listener=\"front\"}"),
-        1
-    );
-    // Another address is served meanwhile, and so are the first two.
+    c.write_all(b"GET /nope HTTP/1.1\r\nhost: rankgate\r\n\r\n")
+        .await
+        .unwrap();
     let mut d = connect_from(2, r.addr).await;
     let (status, _) = roundtrip(&mut d, "/nope")
         .await
         .expect("another address served");
     assert!(status.starts_with("HTTP/1.1 404"), "{status}");
+    // No place came within its header deadline: closed, nothing answered.
+    assert!(closed_by_rankgate(&mut c).await, "the third stayed open");
+    assert_eq!(
+        metric(&r, "rankgate_connections_refused_total{listener=\"front\"}"),
+        1
+    );
     for s in [&mut a, &mut b] {
         assert!(
             roundtrip(s, "/nope").await.is_some(),
             "a serving connection was closed"
         );
     }
+    // A place given back goes to the address's next connection.
+    drop(a);
+    let mut e = connect_from(1, r.addr).await;
+    let (status, _) = roundtrip(&mut e, "/nope")
+        .await
+        .expect("served once a place is free");
+    assert!(status.starts_with("HTTP/1.1 404"), "{status}");
+}
 
-    // An address whose connections have sent nothing yet: the newcomer takes the place of
-    // the oldest of them, the other stays.
+/// An address whose connections have sent nothing yet: its newcomer takes the place of the
+/// oldest of them, the others stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_at_its_limit_replaces_its_oldest_idle_connection() {
+    let (_e, r) = small_door("max_connections = 16\nmax_connections_per_client = 2").await;
     let mut idle1 = connect_from(3, r.addr).await;
-    wait_metric(&r, OPEN, 4).await;
+    wait_metric(&r, OPEN, 1).await;
     let mut idle2 = connect_from(3, r.addr).await;
-    wait_metric(&r, OPEN, 5).await;
+    wait_metric(&r, OPEN, 2).await;
+    // A connection has 250 ms to send its request before a newer one may replace it.
+    tokio::time::sleep(Duration::from_millis(400)).await;
     let mut newest = connect_from(3, r.addr).await;
     let (status, _) = roundtrip(&mut newest, "/nope")
         .await
@@ -174,6 +192,10 @@ async fn an_address_over_its_limit_keeps_no_other_address_out() {
         ),
         1
     );
+    assert_eq!(
+        metric(&r, "rankgate_connections_refused_total{listener=\"front\"}"),
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,6 +211,8 @@ async fn a_full_table_closes_a_connection_with_no_request_before_a_serving_one()
     wait_metric(&r, OPEN, 3).await;
     let mut younger = connect_from(1, r.addr).await;
     wait_metric(&r, OPEN, 4).await;
+    // A connection has 250 ms to send its request before a newer one may replace it.
+    tokio::time::sleep(Duration::from_millis(400)).await;
     // The table is full: a fifth client is served, in place of the oldest idle connection.
     let mut fifth = connect_from(2, r.addr).await;
     let (status, _) = roundtrip(&mut fifth, "/nope")

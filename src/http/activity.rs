@@ -25,6 +25,8 @@ pub(super) struct Activity {
     /// `evict`, which keeps the word until the connection's task looks (a stored permit).
     evicted: AtomicBool,
     evict: Notify,
+    /// It holds a place in its address's count (else it waits for one).
+    placed: AtomicBool,
     /// Its place in its address's count went to the connection that replaced it.
     handed_over: AtomicBool,
 }
@@ -39,6 +41,7 @@ impl Activity {
             answered_431: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             evict: Notify::new(),
+            placed: AtomicBool::new(false),
             handed_over: AtomicBool::new(false),
         }
     }
@@ -54,6 +57,14 @@ impl Activity {
         self.handed_over.store(hand_over, Relaxed);
         self.evicted.store(true, Relaxed);
         self.evict.notify_one();
+    }
+
+    pub(super) fn placed(&self) {
+        self.placed.store(true, Relaxed);
+    }
+
+    pub(super) fn is_placed(&self) -> bool {
+        self.placed.load(Relaxed)
     }
 
     pub(super) fn handed_over(&self) -> bool {

@@ -2,8 +2,12 @@
 //! `max_connections_per_client` of them and the listeners of a door at most `max_connections`
 //! together; when either is full, a newcomer takes the place of the OLDEST connection in that
 //! scope that has not yet sent a complete request (its TLS handshake, h2 preface or first head
-//! still to come), and only when every connection there is serving is the newcomer refused (the
-//! address's limit: closed at once) or made to wait (the door's: accepting pauses, as before).
+//! still to come). Only when every connection there is serving does the newcomer wait: for a
+//! place of its address (given back by one of its connections) until its header deadline, in a
+//! queue of at most `max_connections_per_client` whose oldest a newcomer replaces beyond that;
+//! or, the door being full, in the kernel's backlog (accepting pauses, as before). Waiting
+//! rather than refusing at once matters for a client that closes and reopens connections at its
+//! limit: the close has not been seen yet when the new one arrives.
 //!
 //! Why replace rather than refuse: a flood of idle sockets from one address then churns through
 //! its own share and nobody else's, while a real client behind the same address (a probe, a
@@ -21,8 +25,21 @@ use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use super::activity::Activity;
+
+/// How long a new connection has to send its first request before a newer one may take its
+/// place. Accepted is not yet read: without it, a connection whose request was on its way (or
+/// whose TLS handshake was a round trip from done) was closed for a newcomer no more real than
+/// it. A flood of idle sockets is replaceable after this; until then, the newcomers of a full
+/// address queue for a place (or are refused, the queue full), and a full door pauses. It also
+/// sets how fast a full door turns over (its size per this much time), so it stays short: a
+/// couple of round trips on a long path.
+const REPLACEABLE_AFTER: Duration = Duration::from_millis(250);
 
 /// The client address limit and the queues of connections not serving yet.
 #[derive(Debug)]
@@ -30,7 +47,8 @@ pub(super) struct Admission {
     pub(super) per_client: usize,
     max_connections: usize,
     tables: Mutex<Tables>,
-    /// Connections closed at once: their address held its limit, all of them serving.
+    /// Connections closed at their header deadline while waiting for a place: their address
+    /// held its limit, all of it serving.
     pub(super) refused: AtomicU64,
     /// Connections closed before their first request to make room for a newer one.
     pub(super) replaced: AtomicU64,
@@ -45,9 +63,15 @@ struct Tables {
 
 #[derive(Debug, Default)]
 struct Client {
+    /// Places taken.
     open: usize,
-    /// The address's connections not serving yet, oldest first.
+    /// The address's connections holding a place and not serving yet, oldest first.
     waiting: VecDeque<Weak<Activity>>,
+    /// Connections waiting for a place, and their queue, oldest first.
+    queued: usize,
+    queue: VecDeque<Weak<Activity>>,
+    /// Told when a place is given back.
+    freed: Arc<Notify>,
 }
 
 /// A connection's place in its address's count, given back when the connection ends (unless a
@@ -73,52 +97,96 @@ impl Admission {
         self.tables.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Counts a new connection from `ip` against its address. `None`: the address holds its
-    /// limit and every one of its connections is serving; close this one.
-    pub(super) fn admit(&self, ip: IpAddr, activity: &Arc<Activity>) -> Option<()> {
+    /// Counts a new connection from `ip` against its address: a place of its own, or the place
+    /// of the address's oldest connection with no request yet. With every place serving, the
+    /// connection must wait for one ([`Place::Wait`]), in a queue of at most
+    /// `max_connections_per_client`, whose oldest a newcomer replaces beyond that.
+    pub(super) fn admit(&self, ip: IpAddr, activity: &Arc<Activity>) -> Place {
         let mut t = self.tables();
         let per_client = self.per_client;
         let client = t.clients.entry(ip).or_default();
-        if client.open >= per_client {
+        let place = if client.open < per_client {
+            client.open += 1;
+            Place::Now
+        } else if let Some(oldest) = pop_waiting(&mut client.waiting) {
             // Its place goes to the newcomer: the count stays as it is.
-            let oldest = pop_waiting(&mut client.waiting)?;
             oldest.evict(true);
             self.replaced.fetch_add(1, Relaxed);
+            Place::Now
+        } else if client.queued < per_client {
+            client.queued += 1;
+            push(&mut client.queue, activity, per_client);
+            Place::Wait(client.freed.clone())
+        } else if let Some(oldest) = pop_waiting(&mut client.queue) {
+            // Its spot in the queue goes to the newcomer (the count stays as it is: the one
+            // replaced gives its spot back when it ends, which its ticket then skips).
+            oldest.evict(true);
+            self.replaced.fetch_add(1, Relaxed);
+            push(&mut client.queue, activity, per_client);
+            Place::Wait(client.freed.clone())
         } else {
-            client.open += 1;
+            self.refused.fetch_add(1, Relaxed);
+            return Place::Refused;
+        };
+        if let Place::Now = place {
+            activity.placed();
+            push(&mut client.waiting, activity, per_client);
         }
-        client.waiting.push_back(Arc::downgrade(activity));
-        if client.waiting.len() > 2 * per_client + 8 {
-            client.waiting.retain(is_waiting);
-        }
-        t.waiting.push_back(Arc::downgrade(activity));
-        if t.waiting.len() > 2 * self.max_connections + 64 {
-            t.waiting.retain(is_waiting);
-        }
-        Some(())
+        push(&mut t.waiting, activity, self.max_connections);
+        place
     }
 
-    /// The door is full: closes its oldest connection not serving yet. `false`: all serve.
-    pub(super) fn replace_oldest(&self) -> bool {
-        let Some(oldest) = pop_waiting(&mut self.tables().waiting) else {
+    /// A place for `activity`, queued at its address, if one is free now.
+    pub(super) fn take_place(&self, ip: IpAddr, activity: &Arc<Activity>) -> bool {
+        let mut t = self.tables();
+        let per_client = self.per_client;
+        let Some(client) = t.clients.get_mut(&ip) else {
             return false;
         };
-        oldest.evict(false);
-        self.replaced.fetch_add(1, Relaxed);
+        if client.open >= per_client || activity.is_placed() || !activity.waiting() {
+            return false;
+        }
+        client.open += 1;
+        client.queued = client.queued.saturating_sub(1);
+        activity.placed();
+        push(&mut client.waiting, activity, per_client);
         true
+    }
+
+    /// The door is full: closes its oldest connection not serving yet, if it has had its
+    /// [`REPLACEABLE_AFTER`].
+    pub(super) fn replace_oldest(&self) -> Replace {
+        let mut t = self.tables();
+        if let Some(oldest) = pop_waiting(&mut t.waiting) {
+            oldest.evict(false);
+            self.replaced.fetch_add(1, Relaxed);
+            return Replace::Done;
+        }
+        // pop_waiting left the front alone only if it is waiting and too young.
+        match t.waiting.front().and_then(Weak::upgrade) {
+            Some(a) => Replace::Later(a.opened + REPLACEABLE_AFTER),
+            None => Replace::AllServing,
+        }
     }
 
     fn release(&self, ip: IpAddr, activity: &Activity) {
         let mut t = self.tables();
-        // Read under the lock that `admit` sets it under.
-        if activity.handed_over() {
+        let Some(c) = t.clients.get_mut(&ip) else {
             return;
-        }
-        if let Some(c) = t.clients.get_mut(&ip) {
-            c.open = c.open.saturating_sub(1);
-            if c.open == 0 {
-                t.clients.remove(&ip);
+        };
+        // Read under the lock that `admit` and `take_place` set them under.
+        match (activity.is_placed(), activity.handed_over()) {
+            (true, true) => {}
+            (true, false) => {
+                c.open = c.open.saturating_sub(1);
+                c.freed.notify_one();
             }
+            (false, true) => {}
+            (false, false) => c.queued = c.queued.saturating_sub(1),
+        }
+        // Kept while a connection waits on its `freed`.
+        if c.open == 0 && c.queued == 0 {
+            t.clients.remove(&ip);
         }
     }
 
@@ -126,6 +194,28 @@ impl Admission {
     pub(super) fn clients(&self) -> usize {
         self.tables().clients.len()
     }
+}
+
+/// What a full door could do.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Replace {
+    /// Its oldest connection with no request yet was told to close.
+    Done,
+    /// Its oldest connection with no request yet may be replaced at this instant.
+    Later(Instant),
+    /// Every connection is serving.
+    AllServing,
+}
+
+/// Where a new connection stands with its address.
+pub(super) enum Place {
+    /// It holds a place: serve it.
+    Now,
+    /// Every place is serving: wait until `freed` says one was given back, then
+    /// [`Admission::take_place`].
+    Wait(Arc<Notify>),
+    /// Every place serving, the queue full of connections too young to replace: close it.
+    Refused,
 }
 
 impl Ticket {
@@ -136,6 +226,28 @@ impl Ticket {
             activity: a.clone(),
         }
     }
+
+    /// Waits for a place at the connection's address (given back by one of its connections),
+    /// until `deadline`. `false`: none came in time, or a newer connection replaced this one.
+    pub(super) async fn wait_for_place(&self, freed: &Notify, deadline: Instant) -> bool {
+        let (admission, ip, activity) = (&self.admission, self.ip, &self.activity);
+        let waited = tokio::time::timeout_at(deadline, async {
+            loop {
+                if admission.take_place(ip, activity) {
+                    return true;
+                }
+                tokio::select! {
+                    () = freed.notified() => {}
+                    () = activity.evicted() => return false,
+                }
+            }
+        })
+        .await;
+        if waited.is_err() {
+            admission.refused.fetch_add(1, Relaxed);
+        }
+        waited.unwrap_or(false)
+    }
 }
 
 impl Drop for Ticket {
@@ -144,15 +256,33 @@ impl Drop for Ticket {
     }
 }
 
+/// Queues `a`, sweeping out connections that served or closed when the queue grows past twice
+/// what it can hold.
+fn push(queue: &mut VecDeque<Weak<Activity>>, a: &Arc<Activity>, holds: usize) {
+    queue.push_back(Arc::downgrade(a));
+    if queue.len() > 2 * holds + 64 {
+        queue.retain(is_waiting);
+    }
+}
+
 fn is_waiting(w: &Weak<Activity>) -> bool {
     w.upgrade().is_some_and(|a| a.waiting())
 }
 
-/// The oldest connection of `queue` still waiting for its first request.
+/// The oldest connection of `queue` still waiting for its first request, if it has had
+/// [`REPLACEABLE_AFTER`] to send it.
 fn pop_waiting(queue: &mut VecDeque<Weak<Activity>>) -> Option<Arc<Activity>> {
-    while let Some(w) = queue.pop_front() {
-        if let Some(a) = w.upgrade().filter(|a| a.waiting()) {
-            return Some(a);
+    while let Some(w) = queue.front() {
+        match w.upgrade().filter(|a| a.waiting()) {
+            // The queue is oldest first: if this one is too young, so are all after it.
+            Some(a) if a.opened.elapsed() < REPLACEABLE_AFTER => return None,
+            Some(a) => {
+                queue.pop_front();
+                return Some(a);
+            }
+            None => {
+                queue.pop_front();
+            }
         }
     }
     None

@@ -100,7 +100,7 @@ pub struct DoorStats {
     pub open: usize,
     /// Client addresses holding connections now.
     pub clients: usize,
-    /// Connections closed at once: their address held its limit, all serving.
+    /// Connections closed waiting for a place: their address held its limit, all serving.
     pub refused: u64,
     /// Connections closed before their first request to make room for a newer one.
     pub replaced: u64,

@@ -27,9 +27,10 @@ use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::activity::{ActiveGuard, Activity};
-use super::admission::Ticket;
+use super::admission::{Place, Replace, Ticket};
 use super::conn::{self, Builders};
 use super::limits::{Door, ServeOptions};
 use super::shutdown::{shutdown_signalled, Shutdown};
@@ -102,18 +103,18 @@ pub async fn serve_with<M, S, B>(
             _ = shutdown_signalled(&mut shutdown) => break,
         };
         let activity = Arc::new(Activity::new());
-        if admission.admit(peer.ip(), &activity).is_none() {
-            admission
-                .refused
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let place = admission.admit(peer.ip(), &activity);
+        if !matches!(place, Place::Now) {
             if let Some(held) = client_full.allow() {
                 tracing::warn!(
                     client = %peer.ip(),
                     max_connections_per_client = admission.per_client,
                     repeated = held,
-                    "client address at its connection limit, all serving: connection closed"
+                    "client address at its connection limit: new connections wait for a place, or are closed"
                 );
             }
+        }
+        if let Place::Refused = place {
             continue;
         }
         let ticket = Ticket::new(admission, peer.ip(), &activity);
@@ -126,11 +127,14 @@ pub async fn serve_with<M, S, B>(
         let slot = match slots.clone().try_acquire_owned() {
             Ok(s) => s,
             Err(_) => {
-                let replaced = admission.replace_oldest();
+                let mut replaced = admission.replace_oldest();
                 if let Some(held) = cap_reached.allow() {
                     let outcome = match replaced {
-                        true => "the oldest connection with no request yet closed",
-                        false => "all serving, accepting paused",
+                        Replace::Done => "the oldest connection with no request yet closed",
+                        Replace::Later(_) => {
+                            "accepting paused until a connection with no request yet has had its 250 ms"
+                        }
+                        Replace::AllServing => "all serving, accepting paused",
                     };
                     tracing::warn!(
                         max_connections,
@@ -138,12 +142,25 @@ pub async fn serve_with<M, S, B>(
                         "connection limit reached: {outcome}"
                     );
                 }
-                tokio::select! {
-                    s = slots.clone().acquire_owned() => match s {
-                        Ok(s) => s,
-                        Err(_) => break,
-                    },
-                    _ = shutdown_signalled(&mut shutdown) => break,
+                // Paused: a slot given back, or the oldest connection with no request yet
+                // becoming replaceable, whichever comes first.
+                let slot = loop {
+                    let retry = match replaced {
+                        Replace::Later(t) => Some(t),
+                        _ => None,
+                    };
+                    let replaceable = tokio::time::sleep_until(retry.unwrap_or_else(Instant::now));
+                    tokio::select! {
+                        s = slots.clone().acquire_owned() => break s.ok(),
+                        _ = shutdown_signalled(&mut shutdown) => break None,
+                        () = replaceable, if retry.is_some() => {
+                            replaced = admission.replace_oldest();
+                        }
+                    }
+                };
+                match slot {
+                    Some(s) => s,
+                    None => break,
                 }
             }
         };
@@ -161,6 +178,13 @@ pub async fn serve_with<M, S, B>(
         );
         let tls = opts.tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
+            if let Place::Wait(freed) = place {
+                let deadline = activity.opened + opts.header_read_timeout;
+                if !ticket.wait_for_place(&freed, deadline).await {
+                    tracing::debug!(%peer, "client connection closed: no place for its address in time");
+                    return;
+                }
+            }
             let watch = Watch {
                 activity: &activity,
                 opts: &opts,
@@ -174,8 +198,14 @@ pub async fn serve_with<M, S, B>(
                     // client that connects and never finishes it holds its slot no longer
                     // than one that never sends headers.
                     let deadline = activity.opened + opts.header_read_timeout;
+                    // rustls's connection state is made only once the client has sent
+                    // something: a socket that connects and says nothing costs no more over
+                    // TLS than in cleartext.
                     let handshake = tokio::select! {
-                        r = tokio::time::timeout_at(deadline, acceptor.accept(stream)) => r,
+                        r = tokio::time::timeout_at(deadline, async move {
+                            stream.readable().await?;
+                            acceptor.accept(stream).await
+                        }) => r,
                         () = activity.evicted() => {
                             tracing::debug!(%peer, "TLS handshake cut: replaced by a newer connection");
                             return;
@@ -253,9 +283,11 @@ where
         }
     };
     let io = conn::client_io(io, first, w.activity.clone(), !h2);
+    // Boxed: hyper's connection and its watch are only made here, so the task of a connection
+    // still waiting for its first bytes (most of a flood) is no larger than what it holds.
     match h2 {
-        true => drive(builders.h2.serve_connection(io, svc), w).await,
-        false => drive(conn::H1::new(builders.clone(), io, svc), w).await,
+        true => Box::pin(drive(builders.h2.serve_connection(io, svc), w)).await,
+        false => Box::pin(drive(conn::H1::new(builders.clone(), io, svc), w)).await,
     }
 }
 

@@ -56,8 +56,8 @@ impl Collector for Doors {
         let counters: [(&str, &str, fn(&DoorStats) -> u64); 2] = [
             (
                 "rankgate_connections_refused",
-                "Client connections closed on arrival: their address held its limit and every \
-                 one of its connections was serving",
+                "Client connections closed at their header deadline while waiting for a place: \
+                 their address held its limit and every one of its connections was serving",
                 |s| s.refused,
             ),
             (
