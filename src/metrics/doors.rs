@@ -15,6 +15,9 @@ use prometheus_client::metrics::MetricType;
 
 use crate::http::{Door, DoorStats};
 
+/// A series: its name, its help, and how it reads a door's numbers.
+type Series<T> = (&'static str, &'static str, fn(&DoorStats) -> T);
+
 /// The doors, each with its `listener` label (`front`, `admin`, `grpc`).
 #[derive(Debug)]
 pub(super) struct Doors(pub Vec<(&'static str, Arc<Door>)>);
@@ -22,7 +25,7 @@ pub(super) struct Doors(pub Vec<(&'static str, Arc<Door>)>);
 impl Collector for Doors {
     fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
         let stats: Vec<(&str, DoorStats)> = self.0.iter().map(|(l, d)| (*l, d.stats())).collect();
-        let gauges: [(&str, &str, fn(&DoorStats) -> usize); 4] = [
+        let gauges: [Series<usize>; 4] = [
             (
                 "rankgate_connections_max",
                 "Client connections the listener holds at once (server.max_connections for the \
@@ -53,7 +56,7 @@ impl Collector for Doors {
                     .encode(m.encode_family(&[("listener", *listener)])?)?;
             }
         }
-        let counters: [(&str, &str, fn(&DoorStats) -> u64); 2] = [
+        let counters: [Series<u64>; 2] = [
             (
                 "rankgate_connections_refused",
                 "Client connections closed at their header deadline while waiting for a place: \

@@ -1,23 +1,19 @@
 //! A hostile client for `bench/hostile/floods.sh`, loopback only, every loop bounded in count
 //! and time.
 //!
-//! `flood`: from one source address, keeps up to `--count` connections open to `--target`,
+//! `flood TARGET FROM KIND COUNT SECONDS MAX_CONNECTS`: from one source address, keeps up to `--count` connections open to `--target`,
 //! each saying only what its kind says (`idle`: nothing; `h2-preface`: the 24-byte HTTP/2
 //! preface; `tls-half`: the first bytes of a TLS ClientHello record), opening a new one for
 //! each the server closes, for `--seconds` and at most `--max-connects` connects in all.
-//! Prints one line: `connects=N closed_by_server=N held_max=N connect_errors=N`.
-//!
-//! `probe`: from another source address, a new connection every `--every-ms` with one
-//! `GET --path` on it (HTTP/1.1), for `--seconds`; prints the time to the status line
-//! (`p50_ms= p99_ms= max_ms= answered= failed=`), a request that takes over 5 s being failed.
+//! Prints one line: `connects=N closed_by_server=N held_max=N connect_errors=N`. (The good
+//! client the script measures alongside is curl, from another address.)
 //!
 //! Usage: flood flood TARGET FROM KIND COUNT SECONDS MAX_CONNECTS
-//!        flood probe TARGET FROM PATH EVERY_MS SECONDS
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
@@ -25,13 +21,10 @@ use tokio::sync::Semaphore;
 
 /// Connects in progress at once: the kernel's SYN backlog, not the client, should be the limit.
 const CONNECTING: usize = 512;
-/// A probe slower than this counts as failed.
-const PROBE_LIMIT: Duration = Duration::from_secs(5);
 
 fn usage() -> ! {
     eprintln!(
-        "usage: flood flood TARGET FROM KIND(idle|h2-preface|tls-half) COUNT SECONDS MAX_CONNECTS\n       \
-         flood probe TARGET FROM PATH EVERY_MS SECONDS"
+        "usage: flood flood TARGET FROM KIND(idle|h2-preface|tls-half) COUNT SECONDS MAX_CONNECTS"
     );
     std::process::exit(2)
 }
@@ -134,63 +127,6 @@ async fn flood(args: &[String]) {
     );
 }
 
-/// One request on a new connection: the time to its status line, or `None`.
-async fn probe_once(from: IpAddr, to: SocketAddr, path: &str) -> Option<Duration> {
-    let started = Instant::now();
-    let run = async {
-        let mut s = connect(from, to).await.ok()?;
-        let req = format!("GET {path} HTTP/1.1\r\nhost: rankgate\r\nconnection: close\r\n\r\n");
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut buf = [0u8; 16];
-        let mut n = 0;
-        while n < 12 {
-            match s.read(&mut buf[n..]).await {
-                Ok(0) | Err(_) => return None,
-                Ok(k) => n += k,
-            }
-        }
-        buf.starts_with(b"HTTP/1.1 ").then(|| started.elapsed())
-    };
-    tokio::time::timeout(PROBE_LIMIT, run).await.ok().flatten()
-}
-
-async fn probe(args: &[String]) {
-    let target: SocketAddr = arg(args, 2);
-    let from: IpAddr = arg(args, 3);
-    let path: String = arg(args, 4);
-    let every = Duration::from_millis(arg(args, 5));
-    let seconds: u64 = arg(args, 6);
-    let end = Instant::now() + Duration::from_secs(seconds);
-    let mut tick = tokio::time::interval(every);
-    let mut probes = tokio::task::JoinSet::new();
-    while Instant::now() < end {
-        tick.tick().await;
-        let path = path.clone();
-        probes.spawn(async move { probe_once(from, target, &path).await });
-    }
-    let mut took = Vec::new();
-    let mut failed = 0;
-    while let Some(r) = probes.join_next().await {
-        match r.ok().flatten() {
-            Some(d) => took.push(d.as_secs_f64() * 1000.0),
-            None => failed += 1,
-        }
-    }
-    took.sort_by(f64::total_cmp);
-    let q = |p: f64| {
-        took.get(((took.len() as f64 - 1.0) * p).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
-    println!(
-        "p50_ms={:.1} p99_ms={:.1} max_ms={:.1} answered={} failed={failed}",
-        q(0.5),
-        q(0.99),
-        took.last().copied().unwrap_or(f64::NAN),
-        took.len()
-    );
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -202,7 +138,6 @@ fn main() {
         });
     match args.get(1).map(String::as_str) {
         Some("flood") => rt.block_on(flood(&args)),
-        Some("probe") => rt.block_on(probe(&args)),
         _ => usage(),
     }
 }
