@@ -254,7 +254,7 @@ impl Router {
         let grpc_opts = with_door(front_opts.clone());
         let admin_opts = with_door(ServeOptions {
             tls: admin_tls.clone(),
-            ..ServeOptions::default()
+            ..ServeOptions::admin()
         });
         let mut doors = vec![
             ("front", door_of(&front_opts)),

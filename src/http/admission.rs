@@ -57,6 +57,8 @@ pub(super) struct Admission {
 #[derive(Debug, Default)]
 struct Tables {
     clients: HashMap<IpAddr, Client>,
+    /// Connections admitted and not ended yet.
+    live: usize,
     /// Every connection of the door not serving yet, oldest first.
     waiting: VecDeque<Weak<Activity>>,
 }
@@ -132,6 +134,7 @@ impl Admission {
             activity.placed();
             push(&mut client.waiting, activity, per_client);
         }
+        t.live += 1;
         push(&mut t.waiting, activity, self.max_connections);
         place
     }
@@ -171,6 +174,12 @@ impl Admission {
 
     fn release(&self, ip: IpAddr, activity: &Activity) {
         let mut t = self.tables();
+        t.live = t.live.saturating_sub(1);
+        // After a flood the queue would otherwise keep what it held (each entry keeps its
+        // connection's small record allocated) until the next one.
+        if t.waiting.len() > 2 * t.live + 64 {
+            t.waiting.retain(is_waiting);
+        }
         let Some(c) = t.clients.get_mut(&ip) else {
             return;
         };

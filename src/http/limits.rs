@@ -115,7 +115,8 @@ impl Default for ServeOptions {
             h2_keepalive: Duration::from_secs(20),
             max_header_bytes: 64 * 1024,
             max_connections: 256,
-            max_connections_per_client: 256 / DEFAULT_CLIENT_SHARE,
+            // The simulated engine's one client is rankgate, from one address.
+            max_connections_per_client: 256,
             drain_grace: Duration::from_secs(30),
             door: None,
             tls: None,
@@ -124,6 +125,16 @@ impl Default for ServeOptions {
 }
 
 impl ServeOptions {
+    /// The admin listener's: the defaults, with a client address's share of them, so a flood
+    /// from one address leaves room for the probes and scrapes from others.
+    pub fn admin() -> ServeOptions {
+        let d = ServeOptions::default();
+        ServeOptions {
+            max_connections_per_client: d.max_connections / DEFAULT_CLIENT_SHARE,
+            ..d
+        }
+    }
+
     /// The front door's limits, from `[server]`.
     pub fn front_door(cfg: &ServerConfig) -> ServeOptions {
         let deadlines = Deadlines::of(cfg);

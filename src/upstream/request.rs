@@ -163,3 +163,27 @@ impl Body for RequestBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each wait ends at the stall limit until the whole-body deadline, counted from the first
+    /// wait, comes sooner; then at that deadline, with its own error.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_pace_ends_each_wait_at_the_nearer_limit() {
+        let mut pace = BodyPace::new(Duration::from_secs(2), Duration::from_secs(5));
+        let start = Instant::now();
+        let (until, e) = pace.wait();
+        assert_eq!(until, start + Duration::from_secs(2));
+        assert!(matches!(e, ClientBodyError::Stalled(_)));
+        tokio::time::advance(Duration::from_secs(4)).await;
+        let (until, e) = pace.wait();
+        assert_eq!(until, start + Duration::from_secs(5));
+        assert!(matches!(e, ClientBodyError::TooSlow(_)));
+        assert!(e.to_string().contains("server.body_timeout"), "{e}");
+        // Copied along with the body, the clock keeps its deadline.
+        let mut copy = pace;
+        assert_eq!(copy.wait().0, start + Duration::from_secs(5));
+    }
+}
