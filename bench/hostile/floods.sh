@@ -32,8 +32,12 @@ RANKGATE=${RANKGATE:-$TARGET_DIR/release/rankgate}
 FLOOD=${FLOOD:-$TARGET_DIR/release/examples/flood}
 [ -x "$FLOOD" ] || cargo build --release --quiet -p rankgate-sim --example flood
 # The flood client holds COUNT sockets; rankgate gets the limit the figures were taken at.
-ulimit -Hn $((COUNT * 2 + 4096)) 2>/dev/null || true
-ulimit -n $((COUNT * 2 + 4096))
+ulimit -Hn $((COUNT + 4096)) 2>/dev/null || true
+ulimit -n "$(ulimit -Hn)"
+if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt $((COUNT + 1000)) ]; then
+  COUNT=$(( $(ulimit -n) - 1000 ))
+  echo "RLIMIT_NOFILE $(ulimit -n) (hard) here: floods of $COUNT" >&2
+fi
 
 work=$(mktemp -d)
 pids=()
@@ -65,7 +69,7 @@ start_rankgate() {
     fi
     printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\ndp_size = 2\n' "$ENGINE"
   } >"$work/$1.toml"
-  (ulimit -n 20000; exec "$RANKGATE" serve --config "$work/$1.toml") >"$work/$1.log" 2>&1 &
+  (ulimit -n 20000 2>/dev/null || true; exec "$RANKGATE" serve --config "$work/$1.toml") >"$work/$1.log" 2>&1 &
   PID=$!
   pids+=("$PID")
   wait_up "http://127.0.0.1:$ADMIN/ready"
