@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::control::Control;
-use crate::http::ServeOptions;
+use crate::http::{Door, ServeOptions};
 use crate::membership::{Membership, Sources};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
@@ -168,12 +168,8 @@ fn serve_per_core(
     let listeners = (0..cores)
         .map(|_| bind_shared("server.listen", addr, true))
         .collect::<Result<Vec<_>, _>>()?;
-    // One cap (it guards the process's file descriptors) and one set of log throttles for
-    // all the cores' listeners.
-    let opts = ServeOptions {
-        door: Some(Arc::new(crate::http::Door::new(opts.max_connections))),
-        ..opts.clone()
-    };
+    // One cap (it guards the process's file descriptors), one count per client address and
+    // one set of log throttles for all the cores' listeners: the door in `opts`.
     let mut done = Vec::new();
     for (core, listener) in listeners.into_iter().enumerate() {
         let thread = |source| StartError::Thread { core, source };
@@ -211,6 +207,18 @@ fn serve_per_core(
     }
     tracing::info!(cores = done.len(), "front door: one runtime per core");
     Ok(done)
+}
+
+/// `opts` with a door of its own, which its listeners share.
+fn with_door(opts: ServeOptions) -> ServeOptions {
+    ServeOptions {
+        door: Some(Arc::new(Door::new(&opts))),
+        ..opts
+    }
+}
+
+fn door_of(opts: &ServeOptions) -> Arc<Door> {
+    (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(opts)))
 }
 
 impl Router {
@@ -272,10 +280,33 @@ impl Router {
         );
         let workers = fleet.workers.len();
         let table = Table::new(fleet, cfg.telemetry.stale_after);
+        // The doors first: /metrics shows their limits and counts, the allocator trim watches
+        // their connections come and go.
+        let front_opts = with_door(ServeOptions {
+            tls: front_tls.clone(),
+            // The drain grace ends here with the engine connections cut (see `shutdown`);
+            // the front door waits a moment more for the cut streams' last events to go out
+            // before it closes what is left.
+            drain_grace: cfg.server.drain_grace + CUT_FLUSH,
+            ..ServeOptions::front_door(&cfg.server)
+        });
+        let grpc_opts = with_door(front_opts.clone());
+        let admin_opts = with_door(ServeOptions {
+            tls: admin_tls.clone(),
+            ..ServeOptions::admin()
+        });
+        let mut doors = vec![
+            ("front", door_of(&front_opts)),
+            ("admin", door_of(&admin_opts)),
+        ];
+        if grpc_listener.is_some() {
+            doors.push(("grpc", door_of(&grpc_opts)));
+        }
         let certificates: Vec<_> = (front_tls.iter()).chain(&admin_tls).cloned().collect();
         let metrics = Arc::new(Metrics::for_router(
             table.clone(),
             &cfg.server.extra_routes,
+            doors.clone(),
             certificates.clone(),
         ));
         let (stop_front, front_rx) = watch::channel(false);
@@ -298,7 +329,11 @@ impl Router {
             rest_rx.clone(),
         );
 
-        let memory = crate::memory::spawn(table.clone(), rest_rx.clone());
+        let memory = crate::memory::spawn(
+            table.clone(),
+            doors.iter().map(|(_, d)| d.clone()).collect(),
+            rest_rx.clone(),
+        );
         let prompts = crate::prompt::Prompts::load(&cfg.models)?;
         let layers = Layers::new(
             &cfg,
@@ -309,18 +344,6 @@ impl Router {
             prompts,
         );
         let selector = layers.shared().selector.clone();
-        let front_opts = ServeOptions {
-            tls: front_tls.clone(),
-            // The drain grace ends here with the engine connections cut (see `shutdown`);
-            // the front door waits a moment more for the cut streams' last events to go out
-            // before it closes what is left.
-            drain_grace: cfg.server.drain_grace + CUT_FLUSH,
-            ..ServeOptions::front_door(&cfg.server)
-        };
-        tracing::debug!(
-            max_connections = front_opts.max_connections,
-            "front door limits"
-        );
         let mut front = if cfg.server.thread_per_core {
             // Bound without SO_REUSEPORT above, then again once per core with it: a port
             // anyone holds is an error, as without thread-per-core (two rankgates would
@@ -351,7 +374,7 @@ impl Router {
                     move |peer| crate::proxy::grpc_stack(&layers, peer)
                 },
                 front_rx,
-                front_opts,
+                grpc_opts,
             )));
         }
         let draining = layers.draining().clone();
@@ -370,10 +393,7 @@ impl Router {
                 tower::service_fn(move |req| admin.clone().handle(req))
             },
             rest_rx.clone(),
-            ServeOptions {
-                tls: admin_tls.clone(),
-                ..ServeOptions::default()
-            },
+            admin_opts,
         ));
         let tls_watch = tokio::spawn(crate::tls::watch(certificates.clone(), {
             let mut stop = rest_rx;
@@ -382,7 +402,10 @@ impl Router {
         tracing::info!(
             %addr, %admin_addr, grpc_addr = ?grpc_addr, workers,
             tls = cfg.server.tls.is_some(), admin_tls = cfg.server.admin_tls.is_some(),
-            policy = cfg.routing.policy.as_str(), "rankgate serving"
+            policy = cfg.routing.policy.as_str(),
+            max_connections = front_opts.max_connections,
+            max_connections_per_client = front_opts.max_connections_per_client,
+            "rankgate serving"
         );
         Ok(Router {
             addr,

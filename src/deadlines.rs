@@ -9,6 +9,8 @@
 //! body_read     server.body_read_timeout (30 s)     proxy read, pick,   408 (gRPC:
 //!                                                   grpc local,         DEADLINE_EXCEEDED)
 //!                                                   upstream request
+//! body          server.body_timeout (60 s)          the same            408 (gRPC:
+//!                                                                       DEADLINE_EXCEEDED)
 //! connect       server.connect_timeout (2 s)        http::dial (every   502, retryable,
 //!                                                   client's connector) counted against the
 //!                                                                       engine
@@ -45,6 +47,9 @@ pub struct Deadlines {
     pub h2_keepalive: Duration,
     /// Any wait for more of a client's request body.
     pub body_read: Duration,
+    /// The whole of a client's request body, however steadily it comes: counted from the
+    /// first wait for it (a body already there when its head is read costs no clock read).
+    pub body: Duration,
     /// A new connection to an engine established: TCP connect, TLS handshake, and an h2
     /// engine's first frame, one deadline from the start of the connect.
     pub connect: Duration,
@@ -62,6 +67,7 @@ impl Deadlines {
             idle: server.idle_timeout,
             h2_keepalive: server.h2_keepalive_interval,
             body_read: server.body_read_timeout,
+            body: server.body_timeout,
             connect: server.connect_timeout,
             response: server.response_timeout,
             stream_idle: server.stream_idle_timeout,

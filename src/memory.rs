@@ -6,12 +6,14 @@
 //! wherever they are in the heap), but only once the traffic that grew the heap has gone (a
 //! trim takes the arenas' locks, and is pointless while the memory is in use anyway), and for a
 //! minute after: the burst's idle connections close over the next seconds (engine connections
-//! after the pool's idle timeout, client ones after theirs), each freeing more.
+//! after the pool's idle timeout, client ones after theirs), each freeing more. A burst is of
+//! requests in flight or of client connections open: a flood of idle sockets or half-done
+//! handshakes grew the heap by hundreds of megabytes without a single request, and kept it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::http::Shutdown;
+use crate::http::{Door, Shutdown};
 use crate::table::Table;
 
 /// How often the task looks.
@@ -19,9 +21,14 @@ const EVERY: Duration = Duration::from_secs(5);
 /// How long after a burst it keeps trimming.
 const AFTER: Duration = Duration::from_secs(75);
 
-/// Trims while the number of requests in flight is well below the high mark since the last
-/// trim. Runs until `shutdown`. Does nothing where the allocator is not glibc's.
-pub fn spawn(table: Arc<Table>, mut shutdown: Shutdown) -> tokio::task::JoinHandle<()> {
+/// Trims while the requests in flight and the client connections open on `doors` are well
+/// below their high mark since the last trim. Runs until `shutdown`. Does nothing where the
+/// allocator is not glibc's.
+pub fn spawn(
+    table: Arc<Table>,
+    doors: Vec<Arc<Door>>,
+    mut shutdown: Shutdown,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -36,6 +43,9 @@ pub fn spawn(table: Arc<Table>, mut shutdown: Shutdown) -> tokio::task::JoinHand
                 let snap = table.snapshot.load();
                 snap.fleet.workers.iter().map(|w| w.live.in_flight()).sum()
             };
+            let connections: u64 = doors.iter().map(|d| d.open() as u64).sum();
+            // A request holds a connection too: each counts once per unit of memory it holds.
+            let in_flight = in_flight + connections;
             high = high.max(in_flight);
             let now = tokio::time::Instant::now();
             // A burst is over when what is left in flight is under a quarter of its peak.
@@ -46,7 +56,12 @@ pub fn spawn(table: Arc<Table>, mut shutdown: Shutdown) -> tokio::task::JoinHand
             match until {
                 Some(t) if now <= t => {
                     let freed = tokio::task::spawn_blocking(trim).await.unwrap_or(false);
-                    tracing::debug!(in_flight, freed, "allocator trimmed after a burst");
+                    tracing::debug!(
+                        in_flight,
+                        connections,
+                        freed,
+                        "allocator trimmed after a burst"
+                    );
                 }
                 _ => until = None,
             }

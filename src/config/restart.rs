@@ -26,8 +26,10 @@ macro_rules! restart_keys {
 // contents reload on their own (SIGHUP, a change on disk).
 restart_keys! {
     server: listen, admin_listen, grpc_listen, max_body_bytes, connect_timeout, response_timeout,
-        stream_idle_timeout, header_read_timeout, body_read_timeout, idle_timeout,
-        h2_keepalive_interval, max_header_bytes, max_connections, max_engine_connections,
+        stream_idle_timeout, header_read_timeout, body_read_timeout, body_timeout,
+        idle_timeout,
+        h2_keepalive_interval, max_header_bytes, max_connections,
+        max_connections_per_client, max_engine_connections,
         grpc_streams_per_connection, max_in_flight, shutdown_delay, drain_grace, extra_routes,
         api_keys_env, api_keys_file, cors_allow_origins, admin_token_env, access_log,
         thread_per_core, tls, admin_tls;

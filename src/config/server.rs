@@ -24,6 +24,8 @@ pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A whole body of `DEFAULT_MAX_BODY_BYTES` at a slow client's 1 MB/s takes about half of it.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_H2_KEEPALIVE: Duration = Duration::from_secs(20);
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
@@ -33,6 +35,10 @@ pub const MIN_MAX_HEADER_BYTES: usize = 8 * 1024;
 pub const MAX_MAX_HEADER_BYTES: usize = 16 * 1024 * 1024;
 pub const DEFAULT_MAX_ENGINE_CONNECTIONS: usize = 1024;
 pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(30);
+/// Unless `server.max_connections_per_client` says otherwise, one client address may hold this
+/// share of `max_connections` (1/8): enough for a NAT or a gateway in front carrying many
+/// users, while it takes at least 8 addresses to fill the table.
+pub const DEFAULT_CLIENT_SHARE: usize = 8;
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -46,10 +52,12 @@ pub(super) struct RawServer {
     stream_idle_timeout: Option<HumanDuration>,
     header_read_timeout: Option<HumanDuration>,
     body_read_timeout: Option<HumanDuration>,
+    body_timeout: Option<HumanDuration>,
     idle_timeout: Option<HumanDuration>,
     h2_keepalive_interval: Option<HumanDuration>,
     max_header_bytes: Option<usize>,
     max_connections: Option<usize>,
+    max_connections_per_client: Option<usize>,
     max_engine_connections: Option<usize>,
     grpc_streams_per_connection: Option<usize>,
     max_in_flight: Option<usize>,
@@ -87,6 +95,8 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// Longest gap between two chunks of a client's request body.
     pub body_read_timeout: Duration,
+    /// Longest a client's whole request body may take, however steadily it drips.
+    pub body_timeout: Duration,
     /// A client connection with no request in progress for this long is closed.
     pub idle_timeout: Duration,
     /// HTTP/2 keep-alive ping interval (and how long a ping may go unanswered).
@@ -94,6 +104,9 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// Client connections open at once; `None`: derived from the file descriptor limit.
     pub max_connections: Option<usize>,
+    /// Client connections one client address may hold at once; `None`: a share of
+    /// `max_connections` ([`DEFAULT_CLIENT_SHARE`]).
+    pub max_connections_per_client: Option<usize>,
     /// Connections rankgate opens to one engine at once (HTTP/1: requests in flight on it).
     pub max_engine_connections: usize,
     /// gRPC calls one h2 connection to an engine carries before the next call opens another
@@ -196,6 +209,7 @@ const STREAM_IDLE_TIMEOUT: Bounds =
     Bounds::new(DEFAULT_STREAM_IDLE_TIMEOUT, ms(100), secs(24 * 3600));
 const HEADER_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_HEADER_READ_TIMEOUT, ms(100), secs(600));
 const BODY_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_BODY_READ_TIMEOUT, ms(100), secs(3600));
+const BODY_TIMEOUT: Bounds = Bounds::new(DEFAULT_BODY_TIMEOUT, ms(100), secs(24 * 3600));
 const IDLE_TIMEOUT: Bounds = Bounds::new(DEFAULT_IDLE_TIMEOUT, ms(100), secs(3600));
 const H2_KEEPALIVE: Bounds = Bounds::new(DEFAULT_H2_KEEPALIVE, ms(100), secs(3600));
 const SHUTDOWN_DELAY: Bounds = Bounds::new(Duration::ZERO, Duration::ZERO, secs(600));
@@ -237,11 +251,13 @@ fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             .read("server.header_read_timeout", raw.header_read_timeout)?,
         body_read_timeout: BODY_READ_TIMEOUT
             .read("server.body_read_timeout", raw.body_read_timeout)?,
+        body_timeout: BODY_TIMEOUT.read("server.body_timeout", raw.body_timeout)?,
         idle_timeout: IDLE_TIMEOUT.read("server.idle_timeout", raw.idle_timeout)?,
         h2_keepalive_interval: H2_KEEPALIVE
             .read("server.h2_keepalive_interval", raw.h2_keepalive_interval)?,
         max_header_bytes: raw.max_header_bytes.unwrap_or(DEFAULT_MAX_HEADER_BYTES),
         max_connections: raw.max_connections,
+        max_connections_per_client: raw.max_connections_per_client,
         max_engine_connections: (raw.max_engine_connections)
             .unwrap_or(DEFAULT_MAX_ENGINE_CONNECTIONS),
         grpc_streams_per_connection: (raw.grpc_streams_per_connection)
@@ -281,6 +297,10 @@ fn check_limits(server: &ServerConfig) -> Result<(), ConfigError> {
     }
     for (key, v) in [
         ("server.max_connections", server.max_connections),
+        (
+            "server.max_connections_per_client",
+            server.max_connections_per_client,
+        ),
         (
             "server.max_engine_connections",
             Some(server.max_engine_connections),

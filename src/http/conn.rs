@@ -23,8 +23,9 @@ use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
+use super::activity::Activity;
 use super::limits::ServeOptions;
-use super::watch::{Activity, Graceful};
+use super::watch::Graceful;
 
 /// Most header lines one HTTP/1 request may carry (431 beyond).
 pub const MAX_HEADER_LINES: usize = 512;
@@ -64,17 +65,25 @@ impl Builders {
 }
 
 /// Reads until the bytes are, or cannot be, an h2 preface. Returns them, and whether they are.
+///
+/// An h2 client's preface must be followed by its SETTINGS frame (RFC 9113, 3.4), which real
+/// clients send in the same packet: so the preface is taken as h2 only once a byte past it has
+/// come. Until then the connection costs its socket and a small task, where hyper's h2
+/// connection holds 24 KiB of buffers from the start (h2's write buffer and its reader's):
+/// a flood of prefaces alone then weighs no more than one of silent sockets.
 pub async fn sniff<T: AsyncRead + Unpin>(io: &mut T) -> std::io::Result<(Bytes, bool)> {
-    let mut buf = [0u8; H2_PREFACE.len()];
+    let mut buf = [0u8; H2_PREFACE.len() + 16];
     let mut n = 0;
-    while n < buf.len() {
-        let k = io.read(&mut buf[n..]).await?;
+    while n < H2_PREFACE.len() {
+        let k = io.read(&mut buf[n..H2_PREFACE.len()]).await?;
         if k == 0 || buf[n..n + k] != H2_PREFACE[n..n + k] {
             return Ok((Bytes::copy_from_slice(&buf[..n + k]), false));
         }
         n += k;
     }
-    Ok((Bytes::copy_from_slice(&buf), true))
+    // The preface whole: what follows it (0 bytes: the client closed, which hyper then sees).
+    let k = io.read(&mut buf[n..]).await?;
+    Ok((Bytes::copy_from_slice(&buf[..n + k]), true))
 }
 
 impl<I, S, B> Graceful for http2::Connection<I, S, TokioExecutor>

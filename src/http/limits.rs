@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
+use super::admission::Admission;
 use super::throttle::Throttle;
-use crate::config::ServerConfig;
+use crate::config::{ServerConfig, DEFAULT_CLIENT_SHARE};
 use crate::deadlines::Deadlines;
 use crate::tls::ServerTls;
 
@@ -23,6 +24,8 @@ pub struct ServeOptions {
     pub h2_keepalive: Duration,
     pub max_header_bytes: usize,
     pub max_connections: usize,
+    /// Connections one client address may hold at once (see [`super::admission`]).
+    pub max_connections_per_client: usize,
     pub drain_grace: Duration,
     /// Shared by several listeners of one front door (thread-per-core); `None`: the listener's
     /// own.
@@ -31,13 +34,16 @@ pub struct ServeOptions {
     pub tls: Option<Arc<ServerTls>>,
 }
 
-/// What the listeners of one front door share: the cap on client connections, and the
-/// throttled log lines of a full door and of failing accepts, so both hold for the process as
-/// they would for a single listener.
+/// What the listeners of one front door share: the cap on client connections, the client
+/// addresses' counts, and the throttled log lines of a full door and of failing accepts, so
+/// all hold for the process as they would for a single listener.
 #[derive(Debug)]
 pub struct Door {
     pub(super) max_connections: usize,
     pub(super) slots: Arc<Semaphore>,
+    pub(super) admission: Arc<Admission>,
+    /// Throttled: an address at its limit refuses a connection for every one its flood opens.
+    pub(super) client_full: Throttle,
     pub(super) accept_errors: Throttle,
     // Throttled too: at the cap with clients coming and going, every freed slot is one accept
     // and then the cap again, and a line each time was a flood.
@@ -45,14 +51,59 @@ pub struct Door {
 }
 
 impl Door {
-    pub fn new(max_connections: usize) -> Door {
+    /// The door of listeners serving under `opts`.
+    pub fn new(opts: &ServeOptions) -> Door {
+        let max_connections = opts.max_connections;
         Door {
             max_connections,
             slots: Arc::new(Semaphore::new(max_connections)),
+            admission: Arc::new(Admission::new(
+                max_connections,
+                opts.max_connections_per_client,
+            )),
+            client_full: Throttle::new(Duration::from_secs(5)),
             accept_errors: Throttle::new(Duration::from_secs(5)),
             cap_reached: Throttle::new(Duration::from_secs(5)),
         }
     }
+
+    /// What `/metrics` shows of the door, read at scrape time.
+    pub fn stats(&self) -> DoorStats {
+        DoorStats {
+            max_connections: self.max_connections,
+            max_connections_per_client: self.admission.per_client,
+            open: self.max_connections - self.slots.available_permits().min(self.max_connections),
+            clients: self.admission.clients(),
+            refused: self
+                .admission
+                .refused
+                .load(std::sync::atomic::Ordering::Relaxed),
+            replaced: self
+                .admission
+                .replaced
+                .load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// Client connections open now.
+    pub fn open(&self) -> usize {
+        self.max_connections - self.slots.available_permits().min(self.max_connections)
+    }
+}
+
+/// A door's limits and counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DoorStats {
+    pub max_connections: usize,
+    pub max_connections_per_client: usize,
+    /// Connections open now.
+    pub open: usize,
+    /// Client addresses holding connections now.
+    pub clients: usize,
+    /// Connections closed waiting for a place: their address held its limit, all serving.
+    pub refused: u64,
+    /// Connections closed before their first request to make room for a newer one.
+    pub replaced: u64,
 }
 
 impl Default for ServeOptions {
@@ -64,6 +115,8 @@ impl Default for ServeOptions {
             h2_keepalive: Duration::from_secs(20),
             max_header_bytes: 64 * 1024,
             max_connections: 256,
+            // The simulated engine's one client is rankgate, from one address.
+            max_connections_per_client: 256,
             drain_grace: Duration::from_secs(30),
             door: None,
             tls: None,
@@ -72,15 +125,28 @@ impl Default for ServeOptions {
 }
 
 impl ServeOptions {
+    /// The admin listener's: the defaults, with a client address's share of them, so a flood
+    /// from one address leaves room for the probes and scrapes from others.
+    pub fn admin() -> ServeOptions {
+        let d = ServeOptions::default();
+        ServeOptions {
+            max_connections_per_client: d.max_connections / DEFAULT_CLIENT_SHARE,
+            ..d
+        }
+    }
+
     /// The front door's limits, from `[server]`.
     pub fn front_door(cfg: &ServerConfig) -> ServeOptions {
         let deadlines = Deadlines::of(cfg);
+        let max_connections = cfg.max_connections.unwrap_or_else(default_max_connections);
         ServeOptions {
             header_read_timeout: deadlines.header_read,
             idle_timeout: deadlines.idle,
             h2_keepalive: deadlines.h2_keepalive,
             max_header_bytes: cfg.max_header_bytes,
-            max_connections: cfg.max_connections.unwrap_or_else(default_max_connections),
+            max_connections,
+            max_connections_per_client: (cfg.max_connections_per_client)
+                .unwrap_or_else(|| default_per_client(max_connections)),
             drain_grace: cfg.drain_grace,
             door: None,
             tls: None,
@@ -102,4 +168,12 @@ pub fn default_max_connections() -> usize {
         1024
     };
     (soft.saturating_sub(RESERVED_FDS) / 2).clamp(16, 1 << 20)
+}
+
+/// A client address's share of `max_connections` unless the config says: an eighth, and at
+/// least 16 (or the whole table when it is smaller).
+pub fn default_per_client(max_connections: usize) -> usize {
+    (max_connections / DEFAULT_CLIENT_SHARE)
+        .max(16)
+        .min(max_connections)
 }

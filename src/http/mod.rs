@@ -3,6 +3,8 @@
 //! graceful drain), pooled clients for `http://` and `https://` upstreams, and the
 //! OpenAI-shaped error body.
 
+mod activity;
+mod admission;
 mod conn;
 mod dial;
 mod limits;
@@ -13,7 +15,7 @@ mod watch;
 
 pub use conn::MAX_HEADER_LINES;
 pub use dial::{ConnectTimeout, Dialed, Dialer};
-pub use limits::{Door, ServeOptions};
+pub use limits::{default_per_client, Door, DoorStats, ServeOptions};
 pub use serve::{serve, serve_with};
 pub use shutdown::{shutdown_signalled, Shutdown};
 pub use throttle::Throttle;

@@ -5,10 +5,12 @@
 //! down, so each connection lives under a deadline: its first request's headers must arrive
 //! within `header_read_timeout` (the HTTP version sniff and the h2 preface included, which hyper's
 //! own HTTP/1 header timeout does not cover), and a connection with no request in progress is
-//! closed after `idle_timeout`. Accepting pauses at `max_connections`, whose default leaves file
-//! descriptors for the upstream connections and the admin listener, so the admin listener keeps
-//! answering when the front door is full. Shutdown stops accepting, lets requests and streams in
-//! flight finish for the drain grace, then returns.
+//! closed after `idle_timeout`. One client address holds at most `max_connections_per_client`
+//! connections, and a full table (`max_connections`, whose default leaves file descriptors for
+//! the upstream connections and the admin listener) first closes its oldest connection that has
+//! not sent a request yet; only a table of serving connections pauses accepting
+//! ([`super::admission`]). Shutdown stops accepting, lets requests and streams in flight finish
+//! for the drain grace, then returns.
 
 use std::cell::RefCell;
 use std::convert::Infallible;
@@ -25,11 +27,14 @@ use hyper::body::Incoming;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
+use super::activity::{ActiveGuard, Activity};
+use super::admission::{Place, Replace, Ticket};
 use super::conn::{self, Builders};
 use super::limits::{Door, ServeOptions};
 use super::shutdown::{shutdown_signalled, Shutdown};
-use super::watch::{drive, ActiveGuard, Activity, Watch};
+use super::watch::{drive, Watch};
 
 /// Serves a handler function with the default limits; see [`serve_with`].
 pub async fn serve<F, Fut, B>(listener: TcpListener, handler: F, shutdown: Shutdown)
@@ -73,10 +78,12 @@ pub async fn serve_with<M, S, B>(
     let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     // Told when the drain grace expires: connections still open then are cut.
     let (cut, cut_rx) = watch::channel(false);
-    let door = (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(opts.max_connections)));
+    let door = (opts.door.clone()).unwrap_or_else(|| Arc::new(Door::new(&opts)));
     let Door {
         max_connections,
         slots,
+        admission,
+        client_full,
         accept_errors,
         cap_reached,
     } = &*door;
@@ -95,33 +102,69 @@ pub async fn serve_with<M, S, B>(
             },
             _ = shutdown_signalled(&mut shutdown) => break,
         };
+        let activity = Arc::new(Activity::new());
+        let place = admission.admit(peer.ip(), &activity);
+        if !matches!(place, Place::Now) {
+            if let Some(held) = client_full.allow() {
+                tracing::warn!(
+                    client = %peer.ip(),
+                    max_connections_per_client = admission.per_client,
+                    repeated = held,
+                    "client address at its connection limit: new connections wait for a place, or are closed"
+                );
+            }
+        }
+        if let Place::Refused = place {
+            continue;
+        }
+        let ticket = Ticket::new(admission, peer.ip(), &activity);
         // The slot is taken once a client is there, never while waiting for one: with several
         // listeners on one door, a slot held by an idle listener was a slot the busy ones
         // lacked (below the cap, clients waited; with a cap under the core count, forever). At
-        // the cap this client waits here, accepted but not served, and accepting pauses: the
-        // kernel's backlog holds the next ones, and at most one descriptor per listener is
-        // held beyond the cap.
+        // the cap the oldest connection with no request yet makes room; with none, this client
+        // waits here, accepted but not served, and accepting pauses: the kernel's backlog
+        // holds the next ones, and at most one descriptor per listener is held beyond the cap.
         let slot = match slots.clone().try_acquire_owned() {
             Ok(s) => s,
             Err(_) => {
+                let mut replaced = admission.replace_oldest();
                 if let Some(held) = cap_reached.allow() {
+                    let outcome = match replaced {
+                        Replace::Done => "the oldest connection with no request yet closed",
+                        Replace::Later(_) => {
+                            "accepting paused until a connection with no request yet has had its 250 ms"
+                        }
+                        Replace::AllServing => "all serving, accepting paused",
+                    };
                     tracing::warn!(
                         max_connections,
                         repeated = held,
-                        "connection limit reached: accepting paused"
+                        "connection limit reached: {outcome}"
                     );
                 }
-                tokio::select! {
-                    s = slots.clone().acquire_owned() => match s {
-                        Ok(s) => s,
-                        Err(_) => break,
-                    },
-                    _ = shutdown_signalled(&mut shutdown) => break,
+                // Paused: a slot given back, or the oldest connection with no request yet
+                // becoming replaceable, whichever comes first.
+                let slot = loop {
+                    let retry = match replaced {
+                        Replace::Later(t) => Some(t),
+                        _ => None,
+                    };
+                    let replaceable = tokio::time::sleep_until(retry.unwrap_or_else(Instant::now));
+                    tokio::select! {
+                        s = slots.clone().acquire_owned() => break s.ok(),
+                        _ = shutdown_signalled(&mut shutdown) => break None,
+                        () = replaceable, if retry.is_some() => {
+                            replaced = admission.replace_oldest();
+                        }
+                    }
+                };
+                match slot {
+                    Some(s) => s,
+                    None => break,
                 }
             }
         };
         let _ = stream.set_nodelay(true);
-        let activity = Arc::new(Activity::new());
         let svc = Tracked {
             inner: RefCell::new(make(peer)),
             activity: activity.clone(),
@@ -135,6 +178,13 @@ pub async fn serve_with<M, S, B>(
         );
         let tls = opts.tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
+            if let Place::Wait(freed) = place {
+                let deadline = activity.opened + opts.header_read_timeout;
+                if !ticket.wait_for_place(&freed, deadline).await {
+                    tracing::debug!(%peer, "client connection closed: no place for its address in time");
+                    return;
+                }
+            }
             let watch = Watch {
                 activity: &activity,
                 opts: &opts,
@@ -148,9 +198,20 @@ pub async fn serve_with<M, S, B>(
                     // client that connects and never finishes it holds its slot no longer
                     // than one that never sends headers.
                     let deadline = activity.opened + opts.header_read_timeout;
-                    let stream = match tokio::time::timeout_at(deadline, acceptor.accept(stream))
-                        .await
-                    {
+                    // rustls's connection state is made only once the client has sent
+                    // something: a socket that connects and says nothing costs no more over
+                    // TLS than in cleartext.
+                    let handshake = tokio::select! {
+                        r = tokio::time::timeout_at(deadline, async move {
+                            stream.readable().await?;
+                            acceptor.accept(stream).await
+                        }) => r,
+                        () = activity.evicted() => {
+                            tracing::debug!(%peer, "TLS handshake cut: replaced by a newer connection");
+                            return;
+                        }
+                    };
+                    let stream = match handshake {
                         Ok(Ok(s)) => s,
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
@@ -164,6 +225,7 @@ pub async fn serve_with<M, S, B>(
                     serve_conn(stream, svc, &builders, watch).await;
                 }
             }
+            drop(ticket);
             drop(slot);
             drop(open);
         });
@@ -204,6 +266,10 @@ where
         r = tokio::time::timeout_at(deadline, conn::sniff(&mut io)) => r,
         _ = cut.wait_for(|c| *c) => return,
         _ = shutdown_signalled(&mut shutdown) => return,
+        () = w.activity.evicted() => {
+            tracing::debug!("client connection closed before its first bytes: replaced by a newer one");
+            return;
+        }
     };
     let (first, h2) = match sniffed {
         Ok(Ok(s)) => s,
@@ -217,9 +283,11 @@ where
         }
     };
     let io = conn::client_io(io, first, w.activity.clone(), !h2);
+    // Boxed: hyper's connection and its watch are only made here, so the task of a connection
+    // still waiting for its first bytes (most of a flood) is no larger than what it holds.
     match h2 {
-        true => drive(builders.h2.serve_connection(io, svc), w).await,
-        false => drive(conn::H1::new(builders.clone(), io, svc), w).await,
+        true => Box::pin(drive(builders.h2.serve_connection(io, svc), w)).await,
+        false => Box::pin(drive(conn::H1::new(builders.clone(), io, svc), w)).await,
     }
 }
 

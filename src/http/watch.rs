@@ -1,6 +1,7 @@
 //! The watch over one client connection: its deadlines (the first request's headers within
 //! `header_read_timeout`, none in progress for `idle_timeout`), the shutdown (finish what is
-//! in flight) and the end of the drain grace (close now).
+//! in flight), the end of the drain grace (close now), and a newer connection taking the place
+//! of one that has not served yet (close now, [`super::admission`]).
 //!
 //! The watch runs as a task of its own beside the connection and tells it what to do through
 //! [`Orders`]: the connection's task then costs one atomic load per wake-up. Watching from the
@@ -10,7 +11,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -18,6 +19,7 @@ use std::time::Duration;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
+use super::activity::Activity;
 use super::limits::ServeOptions;
 use super::shutdown::{shutdown_signalled, Shutdown};
 
@@ -25,71 +27,6 @@ use super::shutdown::{shutdown_signalled, Shutdown};
 pub trait Graceful: Future<Output = Result<(), hyper::Error>> {
     /// Finish what is in flight, take nothing new.
     fn graceful(self: Pin<&mut Self>);
-}
-
-/// What the watch knows of one client connection, kept current by its requests.
-pub(super) struct Activity {
-    pub(super) opened: Instant,
-    /// Requests whose response has not ended yet.
-    pub(super) active: AtomicUsize,
-    /// Requests ever started on the connection.
-    pub(super) started: AtomicU64,
-    /// Milliseconds after `opened` when the connection last went idle.
-    idle_since_ms: AtomicU64,
-    /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
-    /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
-    pub(super) answered_431: AtomicUsize,
-}
-
-impl Activity {
-    pub(super) fn new() -> Activity {
-        Activity {
-            opened: Instant::now(),
-            active: AtomicUsize::new(0),
-            started: AtomicU64::new(0),
-            idle_since_ms: AtomicU64::new(0),
-            answered_431: AtomicUsize::new(0),
-        }
-    }
-
-    /// A request has begun; it stays active until the guard is dropped (with its response body).
-    pub(super) fn begin(self: &Arc<Activity>) -> ActiveGuard {
-        self.started.fetch_add(1, Relaxed);
-        self.active.fetch_add(1, Relaxed);
-        ActiveGuard(self.clone())
-    }
-
-    /// When the connection must close if nothing changes, or `None` while a request is in
-    /// progress.
-    fn deadline(&self, opts: &ServeOptions) -> Option<Instant> {
-        if self.active.load(Relaxed) > 0 {
-            return None;
-        }
-        if self.started.load(Relaxed) == 0 {
-            return Some(self.opened + opts.header_read_timeout);
-        }
-        let idle = Duration::from_millis(self.idle_since_ms.load(Relaxed));
-        Some(self.opened + idle + opts.idle_timeout)
-    }
-}
-
-/// Counts a request as active on its connection until its response body ends.
-pub(super) struct ActiveGuard(Arc<Activity>);
-
-impl ActiveGuard {
-    /// The service's answer to this request has status 431.
-    pub(super) fn answered_431(&self) {
-        self.0.answered_431.fetch_add(1, Relaxed);
-    }
-}
-
-impl Drop for ActiveGuard {
-    fn drop(&mut self) {
-        let a = &self.0;
-        a.idle_since_ms
-            .store(a.opened.elapsed().as_millis() as u64, Relaxed);
-        a.active.fetch_sub(1, Relaxed);
-    }
 }
 
 const GO_ON: u8 = 0;
@@ -214,7 +151,7 @@ async fn watch(
             () = &mut ended => return,
             () = &mut timer => {
                 let now = Instant::now();
-                match activity.deadline(&opts) {
+                match deadline(&activity, &opts) {
                     Some(d) if d <= now => {
                         tracing::debug!("client connection closed: no request within its timeout");
                         return orders.tell(CLOSE);
@@ -224,10 +161,27 @@ async fn watch(
                 }
             }
             _ = &mut cut => return orders.tell(CLOSE),
+            () = activity.evicted(), if activity.started.load(Relaxed) == 0 => {
+                tracing::debug!("client connection closed before its first request: replaced by a newer one");
+                return orders.tell(CLOSE);
+            }
             _ = shutdown_signalled(&mut shutdown), if !shutting_down => {
                 shutting_down = true;
                 orders.tell(FINISH);
             }
         }
     }
+}
+
+/// When the connection must close if nothing changes, or `None` while a request is in
+/// progress.
+fn deadline(a: &Activity, opts: &ServeOptions) -> Option<Instant> {
+    if a.active.load(Relaxed) > 0 {
+        return None;
+    }
+    if a.started.load(Relaxed) == 0 {
+        return Some(a.opened + opts.header_read_timeout);
+    }
+    let idle = Duration::from_millis(a.idle_since_ms.load(Relaxed));
+    Some(a.opened + idle + opts.idle_timeout)
 }

@@ -25,6 +25,7 @@
 
 mod certs;
 pub(crate) mod counts;
+mod doors;
 mod fleet;
 mod histogram;
 mod kv;
@@ -79,18 +80,20 @@ impl Default for Metrics {
 impl Metrics {
     /// Metrics of no fleet: the request-path counters only (unit tests of the proxy).
     pub fn new() -> Metrics {
-        Metrics::build(&[], None)
+        Metrics::build(&[], None, Vec::new())
     }
 
     /// The router's metrics: the request-path counters, the fleet of `table` as the current
     /// snapshot has it at each scrape, `extra_routes` (`server.extra_routes`) as labels, and
-    /// when the TLS listeners' certificates expire.
+    /// the listeners' `doors` (connection limits and counts), each with its `listener` label,
+    /// and when the TLS listeners' certificates expire.
     pub fn for_router(
         table: Arc<Table>,
         extra_routes: &[String],
+        doors: Vec<(&'static str, Arc<crate::http::Door>)>,
         certificates: Vec<Arc<crate::tls::ServerTls>>,
     ) -> Metrics {
-        let mut m = Metrics::build(extra_routes, Some(table));
+        let mut m = Metrics::build(extra_routes, Some(table), doors);
         if !certificates.is_empty() {
             (m.registry).register_collector(Box::new(certs::Certificates {
                 listeners: certificates,
@@ -99,7 +102,11 @@ impl Metrics {
         m
     }
 
-    fn build(extra_routes: &[String], table: Option<Arc<Table>>) -> Metrics {
+    fn build(
+        extra_routes: &[String],
+        table: Option<Arc<Table>>,
+        doors: Vec<(&'static str, Arc<crate::http::Door>)>,
+    ) -> Metrics {
         let mut registry = Registry::default();
         let core = Arc::new(Core {
             routes: routes::Routes::new(extra_routes),
@@ -200,6 +207,9 @@ impl Metrics {
             registry.register_collector(Box::new(fleet::Fleet { table }));
         }
         registry.register_collector(Box::new(process::Process));
+        if !doors.is_empty() {
+            registry.register_collector(Box::new(doors::Doors(doors)));
+        }
         Metrics {
             registry,
             core,

@@ -141,7 +141,9 @@ impl ProxyError {
             | ProxyError::Scan(_)
             | ProxyError::Model(ModelError::Missing(_))
             | ProxyError::ClientBody(ClientBodyError::Broken(_)) => StatusCode::BAD_REQUEST,
-            ProxyError::ClientBody(ClientBodyError::Stalled(_)) => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::ClientBody(ClientBodyError::Stalled(_) | ClientBodyError::TooSlow(_)) => {
+                StatusCode::REQUEST_TIMEOUT
+            }
             ProxyError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::NoRank(_)
             | ProxyError::NoRankUnlisted { .. }
@@ -210,9 +212,8 @@ impl ProxyError {
             },
             ProxyError::OriginNotAllowed(_) => Code::PermissionDenied,
             ProxyError::TooLarge(_) | ProxyError::Overloaded(_) => Code::ResourceExhausted,
-            ProxyError::ClientBody(ClientBodyError::Stalled(_)) | ProxyError::Timeout(_) => {
-                Code::DeadlineExceeded
-            }
+            ProxyError::ClientBody(ClientBodyError::Stalled(_) | ClientBodyError::TooSlow(_))
+            | ProxyError::Timeout(_) => Code::DeadlineExceeded,
             ProxyError::BadJson(_)
             | ProxyError::NotObject
             | ProxyError::Refused(_)

@@ -247,11 +247,11 @@ async fn whole(body: RequestBody, max: usize) -> Result<bytes::Bytes, ProxyError
                 prefix,
                 body,
                 remaining,
-                stall,
+                pace,
                 ..
             } = *s;
             let read = max - remaining;
-            let rest = match read::read(body, None, remaining, usize::MAX, stall).await? {
+            let rest = match read::read(body, None, remaining, usize::MAX, pace).await? {
                 RequestBody::Full(b) => b,
                 RequestBody::Stream(_) => return Err(ProxyError::TooLarge(max)),
             };

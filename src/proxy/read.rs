@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use super::error::ProxyError;
 use super::layer::{content_length, Below};
 use super::shared::Ctx;
-use crate::upstream::{ClientBodyError, RequestBody, StreamBody};
+use crate::upstream::{BodyPace, ClientBodyError, RequestBody, StreamBody};
 
 #[derive(Clone)]
 pub struct Read<S> {
@@ -30,15 +30,24 @@ pub struct Read<S> {
     max_body: usize,
     keep: usize,
     stall: Duration,
+    whole: Duration,
 }
 
 /// How a client's body is read: `server.max_body_bytes`, `routing.retry_buffer_bytes` (what is
-/// kept whole for a replay) and `server.body_read_timeout`.
+/// kept whole for a replay), `server.body_read_timeout` and `server.body_timeout`.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_body: usize,
     pub retry_buffer: usize,
     pub stall: Duration,
+    pub whole: Duration,
+}
+
+impl Limits {
+    /// A new body's clock.
+    pub fn pace(&self) -> BodyPace {
+        BodyPace::new(self.stall, self.whole)
+    }
 }
 
 impl<S> Read<S> {
@@ -56,6 +65,7 @@ impl<S> Read<S> {
                 limits.retry_buffer
             },
             stall: limits.stall,
+            whole: limits.whole,
         }
     }
 }
@@ -77,26 +87,31 @@ where
         let whole = self.ctx.table.snapshot.load().catalog.routes_by_model()
             || req.uri().path() == "/v1/responses";
         let keep = if whole { self.max_body } else { self.keep };
-        let (max, stall) = (self.max_body, self.stall);
+        let (max, pace) = (self.max_body, BodyPace::new(self.stall, self.whole));
         Box::pin(async move {
             let (parts, body) = req.into_parts();
-            let body = read(body, length, max, keep, stall).await?;
+            let body = read(body, length, max, keep, pace).await?;
             inner.call(Request::from_parts(parts, body)).await
         })
     }
 }
 
-/// The body's next frame, or `Err` after `stall` without one. The timer is armed only when the
-/// client makes us wait: a body that is already here (the usual case) costs none.
+/// The body's next frame, or the client's error once `pace` runs out. The timer is armed only
+/// when the client makes us wait: a body that is already here (the usual case) costs none.
 async fn next_frame(
     body: &mut Incoming,
-    stall: Duration,
-) -> Result<Option<Result<http_body::Frame<Bytes>, hyper::Error>>, tokio::time::error::Elapsed> {
+    pace: &mut BodyPace,
+) -> Result<Option<Result<http_body::Frame<Bytes>, hyper::Error>>, ClientBodyError> {
     let mut next = std::pin::pin!(body.frame());
     let first = std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await;
     match first {
         Poll::Ready(frame) => Ok(frame),
-        Poll::Pending => tokio::time::timeout(stall, next).await,
+        Poll::Pending => {
+            let (until, error) = pace.wait();
+            tokio::time::timeout_at(until, next)
+                .await
+                .map_err(|_| error)
+        }
     }
 }
 
@@ -107,26 +122,26 @@ pub async fn read(
     length: Option<u64>,
     max: usize,
     keep: usize,
-    stall: Duration,
+    mut pace: BodyPace,
 ) -> Result<RequestBody, ProxyError> {
-    let stream = |body, prefix, read: usize| {
+    let stream = |body, prefix, read: usize, pace| {
         Ok(RequestBody::Stream(Box::new(StreamBody {
             prefix,
             body,
             remaining: max - read,
-            stall,
+            pace,
             timer: None,
         })))
     };
     if length.is_some_and(|n| n > keep as u64) {
-        return stream(body, None, 0);
+        return stream(body, None, 0, pace);
     }
     let mut first: Option<Bytes> = None;
     let mut more: Option<BytesMut> = None;
     let mut total = 0usize;
     while !body.is_end_stream() {
-        let frame = match next_frame(&mut body, stall).await {
-            Err(_) => return Err(ClientBodyError::Stalled(stall).into()),
+        let frame = match next_frame(&mut body, &mut pace).await {
+            Err(e) => return Err(e.into()),
             Ok(None) => break,
             Ok(Some(Err(e))) => {
                 return Err(ClientBodyError::Broken(crate::http::error_chain(&e)).into())
@@ -156,7 +171,7 @@ pub async fn read(
             let read: Bytes = more
                 .take()
                 .map_or_else(|| first.take().unwrap_or_default(), BytesMut::freeze);
-            return stream(body, Some(read), total);
+            return stream(body, Some(read), total, pace);
         }
     }
     Ok(RequestBody::Full(match more {

@@ -159,6 +159,7 @@ fn classify(
             return ProxyError::ClientBody(match c {
                 ClientBodyError::Broken(m) => ClientBodyError::Broken(m.clone()),
                 ClientBodyError::Stalled(d) => ClientBodyError::Stalled(*d),
+                ClientBodyError::TooSlow(d) => ClientBodyError::TooSlow(*d),
             });
         }
         if s.is::<BodyTooLarge>() {

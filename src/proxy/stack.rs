@@ -77,6 +77,7 @@ impl Layers {
             max_body: server.max_body_bytes,
             retry_buffer: routing.retry_buffer_bytes,
             stall: deadlines.body_read,
+            whole: deadlines.body,
         };
         let dial = Arc::new(Dial::new(
             server.max_engine_connections,

@@ -10,4 +10,4 @@ pub mod request;
 pub use conn::{ConnLimits, EngineConn, Slots, Streams, MAX_GRPC_CONNECTIONS};
 pub use cutoff::{CutConnector, CutIo, Cutoff};
 pub use idle::{Idle, Sender};
-pub use request::{BodyTooLarge, BoxError, ClientBodyError, RequestBody, StreamBody};
+pub use request::{BodyPace, BodyTooLarge, BoxError, ClientBodyError, RequestBody, StreamBody};

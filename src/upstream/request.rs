@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -28,6 +28,40 @@ pub enum ClientBodyError {
     Broken(String),
     #[error("request body stalled: no data for {} ms (server.body_read_timeout)", .0.as_millis())]
     Stalled(Duration),
+    #[error("request body not complete within {} ms (server.body_timeout)", .0.as_millis())]
+    TooSlow(Duration),
+}
+
+/// How long a client may make rankgate wait for its body: any one wait
+/// (`server.body_read_timeout`) and all of them (`server.body_timeout`, counted from the first
+/// wait: a body already there when its head is read never reads the clock). Copied along with
+/// the body, from the first read to the last, so a body read in several places still has one
+/// deadline.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyPace {
+    pub stall: Duration,
+    pub whole: Duration,
+    deadline: Option<Instant>,
+}
+
+impl BodyPace {
+    pub fn new(stall: Duration, whole: Duration) -> BodyPace {
+        BodyPace {
+            stall,
+            whole,
+            deadline: None,
+        }
+    }
+
+    /// A wait begins now: when it must end, and the client's error if it does.
+    pub fn wait(&mut self) -> (Instant, ClientBodyError) {
+        let now = Instant::now();
+        let deadline = *self.deadline.get_or_insert(now + self.whole);
+        match now + self.stall {
+            stall if stall <= deadline => (stall, ClientBodyError::Stalled(self.stall)),
+            _ => (deadline, ClientBodyError::TooSlow(self.whole)),
+        }
+    }
 }
 
 /// The body of a request sent to an engine.
@@ -44,8 +78,9 @@ pub struct StreamBody {
     pub prefix: Option<Bytes>,
     pub body: Incoming,
     pub remaining: usize,
-    pub stall: Duration,
-    pub timer: Option<Pin<Box<Sleep>>>,
+    pub pace: BodyPace,
+    /// The wait in progress, and the error it ends in.
+    pub timer: Option<(Pin<Box<Sleep>>, ClientBodyError)>,
 }
 
 impl RequestBody {
@@ -90,14 +125,16 @@ impl Body for RequestBody {
             }
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => {
-                let stall = s.stall;
-                let timer = s
-                    .timer
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                let pace = &mut s.pace;
+                let (timer, _) = s.timer.get_or_insert_with(|| {
+                    let (until, error) = pace.wait();
+                    (Box::pin(tokio::time::sleep_until(until)), error)
+                });
                 match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => {
-                        Poll::Ready(Some(Err(Box::new(ClientBodyError::Stalled(stall)))))
-                    }
+                    Poll::Ready(()) => match s.timer.take() {
+                        Some((_, error)) => Poll::Ready(Some(Err(Box::new(error)))),
+                        None => Poll::Pending,
+                    },
                     Poll::Pending => Poll::Pending,
                 }
             }
@@ -124,5 +161,29 @@ impl Body for RequestBody {
                 h
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each wait ends at the stall limit until the whole-body deadline, counted from the first
+    /// wait, comes sooner; then at that deadline, with its own error.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_pace_ends_each_wait_at_the_nearer_limit() {
+        let mut pace = BodyPace::new(Duration::from_secs(2), Duration::from_secs(5));
+        let start = Instant::now();
+        let (until, e) = pace.wait();
+        assert_eq!(until, start + Duration::from_secs(2));
+        assert!(matches!(e, ClientBodyError::Stalled(_)));
+        tokio::time::advance(Duration::from_secs(4)).await;
+        let (until, e) = pace.wait();
+        assert_eq!(until, start + Duration::from_secs(5));
+        assert!(matches!(e, ClientBodyError::TooSlow(_)));
+        assert!(e.to_string().contains("server.body_timeout"), "{e}");
+        // Copied along with the body, the clock keeps its deadline.
+        let mut copy = pace;
+        assert_eq!(copy.wait().0, start + Duration::from_secs(5));
     }
 }

@@ -1,8 +1,8 @@
 //! Clients that stall, flood or send too much, against the front door over real sockets: every
 //! kind of stalled connection is closed after its timeout while normal clients and the admin
 //! listener are served; oversized headers get 431 and reach no engine; past the fd limit the
-//! front door pauses accepting while the admin listener answers; idle keep-alive connections
-//! close after `idle_timeout`.
+//! front door's newcomers replace its idle connections while the admin listener answers; idle
+//! keep-alive connections close after `idle_timeout`.
 
 use std::io::ErrorKind;
 use std::net::SocketAddr;
@@ -265,7 +265,12 @@ async fn stalled_connections_are_closed_after_their_timeouts() {
     let e = engine(SimConfig::default()).await;
     let limit = Duration::from_secs(2);
     let r = router(
-        &format!("header_read_timeout = \"2s\"\nbody_read_timeout = \"2s\"\n{FAST}"),
+        // Every stalled connection from this one address held to its timeout: the address may
+        // hold the whole table.
+        &format!(
+            "header_read_timeout = \"2s\"\nbody_read_timeout = \"2s\"\n\
+             max_connections_per_client = 1000000\n{FAST}"
+        ),
         &[engine_toml(&e.url(), "vllm", 2, 0)],
     )
     .await;
@@ -536,9 +541,23 @@ async fn read_response(s: &mut TcpStream) -> String {
 /// Opens up to `n` connections to `addr` (each connect bounded), stopping at the first that does
 /// not complete; returns them.
 async fn open_many(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    open_many_from(addr, n, 1).await
+}
+
+/// [`open_many`] from `sources` client addresses in turn, 127.0.0.2 and up (1: 127.0.0.1).
+async fn open_many_from(addr: SocketAddr, n: usize, sources: u8) -> Vec<TcpStream> {
     let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
-        match timeout(Duration::from_secs(1), TcpStream::connect(addr)).await {
+    for i in 0..n {
+        let from = match sources {
+            0 | 1 => 1,
+            k => 2 + (i % k as usize) as u8,
+        };
+        let connect = async move {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind(SocketAddr::from(([127, 0, 0, from], 0)))?;
+            socket.connect(addr).await
+        };
+        match timeout(Duration::from_secs(1), connect).await {
             Ok(Ok(s)) => v.push(s),
             _ => break,
         }
@@ -555,10 +574,11 @@ fn fd_limit_config(engine_url: &str, server: &str) -> String {
     )
 }
 
-/// The real binary under RLIMIT_NOFILE 256, flooded with 4x that many connections: the front
-/// door pauses accepting at its derived `max_connections` (no "accept failed" at all), the admin
-/// listener still answers `/health` and `/workers`, and once the flood closes a normal request is
-/// served again (the one that waited in the backlog included).
+/// The real binary under RLIMIT_NOFILE 256, flooded with 4x that many idle connections from
+/// eight addresses: the front door fills at its derived `max_connections` (no "accept failed"
+/// at all), each newcomer taking the place of the oldest connection with no request yet once
+/// that one has had its 250 ms, so a normal request is served while the flood is open; the
+/// admin listener answers `/health` and `/workers` throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_fd_limit_admin_still_answers() {
     let e = engine(SimConfig::default()).await;
@@ -566,8 +586,9 @@ async fn past_the_fd_limit_admin_still_answers() {
     wait_status(rg.admin_addr, "/ready", 200, Duration::from_secs(10)).await;
 
     let started = Instant::now();
-    let flood = open_many(rg.addr, 1024).await;
-    // The kernel completes them (96 accepted, the rest in the listen backlog).
+    let flood = open_many_from(rg.addr, 1024, 8).await;
+    // The kernel completes them (accepted, refused by their address's limit, or in the
+    // backlog).
     assert_eq!(
         flood.len(),
         1024,
@@ -586,39 +607,28 @@ async fn past_the_fd_limit_admin_still_answers() {
     assert_eq!(status, 200);
     let rows: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(rows.as_array().map(Vec::len), Some(2), "{body}");
-    // A front-door request waits in the backlog meanwhile.
-    let addr = rg.addr;
-    let mut waiting = tokio::spawn(async move { chat(addr, 2).await.status });
-    assert!(
-        timeout(Duration::from_millis(500), &mut waiting)
-            .await
-            .is_err(),
-        "the front door answered while full"
-    );
-
+    // A front-door request is served meanwhile, in place of an idle connection.
+    // Generous: the door turns over 96 connections per 250 ms, and other tests of this binary
+    // flood their own routers meanwhile.
+    let served = timeout(Duration::from_secs(30), chat(rg.addr, 2))
+        .await
+        .expect("a request is served while the flood is open");
+    assert_eq!(served.status, 200);
     let flooded = flood.len();
     drop(flood);
-    let freed = Instant::now();
-    let st = timeout(Duration::from_secs(10), waiting)
-        .await
-        .expect("the waiting request is served once the flood closes")
-        .unwrap();
-    assert_eq!(st, 200);
-    let waited = freed.elapsed();
     assert_eq!(chat(rg.addr, 2).await.status, 200);
     assert_eq!(rg.count("accept failed"), 0, "{}", rg.log().join("\n"));
-    // Hitting the cap over and over (each freed slot is one accept, then the cap again) is
-    // one line per 5 s, not one per accept.
+    // Hitting the cap over and over (each newcomer closes an idle one) is one line per 5 s,
+    // not one per accept.
     let pauses = rg.count("connection limit reached");
     assert!(
         pauses <= 1 + started.elapsed().as_secs() as usize / 5,
-        "{pauses} pause lines in {:?}",
+        "{pauses} cap lines in {:?}",
         started.elapsed()
     );
     eprintln!(
-        "fd limit 256: {flooded} connections opened, accepting paused at 96 ({} pause lines); \
-         admin answered; the queued request served {waited:?} after the flood closed",
-        rg.count("connection limit reached")
+        "fd limit 256: {flooded} connections opened into a table of 96 ({pauses} cap lines); \
+         admin answered; a request served while the flood was open"
     );
 }
 

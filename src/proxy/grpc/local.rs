@@ -81,7 +81,7 @@ async fn message(
         return Err(ProxyError::TooLarge(max));
     }
     let (parts, body) = req.into_parts();
-    let body = match read::read(body, length, max, max, limits.stall).await? {
+    let body = match read::read(body, length, max, max, limits.pace()).await? {
         RequestBody::Full(b) => b,
         RequestBody::Stream(_) => return Err(ProxyError::TooLarge(max)),
     };

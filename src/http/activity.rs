@@ -1,0 +1,110 @@
+//! What is known of one client connection, kept current by its requests: when it opened, its
+//! requests started and in progress, when it last went idle, and whether a newer connection
+//! took its place before it served anything. Read by the connection watch (its deadlines), the
+//! admission tables (which connections may be replaced) and the connection's bytes (its 431s).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// What the watch knows of one client connection, kept current by its requests.
+pub(super) struct Activity {
+    pub(super) opened: Instant,
+    /// Requests whose response has not ended yet.
+    pub(super) active: AtomicUsize,
+    /// Requests ever started on the connection.
+    pub(super) started: AtomicU64,
+    /// Milliseconds after `opened` when the connection last went idle.
+    pub(super) idle_since_ms: AtomicU64,
+    /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
+    /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
+    pub(super) answered_431: AtomicUsize,
+    /// Closed to make room for a newer connection (see [`super::admission`]); told through
+    /// `evict`, which keeps the word until the connection's task looks (a stored permit).
+    evicted: AtomicBool,
+    evict: Notify,
+    /// It holds a place in its address's count (else it waits for one).
+    placed: AtomicBool,
+    /// Its place in its address's count went to the connection that replaced it.
+    handed_over: AtomicBool,
+}
+
+impl Activity {
+    pub(super) fn new() -> Activity {
+        Activity {
+            opened: Instant::now(),
+            active: AtomicUsize::new(0),
+            started: AtomicU64::new(0),
+            idle_since_ms: AtomicU64::new(0),
+            answered_431: AtomicUsize::new(0),
+            evicted: AtomicBool::new(false),
+            evict: Notify::new(),
+            placed: AtomicBool::new(false),
+            handed_over: AtomicBool::new(false),
+        }
+    }
+
+    /// No request yet, and not told to close: a connection a newer one may replace.
+    pub(super) fn waiting(&self) -> bool {
+        self.started.load(Relaxed) == 0 && !self.evicted.load(Relaxed)
+    }
+
+    /// Tells the connection to close (it does unless a request began meanwhile); `hand_over`:
+    /// its place in its address's count goes to the newcomer.
+    pub(super) fn evict(&self, hand_over: bool) {
+        self.handed_over.store(hand_over, Relaxed);
+        self.evicted.store(true, Relaxed);
+        self.evict.notify_one();
+    }
+
+    pub(super) fn placed(&self) {
+        self.placed.store(true, Relaxed);
+    }
+
+    pub(super) fn is_placed(&self) -> bool {
+        self.placed.load(Relaxed)
+    }
+
+    pub(super) fn handed_over(&self) -> bool {
+        self.handed_over.load(Relaxed)
+    }
+
+    /// Resolves once the connection is told to close for a newer one while it has served no
+    /// request (an eviction that came after its first request began is let go).
+    pub(super) async fn evicted(&self) {
+        loop {
+            self.evict.notified().await;
+            if self.started.load(Relaxed) == 0 {
+                return;
+            }
+        }
+    }
+
+    /// A request has begun; it stays active until the guard is dropped (with its response body).
+    pub(super) fn begin(self: &Arc<Activity>) -> ActiveGuard {
+        self.started.fetch_add(1, Relaxed);
+        self.active.fetch_add(1, Relaxed);
+        ActiveGuard(self.clone())
+    }
+}
+
+/// Counts a request as active on its connection until its response body ends.
+pub(super) struct ActiveGuard(Arc<Activity>);
+
+impl ActiveGuard {
+    /// The service's answer to this request has status 431.
+    pub(super) fn answered_431(&self) {
+        self.0.answered_431.fetch_add(1, Relaxed);
+    }
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        let a = &self.0;
+        a.idle_since_ms
+            .store(a.opened.elapsed().as_millis() as u64, Relaxed);
+        a.active.fetch_sub(1, Relaxed);
+    }
+}
