@@ -84,6 +84,8 @@ cat > "$work/rankgate.toml" <<TOML
 listen = "127.0.0.1:$PORT"
 admin_listen = "127.0.0.1:$ADMIN"
 connect_timeout = "$CONNECT_TIMEOUT"
+# The script reads which engine answered from the worker header (hidden by default).
+expose_worker = "url"
 [routing]
 eject_after = 3
 [telemetry]
