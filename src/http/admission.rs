@@ -16,10 +16,10 @@
 //! full of idle sockets from many addresses, and the front door serving new clients with its
 //! table full of half-open TLS handshakes.
 //!
-//! The tables sit behind one std mutex taken twice per connection (admitted, closed) and never
-//! per request: a connection's requests only bump its [`Activity`]'s atomics. Connections that
-//! served or closed stay in the queues until met at their head, or swept when a queue grows past
-//! twice what it can hold, so a queue is bounded by its table.
+//! The tables sit behind one std mutex taken three times per connection (admitted, given its
+//! slot, closed) and never per request: a connection's requests only bump its [`Activity`]'s
+//! atomics. Connections that served or closed stay in the queues until met at their head, or
+//! swept when a queue grows past twice what it can hold, so a queue is bounded by its table.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
@@ -39,7 +39,7 @@ use super::activity::Activity;
 /// address queue for a place (or are refused, the queue full), and a full door pauses. It also
 /// sets how fast a full door turns over (its size per this much time), so it stays short: a
 /// couple of round trips on a long path.
-const REPLACEABLE_AFTER: Duration = Duration::from_millis(250);
+pub(super) const REPLACEABLE_AFTER: Duration = Duration::from_millis(250);
 
 /// The client address limit and the queues of connections not serving yet.
 #[derive(Debug)]
@@ -59,7 +59,11 @@ struct Tables {
     clients: HashMap<IpAddr, Client>,
     /// Connections admitted and not ended yet.
     live: usize,
-    /// Every connection of the door not serving yet, oldest first.
+    /// Every connection of the door holding a slot and not serving yet, oldest first. Only
+    /// once it holds a slot ([`Admission::holds_slot`]): closing a connection still waiting
+    /// for one (in another listener's accept loop, with thread-per-core) gave no slot back, and
+    /// a full door whose every accept loop then waited for a slot stalled until a header
+    /// deadline.
     waiting: VecDeque<Weak<Activity>>,
 }
 
@@ -119,7 +123,7 @@ impl Admission {
             client.queued += 1;
             push(&mut client.queue, activity, per_client);
             Place::Wait(client.freed.clone())
-        } else if let Some(oldest) = pop_waiting(&mut client.queue) {
+        } else if let Some(oldest) = pop_queued(&mut client.queue) {
             // Its spot in the queue goes to the newcomer (the count stays as it is: the one
             // replaced gives its spot back when it ends, which its ticket then skips).
             oldest.evict(true);
@@ -135,8 +139,14 @@ impl Admission {
             push(&mut client.waiting, activity, per_client);
         }
         t.live += 1;
-        push(&mut t.waiting, activity, self.max_connections);
         place
+    }
+
+    /// `activity`'s connection holds one of the door's slots now: a full door may close it for
+    /// a newer one (never before, see [`Tables::waiting`]).
+    pub(super) fn holds_slot(&self, activity: &Arc<Activity>) {
+        let mut t = self.tables();
+        push(&mut t.waiting, activity, self.max_connections);
     }
 
     /// A place for `activity`, queued at its address, if one is free now.
@@ -281,8 +291,24 @@ fn is_waiting(w: &Weak<Activity>) -> bool {
 /// The oldest connection of `queue` still waiting for its first request, if it has had
 /// [`REPLACEABLE_AFTER`] to send it.
 fn pop_waiting(queue: &mut VecDeque<Weak<Activity>>) -> Option<Arc<Activity>> {
+    pop_oldest(queue, |_| true)
+}
+
+/// [`pop_waiting`] for an address's queue, skipping the connections that took a place since
+/// they queued ([`Admission::take_place`] leaves them there). Replacing one of those as if it
+/// were queued handed its place to a newcomer that only queued: the place was never given
+/// back, and after enough of them the address's every place was held by nobody, its
+/// connections all waiting for a place until their header deadline.
+fn pop_queued(queue: &mut VecDeque<Weak<Activity>>) -> Option<Arc<Activity>> {
+    pop_oldest(queue, |a| !a.is_placed())
+}
+
+fn pop_oldest(
+    queue: &mut VecDeque<Weak<Activity>>,
+    keep: impl Fn(&Activity) -> bool,
+) -> Option<Arc<Activity>> {
     while let Some(w) = queue.front() {
-        match w.upgrade().filter(|a| a.waiting()) {
+        match w.upgrade().filter(|a| a.waiting() && keep(a)) {
             // The queue is oldest first: if this one is too young, so are all after it.
             Some(a) if a.opened.elapsed() < REPLACEABLE_AFTER => return None,
             Some(a) => {
@@ -295,4 +321,72 @@ fn pop_waiting(queue: &mut VecDeque<Weak<Activity>>) -> Option<Arc<Activity>> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([127, 0, 0, last])
+    }
+
+    /// A connection the door has not given a slot yet (it waits in an accept loop, one of
+    /// several with thread-per-core) is never the one a full door closes: closing it frees no
+    /// slot, and the accept loops all waited for one that never came.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_door_closes_only_connections_holding_a_slot() {
+        let adm = Admission::new(2, 2);
+        let (a, b) = (Arc::new(Activity::new()), Arc::new(Activity::new()));
+        assert!(matches!(adm.admit(ip(2), &a), Place::Now));
+        assert!(matches!(adm.admit(ip(3), &b), Place::Now));
+        adm.holds_slot(&b);
+        tokio::time::advance(REPLACEABLE_AFTER).await;
+        // `a`, older, still waits for its slot: `b` goes.
+        assert!(matches!(adm.replace_oldest(), Replace::Done));
+        assert!(a.waiting() && !b.waiting());
+        // Nothing else holds a slot.
+        assert!(matches!(adm.replace_oldest(), Replace::AllServing));
+        assert!(a.waiting());
+    }
+
+    /// A queued connection that took a place has left the queue: a newcomer replacing the
+    /// queue's oldest passes it over. Replaced as if queued, it handed its place to a newcomer
+    /// that only queued, and the place was never given back.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_that_took_a_place_is_not_replaced_as_queued() {
+        let adm = Arc::new(Admission::new(16, 2));
+        let mut tickets = Vec::new();
+        let conn = |tickets: &mut Vec<Ticket>, expect: fn(&Place) -> bool| {
+            let a = Arc::new(Activity::new());
+            let place = adm.admit(ip(2), &a);
+            assert!(expect(&place));
+            if !matches!(place, Place::Refused) {
+                tickets.push(Ticket::new(&adm, ip(2), &a));
+            }
+            a
+        };
+        let now = |p: &Place| matches!(p, Place::Now);
+        let wait = |p: &Place| matches!(p, Place::Wait(_));
+        let (b1, b2) = (conn(&mut tickets, now), conn(&mut tickets, now));
+        let (g1, g2) = (b1.begin(), b2.begin());
+        let q1 = conn(&mut tickets, wait);
+        tokio::time::advance(REPLACEABLE_AFTER * 2).await;
+        // b1 ends: a newcomer takes its place before q1 looks.
+        drop(g1);
+        drop(tickets.remove(0));
+        let x = conn(&mut tickets, now);
+        // b2 ends: q1 takes its place.
+        drop(g2);
+        drop(tickets.remove(0));
+        assert!(adm.take_place(ip(2), &q1));
+        // Two newcomers queue (x is too young to replace), a third finds the queue full of
+        // young ones and q1, which is no longer queued.
+        let (n1, n2) = (conn(&mut tickets, wait), conn(&mut tickets, wait));
+        let _n3 = conn(&mut tickets, |p| matches!(p, Place::Refused));
+        assert!(q1.waiting() && n1.waiting() && n2.waiting() && x.waiting());
+        drop(tickets);
+        // Every place given back: the address holds none.
+        assert_eq!(adm.clients(), 0);
+    }
 }

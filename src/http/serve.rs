@@ -30,7 +30,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::activity::{ActiveGuard, Activity};
-use super::admission::{Place, Replace, Ticket};
+use super::admission::{Place, Replace, Ticket, REPLACEABLE_AFTER};
 use super::conn::{self, Builders};
 use super::limits::{Door, ServeOptions};
 use super::shutdown::{shutdown_signalled, Shutdown};
@@ -143,17 +143,19 @@ pub async fn serve_with<M, S, B>(
                     );
                 }
                 // Paused: a slot given back, or the oldest connection with no request yet
-                // becoming replaceable, whichever comes first.
+                // becoming replaceable, whichever comes first. Never waiting on the slot alone:
+                // the connection told to close may have begun a request meanwhile (it then
+                // stays), and with several listeners on one door the others' accept loops take
+                // slots too, so a look again after a while keeps the door turning over.
                 let slot = loop {
                     let retry = match replaced {
-                        Replace::Later(t) => Some(t),
-                        _ => None,
+                        Replace::Later(t) => t,
+                        Replace::Done | Replace::AllServing => Instant::now() + REPLACEABLE_AFTER,
                     };
-                    let replaceable = tokio::time::sleep_until(retry.unwrap_or_else(Instant::now));
                     tokio::select! {
                         s = slots.clone().acquire_owned() => break s.ok(),
                         _ = shutdown_signalled(&mut shutdown) => break None,
-                        () = replaceable, if retry.is_some() => {
+                        () = tokio::time::sleep_until(retry) => {
                             replaced = admission.replace_oldest();
                         }
                     }
@@ -164,6 +166,9 @@ pub async fn serve_with<M, S, B>(
                 }
             }
         };
+        // Only now may a full door close it for a newer connection: closing it before it holds
+        // a slot would free none.
+        admission.holds_slot(&activity);
         let _ = stream.set_nodelay(true);
         let svc = Tracked {
             inner: RefCell::new(make(peer)),
