@@ -91,9 +91,9 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// `YYYY-MM-DD HH:MM:SS UTC` of seconds since the epoch (Hinnant's `civil_from_days`).
-pub fn utc_text(secs: i64) -> String {
-    let (days, t) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+/// The civil date (year, month, day) of a day count since 1970-01-01, by Howard Hinnant's
+/// `civil_from_days`.
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
@@ -102,7 +102,13 @@ pub fn utc_text(secs: i64) -> String {
     let mp = (5 * doy + 2) / 153;
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// `YYYY-MM-DD HH:MM:SS UTC` of seconds since the epoch.
+pub fn utc_text(secs: i64) -> String {
+    let (days, t) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (y, m, d) = civil_from_days(days);
     format!(
         "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
         t / 3600,
