@@ -8,15 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 RANKGATE=${RANKGATE:-target/release/rankgate}
 [ -x "$RANKGATE" ] || cargo build --release --locked --bin rankgate >&2
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# The work directory, the processes stopped on exit, free_port.
+source bench/lib.sh
 wait_http() { for _ in $(seq 100); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done; echo "no answer from $1" >&2; return 1; }
 
 engine=$(free_port); front=$(free_port); admin=$(free_port)
