@@ -16,15 +16,7 @@
 # each flood, at its peak (every 0.5 s) and AFTER seconds after it ended; the first three floods
 # run in a row on one rankgate.
 #
-# Measured 2026-12-05 on the shared 2-core machine (hard RLIMIT_NOFILE 20000, so 19,000 per
-# flood; bench/hostile/floods.sh 10 30), probe p50/p99/max ms, RSS MB before/peak/30 s after:
-#   rankgate idle        0.6 / 190.7 / 248.6   12 / 52 / 16   (slow probes: the first 2 s only)
-#   rankgate h2-preface  0.6 /  26.8 /  37.5   16 / 50 / 15
-#   rankgate admin-idle  0.4 /   0.6 /   0.6   15 / 15 / 15
-#   rankgate tls-half    3.3 /  17.2 /  24.0   12 / 57 / 17   (a second rankgate)
-#   nginx idle           0.7 /   9.5 /  13.9    8 / 13 /  9
-# On main: 7.4 s (idle), 8.3 s (h2 preface), no answer in 20 s (TLS), 11.2 s (admin /ready);
-# RSS 15 -> 358 MB, 339 MB held.
+# One run's figures, and what they were before: docs/reliability.md ("Floods from one address").
 #
 # Needs curl, openssl, python3 (nginx for the comparison: apt-get install nginx-light).
 # Loopback only; every loop bounded. Usage: bench/hostile/floods.sh [HOLD=10] [AFTER=30] [COUNT=20000]
