@@ -339,14 +339,14 @@ async fn an_engine_killed_mid_stream_ends_it_unavailable_naming_the_worker() {
     }
 }
 
-#[tokio::test]
-async fn a_killed_stream_ends_with_the_status_in_its_trailers() {
-    // The wire under the status above: HTTP 200 and the messages sent before, then trailers.
-    let flavor = Flavor::Sglang;
-    let e = Eng::start(flavor, 1, 0).await;
-    let r = grpc_router(&[&e]).await;
-    wait_state(&r, &[0], "available").await;
-    let raw = generate_bytes(flavor, "dies", None, 100_000);
+/// A raw Generate of 100,000 tokens through rankgate's gRPC front door, once its first message
+/// came (HTTP 200, a data frame): the head, and the body still streaming.
+async fn long_generate(
+    r: &Router,
+    flavor: Flavor,
+    id: &str,
+) -> (http::response::Parts, hyper::body::Incoming) {
+    let raw = generate_bytes(flavor, id, None, 100_000);
     let req = grpc_request(r.grpc_addr.unwrap(), &method_path(flavor, "Generate"))
         .body(Full::new(frame(&raw)))
         .unwrap();
@@ -359,6 +359,17 @@ async fn a_killed_stream_ends_with_the_status_in_its_trailers() {
         .expect("a frame")
         .expect("a chunk");
     assert!(first.is_data(), "{first:?}");
+    (parts, body)
+}
+
+#[tokio::test]
+async fn a_killed_stream_ends_with_the_status_in_its_trailers() {
+    // The wire under the status above: HTTP 200 and the messages sent before, then trailers.
+    let flavor = Flavor::Sglang;
+    let e = Eng::start(flavor, 1, 0).await;
+    let r = grpc_router(&[&e]).await;
+    wait_state(&r, &[0], "available").await;
+    let (parts, mut body) = long_generate(&r, flavor, "dies").await;
 
     e.sim.kill().await;
     let rest = bounded(body.collect())
@@ -898,19 +909,7 @@ async fn a_stream_outliving_the_drain_grace_ends_unavailable_in_its_trailers() {
     let e = Eng::start(flavor, 1, 0).await;
     let r = grpc_router_with("drain_grace = \"300ms\"", &[e.toml()]).await;
     wait_state(&r, &[0], "available").await;
-    let raw = generate_bytes(flavor, "outlives", None, 100_000);
-    let req = grpc_request(r.grpc_addr.unwrap(), &method_path(flavor, "Generate"))
-        .body(Full::new(frame(&raw)))
-        .unwrap();
-    let client = rankgate::http::h2_client::<Full<Bytes>>(Duration::from_secs(2));
-    let resp = bounded(client.request(req)).await.expect("h2 request");
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut body = resp.into_body();
-    let first = bounded(body.frame())
-        .await
-        .expect("a frame")
-        .expect("a chunk");
-    assert!(first.is_data(), "{first:?}");
+    let (_, mut body) = long_generate(&r, flavor, "outlives").await;
 
     let shutdown = tokio::spawn(r.shutdown());
     let rest = bounded(body.collect())
