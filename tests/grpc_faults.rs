@@ -369,7 +369,7 @@ async fn a_killed_stream_ends_with_the_status_in_its_trailers() {
     let e = Eng::start(flavor, 1, 0).await;
     let r = grpc_router(&[&e]).await;
     wait_state(&r, &[0], "available").await;
-    let (parts, mut body) = long_generate(&r, flavor, "dies").await;
+    let (parts, body) = long_generate(&r, flavor, "dies").await;
 
     e.sim.kill().await;
     let rest = bounded(body.collect())
@@ -909,7 +909,7 @@ async fn a_stream_outliving_the_drain_grace_ends_unavailable_in_its_trailers() {
     let e = Eng::start(flavor, 1, 0).await;
     let r = grpc_router_with("drain_grace = \"300ms\"", &[e.toml()]).await;
     wait_state(&r, &[0], "available").await;
-    let (_, mut body) = long_generate(&r, flavor, "outlives").await;
+    let (_, body) = long_generate(&r, flavor, "outlives").await;
 
     let shutdown = tokio::spawn(r.shutdown());
     let rest = bounded(body.collect())
