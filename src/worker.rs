@@ -17,7 +17,8 @@ use http::HeaderValue;
 #[cfg(test)]
 pub use crate::config::test_engine;
 pub use crate::config::{
-    ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, TelemetrySource,
+    ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, Role,
+    TelemetrySource,
 };
 use crate::ix::{EngineIx, Ix, IxVec, WorkerIx};
 use crate::live::Live;
@@ -111,6 +112,8 @@ pub struct Member {
     /// gateway, which routes by itself.
     pub pin_rank: Option<u32>,
     pub pin_header: Option<HeaderValue>,
+    /// Its engine's part in a disaggregated model (`engines[].role`).
+    pub role: Role,
     pub live: Live,
     pub counters: WorkerCounters,
     /// Polls in which the rank's entry was present but invalid or duplicated.
@@ -157,6 +160,7 @@ impl EngineEntry {
         prev: Option<&EngineEntry>,
     ) -> Arc<EngineEntry> {
         let gateway = cfg.flavor == Flavor::Gateway;
+        let role = cfg.role;
         let members = cfg
             .ranks()
             .map(|rank| {
@@ -179,7 +183,9 @@ impl EngineEntry {
                 let same = prev
                     .into_iter()
                     .flat_map(|p| p.members.iter())
-                    .find(|m| m.id == id && m.pin_rank == pin_rank && m.named == named);
+                    .find(|m| {
+                        m.id == id && m.pin_rank == pin_rank && m.named == named && m.role == role
+                    });
                 if let Some(m) = same {
                     return m.clone();
                 }
@@ -194,6 +200,7 @@ impl EngineEntry {
                     named,
                     pin_rank,
                     pin_header: pin_rank.map(HeaderValue::from),
+                    role,
                     live: Live::default(),
                     counters: WorkerCounters::default(),
                     invalid_entries: AtomicU64::new(0),
@@ -248,6 +255,9 @@ pub struct HttpShape {
     pub mixed_flavors: bool,
     /// Some engine takes the rank in the body (SGLang), so bodies are read whole.
     pub pins_in_body: bool,
+    /// Some engine is a prefill or decode server: requests are then looked at for their model
+    /// and route, to be split into two legs where the model is served disaggregated.
+    pub disaggregated: bool,
 }
 
 impl Fleet {
@@ -270,6 +280,7 @@ impl Fleet {
                 flavors: Flavors::of(http.iter().copied()),
                 mixed_flavors: http.windows(2).any(|w| w[0].flavor != w[1].flavor),
                 pins_in_body: http.iter().any(|e| e.flavor == Flavor::Sglang),
+                disaggregated: (engines.iter()).any(|e| e.cfg.http && e.cfg.role.disaggregated()),
             },
             engines,
             workers,

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::duration::HumanDuration;
-use super::engine::{Engine, Flavor, RankNumbering};
+use super::engine::{Engine, Flavor, RankNumbering, Role};
 use super::engines::RawEngine;
 use super::error::{invalid, ConfigError};
 
@@ -42,6 +42,10 @@ pub(super) struct RawDiscovery {
     api_key_env: Option<String>,
     /// The engines found are reached over TLS (`https://ip:port`, `[engine_tls]`).
     tls: Option<bool>,
+    /// Their part in a disaggregated model (a pod's `rankgate.io/role` overrides it).
+    role: Option<Role>,
+    /// SGLang prefill servers' bootstrap port (a pod's `rankgate.io/bootstrap-port` overrides).
+    bootstrap_port: Option<u16>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -60,6 +64,10 @@ pub struct Overrides {
     /// The engine's name for clients (`server.expose_worker = "name"`): the pod's name. A DNS
     /// finding has none (one DNS name stands for all of its addresses).
     pub name: Option<String>,
+    /// Its part in a disaggregated model (`rankgate.io/role`).
+    pub role: Option<Role>,
+    /// An SGLang prefill server's bootstrap port (`rankgate.io/bootstrap-port`).
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A container port: by number, or (Kubernetes) by its name in the pod spec.
@@ -114,6 +122,8 @@ pub struct EngineTemplate {
     models: Option<Vec<String>>,
     api_key_env: Option<String>,
     tls: bool,
+    role: Option<Role>,
+    bootstrap_port: Option<u16>,
 }
 
 impl EngineTemplate {
@@ -153,6 +163,8 @@ impl EngineTemplate {
             kv_events: None,
             kv_events_topic: None,
             kv_events_from: None,
+            role: found.role.or(self.role),
+            bootstrap_port: found.bootstrap_port.or(self.bootstrap_port),
         }
         .validate(at)
     }
@@ -282,6 +294,8 @@ impl RawDiscovery {
             models: self.models,
             api_key_env: self.api_key_env,
             tls: self.tls.unwrap_or(false),
+            role: self.role,
+            bootstrap_port: self.bootstrap_port,
         };
         // Every key of the template is checked now, on a stand-in address, so a bad one is a
         // config error at load and not a log line per finding.

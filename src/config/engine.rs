@@ -74,6 +74,47 @@ impl Flavors {
     }
 }
 
+/// An engine's part in serving generation (`engines[].role`). A model whose engines include
+/// prefill and decode servers is served disaggregated: each chat or completion request goes to a
+/// prefill rank, then with the KV transfer parameters that rank returned to a decode rank, each
+/// rank chosen by its own load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// A whole engine: prefill and decode on the same rank (every engine before roles).
+    #[default]
+    Both,
+    /// A prefill server (vLLM `kv_role: kv_producer`, SGLang `--disaggregation-mode prefill`).
+    Prefill,
+    /// A decode server (vLLM `kv_role: kv_consumer`, SGLang `--disaggregation-mode decode`).
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    /// Whether engines of this role take one leg of a disaggregated request, not whole ones.
+    pub fn disaggregated(self) -> bool {
+        self != Role::Both
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// SGLang's default `--disaggregation-bootstrap-port`, where a prefill server's decode peers
+/// fetch the KV of a request.
+pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+
 /// How a rank is numbered in the pinning header sent to the engine.
 ///
 /// vLLM versions differ on whether a node owning ranks 4..7 of a hybrid deployment expects the
@@ -252,6 +293,11 @@ pub struct Engine {
     /// (`engines[].kv_events`, `kv_events_topic`, `kv_events_from`); `None`: its
     /// `GET /kv_event_sources` says where, and they come from its URL's addresses.
     pub kv_events: Option<Arc<super::kv::KvEvents>>,
+    /// `engines[].role`: whole engine, prefill server or decode server.
+    pub role: Role,
+    /// An SGLang prefill server's `--disaggregation-bootstrap-port` (`engines[].bootstrap_port`,
+    /// [`SGLANG_BOOTSTRAP_PORT`] when unset); `None` for every other engine.
+    pub bootstrap_port: Option<u16>,
 }
 
 impl Engine {
@@ -364,5 +410,7 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         http: true,
         grpc: None,
         kv_events: None,
+        role: Role::Both,
+        bootstrap_port: None,
     }
 }

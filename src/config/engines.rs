@@ -5,7 +5,10 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use super::engine::{ApiKey, Declared, Deployment, Engine, Flavor, RankNumbering, Reported};
+use super::engine::{
+    ApiKey, Declared, Deployment, Engine, Flavor, RankNumbering, Reported, Role,
+    SGLANG_BOOTSTRAP_PORT,
+};
 use super::error::{invalid, ConfigError};
 use super::rules::parse_health_path;
 use super::sources::{default_sources, engine_addresses, parse_sources, Addresses};
@@ -38,6 +41,10 @@ pub struct RawEngine {
     pub(super) kv_events_topic: Option<String>,
     /// Addresses its events may also come from, when it connects to an endpoint rankgate binds.
     pub(super) kv_events_from: Option<Vec<String>>,
+    /// `prefill` or `decode` for one side of a disaggregated model; unset: a whole engine.
+    pub(super) role: Option<Role>,
+    /// An SGLang prefill server's `--disaggregation-bootstrap-port`.
+    pub(super) bootstrap_port: Option<u16>,
 }
 
 impl RawEngine {
@@ -141,6 +148,8 @@ impl RawEngine {
         if let Some(name) = &self.name {
             super::edge::check_engine_name(&format!("{at}.name"), name)?;
         }
+        let role = self.role.unwrap_or_default();
+        let bootstrap_port = check_role(at, role, self.flavor, addresses.http, self.bootstrap_port)?;
         let api_key = self
             .api_key_env
             .as_deref()
@@ -167,6 +176,8 @@ impl RawEngine {
             http: addresses.http,
             grpc: addresses.grpc.map(Into::into),
             kv_events,
+            role,
+            bootstrap_port,
         };
         Ok(engine.with_reported(None))
     }
@@ -206,6 +217,45 @@ impl Engine {
             e.flavor = f;
         }
         e
+    }
+}
+
+/// `engines[].role` and `bootstrap_port` checked together; the bootstrap port an SGLang (or
+/// not yet known) prefill server is given.
+fn check_role(
+    at: &str,
+    role: Role,
+    flavor: Option<Flavor>,
+    http: bool,
+    bootstrap_port: Option<u16>,
+) -> Result<Option<u16>, ConfigError> {
+    let role_key = format!("{at}.role");
+    if role.disaggregated() && flavor == Some(Flavor::Gateway) {
+        return Err(invalid(
+            role_key,
+            "a gateway routes whole requests to its own fleet: only a vLLM or SGLang server is a prefill or decode server",
+        ));
+    }
+    if role.disaggregated() && !http {
+        return Err(invalid(
+            role_key,
+            "disaggregated requests are served through the OpenAI HTTP front door: give the engine its `url`",
+        ));
+    }
+    let port_key = format!("{at}.bootstrap_port");
+    match (role, flavor, bootstrap_port) {
+        (_, _, Some(0)) => Err(invalid(port_key, "0 is no port")),
+        (Role::Prefill, Some(Flavor::Vllm), Some(_)) => Err(invalid(
+            port_key,
+            "a vLLM prefill server needs none (its decode peers pull from the side channel its answer names): remove this key",
+        )),
+        (Role::Prefill, Some(Flavor::Vllm), None) => Ok(None),
+        (Role::Prefill, _, port) => Ok(Some(port.unwrap_or(SGLANG_BOOTSTRAP_PORT))),
+        (_, _, Some(_)) => Err(invalid(
+            port_key,
+            "only an SGLang prefill server has a bootstrap port (set `role = \"prefill\"`, or remove this key)",
+        )),
+        (_, _, None) => Ok(None),
     }
 }
 

@@ -38,8 +38,8 @@ pub use edge::{engine_name_ok, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER, MAX_EN
 #[cfg(test)]
 pub use engine::test_engine;
 pub use engine::{
-    ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, SourceKind,
-    TelemetrySource,
+    ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, Role,
+    SourceKind, TelemetrySource, SGLANG_BOOTSTRAP_PORT,
 };
 pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;

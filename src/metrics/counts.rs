@@ -157,6 +157,8 @@ pub struct WorkerCounters {
     /// Prompt tokens prefix affinity expected the worker to hold for the requests sent to it:
     /// `[by rankgate's record, by its engine's KV events]`.
     pub predicted_hit_tokens: [AtomicU64; 2],
+    /// Legs of disaggregated requests sent here: `[prefill, decode]`.
+    pub pd_legs: [AtomicU64; 2],
 }
 
 impl WorkerCounters {

@@ -308,6 +308,23 @@ impl Collector for Fleet {
                 counter(&mut m, &[("worker", &*w.id_text), ("by", by)], n)?;
             }
         }
+        // Only a fleet with prefill or decode servers has legs: the usual fleet's page does
+        // not grow by a series per rank that can only say 0.
+        let split = workers.iter().any(|w| w.role.disaggregated());
+        if split {
+            let mut m = enc.encode_descriptor(
+                "rankgate_pd_legs",
+                "Legs of disaggregated requests sent to the rank, by leg (prefill, decode):                  each side's ranks are chosen by their own load.",
+                None,
+                MetricType::Counter,
+            )?;
+            for w in workers.iter().filter(|w| w.role.disaggregated()) {
+                for (leg, n) in ["prefill", "decode"].iter().zip(&w.counters.pd_legs) {
+                    let n = n.load(std::sync::atomic::Ordering::Relaxed);
+                    counter(&mut m, &[("worker", &*w.id_text), ("leg", leg)], n)?;
+                }
+            }
+        }
         let mut m = enc.encode_descriptor(
             "rankgate_rank_in_flight_requests",
             "Requests in flight on the rank through this router (until their response body \

@@ -30,6 +30,7 @@ mod fleet;
 mod histogram;
 mod kv;
 mod labels;
+mod pd;
 mod process;
 mod routes;
 mod shared;
@@ -47,6 +48,7 @@ use crate::worker::Member;
 
 pub use counts::{Attempt, PollCounters, PollResult, RequestCounts, RequestKey, WorkerCounters};
 pub use histogram::BUCKETS;
+pub use pd::{PdCounts, PdFailure, PdLeg};
 pub use labels::{ModelIdx, ModelSlot, RequestLabels, UNKNOWN};
 pub use routes::{RouteIdx, UNMATCHED};
 
@@ -69,6 +71,8 @@ pub struct Metrics {
     /// `[ok, failed]`, and the seconds they took.
     engine_tokenize: [Counter; 2],
     engine_tokenize_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// Disaggregated requests: outcomes, failures by leg, the legs' times.
+    pub pd: Arc<PdCounts>,
 }
 
 impl Default for Metrics {
@@ -207,6 +211,8 @@ impl Metrics {
             registry.register_collector(Box::new(fleet::Fleet { table }));
         }
         registry.register_collector(Box::new(process::Process));
+        let pd = Arc::new(PdCounts::default());
+        registry.register_collector(Box::new(pd::Pd(pd.clone())));
         if !doors.is_empty() {
             registry.register_collector(Box::new(doors::Doors(doors)));
         }
@@ -219,6 +225,7 @@ impl Metrics {
             streams_cut,
             engine_tokenize,
             engine_tokenize_seconds,
+            pd,
         }
     }
 

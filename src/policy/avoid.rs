@@ -24,6 +24,28 @@ pub struct Avoid {
     /// The request's model, when no known model list has it (only engines whose list is
     /// unknown may serve it): a failed pick then says so, naming the model.
     pub unlisted_model: Option<Arc<str>>,
+    /// Which part of a request this pick is for: a whole request, or one leg of a
+    /// disaggregated one (the prefill leg's ranks are scored by their prefill work).
+    pub leg: Leg,
+}
+
+/// What a pick is for: a whole request, or one leg of a disaggregated one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Leg {
+    #[default]
+    Whole,
+    Prefill,
+    Decode,
+}
+
+impl Leg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Leg::Whole => "whole",
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+        }
+    }
 }
 
 /// The front door a request came through; only engines serving it may take the request.
@@ -40,7 +62,9 @@ impl Front {
     pub fn served_by(self, e: &Engine) -> bool {
         match self {
             Front::Http => e.http,
-            Front::Grpc(f) => e.grpc.is_some() && e.flavor == f,
+            // Prefill and decode servers take their legs through the HTTP front door only:
+            // the engines' gRPC services carry no KV transfer parameters.
+            Front::Grpc(f) => e.grpc.is_some() && e.flavor == f && !e.role.disaggregated(),
         }
     }
 }

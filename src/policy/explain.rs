@@ -32,6 +32,10 @@ pub enum By {
 /// A pick, explained.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Explanation {
+    /// The leg of a disaggregated request this pick was for (`prefill`, `decode`); absent for
+    /// a whole request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leg: Option<&'static str>,
     pub policy: &'static str,
     pub by: By,
     /// The worker chosen; `None` when no rank could take the request.
@@ -187,6 +191,7 @@ pub(super) fn explain_pick(
     affinity: Option<((f64, f64), &mut Holdings)>,
 ) -> Explanation {
     let mut x = Explanation::new(policy, by);
+    x.leg = (avoid.leg != super::avoid::Leg::Whole).then(|| avoid.leg.as_str());
     // A prompt not read (too large to keep, not JSON, shorter than a chunk) matches nothing
     // and says so by its absence.
     let mut prompt = affinity.map(|(_, p)| p).filter(|p| !p.is_empty());
@@ -226,7 +231,7 @@ pub(super) fn explain_pick(
         }
         let live = &seat.live;
         let score = match by {
-            By::Kv => score(table, snap, w, now),
+            By::Kv => score(table, snap, w, now, avoid.leg),
             By::InFlight => Some(live.in_flight() as f64 + live.outlier.recent_failures()),
             By::Reachable => None,
         };

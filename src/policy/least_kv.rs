@@ -49,7 +49,7 @@ impl Selector {
                 if !engine_ok.1 || admit == Admit::No || avoid.workers.contains(&seat.key) {
                     continue;
                 }
-                match score_of(table, view, seat, admit, now) {
+                match score_of(table, view, seat, admit, now, avoid.leg) {
                     None => skipped = true,
                     // A rank due for its ejection trial goes first: its failures would
                     // otherwise keep its score above every healthy rank's, and it would never

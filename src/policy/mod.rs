@@ -30,7 +30,7 @@ mod scoring;
 mod sizing;
 mod ties;
 
-pub use avoid::{Avoid, Front};
+pub use avoid::{Avoid, Front, Leg};
 pub use dispatch::{NoRank, Picked, Selector};
 pub use explain::{By, Candidate, Explanation, Skipped};
 pub use scoring::score;

@@ -1,5 +1,9 @@
 //! `least_kv`'s score of one rank: its reported KV plus the work it was sent since its poll,
 //! plus a penalty for its recent failures. Read by the pick and by its explanation alike.
+//!
+//! A prefill server's rank (the prefill leg of a disaggregated request) also counts the requests
+//! it is running: each is prefill work that delays the next one's first token, whatever KV it
+//! holds, where a decode rank's running requests are already in its KV usage.
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -8,11 +12,12 @@ use tokio::time::Instant;
 use crate::ix::WorkerIx;
 use crate::outlier::{Admit, FAILURE_WEIGHT};
 use crate::table::{RankView, Snapshot, Table, UNIT_WEIGHT};
+use super::avoid::Leg;
 use crate::worker::Member;
 
 /// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry.
 #[inline]
-pub fn score(table: &Table, snap: &Snapshot, w: WorkerIx, now: Instant) -> Option<f64> {
+pub fn score(table: &Table, snap: &Snapshot, w: WorkerIx, now: Instant, leg: Leg) -> Option<f64> {
     let member = &snap.fleet.workers[w].member;
     score_of(
         table,
@@ -20,6 +25,7 @@ pub fn score(table: &Table, snap: &Snapshot, w: WorkerIx, now: Instant) -> Optio
         member,
         member.live.outlier.admit(),
         now,
+        leg,
     )
 }
 
@@ -31,6 +37,7 @@ pub(super) fn score_of(
     member: &Member,
     admit: Admit,
     now: Instant,
+    leg: Leg,
 ) -> Option<f64> {
     let load = view.telemetry.fresh(now, table.stale_after)?;
     let live = &member.live;
@@ -39,7 +46,10 @@ pub(super) fn score_of(
         .load(Relaxed)
         .saturating_sub(view.weight_at_poll);
     let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
-    let queued = load.waiting.unwrap_or(0) as f64;
+    let mut queued = load.waiting.unwrap_or(0) as f64;
+    if leg == Leg::Prefill {
+        queued += load.running.unwrap_or(0) as f64;
+    }
     Some(load.kv_usage + (queued + unreported) * view.kv_per_request + failing(member, admit))
 }
 

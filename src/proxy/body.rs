@@ -45,6 +45,9 @@ pub struct Holds {
     pub request_id: Option<Held>,
     /// A traced request's span, which ends with the body (trace).
     pub span: Option<Box<tracing::Span>>,
+    /// A disaggregated request's prefill leg, on its decode leg's answer (disagg; moved into
+    /// `done` by respond).
+    pub prefill: Option<Box<super::target::PrefillLeg>>,
 }
 
 /// The body of a response to the client.

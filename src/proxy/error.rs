@@ -72,6 +72,16 @@ pub enum ProxyError {
     EngineBusy { limit: usize, waited: Duration },
     #[error("internal error: {0}")]
     Internal(String),
+    /// A disaggregated request's prefill server answered 200 without the KV transfer
+    /// parameters its decode needs: decoding there anyway would silently prefill twice.
+    #[error("the prefill server answered without kv_transfer_params: is it started with a KV connector as a KV producer (vLLM: --kv-transfer-config with kv_role kv_producer)? No decode was started")]
+    PrefillNoParams,
+    /// The prefill server's answer could not be read for its KV transfer parameters.
+    #[error("the prefill server's answer could not be read: {0}")]
+    PrefillAnswer(String),
+    /// A model served disaggregated that cannot be split as the fleet stands.
+    #[error("{0}")]
+    NotDisaggregable(String),
     /// What only the gRPC front door refuses, with the status it becomes.
     #[error(transparent)]
     Grpc(#[from] GrpcError),
@@ -147,10 +157,12 @@ impl ProxyError {
             ProxyError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::NoRank(_)
             | ProxyError::NoRankUnlisted { .. }
+            | ProxyError::NotDisaggregable(_)
             | ProxyError::EngineBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::Upstream { .. } | ProxyError::StaleConnection { .. } => {
-                StatusCode::BAD_GATEWAY
-            }
+            ProxyError::Upstream { .. }
+            | ProxyError::StaleConnection { .. }
+            | ProxyError::PrefillNoParams
+            | ProxyError::PrefillAnswer(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::Grpc(g) => g.http.unwrap_or(http_status(g.code)),
@@ -223,6 +235,9 @@ impl ProxyError {
             ProxyError::NoRank(_)
             | ProxyError::NoRankUnlisted { .. }
             | ProxyError::EngineBusy { .. }
+            | ProxyError::NotDisaggregable(_)
+            | ProxyError::PrefillNoParams
+            | ProxyError::PrefillAnswer(_)
             | ProxyError::Upstream { .. }
             | ProxyError::StaleConnection { .. } => Code::Unavailable,
             ProxyError::Internal(_) | ProxyError::At { .. } => Code::Internal,

@@ -110,12 +110,19 @@ fn write_public(out: &mut String, err: &ProxyError) -> std::fmt::Result {
             waited.as_millis()
         ),
         ProxyError::Internal(_) => out.write_str("internal error"),
+        ProxyError::PrefillNoParams => {
+            out.write_str("the prefill server answered without KV transfer parameters")
+        }
+        ProxyError::PrefillAnswer(_) => {
+            out.write_str("the prefill server's answer could not be read")
+        }
         // Never an engine or a setting: those go in its `engine` (shown under `url` only).
         ProxyError::Grpc(g) => out.write_str(&g.message),
         // The client's own mistakes, said in the client's terms (no address or setting in
         // them): the path and method, a refused key, a broken or non-JSON body, a model the
         // fleet does not serve (whose list of served models is public at /v1/models anyway).
         e @ (ProxyError::NoEngineFor(_)
+        | ProxyError::NotDisaggregable(_)
         | ProxyError::Refused(_)
         | ProxyError::Model(_)
         | ProxyError::Scan(_)

@@ -55,6 +55,9 @@ pub struct Done {
     first_seen: bool,
     /// The access log line, when `server.access_log` is on.
     pub access: Option<Box<Access>>,
+    /// A disaggregated request's prefill leg: logged with the decode's line, and the decode
+    /// leg's first byte timed from its own start.
+    pub prefill: Option<Box<super::target::PrefillLeg>>,
 }
 
 /// What the access log line says of a request: gathered on its way through `respond`, finished
@@ -80,6 +83,7 @@ impl Done {
             model,
             first_seen: false,
             access: None,
+            prefill: None,
         }
     }
 
@@ -91,6 +95,9 @@ impl Done {
             self.first_seen = true;
             let since = self.started.elapsed();
             (self.ctx.metrics).first_byte(self.model, since);
+            if let Some(p) = &self.prefill {
+                (self.ctx.metrics.pd).decode_first_byte(p.decode_started.elapsed());
+            }
             if let Some(a) = &mut self.access {
                 a.ttfb = Some(since);
             }
@@ -119,6 +126,8 @@ impl Drop for Done {
                 ttfb_ms = a.ttfb.map(ms),
                 request_id = a.request_id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
                 attempts = a.attempts,
+                prefill_worker = self.prefill.as_ref().map(|p| &*p.worker),
+                prefill_ms = self.prefill.as_ref().map(|p| ms(p.took)),
                 "request"
             );
         }

@@ -14,6 +14,8 @@
 //! select    the engines serving the request's model (scanned, not parsed) and route
 //! tokens    routing.kv_events: the prompt's token ids, off the runtime's threads
 //! admit     server.max_in_flight -> 429 (after the body is in: a slow upload holds no slot)
+//! disagg    a model served by prefill and decode servers: the request in two legs, each
+//!           through the layers below (its own pick, retries and outlier accounting)
 //! retry     failover before the first byte, to another rank, within a retry budget
 //! pick      the rank (never one with unknown telemetry while one has numbers, never an ejected
 //!           one), pinned; an
@@ -55,6 +57,7 @@ mod auth;
 mod body;
 mod budget;
 mod cors;
+mod disagg;
 mod error;
 mod exposure;
 pub(crate) mod grpc;

@@ -16,9 +16,9 @@ use super::shared::Ctx;
 use super::target::{Picked, Target};
 use super::trace::{self, Traced};
 use super::{grpc, read, route};
-use crate::policy::{Avoid, Explanation};
+use crate::policy::{Avoid, Explanation, Leg};
 use crate::prompt::{Prompt, PromptTokens};
-use crate::upstream::{RequestBody, StreamBody};
+use crate::upstream::RequestBody;
 use crate::worker::Flavor;
 
 #[derive(Clone)]
@@ -57,7 +57,10 @@ where
         let mut explained = traced.as_ref().map(|_| Explanation::default());
         // Affinity reads the prompt from a body kept whole (one too large to keep is routed
         // by load alone).
-        let prompt = match (shared.selector.affinity(), req.body()) {
+        // A decode leg is sent its prompt's KV by its prefill rank: where the prompt was sent
+        // before does not matter there.
+        let affinity = shared.selector.affinity() && avoid.leg != Leg::Decode;
+        let prompt = match (affinity, req.body()) {
             (true, RequestBody::Full(b)) => Prompt {
                 chunks: crate::prefix::prompt_chunks(b),
                 tokens: req.extensions().get::<PromptTokens>().map(|t| t.0.clone()),
@@ -181,7 +184,7 @@ where
                 return in_span(
                     attempt,
                     Step::Own(Box::pin(async move {
-                        let whole = whole(streamed, max).await.map_err(|err| err.at(&worker))?;
+                        let whole = read::whole(streamed, max).await.map_err(|err| err.at(&worker))?;
                         let pinned = pin.apply(&whole).map_err(|err| err.at(&worker))?;
                         parts
                             .headers
@@ -234,34 +237,6 @@ impl BodyPin {
         match self {
             BodyPin::Json(rank) => pin_in_body(whole, rank),
             BodyPin::Grpc(field, rank) => grpc::pin(whole, field, rank),
-        }
-    }
-}
-
-/// The whole body, reading the rest of one too large to have been kept.
-async fn whole(body: RequestBody, max: usize) -> Result<bytes::Bytes, ProxyError> {
-    match body {
-        RequestBody::Full(b) => Ok(b),
-        RequestBody::Stream(s) => {
-            let StreamBody {
-                prefix,
-                body,
-                remaining,
-                pace,
-                ..
-            } = *s;
-            let read = max - remaining;
-            let rest = match read::read(body, None, remaining, usize::MAX, pace).await? {
-                RequestBody::Full(b) => b,
-                RequestBody::Stream(_) => return Err(ProxyError::TooLarge(max)),
-            };
-            let Some(prefix) = prefix else {
-                return Ok(rest);
-            };
-            let mut all = Vec::with_capacity(read + rest.len());
-            all.extend_from_slice(&prefix);
-            all.extend_from_slice(&rest);
-            Ok(all.into())
         }
     }
 }

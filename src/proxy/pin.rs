@@ -79,11 +79,9 @@ fn remove_listed(h: &mut HeaderMap, connection: &HeaderValue) {
     }
 }
 
-/// Writes the rank into an SGLang request body, replacing any rank the client set.
-///
-/// Only the top level is parsed: each member's value is kept as its raw JSON text and copied
-/// through, so a long prompt is validated but never built into a tree and printed again.
-pub fn pin_in_body(body: &[u8], rank: u32) -> Result<Bytes, ProxyError> {
+/// Checks that `body` is one valid JSON object, building nothing: a body about to be copied
+/// member by member as written (values stepped over, not parsed) must be known valid first.
+pub fn json_object(body: &[u8]) -> Result<(), ProxyError> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first.is_some() && first != Some(&b'{') {
         // Valid JSON that is not an object says so; invalid JSON gets the parser's message.
@@ -92,10 +90,19 @@ pub fn pin_in_body(body: &[u8], rank: u32) -> Result<Bytes, ProxyError> {
             Err(e) => Err(ProxyError::BadJson(e.to_string())),
         };
     }
-    // Validated whole first (building nothing), then copied member by member as written: a
-    // parse into keys and raw values, re-escaped, cost five times as much on a small chat.
+    // Validated whole (building nothing), then copied member by member as written: a parse
+    // into keys and raw values, re-escaped, cost five times as much on a small chat.
     serde_json::from_slice::<serde::de::IgnoredAny>(body)
         .map_err(|e| ProxyError::BadJson(e.to_string()))?;
+    Ok(())
+}
+
+/// Writes the rank into an SGLang request body, replacing any rank the client set.
+///
+/// Only the top level is parsed: each member's value is kept as its raw JSON text and copied
+/// through, so a long prompt is validated but never built into a tree and printed again.
+pub fn pin_in_body(body: &[u8], rank: u32) -> Result<Bytes, ProxyError> {
+    json_object(body)?;
     let mut out = Vec::with_capacity(body.len() + 32);
     out.push(b'{');
     crate::scan::copy_members_except(body, &SGLANG_RANK_FIELDS, &mut out)

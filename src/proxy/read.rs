@@ -179,3 +179,31 @@ pub async fn read(
         None => first.unwrap_or_default(),
     }))
 }
+
+/// The whole body, reading the rest of one too large to have been kept.
+pub async fn whole(body: RequestBody, max: usize) -> Result<bytes::Bytes, ProxyError> {
+    match body {
+        RequestBody::Full(b) => Ok(b),
+        RequestBody::Stream(s) => {
+            let StreamBody {
+                prefix,
+                body,
+                remaining,
+                pace,
+                ..
+            } = *s;
+            let kept = max - remaining;
+            let rest = match read(body, None, remaining, usize::MAX, pace).await? {
+                RequestBody::Full(b) => b,
+                RequestBody::Stream(_) => return Err(ProxyError::TooLarge(max)),
+            };
+            let Some(prefix) = prefix else {
+                return Ok(rest);
+            };
+            let mut all = Vec::with_capacity(kept + rest.len());
+            all.extend_from_slice(&prefix);
+            all.extend_from_slice(&rest);
+            Ok(all.into())
+        }
+    }
+}

@@ -175,6 +175,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
         };
         resp.body_mut().holds.attempts = attempts;
         let mut done = Done::new(this.started, ctx, labels.model);
+        done.prefill = resp.body_mut().holds.prefill.take();
         if let Some(mut a) = this.access.take() {
             a.status = super::grpc::answered(&resp, ctx.grpc()).as_u16();
             a.worker = worker;

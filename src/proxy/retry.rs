@@ -19,6 +19,7 @@ use super::budget::RetryBudget;
 use super::error::ProxyError;
 use super::layer::{Answer, Below};
 use super::shared::Ctx;
+use super::target::RetryUntil;
 use super::trace::Traced;
 use crate::policy::Avoid;
 use crate::prompt::PromptTokens;
@@ -129,6 +130,7 @@ where
             attempts: 1,
             resent: 0,
             last: None,
+            until: req.extensions().get::<RetryUntil>().map(|u| u.0),
         });
         Retrying {
             attempt: self.inner.call(req),
@@ -157,6 +159,8 @@ pub struct Again<S> {
     resent: u32,
     /// While a later attempt runs: the failure before it, which stands if it finds no rank.
     last: Option<(Answer, u32)>,
+    /// No retry starts after this (a decode leg: its prefill server's lease on the blocks).
+    until: Option<tokio::time::Instant>,
 }
 
 impl<S> Future for Retrying<S>
@@ -201,7 +205,9 @@ where
                 this.attempt = a.inner.call(next);
                 continue;
             }
-            if a.attempts >= a.policy.max_attempts {
+            if a.attempts >= a.policy.max_attempts
+                || a.until.is_some_and(|u| tokio::time::Instant::now() >= u)
+            {
                 return Poll::Ready(attempted(result, a.attempts));
             }
             if !a.policy.budget.withdraw() {

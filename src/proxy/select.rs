@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use http::{header, Request};
 
+use super::disagg::Split;
 use super::error::ProxyError;
 use super::layer::{Below, Step};
 use super::route::{self, Action, Payload, Proxied};
@@ -18,6 +19,7 @@ use crate::metrics::ModelSlot;
 use crate::policy::Avoid;
 use crate::scan::{self, ScanError};
 use crate::upstream::RequestBody;
+use crate::worker::{EngineId, Flavor, Role};
 
 #[derive(Clone)]
 pub struct Select<S> {
@@ -45,9 +47,12 @@ where
 
     fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
         match self.avoid(&req) {
-            Ok(None) => {}
-            Ok(Some(avoid)) => {
+            Ok(Chosen::Any) => {}
+            Ok(Chosen::Only(avoid)) => {
                 req.extensions_mut().insert(avoid);
+            }
+            Ok(Chosen::Split(split)) => {
+                req.extensions_mut().insert(*split);
             }
             Err(e) => return Step::ready(Err(e)),
         }
@@ -55,21 +60,39 @@ where
     }
 }
 
+/// Which ranks may serve a request.
+enum Chosen {
+    /// Any that serves its front door: nothing to look at.
+    Any,
+    /// Those of these engines.
+    Only(Avoid),
+    /// A prefill rank, then a decode rank (a model served disaggregated).
+    Split(Box<Split>),
+}
+
+/// The routes a disaggregated model serves in two legs: generation. The rest (embeddings,
+/// tokenizer, models) go whole to any of its engines.
+fn split_route(path: &str) -> bool {
+    matches!(path, "/v1/chat/completions" | "/v1/completions" | "/generate")
+}
+
 impl<S> Select<S> {
-    /// The engines the request must not go to, if any.
-    fn avoid(&self, req: &Request<RequestBody>) -> Result<Option<Avoid>, ProxyError> {
+    /// The engines the request may go to, and whether in two legs.
+    fn avoid(&self, req: &Request<RequestBody>) -> Result<Chosen, ProxyError> {
         let ctx = &self.ctx;
         let path = req.uri().path();
         let snap = ctx.table.snapshot.load();
         let mixed_flavors = snap.fleet.http.mixed_flavors;
+        let split = snap.fleet.http.disaggregated && split_route(path);
         // The usual request: one model, one flavor, nothing to look at (engines that serve no
         // HTTP are left out by the pick itself).
-        if !snap.catalog.routes_by_model() && !mixed_flavors && path != "/v1/responses" {
-            return Ok(None);
+        if !snap.catalog.routes_by_model() && !mixed_flavors && !split && path != "/v1/responses"
+        {
+            return Ok(Chosen::Any);
         }
         let Action::Proxy(route) = route::lookup(ctx, &self.extra_routes, req.method(), path)?
         else {
-            return Ok(None);
+            return Ok(Chosen::Any);
         };
         // `read` kept this body whole. One that is not JSON is the engine's to refuse.
         if let (true, RequestBody::Full(body)) = (path == "/v1/responses", req.body()) {
@@ -80,8 +103,9 @@ impl<S> Select<S> {
             }
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
-        if !by_model && (!mixed_flavors || route.flavors == crate::worker::Flavors::BOTH) {
-            return Ok(None);
+        if !by_model && !split && (!mixed_flavors || route.flavors == crate::worker::Flavors::BOTH)
+        {
+            return Ok(Chosen::Any);
         }
         let model = if by_model { model(req, route)? } else { None };
         // `respond` labels the request with its model: one the catalog knows, else `unknown`.
@@ -107,12 +131,65 @@ impl<S> Select<S> {
             return Err(ProxyError::NoEngineFor(what));
         }
         let mut avoid = Avoid::default();
-        avoid.only(only);
         if let Some(m) = model.as_deref().filter(|m| !snap.catalog.listed(m)) {
             avoid.unlisted_model = Some(crate::catalog::shown(m).into());
         }
-        Ok(Some(avoid))
+        if split {
+            let model = model.as_deref().map(crate::catalog::shown);
+            if let Some(split) = two_legs(&snap.fleet, &only, model.as_deref(), &avoid)? {
+                return Ok(Chosen::Split(Box::new(split)));
+            }
+        }
+        avoid.only(only);
+        Ok(Chosen::Only(avoid))
     }
+}
+
+/// The two legs of a request the engines `only` may serve, when some of them are prefill or
+/// decode servers; `None` when none is (whole engines serve it). Whole engines beside them
+/// take no part in a split request.
+fn two_legs(
+    fleet: &crate::worker::Fleet,
+    only: &[EngineId],
+    model: Option<&str>,
+    base: &Avoid,
+) -> Result<Option<Split>, ProxyError> {
+    let engines = || (fleet.engines.iter()).filter(|e| only.contains(&e.key));
+    let of = |role: Role| -> Vec<EngineId> {
+        engines().filter(|e| e.role == role).map(|e| e.key).collect()
+    };
+    let (prefill, decode) = (of(Role::Prefill), of(Role::Decode));
+    let what = match model {
+        Some(m) => format!("model `{m}`"),
+        None => "this fleet's model".to_string(),
+    };
+    let missing = match (prefill.is_empty(), decode.is_empty()) {
+        (true, true) => return Ok(None),
+        (false, false) => None,
+        (true, false) => Some(("prefill", "decode")),
+        (false, true) => Some(("decode", "prefill")),
+    };
+    if let Some((missing, present)) = missing {
+        return Err(ProxyError::NotDisaggregable(format!(
+            "{what} is served disaggregated and has no {missing} server: add one, or give its {present} servers role \"both\""
+        )));
+    }
+    // An engine that has not said its flavor yet has no ranks: it decides nothing.
+    let mut flavors = engines()
+        .filter(|e| e.role.disaggregated() && e.shaped())
+        .map(|e| e.flavor);
+    let flavor = flavors.next().unwrap_or(Flavor::Vllm);
+    if flavors.any(|f| f != flavor) {
+        return Err(ProxyError::NotDisaggregable(format!(
+            "{what} is served by prefill and decode servers of different flavors, whose KV transfers cannot meet: serve it with vLLM or SGLang servers only"
+        )));
+    }
+    Ok(Some(Split {
+        prefill,
+        decode,
+        flavor,
+        base: base.clone(),
+    }))
 }
 
 /// The body, or as much of it as was read (`read` keeps it whole when the fleet routes by

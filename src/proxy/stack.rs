@@ -22,7 +22,8 @@ use super::retry::Policy;
 use super::send::Dial;
 use super::shared::{Ctx, Front, Shared};
 use super::{
-    admit, auth, cors, grpc, identity, observe, pick, read, respond, retry, route, select, tokens,
+    admit, auth, cors, disagg, grpc, identity, observe, pick, read, respond, retry, route, select,
+    tokens,
 };
 use super::{send, trace};
 use crate::config::Config;
@@ -195,7 +196,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
         .layer_fn(|inner| l.read(inner, c))
         .layer_fn(|inner| select::Select::new(inner, c, &l.extra_routes))
         .layer_fn(|inner| tokens::Tokens::new(inner, c, &l.prompts))
-        .layer_fn(|inner| l.admit_retry_pick(inner, c))
+        .layer_fn(|inner| l.admit(l.disagg(l.retry(l.pick(inner, c), c), c)))
         .service(l.observe_send(c))
 }
 
@@ -245,6 +246,10 @@ impl Layers {
 
     pub(super) fn admit<S>(&self, inner: S) -> admit::Admit<S> {
         admit::Admit::new(inner, &self.admission)
+    }
+
+    pub(super) fn disagg<S>(&self, inner: S, c: &Ctx) -> disagg::Disagg<S> {
+        disagg::Disagg::new(inner, c, self.limits.max_body, self.dial.response)
     }
 
     pub(super) fn retry<S>(&self, inner: S, c: &Ctx) -> retry::Retry<S> {

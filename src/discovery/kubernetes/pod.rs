@@ -17,6 +17,12 @@ pub const START_RANK_ANNOTATION: &str = "rankgate.io/start-rank";
 /// the entry's `dp_group`).
 pub const DP_GROUP_ANNOTATION: &str = "rankgate.io/dp-group";
 
+/// Pod annotation giving the engine's part in a disaggregated model, `prefill` or `decode` (else
+/// the entry's `role`).
+pub const ROLE_ANNOTATION: &str = "rankgate.io/role";
+/// Pod annotation giving an SGLang prefill server's bootstrap port (else the entry's).
+pub const BOOTSTRAP_PORT_ANNOTATION: &str = "rankgate.io/bootstrap-port";
+
 /// What one pod contributes now.
 // Nearly every pod is an engine, so the size is the engine's anyway: boxing would buy nothing.
 #[allow(clippy::large_enum_variant)]
@@ -39,6 +45,8 @@ pub(super) enum Skip {
     BadPort { name: String, number: i32 },
     #[error("annotation {key}: {value:?} is not a whole number")]
     BadAnnotation { key: &'static str, value: String },
+    #[error("annotation rankgate.io/role: {0:?} is none of prefill, decode, both")]
+    BadRole(String),
     #[error("status.podIP {0:?} is not an IP address")]
     BadIp(String),
     /// The engine the pod would be fails the `[[engines]]` rules (e.g. `dp-size` 0).
@@ -83,6 +91,15 @@ impl Projector {
             // What clients may be told (`server.expose_worker = "name"`); a name that could
             // not be one is left out rather than the pod refused.
             name: (pod.metadata.name.clone()).filter(|n| crate::config::engine_name_ok(n)),
+            role: role_annotation(pod)?,
+            bootstrap_port: annotation(pod, BOOTSTRAP_PORT_ANNOTATION)?
+                .map(|p| {
+                    u16::try_from(p).map_err(|_| Skip::BadAnnotation {
+                        key: BOOTSTRAP_PORT_ANNOTATION,
+                        value: p.to_string(),
+                    })
+                })
+                .transpose()?,
         };
         let Some(ip) = serving_ip(pod) else {
             return Ok(None);
@@ -133,6 +150,21 @@ fn port_of(pod: &Pod, port: &PortRef) -> Result<u16, Skip> {
             name: name.clone(),
             number: declared.container_port,
         })
+}
+
+/// The role annotation; absent is `None` (the entry's role then applies).
+fn role_annotation(pod: &Pod) -> Result<Option<crate::config::Role>, Skip> {
+    use crate::config::Role;
+    let annotations = pod.metadata.annotations.as_ref();
+    let Some(value) = annotations.and_then(|a| a.get(ROLE_ANNOTATION)) else {
+        return Ok(None);
+    };
+    match value.trim() {
+        "prefill" => Ok(Some(Role::Prefill)),
+        "decode" => Ok(Some(Role::Decode)),
+        "both" => Ok(Some(Role::Both)),
+        _ => Err(Skip::BadRole(value.clone())),
+    }
 }
 
 /// A numeric annotation; absent is `None` (the entry's value then applies).

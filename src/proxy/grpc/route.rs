@@ -84,9 +84,15 @@ where
             ));
         };
         let Some(avoid) = targets(&self.ctx, flavor) else {
-            return unimplemented(format!(
-                "service {service}: no {flavor} engine in this fleet has a grpc_url"
-            ));
+            let snap = self.ctx.table.snapshot.load();
+            let split = (snap.fleet.engines.iter())
+                .any(|e| e.grpc.is_some() && e.flavor == flavor && e.role.disaggregated());
+            return unimplemented(match split {
+                true => format!(
+                    "service {service}: this fleet's {flavor} engines with a grpc_url are prefill or decode servers, and a disaggregated request is served through the OpenAI HTTP front door only (the engines' gRPC generate call carries no KV transfer parameters)"
+                ),
+                false => format!("service {service}: no {flavor} engine in this fleet has a grpc_url"),
+            });
         };
         let (ctx, here) = (self.ctx.clone(), self.local.clone());
         match call(flavor, method) {

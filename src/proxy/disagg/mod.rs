@@ -1,0 +1,293 @@
+//! Disaggregated serving: a request for a model whose engines are prefill and decode servers
+//! goes in two legs, each through the layers below (retry, pick, observe, send), so each leg's
+//! rank is chosen by its own side's load under every rule a whole request's is (unknown, stale,
+//! ejected and unavailable ranks passed over, failover before the first byte), and each side's
+//! failures are judged against its own ranks.
+//!
+//! vLLM (NIXL, "pull"): the prefill leg asks a prefill rank for one token with
+//! `kv_transfer_params.do_remote_decode`, reads the parameters its answer returns (which blocks,
+//! from which engine and side channel), then the decode leg sends the client's request with
+//! those parameters to a decode rank, whose answer (streamed or not) is the client's. A prefill
+//! answer without parameters is an error, never a decode that silently prefills again. A decode
+//! leg is failed over to another decode rank only while the prefill server still holds the
+//! blocks ([`KV_LEASE`]). A client that leaves during the prefill leg never gets a decode leg.
+//!
+//! SGLang (bootstrap): both legs at once, see `sglang`.
+//!
+//! `select` decides which requests are split ([`Split`]); the usual request passes through.
+//! A client's own transfer fields never reach an engine (`body`).
+
+mod body;
+mod sglang;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use tokio::time::Instant;
+
+use super::body::ProxyBody;
+use super::error::ProxyError;
+use super::layer::{Answer, Below, Step};
+use super::read;
+use super::shared::Ctx;
+use super::target::{PrefillLeg, RetryUntil};
+use super::trace::Traced;
+use crate::metrics::{PdFailure, PdLeg};
+use crate::policy::{Avoid, Leg};
+use crate::prompt::PromptTokens;
+use crate::upstream::RequestBody;
+use crate::worker::{EngineId, Flavor};
+
+
+/// How long a vLLM prefill server keeps a request's blocks for its decode (vLLM's KV lease,
+/// 30 s): a decode leg that failed before its first byte is sent to another decode rank only
+/// within it, since a later one would find the blocks gone.
+pub const KV_LEASE: Duration = Duration::from_secs(30);
+
+/// A prefill server's answer is one small JSON object: more than this is no prefill answer.
+const MAX_PREFILL_ANSWER: usize = 1 << 20;
+
+/// A request to serve in two legs (set by `select`): the prefill and decode servers that may
+/// take each leg, their flavor, and what both legs must avoid besides (the front door, a model
+/// no known list has).
+#[derive(Debug, Clone)]
+pub struct Split {
+    pub prefill: Vec<EngineId>,
+    pub decode: Vec<EngineId>,
+    pub flavor: Flavor,
+    pub base: Avoid,
+}
+
+impl Split {
+    /// What the `leg`'s pick may choose from.
+    fn avoid(&self, leg: Leg) -> Avoid {
+        let mut avoid = self.base.clone();
+        avoid.only(match leg {
+            Leg::Prefill => self.prefill.clone(),
+            _ => self.decode.clone(),
+        });
+        avoid.leg = leg;
+        avoid
+    }
+}
+
+#[derive(Clone)]
+pub struct Disagg<S> {
+    inner: S,
+    ctx: Ctx,
+    /// `server.max_body_bytes`: a body too large to have been kept is read whole here.
+    max_body: usize,
+    /// `server.response_timeout`, for reading the prefill server's answer.
+    answer_within: Duration,
+}
+
+impl<S> Disagg<S> {
+    pub fn new(inner: S, ctx: &Ctx, max_body: usize, answer_within: Duration) -> Disagg<S> {
+        Disagg {
+            inner,
+            ctx: ctx.clone(),
+            max_body,
+            answer_within,
+        }
+    }
+}
+
+impl<S> tower::Service<Request<RequestBody>> for Disagg<S>
+where
+    S: Below<RequestBody> + Clone + Send + 'static,
+{
+    layer_types!(Step<S::Future>);
+
+    fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
+        let Some(split) = req.extensions_mut().remove::<Split>() else {
+            return Step::Below(self.inner.call(req));
+        };
+        let legs = self.clone();
+        Step::Own(Box::pin(legs.serve(req, split)))
+    }
+}
+
+impl<S> Disagg<S>
+where
+    S: Below<RequestBody> + Clone + Send + 'static,
+{
+    async fn serve(self, req: Request<RequestBody>, split: Split) -> Answer {
+        let (parts, body) = req.into_parts();
+        let whole = read::whole(body, self.max_body).await?;
+        let client = body::client_body(&whole)?;
+        let head = Head(parts);
+        match split.flavor {
+            Flavor::Sglang => sglang::serve(self, head, client, split).await,
+            _ => self.vllm(head, client, split).await,
+        }
+    }
+
+    /// vLLM's two legs, one after the other.
+    async fn vllm(mut self, head: Head, client: Bytes, split: Split) -> Answer {
+        let pd = self.ctx.metrics.pd.clone();
+        let started = Instant::now();
+        let prefill_req = head.leg(body::prefill(&client)?, split.avoid(Leg::Prefill), true);
+        // Dropped with this future if the client leaves during the prefill leg: counted, and
+        // no decode leg is started.
+        let abandoned = Abandoned(Some(pd.clone()));
+        let answer = self.inner.call(prefill_req).await;
+        let resp = match answer {
+            Ok(resp) => resp,
+            Err(e) => {
+                abandoned.disarm();
+                pd.failed(PdLeg::Prefill, failure(&e));
+                return Err(e);
+            }
+        };
+        let Some(prefill) = resp.body().target.clone() else {
+            abandoned.disarm();
+            return Err(ProxyError::Internal("a prefill answer without its rank".into()));
+        };
+        prefill.worker.counters.pd_legs[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if !resp.status().is_success() {
+            // The engine's own error (a 4xx is the client's request, refused): the client
+            // reads it as the engine wrote it. 5xx were failed over below already.
+            abandoned.disarm();
+            pd.failed(PdLeg::Prefill, PdFailure::Status);
+            return Ok(resp);
+        }
+        let params = read_answer(resp, self.answer_within)
+            .await
+            .and_then(|answer| body::params(&answer).map(Bytes::copy_from_slice));
+        abandoned.disarm();
+        let params = match params {
+            Ok(p) => p,
+            Err(e) => {
+                let kind = match e {
+                    ProxyError::PrefillNoParams => PdFailure::NoParams,
+                    _ => PdFailure::Unreadable,
+                };
+                pd.failed(PdLeg::Prefill, kind);
+                tracing::warn!(worker = %prefill.worker.id_text, error = %e, "prefill leg failed");
+                return Err(e.at(&prefill.worker));
+            }
+        };
+        let prefill_took = started.elapsed();
+        pd.prefill_took(prefill_took);
+        let decode_started = Instant::now();
+        let mut decode_req = head.leg(
+            body::decode(&client, &params)?,
+            split.avoid(Leg::Decode),
+            false,
+        );
+        decode_req
+            .extensions_mut()
+            .insert(RetryUntil(decode_started + KV_LEASE));
+        self.decoded(decode_req, &prefill.worker.id_text, prefill_took, decode_started)
+            .await
+    }
+
+    /// Sends the decode leg; its answer is the client's, carrying what the prefill leg was.
+    async fn decoded(
+        &mut self,
+        req: Request<RequestBody>,
+        prefill: &std::sync::Arc<str>,
+        prefill_took: Duration,
+        decode_started: Instant,
+    ) -> Answer {
+        let pd = &self.ctx.metrics.pd;
+        match self.inner.call(req).await {
+            Ok(mut resp) => {
+                pd.decoded();
+                if let Some(t) = &resp.body().target {
+                    (t.worker.counters.pd_legs[1]).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                if !resp.status().is_success() {
+                    pd.failed(PdLeg::Decode, PdFailure::Status);
+                }
+                resp.body_mut().holds.prefill = Some(Box::new(PrefillLeg {
+                    worker: prefill.clone(),
+                    took: prefill_took,
+                    decode_started,
+                }));
+                Ok(resp)
+            }
+            Err(e) => {
+                pd.failed(PdLeg::Decode, failure(&e));
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The client's request head, for building each leg's request.
+struct Head(http::request::Parts);
+
+impl Head {
+    /// A leg's request: the client's head with `body`, picked under `avoid`. The prompt's
+    /// token ids go with `prompt` (the prefill leg: where the prompt's blocks are held
+    /// matters there, not on the decode side, which is sent them).
+    fn leg(&self, body: Bytes, avoid: Avoid, prompt: bool) -> Request<RequestBody> {
+        let p = &self.0;
+        let mut req = Request::new(RequestBody::Full(Bytes::new()));
+        *req.method_mut() = p.method.clone();
+        *req.uri_mut() = p.uri.clone();
+        *req.version_mut() = p.version;
+        *req.headers_mut() = p.headers.clone();
+        (req.headers_mut()).insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        // The body is rankgate's now: whatever encoding the client declared is gone.
+        req.headers_mut().remove(header::TRANSFER_ENCODING);
+        *req.body_mut() = RequestBody::Full(body);
+        let ext = req.extensions_mut();
+        if let Some(t) = p.extensions.get::<Traced>() {
+            ext.insert(t.clone());
+        }
+        if let (true, Some(t)) = (prompt, p.extensions.get::<PromptTokens>()) {
+            ext.insert(t.clone());
+        }
+        ext.insert(avoid);
+        req
+    }
+}
+
+/// The prefill server's answer, whole (it is small), within `within`.
+async fn read_answer(resp: Response<ProxyBody>, within: Duration) -> Result<Bytes, ProxyError> {
+    let limited = http_body_util::Limited::new(resp.into_body(), MAX_PREFILL_ANSWER);
+    match tokio::time::timeout(within, limited.collect()).await {
+        Err(_) => Err(ProxyError::PrefillAnswer(format!(
+            "not read whole within {} ms",
+            within.as_millis()
+        ))),
+        Ok(Err(e)) => Err(ProxyError::PrefillAnswer(crate::http::error_chain(&*e))),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    }
+}
+
+/// How a leg's error counts.
+fn failure(e: &ProxyError) -> PdFailure {
+    match e.root() {
+        ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. } => PdFailure::NoRank,
+        ProxyError::Upstream { .. }
+        | ProxyError::StaleConnection { .. }
+        | ProxyError::EngineBusy { .. } => PdFailure::Transport,
+        ProxyError::Timeout(_) => PdFailure::Timeout,
+        ProxyError::PrefillNoParams => PdFailure::NoParams,
+        ProxyError::PrefillAnswer(_) => PdFailure::Unreadable,
+        _ => PdFailure::Other,
+    }
+}
+
+/// Counts a request whose client left during its prefill leg, unless disarmed first.
+struct Abandoned(Option<std::sync::Arc<crate::metrics::PdCounts>>);
+
+impl Abandoned {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if let Some(pd) = self.0.take() {
+            pd.abandoned();
+        }
+    }
+}
