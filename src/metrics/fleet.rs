@@ -314,7 +314,8 @@ impl Collector for Fleet {
         if split {
             let mut m = enc.encode_descriptor(
                 "rankgate_pd_legs",
-                "Legs of disaggregated requests sent to the rank, by leg (prefill, decode):                  each side's ranks are chosen by their own load.",
+                "Legs of disaggregated requests sent to the rank, by leg (prefill, decode): \
+                 each side's ranks are chosen by their own load.",
                 None,
                 MetricType::Counter,
             )?;

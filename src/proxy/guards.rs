@@ -128,6 +128,7 @@ impl Drop for Done {
                 attempts = a.attempts,
                 prefill_worker = self.prefill.as_ref().map(|p| &*p.worker),
                 prefill_ms = self.prefill.as_ref().map(|p| ms(p.took)),
+                kv_from = self.prefill.as_ref().and_then(|p| p.kv_from.as_deref()),
                 "request"
             );
         }

@@ -135,8 +135,20 @@ impl<S> Select<S> {
             avoid.unlisted_model = Some(crate::catalog::shown(m).into());
         }
         if split {
+            // A side whose servers' model lists are not known yet (just joined) would be
+            // missing from `only` while the other side's list has the model: those may serve.
+            let unknown = (engines.iter_enumerated())
+                .filter(|(e, entry)| {
+                    snap.catalog.of(*e).is_none()
+                        && entry.http
+                        && entry.role.disaggregated()
+                        && !only.contains(&entry.key)
+                })
+                .map(|(_, entry)| entry.key)
+                .collect::<Vec<_>>();
             let model = model.as_deref().map(crate::catalog::shown);
-            if let Some(split) = two_legs(&snap.fleet, &only, model.as_deref(), &avoid)? {
+            let sides = (&only[..], &unknown[..]);
+            if let Some(split) = two_legs(&snap.fleet, sides, model.as_deref(), &avoid)? {
                 return Ok(Chosen::Split(Box::new(split)));
             }
         }
@@ -145,18 +157,25 @@ impl<S> Select<S> {
     }
 }
 
-/// The two legs of a request the engines `only` may serve, when some of them are prefill or
-/// decode servers; `None` when none is (whole engines serve it). Whole engines beside them
-/// take no part in a split request.
+/// The two legs of a request the engines `known` may serve (else, on a side none of them
+/// is on, those of `unknown`, whose model lists are not known yet), when some of them are
+/// prefill or decode servers; `None` when none is (whole engines serve it). Whole engines
+/// beside them take no part in a split request.
 fn two_legs(
     fleet: &crate::worker::Fleet,
-    only: &[EngineId],
+    (known, unknown): (&[EngineId], &[EngineId]),
     model: Option<&str>,
     base: &Avoid,
 ) -> Result<Option<Split>, ProxyError> {
-    let engines = || (fleet.engines.iter()).filter(|e| only.contains(&e.key));
-    let of = |role: Role| -> Vec<EngineId> {
-        engines().filter(|e| e.role == role).map(|e| e.key).collect()
+    let among = |set: &[EngineId], role: Role| -> Vec<EngineId> {
+        (fleet.engines.iter())
+            .filter(|e| e.role == role && set.contains(&e.key))
+            .map(|e| e.key)
+            .collect()
+    };
+    let of = |role: Role| match among(known, role) {
+        found if found.is_empty() => among(unknown, role),
+        found => found,
     };
     let (prefill, decode) = (of(Role::Prefill), of(Role::Decode));
     let what = match model {
@@ -175,8 +194,9 @@ fn two_legs(
         )));
     }
     // An engine that has not said its flavor yet has no ranks: it decides nothing.
-    let mut flavors = engines()
-        .filter(|e| e.role.disaggregated() && e.shaped())
+    let mut flavors = (fleet.engines.iter())
+        .filter(|e| prefill.contains(&e.key) || decode.contains(&e.key))
+        .filter(|e| e.shaped())
         .map(|e| e.flavor);
     let flavor = flavors.next().unwrap_or(Flavor::Vllm);
     if flavors.any(|f| f != flavor) {

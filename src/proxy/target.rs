@@ -38,6 +38,9 @@ pub struct PrefillLeg {
     pub took: std::time::Duration,
     /// When the decode leg began.
     pub decode_started: tokio::time::Instant,
+    /// Where the decode pulls the KV from, as the prefill server named it
+    /// (`<remote_engine_id>:<remote_port>`; SGLang: the bootstrap address and room).
+    pub kv_from: Option<Arc<str>>,
 }
 
 /// A request extension: no retry starts after this instant (a decode leg, after its prefill

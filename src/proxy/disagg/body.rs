@@ -102,6 +102,15 @@ pub fn params(answer: &[u8]) -> Result<&[u8], ProxyError> {
     Ok(raw)
 }
 
+/// Where a decode pulls from, by the parameters (`<remote_engine_id>:<remote_port>`), for the
+/// access log: with DP the engine id names the prefill rank (`..._dp1`).
+pub fn kv_source(params: &[u8]) -> Option<std::sync::Arc<str>> {
+    let engine = scan::json_member(params, "remote_engine_id").ok()??;
+    let port = scan::json_member_raw(params, &["remote_port"]).ok()??;
+    let port = std::str::from_utf8(port).ok()?;
+    Some(format!("{engine}:{port}").into())
+}
+
 /// `body` (a valid JSON object) without the members `drop` names, with `add`'s members (raw
 /// JSON values) after the rest.
 fn rewrite(body: &[u8], drop: &[&str], add: &[(&str, &[u8])]) -> Result<Bytes, ProxyError> {
@@ -201,6 +210,7 @@ mod tests {
     fn a_prefill_answer_gives_its_params_or_says_why_not() {
         let fixture = include_bytes!("../../../tests/fixtures/vllm-0.32-pd/router-prefill-answer.json");
         let raw = params(fixture).unwrap();
+        assert_eq!(kv_source(raw).as_deref(), Some("pd4-P:33110"));
         let p = parse(raw);
         assert_eq!(p["do_remote_prefill"], true);
         assert_eq!(p["remote_engine_id"], "pd4-P");

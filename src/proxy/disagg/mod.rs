@@ -181,18 +181,17 @@ where
         decode_req
             .extensions_mut()
             .insert(RetryUntil(decode_started + KV_LEASE));
-        self.decoded(decode_req, &prefill.worker.id_text, prefill_took, decode_started)
-            .await
+        let leg = PrefillLeg {
+            worker: prefill.worker.id_text.clone(),
+            took: prefill_took,
+            decode_started,
+            kv_from: body::kv_source(&params),
+        };
+        self.decoded(decode_req, leg).await
     }
 
     /// Sends the decode leg; its answer is the client's, carrying what the prefill leg was.
-    async fn decoded(
-        &mut self,
-        req: Request<RequestBody>,
-        prefill: &std::sync::Arc<str>,
-        prefill_took: Duration,
-        decode_started: Instant,
-    ) -> Answer {
+    async fn decoded(&mut self, req: Request<RequestBody>, prefill: PrefillLeg) -> Answer {
         let pd = &self.ctx.metrics.pd;
         match self.inner.call(req).await {
             Ok(mut resp) => {
@@ -203,11 +202,7 @@ where
                 if !resp.status().is_success() {
                     pd.failed(PdLeg::Decode, PdFailure::Status);
                 }
-                resp.body_mut().holds.prefill = Some(Box::new(PrefillLeg {
-                    worker: prefill.clone(),
-                    took: prefill_took,
-                    decode_started,
-                }));
+                resp.body_mut().holds.prefill = Some(Box::new(prefill));
                 Ok(resp)
             }
             Err(e) => {
