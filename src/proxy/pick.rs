@@ -13,7 +13,7 @@ use super::error::ProxyError;
 use super::layer::{content_length, Below, Step, RANK_HEADER};
 use super::pin::pin_in_body;
 use super::shared::Ctx;
-use super::target::{Picked, Target};
+use super::target::{LegHook, Picked, Target};
 use super::trace::{self, Traced};
 use super::{grpc, read, route};
 use crate::policy::{Avoid, Explanation, Leg};
@@ -161,6 +161,17 @@ where
             .then_some(worker.pin_rank)
             .flatten()
             .map(BodyPin::Json),
+        };
+        // A leg whose body depends on its rank (an SGLang prefill leg's room) is written now.
+        let body = match parts.extensions.remove::<LegHook>() {
+            None => body,
+            Some(hook) => match (hook.0)(&target) {
+                Ok(written) => {
+                    (parts.headers).insert(header::CONTENT_LENGTH, HeaderValue::from(written.len()));
+                    RequestBody::Full(written)
+                }
+                Err(err) => return Step::ready(Err(err.at(w))),
+            },
         };
         let guard = picked.guard;
         // The usual case goes straight on: no future of this layer's own. What follows the

@@ -19,7 +19,7 @@ use super::budget::RetryBudget;
 use super::error::ProxyError;
 use super::layer::{Answer, Below};
 use super::shared::Ctx;
-use super::target::RetryUntil;
+use super::target::{LegHook, RetryUntil};
 use super::trace::Traced;
 use crate::policy::Avoid;
 use crate::prompt::PromptTokens;
@@ -268,6 +268,8 @@ struct Head {
     traced: Option<Traced>,
     /// The prompt's token ids, when `tokens` computed them.
     tokens: Option<PromptTokens>,
+    /// A leg whose body is written for its rank (`disagg`): a resend is written again.
+    hook: Option<LegHook>,
 }
 
 fn head(req: &Request<RequestBody>) -> Head {
@@ -278,6 +280,7 @@ fn head(req: &Request<RequestBody>) -> Head {
         headers: req.headers().clone(),
         traced: req.extensions().get::<Traced>().cloned(),
         tokens: req.extensions().get::<PromptTokens>().cloned(),
+        hook: req.extensions().get::<LegHook>().cloned(),
     }
 }
 
@@ -292,6 +295,9 @@ fn rebuild(h: &Head, body: RequestBody) -> Request<RequestBody> {
     }
     if let Some(t) = &h.tokens {
         req.extensions_mut().insert(t.clone());
+    }
+    if let Some(hook) = &h.hook {
+        req.extensions_mut().insert(hook.clone());
     }
     req
 }

@@ -47,3 +47,18 @@ pub struct PrefillLeg {
 /// server's blocks would have been released).
 #[derive(Debug, Clone, Copy)]
 pub struct RetryUntil(pub tokio::time::Instant);
+
+/// A request extension on a leg whose body depends on the rank chosen for it (an SGLang prefill
+/// leg: the room must land on that rank): `pick` calls it with its choice, and sends the body
+/// it returns.
+#[derive(Clone)]
+#[allow(clippy::type_complexity)]
+pub struct LegHook(
+    pub Arc<dyn Fn(&Target) -> Result<bytes::Bytes, super::error::ProxyError> + Send + Sync>,
+);
+
+impl std::fmt::Debug for LegHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LegHook")
+    }
+}

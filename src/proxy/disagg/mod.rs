@@ -146,7 +146,7 @@ where
             abandoned.disarm();
             return Err(ProxyError::Internal("a prefill answer without its rank".into()));
         };
-        prefill.worker.counters.pd_legs[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        count_leg(&resp, PdLeg::Prefill);
         if !resp.status().is_success() {
             // The engine's own error (a 4xx is the client's request, refused): the client
             // reads it as the engine wrote it. 5xx were failed over below already.
@@ -187,18 +187,17 @@ where
             decode_started,
             kv_from: body::kv_source(&params),
         };
-        self.decoded(decode_req, leg).await
+        let answer = self.inner.call(decode_req).await;
+        self.answered(answer, leg)
     }
 
-    /// Sends the decode leg; its answer is the client's, carrying what the prefill leg was.
-    async fn decoded(&mut self, req: Request<RequestBody>, prefill: PrefillLeg) -> Answer {
+    /// The decode leg's answer, the client's, carrying what the prefill leg was.
+    fn answered(&self, answer: Answer, prefill: PrefillLeg) -> Answer {
         let pd = &self.ctx.metrics.pd;
-        match self.inner.call(req).await {
+        match answer {
             Ok(mut resp) => {
                 pd.decoded();
-                if let Some(t) = &resp.body().target {
-                    (t.worker.counters.pd_legs[1]).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
+                count_leg(&resp, PdLeg::Decode);
                 if !resp.status().is_success() {
                     pd.failed(PdLeg::Decode, PdFailure::Status);
                 }
@@ -253,6 +252,13 @@ async fn read_answer(resp: Response<ProxyBody>, within: Duration) -> Result<Byte
         ))),
         Ok(Err(e)) => Err(ProxyError::PrefillAnswer(crate::http::error_chain(&*e))),
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    }
+}
+
+/// Counts a leg on the rank that answered it.
+fn count_leg(resp: &Response<ProxyBody>, leg: PdLeg) {
+    if let Some(t) = &resp.body().target {
+        t.worker.counters.pd_legs[leg as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -1,15 +1,227 @@
-//! SGLang's disaggregation (bootstrap): both legs at once.
+//! SGLang's disaggregation: the same request goes to a prefill rank and a decode rank at once,
+//! both carrying the prefill server's bootstrap address and the request's room; the decode
+//! server fetches the room's KV from that prefill server, and its answer is the client's.
+//!
+//! The decode server finds the prefill rank from the room (`room % dp_size`), so the room is
+//! chosen after the prefill rank is: `pick` chooses the rank by load, then the leg's hook
+//! ([`LegHook`]) writes a room that lands on it into both bodies, and only then is the decode
+//! leg sent. A prefill leg is therefore never failed over to another rank (the decode is
+//! already waiting on its room): a prefill that fails before the decode answered fails the
+//! request, and the decode leg is cancelled with it.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use bytes::Bytes;
+use http_body_util::BodyExt;
+use rand::Rng;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
 
-use super::{Disagg, Head, Split};
+use super::{body, failure, Disagg, Head, Split};
+use crate::metrics::{PdFailure, PdLeg};
+use crate::policy::Leg;
 use crate::proxy::error::ProxyError;
 use crate::proxy::layer::{Answer, Below};
+use crate::proxy::target::{LegHook, PrefillLeg, RetryUntil, Target};
 use crate::upstream::RequestBody;
+use crate::worker::{Deployment, WorkerId};
 
-pub(super) async fn serve<S>(_legs: Disagg<S>, _head: Head, _client: Bytes, _split: Split) -> Answer
+/// Where the decode fetches the KV of this request from: the prefill rank's bootstrap address
+/// and the room.
+#[derive(Debug, Clone)]
+struct Rendezvous {
+    host: String,
+    port: u16,
+    room: u64,
+    prefill: Arc<str>,
+}
+
+/// A room (a 63-bit integer, as SGLang's are) that lands on `rank` of `dp_size`.
+pub fn room_for(rank: u32, dp_size: u32, rng: &mut impl Rng) -> u64 {
+    let dp = u64::from(dp_size.max(1));
+    let rank = u64::from(rank) % dp;
+    let x = rng.random::<u64>() >> 1;
+    let room = x - x % dp + rank;
+    // Past 2^63 - 1 by the rank added: one period lower lands on the same rank.
+    if room >= 1 << 63 {
+        room - dp
+    } else {
+        room
+    }
+}
+
+/// The bootstrap address and room for a prefill leg on `target`.
+fn rendezvous(target: &Target) -> Rendezvous {
+    let cfg = &target.engine.cfg;
+    let origin = &target.engine.conn.origin;
+    let host = origin.host().unwrap_or_default();
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    let port = cfg.bootstrap_port.unwrap_or(crate::config::SGLANG_BOOTSTRAP_PORT);
+    // The room is read modulo the deployment's DP size against its global ranks.
+    let (rank, dp_size) = match (&cfg.deployment, target.worker.id.rank) {
+        (Deployment::Own, Some(r)) => (r, cfg.dp_size),
+        (Deployment::Member { .. }, Some(r)) => (
+            r,
+            (cfg.reported.as_ref())
+                .and_then(|rep| rep.dp_size)
+                .unwrap_or(cfg.start_rank + cfg.dp_size),
+        ),
+        (_, None) => (0, 1),
+    };
+    Rendezvous {
+        host,
+        port,
+        room: room_for(rank, dp_size, &mut rand::rng()),
+        prefill: target.worker.id_text.clone(),
+    }
+}
+
+/// What the prefill leg's hook keeps: the rank it wrote a room for, and the body it wrote (the
+/// same body again should the leg be resent to that rank on a new connection).
+type Written = Option<(WorkerId, Bytes)>;
+
+pub(super) async fn serve<S>(mut legs: Disagg<S>, head: Head, client: Bytes, split: Split) -> Answer
 where
     S: Below<RequestBody> + Clone + Send + 'static,
 {
-    Err(ProxyError::NotDisaggregable("SGLang: in progress".into()))
+    let pd = legs.ctx.metrics.pd.clone();
+    let started = Instant::now();
+    let (tx, rx) = oneshot::channel::<Rendezvous>();
+    let tx = Mutex::new(Some(tx));
+    let written: Mutex<Written> = Mutex::new(None);
+    let for_hook = client.clone();
+    let hook = LegHook(Arc::new(move |target: &Target| {
+        let mut w = written.lock().unwrap_or_else(PoisonError::into_inner);
+        match &*w {
+            Some((key, body)) if *key == target.worker.key => return Ok(body.clone()),
+            Some(_) => {
+                return Err(ProxyError::Internal(
+                    "an SGLang prefill leg cannot move to another rank: its decode waits on the room"
+                        .into(),
+                ))
+            }
+            None => {}
+        }
+        let r = rendezvous(target);
+        let body = body::bootstrap(&for_hook, &r.host, r.port, r.room)?;
+        *w = Some((target.worker.key, body.clone()));
+        if let Some(tx) = tx.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            let _ = tx.send(r);
+        }
+        Ok(body)
+    }));
+    let mut prefill_req = head.leg(client.clone(), split.avoid(Leg::Prefill), true);
+    let ext = prefill_req.extensions_mut();
+    ext.insert(hook);
+    // No failover: the decode leg is sent the room of this rank.
+    ext.insert(RetryUntil(started));
+    let mut prefill = legs.inner.call(prefill_req);
+    // The pick has chosen the prefill rank once the room is written; a prefill leg that ends
+    // before that found no rank.
+    let rendezvous = tokio::select! {
+        r = rx => r.ok(),
+        answer = &mut prefill => {
+            let e = match answer {
+                Err(e) => e,
+                Ok(_) => ProxyError::Internal("a prefill leg answered without its room".into()),
+            };
+            pd.failed(PdLeg::Prefill, failure(&e));
+            return Err(e);
+        }
+    };
+    let Some(r) = rendezvous else {
+        // The hook is gone without sending: the leg ended; its answer says why.
+        let e = match prefill.await {
+            Err(e) => e,
+            Ok(_) => ProxyError::Internal("a prefill leg answered without its room".into()),
+        };
+        pd.failed(PdLeg::Prefill, failure(&e));
+        return Err(e);
+    };
+    let decode_started = Instant::now();
+    let decode_body = body::bootstrap(&client, &r.host, r.port, r.room)?;
+    let mut decode_req = head.leg(decode_body, split.avoid(Leg::Decode), false);
+    (decode_req.extensions_mut()).insert(RetryUntil(decode_started + super::KV_LEASE));
+    let mut decode = legs.inner.call(decode_req);
+    let mut prefill_took: Option<Duration> = None;
+    let mut prefill = Some(prefill);
+    // Both legs run; the decode's answer is the client's. A prefill that fails first cancels
+    // the decode (dropped: its connection closes, and SGLang aborts it).
+    let answer = loop {
+        let Some(p) = prefill.as_mut() else {
+            break (&mut decode).await;
+        };
+        tokio::select! {
+            answer = p => {
+                prefill = None;
+                match answer {
+                    Ok(resp) if resp.status().is_success() => {
+                        prefill_took = Some(started.elapsed());
+                        super::count_leg(&resp, PdLeg::Prefill);
+                        tokio::spawn(drain(resp));
+                    }
+                    Ok(resp) => {
+                        super::count_leg(&resp, PdLeg::Prefill);
+                        pd.failed(PdLeg::Prefill, PdFailure::Status);
+                        return Ok(resp);
+                    }
+                    Err(e) => {
+                        pd.failed(PdLeg::Prefill, failure(&e));
+                        return Err(e);
+                    }
+                }
+            }
+            answer = &mut decode => break answer,
+        }
+    };
+    if let Some(p) = prefill.take() {
+        // The decode answered first: the prefill's answer is only read out, in the background.
+        let pd = pd.clone();
+        tokio::spawn(async move {
+            match p.await {
+                Ok(resp) => {
+                    pd.prefill_took(started.elapsed());
+                    super::count_leg(&resp, PdLeg::Prefill);
+                    drain(resp).await
+                }
+                Err(e) => pd.failed(PdLeg::Prefill, failure(&e)),
+            }
+        });
+    }
+    if let Some(took) = prefill_took {
+        pd.prefill_took(took);
+    }
+    let leg = PrefillLeg {
+        worker: r.prefill.clone(),
+        // Concurrent legs: the prefill's answer time when it came first, else the time the
+        // decode took to answer (the prefill was still going).
+        took: prefill_took.unwrap_or_else(|| started.elapsed()),
+        decode_started,
+        kv_from: Some(format!("{}:{} room {}", r.host, r.port, r.room).into()),
+    };
+    legs.answered(answer, leg)
+}
+
+/// Reads a prefill answer to its end and drops it (so its rank's guards end with it).
+async fn drain(resp: http::Response<crate::proxy::body::ProxyBody>) {
+    let mut body = resp.into_body();
+    while let Some(Ok(_)) = body.frame().await {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// A room always lands on the rank it was chosen for, and is a 63-bit integer.
+        #[test]
+        fn a_room_lands_on_its_rank(rank in 0u32..64, dp in 1u32..64, seed in proptest::num::u64::ANY) {
+            let rank = rank % dp;
+            let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+            let room = room_for(rank, dp, &mut rng);
+            proptest::prop_assert_eq!(room % u64::from(dp), u64::from(rank));
+            proptest::prop_assert!(room < 1 << 63);
+        }
+    }
 }
