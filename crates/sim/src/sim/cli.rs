@@ -15,6 +15,11 @@
 //!
 //! Every proxied answer (generation, pooling, tokenizer, audio, SGLang's native endpoints) carries
 //! `x-sim-rank: <global rank>`, the rank that served it.
+//!
+//! Prefill/decode disaggregation (see `pd`): `--role prefill|decode` (none: colocated).
+//! vLLM: [--engine-id ID] [--kv-lease 30] [--side-port BASE] (P's side channel of rank r on
+//! BASE + r; 0 or absent: free ports). SGLang: [--disaggregation-bootstrap-port PORT] on P,
+//! [--disaggregation-bootstrap-timeout 300] (P) and [--disaggregation-waiting-timeout 300] (D).
 
 use std::net::SocketAddr;
 
@@ -28,6 +33,12 @@ use rankgate::worker::RankNumbering;
 pub enum FlavorArg {
     Vllm,
     Sglang,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum RoleArg {
+    Prefill,
+    Decode,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -139,6 +150,39 @@ pub struct Args {
     /// --ssl-cert-reqs 2.
     #[arg(long, requires = "tls_cert")]
     tls_client_ca: Option<std::path::PathBuf>,
+    /// Prefill/decode disaggregation: serve as the prefill (P) or the decode (D) side of a pair
+    /// (vLLM: kv_transfer_params, NixlConnector pull mode; SGLang: bootstrap_host/port/room).
+    /// Absent: a colocated engine.
+    #[arg(long, value_enum)]
+    role: Option<RoleArg>,
+    /// vLLM: the kv_transfer_config engine_id (P names it in remote_engine_id, with _dp<rank>
+    /// under DP). Default: sim-<listen port>.
+    #[arg(long)]
+    engine_id: Option<String>,
+    /// vLLM P: seconds blocks nobody pulled are kept (kv_lease_duration).
+    #[arg(long, default_value_t = 30.0)]
+    kv_lease: f64,
+    /// vLLM P: the side channel's base port (VLLM_NIXL_SIDE_CHANNEL_PORT); rank r listens on
+    /// BASE + r. 0: free ports.
+    #[arg(long, default_value_t = 0)]
+    side_port: u16,
+    /// SGLang P: the bootstrap server's port (--disaggregation-bootstrap-port). 0: a free port.
+    #[arg(long, default_value_t = 0)]
+    disaggregation_bootstrap_port: u16,
+    /// SGLang P: seconds a prefilled room waits for its D (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+    #[arg(long, default_value_t = 300.0)]
+    disaggregation_bootstrap_timeout: f64,
+    /// SGLang D: seconds a request waits for its room's KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
+    #[arg(long, default_value_t = 300.0)]
+    disaggregation_waiting_timeout: f64,
+}
+
+/// A positive number of seconds, or an error naming the flag.
+fn seconds(flag: &str, s: f64) -> Result<std::time::Duration, String> {
+    std::time::Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("{flag} takes a positive number of seconds, got {s}"))
 }
 
 /// Checks the flags and builds the engine's config; the error names the flag.
@@ -181,7 +225,26 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         ),
         (None, None) => None,
     };
+    let pd = super::PdConfig {
+        engine_id: a.engine_id,
+        kv_lease: seconds("--kv-lease", a.kv_lease)?,
+        side_port: a.side_port,
+        bootstrap_port: a.disaggregation_bootstrap_port,
+        bootstrap_timeout: seconds(
+            "--disaggregation-bootstrap-timeout",
+            a.disaggregation_bootstrap_timeout,
+        )?,
+        waiting_timeout: seconds(
+            "--disaggregation-waiting-timeout",
+            a.disaggregation_waiting_timeout,
+        )?,
+    };
     let cfg = SimConfig {
+        role: a.role.map(|r| match r {
+            RoleArg::Prefill => super::PdRole::Prefill,
+            RoleArg::Decode => super::PdRole::Decode,
+        }),
+        pd,
         tokenizer,
         flavor: match a.flavor {
             FlavorArg::Vllm => Flavor::Vllm,
@@ -237,6 +300,16 @@ pub async fn run(a: Args) -> Result<(), String> {
         .await
         .map_err(|e| format!("cannot start on {listen}: {e}"))?;
     eprintln!("mock-engine listening on {}", engine.url());
+    if let Some(p) = engine.bootstrap_port() {
+        eprintln!("mock-engine bootstrap server on 127.0.0.1:{p}");
+    }
+    if !engine.side_ports().is_empty() {
+        let ports = engine.side_ports();
+        eprintln!(
+            "mock-engine side channels (engine id {}) on ports {ports:?}",
+            engine.engine_id()
+        );
+    }
     if let Some(g) = grpc_listen {
         let at = engine
             .start_grpc(g)

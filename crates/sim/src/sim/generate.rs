@@ -23,10 +23,11 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::pd::Leg;
 use super::prefix::{Blocks, TOKEN_BYTES};
 use super::routes::Api;
 use super::serve::Call;
-use super::{Sim, SimBody};
+use super::{Sim, SimBody, SimFlavor};
 use rankgate::http::json_response;
 
 /// What a generation request asks for, and how its answer is framed.
@@ -47,6 +48,10 @@ pub(super) struct Job {
     id: String,
     /// The served model the request named, echoed in the response.
     model: String,
+    /// What a role server does with the request's KV ([`super::pd`]).
+    pd: Option<Leg>,
+    /// A vLLM role server's whole answers carry `kv_transfer_params` (null but on P's).
+    transfer_params: bool,
 }
 
 impl Job {
@@ -64,12 +69,18 @@ impl Job {
                 .and_then(Value::as_u64)
                 .unwrap_or(128),
         };
-        let id = match api {
-            Api::Chat => format!("chatcmpl-sim{n}"),
-            Api::Completion => format!("cmpl-sim{n}"),
-            Api::Responses => format!("resp_sim{n}"),
-            Api::Messages => format!("msg_sim{n}"),
-            Api::Generate => format!("sim{n}"),
+        // A vLLM role server names its answer by the `x-request-id` it got, as vLLM does, so
+        // that both legs of a PD request carry the router's id.
+        let vllm_role = sim.cfg.role.is_some() && sim.cfg.flavor == SimFlavor::Vllm;
+        let named = call.request_id.as_deref().filter(|_| vllm_role);
+        let id = match (api, named) {
+            (Api::Chat, Some(rid)) => format!("chatcmpl-{rid}"),
+            (Api::Completion, Some(rid)) => format!("cmpl-{rid}"),
+            (Api::Chat, None) => format!("chatcmpl-sim{n}"),
+            (Api::Completion, None) => format!("cmpl-sim{n}"),
+            (Api::Responses, _) => format!("resp_sim{n}"),
+            (Api::Messages, _) => format!("msg_sim{n}"),
+            (Api::Generate, _) => format!("sim{n}"),
         };
         let tokenized = (sim.cfg.tokenizer.as_ref()).and_then(|t| t.prompt_ids(&call.body));
         let (prompt_tokens, blocks) = match &tokenized {
@@ -99,9 +110,14 @@ impl Job {
             prompt_tokens,
             blocks,
             prompt_ids: tokenized,
-            max_tokens: max_tokens.max(1),
+            max_tokens: match &call.pd {
+                Some(leg) if leg.one_token() => 1,
+                _ => max_tokens.max(1),
+            },
             id,
             model: call.model.clone(),
+            pd: call.pd.clone(),
+            transfer_params: vllm_role && matches!(api, Api::Chat | Api::Completion),
         }
     }
 
@@ -314,7 +330,8 @@ impl Sim {
         let local = call.local;
         if !job.stream {
             return match self.run(local, &job, None).await {
-                Some(v) => json_response(StatusCode::OK, &v),
+                Some(Ok(v)) => json_response(StatusCode::OK, &v),
+                Some(Err(e)) => json_response(StatusCode::INTERNAL_SERVER_ERROR, &e),
                 None => self.hold().await,
             };
         }
@@ -340,13 +357,13 @@ impl Sim {
     /// Admits the job on its rank and decodes it. Streaming jobs send their events to `tx` and
     /// stop early (freeing their KV) if the client goes away; others return the whole answer.
     /// `None` when the answer will not come: the client left, or the job stalled and the engine
-    /// is shutting down.
+    /// is shutting down. `Err` is a failed PD leg's error body (500).
     async fn run(
         &self,
         local: usize,
         job: &Job,
         tx: Option<&mpsc::Sender<Bytes>>,
-    ) -> Option<Value> {
+    ) -> Option<Result<Value, Value>> {
         let rank = &self.ranks[local];
         if let (Some(tx), Some(open)) = (tx, job.opening()) {
             tx.send(open).await.ok()?;
@@ -355,8 +372,15 @@ impl Sim {
             .admit_prompt(job.prompt_tokens, job.blocks.as_ref(), job.max_tokens)
             .await;
         self.admitted();
-        let prefill = self.prefill_time(job.prompt_tokens - adm.cached_tokens);
-        super::pause(prefill).await;
+        // A D's prompt KV comes from its P, with its KV allocated here: that prefill is skipped.
+        let remote = match (self.pd_before_prefill(local, job.pd.as_ref(), job.prompt_tokens)).await
+        {
+            Ok(n) => n,
+            Err(fail) => return self.pd_failed(fail, tx).await,
+        };
+        let computed = (job.prompt_tokens).saturating_sub(adm.cached_tokens + remote);
+        self.pd_computed(local, computed);
+        super::pause(self.prefill_time(computed)).await;
         let mut text = String::new();
         for i in 0..job.max_tokens {
             if self.faults.stalls_at(i) {
@@ -382,6 +406,13 @@ impl Sim {
             self.hold().await;
             return None;
         }
+        // With the request's KV still held: a P lends it or hands it to its D.
+        let leg = job.pd.as_ref();
+        let params =
+            match (self.pd_after_decode(local, leg, &job.id, job.prompt_tokens, &adm)).await {
+                Ok(p) => p,
+                Err(fail) => return self.pd_failed(fail, tx).await,
+            };
         if let Some(keep) = self.kept_blocks(job, &text) {
             adm.keep_blocks(keep);
         }
@@ -390,7 +421,13 @@ impl Sim {
                 let _ = tx.send(job.closing(&text)).await;
                 None
             }
-            None => Some(job.whole(&text)),
+            None => {
+                let mut whole = job.whole(&text);
+                if job.transfer_params {
+                    whole["kv_transfer_params"] = params.unwrap_or(Value::Null);
+                }
+                Some(Ok(whole))
+            }
         }
     }
 }

@@ -32,6 +32,7 @@ pub mod kv;
 pub mod model;
 mod multipart;
 mod net;
+pub mod pd;
 mod pooling;
 pub mod prefix;
 pub mod rank;
@@ -52,6 +53,7 @@ use tokio::sync::watch;
 use faults::Faults;
 pub use faults::{check_percent, check_status, FaultError};
 pub use grpc_decode::GrpcSeen;
+pub use pd::{PdConfig, PdCounts, PdRole};
 use rank::Rank;
 use rankgate::worker::RankNumbering;
 pub use serve::SimBody;
@@ -165,6 +167,11 @@ pub struct SimConfig {
     /// Token ids for prompts and answers in place of the 4-bytes-a-token stand-in (see
     /// [`prefix`]); `None` (the default) keeps the stand-in.
     pub tokenizer: Option<SimTokenizer>,
+    /// Prefill/decode disaggregation ([`pd`]): the side of a pair this engine is; `None` (the
+    /// default) is the colocated engine.
+    pub role: Option<PdRole>,
+    /// The disaggregation settings of a role server (lease, ports, timeouts).
+    pub pd: PdConfig,
 }
 
 /// A request's prompt ids and a text's ids, as the engine's tokenizer would give them: the seam
@@ -241,6 +248,8 @@ impl Default for SimConfig {
             tls: None,
             kv_events: None,
             tokenizer: None,
+            role: None,
+            pd: PdConfig::default(),
         }
     }
 }
@@ -322,6 +331,8 @@ pub(crate) struct Sim {
     pub(crate) kv_publishers: Vec<kv::RankPublisher>,
     /// Stops the publishers: on kill and on shutdown (and when the sim goes).
     kv_stop: watch::Sender<bool>,
+    /// A role server's side channels, bootstrap server, leases, rooms and counters.
+    pub(crate) pd: pd::PdState,
 }
 
 /// How many requests the engine remembers for [`SimEngine::seen`].
@@ -355,6 +366,7 @@ impl SimEngine {
             .map_err(|e| invalid(e.to_string()))?;
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
+        let pd_listeners = pd::bind(&cfg).await?;
         let kv_stop = watch::Sender::new(false);
         let mut ranks = Vec::new();
         let mut kv_publishers = Vec::new();
@@ -374,6 +386,7 @@ impl SimEngine {
             ranks.push(rank);
         }
         let (shutdown, shutdown_rx) = watch::channel(false);
+        let pd_state = pd::PdState::new(&cfg, addr, &pd_listeners);
         let sim = Arc::new(Sim {
             knobs: RwLock::new(Knobs {
                 kv_usage: cfg.kv_usage.clone(),
@@ -396,7 +409,9 @@ impl SimEngine {
             tls,
             kv_publishers,
             kv_stop,
+            pd: pd_state,
         });
+        pd::serve(&sim, pd_listeners, &sim.shutdown);
         let s = sim.clone();
         let task = tokio::spawn(net::serve(
             listener,

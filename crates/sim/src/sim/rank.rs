@@ -166,6 +166,24 @@ impl Rank {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Holds `tokens` of KV outside any request: a prefill server's blocks kept for the decode
+    /// server that will pull them (`pd`). Counted as used, so a router sees them.
+    pub fn hold_kv(&self, tokens: u64) {
+        let mut s = self.lock();
+        s.reserved += tokens;
+        s.used += tokens;
+    }
+
+    /// Frees what [`Rank::hold_kv`] held.
+    pub fn release_kv(&self, tokens: u64) {
+        {
+            let mut s = self.lock();
+            s.reserved = s.reserved.saturating_sub(tokens);
+            s.used = s.used.saturating_sub(tokens);
+        }
+        self.freed.notify_waiters();
+    }
+
     /// KV usage as the engine would report it: background plus what running requests really
     /// hold, shared blocks once; idle cached blocks count as free.
     pub fn kv_usage(&self) -> f64 {

@@ -267,8 +267,20 @@ impl Sim {
             .iter()
             .find_map(|k| v.get(*k).filter(|r| !r.is_null()))
             .cloned();
+        let pd = match endpoint {
+            Endpoint::Decode(api) => match self.pd_leg(api, &v) {
+                Ok(leg) => leg,
+                Err((field, msg)) => {
+                    let bad = StatusCode::BAD_REQUEST;
+                    return error(endpoint, bad, "BadRequestError", Some(&field), &msg);
+                }
+            },
+            _ => None,
+        };
+        // An SGLang room lands on `room % dp_size` unless the request pins a rank.
+        let room_rank = pd.as_ref().and_then(|l| l.room_rank(self.cfg.dp_size));
         let local = match self.resolve_rank(head.rank_header.as_deref(), body_rank.as_ref()) {
-            Ok(pinned) => pinned.unwrap_or_else(|| self.least_loaded()),
+            Ok(pinned) => pinned.or(room_rank).unwrap_or_else(|| self.least_loaded()),
             Err((status, msg)) => return error(endpoint, status, "BadRequestError", None, &msg),
         };
         let global = self.ranks[local].global;
@@ -286,6 +298,8 @@ impl Sim {
                     body: v,
                     model,
                     open,
+                    pd,
+                    request_id: head.request_id.clone(),
                 };
                 match endpoint {
                     Endpoint::Decode(api) => self.clone().decode(api, call).await,
@@ -391,6 +405,10 @@ pub(super) struct Call {
     pub(super) model: String,
     /// Counts the request as open until the answer, stream included, is done.
     pub(super) open: Open,
+    /// What a role server is asked to do with the request's KV ([`super::pd`]).
+    pub(super) pd: Option<super::pd::Leg>,
+    /// The `x-request-id` header, which a vLLM role server names its answer by.
+    pub(super) request_id: Option<String>,
 }
 
 impl Call {

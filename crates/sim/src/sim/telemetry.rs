@@ -202,6 +202,7 @@ impl Sim {
                 }
             }
         }
+        self.render_pd_metrics(&mut o);
         o
     }
 }
