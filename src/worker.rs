@@ -180,12 +180,9 @@ impl EngineEntry {
                     };
                     HeaderValue::from_str(&text).ok()
                 });
-                let same = prev
-                    .into_iter()
-                    .flat_map(|p| p.members.iter())
-                    .find(|m| {
-                        m.id == id && m.pin_rank == pin_rank && m.named == named && m.role == role
-                    });
+                let same = prev.into_iter().flat_map(|p| p.members.iter()).find(|m| {
+                    m.id == id && m.pin_rank == pin_rank && m.named == named && m.role == role
+                });
                 if let Some(m) = same {
                     return m.clone();
                 }

@@ -149,7 +149,8 @@ impl RawEngine {
             super::edge::check_engine_name(&format!("{at}.name"), name)?;
         }
         let role = self.role.unwrap_or_default();
-        let bootstrap_port = check_role(at, role, self.flavor, addresses.http, self.bootstrap_port)?;
+        let bootstrap_port =
+            check_role(at, role, self.flavor, addresses.http, self.bootstrap_port)?;
         let api_key = self
             .api_key_env
             .as_deref()

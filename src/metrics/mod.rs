@@ -48,8 +48,8 @@ use crate::worker::Member;
 
 pub use counts::{Attempt, PollCounters, PollResult, RequestCounts, RequestKey, WorkerCounters};
 pub use histogram::BUCKETS;
-pub use pd::{PdCounts, PdFailure, PdLeg};
 pub use labels::{ModelIdx, ModelSlot, RequestLabels, UNKNOWN};
+pub use pd::{PdCounts, PdFailure, PdLeg};
 pub use routes::{RouteIdx, UNMATCHED};
 
 use shared::Core;

@@ -152,9 +152,8 @@ impl Collector for Pd {
         )?;
         for leg in PdLeg::ALL {
             for kind in PdFailure::ALL {
-                ConstCounter::new(c.failures(leg, kind)).encode(
-                    m.encode_family(&[("leg", leg.as_str()), ("kind", kind.as_str())])?,
-                )?;
+                ConstCounter::new(c.failures(leg, kind))
+                    .encode(m.encode_family(&[("leg", leg.as_str()), ("kind", kind.as_str())])?)?;
             }
         }
         let m = enc.encode_descriptor(

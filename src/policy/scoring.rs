@@ -9,10 +9,10 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use tokio::time::Instant;
 
+use super::avoid::Leg;
 use crate::ix::WorkerIx;
 use crate::outlier::{Admit, FAILURE_WEIGHT};
 use crate::table::{RankView, Snapshot, Table, UNIT_WEIGHT};
-use super::avoid::Leg;
 use crate::worker::Member;
 
 /// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry.

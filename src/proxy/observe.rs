@@ -1,6 +1,7 @@
 //! Outlier accounting: each attempt's outcome is recorded on its rank (see [`crate::outlier`]).
 //! 5xx answers and response timeouts count against the rank, transport failures against every
-//! rank of the engine; 4xx answers, the client's own errors and clients that leave never count.
+//! rank of the engine; 4xx answers, the client's own errors and clients that leave never count,
+//! nor a decode server's 500 (a KV transfer that failed may be its prefill server's doing).
 //! A response that starts well is judged when its body ends: a clean end is a success, a stream
 //! that breaks or goes quiet a failure.
 
@@ -18,6 +19,7 @@ use super::shared::Ctx;
 use super::target::{Picked, Target};
 use crate::metrics::Attempt;
 use crate::outlier::{Cause, Policy};
+use crate::worker::Role;
 
 #[derive(Clone)]
 pub struct Observe<S> {
@@ -100,8 +102,16 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
         let judged = match &mut result {
             Ok(resp) if super::grpc::answered(resp, ctx.grpc()).is_server_error() => {
                 let status = super::grpc::answered(resp, ctx.grpc());
-                failure(&ctx.metrics, policy, target, Cause::Status(status.as_u16()));
-                true
+                // A decode server answers 500 when it could not pull its prompt's KV, which is
+                // its prefill server's failure as often as its own (one dead prefill server
+                // would otherwise eject every decode rank pulling from it): no verdict. The
+                // request is run again from a new prefill (`disagg`).
+                if status == 500 && target.worker.role == Role::Decode {
+                    false
+                } else {
+                    failure(&ctx.metrics, policy, target, Cause::Status(status.as_u16()));
+                    true
+                }
             }
             Ok(resp) if !resp.status().is_client_error() => {
                 if resp.body().is_end_stream() {

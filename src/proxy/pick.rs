@@ -167,7 +167,8 @@ where
             None => body,
             Some(hook) => match (hook.0)(&target) {
                 Ok(written) => {
-                    (parts.headers).insert(header::CONTENT_LENGTH, HeaderValue::from(written.len()));
+                    (parts.headers)
+                        .insert(header::CONTENT_LENGTH, HeaderValue::from(written.len()));
                     RequestBody::Full(written)
                 }
                 Err(err) => return Step::ready(Err(err.at(w))),
@@ -195,7 +196,9 @@ where
                 return in_span(
                     attempt,
                     Step::Own(Box::pin(async move {
-                        let whole = read::whole(streamed, max).await.map_err(|err| err.at(&worker))?;
+                        let whole = read::whole(streamed, max)
+                            .await
+                            .map_err(|err| err.at(&worker))?;
                         let pinned = pin.apply(&whole).map_err(|err| err.at(&worker))?;
                         parts
                             .headers

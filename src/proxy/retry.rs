@@ -58,6 +58,13 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// A retry of a whole request (`disagg`'s second round) draws on the same budget.
+    pub fn withdraw(&self) -> bool {
+        self.budget.withdraw()
+    }
+}
+
 impl<S> Retry<S> {
     pub fn new(inner: S, ctx: &Ctx, policy: &Arc<Policy>) -> Retry<S> {
         Retry {

@@ -73,7 +73,10 @@ enum Chosen {
 /// The routes a disaggregated model serves in two legs: generation. The rest (embeddings,
 /// tokenizer, models) go whole to any of its engines.
 fn split_route(path: &str) -> bool {
-    matches!(path, "/v1/chat/completions" | "/v1/completions" | "/generate")
+    matches!(
+        path,
+        "/v1/chat/completions" | "/v1/completions" | "/generate"
+    )
 }
 
 impl<S> Select<S> {
@@ -86,8 +89,7 @@ impl<S> Select<S> {
         let split = snap.fleet.http.disaggregated && split_route(path);
         // The usual request: one model, one flavor, nothing to look at (engines that serve no
         // HTTP are left out by the pick itself).
-        if !snap.catalog.routes_by_model() && !mixed_flavors && !split && path != "/v1/responses"
-        {
+        if !snap.catalog.routes_by_model() && !mixed_flavors && !split && path != "/v1/responses" {
             return Ok(Chosen::Any);
         }
         let Action::Proxy(route) = route::lookup(ctx, &self.extra_routes, req.method(), path)?

@@ -249,7 +249,13 @@ impl Layers {
     }
 
     pub(super) fn disagg<S>(&self, inner: S, c: &Ctx) -> disagg::Disagg<S> {
-        disagg::Disagg::new(inner, c, self.limits.max_body, self.dial.response)
+        disagg::Disagg::new(
+            inner,
+            c,
+            self.limits.max_body,
+            self.dial.response,
+            &self.retry,
+        )
     }
 
     pub(super) fn retry<S>(&self, inner: S, c: &Ctx) -> retry::Retry<S> {

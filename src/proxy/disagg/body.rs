@@ -172,7 +172,8 @@ mod tests {
     #[test]
     fn the_decode_leg_is_the_clients_body_with_the_prefill_servers_params() {
         let client = br#"{"model":"m","prompt":"p","stream":true,"max_tokens":9,"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil"}}"#;
-        let params = br#"{"do_remote_prefill":true,"remote_block_ids":[[1,2]],"remote_port":33110}"#;
+        let params =
+            br#"{"do_remote_prefill":true,"remote_block_ids":[[1,2]],"remote_port":33110}"#;
         let got = parse(&decode(client, params).unwrap());
         assert_eq!(
             got,
@@ -187,7 +188,10 @@ mod tests {
         let body = Bytes::from_static(
             br#"{"model":"m","bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":2,"kv_transfer_params":null,"x":1}"#,
         );
-        assert_eq!(parse(&client_body(&body).unwrap()), json!({"model": "m", "x": 1}));
+        assert_eq!(
+            parse(&client_body(&body).unwrap()),
+            json!({"model": "m", "x": 1})
+        );
         let plain = Bytes::from_static(br#"{"model":"m"}"#);
         assert_eq!(client_body(&plain).unwrap(), plain);
         assert!(matches!(
@@ -208,7 +212,8 @@ mod tests {
 
     #[test]
     fn a_prefill_answer_gives_its_params_or_says_why_not() {
-        let fixture = include_bytes!("../../../tests/fixtures/vllm-0.32-pd/router-prefill-answer.json");
+        let fixture =
+            include_bytes!("../../../tests/fixtures/vllm-0.32-pd/router-prefill-answer.json");
         let raw = params(fixture).unwrap();
         assert_eq!(kv_source(raw).as_deref(), Some("pd4-P:33110"));
         let p = parse(raw);

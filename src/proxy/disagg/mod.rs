@@ -20,6 +20,7 @@
 mod body;
 mod sglang;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -32,6 +33,7 @@ use super::body::ProxyBody;
 use super::error::ProxyError;
 use super::layer::{Answer, Below, Step};
 use super::read;
+use super::retry::Policy;
 use super::shared::Ctx;
 use super::target::{PrefillLeg, RetryUntil};
 use super::trace::Traced;
@@ -40,7 +42,6 @@ use crate::policy::{Avoid, Leg};
 use crate::prompt::PromptTokens;
 use crate::upstream::RequestBody;
 use crate::worker::{EngineId, Flavor};
-
 
 /// How long a vLLM prefill server keeps a request's blocks for its decode (vLLM's KV lease,
 /// 30 s): a decode leg that failed before its first byte is sent to another decode rank only
@@ -82,15 +83,24 @@ pub struct Disagg<S> {
     max_body: usize,
     /// `server.response_timeout`, for reading the prefill server's answer.
     answer_within: Duration,
+    /// The retry budget a request run again from its prefill draws on.
+    retry: Arc<Policy>,
 }
 
 impl<S> Disagg<S> {
-    pub fn new(inner: S, ctx: &Ctx, max_body: usize, answer_within: Duration) -> Disagg<S> {
+    pub fn new(
+        inner: S,
+        ctx: &Ctx,
+        max_body: usize,
+        answer_within: Duration,
+        retry: &Arc<Policy>,
+    ) -> Disagg<S> {
         Disagg {
             inner,
             ctx: ctx.clone(),
             max_body,
             answer_within,
+            retry: retry.clone(),
         }
     }
 }
@@ -125,11 +135,53 @@ where
         }
     }
 
-    /// vLLM's two legs, one after the other.
-    async fn vllm(mut self, head: Head, client: Bytes, split: Split) -> Answer {
+    /// vLLM's two legs, one after the other; once more from a new prefill when the decode leg
+    /// failed before its first byte on every decode rank it was failed over to (its prefill's
+    /// blocks may be gone with the first decode that pulled them), within the retry budget.
+    async fn vllm(mut self, head: Head, client: Bytes, mut split: Split) -> Answer {
+        let (answer, redo) = self.vllm_once(&head, &client, &split).await;
+        if !redo || !self.retry.withdraw() {
+            return answer;
+        }
+        self.ctx.metrics.retried();
+        // The decode rank that failed last is not asked again.
+        let failed = match &answer {
+            Ok(resp) => resp.body().target.as_ref().map(|t| t.worker.key),
+            Err(e) => e.worker().map(|w| w.key),
+        };
+        if let Some(w) = failed {
+            split.base.worker(w);
+        }
+        drop(answer);
+        self.vllm_once(&head, &client, &split).await.0
+    }
+
+    /// The two legs once; `true` with a decode that failed before its first byte.
+    async fn vllm_once(&mut self, head: &Head, client: &Bytes, split: &Split) -> (Answer, bool) {
+        match self.two_legs(head, client, split).await {
+            Ok((answer, true)) => {
+                let redo = match &answer {
+                    Ok(resp) => resp.status().is_server_error(),
+                    Err(e) => e.retryable() || matches!(e.root(), ProxyError::Timeout(_)),
+                };
+                (answer, redo)
+            }
+            Ok((answer, false)) => (answer, false),
+            Err(e) => (Err(e), false),
+        }
+    }
+
+    /// The two legs: the answer, and whether it is the decode leg's (`Err`: the prefill leg
+    /// failed, or the request could not be split).
+    async fn two_legs(
+        &mut self,
+        head: &Head,
+        client: &Bytes,
+        split: &Split,
+    ) -> Result<(Answer, bool), ProxyError> {
         let pd = self.ctx.metrics.pd.clone();
         let started = Instant::now();
-        let prefill_req = head.leg(body::prefill(&client)?, split.avoid(Leg::Prefill), true);
+        let prefill_req = head.leg(body::prefill(client)?, split.avoid(Leg::Prefill), true);
         // Dropped with this future if the client leaves during the prefill leg: counted, and
         // no decode leg is started.
         let abandoned = Abandoned(Some(pd.clone()));
@@ -144,7 +196,9 @@ where
         };
         let Some(prefill) = resp.body().target.clone() else {
             abandoned.disarm();
-            return Err(ProxyError::Internal("a prefill answer without its rank".into()));
+            return Err(ProxyError::Internal(
+                "a prefill answer without its rank".into(),
+            ));
         };
         count_leg(&resp, PdLeg::Prefill);
         if !resp.status().is_success() {
@@ -152,7 +206,7 @@ where
             // reads it as the engine wrote it. 5xx were failed over below already.
             abandoned.disarm();
             pd.failed(PdLeg::Prefill, PdFailure::Status);
-            return Ok(resp);
+            return Ok((Ok(resp), false));
         }
         let params = read_answer(resp, self.answer_within)
             .await
@@ -174,7 +228,7 @@ where
         pd.prefill_took(prefill_took);
         let decode_started = Instant::now();
         let mut decode_req = head.leg(
-            body::decode(&client, &params)?,
+            body::decode(client, &params)?,
             split.avoid(Leg::Decode),
             false,
         );
@@ -188,7 +242,7 @@ where
             kv_from: body::kv_source(&params),
         };
         let answer = self.inner.call(decode_req).await;
-        self.answered(answer, leg)
+        Ok((self.answered(answer, leg), true))
     }
 
     /// The decode leg's answer, the client's, carrying what the prefill leg was.

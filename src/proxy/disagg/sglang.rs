@@ -56,8 +56,13 @@ fn rendezvous(target: &Target) -> Rendezvous {
     let cfg = &target.engine.cfg;
     let origin = &target.engine.conn.origin;
     let host = origin.host().unwrap_or_default();
-    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
-    let port = cfg.bootstrap_port.unwrap_or(crate::config::SGLANG_BOOTSTRAP_PORT);
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let port = cfg
+        .bootstrap_port
+        .unwrap_or(crate::config::SGLANG_BOOTSTRAP_PORT);
     // The room is read modulo the deployment's DP size against its global ranks.
     let (rank, dp_size) = match (&cfg.deployment, target.worker.id.rank) {
         (Deployment::Own, Some(r)) => (r, cfg.dp_size),
@@ -95,12 +100,10 @@ where
         let mut w = written.lock().unwrap_or_else(PoisonError::into_inner);
         match &*w {
             Some((key, body)) if *key == target.worker.key => return Ok(body.clone()),
-            Some(_) => {
-                return Err(ProxyError::Internal(
-                    "an SGLang prefill leg cannot move to another rank: its decode waits on the room"
-                        .into(),
-                ))
-            }
+            Some(_) => return Err(ProxyError::Internal(
+                "an SGLang prefill leg cannot move to another rank: its decode waits on the room"
+                    .into(),
+            )),
             None => {}
         }
         let r = rendezvous(target);
