@@ -216,7 +216,7 @@ impl Sim {
         );
         let tokens = nblocks * BLOCK_TOKENS;
         // Held before the request's own admission is dropped, so the KV never looks free.
-        self.ranks[local].hold_kv(tokens);
+        self.ranks[local].hold_kv(tokens, false);
         let c = &self.pd.ranks[local];
         c.held_leases.fetch_add(1, Relaxed);
         c.held_tokens.fetch_add(tokens, Relaxed);
@@ -249,7 +249,7 @@ impl Sim {
 
     /// Frees a lease's blocks and stops counting it.
     fn release(&self, lease: &Lease) {
-        self.ranks[lease.local].release_kv(lease.tokens);
+        self.ranks[lease.local].hold_kv(lease.tokens, true);
         let c = &self.pd.ranks[lease.local];
         c.held_leases.fetch_sub(1, Relaxed);
         c.held_tokens.fetch_sub(lease.tokens, Relaxed);
