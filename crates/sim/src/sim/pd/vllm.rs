@@ -212,7 +212,7 @@ impl Sim {
         let sep = if id.starts_with("cmpl-") { "-0-" } else { "-" };
         let request_id = format!(
             "{id}{sep}{:08x}",
-            (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
+            ((n + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
         );
         let tokens = nblocks * BLOCK_TOKENS;
         // Held before the request's own admission is dropped, so the KV never looks free.
