@@ -55,6 +55,9 @@ pub struct EngineSpec {
     pub health_status: u16,
     pub die_after: Option<u64>,
     pub stall_after_tokens: Option<u64>,
+    /// Prefill/decode disaggregation: `"prefill"` or `"decode"` (the sim's `pd`); absent, the
+    /// engine is colocated. Its side channels or bootstrap server take free ports.
+    pub role: Option<crate::sim::PdRole>,
 }
 
 fn default_fail_status() -> u16 {
@@ -158,6 +161,7 @@ impl EngineSpec {
             health_status: self.health_status,
             die_after: self.die_after,
             stall_after_tokens: self.stall_after_tokens,
+            role: self.role,
             ..SimConfig::default()
         }
     }

@@ -380,4 +380,35 @@ mod tests {
             "off by default"
         );
     }
+
+    #[test]
+    fn pd_flags_set_the_role_and_its_settings_and_bad_seconds_name_the_flag() {
+        let colocated = parse(&[]).expect("valid");
+        assert!(colocated.role.is_none());
+        assert_eq!(colocated.pd.kv_lease, super::super::pd::DEFAULT_KV_LEASE);
+        let p = parse(&[
+            "--role",
+            "prefill",
+            "--kv-lease",
+            "0.5",
+            "--side-port",
+            "40100",
+            "--engine-id",
+            "pd-P",
+        ])
+        .expect("valid");
+        assert_eq!(p.role, Some(super::super::PdRole::Prefill));
+        assert_eq!(p.pd.kv_lease, std::time::Duration::from_millis(500));
+        assert_eq!(
+            (p.pd.side_port, p.pd.engine_id.as_deref()),
+            (40100, Some("pd-P"))
+        );
+        let d =
+            parse(&["--role", "decode", "--disaggregation-waiting-timeout", "2"]).expect("valid");
+        assert_eq!(d.pd.waiting_timeout, std::time::Duration::from_secs(2));
+        for flag in ["--kv-lease", "--disaggregation-bootstrap-timeout"] {
+            let e = parse(&["--role", "prefill", flag, "0"]).unwrap_err();
+            assert!(e.contains(flag), "{e}");
+        }
+    }
 }

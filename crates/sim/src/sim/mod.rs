@@ -19,7 +19,8 @@
 //! what the ranks publish, `grpc` the gRPC services and `grpc_decode` their inference calls,
 //! `rank` the KV and queue model, `prefix` its prefix cache, `kv` the KV-cache events the ranks
 //! publish over ZeroMQ as vLLM does, `faults` the fault knobs and `net` the accept loop that can
-//! die like a killed process.
+//! die like a killed process. `pd` makes the engine the prefill or the decode side of a
+//! disaggregated pair ([`SimConfig::role`]), vLLM's NixlConnector or SGLang's bootstrap way.
 
 mod auth;
 pub mod cli;

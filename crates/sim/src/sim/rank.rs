@@ -166,21 +166,18 @@ impl Rank {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Holds `tokens` of KV outside any request: a prefill server's blocks kept for the decode
-    /// server that will pull them (`pd`). Counted as used, so a router sees them.
-    pub fn hold_kv(&self, tokens: u64) {
+    /// Holds `tokens` of KV outside any request, or with `release` frees them: a prefill
+    /// server's blocks kept for the decode server that pulls them (`pd`), counted as used.
+    pub fn hold_kv(&self, tokens: u64, release: bool) {
         let mut s = self.lock();
-        s.reserved += tokens;
-        s.used += tokens;
-    }
-
-    /// Frees what [`Rank::hold_kv`] held.
-    pub fn release_kv(&self, tokens: u64) {
-        {
-            let mut s = self.lock();
+        if release {
             s.reserved = s.reserved.saturating_sub(tokens);
             s.used = s.used.saturating_sub(tokens);
+        } else {
+            s.reserved += tokens;
+            s.used += tokens;
         }
+        drop(s);
         self.freed.notify_waiters();
     }
 

@@ -42,7 +42,8 @@ use super::{net, Sim, SimConfig, SimEngine, SimFlavor};
 
 /// Which side of a disaggregated pair the engine is. No role (`None` in
 /// [`SimConfig::role`]) is the colocated engine that prefills and decodes its own requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PdRole {
     Prefill,
     Decode,

@@ -75,6 +75,16 @@ pub(crate) struct Rooms {
     changed: Notify,
 }
 
+/// Takes a room off the ready ones when dropped (rooms are random 63-bit numbers, one a
+/// request, so the room's entry is the request's own).
+struct Forget<'a>(&'a Rooms, u64);
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.ready).remove(&self.1);
+    }
+}
+
 /// The leg a SGLang request asks of a role server: P sends, D receives.
 pub(crate) fn leg(role: PdRole, body: &Value) -> Result<Option<Leg>, (String, String)> {
     let field = |k: &str| body.get(k).filter(|v| !v.is_null());
@@ -147,6 +157,8 @@ impl Sim {
     /// held meanwhile, as P holds the blocks until they are sent.
     pub(super) async fn send(&self, local: usize, room: &Room, tokens: u64) -> Result<(), PdFail> {
         let (tx, rx) = oneshot::channel();
+        // Whatever ends the wait (taken, timed out, the client gone), the room goes with it.
+        let _gone = Forget(&self.pd.rooms, room.room);
         lock(&self.pd.rooms.ready).insert(
             room.room,
             Ready {
@@ -160,7 +172,6 @@ impl Sim {
         match tokio::time::timeout(wait, rx).await {
             Ok(Ok(())) => Ok(()),
             _ => {
-                lock(&self.pd.rooms.ready).remove(&room.room);
                 self.pd.ranks[local].failed.fetch_add(1, Relaxed);
                 Err(PdFail {
                     message: format!(

@@ -212,11 +212,11 @@ impl Sim {
         let sep = if id.starts_with("cmpl-") { "-0-" } else { "-" };
         let request_id = format!(
             "{id}{sep}{:08x}",
-            (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
+            ((n + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
         );
         let tokens = nblocks * BLOCK_TOKENS;
         // Held before the request's own admission is dropped, so the KV never looks free.
-        self.ranks[local].hold_kv(tokens);
+        self.ranks[local].hold_kv(tokens, false);
         let c = &self.pd.ranks[local];
         c.held_leases.fetch_add(1, Relaxed);
         c.held_tokens.fetch_add(tokens, Relaxed);
@@ -249,7 +249,7 @@ impl Sim {
 
     /// Frees a lease's blocks and stops counting it.
     fn release(&self, lease: &Lease) {
-        self.ranks[lease.local].release_kv(lease.tokens);
+        self.ranks[lease.local].hold_kv(lease.tokens, true);
         let c = &self.pd.ranks[lease.local];
         c.held_leases.fetch_sub(1, Relaxed);
         c.held_tokens.fetch_sub(lease.tokens, Relaxed);
