@@ -58,6 +58,10 @@ pub struct EngineSpec {
     /// Prefill/decode disaggregation: `"prefill"` or `"decode"` (the sim's `pd`); absent, the
     /// engine is colocated. Its side channels or bootstrap server take free ports.
     pub role: Option<crate::sim::PdRole>,
+    /// Each rank's prefills run one at a time and hold up its decode steps while they run (the
+    /// sim's `compute`): what a long prompt does to the requests decoding beside it.
+    #[serde(default)]
+    pub prefill_interference: bool,
 }
 
 fn default_fail_status() -> u16 {
@@ -137,6 +141,7 @@ impl EngineSpec {
             dark_ranks: self.dark_ranks.clone(),
             decode_tokens_per_sec: self.decode_rate,
             prefill_tokens_per_sec: self.prefill_rate,
+            prefill_interference: self.prefill_interference,
             prefix_caching: self.prefix_caching,
             kv_events: self.kv_events.then(KvEventsConfig::bind_local),
             // An engine publishing events names its blocks by the tiny model's real token ids,

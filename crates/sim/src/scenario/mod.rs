@@ -24,7 +24,7 @@ use crate::load::{self, Api, Burst, Dist, HotPrefix, Sessions};
 pub use engine::EngineSpec;
 pub use events::{Event, Limit};
 use rankgate::config::{HumanDuration, Policy};
-pub use run::{run, run_policy, PolicyRun, RankResult};
+pub use run::{run, run_fleet, run_policy, Fleet, PolicyRun, RankResult};
 pub use variant::{Replicas, Variant};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -118,6 +118,11 @@ pub struct Scenario {
     pub workload: WorkloadSpec,
     #[serde(default)]
     pub events: Vec<Event>,
+    /// A disaggregated fleet's scenario: each variant also runs on the same engines with their
+    /// roles taken away, every rank prefilling and decoding its own requests (same ranks, same
+    /// rates, same KV), so colocated and disaggregated serving are compared on one hardware.
+    #[serde(default)]
+    pub also_colocated: bool,
     /// Set by `load` from `workload.trace`.
     #[serde(skip)]
     pub trace: Option<Vec<load::TraceEntry>>,
@@ -179,6 +184,12 @@ impl Scenario {
                 "router.replicas > 1 spreads HTTP requests: not with a gRPC workload".into(),
             );
         }
+        if s.also_colocated && !s.disaggregated() {
+            return Err("also_colocated compares a disaggregated fleet with itself colocated: give some [[engines]] a role".into());
+        }
+        if s.disaggregated() && w.grpc {
+            return Err("a disaggregated fleet is served over HTTP (rankgate's gRPC front door does not split requests)".into());
+        }
         if s.policies.is_empty() {
             return Err("policies: give at least one variant".into());
         }
@@ -194,6 +205,11 @@ impl Scenario {
     pub fn load(path: &Path) -> Result<Scenario, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
         Scenario::parse(&text, path.parent()).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Whether some engine has a prefill or decode role.
+    pub fn disaggregated(&self) -> bool {
+        self.engines.iter().any(|e| e.role.is_some())
     }
 
     /// The fleet's ranks in engine order: (engine index, the rank as that engine numbers it:

@@ -17,23 +17,34 @@ fn ms(p: &Percentiles, v: f64) -> String {
     }
 }
 
+/// Milliseconds to one decimal (inter-token gaps are a few ms), or "-" with nothing measured.
+fn ms1(p: &Percentiles, v: f64) -> String {
+    if p.count == 0 {
+        "-".into()
+    } else {
+        format!("{v:.1}")
+    }
+}
+
 /// The comparison table and one per-rank table per policy.
 pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | prefix hits | highest peak KV | arrivals/s achieved / scheduled / requested | sent to dark ranks |");
-    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | prefix hits | highest peak KV | arrivals/s achieved / scheduled / requested | sent to dark ranks |");
+    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in runs {
-        let (t, e) = (r.report.ttft(), r.report.e2e());
+        let (t, e, itl) = (r.report.ttft(), r.report.e2e(), r.report.itl());
         let dark: usize = r.ranks.iter().map(|x| x.sent_while_dark).sum();
         let early: usize = r.ranks.iter().map(|x| x.sent_before_detection).sum();
         let f = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.1}"));
         let (requested, scheduled) = (f(r.report.requested_rate), f(r.report.scheduled_rate));
         let _ = writeln!(
             o,
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {} | {:.0}% | {:.1} / {scheduled} / {requested} | {dark} (+{early} in the first 2 polls) |",
+            "| {} | {:.0} | {:.0} | {} | {} | {:.0} | {:.0} | {:.2} | {:.0} | {} | {} | {:.0}% | {:.1} / {scheduled} / {requested} | {dark} (+{early} in the first 2 polls) |",
             r.label(),
             t.p50,
             t.p99,
+            ms1(&itl, itl.p50),
+            ms1(&itl, itl.p99),
             e.p50,
             e.p99,
             r.report.requests_per_sec(),
@@ -82,15 +93,26 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
     }
     for r in runs {
         let total = r.report.ok().count().max(1);
+        // A disaggregated scenario's tables say each rank's part and the legs it received (its
+        // prefill legs are in no client's answer, so `served` counts only decode legs).
+        let pd = s.disaggregated();
         let _ = writeln!(o, "\n`{}` per rank ({}):\n", r.label(), s.name);
-        let _ = writeln!(o, "| rank | worker | served | share | peak KV | prefix hits | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
-        let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|");
+        let (head, rule) = match pd {
+            true => (" role | legs |", "---|---|"),
+            false => ("", ""),
+        };
+        let _ = writeln!(o, "| rank | worker |{head} served | share | peak KV | prefix hits | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms |");
+        let _ = writeln!(o, "|---|---|{rule}---|---|---|---|---|---|---|---|");
         for x in &r.ranks {
+            let part = match pd {
+                true => format!(" {} | {} |", x.role.unwrap_or("both"), x.legs),
+                false => String::new(),
+            };
             let ttft = r.report.ttft_of(Some(&x.id));
             let e2e = r.report.e2e_of(Some(&x.id));
             let _ = writeln!(
                 o,
-                "| {} | {} | {} | {:.0}% | {:.0}% | {:.0}% | {} | {} | {} | {} |",
+                "| {} | {} |{part} {} | {:.0}% | {:.0}% | {:.0}% | {} | {} | {} | {} |",
                 x.rank,
                 x.id.trim_start_matches("http://"),
                 x.served,
@@ -114,6 +136,8 @@ pub fn to_json(s: &Scenario, runs: &[PolicyRun]) -> Value {
         "description": s.description,
         "policies": runs.iter().map(|r| json!({
             "policy": r.policy.as_str(),
+            "label": r.label(),
+            "disaggregated": r.disaggregated,
             "replicas": r.replicas,
             "report": r.report.to_json(),
             "ranks": r.ranks,

@@ -1,7 +1,9 @@
 //! Runs one variant of a scenario: a fresh simulated fleet, one or several rankgate routers in
 //! front of it (each with its own polls and nothing shared, as separate processes would be), the
 //! workload with its events, per-rank KV sampled every 100 ms, and the fleet's prefix-cache
-//! counters read from the simulator at the end.
+//! counters and the requests each rank received read from the simulator at the end. A
+//! disaggregated fleet's engines are given to the router with their roles; with
+//! [`Fleet::Colocated`] the same engines start without them.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,7 +13,7 @@ use tokio::time::Instant;
 
 use super::{events, Scenario, Variant};
 use crate::load::{self, Arrivals, Dist, Report, Workload};
-use crate::sim::SimEngine;
+use crate::sim::{PdRole, SimConfig, SimEngine};
 use rankgate::app::Router;
 use rankgate::config::Config;
 
@@ -30,11 +32,29 @@ pub struct RankResult {
     /// Prompt tokens the rank looked up in its prefix cache, and those it found.
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// `"prefill"` or `"decode"`; `None`: the rank prefills and decodes its own requests.
+    pub role: Option<&'static str>,
+    /// Requests the rank's engine received for it (the engine's own record, the last 4096 per
+    /// engine): a disaggregated request's prefill leg on a prefill rank, its decode leg on a
+    /// decode rank.
+    pub legs: usize,
+}
+
+/// The fleet a run starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fleet {
+    /// The scenario's engines as written, roles included.
+    AsWritten,
+    /// The same engines without their roles: every rank prefills and decodes its own requests.
+    Colocated,
 }
 
 /// Results of one variant with one replica count.
 pub struct PolicyRun {
     pub policy: Variant,
+    pub fleet: Fleet,
+    /// Whether the fleet was served in two legs (some engine had a role).
+    pub disaggregated: bool,
     /// Rankgate routers that shared the load.
     pub replicas: u32,
     /// The load report; its `prefix_cache` is the whole fleet's.
@@ -54,10 +74,16 @@ fn loopback() -> SocketAddr {
 impl PolicyRun {
     /// The variant, with the replica count when there were several: `least_kv+affinity x3`.
     pub fn label(&self) -> String {
-        match self.replicas {
+        let mut l = match self.replicas {
             1 => self.policy.as_str().to_string(),
             n => format!("{} x{n}", self.policy.as_str()),
+        };
+        if self.disaggregated {
+            l.push_str(" (P/D)");
+        } else if self.fleet == Fleet::Colocated {
+            l.push_str(" (colocated)");
         }
+        l
     }
 }
 
@@ -69,11 +95,28 @@ pub async fn run_policy(
     replicas: u32,
     progress: bool,
 ) -> Result<PolicyRun, String> {
+    run_fleet(s, policy, replicas, progress, Fleet::AsWritten).await
+}
+
+/// [`run_policy`] on the scenario's fleet as written or colocated.
+pub async fn run_fleet(
+    s: &Scenario,
+    policy: Variant,
+    replicas: u32,
+    progress: bool,
+    fleet: Fleet,
+) -> Result<PolicyRun, String> {
     let grpc = s.workload.grpc;
+    let roles: Vec<Option<PdRole>> = (s.engines.iter())
+        .map(|e| e.role.filter(|_| fleet == Fleet::AsWritten))
+        .collect();
     let mut engines = Vec::new();
     let mut urls = Vec::new();
-    for spec in &s.engines {
-        let cfg = spec.sim_config();
+    for (spec, role) in s.engines.iter().zip(&roles) {
+        let cfg = SimConfig {
+            role: *role,
+            ..spec.sim_config()
+        };
         let e = SimEngine::start(loopback(), cfg)
             .await
             .map_err(|err| format!("starting simulated engine: {err}"))?;
@@ -104,12 +147,19 @@ pub async fn run_policy(
         s.router.interval.0.as_millis(),
         s.router.stale_after.0.as_millis()
     );
-    for (url, spec) in urls.iter().zip(&s.engines) {
+    for (i, (url, spec)) in urls.iter().zip(&s.engines).enumerate() {
         toml.push_str(&format!(
             "[[engines]]\n{url}\nflavor = \"{}\"\ndp_size = {}\n",
             spec.flavor.as_str(),
             spec.dp_size,
         ));
+        if let Some(role) = roles[i] {
+            toml.push_str(&format!("role = \"{}\"\n", role_name(role)));
+        }
+        // An SGLang prefill server's decode peers reach it on its bootstrap port.
+        if let Some(port) = engines[i].bootstrap_port() {
+            toml.push_str(&format!("bootstrap_port = {port}\n"));
+        }
         // A member of a multi-server deployment says so; an independent server needs nothing.
         if let Some(group) = &spec.dp_group {
             toml.push_str(&format!(
@@ -213,6 +263,10 @@ pub async fn run_policy(
     }
     // Each variant starts a fresh fleet, so the counters are this run's alone.
     let prefix: Vec<(u64, u64)> = engines.iter().flat_map(|e| e.prefix_cache()).collect();
+    let fleet_ranks = s.ranks();
+    let legs: Vec<usize> = (fleet_ranks.iter())
+        .map(|&(e, r)| engines[e].seen().iter().filter(|x| x.rank == r).count())
+        .collect();
     if let Ok(engines) = Arc::try_unwrap(engines) {
         for e in engines {
             e.shutdown().await;
@@ -254,6 +308,8 @@ pub async fn run_policy(
                 sent_before_detection: in_windows(2 * s.router.interval.0, false),
                 prefix_queries: prefix.get(i).map_or(0, |p| p.0),
                 prefix_hits: prefix.get(i).map_or(0, |p| p.1),
+                role: roles[fleet_ranks[i].0].map(role_name),
+                legs: legs[i],
                 id,
                 rank: i as u32,
             }
@@ -261,12 +317,21 @@ pub async fn run_policy(
         .collect();
     Ok(PolicyRun {
         policy,
+        fleet,
+        disaggregated: roles.iter().any(Option::is_some),
         replicas,
         report,
         ranks,
         kv_series,
         prefix_after_events,
     })
+}
+
+fn role_name(role: PdRole) -> &'static str {
+    match role {
+        PdRole::Prefill => "prefill",
+        PdRole::Decode => "decode",
+    }
 }
 
 async fn sample_kv(
@@ -303,6 +368,12 @@ pub async fn run(
                 );
             }
             runs.push(run_policy(s, p, n, progress).await?);
+            if s.also_colocated {
+                if progress {
+                    eprintln!("  ... and on the same engines colocated");
+                }
+                runs.push(run_fleet(s, p, n, progress, Fleet::Colocated).await?);
+            }
         }
     }
     Ok(runs)

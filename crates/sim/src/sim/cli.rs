@@ -5,7 +5,7 @@
 //!   rankgate mock-engine --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
 //!     [--grpc-listen 127.0.0.1:18051] [--servicer-quirks] [--model a,b] [--api-key K] \
-//!     [--prefill-rate 20000] [--prefix-caching]
+//!     [--prefill-rate 20000] [--prefill-interference] [--prefix-caching]
 //!     [--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}']
 //!     [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
 //!
@@ -92,6 +92,9 @@ pub struct Args {
     /// makes an instant engine, for measuring a proxy's overhead).
     #[arg(long)]
     prefill_rate: Option<f64>,
+    /// Each rank's prefills run one at a time and hold up its decode steps while they run.
+    #[arg(long)]
+    prefill_interference: bool,
     /// Like vLLM's --enable-prefix-caching: ranks keep prompt blocks, cached prompt tokens skip
     /// prefill, /metrics reports vllm:prefix_cache_{queries,hits}_total.
     #[arg(long)]
@@ -265,6 +268,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         prefill_tokens_per_sec: a
             .prefill_rate
             .unwrap_or(SimConfig::default().prefill_tokens_per_sec),
+        prefill_interference: a.prefill_interference,
         // Events come from the prefix cache; vLLM has it on by default.
         prefix_caching: a.prefix_caching || kv_events.is_some(),
         kv_events,

@@ -380,7 +380,7 @@ impl Sim {
         };
         let computed = (job.prompt_tokens).saturating_sub(adm.cached_tokens + remote);
         self.pd_computed(local, computed);
-        super::pause(self.prefill_time(computed)).await;
+        self.prefill(local, computed).await;
         let mut text = String::new();
         for i in 0..job.max_tokens {
             if self.faults.stalls_at(i) {
@@ -393,6 +393,7 @@ impl Sim {
                 let itl =
                     (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
                 super::pause(Duration::from_secs_f64(itl)).await;
+                self.decode_step(local).await;
             }
             adm.grow();
             let token = format!("t{} ", i % 10);

@@ -24,6 +24,7 @@
 
 mod auth;
 pub mod cli;
+mod compute;
 mod faults;
 mod generate;
 mod grpc;
@@ -126,6 +127,9 @@ pub struct SimConfig {
     pub batch_slowdown: f64,
     /// Prompt tokens per second of prefill; prompt tokens found in the prefix cache skip it.
     pub prefill_tokens_per_sec: f64,
+    /// Each rank's prefills run one at a time and hold up its decode steps while they run
+    /// ([`compute`]); off (the default), prefills run side by side and slow nothing.
+    pub prefill_interference: bool,
     /// Like vLLM's `--enable-prefix-caching`: generation requests share and keep their prompt's
     /// KV blocks per rank (`prefix`), skip the prefill of cached ones, and `/metrics` reports
     /// `vllm:prefix_cache_{queries,hits}_total`. Off by default so that KV per request is the
@@ -234,6 +238,7 @@ impl Default for SimConfig {
             decode_tokens_per_sec: 200.0,
             batch_slowdown: 0.02,
             prefill_tokens_per_sec: 20_000.0,
+            prefill_interference: false,
             prefix_caching: false,
             models: vec![DEFAULT_MODEL.into()],
             api_key: None,
@@ -311,6 +316,8 @@ pub(crate) struct Sim {
     /// The certificate both listeners serve, when `cfg.tls` is set.
     pub(crate) tls: Option<Arc<rankgate::tls::ServerTls>>,
     pub(crate) ranks: Vec<Rank>,
+    /// Each rank's compute, which prefills and decode steps share with interference on.
+    compute: compute::Compute,
     knobs: RwLock<Knobs>,
     seen: Mutex<VecDeque<Seen>>,
     /// What the engine saw of gRPC inference calls.
@@ -395,6 +402,7 @@ impl SimEngine {
                 metrics_delay: Duration::ZERO,
                 native_failing: false,
             }),
+            compute: compute::Compute::new(cfg.dp_size),
             cfg,
             ranks,
             seen: Mutex::new(VecDeque::new()),
