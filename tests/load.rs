@@ -238,6 +238,62 @@ async fn scenario_runs_each_variant_per_replica_count_with_sessions() {
     assert!(md.contains("| least_kv x2 |"), "{md}");
 }
 
+const PD: &str = r#"
+name = "pd"
+policies = ["least_kv"]
+also_colocated = true
+[[engines]]
+flavor = "vllm"
+dp_size = 2
+role = "prefill"
+prefill_interference = true
+[[engines]]
+flavor = "vllm"
+dp_size = 2
+role = "decode"
+prefill_interference = true
+[workload]
+rate = 20
+requests = 16
+duration = "20s"
+prompt_tokens = 300
+output_tokens = 8
+"#;
+
+/// A disaggregated scenario gives the router the engines' roles (every request's prefill leg on
+/// a prefill rank, its decode leg on a decode rank, as the engines saw them), and runs the same
+/// engines once more without roles, each rank then serving whole requests.
+#[tokio::test]
+async fn a_pd_scenario_runs_split_and_colocated_on_the_same_engines() {
+    let s = Scenario::parse(PD, None).unwrap();
+    let runs = scenario::run(&s, None, false).await.unwrap();
+    let labels: Vec<String> = runs.iter().map(|r| r.label()).collect();
+    assert_eq!(labels, ["least_kv (P/D)", "least_kv (colocated)"]);
+    for r in &runs {
+        assert_eq!(r.report.ok().count(), 16, "{}", r.label());
+        assert!(r.report.itl().count > 0, "{}", r.label());
+        let legs: usize = r.ranks.iter().map(|x| x.legs).sum();
+        let served: usize = r.ranks.iter().map(|x| x.served).sum();
+        assert_eq!(served, 16, "{}", r.label());
+        let roles: Vec<_> = r.ranks.iter().map(|x| x.role).collect();
+        if r.disaggregated {
+            assert_eq!(legs, 32, "a prefill and a decode leg each");
+            assert_eq!(
+                roles,
+                [Some("prefill"), Some("prefill"), Some("decode"), Some("decode")]
+            );
+            assert_eq!(r.ranks[0].legs + r.ranks[1].legs, 16);
+            assert_eq!(r.ranks[0].served + r.ranks[1].served, 0, "P answers no client");
+        } else {
+            assert_eq!(legs, 16);
+            assert!(roles.iter().all(Option::is_none));
+        }
+    }
+    let md = scenario::render::markdown(&s, &runs);
+    assert!(md.contains("| least_kv (colocated) |") && md.contains(" prefill | "), "{md}");
+    assert!(md.contains("ITL p99 ms"), "{md}");
+}
+
 /// A killed engine's streams (`die_after`: it dies like `kill -9` after admitting N requests)
 /// are errors, never ok: straight from the engine they end without `[DONE]` (cut); through
 /// rankgate they end with its error event, which is counted as such and never as a token.

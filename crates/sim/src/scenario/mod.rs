@@ -345,6 +345,19 @@ dark = []
     }
 
     #[test]
+    fn colocated_comparisons_need_roles_and_http() {
+        let with = |extra: &str| TEXT.replace("name = \"t\"", &format!("name = \"t\"\n{extra}"));
+        let e = Scenario::parse(&with("also_colocated = true"), None).unwrap_err();
+        assert!(e.contains("also_colocated"), "{e}");
+        let pd = with("also_colocated = true").replace("dark_ranks = [1]", "role = \"decode\"");
+        let s = Scenario::parse(&pd, None).unwrap();
+        assert!(s.disaggregated() && s.also_colocated);
+        let e = Scenario::parse(&pd.replace("[workload]", "[workload]\ngrpc = true"), None)
+            .unwrap_err();
+        assert!(e.contains("over HTTP"), "{e}");
+    }
+
+    #[test]
     fn shipped_scenarios_parse() {
         // The scenarios live at the repository root, two levels above this crate.
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/scenarios");
