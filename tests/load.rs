@@ -280,17 +280,29 @@ async fn a_pd_scenario_runs_split_and_colocated_on_the_same_engines() {
             assert_eq!(legs, 32, "a prefill and a decode leg each");
             assert_eq!(
                 roles,
-                [Some("prefill"), Some("prefill"), Some("decode"), Some("decode")]
+                [
+                    Some("prefill"),
+                    Some("prefill"),
+                    Some("decode"),
+                    Some("decode")
+                ]
             );
             assert_eq!(r.ranks[0].legs + r.ranks[1].legs, 16);
-            assert_eq!(r.ranks[0].served + r.ranks[1].served, 0, "P answers no client");
+            assert_eq!(
+                r.ranks[0].served + r.ranks[1].served,
+                0,
+                "P answers no client"
+            );
         } else {
             assert_eq!(legs, 16);
             assert!(roles.iter().all(Option::is_none));
         }
     }
     let md = scenario::render::markdown(&s, &runs);
-    assert!(md.contains("| least_kv (colocated) |") && md.contains(" prefill | "), "{md}");
+    assert!(
+        md.contains("| least_kv (colocated) |") && md.contains(" prefill | "),
+        "{md}"
+    );
     assert!(md.contains("ITL p99 ms"), "{md}");
 }
 

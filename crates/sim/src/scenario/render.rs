@@ -30,7 +30,10 @@ fn ms1(p: &Percentiles, v: f64) -> String {
 pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "| policy | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | req/s | tokens/s | errors | prefix hits | highest peak KV | arrivals/s achieved / scheduled / requested | sent to dark ranks |");
-    let _ = writeln!(o, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        o,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for r in runs {
         let (t, e, itl) = (r.report.ttft(), r.report.e2e(), r.report.itl());
         let dark: usize = r.ranks.iter().map(|x| x.sent_while_dark).sum();

@@ -95,9 +95,17 @@ mod tests {
             sim.prefill(0, 100).await;
             first.await.unwrap();
             let stepped = step.await.unwrap() - start;
-            assert_eq!(start.elapsed(), Duration::from_millis(want), "interference {on}");
+            assert_eq!(
+                start.elapsed(),
+                Duration::from_millis(want),
+                "interference {on}"
+            );
             let step_want = if on { 100 } else { 0 };
-            assert_eq!(stepped, Duration::from_millis(step_want), "interference {on}");
+            assert_eq!(
+                stepped,
+                Duration::from_millis(step_want),
+                "interference {on}"
+            );
             // A prompt whose KV came from elsewhere prefills nothing and takes no turn.
             let t = tokio::time::Instant::now();
             sim.prefill(0, 0).await;

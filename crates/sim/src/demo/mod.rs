@@ -6,10 +6,15 @@
 //! sent there queue for KV; the second server's rank 1 publishes no telemetry at all. A router
 //! that reads per-rank KV keeps traffic off the full rank and never sends anything to the rank it
 //! knows nothing about; a round-robin router gives each rank a quarter of the traffic.
+//!
+//! Then, in a second or two, a disaggregated pair (`pd`): which prefill rank and which decode
+//! rank each request's two legs went to.
+
+mod pd;
 
 use crate::scenario::{self, render, Scenario};
 
-const DEMO: &str = include_str!("../../../configs/scenarios/demo.toml");
+const DEMO: &str = include_str!("../../../../configs/scenarios/demo.toml");
 
 /// The demo's scenario, with the request count and rate optionally overridden.
 pub fn scenario(requests: Option<usize>, rate: Option<f64>) -> Result<Scenario, String> {
@@ -42,5 +47,5 @@ pub async fn run(s: Scenario) -> Result<(), String> {
             y / x.max(1e-9)
         );
     }
-    Ok(())
+    pd::run().await
 }
