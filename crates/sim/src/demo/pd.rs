@@ -111,25 +111,6 @@ async fn legs() -> Result<Vec<(String, Legs)>, String> {
     failed.map_or(Ok(out), Err)
 }
 
-#[cfg(test)]
-mod tests {
-    /// Every leg avoids the full rank of its side, and each decode pulled its whole prompt.
-    #[tokio::test]
-    async fn each_leg_goes_to_the_free_rank_of_its_side() {
-        let legs = super::legs().await.unwrap();
-        assert_eq!(legs.len(), super::REQUESTS);
-        for (id, l) in legs {
-            assert_eq!((l.prefill_rank, l.decode_rank), (Some(1), Some(0)), "{id}");
-            assert!(
-                l.prompt_tokens > 200 && l.pulled == l.prompt_tokens,
-                "{id}: {} {}",
-                l.prompt_tokens,
-                l.pulled
-            );
-        }
-    }
-}
-
 /// Sends one request and reads back where its legs went.
 async fn one(
     client: &rankgate::http::HttpClient<Full<Bytes>>,
@@ -177,4 +158,23 @@ async fn one(
         prompt_tokens: answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
         pulled,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every leg avoids the full rank of its side, and each decode pulled its whole prompt.
+    #[tokio::test]
+    async fn each_leg_goes_to_the_free_rank_of_its_side() {
+        let legs = super::legs().await.unwrap();
+        assert_eq!(legs.len(), super::REQUESTS);
+        for (id, l) in legs {
+            assert_eq!((l.prefill_rank, l.decode_rank), (Some(1), Some(0)), "{id}");
+            assert!(
+                l.prompt_tokens > 200 && l.pulled == l.prompt_tokens,
+                "{id}: {} {}",
+                l.prompt_tokens,
+                l.pulled
+            );
+        }
+    }
 }
