@@ -185,9 +185,10 @@ mod tests {
         let w = &c.warnings[0];
         assert!(w.starts_with("the fleet has prefill servers (engines[0]) and no decode server:"), "{w}");
         assert!(!w.contains("unless"), "{w}");
-        // The admin API could add one: said so.
-        let text = format!("[server]\nadmin_token_env = \"RG_TOKEN\"\n{}", engine(0, "decode", None));
-        let w = check(&text).warnings.join("\n");
+        // The admin API could add one (`server.admin_token_env` set): said so.
+        let text = engine(0, "decode", None);
+        let c = Config::from_str(&text).unwrap();
+        let w = super::role_check(&c.engines, &c.discovery, true).warnings.join("\n");
         assert!(w.contains("no prefill server") && w.contains("unless the admin API adds one"), "{w}");
     }
 
