@@ -65,7 +65,10 @@ async fn workers_and_engines_show_each_ranks_role_and_the_bootstrap_port() {
     let engines = get(r.admin_addr, "/engines").await.json();
     let row = |url: &str| engine_row(&engines, url).clone();
     assert_eq!(
-        (row(&p.url())["role"].clone(), row(&p.url())["bootstrap_port"].clone()),
+        (
+            row(&p.url())["role"].clone(),
+            row(&p.url())["bootstrap_port"].clone()
+        ),
         (json!("prefill"), Value::Null),
         "a vLLM prefill server has no bootstrap port"
     );
@@ -82,12 +85,7 @@ async fn the_admin_api_adds_prefill_and_decode_engines_with_their_roles() {
     let whole = engine(sim(SimFlavor::Vllm, 1, 0)).await;
     let p = engine(sim(SimFlavor::Vllm, 1, 0)).await;
     let d = engine(sim(SimFlavor::Vllm, 2, 0)).await;
-    let r = router_with(
-        &token_env(),
-        FAST,
-        &[entry(&whole.url(), "vllm", 1, "")],
-    )
-    .await;
+    let r = router_with(&token_env(), FAST, &[entry(&whole.url(), "vllm", 1, "")]).await;
     for (e, dp_size, role) in [(&p, 1, "prefill"), (&d, 2, "decode")] {
         let body = json!({"url": e.url(), "flavor": "vllm", "dp_size": dp_size, "role": role});
         let reply = admin(&r, Method::POST, "/engines", Some(TOKEN), Some(body)).await;
@@ -118,7 +116,10 @@ async fn the_admin_api_adds_prefill_and_decode_engines_with_their_roles() {
             .extend(keys.as_object().unwrap().clone());
         let reply = admin(&r, Method::POST, "/engines", Some(TOKEN), Some(body)).await;
         assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{:?}", reply.body);
-        let message = reply.json()["error"]["message"].as_str().unwrap_or("").to_string();
+        let message = reply.json()["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
         assert!(message.contains(want), "{message}");
     }
     let gateway = json!({"url": other.url(), "flavor": "gateway", "role": "decode"});
@@ -158,10 +159,26 @@ fn engine_entry(url: &str, flavor: &str, keys: &str) -> String {
 #[test]
 fn check_lists_each_engines_role_and_warns_of_a_missing_side() {
     let fleet = [
-        engine_entry("http://127.0.0.1:18101", "vllm", "role = \"prefill\"\nmodels = [\"m\", \"n\"]"),
-        engine_entry("http://127.0.0.1:18102", "vllm", "role = \"decode\"\nmodels = [\"m\"]"),
-        engine_entry("http://127.0.0.1:18103", "sglang", "role = \"prefill\"\nmodels = [\"s\"]"),
-        engine_entry("http://127.0.0.1:18104", "sglang", "role = \"decode\"\nmodels = [\"s\"]"),
+        engine_entry(
+            "http://127.0.0.1:18101",
+            "vllm",
+            "role = \"prefill\"\nmodels = [\"m\", \"n\"]",
+        ),
+        engine_entry(
+            "http://127.0.0.1:18102",
+            "vllm",
+            "role = \"decode\"\nmodels = [\"m\"]",
+        ),
+        engine_entry(
+            "http://127.0.0.1:18103",
+            "sglang",
+            "role = \"prefill\"\nmodels = [\"s\"]",
+        ),
+        engine_entry(
+            "http://127.0.0.1:18104",
+            "sglang",
+            "role = \"decode\"\nmodels = [\"s\"]",
+        ),
         engine_entry("http://127.0.0.1:18105", "vllm", ""),
     ]
     .concat();
@@ -173,21 +190,37 @@ fn check_lists_each_engines_role_and_warns_of_a_missing_side() {
             .unwrap_or_else(|| panic!("{url}:\n{out}"))
             .to_string()
     };
-    assert!(line("http://127.0.0.1:18101@0").ends_with("\trole=prefill"), "{out}");
-    assert!(line("http://127.0.0.1:18102@0").ends_with("\trole=decode"), "{out}");
+    assert!(
+        line("http://127.0.0.1:18101@0").ends_with("\trole=prefill"),
+        "{out}"
+    );
+    assert!(
+        line("http://127.0.0.1:18102@0").ends_with("\trole=decode"),
+        "{out}"
+    );
     assert!(
         line("http://127.0.0.1:18103@0").ends_with("\trole=prefill,bootstrap_port=8998"),
         "{out}"
     );
-    assert!(line("http://127.0.0.1:18105@0").ends_with("\trole=both"), "{out}");
+    assert!(
+        line("http://127.0.0.1:18105@0").ends_with("\trole=both"),
+        "{out}"
+    );
     // Model n has a prefill server and no decode server: a warning names it and its side.
     assert!(
-        err.contains("warning: model `n` has prefill servers (engines[0]) and no decode server lists it"),
+        err.contains(
+            "warning: model `n` has prefill servers (engines[0]) and no decode server lists it"
+        ),
         "{err}"
     );
-    assert!(!err.contains("model `m`") && !err.contains("model `s`"), "{err}");
     assert!(
-        out.contains("note: model `m` is served disaggregated: prefill engines[0], decode engines[1]"),
+        !err.contains("model `m`") && !err.contains("model `s`"),
+        "{err}"
+    );
+    assert!(
+        out.contains(
+            "note: model `m` is served disaggregated: prefill engines[0], decode engines[1]"
+        ),
         "{out}"
     );
 
@@ -207,7 +240,8 @@ fn check_lists_each_engines_role_and_warns_of_a_missing_side() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let out = text(&o.stdout);
     assert!(
-        out.lines().any(|l| l.starts_with("discovery[0]\t") && l.ends_with("\trole=decode")),
+        out.lines()
+            .any(|l| l.starts_with("discovery[0]\t") && l.ends_with("\trole=decode")),
         "{out}"
     );
 }
@@ -228,8 +262,16 @@ async fn check_probe_shows_roles_and_reads_the_models_the_sides_serve() {
     // Without the engines' answers, that is left to each request.
     let plain = check(&[], &path);
     assert!(plain.status.success(), "{}", text(&plain.stderr));
-    assert!(!text(&plain.stderr).contains("only-prefill"), "{}", text(&plain.stderr));
-    assert!(text(&plain.stdout).contains("decided per request"), "{}", text(&plain.stdout));
+    assert!(
+        !text(&plain.stderr).contains("only-prefill"),
+        "{}",
+        text(&plain.stderr)
+    );
+    assert!(
+        text(&plain.stdout).contains("decided per request"),
+        "{}",
+        text(&plain.stdout)
+    );
 
     let o = tokio::task::spawn_blocking(move || check(&["--probe"], &path))
         .await

@@ -141,14 +141,24 @@ fn prefill_and_decode_ranks_are_told_apart_at_80x24() {
     let mut rows: Vec<Value> = serde_json::from_slice(&doc).expect("recorded /workers is JSON");
     let first = rows[0]["engine"].clone();
     for row in &mut rows {
-        row["role"] = if row["engine"] == first { "prefill" } else { "decode" }.into();
+        row["role"] = if row["engine"] == first {
+            "prefill"
+        } else {
+            "decode"
+        }
+        .into();
     }
     let doc = serde_json::to_vec(&rows).unwrap();
     let mut state = State::new("http://127.0.0.1:9090", Duration::from_secs(1));
-    state.apply(Instant::now(), &doc, Ok(&metrics(&rows, 10))).unwrap();
+    state
+        .apply(Instant::now(), &doc, Ok(&metrics(&rows, 10)))
+        .unwrap();
     let text = draw(&state, &mut terminal(80, 24));
     let title = text.lines().nth(2).unwrap();
-    assert!(title.starts_with("RANK▼") && title.contains("P/D STATE"), "{text}");
+    assert!(
+        title.starts_with("RANK▼") && title.contains("P/D STATE"),
+        "{text}"
+    );
     for row in &rows {
         let id = row["id"].as_str().unwrap();
         let short = short_id(id, 23);

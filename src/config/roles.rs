@@ -19,7 +19,8 @@ impl Engine {
     /// is not known yet (a vLLM one has none).
     pub fn sglang_bootstrap_port(&self) -> Option<u16> {
         let flavor = (self.declared.flavor).or(self.shaped().then_some(self.flavor));
-        self.bootstrap_port.filter(|_| flavor == Some(Flavor::Sglang))
+        self.bootstrap_port
+            .filter(|_| flavor == Some(Flavor::Sglang))
     }
 
     /// The role in one word, with an SGLang prefill server's bootstrap port:
@@ -49,9 +50,7 @@ fn names(list: &[usize]) -> String {
 /// Kubernetes entry: any pod may carry `rankgate.io/role`), and the admin API.
 fn may_join(role: Role, discovery: &[Discovery], admin: bool) -> Option<String> {
     let mut from: Vec<String> = (discovery.iter())
-        .filter(|d| {
-            d.template.role() == role || matches!(d.source, Source::Kubernetes { .. })
-        })
+        .filter(|d| d.template.role() == role || matches!(d.source, Source::Kubernetes { .. }))
         .map(|d| d.at.clone())
         .collect();
     if admin {
@@ -183,13 +182,21 @@ mod tests {
         let c = check(&(engine(0, "prefill", None) + &engine(1, "both", None)));
         assert_eq!(c.warnings.len(), 1, "{c:?}");
         let w = &c.warnings[0];
-        assert!(w.starts_with("the fleet has prefill servers (engines[0]) and no decode server:"), "{w}");
+        assert!(
+            w.starts_with("the fleet has prefill servers (engines[0]) and no decode server:"),
+            "{w}"
+        );
         assert!(!w.contains("unless"), "{w}");
         // The admin API could add one (`server.admin_token_env` set): said so.
         let text = engine(0, "decode", None);
         let c = Config::from_str(&text).unwrap();
-        let w = super::role_check(&c.engines, &c.discovery, true).warnings.join("\n");
-        assert!(w.contains("no prefill server") && w.contains("unless the admin API adds one"), "{w}");
+        let w = super::role_check(&c.engines, &c.discovery, true)
+            .warnings
+            .join("\n");
+        assert!(
+            w.contains("no prefill server") && w.contains("unless the admin API adds one"),
+            "{w}"
+        );
     }
 
     #[test]
@@ -198,11 +205,19 @@ mod tests {
         let c = check(&text);
         assert_eq!(c.warnings.len(), 1, "{c:?}");
         let w = &c.warnings[0];
-        assert!(w.starts_with("model `n` has prefill servers (engines[0]) and no decode server lists it"), "{w}");
+        assert!(
+            w.starts_with(
+                "model `n` has prefill servers (engines[0]) and no decode server lists it"
+            ),
+            "{w}"
+        );
         // The reverse: a decode server's model no prefill server lists.
         let text = engine(0, "prefill", Some("\"m\"")) + &engine(1, "decode", Some("\"m\", \"x\""));
         let w = check(&text).warnings.join("\n");
-        assert!(w.contains("model `x` has decode servers (engines[1]) and no prefill server"), "{w}");
+        assert!(
+            w.contains("model `x` has decode servers (engines[1]) and no prefill server"),
+            "{w}"
+        );
     }
 
     #[test]
@@ -211,7 +226,10 @@ mod tests {
         let c = check(&text);
         assert!(c.warnings.is_empty(), "{c:?}");
         let notes = c.notes.join("\n");
-        assert!(notes.contains("whether engines[1] serve it is decided per request"), "{notes}");
+        assert!(
+            notes.contains("whether engines[1] serve it is decided per request"),
+            "{notes}"
+        );
         assert!(notes.contains("engines[1] have no `models`"), "{notes}");
     }
 }

@@ -522,7 +522,13 @@ mod tests {
         assert_eq!(w, format!("{:<25}", "10.0.0.3:8000@2"));
         assert_eq!(old, w, "a router older than roles: whole engines");
         // A long id gives way to the mark; the rank number stays.
-        let long = rank_cell(&row("http://vllm-prefill-0.vllm.svc.cluster.local:8000@12", Some("prefill")), 25);
+        let long = rank_cell(
+            &row(
+                "http://vllm-prefill-0.vllm.svc.cluster.local:8000@12",
+                Some("prefill"),
+            ),
+            25,
+        );
         assert_eq!(long.chars().count(), 25, "{long}");
         assert!(long.ends_with("@12 P"), "{long}");
     }

@@ -376,14 +376,20 @@ fn one(flavor: &str, keys: &str) -> String {
 fn roles_default_to_both_and_name_the_key_when_wrong() {
     use super::super::engine::{Role, SGLANG_BOOTSTRAP_PORT};
     let c = Config::from_str(MIN).unwrap();
-    assert_eq!((c.engines[0].role, c.engines[0].bootstrap_port), (Role::Both, None));
+    assert_eq!(
+        (c.engines[0].role, c.engines[0].bootstrap_port),
+        (Role::Both, None)
+    );
     let c = Config::from_str(&one("vllm", "role = \"decode\"")).unwrap();
     assert_eq!(c.engines[0].role, Role::Decode);
     let e = err(&one("vllm", "role = \"producer\""));
     assert!(e.contains("producer"), "{e}");
     // A gateway routes whole requests to a fleet of its own.
     let e = err("[[engines]]\nurl = \"http://h:1\"\nflavor = \"gateway\"\nrole = \"prefill\"\n");
-    assert!(e.contains("engines[0].role") && e.contains("gateway"), "{e}");
+    assert!(
+        e.contains("engines[0].role") && e.contains("gateway"),
+        "{e}"
+    );
     // Role "both" is every engine's, a gateway's too.
     Config::from_str("[[engines]]\nurl = \"http://h:1\"\nflavor = \"gateway\"\nrole = \"both\"\n")
         .unwrap();
@@ -392,7 +398,10 @@ fn roles_default_to_both_and_name_the_key_when_wrong() {
     assert!(e.contains("engines[0].role") && e.contains("url"), "{e}");
     // With its `url` beside the gRPC address it may.
     let both = "[[engines]]\nurl = \"http://h:1\"\ngrpc_url = \"http://h:9\"\nflavor = \"vllm\"\nrole = \"decode\"\n";
-    assert_eq!(Config::from_str(both).unwrap().engines[0].role, Role::Decode);
+    assert_eq!(
+        Config::from_str(both).unwrap().engines[0].role,
+        Role::Decode
+    );
     // SGLang's prefill servers get the default bootstrap port, or the one given.
     let c = Config::from_str(&one("sglang", "role = \"prefill\"")).unwrap();
     assert_eq!(c.engines[0].bootstrap_port, Some(SGLANG_BOOTSTRAP_PORT));
@@ -406,17 +415,29 @@ fn roles_default_to_both_and_name_the_key_when_wrong() {
     let c = Config::from_str(&one("vllm", "role = \"prefill\"")).unwrap();
     assert_eq!(c.engines[0].bootstrap_port, None);
     let e = err(&one("vllm", "role = \"prefill\"\nbootstrap_port = 8998"));
-    assert!(e.contains("engines[0].bootstrap_port") && e.contains("vLLM"), "{e}");
+    assert!(
+        e.contains("engines[0].bootstrap_port") && e.contains("vLLM"),
+        "{e}"
+    );
     // Nor has a decode server or a whole engine.
     for role in ["decode", "both"] {
-        let e = err(&one("sglang", &format!("role = \"{role}\"\nbootstrap_port = 8998")));
-        assert!(e.contains("engines[0].bootstrap_port") && e.contains("only an SGLang prefill"), "{e}");
+        let e = err(&one(
+            "sglang",
+            &format!("role = \"{role}\"\nbootstrap_port = 8998"),
+        ));
+        assert!(
+            e.contains("engines[0].bootstrap_port") && e.contains("only an SGLang prefill"),
+            "{e}"
+        );
     }
     let e = err(&one("sglang", "bootstrap_port = 8998"));
     assert!(e.contains("engines[0].bootstrap_port"), "{e}");
     // 0 is no port, whatever the role.
     let e = err(&one("sglang", "role = \"prefill\"\nbootstrap_port = 0"));
-    assert!(e.contains("engines[0].bootstrap_port") && e.contains("0 is no port"), "{e}");
+    assert!(
+        e.contains("engines[0].bootstrap_port") && e.contains("0 is no port"),
+        "{e}"
+    );
     let e = err(&one("sglang", "role = \"prefill\"\nbootstrap_port = 70000"));
     assert!(e.contains("70000") || e.contains("bootstrap_port"), "{e}");
 }
@@ -436,10 +457,16 @@ fn a_discovery_template_takes_a_role_checked_at_load() {
     );
     assert_eq!(found.unwrap().role, Role::Decode);
     // What a found engine would fail is refused at load, named by the entry.
-    let e = err(&format!("{dns}flavor = \"gateway\"\nrole = \"prefill\"\n").replace("dp_size = 1\n", ""));
+    let e =
+        err(&format!("{dns}flavor = \"gateway\"\nrole = \"prefill\"\n")
+            .replace("dp_size = 1\n", ""));
     assert!(e.contains("discovery[0].role"), "{e}");
-    let e = err(&format!("{dns}flavor = \"vllm\"\nrole = \"prefill\"\nbootstrap_port = 8998\n"));
+    let e = err(&format!(
+        "{dns}flavor = \"vllm\"\nrole = \"prefill\"\nbootstrap_port = 8998\n"
+    ));
     assert!(e.contains("discovery[0].bootstrap_port"), "{e}");
-    let e = err(&format!("{dns}flavor = \"sglang\"\nrole = \"decode\"\nbootstrap_port = 8998\n"));
+    let e = err(&format!(
+        "{dns}flavor = \"sglang\"\nrole = \"decode\"\nbootstrap_port = 8998\n"
+    ));
     assert!(e.contains("discovery[0].bootstrap_port"), "{e}");
 }

@@ -336,13 +336,23 @@ pub(super) mod tests {
         let p = entry("port = \"http\"\ndp_size = 1\nrole = \"decode\"");
         let e = engine(p.project(&pod("d", true, "127.0.0.7", &[])));
         assert_eq!((e.role, e.bootstrap_port), (Role::Decode, None));
-        let e = engine(p.project(&pod("p", true, "127.0.0.7", &[(ROLE_ANNOTATION, " prefill ")])));
+        let e = engine(p.project(&pod(
+            "p",
+            true,
+            "127.0.0.7",
+            &[(ROLE_ANNOTATION, " prefill ")],
+        )));
         assert_eq!(e.role, Role::Prefill);
         let e = engine(p.project(&pod("w", true, "127.0.0.7", &[(ROLE_ANNOTATION, "both")])));
         assert_eq!(e.role, Role::Both);
         // A value that is no role: the pod is skipped, and the message names the annotation
         // and the roles there are.
-        let skipped = p.project(&pod("x", true, "127.0.0.7", &[(ROLE_ANNOTATION, "Prefill")]));
+        let skipped = p.project(&pod(
+            "x",
+            true,
+            "127.0.0.7",
+            &[(ROLE_ANNOTATION, "Prefill")],
+        ));
         assert_eq!(skipped, PodState::Skipped(Skip::BadRole("Prefill".into())));
         let PodState::Skipped(why) = skipped else {
             unreachable!()
@@ -353,14 +363,23 @@ pub(super) mod tests {
         );
         // The bootstrap port annotation: a vLLM prefill server has none, so the pod that
         // names one is skipped by the `[[engines]]` rule; a number out of range is named.
-        let annotated = [(ROLE_ANNOTATION, "prefill"), (BOOTSTRAP_PORT_ANNOTATION, "9000")];
+        let annotated = [
+            (ROLE_ANNOTATION, "prefill"),
+            (BOOTSTRAP_PORT_ANNOTATION, "9000"),
+        ];
         match p.project(&pod("p", true, "127.0.0.7", &annotated)) {
             PodState::Skipped(Skip::Invalid(why)) => {
-                assert!(why.contains("discovery[0] pod llm/p.bootstrap_port"), "{why}")
+                assert!(
+                    why.contains("discovery[0] pod llm/p.bootstrap_port"),
+                    "{why}"
+                )
             }
             s => panic!("{s:?}"),
         }
-        let far = [(ROLE_ANNOTATION, "prefill"), (BOOTSTRAP_PORT_ANNOTATION, "70000")];
+        let far = [
+            (ROLE_ANNOTATION, "prefill"),
+            (BOOTSTRAP_PORT_ANNOTATION, "70000"),
+        ];
         assert_eq!(
             p.project(&pod("p", true, "127.0.0.7", &far)),
             PodState::Skipped(Skip::BadAnnotation {
