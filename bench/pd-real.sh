@@ -92,7 +92,8 @@ start_decode() {
     ENGINE_ID=pdreal-D "$REAL_VLLM" decode
 }
 
-start_rankgate() { # prefill dp size; writes the config, starts it, waits until every rank is routable
+start_rankgate() { # prefill dp size, all|shaped; writes the config, starts it, waits until every rank
+  # has telemetry (all) or is listed, the decode's with telemetry (shaped)
   cat > "$work/rankgate.toml" <<TOML
 [server]
 listen = "127.0.0.1:$RG_PORT"
@@ -116,9 +117,9 @@ TOML
   start rankgate env PDREAL_ADMIN_TOKEN="$PDREAL_ADMIN_TOKEN" RUST_LOG=info \
     "$RANKGATE" serve --config "$work/rankgate.toml" --log-format json
   local t0=$SECONDS
-  until python3 "$work/pd.py" ready "$(( $1 + 1 ))"; do
+  until python3 "$work/pd.py" ready "$(( $1 + 1 ))" "$2"; do
     kill -0 "${procs[rankgate]}" 2>/dev/null || { tail -20 "$work/rankgate.log" >&2; exit 1; }
-    [ $((SECONDS - t0)) -lt 60 ] || { echo "# rankgate: ranks not routable in 60 s" >&2; exit 1; }
+    [ $((SECONDS - t0)) -lt 60 ] || { echo "# rankgate: ranks not ready ($2) in 60 s" >&2; exit 1; }
     sleep 1
   done
 }
@@ -314,7 +315,45 @@ def part_a():
     print("PART A:", "PASS" if ok else "FAIL")
     return ok
 
+def workers_state():
+    _, _, _, w = call(ADMIN, "GET", "/workers", timeout=10)
+    return [(x["id"], x.get("telemetry"), x.get("reason"), x.get("kv_usage"), x.get("num_running_reqs"))
+            for x in json.loads(w) if x.get("dp_rank") is not None]
+
+def all_available(wait):
+    deadline = time.time() + wait
+    while time.time() < deadline:
+        if all(t == "available" for _, t, _, _, _ in workers_state()):
+            return True
+        time.sleep(0.5)
+    return False
+
+def one_line(i, r):
+    return (f"{i:>3} {r['case']:<22}{r['status']:>5}  prefill_worker={r['prefill_worker']}  kv_from={r['kv_from']}  "
+            f"prompt={fmt(r['ptok'])} ext_kv={fmt(r['ext'])} nixl_bytes={fmt(r['nixl'])} "
+            f"prefill_ms={fmt(r['prefill_ms'], '{:.1f}')} took={r['took_s']:.1f}s"
+            + (f"  answer: {r['raw'][:160]}" if r["status"] != 200 else ""))
+
 def part_b(n):
+    # A fresh DP=2 vLLM (one API server per rank) has no kv_cache_usage_perc / num_requests_* gauges in
+    # /metrics for a rank until that rank has served a request: what rankgate makes of that.
+    print("# fresh DP=2 prefill, as rankgate sees it:")
+    for row in workers_state():
+        print(f"#   {row[0]}: telemetry {row[1]}" + (f" ({row[2]})" if row[2] else ""))
+    for i in range(2):
+        r = through_rankgate("chat-nostream", prompt(f"fresh {i}", 60), debug=True)
+        print("#   " + one_line(i, r))
+        for pk in r["picks"]:
+            print("#     x-rankgate-pick:", pk[:400])
+    for rank in (0, 1):
+        s, _, _, _ = call(P, "POST", "/v1/completions", {"model": "tiny-llama", "prompt": f"warm {NONCE} {rank}",
+                          "max_tokens": 2}, {"X-data-parallel-rank": str(rank)})
+        print(f"# one request straight to prefill rank {rank} (its gauges appear once it served one): {s}")
+    ok_all = all_available(30)
+    for row in workers_state():
+        print(f"#   {row[0]}: telemetry {row[1]}" + (f" ({row[2]})" if row[2] else ""))
+    if not ok_all:
+        print("# not every rank has telemetry after 30 s")
     stop = threading.Event()
     busy = {"sent": 0, "status": {}}
     lock = threading.Lock()
@@ -335,38 +374,33 @@ def part_b(n):
     threads = [threading.Thread(target=hog, args=(k,), daemon=True) for k in range(4)]
     for t in threads:
         t.start()
-    # until the prefill's rank 0 runs them and rankgate's telemetry of it shows it
+    # until the prefill's rank 0 runs them and rankgate's telemetry of it shows them
     t0, seen = time.time(), None
     while time.time() - t0 < 60:
         t = metrics(P)
         run0 = metric(t, "vllm:num_requests_running", engine="0")
         run1 = metric(t, "vllm:num_requests_running", engine="1")
         _, _, _, w = call(ADMIN, "GET", "/workers", timeout=10)
-        if run0 >= 2:
-            seen = (run0, run1, w.decode())
+        ws = json.loads(w)
+        rg0 = [x for x in ws if x.get("engine", "").endswith(f":{P}") and x.get("dp_rank") == 0]
+        if run0 >= 2 and rg0 and (rg0[0].get("num_running_reqs") or 0) >= 2:
+            seen = (run0, run1, ws)
             break
         time.sleep(0.5)
     if seen is None:
-        print("# rank 0 never showed running requests within 60 s")
+        print("# rank 0 not seen busy (vLLM's /metrics and rankgate's /workers) within 60 s")
     else:
-        print(f"# prefill rank 0 busy: vllm:num_requests_running engine=0 {seen[0]:.0f}, engine=1 {seen[1]:.0f} "
-              f"after {time.time() - t0:.1f} s")
-        try:
-            for wk in json.loads(seen[2]):
-                print("#   /workers:", json.dumps({k: wk.get(k) for k in wk if k in (
-                    "id", "role", "telemetry", "kv_usage", "num_running_reqs", "num_waiting_reqs", "in_flight")}))
-        except Exception:
-            print("#   /workers:", seen[2][:600])
-        time.sleep(1)   # one more telemetry poll
+        print(f"# prefill rank 0 busy after {time.time() - t0:.1f} s: vllm:num_requests_running engine=0 "
+              f"{seen[0]:.0f}, engine=1 {seen[1]:.0f}; rankgate /workers:")
+        for wk in seen[2]:
+            print("#   ", json.dumps({k: wk.get(k) for k in wk if k in (
+                "id", "telemetry", "kv_usage", "num_running_reqs", "num_waiting_reqs", "in_flight")}))
     rows = []
     for i in range(n):
         p = prompt(f"through rankgate {i}", 60)
         r = through_rankgate("completions-nostream" if i % 2 else "chat-nostream", p)
         rows.append(r)
-        print(f"{i:>3} {r['case']:<22}{r['status']:>5}  prefill_worker={r['prefill_worker']}  kv_from={r['kv_from']}  "
-              f"prompt={fmt(r['ptok'])} ext_kv={fmt(r['ext'])} nixl_bytes={fmt(r['nixl'])} "
-              f"prefill_ms={fmt(r['prefill_ms'], '{:.1f}')} took={r['took_s']:.1f}s"
-              + (f"  answer: {r['raw'][:160]}" if r["status"] != 200 else ""))
+        print(one_line(i, r))
     stop.set()
     t = metrics(P)
     still = metric(t, "vllm:num_requests_running", engine="0")
@@ -401,8 +435,12 @@ if __name__ == "__main__":
             ws = json.loads(w)
         except Exception:
             sys.exit(1)
-        routable = [x for x in ws if isinstance(x, dict) and x.get("telemetry") == "available"]
-        sys.exit(0 if len(routable) >= int(sys.argv[2]) else 1)
+        ranks = [x for x in ws if isinstance(x, dict) and x.get("dp_rank") is not None]
+        avail = [x for x in ranks if x.get("telemetry") == "available"]
+        dec = [x for x in avail if x.get("engine", "").endswith(f":{D}")]
+        if sys.argv[3] == "all":
+            sys.exit(0 if len(avail) >= int(sys.argv[2]) else 1)
+        sys.exit(0 if len(ranks) >= int(sys.argv[2]) and dec else 1)
     elif what == "a":
         sys.exit(0 if part_a() else 1)
     elif what == "b":
@@ -416,7 +454,7 @@ start_prefill 1 0 pdreal-P
 start_decode
 wait_models prefill $P_PORT
 wait_models decode $D_PORT
-start_rankgate 1
+start_rankgate 1 all
 a=0; python3 "$work/pd.py" a || a=$?
 
 echo "## Part B: prefill DP=2 (cores 0|1, :$P_PORT), decode DP=1 (core 1, :$D_PORT), prefill rank 0 kept busy"
@@ -429,7 +467,7 @@ start_prefill 2 '0|1' pdreal-P2
 wait_models prefill $P_PORT
 start_decode
 wait_models decode $D_PORT
-start_rankgate 2
+start_rankgate 2 shaped
 b=0; python3 "$work/pd.py" b "$N_B" || b=$?
 if [ "$b" = 3 ]; then
   echo "# a decode answered 500 (vLLM's first NIXL handshake with a prefill rank timing out under CPU contention?):"
