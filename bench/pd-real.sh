@@ -345,6 +345,10 @@ def part_b(n):
         print("#   " + one_line(i, r))
         for pk in r["picks"]:
             print("#     x-rankgate-pick:", pk[:400])
+    time.sleep(5)
+    print("# 5 s later:")
+    for row in workers_state():
+        print(f"#   {row[0]}: telemetry {row[1]}" + (f" ({row[2]})" if row[2] else ""))
     for rank in (0, 1):
         s, _, _, _ = call(P, "POST", "/v1/completions", {"model": "tiny-llama", "prompt": f"warm {NONCE} {rank}",
                           "max_tokens": 2}, {"X-data-parallel-rank": str(rank)})
@@ -398,9 +402,13 @@ def part_b(n):
     rows = []
     for i in range(n):
         p = prompt(f"through rankgate {i}", 60)
-        r = through_rankgate("completions-nostream" if i % 2 else "chat-nostream", p)
+        r = through_rankgate("completions-nostream" if i % 2 else "chat-nostream", p, debug=True)
         rows.append(r)
         print(one_line(i, r))
+        if i == 0 or not (r["prefill_worker"] or "").endswith("@1"):
+            for pk in r["picks"]:
+                if '"leg":"prefill"' in pk.replace(" ", ""):
+                    print("#     x-rankgate-pick:", pk[:500])
     stop.set()
     t = metrics(P)
     still = metric(t, "vllm:num_requests_running", engine="0")
