@@ -62,9 +62,9 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-start() { # name, then the command (logs to $work/name.log)
+start() { # name, then the command (appends to $work/name.log: both parts' engines in one)
   local name=$1; shift
-  setsid "$@" > "$work/$name.log" 2>&1 &
+  setsid "$@" >> "$work/$name.log" 2>&1 &
   procs[$name]=$!
 }
 
@@ -359,12 +359,13 @@ def part_b(n):
     if not ok_all:
         print("# not every rank has telemetry after 30 s")
     stop = threading.Event()
+    hog_until = time.time() + 900
     busy = {"sent": 0, "status": {}}
     lock = threading.Lock()
     def hog(k):
         # long requests pinned to prefill rank 0, straight to the prefill server; bounded
-        for j in range(40):
-            if stop.is_set():
+        for j in range(150):
+            if stop.is_set() or time.time() > hog_until:
                 return
             b = {"model": "tiny-llama", "prompt": prompt(f"busy {k} {j}", 18), "max_tokens": 400,
                  "temperature": 0, "ignore_eos": True}
@@ -479,7 +480,8 @@ start_rankgate 2 shaped
 b=0; python3 "$work/pd.py" b "$N_B" || b=$?
 if [ "$b" = 3 ]; then
   echo "# a decode answered 500 (vLLM's first NIXL handshake with a prefill rank timing out under CPU contention?):"
-  grep -hiE "handshake|timed out|Traceback" "$work/decode.log" | tail -5 | sed 's/^/#   decode log: /' || true
+  grep -hE "NIXL transfer failure|TimeoutError|timed out" "$work/decode.log" | cut -c1-400 | tail -3 \
+    | sed 's/^/#   decode log: /' || true
   echo "## Part B, run again once"
   b=0; python3 "$work/pd.py" b "$N_B" || b=$?
 fi
