@@ -93,7 +93,7 @@ start_decode() {
 }
 
 start_rankgate() { # prefill dp size, all|shaped; writes the config, starts it, waits until every rank
-  # has telemetry (all) or is listed, the decode's with telemetry (shaped)
+  # has telemetry (all) or answered a poll, the decode's with telemetry (shaped)
   cat > "$work/rankgate.toml" <<TOML
 [server]
 listen = "127.0.0.1:$RG_PORT"
@@ -430,6 +430,10 @@ def part_b(n):
               and (r["kv_from"] or "").endswith(f"_dp1:{base + 1}"))
     ok = statuses.get(200, 0) == n and pulled == n and on1 >= n - 1
     print(f"prefill legs on rank 1 with kv_from naming _dp1:{base + 1}: {on1}/{n}")
+    t = metrics(ADMIN)
+    print("rankgate: " + ", ".join(l for l in t.splitlines()
+          if l.startswith(("rankgate_pd_decoded", "rankgate_pd_abandoned"))
+          or (l.startswith(("rankgate_pd_failures", "rankgate_pd_legs")) and not l.endswith(" 0"))))
     print("PART B:", "PASS" if ok else "FAIL")
     for t in threads:
         t.join(timeout=1)
@@ -449,7 +453,8 @@ if __name__ == "__main__":
         dec = [x for x in avail if x.get("engine", "").endswith(f":{D}")]
         if sys.argv[3] == "all":
             sys.exit(0 if len(avail) >= int(sys.argv[2]) else 1)
-        sys.exit(0 if len(ranks) >= int(sys.argv[2]) and dec else 1)
+        polled = [x for x in ranks if x.get("reachable")]
+        sys.exit(0 if len(polled) >= int(sys.argv[2]) and dec else 1)
     elif what == "a":
         sys.exit(0 if part_a() else 1)
     elif what == "b":
