@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prefill/decode disaggregation on a REAL vLLM pair (issue 31's acceptance), by hand or from a bench
 # run, never from CI: it starts real vLLM 0.32 engines with ../shared/tools/real-vllm (set up once with
-# its `setup`), takes both cores for 5-10 minutes, and stops everything it started on exit.
+# its `setup`), takes both cores for 10-15 minutes, and stops everything it started on exit.
 #
 #   bench/pd-real.sh            # RANKGATE=path/to/rankgate to use a binary already built
 #
@@ -70,7 +70,8 @@ start() { # name, then the command (appends to $work/name.log: both parts' engin
 
 wait_models() { # name, port: until GET /v1/models answers, bounded
   local name=$1 port=$2 t0=$SECONDS
-  while ! curl -sf -m 5 "http://127.0.0.1:$port/v1/models" > /dev/null; do
+  while ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+      "http://127.0.0.1:$port/v1/models" 2> /dev/null; do
     if ! kill -0 "${procs[$name]}" 2>/dev/null; then
       echo "# $name exited while starting; its log:" >&2; tail -30 "$work/$name.log" >&2; exit 1
     fi
