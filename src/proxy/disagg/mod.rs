@@ -10,7 +10,10 @@
 //! those parameters to a decode rank, whose answer (streamed or not) is the client's. A prefill
 //! answer without parameters is an error, never a decode that silently prefills again. A decode
 //! leg is failed over to another decode rank only while the prefill server still holds the
-//! blocks ([`KV_LEASE`]). A client that leaves during the prefill leg never gets a decode leg.
+//! blocks ([`KV_LEASE`]); a decode leg that still failed before its first byte (a decode that
+//! pulled the blocks and died, or answered 500 because its pull failed, which the outlier rules
+//! do not hold against it) runs once more from a new prefill, within the retry budget. A client
+//! that leaves during the prefill leg never gets a decode leg.
 //!
 //! SGLang (bootstrap): both legs at once, see `sglang`.
 //!
