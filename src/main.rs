@@ -209,7 +209,8 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            for w in cfg.warnings() {
+            let warned = cfg.warnings();
+            for w in &warned {
                 eprintln!("rankgate: warning: {w}");
             }
             // The models' tokenizers, loaded as `serve` loads them.
@@ -235,11 +236,12 @@ fn main() -> ExitCode {
                     (_, None) => "http".to_string(),
                 };
                 println!(
-                    "{}\tengine={}\trank={}\tflavor={}\tserves={serves}",
+                    "{}\tengine={}\trank={}\tflavor={}\tserves={serves}\trole={}",
                     w.id,
                     e.url,
                     w.id.rank.map_or("-".to_string(), |r| r.to_string()),
-                    e.flavor
+                    e.flavor,
+                    e.role_text()
                 );
             }
             // An engine whose flavor or size is read from it has no workers until it answers.
@@ -250,8 +252,9 @@ fn main() -> ExitCode {
                     _ => "dp_size",
                 };
                 println!(
-                    "{}\tranks=read from the engine when it answers ({unknown} not set)",
-                    e.url
+                    "{}\tranks=read from the engine when it answers ({unknown} not set)\trole={}",
+                    e.url,
+                    e.role_text()
                 );
             }
             for d in &cfg.discovery {
@@ -264,12 +267,18 @@ fn main() -> ExitCode {
                     } => format!("kubernetes pods {namespace}/{selector}"),
                 };
                 println!(
-                    "{}\tfinds engines: {source}\tflavor={}",
+                    "{}\tfinds engines: {source}\tflavor={}\trole={}",
                     d.at,
                     d.template
                         .flavor
-                        .map_or("read from each engine", |f| f.as_str())
+                        .map_or("read from each engine", |f| f.as_str()),
+                    d.template.role()
                 );
+            }
+            // Each model's prefill and decode servers, where the file says (its warnings were
+            // printed with the others above).
+            for note in cfg.roles().notes {
+                println!("note: {note}");
             }
             if !probe {
                 return ExitCode::SUCCESS;
@@ -278,6 +287,7 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(code) => return code,
             };
+            let mut engines = cfg.engines.clone();
             let probed = rt.block_on(rankgate::telemetry::probe::probe(
                 cfg.engines,
                 &cfg.telemetry,
@@ -286,6 +296,17 @@ fn main() -> ExitCode {
             println!("probe:");
             for p in &probed {
                 println!("{}", p.line());
+            }
+            // With the model lists the engines gave, a model missing a side is known where the
+            // file left it to each request.
+            for e in engines.iter_mut().filter(|e| e.models.is_none()) {
+                let read = probed.iter().find(|p| *p.url == *e.url);
+                e.models = read.and_then(|p| p.models.as_ref().ok()).cloned();
+            }
+            let admin = cfg.server.admin_token_env.is_some();
+            let read = rankgate::config::role_check(&engines, &cfg.discovery, admin);
+            for w in read.warnings.iter().filter(|w| !warned.contains(*w)) {
+                eprintln!("rankgate: warning: {w}");
             }
             let down = probed.iter().filter(|p| !p.reachable).count();
             if down > 0 {

@@ -637,12 +637,29 @@ fn legend_labels(legend: &str) -> Vec<&str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_query_of_the_dashboard_reads_metrics_and_labels_the_router_serves() {
     // Prefix caching on: the engine's prefix-cache counters are on the page too.
-    let (_e, r) = fleet(rankgate_sim::sim::SimConfig {
+    let e = engine(rankgate_sim::sim::SimConfig {
         prefix_caching: true,
         ..sim(SimFlavor::Vllm, 2, 0)
     })
     .await;
-    wait_state(&r, &[0, 1], "available").await;
+    // A prefill and a decode server of a model of their own: the per-rank leg counters are on
+    // the page only for a fleet that has them. The requests below are for the other model,
+    // served whole.
+    let prefill = engine(serving(&["pd-model"], 1, 0)).await;
+    let decode = engine(serving(&["pd-model"], 1, 0)).await;
+    let table = |url: String, keys: &str| {
+        format!("[[engines]]\nurl = \"{url}\"\nflavor = \"vllm\"\n{keys}\n")
+    };
+    let r = router(
+        FAST,
+        &[
+            table(e.url(), "dp_size = 2"),
+            table(prefill.url(), "dp_size = 1\nrole = \"prefill\""),
+            table(decode.url(), "dp_size = 1\nrole = \"decode\""),
+        ],
+    )
+    .await;
+    wait_state(&r, &[0, 1, 2, 3], "available").await;
     wait_models(&r).await;
     // Streamed and plain completions on the engine, and answers rankgate writes itself.
     for _ in 0..2 {

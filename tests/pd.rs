@@ -525,3 +525,54 @@ async fn the_grpc_front_door_names_why_it_serves_no_disaggregated_model() {
     assert!(p.grpc_seen().is_empty() && d.grpc_seen().is_empty());
     r.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_failing_prefill_or_decode_rank_is_failed_over_on_its_own_side() {
+    // Every failed leg may be retried here (the budget is the subject of other tests).
+    let budget = "[routing]\nretry_budget = 1.0\n";
+    let (p, d, r) = pd_fleet(SimFlavor::Vllm, 2, 2, 1, budget).await;
+    // One server on each side answers every request 503 before doing anything.
+    p[0].set_fail(503, 100.0).expect("fault");
+    d[0].set_fail(503, 100.0).expect("fault");
+    let addr = r.addr;
+    let answers = all((0..20).map(|k| {
+        let body =
+            json!({"model": "tiny-llama", "prompt": format!("request {k}"), "max_tokens": 4});
+        ask(addr, "/v1/completions", body)
+    }))
+    .await;
+    for (status, bytes) in answers {
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    }
+    let text = metrics_text(&r).await;
+    for e in [&p[0], &d[0]] {
+        let failed = format!(
+            "rankgate_upstream_attempts_total{{worker=\"{}@0\",result=\"server_error\"}}",
+            e.url()
+        );
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&failed))
+            .unwrap_or_default();
+        assert!(
+            !line.is_empty() && !line.ends_with(" 0"),
+            "{failed} not met: {text}"
+        );
+    }
+    // Every decode pulled its prompt from the prefill server that served it, with the
+    // parameters that server returned: the healthy ones did all the work, and no block is
+    // left held (a decode failed over kept its prefill's parameters).
+    let pulled: u64 = d[1].pd_counts().iter().map(|c| c.transfers).sum();
+    assert_eq!(pulled, 20);
+    until("prefill leases released", Duration::from_secs(5), || {
+        p[1].pd_counts()[0].held_leases == 0
+    })
+    .await;
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("rankgate_pd_failures_total") && !l.ends_with(" 0")),
+        "{text}"
+    );
+    r.shutdown().await;
+}

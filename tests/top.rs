@@ -131,6 +131,48 @@ fn recorded_fleet_renders_at_80x24() {
     }
 }
 
+/// The recorded fleet as a disaggregated one: its first engine's ranks prefill, the others'
+/// decode (the roles set on the recorded rows, the rest as recorded). Each rank's line carries
+/// its side's mark at the end of the RANK column, the layout stays within 80 columns, and the
+/// filter finds one side by its role.
+#[test]
+fn prefill_and_decode_ranks_are_told_apart_at_80x24() {
+    let doc = std::fs::read(fixture("workers.json")).expect("tests/fixtures/workers.json");
+    let mut rows: Vec<Value> = serde_json::from_slice(&doc).expect("recorded /workers is JSON");
+    let first = rows[0]["engine"].clone();
+    for row in &mut rows {
+        row["role"] = if row["engine"] == first {
+            "prefill"
+        } else {
+            "decode"
+        }
+        .into();
+    }
+    let doc = serde_json::to_vec(&rows).unwrap();
+    let mut state = State::new("http://127.0.0.1:9090", Duration::from_secs(1));
+    state
+        .apply(Instant::now(), &doc, Ok(&metrics(&rows, 10)))
+        .unwrap();
+    let text = draw(&state, &mut terminal(80, 24));
+    let title = text.lines().nth(2).unwrap();
+    assert!(
+        title.starts_with("RANK▼") && title.contains("P/D STATE"),
+        "{text}"
+    );
+    for row in &rows {
+        let id = row["id"].as_str().unwrap();
+        let short = short_id(id, 23);
+        let line = (text.lines().find(|l| l.starts_with(&short)))
+            .unwrap_or_else(|| panic!("{id} not on screen:\n{text}"));
+        let mark = if row["engine"] == first { 'P' } else { 'D' };
+        assert_eq!(line.chars().nth(24), Some(mark), "{line}");
+        assert!(line.chars().count() <= 80, "{line}");
+    }
+    let prefill = rows.iter().filter(|r| r["engine"] == first).count();
+    state.filter = "prefill".into();
+    assert_eq!(state.visible().len(), prefill, "{text}");
+}
+
 #[test]
 fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
     let mut state = recorded_state();

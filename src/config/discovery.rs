@@ -132,6 +132,11 @@ impl EngineTemplate {
         self.api_key_env.as_deref()
     }
 
+    /// The role of the engines found (a pod's `rankgate.io/role` may override it).
+    pub fn role(&self) -> Role {
+        self.role.unwrap_or_default()
+    }
+
     /// The engine at `ip:port` (gRPC service at `ip:grpc_port`), with the DP keys the finding
     /// gives (pod annotations) over the entry's. `at` names the finding in errors, e.g.
     /// `discovery[0] pod vllm-0`.

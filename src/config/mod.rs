@@ -11,7 +11,8 @@
 //!   `[telemetry]`, `[tracing]` and TLS tables; `discovery`: `[[discovery]]`;
 //! - `kv`: an engine's KV-event endpoint, and `[[models]]` (tokenizers);
 //! - `edge`: what clients are told of the fleet, and whose forwarding headers are believed;
-//! - `rules`: rules across engines, and warnings; `whole`: the file as one [`Config`];
+//! - `rules`: rules across engines, and warnings; `roles`: each model's prefill and decode
+//!   servers as far as the config tells; `whole`: the file as one [`Config`];
 //! - `restart`: which settings a reload cannot apply; `read`: the file read, bounded.
 
 mod discovery;
@@ -24,6 +25,7 @@ mod kv;
 mod polling;
 mod read;
 mod restart;
+mod roles;
 mod routing;
 mod rules;
 mod server;
@@ -46,6 +48,7 @@ pub use error::ConfigError;
 pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
 pub use read::{read_regular, MAX_CONFIG_BYTES};
+pub use roles::{role_check, RoleCheck};
 pub use routing::*;
 pub(crate) use rules::group_text;
 pub use rules::{address_warnings, Resolved, DEFAULT_HEALTH_PATH};

@@ -208,7 +208,16 @@ impl Config {
                 concerned: true,
             })
             .collect();
-        address_warnings(&resolved)
+        let mut warnings = address_warnings(&resolved);
+        warnings.extend(self.roles().warnings);
+        warnings
+    }
+
+    /// Each model's prefill and decode servers as far as the file tells: a side certainly
+    /// missing is a warning (also in [`Config::warnings`]), what only the engines can say a note.
+    pub fn roles(&self) -> super::roles::RoleCheck {
+        let admin = self.server.admin_token_env.is_some();
+        super::roles::role_check(&self.engines, &self.discovery, admin)
     }
 }
 

@@ -25,6 +25,8 @@ pub struct Probed {
     /// The source that answered, and the ranks it gave numbers for.
     pub telemetry: Result<(&'static str, usize), String>,
     pub kv_events: bool,
+    /// Its role, with an SGLang prefill server's bootstrap port (`Engine::role_text`).
+    pub role: String,
     /// Why the flavor or size could not be read, when they were asked.
     pub shape_problem: Option<String>,
 }
@@ -119,6 +121,7 @@ async fn one(
         models,
         telemetry,
         kv_events,
+        role: shaped.role_text(),
         shape_problem,
     }
 }
@@ -139,11 +142,12 @@ impl Probed {
             None => String::new(),
         };
         format!(
-            "{}\treachable={}\tflavor={}\tdp_size={}\tmodels={models}\ttelemetry={telemetry}\tkv_events={}{shape}",
+            "{}\treachable={}\tflavor={}\tdp_size={}\trole={}\tmodels={models}\ttelemetry={telemetry}\tkv_events={}{shape}",
             self.url,
             if self.reachable { "yes" } else { "no" },
             self.flavor,
             self.dp_size,
+            self.role,
             if self.kv_events { "yes" } else { "no" },
         )
     }

@@ -42,6 +42,9 @@ pub struct Row {
     pub in_flight: u64,
     pub consecutive_failures: u64,
     pub models: Vec<String>,
+    /// `both`, `prefill` or `decode`: its engine's part in a disaggregated model (absent from
+    /// a router older than roles, which has whole engines only).
+    pub role: Option<String>,
     /// Where the config and the engine disagree (its configured DP size, say).
     pub engine_note: Option<String>,
     /// Not in the document: filled from `/metrics` deltas; `None` until two polls saw the rank.
@@ -71,10 +74,23 @@ impl Row {
         }
     }
 
-    /// Whether `needle` (already lower case) is in the engine URL, the id or a model id.
+    /// `P` for a prefill rank, `D` for a decode rank; `None` for a whole engine's.
+    pub fn role_mark(&self) -> Option<char> {
+        match self.role.as_deref() {
+            Some("prefill") => Some('P'),
+            Some("decode") => Some('D'),
+            _ => None,
+        }
+    }
+
+    /// Whether `needle` (already lower case) is in the engine URL, the id, a model id or the
+    /// role (so `/prefill` shows one side of a disaggregated fleet).
     fn matches(&self, needle: &str) -> bool {
         let has = |s: &str| s.to_lowercase().contains(needle);
-        has(&self.engine) || has(&self.id) || self.models.iter().any(|m| has(m))
+        has(&self.engine)
+            || has(&self.id)
+            || self.models.iter().any(|m| has(m))
+            || self.role.as_deref().is_some_and(has)
     }
 }
 

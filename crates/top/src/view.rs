@@ -234,8 +234,13 @@ fn title_line(state: &State, id_w: usize) -> Line<'static> {
             title.to_string()
         }
     };
+    let rank = mark(SortKey::Id, "RANK");
+    let rank = match state.rows().iter().any(|r| r.role_mark().is_some()) {
+        true => format!("{}P/D", pad(&rank, id_w.saturating_sub(3))),
+        false => pad(&rank, id_w),
+    };
     let text = [
-        pad(&mark(SortKey::Id, "RANK"), id_w),
+        rank,
         pad(&mark(SortKey::State, "STATE"), STATE_W),
         lpad(&mark(SortKey::InFlight, "INFL"), INFL_W),
         lpad(&mark(SortKey::ReqPerSec, "REQ/S"), REQS_W),
@@ -252,13 +257,26 @@ fn title_line(state: &State, id_w: usize) -> Line<'static> {
     )
 }
 
+/// The rank's id, and at the column's end `P` for a prefill rank or `D` for a decode rank, so
+/// the two sides of a disaggregated fleet are told apart (whole engines' ranks have no mark,
+/// and a fleet of them looks as it always did).
+fn rank_cell(r: &Row, id_w: usize) -> String {
+    match r.role_mark() {
+        Some(mark) => {
+            let w = id_w.saturating_sub(2);
+            format!("{} {mark}", pad(&short_id(&r.id, w), w))
+        }
+        None => pad(&short_id(&r.id, id_w), id_w),
+    }
+}
+
 /// A rank's line, and when `wrap` is set the rest of its reason on up to two more lines, under
 /// the STATE column.
 fn row_lines(r: &Row, id_w: usize, width: usize, wrap: bool, stale: bool) -> Vec<Line<'static>> {
     let down = Style::new().fg(Color::Red);
     let num = |v: Option<u64>, w: usize| lpad(&v.map_or("-".into(), |n| n.to_string()), w);
     let mut spans = vec![
-        Span::raw(pad(&short_id(&r.id, id_w), id_w)),
+        Span::raw(rank_cell(r, id_w)),
         Span::raw(" "),
         Span::styled(
             pad(r.state(), STATE_W),
@@ -486,6 +504,33 @@ mod tests {
             "{text}"
         );
         assert_eq!(state.rows()[2].state(), "unknown");
+    }
+
+    #[test]
+    fn prefill_and_decode_ranks_are_marked_and_whole_ones_are_not() {
+        let row = |id: &str, role: Option<&str>| Row {
+            id: id.into(),
+            role: role.map(Into::into),
+            ..Row::default()
+        };
+        let p = rank_cell(&row("http://10.0.0.1:8000@0", Some("prefill")), 25);
+        let d = rank_cell(&row("http://10.0.0.2:8000@1", Some("decode")), 25);
+        let w = rank_cell(&row("http://10.0.0.3:8000@2", Some("both")), 25);
+        let old = rank_cell(&row("http://10.0.0.3:8000@2", None), 25);
+        assert_eq!(p, format!("{:<23} P", "10.0.0.1:8000@0"));
+        assert_eq!(d, format!("{:<23} D", "10.0.0.2:8000@1"));
+        assert_eq!(w, format!("{:<25}", "10.0.0.3:8000@2"));
+        assert_eq!(old, w, "a router older than roles: whole engines");
+        // A long id gives way to the mark; the rank number stays.
+        let long = rank_cell(
+            &row(
+                "http://vllm-prefill-0.vllm.svc.cluster.local:8000@12",
+                Some("prefill"),
+            ),
+            25,
+        );
+        assert_eq!(long.chars().count(), 25, "{long}");
+        assert!(long.ends_with("@12 P"), "{long}");
     }
 
     #[test]

@@ -366,3 +366,107 @@ fn bad_flavor_and_policy_are_named() {
     let e = err(&format!("[routing]\npolicy = \"fastest\"\n{MIN}"));
     assert!(e.contains("fastest"), "{e}");
 }
+
+/// One engine with `keys` after its url and flavor.
+fn one(flavor: &str, keys: &str) -> String {
+    format!("[[engines]]\nurl = \"http://h:1\"\nflavor = \"{flavor}\"\ndp_size = 1\n{keys}\n")
+}
+
+#[test]
+fn roles_default_to_both_and_name_the_key_when_wrong() {
+    use super::super::engine::{Role, SGLANG_BOOTSTRAP_PORT};
+    let c = Config::from_str(MIN).unwrap();
+    assert_eq!(
+        (c.engines[0].role, c.engines[0].bootstrap_port),
+        (Role::Both, None)
+    );
+    let c = Config::from_str(&one("vllm", "role = \"decode\"")).unwrap();
+    assert_eq!(c.engines[0].role, Role::Decode);
+    let e = err(&one("vllm", "role = \"producer\""));
+    assert!(e.contains("producer"), "{e}");
+    // A gateway routes whole requests to a fleet of its own.
+    let e = err("[[engines]]\nurl = \"http://h:1\"\nflavor = \"gateway\"\nrole = \"prefill\"\n");
+    assert!(
+        e.contains("engines[0].role") && e.contains("gateway"),
+        "{e}"
+    );
+    // Role "both" is every engine's, a gateway's too.
+    Config::from_str("[[engines]]\nurl = \"http://h:1\"\nflavor = \"gateway\"\nrole = \"both\"\n")
+        .unwrap();
+    // A leg goes through the OpenAI HTTP front door: a gRPC-only engine takes none.
+    let e = err("[[engines]]\ngrpc_url = \"http://h:9\"\nflavor = \"vllm\"\nrole = \"decode\"\n");
+    assert!(e.contains("engines[0].role") && e.contains("url"), "{e}");
+    // With its `url` beside the gRPC address it may.
+    let both = "[[engines]]\nurl = \"http://h:1\"\ngrpc_url = \"http://h:9\"\nflavor = \"vllm\"\nrole = \"decode\"\n";
+    assert_eq!(
+        Config::from_str(both).unwrap().engines[0].role,
+        Role::Decode
+    );
+    // SGLang's prefill servers get the default bootstrap port, or the one given.
+    let c = Config::from_str(&one("sglang", "role = \"prefill\"")).unwrap();
+    assert_eq!(c.engines[0].bootstrap_port, Some(SGLANG_BOOTSTRAP_PORT));
+    assert_eq!(SGLANG_BOOTSTRAP_PORT, 8998);
+    let c = Config::from_str(&one("sglang", "role = \"prefill\"\nbootstrap_port = 9100")).unwrap();
+    assert_eq!(c.engines[0].bootstrap_port, Some(9100));
+    // So does a prefill server whose flavor is read from it (it may be SGLang).
+    let c = Config::from_str("[[engines]]\nurl = \"http://h:1\"\nrole = \"prefill\"\n").unwrap();
+    assert_eq!(c.engines[0].bootstrap_port, Some(SGLANG_BOOTSTRAP_PORT));
+    // A vLLM prefill server has none: it is set by accident.
+    let c = Config::from_str(&one("vllm", "role = \"prefill\"")).unwrap();
+    assert_eq!(c.engines[0].bootstrap_port, None);
+    let e = err(&one("vllm", "role = \"prefill\"\nbootstrap_port = 8998"));
+    assert!(
+        e.contains("engines[0].bootstrap_port") && e.contains("vLLM"),
+        "{e}"
+    );
+    // Nor has a decode server or a whole engine.
+    for role in ["decode", "both"] {
+        let e = err(&one(
+            "sglang",
+            &format!("role = \"{role}\"\nbootstrap_port = 8998"),
+        ));
+        assert!(
+            e.contains("engines[0].bootstrap_port") && e.contains("only an SGLang prefill"),
+            "{e}"
+        );
+    }
+    let e = err(&one("sglang", "bootstrap_port = 8998"));
+    assert!(e.contains("engines[0].bootstrap_port"), "{e}");
+    // 0 is no port, whatever the role.
+    let e = err(&one("sglang", "role = \"prefill\"\nbootstrap_port = 0"));
+    assert!(
+        e.contains("engines[0].bootstrap_port") && e.contains("0 is no port"),
+        "{e}"
+    );
+    let e = err(&one("sglang", "role = \"prefill\"\nbootstrap_port = 70000"));
+    assert!(e.contains("70000") || e.contains("bootstrap_port"), "{e}");
+}
+
+#[test]
+fn a_discovery_template_takes_a_role_checked_at_load() {
+    use super::super::engine::Role;
+    let dns = "[[discovery]]\nkind = \"dns\"\nname = \"pd.svc\"\nport = 8000\ndp_size = 1\n";
+    let c = Config::from_str(&format!("{dns}flavor = \"vllm\"\nrole = \"decode\"\n")).unwrap();
+    assert_eq!(c.discovery[0].template.role(), Role::Decode);
+    let found = c.discovery[0].template.engine(
+        "x",
+        "10.0.0.7".parse().unwrap(),
+        Some(8000),
+        None,
+        Default::default(),
+    );
+    assert_eq!(found.unwrap().role, Role::Decode);
+    // What a found engine would fail is refused at load, named by the entry.
+    let e =
+        err(&format!("{dns}flavor = \"gateway\"\nrole = \"prefill\"\n")
+            .replace("dp_size = 1\n", ""));
+    assert!(e.contains("discovery[0].role"), "{e}");
+    let e = err(&format!(
+        "{dns}flavor = \"vllm\"\nrole = \"prefill\"\nbootstrap_port = 8998\n"
+    ));
+    assert!(e.contains("discovery[0].bootstrap_port"), "{e}");
+    let e = err(&format!(
+        "{dns}flavor = \"sglang\"\nrole = \"decode\"\nbootstrap_port = 8998\n"
+    ));
+    assert!(e.contains("discovery[0].bootstrap_port"), "{e}");
+}

@@ -331,6 +331,84 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn role_annotations_override_the_entry_and_a_bad_one_skips_the_pod() {
+        use crate::config::Role;
+        let p = entry("port = \"http\"\ndp_size = 1\nrole = \"decode\"");
+        let e = engine(p.project(&pod("d", true, "127.0.0.7", &[])));
+        assert_eq!((e.role, e.bootstrap_port), (Role::Decode, None));
+        let e = engine(p.project(&pod(
+            "p",
+            true,
+            "127.0.0.7",
+            &[(ROLE_ANNOTATION, " prefill ")],
+        )));
+        assert_eq!(e.role, Role::Prefill);
+        let e = engine(p.project(&pod("w", true, "127.0.0.7", &[(ROLE_ANNOTATION, "both")])));
+        assert_eq!(e.role, Role::Both);
+        // A value that is no role: the pod is skipped, and the message names the annotation
+        // and the roles there are.
+        let skipped = p.project(&pod(
+            "x",
+            true,
+            "127.0.0.7",
+            &[(ROLE_ANNOTATION, "Prefill")],
+        ));
+        assert_eq!(skipped, PodState::Skipped(Skip::BadRole("Prefill".into())));
+        let PodState::Skipped(why) = skipped else {
+            unreachable!()
+        };
+        assert_eq!(
+            why.to_string(),
+            "annotation rankgate.io/role: \"Prefill\" is none of prefill, decode, both"
+        );
+        // The bootstrap port annotation: a vLLM prefill server has none, so the pod that
+        // names one is skipped by the `[[engines]]` rule; a number out of range is named.
+        let annotated = [
+            (ROLE_ANNOTATION, "prefill"),
+            (BOOTSTRAP_PORT_ANNOTATION, "9000"),
+        ];
+        match p.project(&pod("p", true, "127.0.0.7", &annotated)) {
+            PodState::Skipped(Skip::Invalid(why)) => {
+                assert!(
+                    why.contains("discovery[0] pod llm/p.bootstrap_port"),
+                    "{why}"
+                )
+            }
+            s => panic!("{s:?}"),
+        }
+        let far = [
+            (ROLE_ANNOTATION, "prefill"),
+            (BOOTSTRAP_PORT_ANNOTATION, "70000"),
+        ];
+        assert_eq!(
+            p.project(&pod("p", true, "127.0.0.7", &far)),
+            PodState::Skipped(Skip::BadAnnotation {
+                key: BOOTSTRAP_PORT_ANNOTATION,
+                value: "70000".into()
+            })
+        );
+    }
+
+    #[test]
+    fn an_sglang_prefill_pod_takes_its_bootstrap_port_from_the_annotation() {
+        let c = Config::from_str(
+            "[[discovery]]\nkind = \"kubernetes\"\nnamespace = \"llm\"\nselector = \"app=sglang\"\nflavor = \"sglang\"\nport = \"http\"\ndp_size = 1\nrole = \"prefill\"\n",
+        )
+        .unwrap();
+        let mut p = entry("port = \"http\"");
+        p.template = c.discovery[0].template.clone();
+        let e = engine(p.project(&pod("p", true, "127.0.0.7", &[])));
+        assert_eq!(e.bootstrap_port, Some(crate::config::SGLANG_BOOTSTRAP_PORT));
+        let e = engine(p.project(&pod(
+            "p",
+            true,
+            "127.0.0.7",
+            &[(BOOTSTRAP_PORT_ANNOTATION, "9100")],
+        )));
+        assert_eq!(e.bootstrap_port, Some(9100));
+    }
+
+    #[test]
     fn a_missing_port_name_skips_the_pod() {
         let p = entry("port = \"openai\"");
         assert_eq!(

@@ -10,7 +10,10 @@
 //! those parameters to a decode rank, whose answer (streamed or not) is the client's. A prefill
 //! answer without parameters is an error, never a decode that silently prefills again. A decode
 //! leg is failed over to another decode rank only while the prefill server still holds the
-//! blocks ([`KV_LEASE`]). A client that leaves during the prefill leg never gets a decode leg.
+//! blocks ([`KV_LEASE`]); a decode leg that still failed before its first byte (a decode that
+//! pulled the blocks and died, or answered 500 because its pull failed, which the outlier rules
+//! do not hold against it) runs once more from a new prefill, within the retry budget. A client
+//! that leaves during the prefill leg never gets a decode leg.
 //!
 //! SGLang (bootstrap): both legs at once, see `sglang`.
 //!
@@ -18,13 +21,13 @@
 //! A client's own transfer fields never reach an engine (`body`).
 
 mod body;
+mod legs;
 mod sglang;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{self, HeaderValue};
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
@@ -36,44 +39,15 @@ use super::read;
 use super::retry::Policy;
 use super::shared::Ctx;
 use super::target::{PrefillLeg, RetryUntil};
-use super::trace::Traced;
 use crate::metrics::{PdFailure, PdLeg};
-use crate::policy::{Avoid, Leg};
-use crate::prompt::PromptTokens;
+use crate::policy::Leg;
 use crate::upstream::RequestBody;
-use crate::worker::{EngineId, Flavor};
-
-/// How long a vLLM prefill server keeps a request's blocks for its decode (vLLM's KV lease,
-/// 30 s): a decode leg that failed before its first byte is sent to another decode rank only
-/// within it, since a later one would find the blocks gone.
-pub const KV_LEASE: Duration = Duration::from_secs(30);
+use crate::worker::Flavor;
+use legs::{answered, count_leg, failure, Head};
+pub use legs::{Split, KV_LEASE};
 
 /// A prefill server's answer is one small JSON object: more than this is no prefill answer.
 const MAX_PREFILL_ANSWER: usize = 1 << 20;
-
-/// A request to serve in two legs (set by `select`): the prefill and decode servers that may
-/// take each leg, their flavor, and what both legs must avoid besides (the front door, a model
-/// no known list has).
-#[derive(Debug, Clone)]
-pub struct Split {
-    pub prefill: Vec<EngineId>,
-    pub decode: Vec<EngineId>,
-    pub flavor: Flavor,
-    pub base: Avoid,
-}
-
-impl Split {
-    /// What the `leg`'s pick may choose from.
-    fn avoid(&self, leg: Leg) -> Avoid {
-        let mut avoid = self.base.clone();
-        avoid.only(match leg {
-            Leg::Prefill => self.prefill.clone(),
-            _ => self.decode.clone(),
-        });
-        avoid.leg = leg;
-        avoid
-    }
-}
 
 #[derive(Clone)]
 pub struct Disagg<S> {
@@ -130,7 +104,9 @@ where
         let client = body::client_body(&whole)?;
         let head = Head(parts);
         match split.flavor {
-            Flavor::Sglang => sglang::serve(self, head, client, split).await,
+            Flavor::Sglang => {
+                sglang::serve(self.inner.clone(), &self.ctx, head, client, split).await
+            }
             _ => self.vllm(head, client, split).await,
         }
     }
@@ -242,57 +218,7 @@ where
             kv_from: body::kv_source(&params),
         };
         let answer = self.inner.call(decode_req).await;
-        Ok((self.answered(answer, leg), true))
-    }
-
-    /// The decode leg's answer, the client's, carrying what the prefill leg was.
-    fn answered(&self, answer: Answer, prefill: PrefillLeg) -> Answer {
-        let pd = &self.ctx.metrics.pd;
-        match answer {
-            Ok(mut resp) => {
-                pd.decoded();
-                count_leg(&resp, PdLeg::Decode);
-                if !resp.status().is_success() {
-                    pd.failed(PdLeg::Decode, PdFailure::Status);
-                }
-                resp.body_mut().holds.prefill = Some(Box::new(prefill));
-                Ok(resp)
-            }
-            Err(e) => {
-                pd.failed(PdLeg::Decode, failure(&e));
-                Err(e)
-            }
-        }
-    }
-}
-
-/// The client's request head, for building each leg's request.
-struct Head(http::request::Parts);
-
-impl Head {
-    /// A leg's request: the client's head with `body`, picked under `avoid`. The prompt's
-    /// token ids go with `prompt` (the prefill leg: where the prompt's blocks are held
-    /// matters there, not on the decode side, which is sent them).
-    fn leg(&self, body: Bytes, avoid: Avoid, prompt: bool) -> Request<RequestBody> {
-        let p = &self.0;
-        let mut req = Request::new(RequestBody::Full(Bytes::new()));
-        *req.method_mut() = p.method.clone();
-        *req.uri_mut() = p.uri.clone();
-        *req.version_mut() = p.version;
-        *req.headers_mut() = p.headers.clone();
-        (req.headers_mut()).insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-        // The body is rankgate's now: whatever encoding the client declared is gone.
-        req.headers_mut().remove(header::TRANSFER_ENCODING);
-        *req.body_mut() = RequestBody::Full(body);
-        let ext = req.extensions_mut();
-        if let Some(t) = p.extensions.get::<Traced>() {
-            ext.insert(t.clone());
-        }
-        if let (true, Some(t)) = (prompt, p.extensions.get::<PromptTokens>()) {
-            ext.insert(t.clone());
-        }
-        ext.insert(avoid);
-        req
+        Ok((answered(&self.ctx, answer, leg), true))
     }
 }
 
@@ -306,27 +232,6 @@ async fn read_answer(resp: Response<ProxyBody>, within: Duration) -> Result<Byte
         ))),
         Ok(Err(e)) => Err(ProxyError::PrefillAnswer(crate::http::error_chain(&*e))),
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
-    }
-}
-
-/// Counts a leg on the rank that answered it.
-fn count_leg(resp: &Response<ProxyBody>, leg: PdLeg) {
-    if let Some(t) = &resp.body().target {
-        t.worker.counters.pd_legs[leg as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// How a leg's error counts.
-fn failure(e: &ProxyError) -> PdFailure {
-    match e.root() {
-        ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. } => PdFailure::NoRank,
-        ProxyError::Upstream { .. }
-        | ProxyError::StaleConnection { .. }
-        | ProxyError::EngineBusy { .. } => PdFailure::Transport,
-        ProxyError::Timeout(_) => PdFailure::Timeout,
-        ProxyError::PrefillNoParams => PdFailure::NoParams,
-        ProxyError::PrefillAnswer(_) => PdFailure::Unreadable,
-        _ => PdFailure::Other,
     }
 }
 

@@ -18,11 +18,13 @@ use rand::Rng;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{body, failure, Disagg, Head, Split};
+use super::body;
+use super::legs::{answered, count_leg, failure, Head, Split, KV_LEASE};
 use crate::metrics::{PdFailure, PdLeg};
 use crate::policy::Leg;
 use crate::proxy::error::ProxyError;
 use crate::proxy::layer::{Answer, Below};
+use crate::proxy::shared::Ctx;
 use crate::proxy::target::{LegHook, PrefillLeg, RetryUntil, Target};
 use crate::upstream::RequestBody;
 use crate::worker::{Deployment, WorkerId};
@@ -86,11 +88,17 @@ fn rendezvous(target: &Target) -> Rendezvous {
 /// same body again should the leg be resent to that rank on a new connection).
 type Written = Option<(WorkerId, Bytes)>;
 
-pub(super) async fn serve<S>(mut legs: Disagg<S>, head: Head, client: Bytes, split: Split) -> Answer
+pub(super) async fn serve<S>(
+    mut inner: S,
+    ctx: &Ctx,
+    head: Head,
+    client: Bytes,
+    split: Split,
+) -> Answer
 where
     S: Below<RequestBody> + Clone + Send + 'static,
 {
-    let pd = legs.ctx.metrics.pd.clone();
+    let pd = ctx.metrics.pd.clone();
     let started = Instant::now();
     let (tx, rx) = oneshot::channel::<Rendezvous>();
     let tx = Mutex::new(Some(tx));
@@ -119,7 +127,7 @@ where
     ext.insert(hook);
     // No failover: the decode leg is sent the room of this rank.
     ext.insert(RetryUntil(started));
-    let mut prefill = legs.inner.call(prefill_req);
+    let mut prefill = inner.call(prefill_req);
     // The pick has chosen the prefill rank once the room is written; a prefill leg that ends
     // before that found no rank.
     let rendezvous = tokio::select! {
@@ -145,8 +153,8 @@ where
     let decode_started = Instant::now();
     let decode_body = body::bootstrap(&client, &r.host, r.port, r.room)?;
     let mut decode_req = head.leg(decode_body, split.avoid(Leg::Decode), false);
-    (decode_req.extensions_mut()).insert(RetryUntil(decode_started + super::KV_LEASE));
-    let mut decode = legs.inner.call(decode_req);
+    (decode_req.extensions_mut()).insert(RetryUntil(decode_started + KV_LEASE));
+    let mut decode = inner.call(decode_req);
     let mut prefill_took: Option<Duration> = None;
     let mut prefill = Some(prefill);
     // Both legs run; the decode's answer is the client's. A prefill that fails first cancels
@@ -161,11 +169,11 @@ where
                 match answer {
                     Ok(resp) if resp.status().is_success() => {
                         prefill_took = Some(started.elapsed());
-                        super::count_leg(&resp, PdLeg::Prefill);
+                        count_leg(&resp, PdLeg::Prefill);
                         tokio::spawn(drain(resp));
                     }
                     Ok(resp) => {
-                        super::count_leg(&resp, PdLeg::Prefill);
+                        count_leg(&resp, PdLeg::Prefill);
                         pd.failed(PdLeg::Prefill, PdFailure::Status);
                         return Ok(resp);
                     }
@@ -185,7 +193,7 @@ where
             match p.await {
                 Ok(resp) => {
                     pd.prefill_took(started.elapsed());
-                    super::count_leg(&resp, PdLeg::Prefill);
+                    count_leg(&resp, PdLeg::Prefill);
                     drain(resp).await
                 }
                 Err(e) => pd.failed(PdLeg::Prefill, failure(&e)),
@@ -203,7 +211,7 @@ where
         decode_started,
         kv_from: Some(format!("{}:{} room {}", r.host, r.port, r.room).into()),
     };
-    legs.answered(answer, leg)
+    answered(ctx, answer, leg)
 }
 
 /// Reads a prefill answer to its end and drops it (so its rank's guards end with it).
