@@ -168,11 +168,14 @@ impl Selector {
                 }
             }
             Policy::RoundRobin => {
-                let n = snap.ranks.len();
-                let start = self.rr.fetch_add(1, Relaxed) as usize;
-                let w = (0..n)
-                    .map(|i| WorkerIx::new((start + i) % n))
-                    .find(|&w| usable(w));
+                // The turn goes round the ranks this request may use: counted over the whole
+                // fleet, every turn that fell on a rank it may not use would land on the first
+                // one it may (one side of a disaggregated fleet, a model only some serve).
+                let count = (snap.ranks.indices()).filter(|&w| usable(w)).count();
+                let turn = self.rr.fetch_add(1, Relaxed) as usize;
+                let w = (count > 0)
+                    .then(|| turn % count)
+                    .and_then(|k| (snap.ranks.indices()).filter(|&w| usable(w)).nth(k));
                 (
                     w.map(|w| (w, false)).ok_or(NoRank::NoneReachable),
                     By::Reachable,
