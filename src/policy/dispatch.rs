@@ -52,7 +52,10 @@ pub struct Picked {
 pub struct Selector {
     policy: Policy,
     no_telemetry: NoTelemetry,
-    rr: AtomicU64,
+    /// `round_robin`'s turns, one count per leg (whole requests, prefill legs, decode legs):
+    /// with one count, the two legs of each request would take alternate turns, and each side
+    /// only every other rank.
+    rr: [AtomicU64; 3],
     pub(super) sizer: RequestSizer,
     /// `least_kv` picks at random among ranks scoring within this of the best.
     pub(super) tie_margin: f64,
@@ -65,7 +68,7 @@ impl Selector {
         Selector {
             policy: cfg.policy,
             no_telemetry: cfg.no_telemetry,
-            rr: AtomicU64::new(0),
+            rr: Default::default(),
             sizer: RequestSizer::default(),
             tie_margin: cfg.tie_margin,
             affinity: cfg
@@ -172,7 +175,7 @@ impl Selector {
                 // fleet, every turn that fell on a rank it may not use would land on the first
                 // one it may (one side of a disaggregated fleet, a model only some serve).
                 let count = (snap.ranks.indices()).filter(|&w| usable(w)).count();
-                let turn = self.rr.fetch_add(1, Relaxed) as usize;
+                let turn = self.rr[avoid.leg as usize].fetch_add(1, Relaxed) as usize;
                 let w = (count > 0)
                     .then(|| turn % count)
                     .and_then(|k| (snap.ranks.indices()).filter(|&w| usable(w)).nth(k));
