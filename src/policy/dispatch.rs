@@ -15,7 +15,7 @@ use super::explain::{explain_pick, By, Explanation};
 use super::in_flight::least_in_flight;
 use super::sizing::RequestSizer;
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
-use crate::ix::{Ix, WorkerIx};
+use crate::ix::WorkerIx;
 use crate::outlier::Admit;
 use crate::prompt::Prompt;
 use crate::table::{InFlight, Table};
