@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gRPC proxy overhead: streaming Generate calls from the load client (examples/loadgen --grpc)
+# gRPC proxy overhead: streaming Generate calls from the load client (`rankgate load --grpc`)
 # against a simulated engine in instant mode (prefill and decode a million tokens a second), first
 # directly, then through rankgate's gRPC front door (least_kv over the engine's 2 DP ranks,
 # GetLoads polled every 250 ms), in alternating rounds of the same run. Reports streams/s, TTFT
@@ -15,7 +15,7 @@ CONC=${2:-32}
 TOKENS=${3:-8}
 ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-120s}
-cargo build --release --quiet --bin rankgate --example loadgen
+cargo build --release --quiet --bin rankgate
 
 work=$(mktemp -d)
 pids=()
@@ -54,7 +54,7 @@ HZ=$(getconf CLK_TCK)
 run() { # label url
   local e0 r0 e1 r1
   e0=$(ticks $ENGINE); r0=$(ticks $ROUTER)
-  target/release/examples/loadgen --grpc vllm --url "$2" --concurrency "$CONC" --requests "$REQUESTS" \
+  target/release/rankgate load --grpc vllm --url "$2" --concurrency "$CONC" --requests "$REQUESTS" \
     --prompt-tokens 16 --output-tokens "$TOKENS" --duration "$DURATION" --json "$work/out.json" >/dev/null 2>&1
   e1=$(ticks $ENGINE); r1=$(ticks $ROUTER)
   python3 - "$1" "$work/out.json" "$((e1 - e0))" "$((r1 - r0))" "$HZ" <<'PY'

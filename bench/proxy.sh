@@ -42,7 +42,7 @@ cargo build --release --quiet --bin rankgate --example bare_proxy
 if [ "${MODE:-requests}" = stream ]; then
   STREAMS=${STREAMS:-200}; TOKENS=${TOKENS:-50}; RATE=${RATE:-150}; WAVES=${WAVES:-10}
   TARGETS=${STREAM_TARGETS:-nginx lean vllm}
-  cargo build --release --quiet --example lean_proxy --example loadgen
+  cargo build --release --quiet --example lean_proxy
   SIM=$(free_port)
   declare -A PORT PID
   for t in nginx lean vllm; do PORT[$t]=$(free_port); done
@@ -71,7 +71,7 @@ if [ "${MODE:-requests}" = stream ]; then
     PID[nginx]=$w
   fi
   stream_load() { # target requests -> events received (ok streams x TOKENS)
-    $ON_1 target/release/examples/loadgen --url "http://127.0.0.1:${PORT[$1]}" --concurrency "$STREAMS" \
+    $ON_1 target/release/rankgate load --url "http://127.0.0.1:${PORT[$1]}" --concurrency "$STREAMS" \
       --requests "$2" --prompt-tokens 16 --output-tokens "$TOKENS" --duration 120s \
       --json "$work/out.json" >/dev/null 2>&1 || true
     python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["ok"] * int(sys.argv[2]), sum(r["errors"].values()) if r["errors"] else 0, r["itl_ms"]["p50"])' "$work/out.json" "$TOKENS"

@@ -109,6 +109,17 @@ enum Command {
     /// for trying rankgate without GPUs.
     #[cfg(feature = "sim")]
     MockEngine(Box<rankgate_sim::sim::cli::Args>),
+    /// Load client: TTFT / ITL / E2E percentiles and per-rank counts against any
+    /// OpenAI-compatible URL or gRPC service, or a routing-quality scenario run once per policy.
+    #[cfg(feature = "sim")]
+    Load(Box<rankgate_sim::tools::load::Args>),
+    /// The requests an application using the `openai` SDK makes first, and which rank served each.
+    #[cfg(feature = "sim")]
+    OpenaiClient(rankgate_sim::tools::openai::Args),
+    /// One streaming gRPC `Generate` and a `GetLoads`, against rankgate's gRPC front door or an
+    /// engine's.
+    #[cfg(feature = "sim")]
+    GrpcClient(rankgate_sim::tools::grpc::Args),
     /// Live terminal view of every rank of a running rankgate, read from its admin listener.
     #[cfg(feature = "top")]
     Top {
@@ -167,6 +178,9 @@ fn left_out(arg: Option<&str>) -> Option<&'static str> {
         Some("mock-engine") if !cfg!(feature = "sim") => Some(
             "this rankgate was built without the simulator (`--no-default-features`), so it has no `mock-engine`: run it from a default build, `cargo run --release -- mock-engine ...`",
         ),
+        Some("load" | "openai-client" | "grpc-client") if !cfg!(feature = "sim") => Some(
+            "this rankgate was built without the simulator and client tools (`--no-default-features`): run them from a default build, `cargo run --release -- load ...`",
+        ),
         Some("demo") if !cfg!(feature = "sim") => Some(
             "this rankgate was built without the simulator (`--no-default-features`), so it has no `demo`: run it from a default build, `cargo run --release -- demo`",
         ),
@@ -174,6 +188,22 @@ fn left_out(arg: Option<&str>) -> Option<&'static str> {
             "this rankgate was built without `top` (`--no-default-features`): run it from a default build, `cargo run --release -- top`, or read GET /workers on the admin listener",
         ),
         _ => None,
+    }
+}
+
+/// Runs one of the client tools to its end: exit 1, with the tool's message, when it fails.
+#[cfg(feature = "sim")]
+fn tool(name: &str, run: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
+    match rt.block_on(run) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rankgate {name}: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -406,6 +436,12 @@ fn main() -> ExitCode {
                 }
             }
         }
+        #[cfg(feature = "sim")]
+        Command::Load(args) => tool("load", rankgate_sim::tools::load::run(*args)),
+        #[cfg(feature = "sim")]
+        Command::OpenaiClient(args) => tool("openai-client", rankgate_sim::tools::openai::run(args)),
+        #[cfg(feature = "sim")]
+        Command::GrpcClient(args) => tool("grpc-client", rankgate_sim::tools::grpc::run(args)),
         #[cfg(feature = "top")]
         Command::Top {
             admin,

@@ -1,4 +1,4 @@
-//! The `openai` SDK's first requests (`rankgate_sim::load::sdk`, what `examples/openai_client.rs`
+//! The `openai` SDK's first requests (`rankgate_sim::load::sdk`, what `rankgate openai-client`
 //! sends), against a router in front of two engines serving different models: every call is
 //! answered as one engine would answer it, by an engine serving the model.
 

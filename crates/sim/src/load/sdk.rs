@@ -1,5 +1,5 @@
 //! The requests the official `openai` Python SDK sends, as it sends them (paths, bodies, the
-//! headers it adds), for `examples/openai_client.rs` and the tests that run the same sequence
+//! headers it adds), for `rankgate openai-client` and the tests that run the same sequence
 //! against a router: a client of rankgate should see exactly what it would see from one engine.
 
 use bytes::Bytes;
@@ -87,7 +87,7 @@ impl Outcome {
 }
 
 /// Longest a call may take, answer and body included: these calls are short, and a server that
-/// never answers must not hang the example or a test.
+/// never answers must not hang the client or a test.
 pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Makes `call` against `base` (e.g. `http://127.0.0.1:8080`) with the SDK's headers, within

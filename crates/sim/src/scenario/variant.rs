@@ -5,7 +5,7 @@
 //! in `[routing]` (rankgate's record of what it sent where), `+kv_events` for affinity that
 //! follows the engines' own KV-cache events (`kv_events = true` too): `"least_kv"`,
 //! `"least_kv+affinity"`, `"least_kv+kv_events"`, `"round_robin"`. The scenario file's
-//! `policies = [...]` and loadgen's `--policies` read the same strings.
+//! `policies = [...]` and `rankgate load --policies` read the same strings.
 
 use serde::Deserialize;
 

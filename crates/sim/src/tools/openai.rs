@@ -1,29 +1,25 @@
-//! The requests an application using the official `openai` SDK makes first (chat, a streamed
-//! chat, the model list, one model, a response, an embedding), sent as the SDK sends them, to
-//! rankgate or to any OpenAI-compatible server; prints what each got and which rank served it.
-//!
-//!   cargo run --example openai_client -- --base-url http://127.0.0.1:8080 --model tiny-llama [--api-key KEY]
+//! `rankgate openai-client`: the requests an application using the official `openai` SDK makes
+//! first (chat, a streamed chat, the model list, one model, a response, an embedding), sent as
+//! the SDK sends them, to rankgate or any OpenAI-compatible server; prints what each got and
+//! which rank served it.
 
-use anyhow::bail;
-use clap::Parser;
-use rankgate_sim::load::sdk;
+use super::ToolResult;
+use crate::load::sdk;
 
-#[derive(Parser)]
-#[command(about = "The openai SDK's first requests, against rankgate")]
-struct Args {
+#[derive(clap::Args, Debug)]
+pub struct Args {
     /// Server base URL, without /v1.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
-    base_url: String,
+    pub base_url: String,
     #[arg(long, default_value = "tiny-llama")]
-    model: String,
+    pub model: String,
     /// Sent as `Authorization: Bearer`, as the SDK always does (it needs some key).
     #[arg(long, default_value = "EMPTY")]
-    api_key: String,
+    pub api_key: String,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+/// Sends each call in turn; fails, after all of them, when any failed.
+pub async fn run(args: Args) -> ToolResult {
     let client = rankgate::http::client(std::time::Duration::from_secs(2));
     let mut failed = 0;
     for call in sdk::calls(&args.model) {
@@ -55,8 +51,8 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     }
-    if failed > 0 {
-        bail!("{failed} call(s) failed");
+    match failed {
+        0 => Ok(()),
+        n => Err(format!("{n} call(s) failed")),
     }
-    Ok(())
 }

@@ -1,125 +1,131 @@
-//! The load client, and the scenario runner behind `docs/routing-quality.md`.
+//! `rankgate load`: the load client, and the scenario runner behind `docs/routing-quality.md`.
 //!
 //! Against any OpenAI-compatible URL:
-//!   cargo run --release --example loadgen -- --url http://127.0.0.1:8080 --rate 20 --requests 500 \
+//!   rankgate load --url http://127.0.0.1:8080 --rate 20 --requests 500 \
 //!       [--concurrency 16] [--api chat|completions] [--no-stream] [--prompt-tokens normal:200:50] \
 //!       [--output-tokens uniform:32:96] [--trace trace.jsonl] [--duration 60s] [--json report.json]
 //! Multi-turn chat sessions (a shared system prompt per group, growing history), a hot shared
 //! prefix, several router replicas (comma-separated --url, requests spread over them in turn), and
 //! the engines' prefix-cache hit ratio from their /metrics before and after the run:
-//!   cargo run --release --example loadgen -- --url http://127.0.0.1:8080,http://127.0.0.1:8081 \
+//!   rankgate load --url http://127.0.0.1:8080,http://127.0.0.1:8081 \
 //!       --sessions 32 --turns 6 --system-tokens 1500 [--system-prompts 4] [--user-tokens 80] \
 //!       [--think-time 1s] [--rate 2 | --concurrency 8] --requests 192 \
 //!       [--engine-metrics http://127.0.0.1:18001,http://127.0.0.1:18002]
 //!   ... --hot-prefix-share 0.5 --hot-prefix-tokens 2000
 //! Over gRPC (streaming `Generate` on an engine's gRPC service, or through rankgate's gRPC front
 //! door, whose `x-rankgate-worker` metadata gives the per-worker counts):
-//!   cargo run --release --example loadgen -- --grpc vllm --url http://127.0.0.1:18051 --rate 20
+//!   rankgate load --grpc vllm --url http://127.0.0.1:18051 --rate 20
 //! A whole scenario (simulated fleet + router + workload, once per policy):
-//!   cargo run --release --example loadgen -- --scenario configs/scenarios/hot-rank.toml \
+//!   rankgate load --scenario configs/scenarios/hot-rank.toml \
 //!       [--policies least_kv,least_kv+affinity,round_robin] [--json out.json] [--svg out.svg] \
 //!       [--markdown out.md]
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context};
-use clap::Parser;
 use rankgate::config::parse_duration;
 use rankgate::worker::Flavor;
-use rankgate_sim::load::{self, Api, Arrivals, Dist, HotPrefix, Sessions, Workload};
-use rankgate_sim::scenario::{self, render, Scenario, Variant};
 
-#[derive(Parser)]
-#[command(
-    about = "OpenAI load client with TTFT / ITL / E2E percentiles, and routing-quality scenarios"
-)]
-struct Args {
+use super::ToolResult;
+use crate::load::{self, Api, Arrivals, Dist, HotPrefix, Sessions, Workload};
+use crate::scenario::{self, render, Scenario, Variant};
+
+/// Writes one output file the command line asked for, naming the flag on failure.
+fn write(flag: &str, path: &std::path::Path, text: String) -> ToolResult {
+    std::fs::write(path, text).map_err(|e| format!("{flag} {}: {e}", path.display()))
+}
+
+/// JSON for `--json`, pretty-printed.
+fn pretty(v: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
     /// Target base URL; several, comma separated, get the requests in turn (router replicas).
     #[arg(long, conflicts_with = "scenario", value_delimiter = ',')]
-    url: Vec<String>,
+    pub url: Vec<String>,
     /// Run a scenario file instead.
     #[arg(long)]
-    scenario: Option<PathBuf>,
+    pub scenario: Option<PathBuf>,
     /// Scenario variants to compare, comma separated, e.g. least_kv,least_kv+affinity (default:
     /// the file's).
     #[arg(long, value_delimiter = ',')]
-    policies: Vec<Variant>,
+    pub policies: Vec<Variant>,
     /// Open loop: mean arrivals per second (Poisson).
     #[arg(long, conflicts_with = "concurrency")]
-    rate: Option<f64>,
+    pub rate: Option<f64>,
     /// Closed loop: concurrent users.
     #[arg(long)]
-    concurrency: Option<usize>,
+    pub concurrency: Option<usize>,
     #[arg(long, default_value_t = 100)]
-    requests: usize,
+    pub requests: usize,
     /// Hard cap on the run, e.g. 60s.
     #[arg(long, default_value = "60s")]
-    duration: String,
+    pub duration: String,
     #[arg(long, default_value = "chat")]
-    api: String,
+    pub api: String,
     /// Call `Generate` on this flavor's gRPC service at --url (vllm or sglang) instead of HTTP.
     #[arg(long)]
-    grpc: Option<String>,
+    pub grpc: Option<String>,
     #[arg(long)]
-    no_stream: bool,
+    pub no_stream: bool,
     #[arg(long, default_value = "200")]
-    prompt_tokens: Dist,
+    pub prompt_tokens: Dist,
     #[arg(long, default_value = "64")]
-    output_tokens: Dist,
+    pub output_tokens: Dist,
     /// JSONL trace: {"prompt_tokens": N, "output_tokens": M, "at_ms": T?} per line.
     #[arg(long)]
-    trace: Option<PathBuf>,
+    pub trace: Option<PathBuf>,
     #[arg(long, default_value = "tiny-llama")]
-    model: String,
+    pub model: String,
     /// Multi-turn chat sessions: how many (needs --turns).
     #[arg(long, requires = "turns")]
-    sessions: Option<usize>,
+    pub sessions: Option<usize>,
     /// Turns per session.
     #[arg(long, requires = "sessions")]
-    turns: Option<usize>,
+    pub turns: Option<usize>,
     /// Sessions: system prompt length.
     #[arg(long, default_value_t = 1000)]
-    system_tokens: u64,
+    pub system_tokens: u64,
     /// Sessions: distinct system prompts, each shared by a group of sessions.
     #[arg(long, default_value_t = 1)]
-    system_prompts: usize,
+    pub system_prompts: usize,
     /// Sessions: length of each new user message.
     #[arg(long, default_value = "60")]
-    user_tokens: Dist,
+    pub user_tokens: Dist,
     /// Sessions: mean think time between an answer and the next turn (exponential), e.g. 1s.
     #[arg(long, default_value = "0s")]
-    think_time: String,
+    pub think_time: String,
     /// Share of requests (0, 1] starting with one shared prefix (needs --hot-prefix-tokens).
     #[arg(long, requires = "hot_prefix_tokens")]
-    hot_prefix_share: Option<f64>,
+    pub hot_prefix_share: Option<f64>,
     /// Length of that shared prefix.
     #[arg(long, requires = "hot_prefix_share")]
-    hot_prefix_tokens: Option<u64>,
+    pub hot_prefix_tokens: Option<u64>,
     /// Engine base URLs whose vllm:prefix_cache_* counters are read before and after the run,
     /// for the prefix-hit ratio (comma separated).
     #[arg(long, value_delimiter = ',')]
-    engine_metrics: Vec<String>,
+    pub engine_metrics: Vec<String>,
     /// Write the full report as JSON.
     #[arg(long)]
-    json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
     /// Scenario only: write the per-rank KV chart.
     #[arg(long)]
-    svg: Option<PathBuf>,
+    pub svg: Option<PathBuf>,
     /// Scenario only: write the Markdown tables.
     #[arg(long)]
-    markdown: Option<PathBuf>,
+    pub markdown: Option<PathBuf>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let a = Args::parse();
+/// A scenario (`--scenario`) or a workload against `--url`: runs it, prints the report and
+/// writes the files asked for.
+pub async fn run(a: Args) -> ToolResult {
     if let Some(path) = &a.scenario {
-        let s = Scenario::load(path).map_err(anyhow::Error::msg)?;
+        let s = Scenario::load(path)?;
         let policies = a.policies;
         let started = std::time::Instant::now();
         let runs = scenario::run(&s, (!policies.is_empty()).then_some(&policies[..]), true)
-            .await
-            .map_err(anyhow::Error::msg)?;
+            .await?;
         let md = render::markdown(&s, &runs);
         println!(
             "## {}\n\n{}\n{md}\n(whole scenario: {:.0} s)",
@@ -128,46 +134,42 @@ async fn main() -> anyhow::Result<()> {
             started.elapsed().as_secs_f64()
         );
         if let Some(p) = &a.json {
-            std::fs::write(
-                p,
-                serde_json::to_string_pretty(&render::to_json(&s, &runs))?,
-            )
-            .context("writing --json")?;
+            write("--json", p, pretty(&render::to_json(&s, &runs)))?;
         }
         if let Some(p) = &a.svg {
-            std::fs::write(p, render::svg(&s, &runs)).context("writing --svg")?;
+            write("--svg", p, render::svg(&s, &runs))?;
         }
         if let Some(p) = &a.markdown {
-            std::fs::write(p, md).context("writing --markdown")?;
+            write("--markdown", p, md)?;
         }
         return Ok(());
     }
     let mut urls = a.url.into_iter();
     let Some(url) = urls.next() else {
-        bail!("give --url or --scenario")
+        return Err("give --url or --scenario".into());
     };
     let mut w = Workload::new(url);
     w.spread = urls.collect();
     w.api = match a.api.as_str() {
         "chat" => Api::Chat,
         "completions" => Api::Completions,
-        other => bail!("--api {other:?}: chat or completions"),
+        other => return Err(format!("--api {other:?}: chat or completions")),
     };
     w.stream = !a.no_stream;
     w.grpc = match a.grpc.as_deref() {
         None => None,
         Some("vllm") => Some(Flavor::Vllm),
         Some("sglang") => Some(Flavor::Sglang),
-        Some(other) => bail!("--grpc {other:?}: vllm or sglang"),
+        Some(other) => return Err(format!("--grpc {other:?}: vllm or sglang")),
     };
     w.arrivals = match (a.rate, a.concurrency) {
         (Some(r), _) if r > 0.0 => Arrivals::Poisson(r),
         (None, Some(c)) if c > 0 => Arrivals::Closed(c),
         (None, None) => Arrivals::Poisson(10.0),
-        _ => bail!("--rate and --concurrency must be positive"),
+        _ => return Err("--rate and --concurrency must be positive".into()),
     };
     w.requests = a.requests;
-    w.duration = parse_duration(&a.duration).map_err(anyhow::Error::msg)?;
+    w.duration = parse_duration(&a.duration).map_err(|e| format!("--duration: {e}"))?;
     w.prompt_tokens = a.prompt_tokens;
     w.output_tokens = a.output_tokens;
     w.model = a.model;
@@ -180,42 +182,41 @@ async fn main() -> anyhow::Result<()> {
             system_prompts: a.system_prompts,
             user_tokens: a.user_tokens,
             think_time: parse_duration(&a.think_time)
-                .map_err(|e| anyhow::anyhow!("--think-time: {e}"))?,
+                .map_err(|e| format!("--think-time: {e}"))?,
         };
         s.validate()
-            .map_err(|e| anyhow::anyhow!("--sessions/--turns/--system-prompts: {e}"))?;
+            .map_err(|e| format!("--sessions/--turns/--system-prompts: {e}"))?;
         w.sessions = Some(s);
     }
     if let (Some(share), Some(tokens)) = (a.hot_prefix_share, a.hot_prefix_tokens) {
         let h = HotPrefix { share, tokens };
         h.validate()
-            .map_err(|e| anyhow::anyhow!("--hot-prefix-share/--hot-prefix-tokens: {e}"))?;
+            .map_err(|e| format!("--hot-prefix-share/--hot-prefix-tokens: {e}"))?;
         w.hot_prefix = Some(h);
     }
     if let Some(t) = &a.trace {
         let text =
-            std::fs::read_to_string(t).with_context(|| format!("reading {}", t.display()))?;
-        w.trace = Some(load::dist::read_trace(&text).map_err(anyhow::Error::msg)?);
+            std::fs::read_to_string(t).map_err(|e| format!("--trace {}: {e}", t.display()))?;
+        w.trace = Some(load::dist::read_trace(&text).map_err(|e| format!("--trace: {e}"))?);
     }
     let before = match a.engine_metrics.is_empty() {
         true => None,
         false => Some(
             load::scrape::scrape(&a.engine_metrics)
                 .await
-                .map_err(|e| anyhow::anyhow!("--engine-metrics: {e}"))?,
+                .map_err(|e| format!("--engine-metrics: {e}"))?,
         ),
     };
-    let mut report = load::run(&w).await.map_err(anyhow::Error::msg)?;
+    let mut report = load::run(&w).await?;
     if let Some((q0, h0)) = before {
         let (q1, h1) = load::scrape::scrape(&a.engine_metrics)
             .await
-            .map_err(|e| anyhow::anyhow!("--engine-metrics: {e}"))?;
+            .map_err(|e| format!("--engine-metrics: {e}"))?;
         report.prefix_cache = Some((q1.saturating_sub(q0), h1.saturating_sub(h0)));
     }
     print!("{}", report.table());
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&report.to_json())?)
-            .context("writing --json")?;
+        write("--json", p, pretty(&report.to_json()))?;
     }
     Ok(())
 }

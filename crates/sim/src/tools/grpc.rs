@@ -1,46 +1,42 @@
-//! A gRPC client for an engine's own service, or for rankgate's gRPC front door, which serves the
-//! same services: one streaming `Generate` (the worker that served it is in the response's
-//! `x-rankgate-worker` metadata), then the per-rank loads from `GetLoads`.
-//!
-//!   cargo run --example grpc_client -- --url http://127.0.0.1:18050 [--flavor vllm|sglang] \
-//!       [--prompt-tokens 32] [--max-tokens 16] [--id my-request]
+//! `rankgate grpc-client`: a gRPC client for an engine's own service, or for rankgate's gRPC
+//! front door, which serves the same services: one streaming `Generate` (the worker that served
+//! it is in the response's `x-rankgate-worker` metadata), then the per-rank loads from
+//! `GetLoads`.
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use clap::Parser;
 use rankgate::telemetry::grpc::{transport, LoadsClient};
 use rankgate::worker::Flavor;
-use rankgate_sim::load::grpc::{Event, GenerateCall, GrpcClient};
 
-#[derive(Parser)]
-#[command(about = "One streaming Generate and a GetLoads over gRPC (an engine's or rankgate's)")]
-struct Args {
+use super::ToolResult;
+use crate::load::grpc::{Event, GenerateCall, GrpcClient};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
     /// The gRPC address: rankgate's server.grpc_listen, or an engine's.
     #[arg(long, default_value = "http://127.0.0.1:18050")]
-    url: String,
+    pub url: String,
     #[arg(long, default_value = "vllm")]
-    flavor: String,
+    pub flavor: String,
     #[arg(long, default_value_t = 32)]
-    prompt_tokens: u64,
+    pub prompt_tokens: u64,
     #[arg(long, default_value_t = 16)]
-    max_tokens: u32,
+    pub max_tokens: u32,
     #[arg(long, default_value = "grpc-client-1")]
-    id: String,
+    pub id: String,
 }
 
 /// Every call is bounded: a server that never answers ends the example, not hangs it.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> anyhow::Result<()> {
-    let a = Args::parse();
+/// One streaming `Generate`, then `GetLoads`, each bounded by [`CALL_TIMEOUT`].
+pub async fn run(a: Args) -> ToolResult {
     let flavor = match a.flavor.as_str() {
         "vllm" => Flavor::Vllm,
         "sglang" => Flavor::Sglang,
-        other => bail!("--flavor {other:?}: vllm or sglang"),
+        other => return Err(format!("--flavor {other:?}: vllm or sglang")),
     };
-    let mut client = GrpcClient::new(flavor, &a.url).map_err(anyhow::Error::msg)?;
+    let mut client = GrpcClient::new(flavor, &a.url)?;
     let call = GenerateCall {
         request_id: a.id.clone(),
         prompt_tokens: a.prompt_tokens,
@@ -72,23 +68,22 @@ async fn main() -> anyhow::Result<()> {
         Ok::<_, tonic::Status>(first)
     })
     .await
-    .context("Generate timed out")?;
+    .map_err(|_| format!("Generate timed out after {CALL_TIMEOUT:?}"))?;
     match generation {
         Ok(first) => println!(
             "time to first chunk {:.1} ms, whole call {:.1} ms",
             first.unwrap_or_default().as_secs_f64() * 1e3,
             started.elapsed().as_secs_f64() * 1e3
         ),
-        Err(s) => bail!("Generate failed: {:?}: {}", s.code(), s.message()),
+        Err(s) => return Err(format!("Generate failed: {:?}: {}", s.code(), s.message())),
     }
 
     let origin = a.url.trim_end_matches('/');
     let loads = LoadsClient::new(flavor, origin, transport(Duration::from_secs(2)))
-        .map_err(anyhow::Error::msg)?;
+        ?;
     let report = tokio::time::timeout(CALL_TIMEOUT, loads.get_loads(None))
         .await
-        .context("GetLoads timed out")?
-        .map_err(anyhow::Error::msg)?;
+        .map_err(|_| format!("GetLoads timed out after {CALL_TIMEOUT:?}"))??;
     println!("GetLoads: {} ranks", report.dp_rank_count.unwrap_or(0));
     for l in &report.loads {
         println!(

@@ -1,0 +1,15 @@
+//! The client tools a user runs against rankgate or an engine, as `rankgate` subcommands: the
+//! load client and scenario runner (`rankgate load`), the openai SDK's first requests
+//! (`rankgate openai-client`) and one gRPC call (`rankgate grpc-client`).
+//!
+//! They are subcommands rather than cargo examples so that they are built once, with the
+//! binary's own features: an example builds with the dev-dependencies, whose features change
+//! those of crates the router shares with them, so `cargo run --example` compiled the router
+//! library a second time (with fat LTO) after the demo's build.
+
+pub mod grpc;
+pub mod load;
+pub mod openai;
+
+/// Errors of a tool: printed by the binary after the subcommand's name.
+pub type ToolResult = Result<(), String>;
