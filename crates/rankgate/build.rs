@@ -5,11 +5,7 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // The router's manifest is crates/rankgate/Cargo.toml, but its sources, this script and
-    // proto/ are at the repository root, two levels up: paths are made from there, since a
-    // build script runs in its manifest's directory.
-    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../..");
-    let proto = root.join("proto");
+    let proto = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("proto");
     let files = [
         proto.join("vllm_engine.proto"),
         proto.join("sglang_scheduler.proto"),

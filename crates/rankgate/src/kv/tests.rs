@@ -11,7 +11,7 @@ use super::event::{decode, Event};
 use super::hash::chain;
 use super::index::{KvState, RankIndex, Writer};
 
-const CAPTURE: &str = include_str!("../../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");
+const CAPTURE: &str = include_str!("../../../../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");
 
 /// Each line's rank, frames and JSON.
 fn capture() -> Vec<(u32, Vec<Vec<u8>>, Value)> {

@@ -213,7 +213,7 @@ mod tests {
     #[test]
     fn a_prefill_answer_gives_its_params_or_says_why_not() {
         let fixture =
-            include_bytes!("../../../tests/fixtures/vllm-0.32-pd/router-prefill-answer.json");
+            include_bytes!("../../../../../tests/fixtures/vllm-0.32-pd/router-prefill-answer.json");
         let raw = params(fixture).unwrap();
         assert_eq!(kv_source(raw).as_deref(), Some("pd4-P:33110"));
         let p = parse(raw);

@@ -245,7 +245,7 @@ mod tests {
     use super::*;
 
     const SOURCES: &str =
-        include_str!("../../tests/fixtures/vllm-0.32-kv-events/kv_event_sources.json");
+        include_str!("../../../../tests/fixtures/vllm-0.32-kv-events/kv_event_sources.json");
 
     #[test]
     fn the_engines_sources_read_with_their_direction() {
