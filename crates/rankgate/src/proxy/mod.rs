@@ -66,6 +66,7 @@ mod identity;
 mod layer;
 mod observe;
 mod pick;
+pub(crate) mod dial;
 mod pin;
 mod read;
 mod respond;

@@ -15,7 +15,6 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use http::{header, Request, Response};
 use hyper::body::Incoming;
@@ -25,15 +24,13 @@ use tokio::time::Sleep;
 
 use super::body::{Ending, ProxyBody};
 use super::error::ProxyError;
-use super::exposure::Exposure;
 use super::guards::Slot;
 use super::layer::WORKER_HEADER;
 use super::pin::strip_hop_by_hop;
 use super::shared::Ctx;
 use super::target::Picked;
-use crate::deadlines::Deadlines;
-use crate::tls::Upstream;
-use crate::upstream::{BodyTooLarge, ClientBodyError, Cutoff, RequestBody, Sender};
+use super::dial::Dial;
+use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
 use crate::worker::EngineEntry;
 
 #[derive(Clone)]
@@ -47,66 +44,6 @@ impl Send {
         Send {
             ctx: ctx.clone(),
             dial: dial.clone(),
-        }
-    }
-}
-
-/// How requests reach the engines, one for the router: the connector new HTTP/1 connections
-/// are opened with (each engine's slots and idle connections are in its fleet entry), the h2
-/// clients for their gRPC services, and the deadlines and size cap of an exchange.
-pub struct Dial {
-    connector: crate::http::Connector,
-    /// Client `k` holds each engine's `k`th h2 connection, opened once the connections before
-    /// it carry their share of calls.
-    pub grpc_clients: Vec<GrpcClient>,
-    /// Every engine connection's reads, failed at once when a shutdown cuts what is still
-    /// streaming (so each cut stream ends with its error event or status).
-    pub cutoff: Cutoff,
-    /// `server.response_timeout`.
-    pub response: Duration,
-    /// `server.stream_idle_timeout`.
-    stream_idle: Duration,
-    /// `server.max_body_bytes` (a client body that outgrows it while streaming).
-    max_body: usize,
-    /// `server.expose_worker`: whether the answer names its worker, and how.
-    exposure: Exposure,
-}
-
-/// A client for engines' gRPC services, over connections a shutdown can cut.
-pub type GrpcClient = hyper_util::client::legacy::Client<
-    crate::upstream::CutConnector<crate::http::Connector>,
-    RequestBody,
->;
-
-impl std::fmt::Debug for Dial {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Dial")
-    }
-}
-
-impl Dial {
-    pub fn new(
-        max_engine_connections: usize,
-        max_body: usize,
-        deadlines: Deadlines,
-        upstream: &Upstream,
-        exposure: Exposure,
-    ) -> Dial {
-        let h2 = max_engine_connections.min(crate::upstream::MAX_GRPC_CONNECTIONS);
-        let cutoff = Cutoff::default();
-        Dial {
-            connector: crate::http::connector(deadlines.connect, upstream, false),
-            grpc_clients: (0..h2)
-                .map(|_| {
-                    let connector = crate::http::connector(deadlines.connect, upstream, true);
-                    crate::http::h2_client_over(cutoff.connector(connector))
-                })
-                .collect(),
-            cutoff,
-            response: deadlines.response,
-            stream_idle: deadlines.stream_idle,
-            max_body,
-            exposure,
         }
     }
 }

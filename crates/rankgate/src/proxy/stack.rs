@@ -19,7 +19,7 @@ use super::grpc::{Local, Requests};
 use super::read::Limits;
 use super::respond::Errors;
 use super::retry::Policy;
-use super::send::Dial;
+use super::dial::Dial;
 use super::shared::{Ctx, Front, Shared};
 use super::{
     admit, auth, cors, disagg, grpc, identity, observe, pick, read, respond, retry, route, select,

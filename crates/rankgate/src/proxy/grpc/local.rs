@@ -25,7 +25,7 @@ use crate::proxy::error::{GrpcError, ProxyError};
 use crate::proxy::layer::{content_length, Answer as Answered};
 use crate::proxy::pin::strip_hop_by_hop;
 use crate::proxy::read::{self, Limits};
-use crate::proxy::send::Dial;
+use crate::proxy::dial::Dial;
 use crate::proxy::shared::Ctx;
 use crate::table::Load;
 use crate::upstream::RequestBody;
