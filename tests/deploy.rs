@@ -8,135 +8,25 @@
 //! from that very config (listeners moved to 127.0.0.1:0, the engine URL pointed at a simulated
 //! vLLM engine with the same ranks) must answer the probes as the manifests expect, and drain as
 //! the comments say. With a Docker engine at hand, the image is built and its binary run.
+//! The monitoring Component, the image override and the admin token's Secret are checked in
+//! tests/deploy_kustomize.rs; both read the files through tests/manifests.
 #![cfg(feature = "sim")] // the simulated engine
 
 mod common;
+mod manifests;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
 use http::StatusCode;
+use manifests::*;
 use rankgate::config::Config;
 use rankgate_sim::sim::SimFlavor;
-use serde::Deserialize;
 use serde_json::Value;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn read(rel: &str) -> String {
-    let p = root().join(rel);
-    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
-}
-
-/// Every YAML document of a file, as JSON values (empty documents left out).
-fn yaml_docs(rel: &str) -> Vec<Value> {
-    let text = read(rel);
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|d| Value::deserialize(d).unwrap_or_else(|e| panic!("{rel}: {e}")))
-        .filter(|v| !v.is_null())
-        .collect()
-}
-
-const KUBE: &str = "deploy/kubernetes";
-
-/// What `kubectl apply -k deploy/kubernetes` creates (the Helm chart creates these too).
-const KINDS: [&str; 8] = [
-    "ConfigMap",
-    "Deployment",
-    "Role",
-    "RoleBinding",
-    "Service",
-    "ServiceAccount",
-    "ServiceMonitor",
-    "PrometheusRule",
-];
-
-/// The resources `kustomization.yaml` lists, parsed, in its order.
-fn manifests() -> Vec<Value> {
-    let kust = yaml_docs(&format!("{KUBE}/kustomization.yaml"));
-    assert_eq!(kust.len(), 1, "kustomization.yaml holds one document");
-    let resources = kust[0]["resources"]
-        .as_array()
-        .expect("kustomization.yaml lists resources");
-    resources
-        .iter()
-        .flat_map(|r| yaml_docs(&format!("{KUBE}/{}", r.as_str().expect("resource path"))))
-        .collect()
-}
-
-/// The one resource of this kind (panics on none or several).
-fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
-    let found: Vec<&Value> = docs.iter().filter(|d| d["kind"] == kind).collect();
-    assert_eq!(found.len(), 1, "expected one {kind}, found {}", found.len());
-    found[0]
-}
-
-fn str_at<'a>(v: &'a Value, pointer: &str) -> &'a str {
-    v.pointer(pointer)
-        .and_then(Value::as_str)
-        .unwrap_or_else(|| panic!("no string at {pointer} in {v}"))
-}
-
-fn array_at<'a>(v: &'a Value, pointer: &str) -> &'a Vec<Value> {
-    v.pointer(pointer)
-        .and_then(Value::as_array)
-        .unwrap_or_else(|| panic!("no array at {pointer} in {v}"))
-}
-
-/// The Deployment's one container.
-fn container(deploy: &Value) -> &Value {
-    let cs = array_at(deploy, "/spec/template/spec/containers");
-    assert_eq!(cs.len(), 1, "one container in the rankgate pod");
-    &cs[0]
-}
-
-/// A port given by number or by the name of one of the container's ports, as a number.
-fn resolve_port(container: &Value, port: &Value) -> u16 {
-    if let Some(n) = port.as_u64() {
-        return u16::try_from(n).expect("port fits u16");
-    }
-    let name = port.as_str().unwrap_or_else(|| panic!("port {port}"));
-    let p = array_at(container, "/ports")
-        .iter()
-        .find(|p| p["name"] == name)
-        .unwrap_or_else(|| panic!("no container port named {name:?}"));
-    u16::try_from(p["containerPort"].as_u64().expect("containerPort")).expect("port fits u16")
-}
-
-/// The ConfigMap's file name and text (it holds exactly one file).
-fn configmap_file(docs: &[Value]) -> (String, String) {
-    let data = one(docs, "ConfigMap")["data"]
-        .as_object()
-        .expect("ConfigMap data");
-    assert_eq!(data.len(), 1, "the ConfigMap holds one file");
-    let (name, text) = data.iter().next().unwrap();
-    (name.clone(), text.as_str().expect("file text").to_string())
-}
-
-fn config(docs: &[Value]) -> Config {
-    let (name, text) = configmap_file(docs);
-    assert_eq!(name, "rankgate.toml");
-    Config::from_str(&text).unwrap_or_else(|e| panic!("the ConfigMap's {name}: {e}\n{text}"))
-}
-
-/// The three listeners' ports: front door, admin, gRPC.
-fn config_ports(cfg: &Config) -> [u16; 3] {
-    let grpc = cfg
-        .server
-        .grpc_listen
-        .expect("the ConfigMap enables the gRPC front door");
-    [
-        cfg.server.listen.port(),
-        cfg.server.admin_listen.port(),
-        grpc.port(),
-    ]
-}
 
 #[test]
 fn kustomization_lists_every_manifest_and_names_agree() {
@@ -215,32 +105,6 @@ fn kustomization_lists_every_manifest_and_names_agree() {
         .map(|v| v.as_str().unwrap())
         .collect();
     assert_eq!(verbs, ["get", "list", "watch"].into_iter().collect());
-
-    // The ServiceMonitor scrapes /metrics through the Service's admin port.
-    let sm = one(&docs, "ServiceMonitor");
-    assert_eq!(str_at(sm, "/apiVersion"), "monitoring.coreos.com/v1");
-    let sm_sel = &sm["spec"]["selector"]["matchLabels"];
-    assert!(
-        sm_sel
-            .as_object()
-            .unwrap()
-            .iter()
-            .all(|(k, v)| &svc["metadata"]["labels"][k] == v),
-        "the ServiceMonitor selects the Service"
-    );
-    let eps = array_at(sm, "/spec/endpoints");
-    assert_eq!(eps.len(), 1);
-    assert_eq!(eps[0]["path"], "/metrics");
-    let svc_port = array_at(svc, "/spec/ports")
-        .iter()
-        .find(|p| p["name"] == eps[0]["port"])
-        .expect("the ServiceMonitor's port is a Service port");
-    let cfg = config(&docs);
-    assert_eq!(
-        resolve_port(container(deploy), &svc_port["targetPort"]),
-        cfg.server.admin_listen.port(),
-        "metrics are scraped from the admin listener"
-    );
 }
 
 #[test]
@@ -462,29 +326,6 @@ fn image_reads_the_mounted_config_as_non_root() {
     assert!(get("RUN").is_empty(), "nothing runs in the runtime stage");
 }
 
-/// The ConfigMap's config, moved onto 127.0.0.1:0 and pointed at `engine_url` instead of the
-/// engine it names, which must be a single vLLM engine.
-fn config_for_test(docs: &[Value], engine_url: &str) -> Config {
-    let (_, text) = configmap_file(docs);
-    let raw: toml::Table = toml::from_str(&text).expect("TOML");
-    let engines = raw["engines"].as_array().expect("[[engines]]");
-    assert_eq!(engines.len(), 1, "the example fleet is one engine");
-    let url = engines[0]["url"].as_str().expect("engines[0].url");
-    let quoted = format!("\"{url}\"");
-    assert_eq!(
-        text.matches(&quoted).count(),
-        1,
-        "{quoted} once in the text"
-    );
-    let mut cfg = Config::from_str(&text.replace(&quoted, &format!("\"{engine_url}\"")))
-        .expect("the rewritten config");
-    let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    cfg.server.listen = loopback;
-    cfg.server.admin_listen = loopback;
-    cfg.server.grpc_listen = cfg.server.grpc_listen.map(|_| loopback);
-    cfg
-}
-
 async fn wait_ready(admin: SocketAddr, want: StatusCode, limit: Duration) -> Reply {
     let deadline = Instant::now() + limit;
     loop {
@@ -564,72 +405,6 @@ async fn router_from_the_configmap_answers_the_probes_and_drains() {
     );
 }
 
-/// Runs a command with its output sent to `log`, killing it after `limit`. `None` on timeout.
-fn run_bounded(cmd: &mut Command, log: &Path, limit: Duration) -> Option<std::process::ExitStatus> {
-    let out = std::fs::File::create(log).expect("log file");
-    let err = out.try_clone().unwrap();
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .spawn()
-        .expect("spawn");
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            return Some(status);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn tail(log: &Path) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(40)..].join("\n")
-}
-
-/// Builds the image and runs its binary on the ConfigMap's config. It needs a Docker engine
-/// The alerts ship twice, as a rule file and as a PrometheusRule: the same groups, and every
-/// alert has a summary and reads only series rankgate exports (or the process collector's).
-#[test]
-fn the_prometheus_rule_carries_the_rule_files_alerts() {
-    let file = yaml_docs("deploy/prometheus/rules.yaml");
-    let crd = yaml_docs(&format!("{KUBE}/prometheusrule.yaml"));
-    assert_eq!(
-        crd[0]["spec"], file[0],
-        "prometheusrule.yaml spec vs rules.yaml"
-    );
-    let rules = array_at(&file[0], "/groups/0/rules");
-    assert!(rules.len() >= 5, "{rules:?}");
-    let exported = read("docs/metrics.md");
-    for r in rules {
-        let name = str_at(r, "/alert");
-        assert!(
-            r.pointer("/annotations/summary").is_some(),
-            "{name} has no summary"
-        );
-        let expr = str_at(r, "/expr");
-        for metric in expr
-            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .filter(|w| w.starts_with("rankgate_"))
-        {
-            let family = ["_bucket", "_count", "_sum"]
-                .iter()
-                .fold(metric, |m, s| m.strip_suffix(s).unwrap_or(m));
-            assert!(
-                exported.contains(family),
-                "{name}: {family} is not in docs/metrics.md"
-            );
-        }
-    }
-}
-
 /// `promtool check rules` on the rule file. promtool is Debian's `prometheus` package, which
 /// `.ci/run` installs and with which it runs this test (`--ignored`).
 #[test]
@@ -646,6 +421,7 @@ fn promtool_accepts_the_rule_file() {
     assert!(said.contains("SUCCESS"), "{said}");
 }
 
+/// Builds the image and runs its binary on the ConfigMap's config. It needs a Docker engine
 /// (and the base images from their registries, and minutes for the release build), so it is
 /// ignored by a plain `cargo test` and reported so; `.ci/run` runs it (`--ignored`) where
 /// `docker info` finds an engine. Run by hand without one, it fails saying so.
@@ -653,7 +429,7 @@ fn promtool_accepts_the_rule_file() {
 #[ignore = "needs a Docker engine: .ci/run runs it where `docker info` answers"]
 fn docker_image_builds_and_checks_the_config() {
     assert!(
-        which_docker().is_some(),
+        which("docker").is_some(),
         "no `docker` on PATH: deploy/Dockerfile cannot be built here"
     );
     let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
@@ -690,14 +466,19 @@ fn docker_image_builds_and_checks_the_config() {
     let (file, text) = configmap_file(&docs);
     let dir = tmp.join("docker-config");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join(&file), text).unwrap();
+    std::fs::write(dir.join(&file), &text).unwrap();
     let run_log = tmp.join("docker-run.log");
+    // The token's variable, as the Deployment fills it from the Secret.
+    let var = token_var(&text).expect("the ConfigMap names the admin token's variable");
+    let token_env = format!("{var}={TEST_ADMIN_TOKEN}");
     let status = run_bounded(
         Command::new("docker").args([
             "run",
             "--rm",
             "--network",
             "none",
+            "-e",
+            &token_env,
             "-v",
             &format!("{}:/etc/rankgate:ro", dir.display()),
             tag,
@@ -720,13 +501,6 @@ fn docker_image_builds_and_checks_the_config() {
         "{}",
         tail(&run_log)
     );
-}
-
-fn which_docker() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join("docker"))
-        .find(|p| p.is_file())
 }
 
 const CHART: &str = "deploy/helm/rankgate";
@@ -795,34 +569,52 @@ fn helm_renders_the_chart() {
         "{}",
         String::from_utf8_lossy(&lint.stdout)
     );
-    let out = Command::new("helm")
-        .args(["template", "rg"])
-        .arg(&chart)
-        .args([
-            "--set",
-            "serviceMonitor.enabled=true",
-            "--set",
-            "prometheusRule.enabled=true",
-            "--set",
-            "adminToken.value=secret-token",
-        ])
-        .output()
-        .unwrap();
+    let template = |extra: &[&str]| {
+        Command::new("helm")
+            .args(["template", "rg"])
+            .arg(&chart)
+            .args(["--set", "adminToken.value=secret-token"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    // A token without the config's admin_token_env would never be read: refused.
+    let out = template(&[]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("admin_token_env"),
+        "{said}"
+    );
+    // The default config with its admin_token_env line on.
+    let values = &yaml_docs(&format!("{CHART}/values.yaml"))[0];
+    let on = str_at(values, "/config").replace("# admin_token_env", "admin_token_env");
+    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("helm-config.toml");
+    std::fs::write(&file, &on).unwrap();
+    let set_file = format!("config={}", file.display());
+    let out = template(&[
+        "--set",
+        "serviceMonitor.enabled=true",
+        "--set",
+        "prometheusRule.enabled=true",
+        "--set-file",
+        &set_file,
+    ]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8(out.stdout).unwrap();
-    let docs: Vec<Value> = serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|d| Value::deserialize(d).unwrap())
-        .filter(|v| !v.is_null())
-        .collect();
+    let docs = yaml_text_docs("helm template", &text);
     let kinds: BTreeSet<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
-    for k in KINDS.into_iter().chain(["PodDisruptionBudget", "Secret"]) {
+    for k in (KINDS.into_iter())
+        .chain(MONITORING_KINDS)
+        .chain(["PodDisruptionBudget", "Secret"])
+    {
         assert!(kinds.contains(k), "no {k} in {kinds:?}");
     }
     let cfg_map = one(&docs, "ConfigMap");
+    fill_token_var(&on);
     Config::from_str(str_at(cfg_map, "/data/rankgate.toml")).unwrap();
     let env = array_at(container(one(&docs, "Deployment")), "/env");
     assert!(

@@ -29,6 +29,8 @@ use crate::reason::Reason;
 use crate::table::{RankTelemetry, Table};
 use crate::worker::{Deployment, EngineEntry, Flavor};
 
+mod ready;
+
 /// What the admin handlers read.
 pub struct Admin {
     pub table: Arc<Table>,
@@ -39,6 +41,8 @@ pub struct Admin {
     pub control: Arc<Control>,
     /// The gRPC front door is on: `/ready` counts ranks it can route to as well.
     pub grpc_front: bool,
+    /// `server.ready_requires_routable`: `/ready` is 503 while no rank is routable.
+    pub ready_requires_routable: bool,
 }
 
 impl Admin {
@@ -49,23 +53,7 @@ impl Admin {
         let path = req.uri().path().to_string();
         Ok(match (req.method().clone(), path.as_str()) {
             (Method::GET, "/health") => respond(StatusCode::OK, "text/plain", "ok\n"),
-            (Method::GET, "/ready") => {
-                if self.draining.load(std::sync::atomic::Ordering::Relaxed) {
-                    respond(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "text/plain",
-                        "draining: shutting down\n",
-                    )
-                } else if (self.selector).any_front_routable(&self.table, self.grpc_front) {
-                    respond(StatusCode::OK, "text/plain", "ready\n")
-                } else {
-                    respond(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "text/plain",
-                        "no routable rank yet\n",
-                    )
-                }
-            }
+            (Method::GET, "/ready") => self.ready(),
             (Method::GET, "/workers") => json_response(StatusCode::OK, &self.workers()),
             (Method::GET, "/engines") => json_response(StatusCode::OK, &self.engines()),
             (Method::GET, "/loads") => {

@@ -385,6 +385,7 @@ impl Router {
             draining: draining.clone(),
             control: control.clone(),
             grpc_front: grpc_addr.is_some(),
+            ready_requires_routable: cfg.server.ready_requires_routable,
         });
         let admin_task = tokio::spawn(crate::http::serve_with(
             admin_listener,

@@ -31,7 +31,8 @@ restart_keys! {
         h2_keepalive_interval, max_header_bytes, max_connections,
         max_connections_per_client, max_engine_connections,
         grpc_streams_per_connection, max_in_flight, shutdown_delay, drain_grace, extra_routes,
-        api_keys_env, api_keys_file, cors_allow_origins, admin_token_env, access_log,
+        api_keys_env, api_keys_file, cors_allow_origins, admin_token_env, ready_requires_routable,
+        access_log,
         thread_per_core, tls, admin_tls;
     whole: engine_tls, routing, telemetry, discovery, tracing, models;
 }

@@ -68,6 +68,7 @@ pub(super) struct RawServer {
     api_keys_file: Option<std::path::PathBuf>,
     cors_allow_origins: Option<Vec<String>>,
     admin_token_env: Option<String>,
+    ready_requires_routable: Option<bool>,
     access_log: Option<bool>,
     thread_per_core: Option<bool>,
     tls: Option<ListenerTls>,
@@ -131,6 +132,10 @@ pub struct ServerConfig {
     pub admin_token_env: Option<String>,
     /// Its value, read at load so that `check` catches an unset variable too.
     pub admin_token: Option<AdminToken>,
+    /// `/ready` answers 503 while no rank is routable (the default). A Service then drops every
+    /// replica during a fleet-wide engine outage and clients get connection refused; `false`
+    /// keeps the pods in, so clients get rankgate's own 503 with `Retry-After`.
+    pub ready_requires_routable: bool,
     /// One log line per request (target `rankgate::access`, at info).
     pub access_log: bool,
     /// The HTTP front door on one single-threaded runtime per core, each with its own
@@ -270,6 +275,7 @@ fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         api_keys_file: raw.api_keys_file,
         cors_allow_origins: raw.cors_allow_origins.unwrap_or_default(),
         admin_token: None,
+        ready_requires_routable: raw.ready_requires_routable.unwrap_or(true),
         access_log: raw.access_log.unwrap_or(false),
         thread_per_core: raw.thread_per_core.unwrap_or(true),
         admin_token_env: raw.admin_token_env,
@@ -402,4 +408,30 @@ fn check_origin(o: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+
+    const ENGINE: &str = "[[engines]]\nurl = \"http://a:1\"\n";
+
+    #[test]
+    fn ready_requires_routable_defaults_on_and_reads_a_bool() {
+        let on = Config::from_str(ENGINE).unwrap();
+        assert!(on.server.ready_requires_routable);
+        let off = Config::from_str(&format!(
+            "[server]\nready_requires_routable = false\n{ENGINE}"
+        ))
+        .unwrap();
+        assert!(!off.server.ready_requires_routable);
+        // Changing it waits for a restart, and a reload says so.
+        assert_eq!(on.restart_needed(&off), ["server.ready_requires_routable"]);
+        let e = Config::from_str(&format!(
+            "[server]\nready_requires_routable = \"no\"\n{ENGINE}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("ready_requires_routable"), "{e}");
+    }
 }
