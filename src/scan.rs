@@ -45,6 +45,40 @@ pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>
     found
 }
 
+/// The top-level string member `key` of the JSON object in `body`, when it names something
+/// other than `value`: for a fleet serving one model, whose requests name it. The scan stops at
+/// the first member naming `value` (`None`: the usual request, its `model` first, costs a few
+/// bytes' scan; a later duplicate naming another is then the engine's to refuse). Otherwise it
+/// reads the top level to its end and returns the last name given. `None` as well without the
+/// member, with one that is not a string, or a body that is not a JSON object: the engine says
+/// what is wrong with those.
+pub fn json_member_other<'a>(body: &'a [u8], key: &str, value: &str) -> Option<Cow<'a, str>> {
+    let mut s = Scanner { b: body, i: 0 };
+    s.ws();
+    s.expect(b'{').ok()?;
+    s.ws();
+    let mut other = None;
+    while s.peek() != Some(b'}') {
+        let name = s.string().ok()?;
+        s.ws();
+        s.expect(b':').ok()?;
+        s.ws();
+        match name == key && s.peek() == Some(b'"') {
+            true => match s.string().ok()? {
+                v if v == value => return None,
+                v => other = Some(v),
+            },
+            false => s.skip_value().ok()?,
+        }
+        s.ws();
+        if s.peek() == Some(b',') {
+            s.i += 1;
+            s.ws();
+        }
+    }
+    other
+}
+
 /// The raw bytes of the value of the first of `keys` the object has as a top-level member (its
 /// last occurrence), as the client wrote them: for hashing, not reading. One pass over the
 /// body whatever the number of keys.
@@ -338,6 +372,41 @@ mod tests {
         assert!(matches!(model(r#"{"a":"#), Err(ScanError::Invalid(_))));
         assert!(matches!(model(""), Err(ScanError::Invalid(_))));
         assert!(matches!(model(r#"{"a" 1}"#), Err(ScanError::Invalid(_))));
+    }
+
+    #[test]
+    fn another_model_is_named_and_the_served_one_stops_the_scan() {
+        let other = |b: &str| json_member_other(b.as_bytes(), "model", "m").map(|c| c.to_string());
+        assert_eq!(
+            other(r#"{"model": "m", "messages": [1, {"a": "}"}]}"#),
+            None
+        );
+        assert_eq!(
+            other(r#"{"messages": [{"model": "m"}], "model": "gpt-4"}"#).as_deref(),
+            Some("gpt-4")
+        );
+        assert_eq!(
+            other(r#"{"model": "x", "model": "m"}"#),
+            None,
+            "a later `m` is served"
+        );
+        assert_eq!(
+            other(r#"{"model": "\u006d"}"#),
+            None,
+            "escaped, it is still `m`"
+        );
+        assert_eq!(
+            other(r#"{"prompt": "model"}"#),
+            None,
+            "no model: the engine's to say"
+        );
+        assert_eq!(other(r#"{"model": 3}"#), None);
+        assert_eq!(
+            other(r#"{"model": "x", "#),
+            None,
+            "not JSON: the engine's to say"
+        );
+        assert_eq!(other("[]"), None);
     }
 
     #[test]

@@ -90,6 +90,13 @@ impl<S> Select<S> {
         // The usual request: one model, one flavor, nothing to look at (engines that serve no
         // HTTP are left out by the pick itself).
         if !snap.catalog.routes_by_model() && !mixed_flavors && !split && path != "/v1/responses" {
+            if let Some(sole) = snap.catalog.sole_model() {
+                if let Ok(Action::Proxy(route)) =
+                    route::lookup(ctx, &self.extra_routes, req.method(), path)
+                {
+                    not_served(req, route, sole)?;
+                }
+            }
             return Ok(Chosen::Any);
         }
         let Action::Proxy(route) = route::lookup(ctx, &self.extra_routes, req.method(), path)?
@@ -105,6 +112,9 @@ impl<S> Select<S> {
             }
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
+        if let Some(sole) = snap.catalog.sole_model() {
+            not_served(req, route, sole)?;
+        }
         if !by_model && !split && (!mixed_flavors || route.flavors == crate::worker::Flavors::BOTH)
         {
             return Ok(Chosen::Any);
@@ -220,6 +230,30 @@ fn whole(req: &Request<RequestBody>) -> Option<&[u8]> {
     match req.body() {
         RequestBody::Full(b) => Some(b),
         RequestBody::Stream(s) => s.prefix.as_deref(),
+    }
+}
+
+/// A fleet serving one model (`sole`, every engine's list known) answers a request naming
+/// another itself, as one serving several does: 404 `model_not_found`, naming the model it
+/// serves, rather than one engine's own 404. The body is scanned only up to its first member
+/// naming `sole` (the usual request names it first); a body too large to have been kept whole,
+/// or naming no model, goes on as before (its engine answers).
+fn not_served(req: &Request<RequestBody>, route: Proxied, sole: &str) -> Result<(), ProxyError> {
+    let RequestBody::Full(body) = req.body() else {
+        return Ok(());
+    };
+    let other = match route.payload {
+        Payload::Json => scan::json_member_other(body, "model", sole),
+        Payload::Form => model(req, route).ok().flatten().filter(|m| m != sole),
+        Payload::Empty => None,
+    };
+    match other {
+        Some(m) => Err(crate::catalog::ModelError::NotFound {
+            model: crate::catalog::shown(&m),
+            served: vec![sole.to_string()],
+        }
+        .into()),
+        None => Ok(()),
     }
 }
 
