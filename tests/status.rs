@@ -296,8 +296,12 @@ async fn a_one_model_fleet_answers_an_unknown_model_itself() {
     };
     for first in [true, false] {
         let reply = post_json(r.addr, "/v1/chat/completions", chat("gpt-4", first)).await;
-        let v = reply.assert_openai_error(404, Some("NotFoundError"));
+        // The OpenAI shape, its `code` the model's (as a fleet of several models answers).
+        assert_eq!(reply.status, 404);
+        let v = reply.json();
+        assert_eq!(v["error"]["type"], "NotFoundError", "{v}");
         assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+        assert_eq!(v["error"]["param"], "model", "{v}");
         let msg = v["error"]["message"].as_str().unwrap_or("");
         assert!(
             msg.contains("gpt-4") && msg.contains("this fleet serves: tiny-llama"),
