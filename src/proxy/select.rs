@@ -2,8 +2,10 @@
 //! parsing it: [`super::scan`]) and its route's flavor. The pick then applies every rule about
 //! ranks within that set; the others are handed down as engines to avoid.
 //!
-//! A fleet serving one model (or whose lists are all unknown) is not scanned at all, and a
-//! fleet of one flavor needs no flavor check: the usual request passes straight through.
+//! A fleet whose lists are all unknown is not scanned at all, one serving one model only up to
+//! a `model` naming it (usually the body's first member: a request naming another gets the
+//! fleet's own 404), and a fleet of one flavor needs no flavor check: the usual request passes
+//! straight through.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -90,7 +92,9 @@ impl<S> Select<S> {
         // The usual request: one model, one flavor, nothing to look at (engines that serve no
         // HTTP are left out by the pick itself).
         if !snap.catalog.routes_by_model() && !mixed_flavors && !split && path != "/v1/responses" {
-            if let Some(sole) = snap.catalog.sole_model() {
+            // One model served: a request naming another is answered here (`not_served`).
+            let full = matches!(req.body(), RequestBody::Full(_));
+            if let (Some(sole), true) = (snap.catalog.sole_model(), full) {
                 if let Ok(Action::Proxy(route)) =
                     route::lookup(ctx, &self.extra_routes, req.method(), path)
                 {

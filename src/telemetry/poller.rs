@@ -183,8 +183,7 @@ impl Poller {
                     self.entry.unshaped.store(None);
                     let was_failing = std::mem::take(&mut self.shape_failing);
                     if self.entry.reported.as_ref() != Some(&reported) {
-                        // The publisher logs the shape it builds the entry with.
-                        // The publisher builds the engine's entry anew with it.
+                        // The publisher builds the engine's entry anew with it, and logs it.
                         return Some(Report {
                             engine: self.entry.key,
                             reachable: true,
