@@ -45,20 +45,19 @@ pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>
     found
 }
 
-/// The top-level string member `key` of the JSON object in `body`, when it names something
-/// other than `value`: for a fleet serving one model, whose requests name it. The scan stops at
-/// the first member naming `value` (`None`: the usual request, its `model` first, costs a few
-/// bytes' scan; a later duplicate naming another is then the engine's to refuse). Otherwise it
-/// reads the top level to its end and returns the last name given. `None` as well without the
-/// member, with one that is not a string, or a body that is not a JSON object: the engine says
-/// what is wrong with those.
+/// The top-level string member `key` of the JSON object in `body` when none names `value`: a
+/// one-model fleet's check, stopping at the first that does (a later one naming another is the
+/// engine's to refuse). `None` too without one, or for a body not a JSON object.
 pub fn json_member_other<'a>(body: &'a [u8], key: &str, value: &str) -> Option<Cow<'a, str>> {
     let mut s = Scanner { b: body, i: 0 };
+    let mut other = None;
     s.ws();
     s.expect(b'{').ok()?;
-    s.ws();
-    let mut other = None;
-    while s.peek() != Some(b'}') {
+    loop {
+        s.ws();
+        if s.peek() == Some(b'}') {
+            return other;
+        }
         let name = s.string().ok()?;
         s.ws();
         s.expect(b':').ok()?;
@@ -73,10 +72,8 @@ pub fn json_member_other<'a>(body: &'a [u8], key: &str, value: &str) -> Option<C
         s.ws();
         if s.peek() == Some(b',') {
             s.i += 1;
-            s.ws();
         }
     }
-    other
 }
 
 /// The raw bytes of the value of the first of `keys` the object has as a top-level member (its
@@ -376,37 +373,22 @@ mod tests {
 
     #[test]
     fn another_model_is_named_and_the_served_one_stops_the_scan() {
-        let other = |b: &str| json_member_other(b.as_bytes(), "model", "m").map(|c| c.to_string());
-        assert_eq!(
-            other(r#"{"model": "m", "messages": [1, {"a": "}"}]}"#),
-            None
-        );
-        assert_eq!(
-            other(r#"{"messages": [{"model": "m"}], "model": "gpt-4"}"#).as_deref(),
-            Some("gpt-4")
-        );
-        assert_eq!(
-            other(r#"{"model": "x", "model": "m"}"#),
-            None,
-            "a later `m` is served"
-        );
-        assert_eq!(
-            other(r#"{"model": "\u006d"}"#),
-            None,
-            "escaped, it is still `m`"
-        );
-        assert_eq!(
-            other(r#"{"prompt": "model"}"#),
-            None,
-            "no model: the engine's to say"
-        );
-        assert_eq!(other(r#"{"model": 3}"#), None);
-        assert_eq!(
-            other(r#"{"model": "x", "#),
-            None,
-            "not JSON: the engine's to say"
-        );
-        assert_eq!(other("[]"), None);
+        // A later `m` is served, so is an escaped one; the rest is the engine's to refuse.
+        for (body, want) in [
+            (r#"{"model": "m", "messages": [1, {"a": "}"}]}"#, None),
+            (
+                r#"{"messages": [{"model": "m"}], "model": "gpt-4"}"#,
+                Some("gpt-4"),
+            ),
+            (r#"{"model": "x", "model": "m"}"#, None),
+            (r#"{"model": "\u006d"}"#, None),
+            (r#"{"prompt": "model"}"#, None),
+            (r#"{"model": 3}"#, None),
+            (r#"{"model": "x", "#, None),
+        ] {
+            let got = json_member_other(body.as_bytes(), "model", "m");
+            assert_eq!(got.as_deref(), want, "{body}");
+        }
     }
 
     #[test]
