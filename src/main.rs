@@ -331,7 +331,7 @@ fn main() -> ExitCode {
             // file left it to each request.
             for e in engines.iter_mut().filter(|e| e.models.is_none()) {
                 let read = probed.iter().find(|p| *p.url == *e.url);
-                e.models = read.and_then(|p| p.models.as_ref().ok()).cloned();
+                e.models = read.and_then(|p| p.models.clone());
             }
             let admin = cfg.server.admin_token_env.is_some();
             let read = rankgate::config::role_check(&engines, &cfg.discovery, admin);

@@ -143,7 +143,8 @@ async fn without_a_publisher_a_rank_falls_back_to_the_record_and_says_why() {
         })
     })
     .await;
-    assert_eq!(rows[0]["kv_index"]["state"], "unavailable");
+    // No /kv_event_sources (an engine started without --kv-events-config): none will come.
+    assert_eq!(rows[0]["kv_index"]["state"], "off");
     let messages = vec![json!({"role": "user", "content": "hello ".repeat(200)})];
     let (first, _) = turn(&r, &messages).await;
     let (second, _) = turn(&r, &messages).await;

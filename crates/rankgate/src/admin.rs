@@ -187,6 +187,7 @@ impl Admin {
         let table = &self.table;
         let snap = table.snapshot.load();
         let now = Instant::now();
+        let kv_events = self.control.kv_events();
         let rows: Vec<Value> = (snap.fleet.workers.iter())
             .zip(&snap.ranks)
             .map(|(w, view)| {
@@ -203,7 +204,7 @@ impl Admin {
                     RankTelemetry::Available(l) => Some(l),
                     RankTelemetry::Unavailable { .. } => None,
                 };
-                json!({
+                let row = json!({
                     "id": w.id_text.as_ref(),
                     "engine": engine.url.as_ref(),
                     "name": w.named.as_ref().and_then(|v| v.to_str().ok()),
@@ -225,38 +226,15 @@ impl Admin {
                     "age_ms": load.map(|l| now.saturating_duration_since(l.sampled_at).as_millis() as u64),
                     "in_flight": live.in_flight(),
                     "consecutive_failures": live.outlier.failures(),
-                    "models": snap.catalog.of(w.engine).map(|l| l.iter().map(|m| m.id.as_str()).collect::<Vec<_>>()).unwrap_or_default(),
                     "engine_note": engine.mismatch(),
-                    "kv_index": kv_index(&w.kv),
-                })
+                    "kv_index": crate::kv::status::shown(&w.kv, kv_events),
+                });
+                with_models(row, snap.catalog.of(w.engine), engine.models.is_some())
             })
             .chain(snap.fleet.engines.iter().filter(|e| !e.shaped()).map(unshaped_row))
             .collect();
         Value::Array(rows)
     }
-}
-
-/// A rank's KV-event index (`routing.kv_events`): whether picks use it, why not, what it holds
-/// and what it took in.
-fn kv_index(i: &crate::kv::RankIndex) -> Value {
-    use std::sync::atomic::Ordering::Relaxed;
-    let (state, reason, block_size) = match i.state() {
-        crate::kv::KvState::Available { block_size, .. } => ("available", None, Some(block_size)),
-        crate::kv::KvState::Unavailable { reason } => ("unavailable", Some(reason), None),
-    };
-    let c = &i.counts;
-    json!({
-        "state": state,
-        "reason": reason,
-        "blocks": i.blocks(),
-        "block_size": block_size,
-        "memory_bytes": i.memory_bytes(),
-        "messages": c.messages.load(Relaxed),
-        "stored": c.stored.load(Relaxed),
-        "removed": c.removed.load(Relaxed),
-        "skipped": c.skipped.load(Relaxed),
-        "resets": c.resets.load(Relaxed),
-    })
 }
 
 /// A `/workers` row for an engine that has no workers yet because it has not said its flavor or
@@ -274,7 +252,7 @@ fn unshaped_row(e: &Arc<EngineEntry>) -> Value {
         "{what} not known yet: {}",
         why.as_deref().map_or("not asked yet", String::as_str)
     );
-    json!({
+    let row = json!({
         "id": e.url.as_ref(),
         "engine": e.url.as_ref(),
         "dp_rank": null,
@@ -287,8 +265,28 @@ fn unshaped_row(e: &Arc<EngineEntry>) -> Value {
         "reachable": false,
         "in_flight": 0,
         "consecutive_failures": 0,
-        "models": [],
-    })
+    });
+    with_models(row, None, false)
+}
+
+/// `row` with its engine's `models` once known (`models_state`: `configured` or `read`), and
+/// without them while the engine has not told them yet (`pending`): an empty list would read as
+/// an engine that serves nothing, when it is one that requests are routed to as if it might
+/// serve any model.
+fn with_models(mut row: Value, models: Option<&[crate::catalog::Model]>, fixed: bool) -> Value {
+    let state = match (models, fixed) {
+        (None, _) => "pending",
+        (Some(_), true) => "configured",
+        (Some(_), false) => "read",
+    };
+    if let Value::Object(o) = &mut row {
+        if let Some(l) = models {
+            let ids = l.iter().map(|m| Value::from(m.id.as_str())).collect();
+            o.insert("models".into(), Value::Array(ids));
+        }
+        o.insert("models_state".into(), state.into());
+    }
+    row
 }
 
 impl Admin {

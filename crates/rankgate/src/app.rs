@@ -278,7 +278,11 @@ impl Router {
                 .map(|e| EngineEntry::new(e.clone(), Origin::Config, limits, None))
                 .collect(),
         );
-        let workers = fleet.workers.len();
+        // Engines that leave their flavor or DP size to the engine have no workers until it
+        // answers (a moment later): the start line counts them apart, and each one's "engine
+        // said its shape" line gives the fleet's count then.
+        let (engines, workers) = (fleet.engines.len(), fleet.workers.len());
+        let engines_pending_shape = fleet.engines.iter().filter(|e| !e.shaped()).count();
         let table = Table::new(fleet, cfg.telemetry.stale_after);
         // The doors first: /metrics shows their limits and counts, the allocator trim watches
         // their connections come and go.
@@ -401,7 +405,7 @@ impl Router {
             async move { crate::http::shutdown_signalled(&mut stop).await }
         }));
         tracing::info!(
-            %addr, %admin_addr, grpc_addr = ?grpc_addr, workers,
+            %addr, %admin_addr, grpc_addr = ?grpc_addr, engines, workers, engines_pending_shape,
             tls = cfg.server.tls.is_some(), admin_tls = cfg.server.admin_tls.is_some(),
             policy = cfg.routing.policy.as_str(),
             max_connections = front_opts.max_connections,

@@ -49,6 +49,8 @@ pub struct Catalog {
     engines: IxVec<EngineIx, Option<Arc<[Model]>>>,
     /// Every model some engine serves, in id order, with the engines serving it.
     models: BTreeMap<String, Vec<EngineIx>>,
+    /// Every engine's list is known (read once here: requests ask for it).
+    all_known: bool,
 }
 
 impl Catalog {
@@ -65,6 +67,7 @@ impl Catalog {
             }
         }
         Catalog {
+            all_known: lists.iter().all(Option::is_some),
             engines: lists,
             models,
         }
@@ -95,10 +98,20 @@ impl Catalog {
 
     /// Whether a request's model decides where it may go: the fleet serves several models, or
     /// one while some engine's list is still unknown (it may serve another). With one model
-    /// everywhere, or nothing known at all, any rank will do and the body is not scanned.
+    /// everywhere, or nothing known at all, any rank will do (the body is only checked for a
+    /// model the fleet does not serve: [`Catalog::sole_model`]).
     pub fn routes_by_model(&self) -> bool {
-        let unknown = self.engines.iter().any(Option::is_none);
-        self.models.len() > 1 || (self.models.len() == 1 && unknown)
+        self.models.len() > 1 || (self.models.len() == 1 && !self.all_known)
+    }
+
+    /// The one model of a fleet that serves one, once every engine's list is known: a request
+    /// naming another is answered here (no engine serves it). `None` while some list is unknown
+    /// (that engine may serve any model).
+    pub fn sole_model(&self) -> Option<&str> {
+        match (self.all_known, self.models.len()) {
+            (true, 1) => self.models.keys().next().map(String::as_str),
+            _ => None,
+        }
     }
 
     /// Among the engines `allowed` (those serving the request's route), the ones that may serve

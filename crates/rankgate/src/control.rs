@@ -97,6 +97,12 @@ impl Control {
         self.started.key_vars.iter().any(|v| v == var)
     }
 
+    /// `routing.kv_events` as started (fixed for the life of the process): whether any rank's
+    /// KV events are read at all, for `/workers`.
+    pub fn kv_events(&self) -> bool {
+        self.started.routing.kv_events
+    }
+
     /// Whether a request may change the fleet (constant-time token comparison).
     pub fn authorize(&self, headers: &http::HeaderMap) -> Result<(), Refusal> {
         let token = self.token.as_ref().ok_or(Refusal::Disabled)?;

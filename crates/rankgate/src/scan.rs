@@ -45,6 +45,37 @@ pub fn json_member<'a>(body: &'a [u8], key: &str) -> Result<Option<Cow<'a, str>>
     found
 }
 
+/// The top-level string member `key` of the JSON object in `body` when none names `value`: a
+/// one-model fleet's check, stopping at the first that does (a later one naming another is the
+/// engine's to refuse). `None` too without one, or for a body not a JSON object.
+pub fn json_member_other<'a>(body: &'a [u8], key: &str, value: &str) -> Option<Cow<'a, str>> {
+    let mut s = Scanner { b: body, i: 0 };
+    let mut other = None;
+    s.ws();
+    s.expect(b'{').ok()?;
+    loop {
+        s.ws();
+        if s.peek() == Some(b'}') {
+            return other;
+        }
+        let name = s.string().ok()?;
+        s.ws();
+        s.expect(b':').ok()?;
+        s.ws();
+        match name == key && s.peek() == Some(b'"') {
+            true => match s.string().ok()? {
+                v if v == value => return None,
+                v => other = Some(v),
+            },
+            false => s.skip_value().ok()?,
+        }
+        s.ws();
+        if s.peek() == Some(b',') {
+            s.i += 1;
+        }
+    }
+}
+
 /// The raw bytes of the value of the first of `keys` the object has as a top-level member (its
 /// last occurrence), as the client wrote them: for hashing, not reading. One pass over the
 /// body whatever the number of keys.
@@ -338,6 +369,26 @@ mod tests {
         assert!(matches!(model(r#"{"a":"#), Err(ScanError::Invalid(_))));
         assert!(matches!(model(""), Err(ScanError::Invalid(_))));
         assert!(matches!(model(r#"{"a" 1}"#), Err(ScanError::Invalid(_))));
+    }
+
+    #[test]
+    fn another_model_is_named_and_the_served_one_stops_the_scan() {
+        // A later `m` is served, so is an escaped one; the rest is the engine's to refuse.
+        for (body, want) in [
+            (r#"{"model": "m", "messages": [1, {"a": "}"}]}"#, None),
+            (
+                r#"{"messages": [{"model": "m"}], "model": "gpt-4"}"#,
+                Some("gpt-4"),
+            ),
+            (r#"{"model": "x", "model": "m"}"#, None),
+            (r#"{"model": "\u006d"}"#, None),
+            (r#"{"prompt": "model"}"#, None),
+            (r#"{"model": 3}"#, None),
+            (r#"{"model": "x", "#, None),
+        ] {
+            let got = json_member_other(body.as_bytes(), "model", "m");
+            assert_eq!(got.as_deref(), want, "{body}");
+        }
     }
 
     #[test]

@@ -32,6 +32,7 @@ use arc_swap::ArcSwap;
 
 use super::event::{EngineHash, Event, Message};
 use super::hash::chain;
+use super::state::KvState;
 
 /// Blocks one rank's index holds at most, whatever the rank reports (4 M blocks of 16 tokens:
 /// 64 M tokens of KV; about 330 MB of index).
@@ -120,15 +121,6 @@ impl Table {
     }
 }
 
-/// What a rank's index can say, as `/workers` shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KvState {
-    /// Exact (or rebuilt): the blocks it holds and their size in tokens.
-    Available { blocks: usize, block_size: u32 },
-    /// Not used by picks, and why.
-    Unavailable { reason: String },
-}
-
 /// One rank's index, shared by its writer and every pick.
 pub struct RankIndex {
     table: ArcSwap<Table>,
@@ -214,7 +206,7 @@ impl RankIndex {
     fn set(&self, state: KvState) {
         let size = match &state {
             KvState::Available { block_size, .. } => *block_size,
-            KvState::Unavailable { .. } => 0,
+            KvState::Unavailable { .. } | KvState::Off { .. } => 0,
         };
         *self.state.lock().unwrap_or_else(|p| p.into_inner()) = state;
         self.block_size.store(size, Release);
@@ -270,6 +262,8 @@ pub struct Writer {
     last_seq: Option<u64>,
     phase: Phase,
     why: String,
+    /// `why` says no events will come (see [`Writer::off`]), until a message shows otherwise.
+    off: bool,
 }
 
 impl Writer {
@@ -293,6 +287,7 @@ impl Writer {
                 then: Resume::Rebuilding { stored: 0 },
             },
             why: "no KV events yet".into(),
+            off: false,
         }
     }
 
@@ -327,6 +322,15 @@ impl Writer {
             self.phase = Phase::Paused { then };
         }
         self.why = reason.into();
+        self.off = false;
+        self.publish();
+    }
+
+    /// No events will come for this rank (its engine publishes none, or none is configured
+    /// for it): as [`Writer::lost`], but the rank says `off` rather than waiting.
+    pub fn off(&mut self, reason: &str) {
+        self.lost(reason);
+        self.off = true;
         self.publish();
     }
 
@@ -342,6 +346,7 @@ impl Writer {
     /// Applies one message of this rank.
     pub fn apply(&mut self, msg: &Message) {
         self.index.counts.messages.fetch_add(1, Relaxed);
+        self.off = false;
         let seq = msg.seq;
         match self.last_seq {
             // Followed the sequence without a gap: the index stands (if paused, resumes).
@@ -560,6 +565,9 @@ impl Writer {
                     "{} ({stored} of {} blocks stored since)",
                     self.why, self.capacity_blocks
                 ),
+            },
+            _ if self.off => KvState::Off {
+                reason: self.why.clone(),
             },
             _ => KvState::Unavailable {
                 reason: self.why.clone(),

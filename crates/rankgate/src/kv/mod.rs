@@ -6,6 +6,8 @@
 //! - [`hash`]: the block names (one function for the engines' blocks and the prompts');
 //! - [`msgpack`]: a bounded reader of the payloads; [`event`]: one message decoded;
 //! - [`index`]: a rank's index: read by picks without a lock, written by one task;
+//! - [`state`]: what an index says of itself (available, unavailable and why, off and why),
+//!   [`status`]: as `/workers` shows it;
 //! - [`feed`]: where each rank's events come from, and the tasks that read them;
 //! - [`listen`]: the endpoints rankgate binds for engines that connect, and whom they trust;
 //! - [`zmtp`]: ZeroMQ's wire protocol, as much as a SUB (and the simulator's PUB) needs.
@@ -17,11 +19,14 @@ pub mod hash;
 pub mod index;
 pub mod listen;
 pub mod msgpack;
+pub mod state;
+pub mod status;
 pub mod zmtp;
 
 pub use event::{decode, DecodeError, Event, Message};
 pub use hash::block_hashes;
-pub use index::{KvState, RankIndex, Writer};
+pub use index::{RankIndex, Writer};
+pub use state::KvState;
 
 #[cfg(test)]
 mod tests;

@@ -9,7 +9,8 @@ use serde_json::Value;
 
 use super::event::{decode, Event};
 use super::hash::chain;
-use super::index::{KvState, RankIndex, Writer};
+use super::index::{RankIndex, Writer};
+use super::state::KvState;
 
 const CAPTURE: &str = include_str!("../../../../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");
 

@@ -2,8 +2,10 @@
 //! parsing it: [`super::scan`]) and its route's flavor. The pick then applies every rule about
 //! ranks within that set; the others are handed down as engines to avoid.
 //!
-//! A fleet serving one model (or whose lists are all unknown) is not scanned at all, and a
-//! fleet of one flavor needs no flavor check: the usual request passes straight through.
+//! A fleet whose lists are all unknown is not scanned at all, one serving one model only up to
+//! a `model` naming it (usually the body's first member: a request naming another gets the
+//! fleet's own 404), and a fleet of one flavor needs no flavor check: the usual request passes
+//! straight through.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -90,6 +92,15 @@ impl<S> Select<S> {
         // The usual request: one model, one flavor, nothing to look at (engines that serve no
         // HTTP are left out by the pick itself).
         if !snap.catalog.routes_by_model() && !mixed_flavors && !split && path != "/v1/responses" {
+            // One model served: a request naming another is answered here (`not_served`).
+            let full = matches!(req.body(), RequestBody::Full(_));
+            if let (Some(sole), true) = (snap.catalog.sole_model(), full) {
+                if let Ok(Action::Proxy(route)) =
+                    route::lookup(ctx, &self.extra_routes, req.method(), path)
+                {
+                    not_served(req, route, sole)?;
+                }
+            }
             return Ok(Chosen::Any);
         }
         let Action::Proxy(route) = route::lookup(ctx, &self.extra_routes, req.method(), path)?
@@ -105,6 +116,9 @@ impl<S> Select<S> {
             }
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
+        if let Some(sole) = snap.catalog.sole_model() {
+            not_served(req, route, sole)?;
+        }
         if !by_model && !split && (!mixed_flavors || route.flavors == crate::worker::Flavors::BOTH)
         {
             return Ok(Chosen::Any);
@@ -220,6 +234,30 @@ fn whole(req: &Request<RequestBody>) -> Option<&[u8]> {
     match req.body() {
         RequestBody::Full(b) => Some(b),
         RequestBody::Stream(s) => s.prefix.as_deref(),
+    }
+}
+
+/// A fleet serving one model (`sole`, every engine's list known) answers a request naming
+/// another itself, as one serving several does: 404 `model_not_found`, naming the model it
+/// serves, rather than one engine's own 404. The body is scanned only up to its first member
+/// naming `sole` (the usual request names it first); a body too large to have been kept whole,
+/// or naming no model, goes on as before (its engine answers).
+fn not_served(req: &Request<RequestBody>, route: Proxied, sole: &str) -> Result<(), ProxyError> {
+    let RequestBody::Full(body) = req.body() else {
+        return Ok(());
+    };
+    let other = match route.payload {
+        Payload::Json => scan::json_member_other(body, "model", sole),
+        Payload::Form => model(req, route).ok().flatten().filter(|m| m != sole),
+        Payload::Empty => None,
+    };
+    match other {
+        Some(m) => Err(crate::catalog::ModelError::NotFound {
+            model: crate::catalog::shown(&m),
+            served: vec![sole.to_string()],
+        }
+        .into()),
+        None => Ok(()),
     }
 }
 

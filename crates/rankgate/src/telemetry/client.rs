@@ -17,17 +17,33 @@ const MAX_TELEMETRY_BYTES: usize = 8 * 1024 * 1024;
 pub struct HttpClient {
     client: crate::http::HttpClient<Empty<Bytes>>,
     key: Option<ApiKey>,
+    /// Each [`fetch`] bounded by this, its failure then naming it (`check --probe`, which
+    /// says which request got no answer); `None` where the caller bounds a whole step.
+    limit: Option<std::time::Duration>,
 }
 
 impl HttpClient {
     pub fn new(client: crate::http::HttpClient<Empty<Bytes>>) -> HttpClient {
-        HttpClient { client, key: None }
+        HttpClient {
+            client,
+            key: None,
+            limit: None,
+        }
     }
 
     pub(super) fn with_key(&self, key: Option<ApiKey>) -> HttpClient {
         HttpClient {
             client: self.client.clone(),
             key,
+            limit: self.limit,
+        }
+    }
+
+    /// This client with each [`fetch`] bounded by `limit`.
+    pub(super) fn with_limit(&self, limit: std::time::Duration) -> HttpClient {
+        HttpClient {
+            limit: Some(limit),
+            ..self.clone()
         }
     }
 
@@ -48,6 +64,8 @@ pub(super) struct Failure {
     /// Something answered (an HTTP status, a gRPC status): the endpoint is up.
     pub(super) answered: bool,
     pub(super) reason: String,
+    /// The HTTP status, when the failure is one (a 404 says the engine has no such route).
+    pub(super) status: Option<http::StatusCode>,
 }
 
 impl Failure {
@@ -55,12 +73,27 @@ impl Failure {
         Failure {
             answered: false,
             reason,
+            status: None,
         }
     }
 }
 
 /// GET `uri` and read its body (bounded); an HTTP error status is a failure that answered.
 pub(super) async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
+    match client.limit {
+        None => fetch_unbounded(client, uri).await,
+        Some(limit) => tokio::time::timeout(limit, fetch_unbounded(client, uri))
+            .await
+            .unwrap_or_else(|_| {
+                Err(Failure::silent(format!(
+                    "no answer within {} ms",
+                    limit.as_millis()
+                )))
+            }),
+    }
+}
+
+async fn fetch_unbounded(client: &HttpClient, uri: http::Uri) -> Result<Bytes, Failure> {
     let resp = client
         .get(uri)
         .await
@@ -72,12 +105,14 @@ pub(super) async fn fetch(client: &HttpClient, uri: http::Uri) -> Result<Bytes, 
         .map_err(|e| Failure {
             answered: true,
             reason: format!("reading body: {e}"),
+            status: None,
         })?
         .to_bytes();
     if !status.is_success() {
         return Err(Failure {
             answered: true,
             reason: format!("HTTP {status}"),
+            status: Some(status),
         });
     }
     Ok(body)

@@ -49,17 +49,20 @@ pub(super) async fn feed(
         let found = match configured {
             Some((endpoint, topic)) => {
                 feed::from_config(endpoint, topic, host, entry.start_rank, entry.dp_size)
+                    .map_err(Missing::from)
             }
             None => (ask(&entry, &http, host).await).and_then(|s| {
-                feed::trusted(&s, entry.start_rank, entry.dp_size, &engine).map(|()| s)
+                feed::trusted(&s, entry.start_rank, entry.dp_size, &engine)
+                    .map(|()| s)
+                    .map_err(Missing::from)
             }),
         };
         let found = found.and_then(|s| {
             let binds = s.iter().any(|s| matches!(s.reach, Reach::Bind(_)));
             match binds && engine.is_empty() && also_from.is_empty() {
-                true => Err(format!(
+                true => Err(Missing::from(format!(
                     "no KV events: the engine's host {host} does not resolve, and its events are taken only from its addresses (or engines[].kv_events_from)"
-                )),
+                ))),
                 false => Ok(s),
             }
         });
@@ -68,12 +71,14 @@ pub(super) async fn feed(
                 let from: Arc<[IpAddr]> = (engine.iter()).chain(also_from).copied().collect();
                 break (s, from);
             }
-            Err(why) => {
+            Err(Missing { why, off }) => {
                 for m in entry.members.iter() {
-                    feed::writer(&m.kv)
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .lost(&why);
+                    let writer = feed::writer(&m.kv);
+                    let mut w = feed::lock(&writer);
+                    match off {
+                        true => w.off(&why),
+                        false => w.lost(&why),
+                    }
                 }
                 // Once per reason, not every ASK_AGAIN.
                 if why != logged {
@@ -94,7 +99,7 @@ pub(super) async fn feed(
     for m in entry.members.iter() {
         let writer = feed::writer(&m.kv);
         let Some(src) = sources.iter().find(|s| Some(s.rank) == m.id.rank) else {
-            feed::lock(&writer).lost("the engine lists no KV-event source for this rank");
+            feed::lock(&writer).off("the engine publishes no KV events for this rank: its GET /kv_event_sources leaves the rank out (events off there, or not published over ZeroMQ)");
             continue;
         };
         start(src, &from, &writer, &listeners, &mut tasks, &mut held).await;
@@ -164,31 +169,54 @@ async fn start(
     }
 }
 
+/// Why an engine's ranks have no event sources (yet).
+struct Missing {
+    why: String,
+    /// No events will come until the engine or the config changes (the engine has no
+    /// `/kv_event_sources` and none is configured): its ranks say `off`, not a wait.
+    off: bool,
+}
+
+impl From<String> for Missing {
+    fn from(why: String) -> Missing {
+        Missing { why, off: false }
+    }
+}
+
 /// The engine's `/kv_event_sources`, read.
 async fn ask(
     entry: &EngineEntry,
     http: &HttpClient,
     host: &str,
-) -> Result<Vec<RankSource>, String> {
+) -> Result<Vec<RankSource>, Missing> {
     let uri: http::Uri = format!("{}/kv_event_sources", entry.url)
         .parse()
-        .map_err(|e| format!("/kv_event_sources: {e}"))?;
+        .map_err(|e| Missing::from(format!("/kv_event_sources: {e}")))?;
     let http = http.with_key(entry.api_key.clone());
     // An engine that accepts and never answers must not hold the feed: asked again later.
     let answer = tokio::time::timeout(ASK_TIMEOUT, fetch(&http, uri))
         .await
         .map_err(|_| {
-            format!(
+            Missing::from(format!(
                 "no KV-event sources: GET /kv_event_sources: no answer within {} s",
                 ASK_TIMEOUT.as_secs()
-            )
+            ))
         })?;
     match answer {
-        Ok(body) => feed::from_sources(&body, host),
-        Err(f) => Err(format!(
+        Ok(body) => feed::from_sources(&body, host).map_err(Missing::from),
+        // No such route: an engine started without `--kv-events-config` (or an SGLang one,
+        // which has no such route at all).
+        Err(f) if f.status == Some(http::StatusCode::NOT_FOUND) => Err(Missing {
+            why: format!(
+                "no kv_events configured for this engine: GET /kv_event_sources: {} (set engines[].kv_events, or start the engine with --kv-events-config)",
+                f.reason
+            ),
+            off: true,
+        }),
+        Err(f) => Err(Missing::from(format!(
             "no KV-event sources: GET /kv_event_sources: {} (set engines[].kv_events, or start the engine with --kv-events-config)",
             f.reason
-        )),
+        ))),
     }
 }
 

@@ -249,12 +249,16 @@ impl Publisher {
         let (listed, _) = self.sources.engines();
         self.rebuild(listed);
         if let Some(entry) = self.fleet.engines.iter().find(|x| x.url == url) {
-            let (flavor, ranks) = (entry.flavor, entry.dp_size);
+            // With the fleet's count now, which the start line could not give.
+            let (flavor, ranks, workers) = (entry.flavor, entry.dp_size, self.fleet.workers.len());
+            let engines_pending_shape = (self.fleet.engines.iter()).filter(|e| !e.shaped()).count();
             match entry.mismatch() {
                 Some(m) => {
-                    tracing::warn!(engine = %url, mismatch = %m, "engine disagrees with the config")
+                    tracing::warn!(engine = %url, mismatch = %m, workers, engines_pending_shape, "engine disagrees with the config")
                 }
-                None => tracing::info!(engine = %url, %flavor, ranks, "engine said its shape"),
+                None => {
+                    tracing::info!(engine = %url, %flavor, ranks, workers, engines_pending_shape, "engine said its shape")
+                }
             }
         }
     }

@@ -59,6 +59,10 @@ pub struct Poller {
     detect_due: bool,
     /// Whether the last poll reached the engine.
     reachable: bool,
+    /// The engine's last answer to "what are you" failed, and that was logged: the next
+    /// failures are not (their wording may change each poll: a refused connection, a timeout),
+    /// its answer is, once.
+    shape_failing: bool,
     /// Per source: `Some` while it is out of the polls after a failure.
     down: Vec<Option<Down>>,
 }
@@ -124,6 +128,7 @@ impl Poller {
             http,
             dp_size_checked: false,
             reachable: false,
+            shape_failing: false,
             grpc,
             down: (0..engine_sources).map(|_| None).collect(),
         })
@@ -176,8 +181,9 @@ impl Poller {
                 Ok(reported) => {
                     self.detect_due = false;
                     self.entry.unshaped.store(None);
+                    let was_failing = std::mem::take(&mut self.shape_failing);
                     if self.entry.reported.as_ref() != Some(&reported) {
-                        // The publisher builds the engine's entry anew with it.
+                        // The publisher builds the engine's entry anew with it, and logs it.
                         return Some(Report {
                             engine: self.entry.key,
                             reachable: true,
@@ -188,16 +194,25 @@ impl Poller {
                             reported: Some(reported),
                         });
                     }
+                    if was_failing {
+                        tracing::info!(engine = %self.engine.url, "engine says its shape again");
+                    }
                 }
                 // Without workers it is asked every poll until it answers; with workers (from
                 // the config) it is routed as configured, and asked again after its next outage.
                 Err(why) if self.entry.shaped() => {
                     self.detect_due = false;
-                    tracing::warn!(engine = %self.engine.url, %why, "engine did not say its shape: routed as configured");
+                    if !std::mem::replace(&mut self.shape_failing, true) {
+                        tracing::warn!(engine = %self.engine.url, %why, "engine did not say its shape: routed as configured");
+                    }
                 }
+                // Asked every poll: warned once until it answers (`/workers` keeps the latest
+                // reason), not once a poll.
                 Err(why) => {
-                    if self.entry.unshaped.load().as_deref() != Some(&why) {
-                        tracing::warn!(engine = %self.engine.url, %why, "engine did not say its shape");
+                    if !std::mem::replace(&mut self.shape_failing, true) {
+                        tracing::warn!(engine = %self.engine.url, %why, "engine did not say its shape: it takes no traffic until it does");
+                    } else if self.entry.unshaped.load().as_deref() != Some(&why) {
+                        tracing::debug!(engine = %self.engine.url, %why, "engine still does not say its shape");
                     }
                     self.entry.unshaped.store(Some(why.into()));
                 }

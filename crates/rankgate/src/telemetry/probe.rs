@@ -1,9 +1,9 @@
 //! `rankgate check --probe`: each engine read once, the way the router reads it, for an operator
 //! checking a config before serving it: reachable or not, flavor and DP size (as configured or
-//! as the engine says), models, which telemetry source answered and how many ranks it gave
-//! numbers for, and whether it offers KV-cache events (`GET /kv_event_sources`).
-
-use std::time::Duration;
+//! as the engine says) and the ranks (virtual workers) they give, models, which telemetry source
+//! answered and how many ranks it gave numbers for, whether it offers KV-cache events
+//! (`GET /kv_event_sources`), and every request that failed, named with what came back. What
+//! could not be learned says `unknown`, never a value (a DP size of 0, an error as a model).
 
 use super::client::{fetch, HttpClient};
 use super::poller;
@@ -17,21 +17,27 @@ use crate::worker::{Engine, EngineEntry, Origin};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Probed {
     pub url: String,
-    /// Something answered: the shape question, a telemetry source or the model list.
+    /// Something answered: its health path (any HTTP answer), the shape question, a telemetry
+    /// source or the model list.
     pub reachable: bool,
     pub flavor: String,
-    pub dp_size: u32,
-    pub models: Result<Vec<String>, String>,
-    /// The source that answered, and the ranks it gave numbers for.
-    pub telemetry: Result<(&'static str, usize), String>,
-    pub kv_events: bool,
+    /// `None` while the engine has not said it (and the config leaves it to the engine).
+    pub dp_size: Option<u32>,
+    /// The virtual workers (`url@rank`) its shape gives; empty while it is not known.
+    pub ranks: Vec<String>,
+    /// The model list; `None` when it could not be read (why is in `problems`).
+    pub models: Option<Vec<String>>,
+    /// The source that answered, and the ranks it gave numbers for; `None` when none did.
+    pub telemetry: Option<(&'static str, usize)>,
+    /// Whether it lists KV-event sources; `None` when `/kv_event_sources` got no answer.
+    pub kv_events: Option<bool>,
     /// Its role, with an SGLang prefill server's bootstrap port (`Engine::role_text`).
     pub role: String,
-    /// Why the flavor or size could not be read, when they were asked.
-    pub shape_problem: Option<String>,
+    /// Each request that failed, naming it: what was asked and what came back (or did not).
+    pub problems: Vec<String>,
 }
 
-/// Reads each engine once, all at the same time, each step bounded by `cfg.timeout`;
+/// Reads each engine once, all at the same time, each request bounded by `cfg.timeout`;
 /// `https://` engines as `upstream` says.
 pub async fn probe(
     engines: Vec<Engine>,
@@ -52,103 +58,170 @@ pub async fn probe(
     out
 }
 
+/// Most requests the shape question makes one after the other (SGLang's server info, vLLM's
+/// version, metrics, KV-event sources): its whole bound, each request having its own.
+const SHAPE_REQUESTS: u32 = 4;
+
 async fn one(
     engine: Engine,
     cfg: TelemetryConfig,
     http: HttpClient,
     transport: grpc::Transport,
 ) -> Probed {
-    let http = http.with_key(engine.api_key.clone());
-    let bounded = |d: Duration| move |_| format!("no answer within {} ms", d.as_millis());
-    let asked = tokio::time::timeout(cfg.timeout, detect::detect(&engine, &http, &transport))
-        .await
-        .unwrap_or_else(|e| Err(bounded(cfg.timeout)(e)));
-    let (shaped, shape_problem) = match &asked {
-        Ok(r) => (engine.with_reported(Some(r)), None),
-        Err(why) => (engine.clone(), Some(why.clone())),
+    // Each GET bounded on its own, so that a failure names the request that got no answer.
+    let http = http
+        .with_key(engine.api_key.clone())
+        .with_limit(cfg.timeout);
+    let mut problems = Vec::new();
+    let url = &engine.url;
+    let get = |path: &str| -> Result<http::Uri, String> {
+        format!("{url}{path}")
+            .parse()
+            .map_err(|e| format!("GET {path}: {e}"))
     };
-    let models = match (engine.http, &engine.models) {
-        (_, Some(fixed)) => Ok(fixed.clone()),
-        (false, None) => Err("gRPC only: no model list".into()),
-        (true, None) => match format!("{}/v1/models", engine.url).parse() {
-            Ok(uri) => tokio::time::timeout(cfg.timeout, models::read(&http, uri))
-                .await
-                .unwrap_or_else(|e| Err(bounded(cfg.timeout)(e)))
-                .map(|l| l.into_iter().map(|m| m.id).collect()),
-            Err(e) => Err(e.to_string()),
-        },
-    };
-    let telemetry = match shaped.shaped() {
-        false => Err("not read: the flavor or DP size is not known".into()),
-        true => {
-            let entry =
-                EngineEntry::new(shaped.clone(), Origin::Config, ConnLimits::default(), None);
-            match poller::Poller::new(entry, cfg.clone(), http.clone(), transport) {
-                Ok(mut p) => {
-                    let (source, ranks) = p.poll_once().await;
-                    let fresh = ranks
-                        .iter()
-                        .filter(|r| matches!(r, RankTelemetry::Available(_)))
-                        .count();
-                    match (source, ranks.first()) {
-                        (None, Some(RankTelemetry::Unavailable { reason })) => {
-                            Err(reason.to_string())
-                        }
-                        _ => Ok((source.map_or("none", SourceKind::as_str), fresh)),
-                    }
+    // The health path: any HTTP answer (an error status too) says the engine is up.
+    let mut health_answered = false;
+    if let (true, Some(path)) = (engine.http, engine.health_path.as_deref()) {
+        match get(path) {
+            Ok(uri) => match fetch(&http, uri).await {
+                Ok(_) => health_answered = true,
+                Err(f) => {
+                    health_answered = f.answered;
+                    problems.push(format!("GET {path}: {}", f.reason));
                 }
-                Err(e) => Err(e),
-            }
+            },
+            Err(e) => problems.push(e),
+        }
+    }
+    let whole = cfg.timeout * SHAPE_REQUESTS;
+    let asked = tokio::time::timeout(whole, detect::detect(&engine, &http, &transport))
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "asked its flavor and DP size: no answer within {} ms",
+                whole.as_millis()
+            ))
+        });
+    let shaped = match &asked {
+        Ok(r) => engine.with_reported(Some(r)),
+        Err(why) => {
+            problems.push(why.clone());
+            engine.clone()
         }
     };
-    let kv_events = engine.http
-        && match format!("{}/kv_event_sources", engine.url).parse() {
-            Ok(uri) => matches!(
-                tokio::time::timeout(cfg.timeout, fetch(&http, uri)).await,
-                Ok(Ok(body)) if serde_json::from_slice::<serde_json::Value>(&body)
-                    .is_ok_and(|v| v.as_object().is_some_and(|o| !o.is_empty()))
+    let models = match (engine.http, &engine.models) {
+        (_, Some(fixed)) => Some(fixed.clone()),
+        (false, None) => {
+            problems.push("gRPC only: no model list".into());
+            None
+        }
+        (true, None) => match get("/v1/models") {
+            Ok(uri) => match models::read(&http, uri).await {
+                Ok(l) => Some(l.into_iter().map(|m| m.id).collect()),
+                Err(e) => {
+                    problems.push(format!("GET /v1/models: {e}"));
+                    None
+                }
+            },
+            Err(e) => {
+                problems.push(e);
+                None
+            }
+        },
+    };
+    let entry = (shaped.shaped())
+        .then(|| EngineEntry::new(shaped.clone(), Origin::Config, ConnLimits::default(), None));
+    let ranks: Vec<String> = (entry.iter())
+        .flat_map(|e| e.members.iter().map(|m| m.id_text.to_string()))
+        .collect();
+    let telemetry = match entry {
+        None => {
+            problems.push("telemetry not read: the flavor or DP size is not known".into());
+            None
+        }
+        Some(entry) => match poller::Poller::new(entry, cfg.clone(), http.clone(), transport) {
+            Ok(mut p) => {
+                let (source, polled) = p.poll_once().await;
+                let fresh = (polled.iter())
+                    .filter(|r| matches!(r, RankTelemetry::Available(_)))
+                    .count();
+                match (source, polled.first()) {
+                    (None, Some(RankTelemetry::Unavailable { reason })) => {
+                        problems.push(format!("telemetry: {reason}"));
+                        None
+                    }
+                    _ => Some((source.map_or("none", SourceKind::as_str), fresh)),
+                }
+            }
+            Err(e) => {
+                problems.push(format!("telemetry: {e}"));
+                None
+            }
+        },
+    };
+    let kv_events = match (engine.http, get("/kv_event_sources")) {
+        (false, _) | (_, Err(_)) => Some(false),
+        (true, Ok(uri)) => match fetch(&http, uri).await {
+            Ok(body) => Some(
+                serde_json::from_slice::<serde_json::Value>(&body)
+                    .is_ok_and(|v| v.as_object().is_some_and(|o| !o.is_empty())),
             ),
-            Err(_) => false,
-        };
+            // An HTTP error (a 404: no such route) is an answer: it offers none.
+            Err(f) if f.answered => Some(false),
+            Err(f) => {
+                problems.push(format!("GET /kv_event_sources: {}", f.reason));
+                None
+            }
+        },
+    };
     Probed {
         url: engine.url.to_string(),
-        reachable: asked.is_ok() || models.is_ok() || telemetry.is_ok(),
+        reachable: health_answered || asked.is_ok() || models.is_some() || telemetry.is_some(),
         flavor: match shaped.shaped() || shaped.declared.flavor.is_some() {
             true => shaped.flavor.as_str().into(),
             false => "?".into(),
         },
-        dp_size: shaped.dp_size,
+        dp_size: shaped.shaped().then_some(shaped.dp_size),
+        ranks,
         models,
         telemetry,
         kv_events,
         role: shaped.role_text(),
-        shape_problem,
+        problems,
     }
 }
 
 impl Probed {
-    /// One line of the table `check --probe` prints.
+    /// One line of the table `check --probe` prints: each column says what was found, or
+    /// `unknown`; what failed, and on which request, is in `problems`.
     pub fn line(&self) -> String {
-        let models = match &self.models {
-            Ok(m) => m.join(","),
-            Err(e) => format!("({e})"),
+        let unknown = || "unknown".to_string();
+        let dp_size = self.dp_size.map_or_else(unknown, |n| n.to_string());
+        let ranks = match self.ranks.is_empty() {
+            true => unknown(),
+            false => self.ranks.join(","),
         };
-        let telemetry = match &self.telemetry {
-            Ok((source, fresh)) => format!("{source}: {fresh}/{} ranks", self.dp_size),
-            Err(e) => format!("({e})"),
+        let models = self.models.as_ref().map_or_else(unknown, |m| m.join(","));
+        let telemetry = match (&self.telemetry, self.dp_size) {
+            (Some((source, fresh)), Some(n)) => format!("{source}: {fresh}/{n} ranks"),
+            (Some((source, fresh)), None) => format!("{source}: {fresh} ranks"),
+            (None, _) => unknown(),
         };
-        let shape = match &self.shape_problem {
-            Some(p) => format!("\tasked: {p}"),
-            None => String::new(),
+        let kv_events = match self.kv_events {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "unknown",
+        };
+        let problems = match self.problems.is_empty() {
+            true => String::new(),
+            false => format!("\tproblems={}", self.problems.join("; ")),
         };
         format!(
-            "{}\treachable={}\tflavor={}\tdp_size={}\trole={}\tmodels={models}\ttelemetry={telemetry}\tkv_events={}{shape}",
+            "{}\treachable={}\tflavor={}\tdp_size={dp_size}\tranks={ranks}\trole={}\tmodels={models}\ttelemetry={telemetry}\tkv_events={kv_events}{problems}",
             self.url,
             if self.reachable { "yes" } else { "no" },
             self.flavor,
-            self.dp_size,
             self.role,
-            if self.kv_events { "yes" } else { "no" },
         )
     }
 }

@@ -49,6 +49,7 @@ pub(super) async fn fetch_source(src: Source, http: HttpClient) -> Result<Raw, F
                 .map_err(|_| Failure {
                     answered: true,
                     reason: "body is not UTF-8".into(),
+                    status: None,
                 })
         }
         Source::Http(u) => {
@@ -58,6 +59,7 @@ pub(super) async fn fetch_source(src: Source, http: HttpClient) -> Result<Raw, F
                 .map_err(|reason| Failure {
                     answered: true,
                     reason,
+                    status: None,
                 })
         }
         // The gRPC port answering says nothing of the HTTP port traffic goes to, so a gRPC
