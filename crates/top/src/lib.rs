@@ -11,6 +11,8 @@
 //! loses its row.
 
 pub mod model;
+pub mod rates;
+pub mod status;
 pub mod view;
 
 use std::io::{self, IsTerminal};
