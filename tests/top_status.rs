@@ -84,7 +84,11 @@ async fn a_rank_that_never_served_reads_0_like_one_gone_idle() {
     // The idle rank has no series in /metrics at all: it never answered a request.
     let metrics = get(r.admin_addr, "/metrics").await;
     let text = String::from_utf8_lossy(&metrics.body);
-    assert!(!text.contains(&format!("worker=\"{idle}\"")), "{text}");
+    let series = format!("worker=\"{idle}\"");
+    assert!(
+        !(text.lines()).any(|l| l.starts_with("rankgate_requests_total{") && l.contains(&series)),
+        "{text}"
+    );
 
     top.poll_once().await;
     let second = draw(top.state(), &mut term);
