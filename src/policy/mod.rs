@@ -43,3 +43,5 @@ pub use sizing::RequestSizer;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod verdict_tests;
