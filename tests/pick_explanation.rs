@@ -4,7 +4,8 @@
 //! affinity. A conversation is served once, so one rank's engine says it holds the prompt; then
 //! the ranks' reported KV is set so that affinity picks that holder, or the holder loses for being
 //! above `affinity_max_kv`, or for being outside `affinity_margin`, and the explanation says
-//! which, with the figures.
+//! which, with the figures. A fresh router's very first request counts its prompt's tokens, and
+//! the ranks of an engine serving another model are listed as not serving it.
 
 mod common;
 
@@ -212,6 +213,49 @@ async fn the_first_request_of_a_fresh_router_counts_its_prompt_tokens() {
             c["rule"].is_string() && c["why"].as_str().is_some_and(|w| !w.is_empty()),
             "{x}"
         );
+    }
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn every_rank_is_accounted_for_those_serving_another_model_last() {
+    // Engine A serves model-a on ranks 0-1, engine B model-b on ranks 2-3.
+    let a = engine(serving(&["model-a"], 2, 0)).await;
+    let b = engine(serving(&["model-b"], 2, 2)).await;
+    a.set_kv_usage(vec![0.7, 0.05]);
+    b.set_kv_usage(vec![0.3, 0.6]);
+    let engines = [
+        engine_toml(&a.url(), "vllm", 2, 0),
+        engine_toml(&b.url(), "vllm", 2, 2),
+    ];
+    let r = router_with(&token_env(), FAST, &engines).await;
+    wait_state(&r, &[0, 1, 2, 3], "available").await;
+    wait_models(&r).await;
+    let body = json!({"model": "model-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let req = post(r.addr, "/v1/chat/completions")
+        .header("x-rankgate-debug", "1")
+        .header("x-rankgate-admin-token", TOKEN)
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    let reply = send(req).await;
+    assert_eq!(reply.status, 200);
+    let x: Value = serde_json::from_slice(reply.headers["x-rankgate-pick"].as_bytes()).unwrap();
+    let (a0, a1) = (format!("{}@0", a.url()), format!("{}@1", a.url()));
+    assert_eq!(x["picked"], a1.as_str(), "{x}");
+    assert_eq!(candidate(&x, &a1)["rule"], "least_load", "{x}");
+    let lost = candidate(&x, &a0);
+    assert_eq!(lost["rule"], "higher_load", "{x}");
+    assert!(lost["why"].as_str().unwrap().contains("score 0.7"), "{x}");
+    // B's ranks are no candidates: listed, each with why, and counted.
+    assert_eq!(x["not_serving"], 2, "{x}");
+    let skipped = x["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 2, "{x}");
+    for s in skipped {
+        assert!(s["worker"].as_str().unwrap().starts_with(&b.url()), "{x}");
+        assert_eq!(s["rule"], "not_serving", "{x}");
+        assert!(s["why"].as_str().unwrap().contains("model"), "{x}");
     }
     r.shutdown().await;
 }

@@ -9,8 +9,7 @@
 //! Prompts are unique text (`text`) unless the workload shares prefixes on purpose: a hot shared
 //! prefix on a share of requests, a trace's prefix ids, or multi-turn sessions (`session`) whose
 //! turns repeat their history. Requests can be spread over several targets in turn (replicas of
-//! one router). `scrape` reads the engines' prefix-cache counters for the hit ratio; `fleet`
-//! the router's ranks, so the report lists those that served nothing too.
+//! one router). `scrape` reads the engines' prefix-cache counters, `fleet` the router's ranks.
 
 pub mod dist;
 pub mod fleet;
