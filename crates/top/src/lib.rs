@@ -3,14 +3,16 @@
 //!
 //! This crate's root owns the parts that touch the world: the terminal (raw mode and the alternate
 //! screen, always given back, on panic too), the keyboard, the polling task, and the loop that
-//! joins them. What is known lives in [`model`] and how it looks in [`view`], both pure, so
-//! [`Top::poll_once`] and [`render`] drive them headless (tests use ratatui's `TestBackend`).
+//! joins them. What is known lives in [`model`] ([`rates`]), how it looks in [`view`] ([`status`]),
+//! all pure, so [`Top::poll_once`] and [`render`] drive them headless (ratatui's `TestBackend`).
 //!
 //! The admin listener is read-only here and never trusted to answer: every poll has a timeout,
 //! a failed one keeps the last rows on screen marked stale, and a rank that left the fleet just
 //! loses its row.
 
 pub mod model;
+pub mod rates;
+pub mod status;
 pub mod view;
 
 use std::io::{self, IsTerminal};

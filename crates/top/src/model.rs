@@ -6,15 +6,13 @@
 //! too long for 80 columns) is a unit test. The admin document is read leniently: unknown fields
 //! are ignored and missing ones are `None`, so a newer or older router still shows what it has.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::time::Duration;
 
 use serde::Deserialize;
 use tokio::time::Instant;
 
-/// The counter whose per-worker deltas are requests per second.
-const REQUESTS_TOTAL: &str = "rankgate_requests_total";
+use super::rates::{request_counts, Rates};
 
 /// A `/workers` document that is not what rankgate's admin listener answers.
 #[derive(Debug, thiserror::Error)]
@@ -146,113 +144,6 @@ impl fmt::Display for SortKey {
     }
 }
 
-/// Requests per second per worker, from two readings of a monotonic counter.
-#[derive(Debug, Default)]
-pub struct Rates {
-    last: Option<(Instant, HashMap<String, f64>)>,
-}
-
-impl Rates {
-    /// Records a reading taken at `at` and returns each worker's rate since the previous one.
-    /// The first reading has no rates. A worker new since the previous reading counts from zero
-    /// (it joined in between); a counter that went down was reset (the engine was removed and
-    /// added again), so it too counts from zero, as Prometheus' `rate()` does.
-    pub fn update(&mut self, at: Instant, counts: HashMap<String, f64>) -> HashMap<String, f64> {
-        let mut rates = HashMap::new();
-        if let Some((then, prev)) = &self.last {
-            let secs = at.saturating_duration_since(*then).as_secs_f64();
-            if secs > 0.0 {
-                for (worker, now) in &counts {
-                    let before = prev.get(worker).copied().unwrap_or(0.0);
-                    let delta = if *now >= before { now - before } else { *now };
-                    rates.insert(worker.clone(), delta / secs);
-                }
-            }
-        }
-        self.last = Some((at, counts));
-        rates
-    }
-
-    /// Forgets the last reading: the next one starts afresh (after `/metrics` failed once, a
-    /// delta across the gap would still be right, but only if the same router answered).
-    pub fn reset(&mut self) {
-        self.last = None;
-    }
-}
-
-/// Sums `rankgate_requests_total` by its `worker` label over every other label (status code
-/// today; model, route or code should they be added), from Prometheus text exposition.
-pub fn request_counts(metrics: &str) -> HashMap<String, f64> {
-    let mut counts = HashMap::new();
-    for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix(REQUESTS_TOTAL) else {
-            continue;
-        };
-        let Some(labels) = rest.strip_prefix('{') else {
-            continue;
-        };
-        let Some((labels, value)) = split_labels(labels) else {
-            continue;
-        };
-        let Some(worker) = labels
-            .into_iter()
-            .find_map(|(k, v)| (k == "worker").then_some(v))
-        else {
-            continue;
-        };
-        // The sample value, then an optional timestamp.
-        let Some(Ok(value)) = value.split_whitespace().next().map(str::parse::<f64>) else {
-            continue;
-        };
-        if value.is_finite() {
-            *counts.entry(worker).or_insert(0.0) += value;
-        }
-    }
-    counts
-}
-
-/// Splits `name="value",...}rest` into its labels (values unescaped) and what follows the `}`.
-fn split_labels(s: &str) -> Option<(Vec<(String, String)>, &str)> {
-    let mut labels = Vec::new();
-    let mut chars = s.char_indices().peekable();
-    loop {
-        // Skip separators; `}` ends the set.
-        while let Some((_, c)) = chars.peek() {
-            if *c == ',' || c.is_whitespace() {
-                chars.next();
-            } else {
-                break;
-            }
-        }
-        let (start, c) = chars.next()?;
-        if c == '}' {
-            return Some((labels, &s[start + 1..]));
-        }
-        let mut name = String::from(c);
-        loop {
-            match chars.next()? {
-                (_, '=') => break,
-                (_, c) => name.push(c),
-            }
-        }
-        if chars.next()?.1 != '"' {
-            return None;
-        }
-        let mut value = String::new();
-        loop {
-            match chars.next()?.1 {
-                '"' => break,
-                '\\' => match chars.next()?.1 {
-                    'n' => value.push('\n'),
-                    other => value.push(other),
-                },
-                c => value.push(c),
-            }
-        }
-        labels.push((name.trim().to_string(), value));
-    }
-}
-
 /// Fleet totals over every rank (not only those the filter shows).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Totals {
@@ -342,11 +233,11 @@ impl State {
             Err(e) => {
                 self.metrics_error = Some(e);
                 self.rates.reset();
-                HashMap::new()
+                None
             }
         };
         for row in &mut rows {
-            row.req_per_s = rates.get(&row.id).copied();
+            row.req_per_s = rates.as_ref().map(|r| r.of(&row.id));
         }
         self.rows = rows;
         self.updated = Some(at);
@@ -583,49 +474,6 @@ mod tests {
         // Totals stay the fleet's whatever the filter.
         s.filter = "nothing".into();
         assert_eq!(s.totals().total, 2);
-    }
-
-    #[test]
-    fn request_counts_sum_other_labels_by_worker() {
-        let text = "# HELP rankgate_requests_total x\n# TYPE rankgate_requests_total counter\n\
-            rankgate_requests_total{worker=\"http://a:1@0\",status=\"2xx\"} 5\n\
-            rankgate_requests_total{status=\"5xx\",worker=\"http://a:1@0\"} 2\n\
-            rankgate_requests_total{worker=\"http://a:1@1\",model=\"a \\\"b\\\"\",status=\"2xx\"} 7 1700000000\n\
-            rankgate_requests_total_created{worker=\"http://a:1@0\"} 99\n\
-            rankgate_requests_total 3\n\
-            rankgate_requests_totally{worker=\"x\"} 1\n\
-            rankgate_requests_total{worker=\"broken} 1\n\
-            rankgate_requests_total{worker=\"http://a:1@2\"} NaN\n";
-        let c = request_counts(text);
-        assert_eq!(c.len(), 2, "{c:?}");
-        assert_eq!(c["http://a:1@0"], 7.0);
-        assert_eq!(c["http://a:1@1"], 7.0);
-    }
-
-    #[test]
-    fn rates_are_deltas_over_elapsed_time() {
-        let t0 = Instant::now();
-        let mut r = Rates::default();
-        let counts = |pairs: &[(&str, f64)]| {
-            pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), *v))
-                .collect::<HashMap<_, _>>()
-        };
-        assert!(r.update(t0, counts(&[("a", 10.0), ("b", 4.0)])).is_empty());
-        let rates = r.update(
-            t0 + Duration::from_secs(2),
-            counts(&[("a", 20.0), ("b", 1.0), ("c", 3.0)]),
-        );
-        assert_eq!(rates["a"], 5.0);
-        // Went down: reset, counts from zero.
-        assert_eq!(rates["b"], 0.5);
-        // New since the last poll: counts from zero.
-        assert_eq!(rates["c"], 1.5);
-        // No time passed: no rate rather than a division by zero.
-        assert!(r
-            .update(t0 + Duration::from_secs(2), counts(&[("a", 30.0)]))
-            .is_empty());
     }
 
     #[test]

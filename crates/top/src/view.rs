@@ -3,8 +3,9 @@
 //! compare them.
 //!
 //! The layout is made for 80x24 over SSH: a header line of fleet totals and the admin URL, a
-//! status line (sort, filter, or why the data is stale), the column titles, one line per rank
-//! and a line of keys. Columns are fixed-width text, widest first for the rank id; an
+//! status line (sort, filter, or why the data is stale; an error it cannot hold is wrapped on
+//! the lines below it, see [`super::status`]), the column titles, one line per rank and a line
+//! of keys. Columns are fixed-width text, widest first for the rank id; an
 //! unavailable rank has no load figures, so its reason takes their place (and up to two lines
 //! below, when every rank still fits on the screen) and is never hidden.
 
@@ -16,6 +17,7 @@ use ratatui::Frame;
 use tokio::time::Instant;
 
 use super::model::{short_id, truncate, Row, SortKey, State};
+use super::status::{status_height, status_lines, Paging};
 
 /// Widths of the fixed columns; the rank id takes the rest.
 const STATE_W: usize = 7;
@@ -44,9 +46,10 @@ pub fn rows_on_screen(height: u16) -> usize {
 
 /// Draws the whole screen. `now` only ages the stale data's timestamp.
 pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
+    let status_h = status_height(state, now, frame.area().width, frame.area().height);
     let [header, status, titles, body, keys] = Layout::vertical([
         Constraint::Length(1),
-        Constraint::Length(1),
+        Constraint::Length(status_h),
         Constraint::Length(1),
         Constraint::Min(0),
         Constraint::Length(1),
@@ -60,17 +63,13 @@ pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
     let first = state.scroll.min(rows.len().saturating_sub(page));
 
     frame.render_widget(Paragraph::new(header_line(state, header.width)), header);
-    frame.render_widget(
-        Paragraph::new(status_line(
-            state,
-            now,
-            first,
-            page,
-            rows.len(),
-            status.width,
-        )),
-        status,
-    );
+    let paging = Paging {
+        first,
+        page,
+        shown: rows.len(),
+    };
+    let status_text = status_lines(state, now, &paging, status.width, status.height as usize);
+    frame.render_widget(Paragraph::new(status_text), status);
     frame.render_widget(Paragraph::new(title_line(state, id_w)), titles);
     let lines: Vec<Line> = if let Some(whole) = whole_error(state, body.width, page) {
         whole
@@ -109,7 +108,8 @@ pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
 fn whole_error(state: &State, width: u16, page: usize) -> Option<Vec<Line<'static>>> {
     let o = state.outage.as_ref().filter(|_| state.rows().is_empty())?;
     let width = (width as usize).saturating_sub(2);
-    let lines = wrap_words(&o.error, width, width, page.max(1));
+    let error = format!("admin unreachable: {}", o.error);
+    let lines = wrap_words(&error, width, width, page.max(1));
     Some(
         (lines.into_iter())
             .map(|l| Line::styled(format!(" {l}"), Style::new().fg(Color::Red)))
@@ -139,89 +139,6 @@ fn header_line(state: &State, width: u16) -> Line<'static> {
     ]);
     line = line.style(style);
     line
-}
-
-/// Sort and filter, or (in red) why the rows are stale.
-fn status_line(
-    state: &State,
-    now: Instant,
-    first: usize,
-    page: usize,
-    shown: usize,
-    width: u16,
-) -> Line<'static> {
-    let width = width as usize;
-    if let Some(o) = &state.outage {
-        let age = match state.updated {
-            Some(at) => format!(
-                "stale {}",
-                fmt_age(now.saturating_duration_since(at).as_millis() as u64)
-            ),
-            None => "no data yet".into(),
-        };
-        let head = " admin unreachable: ";
-        let tail = format!(" · {age} · {} failed", o.failures);
-        // The error is the part that gives way, so how old the rows are stays in view.
-        let room = width.saturating_sub(head.chars().count() + tail.chars().count());
-        let text = format!("{head}{}{tail}", truncate(&o.error, room));
-        return Line::styled(
-            truncate(&text, width),
-            Style::new()
-                .fg(Color::White)
-                .bg(Color::Red)
-                .add_modifier(Modifier::BOLD),
-        );
-    }
-    let arrow = if state.reversed { "▲" } else { "▼" };
-    let mut text = format!(" sort {} {arrow}", state.sort);
-    if !state.filter.is_empty() {
-        text.push_str(&format!(" · filter \"{}\"", state.filter));
-    }
-    let total = state.rows().len();
-    if shown > page {
-        text.push_str(&format!(
-            " · rows {}-{} of {shown}",
-            first + 1,
-            (first + page).min(shown)
-        ));
-    } else if shown != total {
-        text.push_str(&format!(" · {shown} of {total} ranks"));
-    }
-    text.push_str(&format!(" · every {}", fmt_interval(state)));
-    let mut spans = vec![Span::raw(truncate(&text, width))];
-    // An engine the config describes wrongly (its DP size, say) is routed as it reports itself;
-    // the operator should still hear of it.
-    let mut notes: Vec<(&str, &str)> = (state.rows().iter())
-        .filter_map(|r| Some((r.engine.as_str(), r.engine_note.as_deref()?)))
-        .collect();
-    notes.dedup_by_key(|(engine, _)| *engine);
-    if let Some((engine, note)) = notes.first() {
-        let room = width.saturating_sub(text.chars().count());
-        spans.push(Span::styled(
-            truncate(
-                &format!(" · {} config ≠ engine: {engine}: {note}", notes.len()),
-                room,
-            ),
-            Style::new().fg(Color::Yellow),
-        ));
-    }
-    if let Some(e) = &state.metrics_error {
-        let room = width.saturating_sub(text.chars().count());
-        spans.push(Span::styled(
-            truncate(&format!(" · /metrics: {e}"), room),
-            Style::new().fg(Color::Yellow),
-        ));
-    }
-    Line::from(spans)
-}
-
-fn fmt_interval(state: &State) -> String {
-    let ms = state.interval.as_millis();
-    if ms.is_multiple_of(1000) {
-        format!("{}s", ms / 1000)
-    } else {
-        format!("{ms}ms")
-    }
 }
 
 /// Column titles; the sort column's is marked.
@@ -334,7 +251,7 @@ fn row_lines(r: &Row, id_w: usize, width: usize, wrap: bool, stale: bool) -> Vec
 
 /// `text` in lines of `first` then `rest` characters, broken between words (a word longer
 /// than a line is split), at most `max_lines` of them, the last ending in `…` if cut.
-fn wrap_words(text: &str, first: usize, rest: usize, max_lines: usize) -> Vec<String> {
+pub(super) fn wrap_words(text: &str, first: usize, rest: usize, max_lines: usize) -> Vec<String> {
     let width_of = |i: usize| if i == 0 { first } else { rest }.max(1);
     let mut lines = vec![String::new()];
     let mut cut = false;
@@ -459,7 +376,7 @@ fn fmt_rate(r: f64) -> String {
 }
 
 /// An age in at most 5 characters: `850ms`, `3.2s`, `42s`, `12m`, `5h`, `12d`.
-fn fmt_age(ms: u64) -> String {
+pub(super) fn fmt_age(ms: u64) -> String {
     match ms {
         0..=999 => format!("{ms}ms"),
         1_000..=9_999 => format!("{:.1}s", ms as f64 / 1000.0),
@@ -483,28 +400,6 @@ fn lpad(s: &str, w: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_engine_the_config_describes_wrongly_is_named_in_the_status_line() {
-        let mut state = State::new("http://127.0.0.1:9090", std::time::Duration::from_secs(1));
-        let workers = r#"[
-            {"id":"http://a:1@0","engine":"http://a:1","telemetry":"available","in_flight":0,
-             "engine_note":"configured dp_size 4, the engine reports 2 ranks"},
-            {"id":"http://a:1@1","engine":"http://a:1","telemetry":"available","in_flight":0,
-             "engine_note":"configured dp_size 4, the engine reports 2 ranks"},
-            {"id":"http://b:1","engine":"http://b:1","telemetry":"unavailable",
-             "reason":"flavor and DP size not known yet: ...","reason_kind":"shape_unknown"}]"#;
-        state
-            .apply(Instant::now(), workers.as_bytes(), Ok(""))
-            .unwrap();
-        let line = status_line(&state, Instant::now(), 0, 10, 3, 200);
-        let text: String = line.spans.iter().map(|s| s.content.to_string()).collect();
-        assert!(
-            text.contains("1 config ≠ engine: http://a:1: configured dp_size 4"),
-            "{text}"
-        );
-        assert_eq!(state.rows()[2].state(), "unknown");
-    }
 
     #[test]
     fn prefill_and_decode_ranks_are_marked_and_whole_ones_are_not() {
@@ -611,9 +506,10 @@ mod tests {
         let shown: Vec<String> = (lines.iter())
             .map(|l| l.spans.iter().map(|s| s.content.trim()).collect())
             .collect();
+        let whole = format!("admin unreachable: {error}");
         assert_eq!(
             shown.join(" "),
-            error.split_whitespace().collect::<Vec<_>>().join(" ")
+            whole.split_whitespace().collect::<Vec<_>>().join(" ")
         );
         assert!(lines.iter().all(|l| l.width() <= 80));
     }

@@ -103,6 +103,21 @@ impl Avoid {
             && (self.only.as_ref()).is_none_or(|o| o.binary_search(&e.key).is_ok())
     }
 
+    /// Why `e` may not serve the request (for the explanation; `e` fails [`Avoid::may_serve`]).
+    pub(super) fn why_not_serving(&self, e: &EngineEntry) -> &'static str {
+        match (self.front.served_by(e), self.front, self.leg) {
+            (false, Front::Http, _) => "not serving: its engine has no HTTP front door",
+            (false, Front::Grpc(_), _) => {
+                "not serving: its engine has no gRPC front door of this flavor (or serves one leg of disaggregated requests)"
+            }
+            (true, _, Leg::Prefill) => "not serving: not a prefill server of this request's model",
+            (true, _, Leg::Decode) => "not serving: not a decode server of this request's model",
+            (true, _, Leg::Whole) => {
+                "not serving: its engine does not serve this request's model or route"
+            }
+        }
+    }
+
     #[inline]
     fn blocks(&self, fleet: &Fleet, w: &Seat) -> bool {
         self.workers.contains(&w.key) || self.has_engine(&fleet.engines[w.engine])

@@ -11,9 +11,10 @@ use tokio::time::Instant;
 
 use super::affinity::Holdings;
 use super::avoid::{eligible, Avoid, Front};
-use super::explain::{explain_pick, By, Explanation};
+use super::explain::{explain_pick, By, Explanation, Rules};
 use super::in_flight::least_in_flight;
 use super::sizing::RequestSizer;
+use super::verdict::judge;
 use crate::config::{NoTelemetry, Policy, RoutingConfig};
 use crate::ix::WorkerIx;
 use crate::outlier::Admit;
@@ -158,7 +159,7 @@ impl Selector {
         let (choice, by) = match self.policy {
             Policy::LeastKv => {
                 match self.least_kv(table, &snap, now, avoid, &mut holdings, &mut rng) {
-                    Some((w, skipped)) => (Ok((w, skipped)), By::Kv),
+                    Some((w, skipped, by)) => (Ok((w, skipped)), by),
                     None => match self.no_telemetry {
                         NoTelemetry::Reject => (Err(NoRank::NoTelemetry), By::Kv),
                         NoTelemetry::LeastInFlight => (
@@ -196,11 +197,15 @@ impl Selector {
             }
         };
         if let Some(x) = explain.as_deref_mut() {
-            let affinity = self.affinity.map(|a| (a, &mut holdings));
-            *x = explain_pick(table, &snap, now, avoid, self.policy, by, affinity);
-            x.set_picked(
-                (choice.as_ref().ok()).map(|(w, _)| fleet.workers[*w].id_text.to_string()),
-            );
+            let rules = Rules {
+                policy: self.policy,
+                by,
+                tie_margin: self.tie_margin,
+                affinity: self.affinity,
+            };
+            let picked = choice.as_ref().ok().map(|(w, _)| *w);
+            *x = explain_pick(table, &snap, now, avoid, &rules, &mut holdings, picked);
+            judge(x, &rules);
         }
         let (choice, skipped) = choice?;
         let member = &fleet.workers[choice].member;

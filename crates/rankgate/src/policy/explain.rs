@@ -10,8 +10,10 @@ use tokio::time::Instant;
 
 use super::affinity::Holdings;
 use super::avoid::{eligible, Avoid};
+use super::rule::{AffinityLimits, Rule, Skip};
 use super::scoring::score;
 use crate::config::Policy;
+use crate::ix::WorkerIx;
 use crate::outlier::Admit;
 use crate::table::{Snapshot, Table};
 
@@ -27,6 +29,9 @@ pub enum By {
     InFlight,
     /// Nothing: `round_robin` and `random` take any reachable rank.
     Reachable,
+    /// `least_kv` with prefix affinity: among the ranks within `affinity_margin` of the best
+    /// score and below `affinity_max_kv`, the one holding the most of the prompt.
+    Affinity,
 }
 
 /// A pick, explained.
@@ -45,9 +50,13 @@ pub struct Explanation {
     pub candidates: Vec<Candidate>,
     /// The ranks passed over, and why.
     pub skipped: Vec<Skipped>,
-    /// Ranks of engines that do not serve this request at all (its front door, model or
-    /// route): not candidates, so not listed one by one.
+    /// Ranks of engines that do not serve this request at all (its front door, model, route
+    /// or leg): not candidates; each is listed last in `skipped`, with why.
     pub not_serving: usize,
+    /// With prefix affinity and a `least_kv` pick by score: the limits a rank holding the
+    /// prompt had to be within, with the figures the pick compared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<AffinityLimits>,
     /// With prefix affinity: the prompt's chunks (see [`crate::prefix`]); 0 when it has none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_chunks: Option<usize>,
@@ -84,11 +93,17 @@ pub struct Candidate {
     pub cached_tokens: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cached_by: Option<&'static str>,
+    /// The rule that decided for it (the picked one) or against it (every other).
+    pub rule: Rule,
+    /// The same in words, with the figures compared.
+    pub why: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Skipped {
     pub worker: String,
+    /// Why it was no candidate, as a name to match on.
+    pub rule: Skip,
     pub why: String,
 }
 
@@ -98,6 +113,7 @@ impl By {
             By::Kv => "kv",
             By::InFlight => "in_flight",
             By::Reachable => "reachable",
+            By::Affinity => "affinity",
         }
     }
 }
@@ -105,7 +121,7 @@ impl By {
 impl Explanation {
     /// Names the picked worker and moves it to the front of the candidates (a tie or affinity
     /// can pick one that is not the lowest), so no cut of the list leaves it out.
-    pub(super) fn set_picked(&mut self, worker: Option<String>) {
+    fn set_picked(&mut self, worker: Option<String>) {
         if let Some(i) = (self.candidates.iter()).position(|c| Some(&c.worker) == worker.as_ref()) {
             let picked = self.candidates.remove(i);
             self.candidates.insert(0, picked);
@@ -121,7 +137,7 @@ impl Explanation {
         }
     }
 
-    /// The candidates as `worker=score` pairs (a span attribute).
+    /// The candidates as `worker=score[rule]` (a span attribute).
     pub fn candidates_text(&self) -> String {
         let mut out = String::new();
         for c in &self.candidates {
@@ -139,14 +155,16 @@ impl Explanation {
             if let (Some(t), Some(by)) = (c.cached_tokens, c.cached_by) {
                 let _ = write!(out, "(cached {t} by {by})");
             }
+            let _ = write!(out, "[{}]", c.rule.as_str());
         }
         out
     }
 
-    /// The skipped ranks as `worker: why` lines joined by `; ` (a span attribute).
+    /// The skipped ranks as `worker: why` lines joined by `; ` (a span attribute); ranks that
+    /// do not serve the request at all are left to `not_serving`'s count.
     pub fn skipped_text(&self) -> String {
         let mut out = String::new();
-        for s in &self.skipped {
+        for s in self.skipped.iter().filter(|s| s.rule != Skip::NotServing) {
             let sep = if out.is_empty() { "" } else { "; " };
             let _ = write!(out, "{sep}{}: {}", s.worker, s.why);
         }
@@ -180,78 +198,111 @@ impl Explanation {
     }
 }
 
-/// Explains a pick made by `policy` ranking by `by` over `snap` at `now`.
+/// What the explanation needs of the selector's settings, and what decided the pick.
+pub(super) struct Rules {
+    pub policy: Policy,
+    /// What ranked the candidates, as the pick itself reported it ([`By::Affinity`] when
+    /// affinity chose).
+    pub by: By,
+    pub tie_margin: f64,
+    /// `(affinity_margin, affinity_max_kv)` with `routing.prefix_affinity`.
+    pub affinity: Option<(f64, f64)>,
+}
+
+/// Explains a pick of `picked` (none: no rank) made by `rules` over `snap` at `now`.
 pub(super) fn explain_pick(
     table: &Table,
     snap: &Snapshot,
     now: Instant,
     avoid: &Avoid,
-    policy: Policy,
-    by: By,
-    affinity: Option<((f64, f64), &mut Holdings)>,
+    rules: &Rules,
+    holdings: &mut Holdings,
+    picked: Option<WorkerIx>,
 ) -> Explanation {
-    let mut x = Explanation::new(policy, by);
+    let by = rules.by;
+    let mut x = Explanation::new(rules.policy, by);
     x.leg = (avoid.leg != super::avoid::Leg::Whole).then(|| avoid.leg.as_str());
+    x.prompt_tokens = holdings.prompt().tokens.as_ref().map(|t| t.len());
     // A prompt not read (too large to keep, not JSON, shorter than a chunk) matches nothing
     // and says so by its absence.
-    let mut prompt = affinity.map(|(_, p)| p).filter(|p| !p.is_empty());
+    let mut prompt = Some(holdings).filter(|p| rules.affinity.is_some() && !p.is_empty());
     if let Some(p) = &prompt {
         x.prompt_chunks = Some(p.prompt().chunks.len());
-        x.prompt_tokens = p.prompt().tokens.as_ref().map(|t| t.len());
     }
     let fleet = &snap.fleet;
+    let mut not_serving = Vec::new();
     for (w, seat) in fleet.workers.iter_enumerated() {
         let engine = &fleet.engines[seat.engine];
+        let worker = seat.id_text.to_string();
         if !avoid.may_serve(engine) {
             x.not_serving += 1;
+            not_serving.push(Skipped {
+                worker,
+                rule: Skip::NotServing,
+                why: avoid.why_not_serving(engine).to_string(),
+            });
             continue;
         }
-        let worker = seat.id_text.to_string();
         let view = &snap.ranks[w];
         let admit = seat.live.outlier.admit();
         let why = if avoid.workers.contains(&seat.key) {
-            Some("failed an earlier attempt of this request".to_string())
+            Some((
+                Skip::FailedEarlier,
+                "failed an earlier attempt of this request".to_string(),
+            ))
         } else if avoid.engines.contains(&engine.key) {
-            Some("its engine failed an earlier attempt of this request (transport)".to_string())
+            let why = "its engine failed an earlier attempt of this request (transport)";
+            Some((Skip::FailedEarlier, why.to_string()))
         } else if !eligible(fleet, seat, avoid) {
-            Some("ejected after consecutive failures".to_string())
+            Some((
+                Skip::Ejected,
+                "ejected after consecutive failures".to_string(),
+            ))
         } else {
             match by {
-                By::Kv => view
+                By::Kv | By::Affinity => view
                     .telemetry
                     .unavailable_reason(now, table.stale_after)
-                    .map(|r| format!("telemetry: {r}")),
-                By::InFlight | By::Reachable => (!view.reachable)
-                    .then(|| "unreachable: its engine did not answer the last poll".to_string()),
+                    .map(|r| (Skip::Telemetry, format!("telemetry: {r}"))),
+                By::InFlight | By::Reachable => (!view.reachable).then(|| {
+                    let why = "unreachable: its engine did not answer the last poll";
+                    (Skip::Unreachable, why.to_string())
+                }),
             }
         };
-        if let Some(why) = why {
-            x.skipped.push(Skipped { worker, why });
+        if let Some((rule, why)) = why {
+            x.skipped.push(Skipped { worker, rule, why });
             continue;
         }
         let live = &seat.live;
         let score = match by {
-            By::Kv => score(table, snap, w, now, avoid.leg),
+            By::Kv | By::Affinity => score(table, snap, w, now, avoid.leg),
             By::InFlight => Some(live.in_flight() as f64 + live.outlier.recent_failures()),
             By::Reachable => None,
         };
-        x.candidates.push(Candidate {
+        let mut c = Candidate {
             worker,
             score,
             trial: admit == Admit::Trial,
             prefix: (prompt.as_ref()).map(|p| seat.prefixes.matched(&p.prompt().chunks)),
             cached_tokens: None,
             cached_by: None,
-        });
-        if let (Some(p), Some(c)) = (prompt.as_mut(), x.candidates.last_mut()) {
+            rule: Rule::HigherLoad,
+            why: String::new(),
+        };
+        if let Some(p) = prompt.as_mut() {
             let held = p.of(seat);
             c.cached_tokens = Some(held.tokens);
             c.cached_by = Some(if held.exact { "events" } else { "record" });
         }
+        x.candidates.push(c);
     }
+    // The ranks that do not serve it at all come last: a cut of a long list keeps the others.
+    x.skipped.extend(not_serving);
     // Trials first (they are picked first), then by score.
     x.candidates.sort_by(|a, b| {
         (b.trial.cmp(&a.trial)).then(a.score.unwrap_or(0.0).total_cmp(&b.score.unwrap_or(0.0)))
     });
+    x.set_picked(picked.map(|w| fleet.workers[w].id_text.to_string()));
     x
 }

@@ -7,6 +7,7 @@ use tokio::time::Instant;
 use super::affinity::{longest_prefix, Holdings};
 use super::avoid::Avoid;
 use super::dispatch::Selector;
+use super::explain::By;
 use super::scoring::score_of;
 use super::ties::random_at_most;
 use crate::ix::WorkerIx;
@@ -22,8 +23,9 @@ impl Selector {
     /// The pick among ranks with fresh telemetry: a rank due for its trial first; else, with
     /// affinity and a prompt, the rank holding the longest prefix of it among those scoring
     /// within `affinity_margin` of the best and below `affinity_max_kv`; else one at random
-    /// among those within `tie_margin` of the best. Returns the worker and whether an
-    /// unavailable rank was passed over.
+    /// among those within `tie_margin` of the best. Returns the worker, whether an
+    /// unavailable rank was passed over, and what decided ([`By::Affinity`] or [`By::Kv`]:
+    /// the explanation reports the pick's own verdict rather than guessing it again).
     pub(super) fn least_kv(
         &self,
         table: &Table,
@@ -32,7 +34,7 @@ impl Selector {
         avoid: &Avoid,
         prompt: &mut Holdings,
         rng: &mut impl Rng,
-    ) -> Option<(WorkerIx, bool)> {
+    ) -> Option<(WorkerIx, bool, By)> {
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
             scores.clear();
@@ -63,17 +65,17 @@ impl Selector {
                 return None;
             }
             if best == f64::NEG_INFINITY {
-                return random_at_most(&scores, best, rng).map(|w| (w, skipped));
+                return random_at_most(&scores, best, rng).map(|w| (w, skipped, By::Kv));
             }
             if let (Some((margin, max_kv)), false) = (self.affinity, prompt.is_empty()) {
                 if let Some((w, _)) = longest_prefix(fleet, &scores, prompt, best + margin, max_kv)
                 {
-                    return Some((w, skipped));
+                    return Some((w, skipped, By::Affinity));
                 }
             }
             // Scores are sums of floats: within 1e-9 they are the same load.
             let within = best + self.tie_margin.max(1e-9);
-            random_at_most(&scores, within, rng).map(|w| (w, skipped))
+            random_at_most(&scores, within, rng).map(|w| (w, skipped, By::Kv))
         })
     }
 }

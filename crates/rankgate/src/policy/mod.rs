@@ -17,8 +17,10 @@
 //!
 //! One file per concern: `dispatch` (the [`Selector`] and its policies), `least_kv`, `scoring`,
 //! `affinity`, `ties`, `in_flight` (the no-telemetry fallback), `avoid` (what a request may
-//! not go to), `sizing` (a request's weight), `explain` (why a pick went where it did). This
-//! file only declares them and re-exports the API.
+//! not go to), `sizing` (a request's weight), `explain` (why a pick went where it did: every
+//! rank, scored or passed over), `verdict` (the rule that decided for or against each
+//! candidate) and `rule` (the names of those rules). This file only declares them and
+//! re-exports the API.
 
 mod affinity;
 mod avoid;
@@ -26,15 +28,20 @@ mod dispatch;
 mod explain;
 mod in_flight;
 mod least_kv;
+mod rule;
 mod scoring;
 mod sizing;
 mod ties;
+mod verdict;
 
 pub use avoid::{Avoid, Front, Leg};
 pub use dispatch::{NoRank, Picked, Selector};
 pub use explain::{By, Candidate, Explanation, Skipped};
+pub use rule::{AffinityLimits, Rule, Skip};
 pub use scoring::score;
 pub use sizing::RequestSizer;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod verdict_tests;

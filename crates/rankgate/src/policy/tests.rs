@@ -13,16 +13,16 @@ use crate::worker::Fleet;
 use proptest::prelude::*;
 use std::time::Duration;
 
-fn table(n: u32) -> Arc<Table> {
+pub(super) fn table(n: u32) -> Arc<Table> {
     let engine = crate::worker::test_engine("http://e:1", n, 0);
     Table::new(Fleet::expand(vec![engine]), Duration::from_secs(2))
 }
 
-fn available(kv: f64, now: Instant) -> RankView {
+pub(super) fn available(kv: f64, now: Instant) -> RankView {
     crate::table::test_view(kv, now)
 }
 
-fn set(table: &Table, ranks: Vec<RankView>) {
+pub(super) fn set(table: &Table, ranks: Vec<RankView>) {
     let snap = table.snapshot.load();
     let (fleet, catalog) = (snap.fleet.clone(), snap.catalog.clone());
     table.snapshot.store(Arc::new(Snapshot {
@@ -33,13 +33,13 @@ fn set(table: &Table, ranks: Vec<RankView>) {
 }
 
 /// Worker `w` of the current fleet.
-fn member(table: &Table, w: usize) -> Arc<crate::worker::Member> {
+pub(super) fn member(table: &Table, w: usize) -> Arc<crate::worker::Member> {
     table.snapshot.load().fleet.workers[WorkerIx::new(w)]
         .member
         .clone()
 }
 
-fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
+pub(super) fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
     RoutingConfig {
         policy,
         no_telemetry,
@@ -61,18 +61,18 @@ fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfig {
 }
 
 /// A prompt known by its chunk names only (no tokens: rankgate's record decides).
-fn chunks(names: &[u64]) -> crate::prompt::Prompt {
+pub(super) fn chunks(names: &[u64]) -> crate::prompt::Prompt {
     crate::prompt::Prompt {
         chunks: names.to_vec(),
         tokens: None,
     }
 }
 
-fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {
+pub(super) fn selector(policy: Policy, no_telemetry: NoTelemetry) -> Selector {
     Selector::new(&routing(policy, no_telemetry))
 }
 
-fn affine(margin: f64, max_kv: f64) -> Selector {
+pub(super) fn affine(margin: f64, max_kv: f64) -> Selector {
     Selector::new(&RoutingConfig {
         prefix_affinity: true,
         affinity_margin: margin,

@@ -68,7 +68,12 @@ where
             _ => Prompt::default(),
         };
         let (table, x) = (&shared.table, explained.as_mut());
-        let picked = match (shared.selector).pick_explained(table, length, &avoid, &prompt, x) {
+        let result = (shared.selector).pick_explained(table, length, &avoid, &prompt, x);
+        if let Some(x) = explained.as_mut().filter(|x| x.prompt_tokens.is_none()) {
+            // Tokenized but not weighed (a decode leg): the explanation still counts them.
+            x.prompt_tokens = req.extensions().get::<PromptTokens>().map(|t| t.0.len());
+        }
+        let picked = match result {
             Ok(p) => p,
             Err(e) => {
                 if let (Some(t), Some(x)) = (&traced, &explained) {

@@ -5,7 +5,9 @@
 //! time counted on `/metrics`). The token ids ride on the request to `pick`, which names its
 //! blocks the way the ranks' indexes do. A failure costs only the exact match: the request
 //! routes by rankgate's record. Any other request passes straight through, with no
-//! allocation.
+//! allocation. So does one while no rank's index can be asked (no engine has published yet),
+//! unless it asked for its pick explanation (`x-rankgate-debug`), whose `prompt_tokens` then
+//! still says what the prompt counts.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +18,7 @@ use http_body_util::Full;
 
 use super::layer::{Below, Step};
 use super::shared::Ctx;
+use super::trace::Traced;
 use crate::prompt::{PromptTokens, Prompts, Tokenizer};
 use crate::tokenize::{engine_tokenize, TokenizeRequest};
 use crate::upstream::RequestBody;
@@ -82,7 +85,11 @@ where
                 .iter()
                 .any(|w| w.kv.block_size().is_some())
         };
-        if how == Tokenizer::None || !usable() {
+        // A request that asked for its pick explanation is tokenized even so: its explanation
+        // then shows the prompt's token count from the very first request, before any engine
+        // has published (the pick is the same: no index can be asked yet).
+        let debugged = || (req.extensions().get::<Traced>()).is_some_and(Traced::debugged);
+        if how == Tokenizer::None || !(usable() || debugged()) {
             return Step::Below(self.inner.call(req));
         }
         let (state, body, ctx, mut inner) = (

@@ -48,6 +48,11 @@ pub struct Traced {
 }
 
 impl Traced {
+    /// The request asked for its pick explanations (`x-rankgate-debug`).
+    pub fn debugged(&self) -> bool {
+        self.picks.is_some()
+    }
+
     /// Notes a pick (or a failure to pick) on the request's span and for the debug header;
     /// returns the span of the attempt it starts, if it found a rank.
     pub fn picked(

@@ -9,9 +9,10 @@
 //! Prompts are unique text (`text`) unless the workload shares prefixes on purpose: a hot shared
 //! prefix on a share of requests, a trace's prefix ids, or multi-turn sessions (`session`) whose
 //! turns repeat their history. Requests can be spread over several targets in turn (replicas of
-//! one router). `scrape` reads the engines' prefix-cache counters for the hit ratio.
+//! one router). `scrape` reads the engines' prefix-cache counters, `fleet` the router's ranks.
 
 pub mod dist;
+pub mod fleet;
 pub mod grpc;
 mod plan;
 pub mod report;
@@ -393,7 +394,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
             scheduled_rate: None,
             elapsed: started.elapsed(),
             outcomes,
-            prefix_cache: None,
+            ..Report::default()
         });
     }
     let mut tasks: JoinSet<Outcome> = JoinSet::new();
@@ -484,7 +485,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
         scheduled_rate,
         elapsed: started.elapsed(),
         outcomes,
-        prefix_cache: None,
+        ..Report::default()
     })
 }
 

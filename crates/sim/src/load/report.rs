@@ -1,5 +1,6 @@
 //! What a load run measured: percentiles from HdrHistograms, throughput, errors by kind, requests
-//! per worker, and the client's own pacing (achieved vs requested arrival rate, send lag).
+//! per worker (every rank of the fleet when it is known, those that served nothing included),
+//! and the client's own pacing (achieved vs requested arrival rate, send lag).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -25,6 +26,10 @@ pub struct Report {
     /// The engines' prefix cache over the run: (prompt tokens looked up, tokens found cached),
     /// when the caller could read them (the simulator's counters, or `/metrics` before/after).
     pub prefix_cache: Option<(u64, u64)>,
+    /// Every rank of the fleet, when the caller knows it (the router's `/workers`, see
+    /// [`super::fleet::ranks`]): the per-worker counts then list each, 0 included. Without it
+    /// only the workers some answer named can be listed.
+    pub fleet: Vec<String>,
 }
 
 /// p50 / p90 / p99 / p99.9 / max in milliseconds, from an HdrHistogram of microseconds.
@@ -79,9 +84,10 @@ impl Report {
         m
     }
 
-    /// Successful requests per worker.
+    /// Successful requests per worker: every rank of [`Report::fleet`] (0 for one that served
+    /// nothing), and any other worker an answer named.
     pub fn per_worker(&self) -> BTreeMap<String, usize> {
-        let mut m = BTreeMap::new();
+        let mut m: BTreeMap<String, usize> = (self.fleet.iter()).map(|w| (w.clone(), 0)).collect();
         for o in self.ok() {
             *m.entry(o.worker.clone().unwrap_or_else(|| "-".into()))
                 .or_default() += 1;
@@ -207,8 +213,20 @@ impl Report {
                 100.0 * r
             );
         }
-        for (w, n) in self.per_worker() {
-            let _ = writeln!(o, "  {w:<40} {n:>6} requests");
+        let per = self.per_worker();
+        if per.is_empty() {
+            // Nothing named a worker (an engine answered directly, or every request failed).
+            return o;
+        }
+        let total = self.ok().count().max(1);
+        let listed = match self.fleet.is_empty() {
+            true => "the workers that answered (--admin lists every rank)",
+            false => "every rank of the fleet",
+        };
+        let _ = writeln!(o, "per worker, {listed}:");
+        for (w, n) in per {
+            let share = 100.0 * n as f64 / total as f64;
+            let _ = writeln!(o, "  {w:<40} {n:>6} requests {share:>5.1}%");
         }
         o
     }

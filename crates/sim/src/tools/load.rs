@@ -3,7 +3,8 @@
 //! Against any OpenAI-compatible URL:
 //!   rankgate load --url http://127.0.0.1:8080 --rate 20 --requests 500 \
 //!       [--concurrency 16] [--api chat|completions] [--no-stream] [--prompt-tokens normal:200:50] \
-//!       [--output-tokens uniform:32:96] [--trace trace.jsonl] [--duration 60s] [--json report.json]
+//!       [--output-tokens uniform:32:96] [--trace trace.jsonl] [--duration 60s] [--json report.json] \
+//!       [--admin http://127.0.0.1:9090]   # every rank in the per-worker table, 0 included
 //! Multi-turn chat sessions (a shared system prompt per group, growing history), a hot shared
 //! prefix, several router replicas (comma-separated --url, requests spread over them in turn), and
 //! the engines' prefix-cache hit ratio from their /metrics before and after the run:
@@ -106,6 +107,11 @@ pub struct Args {
     /// for the prefix-hit ratio (comma separated).
     #[arg(long, value_delimiter = ',')]
     pub engine_metrics: Vec<String>,
+    /// The router's admin listener (base URL): the report then lists every rank of its fleet,
+    /// those that served nothing included (the admin token, if any, from
+    /// RANKGATE_ADMIN_TOKEN).
+    #[arg(long, conflicts_with = "scenario")]
+    pub admin: Option<String>,
     /// Write the full report as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -213,6 +219,12 @@ pub async fn run(a: Args) -> ToolResult {
             .await
             .map_err(|e| format!("--engine-metrics: {e}"))?;
         report.prefix_cache = Some((q1.saturating_sub(q0), h1.saturating_sub(h0)));
+    }
+    if let Some(admin) = &a.admin {
+        let token = std::env::var("RANKGATE_ADMIN_TOKEN").ok();
+        report.fleet = load::fleet::ranks(admin, token.as_deref())
+            .await
+            .map_err(|e| format!("--admin: {e}"))?;
     }
     print!("{}", report.table());
     if let Some(p) = &a.json {
