@@ -439,7 +439,9 @@ fn main() -> ExitCode {
         #[cfg(feature = "sim")]
         Command::Load(args) => tool("load", rankgate_sim::tools::load::run(*args)),
         #[cfg(feature = "sim")]
-        Command::OpenaiClient(args) => tool("openai-client", rankgate_sim::tools::openai::run(args)),
+        Command::OpenaiClient(args) => {
+            tool("openai-client", rankgate_sim::tools::openai::run(args))
+        }
         #[cfg(feature = "sim")]
         Command::GrpcClient(args) => tool("grpc-client", rankgate_sim::tools::grpc::run(args)),
         #[cfg(feature = "top")]

@@ -12,7 +12,8 @@ use super::hash::chain;
 use super::index::{RankIndex, Writer};
 use super::state::KvState;
 
-const CAPTURE: &str = include_str!("../../../../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");
+const CAPTURE: &str =
+    include_str!("../../../../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");
 
 /// Each line's rank, frames and JSON.
 fn capture() -> Vec<(u32, Vec<Vec<u8>>, Value)> {

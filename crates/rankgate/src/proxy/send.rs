@@ -23,13 +23,13 @@ use hyper_util::client::legacy::ResponseFuture;
 use tokio::time::Sleep;
 
 use super::body::{Ending, ProxyBody};
+use super::dial::Dial;
 use super::error::ProxyError;
 use super::guards::Slot;
 use super::layer::WORKER_HEADER;
 use super::pin::strip_hop_by_hop;
 use super::shared::Ctx;
 use super::target::Picked;
-use super::dial::Dial;
 use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
 use crate::worker::EngineEntry;
 

@@ -14,12 +14,12 @@ use tower::ServiceBuilder;
 
 use super::auth::{Gate, Keys};
 use super::body::ProxyBody;
+use super::dial::Dial;
 use super::exposure::Exposure;
 use super::grpc::{Local, Requests};
 use super::read::Limits;
 use super::respond::Errors;
 use super::retry::Policy;
-use super::dial::Dial;
 use super::shared::{Ctx, Front, Shared};
 use super::{
     admit, auth, cors, disagg, grpc, identity, observe, pick, read, respond, retry, route, select,

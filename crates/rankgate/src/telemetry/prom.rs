@@ -336,7 +336,8 @@ mod tests {
     }
 
     const IDLE: &str = include_str!("../../../../tests/fixtures/vllm-0.32-dp2-metrics.txt");
-    const BUSY: &str = include_str!("../../../../tests/fixtures/vllm-0.32-dp2-metrics-under-load.txt");
+    const BUSY: &str =
+        include_str!("../../../../tests/fixtures/vllm-0.32-dp2-metrics-under-load.txt");
 
     #[test]
     fn real_vllm_capture_splits_per_engine_label() {

@@ -79,8 +79,7 @@ pub async fn run(a: Args) -> ToolResult {
     }
 
     let origin = a.url.trim_end_matches('/');
-    let loads = LoadsClient::new(flavor, origin, transport(Duration::from_secs(2)))
-        ?;
+    let loads = LoadsClient::new(flavor, origin, transport(Duration::from_secs(2)))?;
     let report = tokio::time::timeout(CALL_TIMEOUT, loads.get_loads(None))
         .await
         .map_err(|_| format!("GetLoads timed out after {CALL_TIMEOUT:?}"))??;

@@ -130,8 +130,7 @@ pub async fn run(a: Args) -> ToolResult {
         let s = Scenario::load(path)?;
         let policies = a.policies;
         let started = std::time::Instant::now();
-        let runs = scenario::run(&s, (!policies.is_empty()).then_some(&policies[..]), true)
-            .await?;
+        let runs = scenario::run(&s, (!policies.is_empty()).then_some(&policies[..]), true).await?;
         let md = render::markdown(&s, &runs);
         println!(
             "## {}\n\n{}\n{md}\n(whole scenario: {:.0} s)",
@@ -187,8 +186,7 @@ pub async fn run(a: Args) -> ToolResult {
             system_tokens: a.system_tokens,
             system_prompts: a.system_prompts,
             user_tokens: a.user_tokens,
-            think_time: parse_duration(&a.think_time)
-                .map_err(|e| format!("--think-time: {e}"))?,
+            think_time: parse_duration(&a.think_time).map_err(|e| format!("--think-time: {e}"))?,
         };
         s.validate()
             .map_err(|e| format!("--sessions/--turns/--system-prompts: {e}"))?;

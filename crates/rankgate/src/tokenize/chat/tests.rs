@@ -7,8 +7,8 @@ use std::sync::OnceLock;
 fn fixture() -> &'static ChatTokenizer {
     static TOKENIZER: OnceLock<ChatTokenizer> = OnceLock::new();
     TOKENIZER.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/vllm-0.32-kv-events");
+        let dir =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vllm-0.32-kv-events");
         ChatTokenizer::from_dir(&dir)
             .expect("fixture tokenizer")
             .with_limits(Limits {
@@ -25,8 +25,7 @@ fn body() -> impl Strategy<Value = Json> {
         Just(Json::Null),
         any::<bool>().prop_map(Json::from),
         any::<i64>().prop_map(Json::from),
-        any::<f64>()
-            .prop_map(|f| serde_json::Number::from_f64(f).map_or(Json::Null, Json::Number)),
+        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Json::Null, Json::Number)),
         "(\\PC|</s>|<s>| |\n){0,40}".prop_map(Json::from),
     ];
     let keys = prop::sample::select(vec![
