@@ -1,4 +1,4 @@
-//! What `kubectl apply -k deploy/kubernetes` needs besides the objects tests/deploy.rs checks:
+//! What `kubectl apply -k deploy/kubernetes` needs besides the objects tests/deploy/ checks:
 //! the image override that points the pods at a registry, the admin token's Secret (generated
 //! from a file the operator writes, so nothing usable ships) wired to the variable the
 //! ConfigMap's `server.admin_token_env` names, and the Prometheus Operator's objects as an

@@ -1,4 +1,4 @@
-//! Reading the deployment material for tests/deploy.rs and tests/deploy_kustomize.rs: files under
+//! Reading the deployment material for tests/deploy/ and tests/deploy_kustomize.rs: files under
 //! the repository root as text and YAML documents (as JSON values), the resources the base
 //! kustomization lists, the ConfigMap's `rankgate.toml` as a validated config, and a bounded
 //! runner for the outside tools (docker, kubectl) some ignored tests call.

@@ -10,6 +10,7 @@
 //! a failed one keeps the last rows on screen marked stale, and a rank that left the fleet just
 //! loses its row.
 
+mod fetch;
 pub mod model;
 pub mod rates;
 pub mod status;
@@ -20,16 +21,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use bytes::Bytes;
 use crossterm::event::{self, Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 use crossterm::terminal::{self, EnterAlternateScreen, LeaveAlternateScreen};
 use crossterm::{cursor, execute};
-use http::{header, Request, Uri};
-use http_body_util::{BodyExt, Empty, Limited};
+use http::Uri;
 use ratatui::backend::{Backend, CrosstermBackend};
 use ratatui::Terminal;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+
+use fetch::{Fetched, Fetcher};
 
 pub use model::{Row, SortKey, State};
 
@@ -38,8 +39,6 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 /// Bounds of `--interval`: faster is noise for a person, slower is not live.
 const MIN_INTERVAL: Duration = Duration::from_millis(100);
 const MAX_INTERVAL: Duration = Duration::from_secs(60);
-/// Largest `/workers` or `/metrics` body read (a large fleet's `/workers` is a few MB).
-const MAX_BODY: usize = 32 * 1024 * 1024;
 /// How long the input thread blocks for a key before it looks whether it should stop.
 const INPUT_POLL: Duration = Duration::from_millis(100);
 
@@ -60,99 +59,6 @@ pub fn parse_interval(s: &str) -> Result<Duration, String> {
         return Err(format!("interval {s:?} must be within 100ms and 60s"));
     }
     Ok(d)
-}
-
-/// Reads the admin listener: one GET of `/workers` and one of `/metrics` per poll.
-#[derive(Clone)]
-struct Fetcher {
-    client: rankgate::http::HttpClient<Empty<Bytes>>,
-    workers: Uri,
-    metrics: Uri,
-    timeout: Duration,
-}
-
-/// What one poll read, for [`Top::apply`].
-struct Fetched {
-    at: Instant,
-    workers: Result<Bytes, String>,
-    metrics: Result<String, String>,
-}
-
-impl Fetcher {
-    async fn fetch(&self) -> Fetched {
-        // Both at once, so a slow `/metrics` does not age the rows.
-        let (workers, metrics) = tokio::join!(
-            get(&self.client, &self.workers, self.timeout),
-            get(&self.client, &self.metrics, self.timeout)
-        );
-        Fetched {
-            at: Instant::now(),
-            workers,
-            metrics: metrics.map(|b| String::from_utf8_lossy(&b).into_owned()),
-        }
-    }
-}
-
-/// One GET, the whole body, within `timeout`; the error is short enough for the status line.
-async fn get(
-    client: &rankgate::http::HttpClient<Empty<Bytes>>,
-    uri: &Uri,
-    timeout: Duration,
-) -> Result<Bytes, String> {
-    let path = uri.path();
-    let req = Request::get(uri.clone())
-        .header(
-            header::USER_AGENT,
-            concat!("rankgate-top/", env!("CARGO_PKG_VERSION")),
-        )
-        .body(Empty::new())
-        .map_err(|e| format!("GET {path}: {e}"))?;
-    let read = async {
-        let resp = (client.request(req).await).map_err(|e| explained(&e))?;
-        if resp.status() == http::StatusCode::NOT_FOUND {
-            // The usual mistake: the front door's address for the admin listener's.
-            return Err(format!(
-                "GET {path}: HTTP 404 (is this server.admin_listen?)"
-            ));
-        }
-        if !resp.status().is_success() {
-            return Err(format!("GET {path}: HTTP {}", resp.status()));
-        }
-        let body = Limited::new(resp.into_body(), MAX_BODY).collect().await;
-        body.map(|b| b.to_bytes())
-            .map_err(|e| format!("GET {path}: reading the body: {e}"))
-    };
-    match tokio::time::timeout(timeout, read).await {
-        Ok(r) => r,
-        Err(_) => Err(format!(
-            "GET {path}: no answer within {} ms",
-            timeout.as_millis()
-        )),
-    }
-}
-
-/// The innermost error, with advice where rustls's words alone do not say what to do (a CA
-/// served as the server's certificate).
-fn explained(e: &(dyn std::error::Error + 'static)) -> String {
-    let cause = root_cause(e);
-    match rankgate::tls::advice(&cause) {
-        Some(advice) => format!("{cause}: {advice}"),
-        None => cause,
-    }
-}
-
-/// The innermost error: hyper-util's outer layers ("client error (Connect)") say little, the
-/// last source ("Connection refused") says what happened, in the room a status line has.
-fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut last = e;
-    // Bounded: error chains are short, and this stops at 16 links whatever they are.
-    for _ in 0..16 {
-        match last.source() {
-            Some(s) => last = s,
-            None => break,
-        }
-    }
-    last.to_string()
 }
 
 /// The admin URL as given (`http://host:port`, `https://host:port` for an admin listener with
@@ -502,87 +408,4 @@ impl Signals {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn press(code: KeyCode) -> KeyEvent {
-        KeyEvent::new(code, KeyModifiers::NONE)
-    }
-
-    #[test]
-    fn admin_urls_are_checked() {
-        assert_eq!(
-            admin_base("http://127.0.0.1:9090/").unwrap(),
-            "http://127.0.0.1:9090"
-        );
-        assert_eq!(
-            admin_base("127.0.0.1:9090").unwrap(),
-            "http://127.0.0.1:9090"
-        );
-        assert_eq!(
-            admin_base("http://[::1]:9090").unwrap(),
-            "http://[::1]:9090"
-        );
-        assert_eq!(admin_base("https://h:1/").unwrap(), "https://h:1");
-        for bad in ["ftp://h:1", "http://", "http://h:1/?x=1", "http://h:x"] {
-            assert!(admin_base(bad).is_err(), "{bad}");
-        }
-        let e = Top::new("ftp://h:1", DEFAULT_INTERVAL).err().unwrap();
-        assert!(e.to_string().contains("https://"), "{e}");
-    }
-
-    #[test]
-    fn intervals_are_bounded() {
-        assert_eq!(parse_interval("1s"), Ok(Duration::from_secs(1)));
-        assert_eq!(parse_interval("250ms"), Ok(Duration::from_millis(250)));
-        assert!(parse_interval("10ms").is_err());
-        assert!(parse_interval("2m").is_err());
-        assert!(parse_interval("1").is_err());
-    }
-
-    #[test]
-    fn keys_sort_filter_scroll_and_quit() {
-        let mut s = State::new("http://x", DEFAULT_INTERVAL);
-        assert_eq!(
-            handle_key(&mut s, press(KeyCode::Char('s')), 20),
-            Action::Continue
-        );
-        assert_eq!(s.sort, SortKey::Kv);
-        handle_key(&mut s, press(KeyCode::Char('S')), 20);
-        assert_eq!(s.sort, SortKey::Id);
-        handle_key(&mut s, press(KeyCode::Char('r')), 20);
-        assert!(s.reversed);
-        // `/` opens the prompt; `q` typed there is text, not quit.
-        handle_key(&mut s, press(KeyCode::Char('/')), 20);
-        for c in "llqx".chars() {
-            assert_eq!(
-                handle_key(&mut s, press(KeyCode::Char(c)), 20),
-                Action::Continue
-            );
-        }
-        handle_key(&mut s, press(KeyCode::Backspace), 20);
-        assert_eq!(s.editing.as_deref(), Some("llq"));
-        handle_key(&mut s, press(KeyCode::Enter), 20);
-        assert_eq!((s.filter.as_str(), s.editing.is_none()), ("llq", true));
-        // Esc in the prompt keeps the old filter; outside it clears the filter.
-        handle_key(&mut s, press(KeyCode::Char('/')), 20);
-        handle_key(&mut s, press(KeyCode::Char('z')), 20);
-        handle_key(&mut s, press(KeyCode::Esc), 20);
-        assert_eq!(s.filter, "llq");
-        handle_key(&mut s, press(KeyCode::Esc), 20);
-        assert_eq!(s.filter, "");
-        // Releases are not presses.
-        let mut release = press(KeyCode::Char('q'));
-        release.kind = KeyEventKind::Release;
-        assert_eq!(handle_key(&mut s, release, 20), Action::Continue);
-        assert_eq!(
-            handle_key(&mut s, press(KeyCode::Char('q')), 20),
-            Action::Quit
-        );
-        let ctrl_c = KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL);
-        assert_eq!(handle_key(&mut s, ctrl_c, 20), Action::Quit);
-        // Ctrl-C quits from the prompt too.
-        handle_key(&mut s, press(KeyCode::Char('/')), 20);
-        assert_eq!(handle_key(&mut s, ctrl_c, 20), Action::Quit);
-    }
-}
+mod tests;

@@ -25,7 +25,8 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 
 use super::event::{decode, MAX_PAYLOAD};
-use super::index::{RankIndex, Writer};
+use super::index::RankIndex;
+use super::writer::Writer;
 use super::zmtp::{Subscriber, ZmtpError};
 use crate::config::KvEndpoint;
 

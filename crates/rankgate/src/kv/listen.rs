@@ -36,7 +36,7 @@ use tokio::time::{timeout, Instant};
 
 use super::event::{decode, MAX_PAYLOAD};
 use super::feed::{describe, lock, SharedWriter, MESSAGE_DEADLINE};
-use super::index::Writer;
+use super::writer::Writer;
 use super::zmtp::{Subscriber, ZmtpError};
 use crate::http::Throttle;
 

@@ -21,12 +21,14 @@ pub mod listen;
 pub mod msgpack;
 pub mod state;
 pub mod status;
+pub mod writer;
 pub mod zmtp;
 
 pub use event::{decode, DecodeError, Event, Message};
 pub use hash::block_hashes;
-pub use index::{RankIndex, Writer};
+pub use index::RankIndex;
 pub use state::KvState;
+pub use writer::Writer;
 
 #[cfg(test)]
 mod tests;

@@ -9,8 +9,9 @@ use serde_json::Value;
 
 use super::event::{decode, Event};
 use super::hash::chain;
-use super::index::{RankIndex, Writer};
+use super::index::RankIndex;
 use super::state::KvState;
+use super::writer::Writer;
 
 const CAPTURE: &str =
     include_str!("../../../../tests/fixtures/vllm-0.32-kv-events/events-dp2.jsonl");

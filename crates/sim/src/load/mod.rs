@@ -15,13 +15,15 @@ pub mod dist;
 pub mod fleet;
 pub mod grpc;
 mod plan;
+mod progress;
+
+use progress::{end_progress, spawn_progress};
 pub mod report;
 pub mod scrape;
 pub mod sdk;
 pub mod session;
 pub mod text;
 
-use std::io::{IsTerminal, Write as _};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
@@ -489,97 +491,5 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     })
 }
 
-fn bar(done: usize, total: usize) -> String {
-    const WIDTH: usize = 40;
-    let filled = (done * WIDTH)
-        .checked_div(total)
-        .unwrap_or(WIDTH)
-        .min(WIDTH);
-    format!(
-        "  [{}{}] {done}/{total} requests",
-        "#".repeat(filled),
-        ".".repeat(WIDTH - filled)
-    )
-}
-
-/// The bar's last state on a terminal; the total in a plain line otherwise.
-fn end_progress(done: usize, total: usize) {
-    let mut err = std::io::stderr();
-    let _ = match err.is_terminal() {
-        true => writeln!(err, "\r{}", bar(done, total)),
-        false => writeln!(err, "  {done}/{total} requests done"),
-    };
-}
-
-/// A bar redrawn in place on a terminal; without one (CI, a pipe, `tee`) a plain line every
-/// 5 s, so a long run still shows it is moving.
-fn spawn_progress(done: Arc<AtomicUsize>, total: usize) -> tokio::task::JoinHandle<()> {
-    let tty = std::io::stderr().is_terminal();
-    let period = Duration::from_millis(if tty { 250 } else { 5000 });
-    tokio::spawn(async move {
-        let started = Instant::now();
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        loop {
-            tick.tick().await;
-            let mut err = std::io::stderr();
-            let _ = match tty {
-                true => write!(err, "\r{}", bar(done.load(Relaxed), total)),
-                false => writeln!(
-                    err,
-                    "  {}/{total} requests after {} s",
-                    done.load(Relaxed),
-                    started.elapsed().as_secs()
-                ),
-            };
-            let _ = err.flush();
-        }
-    })
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sse_tokens_across_frames() {
-        let mut s = SseTokens::default();
-        assert_eq!(s.feed(b"data: {\"choices\":[{\"delta\":{}}]}\n\nda"), 1);
-        assert_eq!(s.feed(b"ta: {\"choices\":[{}]}\n"), 0);
-        assert_eq!(
-            s.feed(b"\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n"),
-            1
-        );
-        assert_eq!(s.ending(false), None, "[DONE] came");
-        assert_eq!(
-            s.ending(true),
-            Some(ErrorKind::StreamCut),
-            "then the body broke"
-        );
-    }
-
-    #[test]
-    fn a_stream_is_ok_only_when_it_reached_done_without_an_error_event() {
-        let token = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
-        let mut cut = SseTokens::default();
-        assert_eq!(cut.feed(token), 1);
-        assert_eq!(cut.ending(false), Some(ErrorKind::StreamCut), "no [DONE]");
-
-        let mut errored = SseTokens::default();
-        let event = b"data: {\"error\":{\"message\":\"cut\",\"type\":\"UpstreamError\"}}\n\n";
-        assert_eq!(
-            errored.feed(token) + errored.feed(event),
-            1,
-            "an error is no token"
-        );
-        assert_eq!(errored.feed(b"data: [DONE]\n\n"), 0);
-        assert_eq!(errored.ending(false), Some(ErrorKind::StreamErrorEvent));
-
-        let mut engine_error = SseTokens::default();
-        let vllm = b"data: {\"object\":\"error\",\"message\":\"x\",\"code\":500}\n\n";
-        assert_eq!(engine_error.feed(vllm), 0);
-        assert_eq!(
-            engine_error.ending(false),
-            Some(ErrorKind::StreamErrorEvent)
-        );
-    }
-}
+mod tests;
