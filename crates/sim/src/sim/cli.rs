@@ -387,7 +387,14 @@ mod tests {
     use super::*;
 
     fn parse(extra: &[&str]) -> Result<SimConfig, String> {
-        let mut argv = vec!["--listen", "127.0.0.1:0", "--flavor", "vllm", "--dp-size", "2"];
+        let mut argv = vec![
+            "--listen",
+            "127.0.0.1:0",
+            "--flavor",
+            "vllm",
+            "--dp-size",
+            "2",
+        ];
         argv.extend_from_slice(extra);
         super::parse(argv).map(|(cfg, _, _)| cfg)
     }
@@ -397,7 +404,10 @@ mod tests {
         let cfg = parse(&[]).expect("valid");
         assert_eq!(cfg.capacity_tokens, deployment::CAPACITY_TOKENS);
         assert_eq!(cfg.decode_tokens_per_sec, deployment::DECODE_TOKENS_PER_SEC);
-        assert_eq!(cfg.prefill_tokens_per_sec, deployment::PREFILL_TOKENS_PER_SEC);
+        assert_eq!(
+            cfg.prefill_tokens_per_sec,
+            deployment::PREFILL_TOKENS_PER_SEC
+        );
         assert!(cfg.capacity_tokens > 100 * SimConfig::default().capacity_tokens);
         let small = parse(&[
             "--capacity-tokens",
@@ -410,8 +420,16 @@ mod tests {
         .expect("valid");
         let d = SimConfig::default();
         assert_eq!(
-            (small.capacity_tokens, small.decode_tokens_per_sec, small.prefill_tokens_per_sec),
-            (d.capacity_tokens, d.decode_tokens_per_sec, d.prefill_tokens_per_sec)
+            (
+                small.capacity_tokens,
+                small.decode_tokens_per_sec,
+                small.prefill_tokens_per_sec
+            ),
+            (
+                d.capacity_tokens,
+                d.decode_tokens_per_sec,
+                d.prefill_tokens_per_sec
+            )
         );
         let e = parse(&["--prefill-rate", "0"]).unwrap_err();
         assert!(e.contains("--prefill-rate"), "{e}");

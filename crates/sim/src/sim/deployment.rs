@@ -69,7 +69,11 @@ mod tests {
 
     #[test]
     fn the_capacity_is_whole_blocks_of_what_the_gpu_leaves_for_kv() {
-        assert_eq!(KV_BYTES_PER_TOKEN, 128 * 1024, "Llama-3.1-8B: 128 KiB a token");
+        assert_eq!(
+            KV_BYTES_PER_TOKEN,
+            128 * 1024,
+            "Llama-3.1-8B: 128 KiB a token"
+        );
         assert_eq!(CAPACITY_TOKENS % BLOCK_TOKENS, 0);
         let used = CAPACITY_TOKENS * KV_BYTES_PER_TOKEN + (WEIGHTS_MIB + RUNTIME_MIB) * MIB;
         let budget = GPU_MEMORY_MIB * MIB * GPU_MEMORY_UTILIZATION_TENTHS / 10;
@@ -77,5 +81,4 @@ mod tests {
         // A 1k-token chat is a quarter of a percent of a rank, far inside any affinity margin.
         assert!((1024.0 / CAPACITY_TOKENS as f64) < 0.003);
     }
-
 }

@@ -90,9 +90,19 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         for (name, bytes) in super::FILES {
             let fixture = root.join("tests/fixtures/vllm-0.32-kv-events").join(name);
-            assert_eq!(std::fs::read(&fixture).unwrap(), bytes, "{}", fixture.display());
+            assert_eq!(
+                std::fs::read(&fixture).unwrap(),
+                bytes,
+                "{}",
+                fixture.display()
+            );
             let shipped = root.join(super::SHIPPED_DIR).join(name);
-            assert_eq!(std::fs::read(&shipped).unwrap(), bytes, "{}", shipped.display());
+            assert_eq!(
+                std::fs::read(&shipped).unwrap(),
+                bytes,
+                "{}",
+                shipped.display()
+            );
         }
     }
 }
