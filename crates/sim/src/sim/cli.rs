@@ -54,7 +54,7 @@ pub enum Numbering {
 
 /// `rankgate mock-engine`'s flags.
 #[derive(clap::Args)]
-#[command(after_long_help = DEFAULTS_HELP)]
+#[command(after_long_help = deployment::help())]
 pub struct Args {
     #[arg(long)]
     listen: SocketAddr,
@@ -199,21 +199,6 @@ fn seconds(flag: &str, s: f64) -> Result<std::time::Duration, String> {
         .filter(|d| !d.is_zero())
         .ok_or_else(|| format!("{flag} takes a positive number of seconds, got {s}"))
 }
-
-/// What `mock-engine --help` says after the flags: the deployment its defaults are.
-const DEFAULTS_HELP: &str = "\
-Defaults: one rank is a real one, Llama-3.1-8B (bf16) on one 80 GB GPU (H100 SXM) under vLLM \
-(--gpu-memory-utilization 0.9, blocks of 16 tokens): --capacity-tokens 440912, --decode-rate \
-160, --prefill-rate 30000, so a 1k-token chat is 0.2% of a rank. Smaller figures make load \
-show within a few requests (the tests' engine: --capacity-tokens 4096 --decode-rate 200 \
---prefill-rate 20000).
-
-Tokenizer: with --kv-events-config the ranks name their KV blocks with the built-in tiny \
-model's tokenizer, shipped in configs/tokenizers/tiny-llama/ (tokenizer.json, \
-tokenizer_config.json, chat_template.jinja). A router matches those blocks with:
-  [[models]]
-  name = \"tiny-llama\"
-  tokenizer = \"configs/tokenizers/tiny-llama\"   # relative to where rankgate runs";
 
 /// `rankgate mock-engine` as a command of its own, for building exactly the engine a command
 /// line would ([`parse`]).

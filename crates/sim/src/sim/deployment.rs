@@ -8,7 +8,8 @@
 //! prompt tokens/s): the tests, the scenarios and `rankgate demo` count on load showing within a
 //! few requests, and set those figures by leaving them at their defaults.
 //!
-//! How each figure is reached (the arithmetic is the constants below):
+//! [`help`] is what `rankgate mock-engine --help` says of them. How each figure is reached (the
+//! arithmetic is the constants below):
 //!
 //! - KV capacity. vLLM gives the KV cache what is left of `gpu_memory_utilization` (0.9) of the
 //!   GPU's memory once the weights and the runtime are in: 0.9 x 79.2 GiB (what CUDA reports
@@ -62,6 +63,34 @@ pub const DECODE_TOKENS_PER_SEC: f64 = 160.0;
 
 /// Prompt tokens per second of prefill.
 pub const PREFILL_TOKENS_PER_SEC: f64 = 30_000.0;
+
+/// What `mock-engine --help` says after the flags: the deployment its defaults are, and where
+/// the built-in tokenizer's files are (from the constants, so it cannot drift from them).
+pub fn help() -> String {
+    let d = super::SimConfig::default();
+    format!(
+        "Defaults: one rank is a real one, Llama-3.1-8B (bf16) on one 80 GB GPU (H100 SXM) under \
+         vLLM (--gpu-memory-utilization 0.9, blocks of {block} tokens): --capacity-tokens \
+         {capacity}, --decode-rate {decode}, --prefill-rate {prefill}, so a 1k-token chat is \
+         {share:.1}% of a rank. Smaller figures make load show within a few requests (the \
+         tests' engine: --capacity-tokens {} --decode-rate {} --prefill-rate {}).\n\n\
+         Tokenizer: with --kv-events-config the ranks name their KV blocks with the built-in \
+         tiny model's tokenizer, shipped in {dir}/ (tokenizer.json, tokenizer_config.json, \
+         chat_template.jinja). A router matches those blocks with:\n  \
+         [[models]]\n  \
+         name = \"tiny-llama\"\n  \
+         tokenizer = \"{dir}\"   # relative to where rankgate runs",
+        d.capacity_tokens,
+        d.decode_tokens_per_sec,
+        d.prefill_tokens_per_sec,
+        block = BLOCK_TOKENS,
+        capacity = CAPACITY_TOKENS,
+        decode = DECODE_TOKENS_PER_SEC,
+        prefill = PREFILL_TOKENS_PER_SEC,
+        share = 100.0 * 1024.0 / CAPACITY_TOKENS as f64,
+        dir = super::model::SHIPPED_DIR,
+    )
+}
 
 #[cfg(test)]
 mod tests {
