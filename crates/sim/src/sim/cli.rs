@@ -95,7 +95,7 @@ pub struct Args {
     capacity_tokens: u64,
     /// Decode rate of one request alone on its rank, tokens per second (each other running
     /// request slows it 2%). Default: that model on an H100 SXM at a small batch, 6.25 ms a
-    /// token (16 GB of weights read per step at about 3/4 of its 3.35 TB/s).
+    /// token (16 GB of weights read per step at about 77% of its 3.35 TB/s).
     #[arg(long, default_value_t = deployment::DECODE_TOKENS_PER_SEC)]
     decode_rate: f64,
     /// Prefill rate, prompt tokens per second (a very high rate with a very high --decode-rate

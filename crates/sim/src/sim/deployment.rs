@@ -6,7 +6,7 @@
 //!
 //! [`super::SimConfig::default`] keeps its small engine (4,096 tokens, 200 tokens/s, 20,000
 //! prompt tokens/s): the tests, the scenarios and `rankgate demo` count on load showing within a
-//! few requests, and set those figures by leaving them at their defaults.
+//! few requests, and get those figures by leaving them unset.
 //!
 //! [`help`] is what `rankgate mock-engine --help` says of them. How each figure is reached (the
 //! arithmetic is the constants below):
@@ -20,12 +20,12 @@
 //!   27,557 blocks of 16 (vLLM's GPU block size). SGLang with `--mem-fraction-static 0.9` lands
 //!   within a few percent of it.
 //! - Decode. At a small batch a decode step reads every weight once: 16.06 GB at the H100 SXM's
-//!   3.35 TB/s is 4.8 ms, and decode kernels reach about three quarters of that bandwidth, so
-//!   6.25 ms a token: 160 tokens/s for a request alone on its rank. Each other running request
+//!   3.35 TB/s is 4.8 ms, and decode kernels reach about 77% of that bandwidth, so 6.25 ms a
+//!   token: 160 tokens/s for a request alone on its rank. Each other running request
 //!   slows it 2% ([`super::SimConfig::batch_slowdown`], not a flag): 10 ms a token with 32
 //!   running, as the growing KV reads make a memory-bound step slower.
 //! - Prefill. A prompt token costs 2 x 8.03 G = 16 GFLOP; the H100 SXM's 989 dense bf16 TFLOPS
-//!   at the half of peak that prefill reaches is 30,800 tokens/s, taken as 30,000 (a 1k-token
+//!   at about half of peak, what prefill reaches, is 30,800 tokens/s, taken as 30,000 (a 1k-token
 //!   prompt prefills in 34 ms).
 
 /// Bytes in a MiB.
