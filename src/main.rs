@@ -106,7 +106,8 @@ enum Command {
         rate: Option<f64>,
     },
     /// A simulated vLLM or SGLang engine with N DP ranks (per-rank KV, queues, /metrics, gRPC),
-    /// for trying rankgate without GPUs.
+    /// for trying rankgate without GPUs; each rank as big and as fast as Llama-3.1-8B on one
+    /// 80 GB GPU unless told otherwise.
     #[cfg(feature = "sim")]
     MockEngine(Box<rankgate_sim::sim::cli::Args>),
     /// Load client: TTFT / ITL / E2E percentiles and per-rank counts against any

@@ -5,13 +5,18 @@
 //!   rankgate mock-engine --listen 127.0.0.1:18001 --flavor vllm --dp-size 2 \
 //!     [--start-rank S] [--kv-usage 0.1,0.8] [--preload 0.9,0] [--dark-ranks 1] [--garbage-ranks 0] \
 //!     [--grpc-listen 127.0.0.1:18051] [--servicer-quirks] [--model a,b] [--api-key K] \
-//!     [--prefill-rate 20000] [--prefill-interference] [--prefix-caching]
+//!     [--capacity-tokens 440912] [--decode-rate 160] [--prefill-rate 30000]
+//!     [--prefill-interference] [--prefix-caching] [--tokenizer DIR]
 //!     [--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}']
 //!     [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
 //!
 //! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
 //! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
 //! With `--die-after` the process exits (status 1) once the engine has died.
+//!
+//! Unlike [`SimConfig::default`], a rank starts as big and as fast as a real one
+//! ([`super::deployment`]: Llama-3.1-8B on one 80 GB GPU under vLLM), so a conversation on an
+//! idle fleet is a sliver of its rank, as it would be in production.
 //!
 //! Every proxied answer (generation, pooling, tokenizer, audio, SGLang's native endpoints) carries
 //! `x-sim-rank: <global rank>`, the rank that served it.
@@ -26,7 +31,7 @@ use std::net::SocketAddr;
 use clap::ValueEnum;
 
 use super::SimFlavor as Flavor;
-use super::{check_percent, check_status, SimConfig, SimEngine};
+use super::{check_percent, check_status, deployment, SimConfig, SimEngine};
 use rankgate::worker::RankNumbering;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -49,6 +54,7 @@ pub enum Numbering {
 
 /// `rankgate mock-engine`'s flags.
 #[derive(clap::Args)]
+#[command(after_long_help = deployment::help())]
 pub struct Args {
     #[arg(long)]
     listen: SocketAddr,
@@ -82,16 +88,21 @@ pub struct Args {
     /// GLOBAL ranks that report invalid values (NaN KV, negative counts).
     #[arg(long, value_delimiter = ',')]
     garbage_ranks: Vec<u32>,
-    /// KV capacity of each rank in tokens.
-    #[arg(long, default_value_t = 4096)]
+    /// KV capacity of each rank in tokens. Default: Llama-3.1-8B (bf16, 128 KiB of KV a token)
+    /// on one 80 GB GPU under vLLM (--gpu-memory-utilization 0.9): 71.3 GiB less 15 GiB of
+    /// weights and 2.5 GiB of runtime leaves 53.8 GiB of KV, 27,557 blocks of 16 tokens.
+    #[arg(long, default_value_t = deployment::CAPACITY_TOKENS)]
     capacity_tokens: u64,
-    /// Decode rate of one request, tokens per second.
-    #[arg(long, default_value_t = 200.0)]
+    /// Decode rate of one request alone on its rank, tokens per second (each other running
+    /// request slows it 2%). Default: that model on an H100 SXM at a small batch, 6.25 ms a
+    /// token (16 GB of weights read per step at about 77% of its 3.35 TB/s).
+    #[arg(long, default_value_t = deployment::DECODE_TOKENS_PER_SEC)]
     decode_rate: f64,
     /// Prefill rate, prompt tokens per second (a very high rate with a very high --decode-rate
-    /// makes an instant engine, for measuring a proxy's overhead).
-    #[arg(long)]
-    prefill_rate: Option<f64>,
+    /// makes an instant engine, for measuring a proxy's overhead). Default: that model on an
+    /// H100 SXM, 16 GFLOP a token at half its 989 bf16 TFLOPS (a 1k-token prompt in 34 ms).
+    #[arg(long, default_value_t = deployment::PREFILL_TOKENS_PER_SEC)]
+    prefill_rate: f64,
     /// Each rank's prefills run one at a time and hold up its decode steps while they run.
     #[arg(long)]
     prefill_interference: bool,
@@ -108,8 +119,9 @@ pub struct Args {
     /// A model directory (tokenizer.json, tokenizer_config.json, chat template) whose tokenizer
     /// names the prompt tokens and KV blocks, as a real engine's would. With
     /// --kv-events-config and no --tokenizer: the built-in tiny model's (the one the real vLLM
-    /// capture was made with), so a router's `[[models]]` with the same files matches the
-    /// blocks exactly.
+    /// capture was made with), whose files the repository ships in
+    /// configs/tokenizers/tiny-llama/: a router's `[[models]]` with `tokenizer =
+    /// "configs/tokenizers/tiny-llama"` matches the blocks exactly.
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,
     /// Served model names, comma-separated; the first is the default for requests naming none.
@@ -188,6 +200,29 @@ fn seconds(flag: &str, s: f64) -> Result<std::time::Duration, String> {
         .ok_or_else(|| format!("{flag} takes a positive number of seconds, got {s}"))
 }
 
+/// `rankgate mock-engine` as a command of its own, for building exactly the engine a command
+/// line would ([`parse`]).
+#[derive(clap::Parser)]
+#[command(name = "mock-engine")]
+struct Standalone {
+    #[command(flatten)]
+    args: Args,
+}
+
+/// The engine `rankgate mock-engine ARGS` would serve, its listen address and its gRPC one
+/// (`argv` without the program and subcommand names): what a test starts to check the
+/// command's defaults.
+pub fn parse<I, T>(argv: I) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), String>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString>,
+{
+    let argv = std::iter::once(std::ffi::OsString::from("mock-engine"))
+        .chain(argv.into_iter().map(Into::into));
+    let cmd = <Standalone as clap::Parser>::try_parse_from(argv).map_err(|e| e.to_string())?;
+    config(cmd.args)
+}
+
 /// Checks the flags and builds the engine's config; the error names the flag.
 pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), String> {
     if let Some(v) = (a.kv_usage.iter().chain(&a.preload)).find(|v| !(0.0..=1.0).contains(*v)) {
@@ -201,7 +236,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
     if a.model.iter().any(|m| m.is_empty()) {
         return Err(format!("--model takes non-empty names, got {:?}", a.model));
     }
-    if a.decode_rate <= 0.0 || a.prefill_rate.is_some_and(|r| r <= 0.0) {
+    if !(a.decode_rate > 0.0 && a.prefill_rate > 0.0) {
         return Err("--decode-rate and --prefill-rate must be positive".into());
     }
     check_status(a.fail_status).map_err(|e| format!("--fail-status: {e}"))?;
@@ -265,9 +300,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         dark_ranks: a.dark_ranks,
         garbage_ranks: a.garbage_ranks,
         decode_tokens_per_sec: a.decode_rate,
-        prefill_tokens_per_sec: a
-            .prefill_rate
-            .unwrap_or(SimConfig::default().prefill_tokens_per_sec),
+        prefill_tokens_per_sec: a.prefill_rate,
         prefill_interference: a.prefill_interference,
         // Events come from the prefix cache; vLLM has it on by default.
         prefix_caching: a.prefix_caching || kv_events.is_some(),
@@ -337,17 +370,9 @@ pub async fn run(a: Args) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cmd {
-        #[command(flatten)]
-        args: Args,
-    }
 
     fn parse(extra: &[&str]) -> Result<SimConfig, String> {
         let mut argv = vec![
-            "mock-engine",
             "--listen",
             "127.0.0.1:0",
             "--flavor",
@@ -356,8 +381,43 @@ mod tests {
             "2",
         ];
         argv.extend_from_slice(extra);
-        let cmd = Cmd::try_parse_from(argv).map_err(|e| e.to_string())?;
-        config(cmd.args).map(|(cfg, _, _)| cfg)
+        super::parse(argv).map(|(cfg, _, _)| cfg)
+    }
+
+    #[test]
+    fn without_figures_a_rank_is_a_real_one_and_flags_still_set_them() {
+        let cfg = parse(&[]).expect("valid");
+        assert_eq!(cfg.capacity_tokens, deployment::CAPACITY_TOKENS);
+        assert_eq!(cfg.decode_tokens_per_sec, deployment::DECODE_TOKENS_PER_SEC);
+        assert_eq!(
+            cfg.prefill_tokens_per_sec,
+            deployment::PREFILL_TOKENS_PER_SEC
+        );
+        assert!(cfg.capacity_tokens > 100 * SimConfig::default().capacity_tokens);
+        let small = parse(&[
+            "--capacity-tokens",
+            "4096",
+            "--decode-rate",
+            "200",
+            "--prefill-rate",
+            "20000",
+        ])
+        .expect("valid");
+        let d = SimConfig::default();
+        assert_eq!(
+            (
+                small.capacity_tokens,
+                small.decode_tokens_per_sec,
+                small.prefill_tokens_per_sec
+            ),
+            (
+                d.capacity_tokens,
+                d.decode_tokens_per_sec,
+                d.prefill_tokens_per_sec
+            )
+        );
+        let e = parse(&["--prefill-rate", "0"]).unwrap_err();
+        assert!(e.contains("--prefill-rate"), "{e}");
     }
 
     #[test]

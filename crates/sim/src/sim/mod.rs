@@ -19,12 +19,13 @@
 //! what the ranks publish, `grpc` the gRPC services and `grpc_decode` their inference calls,
 //! `rank` the KV and queue model, `prefix` its prefix cache, `kv` the KV-cache events the ranks
 //! publish over ZeroMQ as vLLM does, `faults` the fault knobs and `net` the accept loop that can
-//! die like a killed process. `pd` makes the engine the prefill or the decode side of a
-//! disaggregated pair ([`SimConfig::role`]), vLLM's NixlConnector or SGLang's bootstrap way.
+//! die like a killed process. `pd` makes the engine the prefill or the decode side of a pair
+//! ([`SimConfig::role`]); `deployment` holds a real rank's figures, `rankgate mock-engine`'s.
 
 mod auth;
 pub mod cli;
 mod compute;
+pub mod deployment;
 mod faults;
 mod generate;
 mod grpc;
@@ -101,7 +102,7 @@ impl SimFlavor {
 /// The model a default [`SimConfig`] serves.
 pub const DEFAULT_MODEL: &str = "tiny-llama";
 
-/// How the simulated engine is built.
+/// How the simulated engine is built. `default()` is small and quick, as tests count on.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
     pub flavor: SimFlavor,
@@ -109,7 +110,7 @@ pub struct SimConfig {
     pub start_rank: u32,
     /// Which numbering the pinning header is validated against (vLLM versions differ).
     pub rank_numbering: RankNumbering,
-    /// KV capacity of each rank in tokens.
+    /// KV capacity of each rank in tokens (4,096 by default; a real rank: [`deployment`]).
     pub capacity_tokens: u64,
     /// Per local rank: a capacity overriding `capacity_tokens` (heterogeneous ranks).
     pub capacities: Vec<u64>,

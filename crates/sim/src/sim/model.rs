@@ -1,9 +1,11 @@
 //! The simulated engine's model files: the tokenizer and chat template of the tiny model the
-//! real vLLM capture was made with (`tests/fixtures/vllm-0.32-kv-events/`), built into the
-//! binary, so that a simulated engine publishing KV events names its blocks by the same token
-//! ids a router computes for the same request: `rankgate demo` and the scenarios need no files
-//! beside the binary. [`tiny_model_dir`] writes them out once (a router's `[[models]]` reads a
-//! directory); [`tokenizer`] makes the engine's side of the seam from any model directory.
+//! real vLLM capture was made with (`tests/fixtures/vllm-0.32-kv-events/`), shipped in
+//! [`SHIPPED_DIR`] for a router's `[[models]]` to point at, and built into the binary from there,
+//! so that a simulated engine publishing KV events names its blocks by the same token ids a
+//! router computes for the same request: `rankgate demo`, the scenarios and `rankgate
+//! mock-engine` need no files beside the binary. [`tiny_model_dir`] writes them out once (a
+//! router's `[[models]]` reads a directory); [`tokenizer`] makes the engine's side of the seam
+//! from any model directory.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -12,19 +14,23 @@ use rankgate::tokenize::ChatTokenizer;
 
 use super::SimTokenizer;
 
-/// The files of the tiny model, by name.
+/// Where the repository ships the tiny model's tokenizer files (relative to its root): the
+/// bytes [`FILES`] holds, for a router's `[[models]] tokenizer`.
+pub const SHIPPED_DIR: &str = "configs/tokenizers/tiny-llama";
+
+/// The files of the tiny model, by name (one copy: the shipped ones).
 const FILES: [(&str, &[u8]); 3] = [
     (
         "tokenizer.json",
-        include_bytes!("../../../../tests/fixtures/vllm-0.32-kv-events/tokenizer.json"),
+        include_bytes!("../../../../configs/tokenizers/tiny-llama/tokenizer.json"),
     ),
     (
         "tokenizer_config.json",
-        include_bytes!("../../../../tests/fixtures/vllm-0.32-kv-events/tokenizer_config.json"),
+        include_bytes!("../../../../configs/tokenizers/tiny-llama/tokenizer_config.json"),
     ),
     (
         "chat_template.jinja",
-        include_bytes!("../../../../tests/fixtures/vllm-0.32-kv-events/chat_template.jinja"),
+        include_bytes!("../../../../configs/tokenizers/tiny-llama/chat_template.jinja"),
     ),
 ];
 
@@ -75,5 +81,28 @@ mod tests {
         let want: Vec<u32> = serde_json::from_value(golden[0]["tokenize"].clone()).unwrap();
         assert_eq!(t.prompt_ids(&body), Some(want));
         assert!(t.text_ids("t1 t2").is_some_and(|ids| !ids.is_empty()));
+    }
+
+    #[test]
+    fn the_capture_fixture_names_the_shipped_files() {
+        // The fixture directory links to the shipped files (one copy): the tokenizer the capture
+        // was made with is the one a user's `[[models]]` points at.
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for (name, bytes) in super::FILES {
+            let fixture = root.join("tests/fixtures/vllm-0.32-kv-events").join(name);
+            assert_eq!(
+                std::fs::read(&fixture).unwrap(),
+                bytes,
+                "{}",
+                fixture.display()
+            );
+            let shipped = root.join(super::SHIPPED_DIR).join(name);
+            assert_eq!(
+                std::fs::read(&shipped).unwrap(),
+                bytes,
+                "{}",
+                shipped.display()
+            );
+        }
     }
 }

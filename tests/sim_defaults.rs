@@ -1,0 +1,140 @@
+//! `rankgate mock-engine`'s defaults are a real deployment (a 7-8B model on one 80 GB GPU under
+//! vLLM, `rankgate_sim::sim::deployment`), end to end over real sockets: the engine the command
+//! builds with no capacity flags and KV events on, two DP ranks, behind a router with exact
+//! prefix-cache routing whose `[[models]]` points at the tokenizer files the repository ships
+//! (`configs/tokenizers/tiny-llama`). A 1k-token conversation on that idle fleet is a sliver of
+//! a rank, so every turn stays where the engine holds it. (With `--capacity-tokens 4096`, the
+//! tests' small ranks, the same chat is a quarter of a rank and load moves turns off it: this
+//! test fails then, in every run tried.)
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::*;
+use rankgate::tokenize::ChatTokenizer;
+use rankgate_sim::sim::kv::KvEventsConfig;
+use rankgate_sim::sim::{cli, deployment, model, SimEngine};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(10);
+const TURNS: usize = 8;
+
+/// The shipped tokenizer directory, as a user's `[[models]]` names it.
+fn shipped_tokenizer() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(model::SHIPPED_DIR)
+}
+
+/// `rankgate mock-engine --listen 127.0.0.1:0 --flavor vllm --dp-size 2 --kv-events-config ...`:
+/// the command's own defaults for everything else.
+async fn default_engine() -> SimEngine {
+    let (mut cfg, listen, grpc) = cli::parse([
+        "--listen",
+        "127.0.0.1:0",
+        "--flavor",
+        "vllm",
+        "--dp-size",
+        "2",
+        "--kv-events-config",
+        r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0", "topic": "kv"}"#,
+    ])
+    .expect("mock-engine's flags");
+    assert!(grpc.is_none());
+    assert_eq!(cfg.capacity_tokens, deployment::CAPACITY_TOKENS);
+    assert!(
+        cfg.prefix_caching && cfg.tokenizer.is_some(),
+        "events bring both"
+    );
+    // `tcp://*:0` binds every interface; tests bind loopback only. The endpoint is the only
+    // thing taken from elsewhere: each rank still gets a free port, topic "kv".
+    let events = cfg.kv_events.as_mut().expect("events on");
+    assert_eq!(events.topic, "kv");
+    events.endpoint = KvEventsConfig::bind_local().endpoint;
+    SimEngine::start(listen, cfg)
+        .await
+        .expect("start mock-engine's engine")
+}
+
+/// One chat turn; returns the worker that served it and the answer.
+async fn turn(r: &rankgate::app::Router, messages: &[Value]) -> (String, Value) {
+    let body = json!({"model": "tiny-llama", "messages": messages, "max_tokens": 32});
+    let reply = post_json(r.addr, "/v1/chat/completions", body).await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let answer = reply.json()["choices"][0]["message"]["content"].clone();
+    (reply.worker(), answer)
+}
+
+/// The router's predicted prefix-cache hit tokens, by where it learned them.
+async fn predicted(r: &rankgate::app::Router, by: &str) -> f64 {
+    let reply = get(r.admin_addr, "/metrics").await;
+    let text = String::from_utf8_lossy(&reply.body);
+    (text.lines())
+        .filter(|l| {
+            l.starts_with("rankgate_rank_prefix_predicted_hit_tokens_total")
+                && l.contains(&format!("by=\"{by}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_1k_token_conversation_on_an_idle_default_fleet_stays_on_its_rank() {
+    let e = default_engine().await;
+    let extra = format!(
+        "{FAST}[routing]\nprefix_affinity = true\nkv_events = true\n\
+         [[models]]\nname = \"tiny-llama\"\ntokenizer = {:?}\n",
+        shipped_tokenizer().display().to_string()
+    );
+    let r = router(&extra, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    wait_state(&r, &[0, 1], "available").await;
+
+    let tokenizer = ChatTokenizer::from_dir(&shipped_tokenizer()).expect("shipped tokenizer");
+    let mut messages = vec![json!({
+        "role": "system",
+        "content": "You answer questions about routing inference requests across data-parallel ranks. "
+            .repeat(30),
+    })];
+    let mut workers = Vec::new();
+    for t in 0..TURNS {
+        messages.push(json!({"role": "user", "content": format!("Turn {t}: and what then?")}));
+        if t == 0 {
+            let body = json!({"model": "tiny-llama", "messages": messages});
+            let ids = tokenizer
+                .chat(&serde_json::to_vec(&body).unwrap())
+                .expect("tokenize the first turn")
+                .ids;
+            assert!(
+                (1000..1500).contains(&ids.len()),
+                "the first turn is a 1k-token prompt: {} tokens",
+                ids.len()
+            );
+        }
+        let (worker, answer) = turn(&r, &messages).await;
+        messages.push(json!({"role": "assistant", "content": answer}));
+        workers.push(worker);
+        if t == 0 {
+            // The router's index learns the first turn's blocks from the engine's own events.
+            wait_workers(&r, WAIT, |rows| {
+                rows.iter().any(|w| {
+                    w["id"] == workers[0].as_str()
+                        && w["kv_index"]["state"] == "available"
+                        && w["kv_index"]["blocks"].as_u64() > Some(0)
+                })
+            })
+            .await;
+        }
+    }
+    assert!(workers.iter().all(|w| *w == workers[0]), "{workers:?}");
+    assert!(
+        predicted(&r, "events").await > 0.0,
+        "the turns were placed on the engine's word (its KV events)"
+    );
+    r.shutdown().await;
+    e.shutdown().await;
+}
