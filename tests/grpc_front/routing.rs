@@ -1,43 +1,22 @@
-//! rankgate's gRPC front door (`server.grpc_listen`) in front of simulated engines configured
-//! with `grpc_url` only, over real sockets on 127.0.0.1, for both flavors where the behaviour is
-//! per flavor. It proves that:
-//!
-//! - `Generate` goes to the least-KV rank, the rank set in the request message and every other
-//!   byte kept (unknown fields too; a client's own rank is replaced), `x-rankgate-worker` naming
-//!   the rank; SGLang's `Embed` is pinned the same way, vLLM's (no rank field) passes untouched;
-//! - a client that leaves stops the engine's generation, and `Abort` reaches the engine holding
-//!   the id and no other (an unknown id reaches none and is OK);
-//! - no routable rank (engine dead, port refusing) is `UNAVAILABLE`; methods rankgate does not
-//!   serve are `UNIMPLEMENTED`, naming the method;
-//! - `GetLoads` and `grpc.health.v1` are answered from rankgate's own snapshot;
-//! - in a fleet of an HTTP-only and a gRPC-only engine, each front door sends only to its own.
-//!
-//! Every wait polls observable state (`/workers`, the engine's records) within a bound.
-
-mod common;
+//! Where the gRPC front door sends calls: Generate to the least-KV rank with the rank set in the
+//! message, unknown fields kept and a client's rank replaced, Embed pinned where it has a rank
+//! field, a leaving client stopping the engine, deadlines passed through over one shared
+//! connection (the next opened at its stream limit), UNAVAILABLE failed over, each front door of
+//! a mixed fleet to its own engines, and no debugging header reaching an engine.
 
 use std::time::Duration;
 
-use common::grpc::*;
-use common::*;
-use prost::Message;
 use rankgate::app::Router;
 use rankgate::pbwire::set_varint;
-use rankgate::proto::health::health_check_response::ServingStatus;
-use rankgate::proto::health::health_client::HealthClient;
-use rankgate::proto::health::HealthCheckRequest;
 use rankgate::proto::vllm;
 use rankgate::telemetry::grpc::transport;
 use rankgate_sim::sim::SimFlavor as Flavor;
-use tonic::{Code, Status};
+use tonic::Code;
 
-/// The error a generation that must not start gets.
-async fn refused(c: &mut Client, id: &str) -> Status {
-    match c.start(id, None, 3).await {
-        Ok(s) => panic!("{id}: started on {:?}", s.worker),
-        Err(err) => err,
-    }
-}
+use crate::common;
+use crate::common::grpc::*;
+use crate::common::*;
+use crate::helpers::*;
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
@@ -45,17 +24,6 @@ fn put_varint(out: &mut Vec<u8>, mut v: u64) {
         v >>= 7;
     }
     out.push(v as u8);
-}
-
-/// One engine of ranks 2 and 3 reporting KV 0.8 and 0.1, behind rankgate, both ranks available
-/// with those numbers: rank 3 is the pick.
-async fn low_kv_on_rank_3(flavor: Flavor) -> (Eng, Router) {
-    let e = Eng::start(flavor, 2, 2).await;
-    e.sim.set_kv_usage(vec![0.8, 0.1]);
-    let r = grpc_router(&[&e]).await;
-    wait_state(&r, &[0, 1], "available").await;
-    wait_kv(&r, &[(0, 0.8), (1, 0.1)]).await;
-    (e, r)
 }
 
 #[tokio::test]
@@ -253,209 +221,6 @@ async fn an_engine_answering_unavailable_is_failed_over() {
 }
 
 #[tokio::test]
-async fn abort_reaches_the_engine_holding_the_id_and_no_other() {
-    for flavor in FLAVORS {
-        let (a, b, r) = two_engines(flavor).await;
-        let mut c = front(&r, flavor);
-        let mut g = c.start("x", None, 100_000).await.unwrap();
-        assert_eq!(g.stream.next().await, Some(Ev::Chunk { completion: 1 }));
-        let (holder, other, rank) = match (a.generated(), b.generated()) {
-            (true, false) => (&a, &b, 0),
-            (false, true) => (&b, &a, 1),
-            both => panic!("{flavor:?}: Generate reached (a, b) = {both:?}"),
-        };
-        assert_eq!(g.worker, Some(holder.worker(rank)), "{flavor:?}");
-
-        let success = c.abort("x").await.expect("Abort");
-        assert_ne!(success, Some(false), "{flavor:?}: the engine's answer");
-        let (reason, tokens) = g.stream.until_complete().await.expect("a final message");
-        assert_eq!(reason, "abort", "{flavor:?}");
-        assert!(tokens < 100_000);
-        assert_eq!(g.stream.next().await, None, "{flavor:?}: the stream ends");
-        assert_eq!(holder.sim.aborted(), vec!["x".to_string()], "{flavor:?}");
-        assert!(other.sim.aborted().is_empty(), "{flavor:?}");
-        assert!(
-            other.sim.grpc_seen().iter().all(|s| s.method != "Abort"),
-            "{flavor:?}: the other engine was not asked"
-        );
-        wait_idle(&holder.sim).await;
-    }
-}
-
-#[tokio::test]
-async fn abort_of_an_unknown_id_is_ok_and_reaches_no_engine() {
-    for flavor in FLAVORS {
-        let (a, b, r) = two_engines(flavor).await;
-        let mut c = front(&r, flavor);
-        let success = c
-            .abort("nobody")
-            .await
-            .expect("Abort of an unknown id is OK");
-        for e in [&a, &b] {
-            assert!(e.sim.grpc_seen().is_empty(), "{flavor:?}");
-            assert!(e.sim.aborted().is_empty(), "{flavor:?}");
-        }
-        // SGLang's servicer sends any abort on to its scheduler and answers `success: true`,
-        // running or not (so does the simulator); rankgate, answering for the fleet, should not
-        // tell the client its abort failed.
-        let want = (flavor == Flavor::Sglang).then_some(true);
-        assert_eq!(success, want, "{flavor:?}: AbortResponse.success");
-    }
-}
-
-#[tokio::test]
-async fn vllm_abort_of_ids_on_two_engines_sends_each_engine_only_its_own() {
-    let flavor = Flavor::Vllm;
-    let (a, b, r) = two_engines(flavor).await;
-    let mut c = front(&r, flavor);
-    // "x" to a (the idler), then "y" to b once b is the idler.
-    a.sim.set_kv_usage(vec![0.1]);
-    b.sim.set_kv_usage(vec![0.9]);
-    wait_kv(&r, &[(0, 0.1), (1, 0.9)]).await;
-    let mut x = c.start("x", None, 100_000).await.unwrap();
-    assert_eq!(x.worker, Some(a.worker(0)));
-    a.sim.set_kv_usage(vec![0.9]);
-    b.sim.set_kv_usage(vec![0.1]);
-    wait_kv(&r, &[(0, 0.9), (1, 0.1)]).await;
-    let mut y = c.start("y", None, 100_000).await.unwrap();
-    assert_eq!(y.worker, Some(b.worker(1)));
-    for g in [&mut x, &mut y] {
-        assert_eq!(g.stream.next().await, Some(Ev::Chunk { completion: 1 }));
-    }
-
-    let Client::Vllm(v) = &mut c else {
-        unreachable!()
-    };
-    let ids = ["x", "y", "nobody"].map(String::from).to_vec();
-    bounded(v.abort(vllm::AbortRequest { request_ids: ids }))
-        .await
-        .expect("Abort");
-    for (g, e, id) in [(&mut x, &a, "x"), (&mut y, &b, "y")] {
-        let (reason, _) = g.stream.until_complete().await.expect("a final message");
-        assert_eq!(reason, "abort", "{id}");
-        assert_eq!(e.sim.aborted(), vec![id.to_string()]);
-        let seen = e.sim.grpc_seen();
-        let abort = seen.iter().find(|s| s.method == "Abort").expect("an Abort");
-        let sent = vllm::AbortRequest::decode(abort.raw.clone()).unwrap();
-        assert_eq!(sent.request_ids, vec![id.to_string()], "only its own id");
-    }
-}
-
-#[tokio::test]
-async fn a_dead_engine_leaves_no_routable_rank_unavailable() {
-    for flavor in FLAVORS {
-        let e = Eng::start(flavor, 1, 0).await;
-        let r = grpc_router(&[&e]).await;
-        wait_state(&r, &[0], "available").await;
-        e.sim.kill().await;
-        wait_state(&r, &[0], "unavailable").await;
-        let err = refused(&mut front(&r, flavor), "late").await;
-        assert_eq!(err.code(), Code::Unavailable, "{flavor:?}: {err:?}");
-        assert!(!err.message().is_empty(), "{flavor:?}");
-    }
-}
-
-#[tokio::test]
-async fn an_engine_port_that_refuses_connections_is_unavailable() {
-    for flavor in FLAVORS {
-        let port = refusing_port().await;
-        let r = router(GRPC_FAST, &[grpc_toml(port, flavor, 1, 0)]).await;
-        wait_state(&r, &[0], "unavailable").await;
-        let err = refused(&mut front(&r, flavor), "nowhere").await;
-        assert_eq!(err.code(), Code::Unavailable, "{flavor:?}: {err:?}");
-        assert!(!err.message().is_empty(), "{flavor:?}");
-    }
-}
-
-#[tokio::test]
-async fn get_loads_answers_from_the_snapshot_per_rank() {
-    for flavor in FLAVORS {
-        let (_e, r) = low_kv_on_rank_3(flavor).await;
-        let mut c = front(&r, flavor);
-        let close = |got: &[(i32, f64)], want: &[(i32, f64)]| {
-            got.len() == want.len()
-                && got
-                    .iter()
-                    .zip(want)
-                    .all(|(g, w)| g.0 == w.0 && (g.1 - w.1).abs() < 1e-9)
-        };
-
-        let mut all = c.get_loads(None).await.unwrap();
-        all.ranks.sort_by_key(|l| l.0);
-        assert_eq!(all.dp_rank_count, 2, "{flavor:?}");
-        assert!(
-            close(&all.ranks, &[(2, 0.8), (3, 0.1)]),
-            "{flavor:?}: {all:?}"
-        );
-
-        let one = c.get_loads(Some(3)).await.unwrap();
-        assert_eq!(one.dp_rank_count, 1, "{flavor:?}");
-        assert!(close(&one.ranks, &[(3, 0.1)]), "{flavor:?}: {one:?}");
-
-        // 0 is sent explicitly (proto3 `optional`): a filter, not "every rank".
-        for bad in [0, 7, -1] {
-            let err = c.get_loads(Some(bad)).await.unwrap_err();
-            assert_eq!(
-                err.code(),
-                Code::InvalidArgument,
-                "{flavor:?} {bad}: {err:?}"
-            );
-            assert!(
-                err.message().contains(&bad.to_string()),
-                "{}",
-                err.message()
-            );
-        }
-    }
-}
-
-#[tokio::test]
-async fn a_method_rankgate_does_not_serve_is_unimplemented() {
-    for flavor in FLAVORS {
-        let e = Eng::start(flavor, 1, 0).await;
-        let r = grpc_router(&[&e]).await;
-        wait_state(&r, &[0], "available").await;
-        let path = method_path(flavor, "StartProfile");
-        let reply = raw_call(r.grpc_addr.unwrap(), &path, &[]).await;
-        assert_eq!(reply.code, Code::Unimplemented, "{flavor:?}: {reply:?}");
-        assert!(reply.message.contains("StartProfile"), "{}", reply.message);
-        assert!(reply.messages.is_empty());
-        assert!(e.sim.grpc_seen().is_empty(), "{flavor:?}");
-    }
-}
-
-/// `grpc.health.v1.Health/Check` on rankgate.
-async fn check(r: &Router, service: &str) -> Result<i32, Status> {
-    let origin: http::Uri = format!("http://{}", r.grpc_addr.unwrap()).parse().unwrap();
-    let mut h = HealthClient::with_origin(transport(Duration::from_secs(2)), origin);
-    let req = HealthCheckRequest {
-        service: service.into(),
-    };
-    Ok(bounded(h.check(req)).await?.into_inner().status)
-}
-
-#[tokio::test]
-async fn health_is_serving_while_a_rank_is_routable() {
-    let e = Eng::start(Flavor::Vllm, 1, 0).await;
-    let r = grpc_router(&[&e]).await;
-    wait_state(&r, &[0], "available").await;
-    let (serving, not) = (
-        ServingStatus::Serving as i32,
-        ServingStatus::NotServing as i32,
-    );
-    assert_eq!(check(&r, "").await.unwrap(), serving);
-    assert_eq!(check(&r, service(Flavor::Vllm)).await.unwrap(), serving);
-    // No SGLang engine in this fleet.
-    assert_eq!(check(&r, service(Flavor::Sglang)).await.unwrap(), not);
-    let err = check(&r, "no.such.Service").await.unwrap_err();
-    assert_eq!(err.code(), Code::NotFound, "{err:?}");
-
-    e.sim.kill().await;
-    wait_state(&r, &[0], "unavailable").await;
-    assert_eq!(check(&r, "").await.unwrap(), not);
-}
-
-#[tokio::test]
 async fn in_a_mixed_fleet_each_front_door_sends_only_to_its_own_engines() {
     for flavor in FLAVORS {
         // Rank 0: OpenAI HTTP only; rank 1: gRPC only.
@@ -549,22 +314,4 @@ async fn the_debugging_headers_never_reach_an_engine() {
             s.header_names
         );
     }
-}
-
-/// A fleet of gRPC-only engines is served through the gRPC front door alone, so `/ready` (what
-/// a Kubernetes readiness probe reads) says 200 once a rank is routable there: the OpenAI front
-/// door having no engine must not keep the router out of its Service.
-#[tokio::test]
-async fn a_fleet_of_grpc_only_engines_is_ready() {
-    let a = Eng::start(Flavor::Sglang, 2, 0).await;
-    let r = grpc_router_with("", &[a.toml()]).await;
-    wait_state(&r, &[0, 1], "available").await;
-    let ready = get(r.admin_addr, "/ready").await;
-    assert_eq!(
-        ready.status,
-        http::StatusCode::OK,
-        "{}",
-        String::from_utf8_lossy(&ready.body)
-    );
-    r.shutdown().await;
 }
