@@ -1,16 +1,13 @@
-//! TLS on both sides, over real sockets with certificates made here: the front door and the
-//! admin listener over HTTPS (HTTP/1.1 and h2 by ALPN), the gRPC front door over TLS, an
-//! `https://` engine, mTLS to an engine, a certificate rotated on disk, and bad certificates.
-
-mod common;
+//! TLS on rankgate's own listeners: the front door serves HTTPS with HTTP/1.1 and h2 by ALPN, the
+//! admin listener and the gRPC front door take TLS too, a certificate rotated on disk is served on
+//! new connections, a bad certificate is a clear start error, a stalled or garbage handshake is
+//! closed while others are served, and the engine behind a TLS listener is told `https`.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::*;
 use http::{Request, StatusCode, Version};
 use http_body_util::{BodyExt, Full};
 use rankgate::app::Router;
@@ -19,75 +16,11 @@ use rankgate::http::HttpClient;
 use rankgate::tls::Upstream;
 use rankgate_sim::load::sdk;
 use rankgate_sim::sim::SimConfig;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-};
 use rustls_pki_types::{CertificateDer, ServerName};
 
-/// A test CA and the files of the certificates it signs, in a directory of the test's own.
-struct Pki {
-    dir: PathBuf,
-    issuer: Issuer<'static, KeyPair>,
-    ca_file: PathBuf,
-}
-
-impl Pki {
-    fn new(name: &str) -> Pki {
-        let dir = std::env::temp_dir().join(format!("rankgate-tls-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("rankgate test CA {name}"));
-        let ca = params.self_signed(&key).unwrap();
-        let ca_file = dir.join("ca.pem");
-        std::fs::write(&ca_file, ca.pem()).unwrap();
-        Pki {
-            issuer: Issuer::new(params, key),
-            dir,
-            ca_file,
-        }
-    }
-
-    /// A certificate for 127.0.0.1 and localhost (server and client use), written as
-    /// `<name>.pem` and `<name>.key`; returns the files and the certificate's DER.
-    fn issue(&self, name: &str) -> (ListenerTls, CertificateDer<'static>) {
-        let key = KeyPair::generate().unwrap();
-        let mut params =
-            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        let files = ListenerTls {
-            cert_file: self.dir.join(format!("{name}.pem")),
-            key_file: self.dir.join(format!("{name}.key")),
-            client_ca_file: None,
-        };
-        std::fs::write(&files.cert_file, cert.pem()).unwrap();
-        std::fs::write(&files.key_file, key.serialize_pem()).unwrap();
-        (files, cert.der().clone())
-    }
-
-    /// A client that trusts this CA only.
-    fn trust(&self) -> Upstream {
-        Upstream::trusting(Some(&self.ca_file)).unwrap()
-    }
-}
-
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn toml_path(p: &Path) -> String {
-    format!("{:?}", p.display().to_string())
-}
+use crate::common;
+use crate::common::*;
+use crate::helpers::*;
 
 fn listener_toml(table: &str, t: &ListenerTls) -> String {
     let mut out = format!(
@@ -99,15 +32,6 @@ fn listener_toml(table: &str, t: &ListenerTls) -> String {
         out.push_str(&format!("client_ca_file = {}\n", toml_path(ca)));
     }
     out
-}
-
-async fn start(text: &str) -> Router {
-    let cfg = Config::from_str(text).unwrap_or_else(|e| panic!("config: {e}\n{text}"));
-    Router::start(cfg).await.expect("start router")
-}
-
-fn ports() -> &'static str {
-    "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n"
 }
 
 async fn request(
@@ -266,108 +190,6 @@ async fn the_admin_listener_and_the_grpc_front_door_take_tls_too() {
     .unwrap();
     assert_eq!(status.into_inner().status, 1, "SERVING");
     r.shutdown().await;
-}
-
-#[tokio::test]
-async fn an_https_engine_is_polled_and_routed_to() {
-    let pki = Pki::new("engine");
-    let (files, _) = pki.issue("engine");
-    let e = engine(SimConfig {
-        tls: Some(files),
-        ..SimConfig::default()
-    })
-    .await;
-    assert!(e.url().starts_with("https://"));
-    // Named http:// by mistake: unavailable, and the reason points at the scheme.
-    let plain_url = e.url().replacen("https://", "http://", 1);
-    let wrong = start(&format!(
-        "{}{FAST}{}",
-        ports(),
-        engine_toml(&plain_url, "vllm", 2, 0)
-    ))
-    .await;
-    let rows = wait_workers(&wrong, Duration::from_secs(10), |rows| {
-        rows[0]["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("https://"))
-    })
-    .await;
-    assert_eq!(rows[0]["telemetry"], "unavailable", "{rows:?}");
-    wrong.shutdown().await;
-    let r = start(&format!(
-        "{}{FAST}[engine_tls]\nca_file = {}\n{}",
-        ports(),
-        toml_path(&pki.ca_file),
-        engine_toml(&e.url(), "vllm", 2, 0)
-    ))
-    .await;
-    wait_state(&r, &[0, 1], "available").await;
-    let reply = chat(r.addr, 4).await;
-    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
-    assert!(
-        reply.worker().starts_with(&format!("{}@", e.url())),
-        "{}",
-        reply.worker()
-    );
-    // Streams too.
-    let resp = stream_chat(r.addr, 8).await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert!(String::from_utf8_lossy(&body).contains("[DONE]"));
-    r.shutdown().await;
-}
-
-#[tokio::test]
-async fn an_engine_that_requires_mtls_takes_rankgates_client_certificate() {
-    let pki = Pki::new("mtls");
-    let (mut server, _) = pki.issue("engine");
-    server.client_ca_file = Some(pki.ca_file.clone());
-    let (client_cert, _) = pki.issue("rankgate");
-    let e = engine(SimConfig {
-        tls: Some(server),
-        ..SimConfig::default()
-    })
-    .await;
-
-    // Without a client certificate the engine refuses every connection: its ranks are
-    // unavailable, never routed, and the reason says why.
-    let without = start(&format!(
-        "{}{FAST}[engine_tls]\nca_file = {}\n{}",
-        ports(),
-        toml_path(&pki.ca_file),
-        engine_toml(&e.url(), "vllm", 2, 0)
-    ))
-    .await;
-    let rows = wait_workers(&without, Duration::from_secs(10), |rows| {
-        rows.iter().all(|w| {
-            w["telemetry"] == "unavailable"
-                && w["reason"]
-                    .as_str()
-                    .is_some_and(|r| !r.starts_with("no telemetry yet"))
-        })
-    })
-    .await;
-    let reason = rows[0]["reason"].as_str().unwrap();
-    assert!(reason.contains("CertificateRequired"), "{reason}");
-    assert_eq!(
-        chat(without.addr, 4).await.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{rows:?}"
-    );
-    without.shutdown().await;
-
-    let with = start(&format!(
-        "{}{FAST}[engine_tls]\nca_file = {}\ncert_file = {}\nkey_file = {}\n{}",
-        ports(),
-        toml_path(&pki.ca_file),
-        toml_path(&client_cert.cert_file),
-        toml_path(&client_cert.key_file),
-        engine_toml(&e.url(), "vllm", 2, 0)
-    ))
-    .await;
-    wait_state(&with, &[0, 1], "available").await;
-    assert_eq!(chat(with.addr, 4).await.status, StatusCode::OK);
-    with.shutdown().await;
 }
 
 /// The certificate a new TLS connection to `addr` is served.
