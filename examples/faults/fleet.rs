@@ -13,7 +13,6 @@ use crate::{fault::*, load::*};
 
 /// Engines in the fleet, and DP ranks per engine.
 pub const ENGINES: usize = 3;
-
 pub const DP: u32 = 2;
 
 /// A stalling engine stops after this many tokens.

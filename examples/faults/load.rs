@@ -19,14 +19,11 @@ const RATE: f64 = 40.0;
 /// One request may take at most this long, whatever happens: a hang in rankgate shows up as a
 /// client timeout in the table instead of a runner that never ends.
 pub const REQUEST_CAP: Duration = Duration::from_secs(10);
-
 /// How often `/workers` is sampled for the timing columns.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(20);
-
 /// Tokens each streamed answer carries, and the simulated decode speed: a stream lasts ~0.35 s,
 /// long enough that a killed engine has streams open.
 const OUTPUT_TOKENS: u64 = 32;
-
 pub const DECODE_TOKENS_PER_SEC: f64 = 100.0;
 
 /// How one request ended, from the client's side.

@@ -14,10 +14,8 @@ use crate::{fault::*, fleet::*, load::*};
 
 /// The fault starts this long into the load (telemetry and traffic have settled by then)...
 const FAULT_AT: Duration = Duration::from_millis(1500);
-
 /// ...and is cleared this long after it started...
 const FAULT_FOR: Duration = Duration::from_secs(3);
-
 /// ...and the load goes on this long after that, to see the ranks come back.
 const AFTER: Duration = Duration::from_secs(3);
 

@@ -8,7 +8,6 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 const DASHBOARD: &str = "deploy/grafana/rankgate.json";
-
 const DATASOURCE: &str = "${datasource}";
 
 pub fn dashboard() -> Value {

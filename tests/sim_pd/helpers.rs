@@ -10,22 +10,16 @@ use crate::common::{engine, get, post, send, Reply};
 
 pub const P_CHAT: &str =
     include_str!("../fixtures/vllm-0.32-pd/dp1/chat-nostream/1_prefill_exchange.json");
-
 pub const D_CHAT: &str =
     include_str!("../fixtures/vllm-0.32-pd/dp1/chat-nostream/2_decode_exchange.json");
-
 pub const METRICS_CHAT: &str =
     include_str!("../fixtures/vllm-0.32-pd/dp1/chat-nostream/3_metrics.json");
-
 pub const P_COMPL: &str =
     include_str!("../fixtures/vllm-0.32-pd/dp1/completions-stream/1_prefill_exchange.json");
-
 pub const D_COMPL: &str =
     include_str!("../fixtures/vllm-0.32-pd/dp1/completions-stream/2_decode_exchange.json");
-
 pub const P_RANK1: &str =
     include_str!("../fixtures/vllm-0.32-pd/dpP2/prank1-chat-nostream/1_prefill_exchange.json");
-
 pub const D_FAILED: &str =
     include_str!("../fixtures/vllm-0.32-pd/dpP2/prank1-chat-nostream/2_decode_exchange.json");
 
