@@ -1,7 +1,7 @@
 //! What the DNS discovery task makes of its server's answers: records that come and go are engines
 //! that join and leave, the first answer is reported even when empty, AAAA records are engines with
-//! bracketed URLs, SERVFAIL, one failing family or a silent server keep the fleet, and shutdown or a
-//! dropped receiver stops the task (even mid-lookup).
+//! bracketed URLs, SERVFAIL, one failing family or a silent server keep the fleet, and shutdown or
+//! a dropped receiver stops the task (even mid-lookup).
 
 use std::net::SocketAddr;
 use std::time::Duration;

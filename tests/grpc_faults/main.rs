@@ -20,8 +20,8 @@
 //!
 //! The simulated engine's gRPC side has no knob for a hung or a stalling call (`hang_requests`,
 //! `stall_after_tokens` and `set_fail` act on its HTTP side only), so those engines are
-//! [`FaultyEngine`]s here: a bare h2c server whose telemetry comes from a simulated engine with
-//! the same ranks (`telemetry = ["grpc://..."]`). Every wait is bounded.
+//! [`FaultyEngine`](helpers::FaultyEngine)s here: a bare h2c server whose telemetry comes from a
+//! simulated engine with the same ranks (`telemetry = ["grpc://..."]`). Every wait is bounded.
 //!
 //! By theme: [`deaths`] (killed engines, refused ports, ejection), [`hangs`] (hung and stalled
 //! engines), [`bad_input`] and [`guards`] (admission, API keys, shutdown), over [`helpers`].

@@ -1,6 +1,6 @@
 //! What the gRPC front door says of itself and its fleet: UNAVAILABLE with no routable rank (a dead
-//! engine, a refusing port), GetLoads from the snapshot per rank, UNIMPLEMENTED for a method it does
-//! not serve, Health SERVING while a rank is routable, and a fleet of gRPC-only engines ready.
+//! engine, a refusing port), GetLoads from the snapshot per rank, UNIMPLEMENTED for a method it
+//! does not serve, Health SERVING while a rank is routable, and a fleet of gRPC-only engines ready.
 
 use std::time::Duration;
 

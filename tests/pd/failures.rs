@@ -1,8 +1,8 @@
 //! What a disaggregated request must never do, and what rankgate says about it: a client gone
-//! during prefill starts no decode and holds no blocks, blocks no decode pulls are not held past the
-//! lease, a prefill answer without params is an error (never a silent recompute), a model with no
-//! decode server says so, the pick explanation shows both legs, and the gRPC front door names why it
-//! serves no disaggregated model.
+//! during prefill starts no decode and holds no blocks, blocks no decode pulls are not held past
+//! the lease, a prefill answer without params is an error (never a silent recompute), a model with
+//! no decode server says so, the pick explanation shows both legs, and the gRPC front door names
+//! why it serves no disaggregated model.
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
-//! Both legs of a disaggregated request: vLLM's chat and completions, streamed or not, prefill on one
-//! rank and decode on another; each side picks its own least-loaded rank; an engine killed on each
-//! side mid-run fails no request; a failing rank is failed over on its own side; SGLang's two legs
-//! at once, the room landing on the prefill rank rankgate chose.
+//! Both legs of a disaggregated request: vLLM's chat and completions, streamed or not, prefill on
+//! one rank and decode on another; each side picks its own least-loaded rank; an engine killed on
+//! each side mid-run fails no request; a failing rank is failed over on its own side; SGLang's two
+//! legs at once, the room landing on the prefill rank rankgate chose.
 
 use std::collections::HashMap;
 use std::time::Duration;

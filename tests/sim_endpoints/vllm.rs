@@ -1,6 +1,6 @@
 //! The vLLM endpoints the simulated engine imitates, answered in shape on the rank a request was
-//! pinned to: streamed Responses and Messages, Anthropic-shaped errors, audio reading the model from
-//! its form, and `max_completion_tokens` as the newer `max_tokens`.
+//! pinned to: streamed Responses and Messages, Anthropic-shaped errors, audio reading the model
+//! from its form, and `max_completion_tokens` as the newer `max_tokens`.
 
 use bytes::Bytes;
 use http::StatusCode;

@@ -1,6 +1,6 @@
 //! The simulated SGLang's prefill/decode: P and D at once with the room picking P's rank, a pinned
-//! prefill rank overriding the room, D without its P timing out and bad fields 400s, and a prefilled
-//! room nobody takes failing P after its bootstrap timeout.
+//! prefill rank overriding the room, D without its P timing out and bad fields 400s, and a
+//! prefilled room nobody takes failing P after its bootstrap timeout.
 
 use std::time::Duration;
 

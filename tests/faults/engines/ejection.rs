@@ -1,5 +1,5 @@
-//! Which failures count against a rank: an engine answering 503 while its `/metrics` look fine
-//! is ejected then readmitted, a failing `/health` gets no traffic, the retry budget caps extra load
+//! Which failures count against a rank: an engine answering 503 while its `/metrics` look fine is
+//! ejected then readmitted, a failing `/health` gets no traffic, the retry budget caps extra load
 //! when everything fails, transport failures eject the whole engine, and a 4xx never counts.
 
 use std::time::Duration;
