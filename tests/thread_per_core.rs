@@ -2,7 +2,7 @@
 //! runtime, over real sockets. Every connection (each of `send`'s requests opens its own) is
 //! served whichever core's listener the kernel hands it to, requests still go to the least
 //! loaded rank, streams pass through, and the shutdown drains every core's streams before it
-//! returns. (The connection cap across cores: tests/faults/clients.rs, in the default mode.)
+//! returns. (The connection cap across cores: tests/faults/clients/fd_limit.rs, in the default mode.)
 
 mod common;
 
