@@ -50,7 +50,7 @@ const REMOVED: u64 = 1;
 
 /// The table picks read.
 pub(super) struct Table {
-    slots: Box<[AtomicU64]>,
+    pub(super) slots: Box<[AtomicU64]>,
     mask: usize,
 }
 

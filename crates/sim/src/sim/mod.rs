@@ -35,13 +35,16 @@ pub mod kv;
 pub mod model;
 mod multipart;
 mod net;
+mod observe;
 pub mod pd;
 mod pooling;
 pub mod prefix;
 pub mod rank;
 mod routes;
 mod serve;
+mod sync;
 mod telemetry;
+mod tokenizer;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -60,7 +63,9 @@ pub use pd::{PdConfig, PdCounts, PdRole};
 use rank::Rank;
 use rankgate::worker::RankNumbering;
 pub use serve::SimBody;
+use sync::{lock, read, write};
 use telemetry::RankReport;
+pub use tokenizer::{PromptIds, SimTokenizer, TextIds};
 
 /// Which engine the simulator imitates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -178,49 +183,6 @@ pub struct SimConfig {
     pub role: Option<PdRole>,
     /// The disaggregation settings of a role server (lease, ports, timeouts).
     pub pd: PdConfig,
-}
-
-/// A request's prompt ids and a text's ids, as the engine's tokenizer would give them: the seam
-/// through which a real tokenizer (and chat template) names the sim's KV blocks, so that the
-/// token ids its KV events carry are the ones a router computes for the same request.
-#[derive(Clone)]
-pub struct SimTokenizer {
-    prompt: Arc<PromptIds>,
-    text: Arc<TextIds>,
-}
-
-/// A request body's prompt token ids (the chat template applied for `messages`); `None` when
-/// the request cannot be tokenized (the sim falls back to its stand-in).
-pub type PromptIds = dyn Fn(&Value) -> Option<Vec<u32>> + Send + Sync;
-/// Generated text's token ids, without special tokens.
-pub type TextIds = dyn Fn(&str) -> Option<Vec<u32>> + Send + Sync;
-
-impl SimTokenizer {
-    pub fn new(
-        prompt: impl Fn(&Value) -> Option<Vec<u32>> + Send + Sync + 'static,
-        text: impl Fn(&str) -> Option<Vec<u32>> + Send + Sync + 'static,
-    ) -> SimTokenizer {
-        SimTokenizer {
-            prompt: Arc::new(prompt),
-            text: Arc::new(text),
-        }
-    }
-
-    /// The prompt's token ids for a request body.
-    pub fn prompt_ids(&self, body: &Value) -> Option<Vec<u32>> {
-        (self.prompt)(body)
-    }
-
-    /// The token ids of generated text.
-    pub fn text_ids(&self, text: &str) -> Option<Vec<u32>> {
-        (self.text)(text)
-    }
-}
-
-impl std::fmt::Debug for SimTokenizer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SimTokenizer")
-    }
 }
 
 impl Default for SimConfig {
@@ -467,191 +429,6 @@ impl SimEngine {
         format!("{scheme}://{}", self.addr)
     }
 
-    /// Requests admitted per local rank.
-    pub fn served(&self) -> Vec<u64> {
-        self.sim
-            .ranks
-            .iter()
-            .map(|r| r.served.load(Relaxed))
-            .collect()
-    }
-
-    /// Current KV usage per local rank (real occupancy, ignoring pinned values).
-    pub fn kv_usage(&self) -> Vec<f64> {
-        self.sim.ranks.iter().map(|r| r.kv_usage()).collect()
-    }
-
-    /// Per local rank: (prompt tokens that looked up the prefix cache, tokens found there), the
-    /// figures behind `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`.
-    pub fn prefix_cache(&self) -> Vec<(u64, u64)> {
-        self.sim
-            .ranks
-            .iter()
-            .map(|r| {
-                let c = r.counts();
-                (c.prefix_queries, c.prefix_hits)
-            })
-            .collect()
-    }
-
-    /// Requests decoding right now, per local rank.
-    pub fn running(&self) -> Vec<u32> {
-        self.sim.ranks.iter().map(|r| r.counts().running).collect()
-    }
-
-    /// What the engine saw of recent requests, oldest first.
-    pub fn seen(&self) -> Vec<Seen> {
-        lock(&self.sim.seen).iter().cloned().collect()
-    }
-
-    /// What the engine saw of recent gRPC inference calls (`Generate`, `Embed`, `Abort`), oldest
-    /// first.
-    pub fn grpc_seen(&self) -> Vec<GrpcSeen> {
-        lock(&self.sim.grpc_seen).iter().cloned().collect()
-    }
-
-    /// The request ids gRPC `Abort` named, running or not, oldest first.
-    pub fn aborted(&self) -> Vec<String> {
-        lock(&self.sim.aborted).iter().cloned().collect()
-    }
-
-    /// How many telemetry requests (`/metrics`, `/v1/loads`, `GetLoads`) the engine answered.
-    pub fn telemetry_requests(&self) -> u64 {
-        self.sim.telemetry_requests.load(Relaxed)
-    }
-
-    /// Pins the reported KV usage per local rank (empty: report real occupancy).
-    pub fn set_kv_usage(&self, kv: Vec<f64>) {
-        write(&self.sim.knobs).kv_usage = kv;
-    }
-
-    /// Leaves these GLOBAL ranks' series out of `/metrics`.
-    pub fn set_dark_ranks(&self, ranks: Vec<u32>) {
-        write(&self.sim.knobs).dark_ranks = ranks;
-    }
-
-    /// Makes every `/metrics` answer wait this long first, like a saturated engine.
-    pub fn set_metrics_delay(&self, d: Duration) {
-        write(&self.sim.knobs).metrics_delay = d;
-    }
-
-    /// Breaks (or mends) the native load endpoints; `/metrics` keeps working.
-    pub fn set_native_failing(&self, failing: bool) {
-        write(&self.sim.knobs).native_failing = failing;
-    }
-
-    /// Answers that share (percent, 0..=100; 0 is off) of proxied requests at once with
-    /// `status` and an OpenAI error body, admitting nothing. The share restarts counting here:
-    /// 100% fails every request, 50% every second one.
-    pub fn set_fail(&self, status: u16, percent: f64) -> Result<(), FaultError> {
-        self.sim.faults.set_fail(status, percent)
-    }
-
-    /// Accepts proxied requests and never answers them (no headers) until the client leaves.
-    pub fn set_hang_requests(&self, hang: bool) {
-        self.sim.faults.hang_requests.store(hang, Relaxed);
-    }
-
-    /// Makes `/metrics`, `/v1/loads` and gRPC `GetLoads` never answer.
-    pub fn set_hang_metrics(&self, hang: bool) {
-        self.sim.faults.hang_metrics.store(hang, Relaxed);
-    }
-
-    /// Makes `/v1/models` never answer.
-    pub fn set_hang_models(&self, hang: bool) {
-        self.sim.faults.hang_models.store(hang, Relaxed);
-    }
-
-    /// What `/health` answers from now on (200 is healthy).
-    pub fn set_health_status(&self, status: u16) -> Result<(), FaultError> {
-        self.sim.faults.set_health(status)
-    }
-
-    /// Dies by itself once `n` more requests have been admitted into ranks (`Some(0)`: now);
-    /// `None` cancels.
-    pub fn die_after(&self, n: Option<u64>) {
-        self.sim.faults.set_die_after(n);
-        if n == Some(0) {
-            self.sim.kill();
-        }
-    }
-
-    /// Generation stops after `k` tokens, streaming or not, and the response never ends (the
-    /// request keeps its KV) until the client leaves; `None` resumes normal decoding.
-    pub fn set_stall_after_tokens(&self, k: Option<u64>) {
-        self.sim.faults.set_stall_after(k);
-    }
-
-    /// Proxied requests that reached the engine, including failed, hung and rejected ones (not
-    /// those refused for a missing API key).
-    pub fn requests_received(&self) -> u64 {
-        self.sim.faults.received.load(Relaxed)
-    }
-
-    /// Proxied requests the engine still holds (reading, queued, decoding, hung or stalled).
-    pub fn open_requests(&self) -> u64 {
-        self.sim.faults.open.load(Relaxed)
-    }
-
-    /// Dies like a process under `kill -9` and returns once it is dead: the listeners are closed
-    /// (connecting is refused) and every connection, HTTP and gRPC, was dropped mid-whatever.
-    pub async fn kill(&self) {
-        self.sim.kill();
-        self.dead().await;
-    }
-
-    /// Whether the engine was killed (it may still be closing its connections).
-    pub fn is_dead(&self) -> bool {
-        self.sim.is_dead()
-    }
-
-    /// Resolves once the engine has been killed (by [`SimEngine::kill`] or `die_after`) and
-    /// every server has closed its listener and connections.
-    pub async fn dead(&self) {
-        let mut kill = self.sim.kill.subscribe();
-        net::killed(&mut kill).await;
-        let mut servers = self.sim.servers.subscribe();
-        // The sender lives in `self.sim`, so this cannot fail while `self` is borrowed.
-        let _ = servers.wait_for(|n| *n == 0).await;
-    }
-
-    /// Per local rank, the endpoint its KV events are published on, as `/kv_event_sources`
-    /// reports it (`tcp://*:PORT` when bound, `tcp://HOST:PORT` when dialling); empty with
-    /// events off.
-    pub fn kv_event_endpoints(&self) -> Vec<String> {
-        self.sim
-            .kv_publishers
-            .iter()
-            .map(|p| p.endpoint.clone())
-            .collect()
-    }
-
-    /// Per local rank, the address its KV-event PUB socket is bound to (`None` when it dials);
-    /// empty with events off.
-    pub fn kv_event_addrs(&self) -> Vec<Option<SocketAddr>> {
-        self.sim.kv_publishers.iter().map(|p| p.bound).collect()
-    }
-
-    /// Per local rank, KV-event subscribers connected and subscribed right now.
-    pub fn kv_event_subscribers(&self) -> Vec<usize> {
-        self.sim
-            .kv_publishers
-            .iter()
-            .map(|p| p.subscribers())
-            .collect()
-    }
-
-    /// Per local rank, KV-event messages dropped because a subscriber's queue was full.
-    pub fn kv_events_dropped(&self) -> Vec<u64> {
-        self.sim.kv_publishers.iter().map(|p| p.dropped()).collect()
-    }
-
-    /// Per local rank, the ids of the blocks its prefix cache holds (running requests' and
-    /// idle ones), sorted: what a subscriber's index should hold.
-    pub fn cached_blocks(&self) -> Vec<Vec<u64>> {
-        self.sim.ranks.iter().map(|r| r.cached_ids()).collect()
-    }
-
     /// Restarts local rank `local`'s engine process as far as its caches go: see
     /// [`rank::Rank::restart`] (the prefix cache empties, requests in flight finish but are no
     /// longer cached, the KV-event stream starts again at sequence 0 with `AllBlocksCleared`).
@@ -712,16 +489,4 @@ impl Sim {
             .first()
             .map_or(DEFAULT_MODEL, String::as_str)
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|p| p.into_inner())
-}
-
-fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|p| p.into_inner())
 }

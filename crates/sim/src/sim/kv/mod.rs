@@ -19,13 +19,16 @@
 //! its `data_parallel_rank`). Sim-only: binding port 0 gives each rank its own free port, read
 //! back with [`super::SimEngine::kv_event_endpoints`] and `GET /kv_event_sources`.
 
+mod config;
 pub mod event;
 pub mod msgpack;
+
+pub use config::{parse_endpoint, KvConfigError, KvEndpoint, KvEventsConfig};
 /// ZeroMQ's wire protocol: the router's own (its subscriber and this publisher speak the same).
 pub use rankgate::kv::zmtp;
 
 use std::collections::VecDeque;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -37,129 +40,6 @@ use tokio::sync::{watch, Notify};
 
 use event::KvEvent;
 use zmtp::{SubRequest, ZmtpError};
-
-/// Where a rank's PUB socket lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KvEndpoint {
-    /// Bind `host:port + rank` (vLLM's `tcp://*:PORT`: every interface). Port 0 gives each
-    /// rank a free port of its own.
-    Bind { host: IpAddr, port: u16 },
-    /// Connect to `host:port + rank`, where the subscriber binds; reconnects when it goes away.
-    Connect { host: String, port: u16 },
-}
-
-/// The KV-events part of an engine's configuration, as vLLM's `--kv-events-config` holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvEventsConfig {
-    pub endpoint: KvEndpoint,
-    /// The first frame of every message; subscribers filter on its prefix.
-    pub topic: String,
-    /// Messages queued per subscriber before the oldest is dropped (vLLM's `hwm`).
-    pub hwm: usize,
-    /// Reported by `/kv_event_sources` as vLLM does; the sim keeps no replay buffer.
-    pub buffer_steps: u64,
-    pub max_queue_size: u64,
-}
-
-/// A `--kv-events-config` the sim cannot use.
-#[derive(Debug, thiserror::Error)]
-pub enum KvConfigError {
-    #[error("--kv-events-config is not a JSON object: {0}")]
-    Json(String),
-    #[error("--kv-events-config: publisher {0:?} is not supported (only \"zmq\")")]
-    Publisher(String),
-    #[error("--kv-events-config: endpoint {0:?} is not tcp://HOST:PORT or tcp://*:PORT")]
-    Endpoint(String),
-    #[error("--kv-events-config: {0}")]
-    Field(String),
-}
-
-/// vLLM's defaults (`KVEventsConfig`).
-const DEFAULT_ENDPOINT: &str = "tcp://*:5557";
-const DEFAULT_HWM: usize = 100_000;
-const DEFAULT_BUFFER_STEPS: u64 = 10_000;
-const DEFAULT_MAX_QUEUE: u64 = 100_000;
-
-impl KvEventsConfig {
-    /// Events on 127.0.0.1, each rank binding a free port: what tests and scenarios use.
-    pub fn bind_local() -> KvEventsConfig {
-        KvEventsConfig {
-            endpoint: KvEndpoint::Bind {
-                host: IpAddr::V4(Ipv4Addr::LOCALHOST),
-                port: 0,
-            },
-            topic: "kv".into(),
-            hwm: DEFAULT_HWM,
-            buffer_steps: DEFAULT_BUFFER_STEPS,
-            max_queue_size: DEFAULT_MAX_QUEUE,
-        }
-    }
-
-    /// Reads vLLM's `--kv-events-config` JSON. `Ok(None)` when events are off
-    /// (`enable_kv_cache_events` false or absent, or publisher `"null"`). `replay_endpoint`
-    /// is accepted and ignored: the sim serves no replay.
-    pub fn from_vllm_json(s: &str) -> Result<Option<KvEventsConfig>, KvConfigError> {
-        let v: Value = serde_json::from_str(s).map_err(|e| KvConfigError::Json(e.to_string()))?;
-        let o = v
-            .as_object()
-            .ok_or_else(|| KvConfigError::Json("not an object".into()))?;
-        let flag = |k: &str| match o.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(_) => Err(KvConfigError::Field(format!("{k} must be true or false"))),
-        };
-        let text = |k: &str| match o.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(_) => Err(KvConfigError::Field(format!("{k} must be a string"))),
-        };
-        let count = |k: &str, default: u64| match o.get(k) {
-            None | Some(Value::Null) => Ok(default),
-            Some(v) => v
-                .as_u64()
-                .ok_or_else(|| KvConfigError::Field(format!("{k} must be a whole number"))),
-        };
-        text("replay_endpoint")?;
-        if !flag("enable_kv_cache_events")?.unwrap_or(false) {
-            return Ok(None);
-        }
-        match text("publisher")?.as_deref() {
-            // vLLM turns the publisher to zmq when events are enabled without one.
-            None | Some("zmq") => {}
-            Some("null") => return Ok(None),
-            Some(other) => return Err(KvConfigError::Publisher(other.into())),
-        }
-        let endpoint = text("endpoint")?.unwrap_or_else(|| DEFAULT_ENDPOINT.into());
-        let hwm = count("hwm", DEFAULT_HWM as u64)?;
-        Ok(Some(KvEventsConfig {
-            endpoint: parse_endpoint(&endpoint)?,
-            topic: text("topic")?.unwrap_or_default(),
-            hwm: usize::try_from(hwm).unwrap_or(usize::MAX).max(1),
-            buffer_steps: count("buffer_steps", DEFAULT_BUFFER_STEPS)?,
-            max_queue_size: count("max_queue_size", DEFAULT_MAX_QUEUE)?,
-        }))
-    }
-}
-
-/// `tcp://*:PORT` (bind every interface), `tcp://HOST:PORT` (connect), `[v6]` hosts too.
-pub fn parse_endpoint(s: &str) -> Result<KvEndpoint, KvConfigError> {
-    let bad = || KvConfigError::Endpoint(s.into());
-    let rest = s.strip_prefix("tcp://").ok_or_else(bad)?;
-    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-    let port: u16 = port.parse().map_err(|_| bad())?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    match host {
-        "" => Err(bad()),
-        "*" => Ok(KvEndpoint::Bind {
-            host: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            port,
-        }),
-        h => Ok(KvEndpoint::Connect {
-            host: h.into(),
-            port,
-        }),
-    }
-}
 
 /// `port + rank`, or `None` past 65535.
 fn offset(port: u16, rank: u32) -> Option<u16> {
@@ -563,112 +443,4 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn vllm_config_reads_like_vllm() {
-        let c = KvEventsConfig::from_vllm_json(
-            r#"{"enable_kv_cache_events": true, "publisher": "zmq",
-                "endpoint": "tcp://127.0.0.1:5557", "topic": "kv", "replay_endpoint": null}"#,
-        )
-        .expect("valid")
-        .expect("on");
-        assert_eq!(
-            c.endpoint,
-            KvEndpoint::Connect {
-                host: "127.0.0.1".into(),
-                port: 5557
-            }
-        );
-        assert_eq!((c.topic.as_str(), c.hwm), ("kv", 100_000));
-        let bind = KvEventsConfig::from_vllm_json(r#"{"enable_kv_cache_events": true}"#)
-            .expect("valid")
-            .expect("on");
-        assert_eq!(
-            bind.endpoint,
-            KvEndpoint::Bind {
-                host: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-                port: 5557
-            }
-        );
-        assert_eq!(bind.topic, "", "vLLM's default topic");
-        for off in [
-            r#"{}"#,
-            r#"{"enable_kv_cache_events": false, "publisher": "zmq"}"#,
-            r#"{"enable_kv_cache_events": true, "publisher": "null"}"#,
-        ] {
-            assert_eq!(
-                KvEventsConfig::from_vllm_json(off).expect("valid"),
-                None,
-                "{off}"
-            );
-        }
-        for bad in [
-            "[1]",
-            "{",
-            r#"{"enable_kv_cache_events": "yes"}"#,
-            r#"{"enable_kv_cache_events": true, "publisher": "kafka"}"#,
-            r#"{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/x"}"#,
-            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:99999"}"#,
-            r#"{"enable_kv_cache_events": true, "hwm": -1}"#,
-        ] {
-            assert!(KvEventsConfig::from_vllm_json(bad).is_err(), "{bad}");
-        }
-        assert_eq!(
-            parse_endpoint("tcp://[::1]:7000").expect("v6"),
-            KvEndpoint::Connect {
-                host: "::1".into(),
-                port: 7000
-            }
-        );
-        assert_eq!(offset(65_535, 1), None);
-        assert_eq!(offset(5557, 1), Some(5558));
-    }
-
-    #[test]
-    fn a_full_journal_drops_its_oldest_and_marks_the_gap() {
-        let j = RankEvents::default();
-        j.push(vec![KvEvent::removed(vec![1]); MAX_PENDING - 1]);
-        j.push(vec![KvEvent::removed(vec![2]), KvEvent::removed(vec![3])]);
-        let p = j.take();
-        assert_eq!(p.events.len(), MAX_PENDING);
-        assert!(p.lost);
-        assert_eq!(p.events.last(), Some(&KvEvent::removed(vec![3])));
-        j.push(vec![KvEvent::removed(vec![4])]);
-        j.restart();
-        let p = j.take();
-        assert!(p.restarted && !p.lost);
-        assert_eq!(
-            p.events,
-            vec![KvEvent::AllBlocksCleared],
-            "unsent events die with the process"
-        );
-    }
-
-    #[test]
-    fn a_subscribers_queue_drops_its_oldest_and_never_waits() {
-        let hub = Hub::new(2);
-        let quiet = hub.add();
-        let peer = hub.add();
-        lock(&peer.state).topics.push(b"k".to_vec());
-        for i in 0..5u8 {
-            hub.publish(b"kv", &Bytes::from(vec![i]));
-        }
-        let s = lock(&peer.state);
-        assert_eq!(s.queue, [Bytes::from(vec![3]), Bytes::from(vec![4])]);
-        assert_eq!(
-            (
-                s.dropped,
-                hub.dropped.load(std::sync::atomic::Ordering::Relaxed)
-            ),
-            (3, 3)
-        );
-        assert!(
-            lock(&quiet.state).queue.is_empty(),
-            "no subscription, no messages"
-        );
-        drop(s);
-        assert_eq!(hub.subscribers(), 1);
-    }
-}
+mod tests;
