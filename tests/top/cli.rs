@@ -1,8 +1,6 @@
 //! The `rankgate top` subcommand as a process: what it refuses, and its end when its terminal
 //! goes away.
 
-use super::*;
-
 /// The binary: bad arguments are named, and without a terminal it says so and exits at once
 /// (never drawing escape codes into a pipe).
 #[test]
