@@ -2,6 +2,8 @@
 
 use super::*;
 
+const CHART: &str = "deploy/helm/rankgate";
+
 /// The Helm chart, read without Helm: its default config is one rankgate accepts, on the ports
 /// the chart's Service and probes use; every value a template reads is in values.yaml; the
 /// alerts it ships are the rule file's; its appVersion is this crate's.

@@ -180,5 +180,3 @@ fn docker_image_builds_and_checks_the_config() {
         tail(&run_log)
     );
 }
-
-const CHART: &str = "deploy/helm/rankgate";
