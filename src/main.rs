@@ -1,5 +1,7 @@
 //! The `rankgate` binary: parse the command line, load and validate the config, run.
 
+mod check;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -208,24 +210,6 @@ fn tool(name: &str, run: impl std::future::Future<Output = Result<(), String>>) 
     }
 }
 
-/// Reads every TLS file the config names, as `serve` would at start.
-fn check_tls(
-    cfg: &rankgate::config::Config,
-) -> Result<rankgate::tls::Upstream, rankgate::tls::TlsError> {
-    use rankgate::tls::ServerTls;
-    for (key, tls) in [
-        ("server.tls", &cfg.server.tls),
-        ("server.admin_tls", &cfg.server.admin_tls),
-    ] {
-        if let Some(t) = tls {
-            if let Some(w) = ServerTls::load(key, t)?.expiry_warning() {
-                eprintln!("rankgate: warning: {w}");
-            }
-        }
-    }
-    rankgate::tls::Upstream::load(&cfg.engine_tls)
-}
-
 fn main() -> ExitCode {
     let first = std::env::args().nth(1);
     if let Some(why) = left_out(first.as_deref()) {
@@ -234,118 +218,7 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { config, probe } => {
-            let config = config_path(config);
-            let cfg = match load(&config) {
-                Ok(c) => c,
-                Err(code) => return code,
-            };
-            let warned = cfg.warnings();
-            for w in &warned {
-                eprintln!("rankgate: warning: {w}");
-            }
-            // The models' tokenizers, loaded as `serve` loads them.
-            if let Err(e) = rankgate::prompt::Prompts::load(&cfg.models) {
-                eprintln!("rankgate: {e}");
-                return ExitCode::from(EXIT_CONFIG);
-            }
-            // The certificate, key and CA files, read as `serve` reads them.
-            let upstream = match check_tls(&cfg) {
-                Ok(u) => u,
-                Err(e) => {
-                    eprintln!("rankgate: {e}");
-                    return ExitCode::from(EXIT_CONFIG);
-                }
-            };
-            let fleet = rankgate::worker::Fleet::expand(cfg.engines.clone());
-            for w in &fleet.workers {
-                let e = &fleet.engines[w.engine];
-                // Which front doors send to it: the OpenAI HTTP one, the gRPC one, or both.
-                let serves = match (e.http, &e.grpc) {
-                    (true, Some(g)) => format!("http,grpc={g}"),
-                    (false, Some(g)) => format!("grpc={g}"),
-                    (_, None) => "http".to_string(),
-                };
-                println!(
-                    "{}\tengine={}\trank={}\tflavor={}\tserves={serves}\trole={}",
-                    w.id,
-                    e.url,
-                    w.id.rank.map_or("-".to_string(), |r| r.to_string()),
-                    e.flavor,
-                    e.role_text()
-                );
-            }
-            // An engine whose flavor or size is read from it has no workers until it answers.
-            for e in fleet.engines.iter().filter(|e| !e.shaped()) {
-                let unknown = match (e.declared.flavor, e.declared.dp_size) {
-                    (None, None) => "flavor and dp_size",
-                    (None, Some(_)) => "flavor",
-                    _ => "dp_size",
-                };
-                println!(
-                    "{}\tranks=read from the engine when it answers ({unknown} not set)\trole={}",
-                    e.url,
-                    e.role_text()
-                );
-            }
-            for d in &cfg.discovery {
-                let source = match &d.source {
-                    rankgate::config::DiscoverySource::Dns { name, .. } => format!("dns {name}"),
-                    rankgate::config::DiscoverySource::Kubernetes {
-                        namespace,
-                        selector,
-                        ..
-                    } => format!("kubernetes pods {namespace}/{selector}"),
-                };
-                println!(
-                    "{}\tfinds engines: {source}\tflavor={}\trole={}",
-                    d.at,
-                    d.template
-                        .flavor
-                        .map_or("read from each engine", |f| f.as_str()),
-                    d.template.role()
-                );
-            }
-            // Each model's prefill and decode servers, where the file says (its warnings were
-            // printed with the others above).
-            for note in cfg.roles().notes {
-                println!("note: {note}");
-            }
-            if !probe {
-                return ExitCode::SUCCESS;
-            }
-            let rt = match runtime() {
-                Ok(rt) => rt,
-                Err(code) => return code,
-            };
-            let mut engines = cfg.engines.clone();
-            let probed = rt.block_on(rankgate::telemetry::probe::probe(
-                cfg.engines,
-                &cfg.telemetry,
-                &upstream,
-            ));
-            println!("probe:");
-            for p in &probed {
-                println!("{}", p.line());
-            }
-            // With the model lists the engines gave, a model missing a side is known where the
-            // file left it to each request.
-            for e in engines.iter_mut().filter(|e| e.models.is_none()) {
-                let read = probed.iter().find(|p| *p.url == *e.url);
-                e.models = read.and_then(|p| p.models.clone());
-            }
-            let admin = cfg.server.admin_token_env.is_some();
-            let read = rankgate::config::role_check(&engines, &cfg.discovery, admin);
-            for w in read.warnings.iter().filter(|w| !warned.contains(*w)) {
-                eprintln!("rankgate: warning: {w}");
-            }
-            let down = probed.iter().filter(|p| !p.reachable).count();
-            if down > 0 {
-                eprintln!("rankgate: {down} engine(s) did not answer");
-                return ExitCode::from(EXIT_UNAVAILABLE);
-            }
-            ExitCode::SUCCESS
-        }
+        Command::Check { config, probe } => check::run(config, probe),
         Command::Serve { config, log_format } => {
             let config = config_path(config);
             let cfg = match load(&config) {
