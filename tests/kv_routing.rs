@@ -9,10 +9,11 @@ mod common;
 
 use std::time::Duration;
 
+use common::chat::{predicted, turn};
 use common::*;
 use rankgate_sim::sim::kv::KvEventsConfig;
 use rankgate_sim::sim::{model, SimConfig, SimEngine, SimFlavor};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -40,32 +41,6 @@ async fn exact_router(e: &SimEngine) -> rankgate::app::Router {
     r
 }
 
-/// One chat turn through `r`; returns the worker and the answer.
-async fn turn(r: &rankgate::app::Router, messages: &[Value]) -> (String, Value) {
-    let body = json!({"model": "tiny-llama", "messages": messages, "max_tokens": 4});
-    let reply = post_json(r.addr, "/v1/chat/completions", body).await;
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
-    let answer = reply.json()["choices"][0]["message"]["content"].clone();
-    (reply.worker(), answer)
-}
-
-async fn predicted(r: &rankgate::app::Router, by: &str) -> f64 {
-    let reply = get(r.admin_addr, "/metrics").await;
-    let text = String::from_utf8_lossy(&reply.body);
-    (text.lines())
-        .filter(|l| {
-            l.starts_with("rankgate_rank_prefix_predicted_hit_tokens_total")
-                && l.contains(&format!("by=\"{by}\""))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test]
 async fn replicas_sharing_nothing_follow_the_engines_own_cache() {
     let e = engine_with_events().await;
@@ -80,7 +55,7 @@ async fn replicas_sharing_nothing_follow_the_engines_own_cache() {
         );
         // The turns alternate between the replicas, as a plain L4 balancer spreads them.
         let r = if t % 2 == 0 { &a } else { &b };
-        let (worker, answer) = turn(r, &messages).await;
+        let (worker, answer) = turn(r, &messages, 4).await;
         messages.push(json!({"role": "assistant", "content": answer}));
         workers.push(worker);
         if t == 0 {
@@ -146,8 +121,8 @@ async fn without_a_publisher_a_rank_falls_back_to_the_record_and_says_why() {
     // No /kv_event_sources (an engine started without --kv-events-config): none will come.
     assert_eq!(rows[0]["kv_index"]["state"], "off");
     let messages = vec![json!({"role": "user", "content": "hello ".repeat(200)})];
-    let (first, _) = turn(&r, &messages).await;
-    let (second, _) = turn(&r, &messages).await;
+    let (first, _) = turn(&r, &messages, 4).await;
+    let (second, _) = turn(&r, &messages, 4).await;
     assert_eq!(
         first, second,
         "rankgate's record still keeps the prompt where it went"

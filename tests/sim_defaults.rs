@@ -12,11 +12,12 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use common::chat::{predicted, turn};
 use common::*;
 use rankgate::tokenize::ChatTokenizer;
 use rankgate_sim::sim::kv::KvEventsConfig;
 use rankgate_sim::sim::{cli, deployment, model, SimEngine};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(10);
 const TURNS: usize = 8;
@@ -56,33 +57,6 @@ async fn default_engine() -> SimEngine {
         .expect("start mock-engine's engine")
 }
 
-/// One chat turn; returns the worker that served it and the answer.
-async fn turn(r: &rankgate::app::Router, messages: &[Value]) -> (String, Value) {
-    let body = json!({"model": "tiny-llama", "messages": messages, "max_tokens": 32});
-    let reply = post_json(r.addr, "/v1/chat/completions", body).await;
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
-    let answer = reply.json()["choices"][0]["message"]["content"].clone();
-    (reply.worker(), answer)
-}
-
-/// The router's predicted prefix-cache hit tokens, by where it learned them.
-async fn predicted(r: &rankgate::app::Router, by: &str) -> f64 {
-    let reply = get(r.admin_addr, "/metrics").await;
-    let text = String::from_utf8_lossy(&reply.body);
-    (text.lines())
-        .filter(|l| {
-            l.starts_with("rankgate_rank_prefix_predicted_hit_tokens_total")
-                && l.contains(&format!("by=\"{by}\""))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test]
 async fn a_1k_token_conversation_on_an_idle_default_fleet_stays_on_its_rank() {
     let e = default_engine().await;
@@ -115,7 +89,7 @@ async fn a_1k_token_conversation_on_an_idle_default_fleet_stays_on_its_rank() {
                 ids.len()
             );
         }
-        let (worker, answer) = turn(&r, &messages).await;
+        let (worker, answer) = turn(&r, &messages, 32).await;
         messages.push(json!({"role": "assistant", "content": answer}));
         workers.push(worker);
         if t == 0 {

@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod binary;
+pub mod chat;
 pub mod grpc;
 pub mod headers;
 pub mod recorded;
