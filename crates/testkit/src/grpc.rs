@@ -7,8 +7,6 @@ mod client;
 mod raw;
 
 pub use client::*;
-// A test target that makes no raw call leaves these unused (as `common` allows dead code).
-#[allow(unused_imports)]
 pub use raw::*;
 
 use std::future::Future;

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use super::loopback;
 
 /// What a real vLLM 0.32 with `--data-parallel-size 2` served on `/metrics`.
-const METRICS: &str = include_str!("../fixtures/vllm-0.32-dp2-metrics.txt");
+const METRICS: &str = include_str!("../../../tests/fixtures/vllm-0.32-dp2-metrics.txt");
 
 /// A stand-in vLLM (DP=2) that records the headers of every request it is sent besides the
 /// router's own polls. The simulated engine does not keep headers; this one exists for that.

@@ -23,9 +23,9 @@ use tokio::task::JoinHandle;
 /// The longest a test here waits for the router to see something.
 pub const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-const METRICS: &str = include_str!("../fixtures/vllm-0.32-dp2-metrics.txt");
-const CHAT: &str = include_str!("../fixtures/vllm-0.32-chat.json");
-const MODELS: &str = include_str!("../fixtures/vllm-0.32-models.json");
+const METRICS: &str = include_str!("../../../tests/fixtures/vllm-0.32-dp2-metrics.txt");
+const CHAT: &str = include_str!("../../../tests/fixtures/vllm-0.32-chat.json");
+const MODELS: &str = include_str!("../../../tests/fixtures/vllm-0.32-models.json");
 
 #[derive(Default)]
 struct State {
