@@ -35,6 +35,7 @@ pub fn view(r: u32, now: tokio::time::Instant) -> RankView {
             aggregate: false,
             upstream: None,
             prefix_cache: None,
+            fresh: None,
             sampled_at: now,
         }),
         reachable: true,

@@ -26,7 +26,7 @@ use crate::metrics::Metrics;
 use crate::policy::Selector;
 use crate::proxy::Denied;
 use crate::reason::Reason;
-use crate::table::{RankTelemetry, Table};
+use crate::table::{Fresh, RankTelemetry, Table};
 use crate::worker::{Deployment, EngineEntry, Flavor};
 
 mod ready;
@@ -200,9 +200,15 @@ impl Admin {
                     .ejection()
                     .map(Reason::Ejected)
                     .or_else(|| view.telemetry.unavailable_reason(now, table.stale_after));
-                let load = match &view.telemetry {
-                    RankTelemetry::Available(l) => Some(l),
-                    RankTelemetry::Unavailable { .. } => None,
+                // A fresh rank's zeros are not a reading: shown as its state, not as numbers.
+                let (load, fresh) = match &view.telemetry {
+                    RankTelemetry::Available(l) => (l.fresh.is_none().then_some(l), l.fresh),
+                    RankTelemetry::Unavailable { .. } => (None, None),
+                };
+                let state = match (&reason, fresh) {
+                    (Some(_), _) => "unavailable",
+                    (None, Some(_)) => "fresh",
+                    (None, None) => "available",
                 };
                 let row = json!({
                     "id": w.id_text.as_ref(),
@@ -211,7 +217,8 @@ impl Admin {
                     "dp_rank": w.id.rank,
                     "flavor": engine.flavor.as_str(),
                     "role": w.role.as_str(),
-                    "telemetry": if reason.is_none() { "available" } else { "unavailable" },
+                    "telemetry": state,
+                    "fresh": fresh.map(Fresh::as_str),
                     "reason": reason.as_ref().map(ToString::to_string),
                     "reason_kind": reason.as_ref().map(|r| r.kind()),
                     "source": view.source.map_or("none", SourceKind::as_str),
@@ -303,7 +310,11 @@ impl Admin {
             if model.is_some_and(|m| !snap.catalog.serves(w.engine, m)) {
                 continue;
             }
-            let Some(l) = view.telemetry.fresh(now, table.stale_after) else {
+            // A fresh rank (no gauges yet) has no report to pass on: left out, as the engine
+            // itself leaves it out.
+            let Some(l) =
+                (view.telemetry.fresh(now, table.stale_after)).filter(|l| l.fresh.is_none())
+            else {
                 continue;
             };
             let engine = &snap.fleet.engines[w.engine];

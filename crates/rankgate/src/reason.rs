@@ -91,6 +91,9 @@ pub enum Reason {
     },
     /// Taken out after consecutive request failures (see [`crate::outlier`]).
     Ejected(crate::outlier::Ejection),
+    /// A fresh rank (named by its engine, no load gauges yet) that finished `served` requests
+    /// from this router and still publishes no gauges: no longer fresh, just dark.
+    Silent { served: u64 },
 }
 
 impl Reason {
@@ -108,6 +111,7 @@ impl Reason {
             Reason::Stale { .. } => "stale",
             Reason::Unhealthy { .. } => "health",
             Reason::Ejected(_) => "ejected",
+            Reason::Silent { .. } => "silent",
         }
     }
 
@@ -176,6 +180,10 @@ impl fmt::Display for Reason {
                 Ok(())
             }
             Reason::Ejected(e) => e.fmt(f),
+            Reason::Silent { served } => write!(
+                f,
+                "served {served} requests and still publishes no load gauges (a fresh rank gets its gauges with its first request)"
+            ),
         }
     }
 }
@@ -271,6 +279,10 @@ mod tests {
                     remaining: Duration::from_secs(4),
                 }),
                 "ejected: 5 consecutive 503 (for 10000 ms, 4000 ms left)",
+            ),
+            (
+                Reason::Silent { served: 4 },
+                "served 4 requests and still publishes no load gauges (a fresh rank gets its gauges with its first request)",
             ),
         ];
         for (reason, text) in cases {

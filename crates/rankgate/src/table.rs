@@ -40,8 +40,58 @@ pub struct Load {
     /// `prefix_cache_queries_total` and `prefix_cache_hits_total`): prompt tokens looked up,
     /// and of those found cached. What affinity predicted is checked against these.
     pub prefix_cache: Option<PrefixCounters>,
+    /// The rank is named by its engine but publishes no load gauges yet (see [`Fresh`]); the
+    /// numbers above are then the idle rank's zeros, not a reading.
+    pub fresh: Option<Fresh>,
     /// When the response carrying these numbers arrived.
     pub sampled_at: Instant,
+}
+
+/// A rank its engine names (a per-rank series, or the DP size the engine reported) that has no
+/// load gauges yet: vLLM with DP publishes a rank's `kv_cache_usage_perc` and request gauges only
+/// once that rank has served a request. Such a rank is fresh, not failed; routed as idle, within
+/// the bounds below, until its gauges appear (the poller turns it Unavailable with
+/// [`Reason::Silent`] if it serves several requests and still publishes nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fresh {
+    /// The engine's own per-rank counters prove it never ran a request (vLLM: its
+    /// `request_success_total` and `prompt_tokens_total` are all 0): idle, and while nothing
+    /// is in flight on it, picked before any rank with numbers (its first request is what makes
+    /// its gauges appear).
+    Idle,
+    /// Nothing proves it idle: it gets a trickle, at most [`FRESH_TRICKLE`] requests in flight
+    /// at a time, until its gauges appear.
+    Unproven,
+}
+
+/// Requests in flight at a time on a fresh rank that nothing proves idle.
+pub const FRESH_TRICKLE: u64 = 2;
+
+impl Fresh {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fresh::Idle => "idle",
+            Fresh::Unproven => "unproven",
+        }
+    }
+}
+
+impl Load {
+    /// A fresh rank's load: zeros in place of the gauges it does not publish yet.
+    pub fn fresh(fresh: Fresh, capacity_tokens: Option<u64>, sampled_at: Instant) -> Load {
+        Load {
+            kv_usage: 0.0,
+            running: None,
+            waiting: None,
+            used_tokens: None,
+            capacity_tokens,
+            aggregate: false,
+            upstream: None,
+            prefix_cache: None,
+            fresh: Some(fresh),
+            sampled_at,
+        }
+    }
 }
 
 /// An engine's prefix-cache counters for one rank, in tokens since it started.
@@ -131,6 +181,7 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
             aggregate: false,
             upstream: None,
             prefix_cache: None,
+            fresh: None,
             sampled_at: now,
         }),
         reachable: true,

@@ -354,6 +354,16 @@ impl Engine {
         self.start_rank..self.start_rank + self.declared.dp_size.unwrap_or(1)
     }
 
+    /// Whether the engine itself said `rank` is one of its ranks: it reported its DP size (not a
+    /// count of the ranks its `/metrics` happened to label). Such a rank that its report leaves
+    /// out is fresh, not unknown.
+    pub fn names_rank(&self, rank: u32) -> bool {
+        self.reported
+            .as_ref()
+            .is_some_and(|r| r.dp_size.is_some() && !r.at_least)
+            && self.ranks().contains(&rank)
+    }
+
     /// Whether rankgate knows enough to route to it (flavor and size); until then it has no
     /// workers.
     pub fn shaped(&self) -> bool {

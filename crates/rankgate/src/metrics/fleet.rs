@@ -171,9 +171,10 @@ impl Collector for Fleet {
         let available = states.iter().filter(|s| s.is_none()).count();
         let mut m = enc.encode_descriptor(
             "rankgate_fleet_ranks",
-            "Ranks in the fleet by state: available (fresh telemetry, not ejected) or \
-             unavailable. Both series are always present; available = 0 means every request \
-             fails with 503 or goes to a rank chosen without telemetry.",
+            "Ranks in the fleet by state: available (fresh telemetry, or a fresh rank that has \
+             no load gauges yet; not ejected) or unavailable. Both series are always present; \
+             available = 0 means every request fails with 503 or goes to a rank chosen without \
+             telemetry.",
             None,
             MetricType::Gauge,
         )?;
@@ -187,15 +188,21 @@ impl Collector for Fleet {
         let mut m = enc.encode_descriptor(
             "rankgate_rank_telemetry_state",
             "The rank's state, with the kind of reason when it is unavailable (not_polled, \
-             absent, invalid, stale, sources_failed, health, ejected, ...); always 1, one series \
-             per rank.",
+             absent, invalid, stale, sources_failed, health, ejected, silent, ...), or fresh \
+             (named by its engine, no load gauges yet) with reason idle or unproven; always 1, \
+             one series per rank.",
             None,
             MetricType::Gauge,
         )?;
-        for (w, state) in workers.iter().zip(&states) {
-            let (state, reason) = match state {
-                None => ("available", "none"),
-                Some(r) => ("unavailable", r.kind()),
+        for ((w, state), v) in workers.iter().zip(&states).zip(&snap.ranks) {
+            let fresh = match &v.telemetry {
+                RankTelemetry::Available(l) => l.fresh,
+                RankTelemetry::Unavailable { .. } => None,
+            };
+            let (state, reason) = match (state, fresh) {
+                (Some(r), _) => ("unavailable", r.kind()),
+                (None, Some(f)) => ("fresh", f.as_str()),
+                (None, None) => ("available", "none"),
             };
             let labels = [
                 ("worker", &*w.id_text),
@@ -241,7 +248,7 @@ impl Collector for Fleet {
             MetricType::Gauge,
         )?;
         for (w, v) in ranks.clone() {
-            if let Some(l) = v.telemetry.fresh(now, stale) {
+            if let Some(l) = (v.telemetry.fresh(now, stale)).filter(|l| l.fresh.is_none()) {
                 gauge(&mut m, &id(w), l.kv_usage)?;
             }
         }

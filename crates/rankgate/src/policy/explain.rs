@@ -11,11 +11,11 @@ use tokio::time::Instant;
 use super::affinity::Holdings;
 use super::avoid::{eligible, Avoid};
 use super::rule::{AffinityLimits, Rule, Skip};
-use super::scoring::score;
+use super::scoring::{score, trickle_full};
 use crate::config::Policy;
 use crate::ix::WorkerIx;
 use crate::outlier::Admit;
-use crate::table::{Snapshot, Table};
+use crate::table::{Snapshot, Table, FRESH_TRICKLE};
 
 /// What the candidates were ranked by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -260,10 +260,15 @@ pub(super) fn explain_pick(
             ))
         } else {
             match by {
-                By::Kv | By::Affinity => view
-                    .telemetry
+                By::Kv | By::Affinity => (view.telemetry)
                     .unavailable_reason(now, table.stale_after)
-                    .map(|r| (Skip::Telemetry, format!("telemetry: {r}"))),
+                    .map(|r| (Skip::Telemetry, format!("telemetry: {r}")))
+                    .or_else(|| {
+                        trickle_full(view, &seat.member).then(|| {
+                            let why = format!("fresh: no load gauges yet, and its trickle of {FRESH_TRICKLE} requests in flight is full");
+                            (Skip::Telemetry, why)
+                        })
+                    }),
                 By::InFlight | By::Reachable => (!view.reachable).then(|| {
                     let why = "unreachable: its engine did not answer the last poll";
                     (Skip::Unreachable, why.to_string())

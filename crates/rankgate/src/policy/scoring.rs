@@ -12,10 +12,22 @@ use tokio::time::Instant;
 use super::avoid::Leg;
 use crate::ix::WorkerIx;
 use crate::outlier::{Admit, FAILURE_WEIGHT};
-use crate::table::{RankView, Snapshot, Table, UNIT_WEIGHT};
+use crate::table::{Fresh, RankTelemetry, RankView, Snapshot, Table, FRESH_TRICKLE, UNIT_WEIGHT};
 use crate::worker::Member;
 
-/// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry.
+/// The score of a fresh rank proven idle with nothing in flight: below every rank with numbers
+/// (their scores are at least 0), so such ranks are drawn among themselves first.
+pub const UNTRIED: f64 = -1.0;
+
+/// Whether a fresh rank that nothing proves idle has its trickle full: it takes no more until
+/// one of its requests ends (or its gauges appear).
+pub(super) fn trickle_full(view: &RankView, member: &Member) -> bool {
+    matches!(&view.telemetry, RankTelemetry::Available(l) if l.fresh == Some(Fresh::Unproven))
+        && member.live.in_flight() >= FRESH_TRICKLE
+}
+
+/// The score `least_kv` ranks by, or `None` when the rank has no fresh telemetry (or is a fresh
+/// rank whose trickle is full: see [`crate::table::Fresh`]).
 #[inline]
 pub fn score(table: &Table, snap: &Snapshot, w: WorkerIx, now: Instant, leg: Leg) -> Option<f64> {
     let member = &snap.fleet.workers[w].member;
@@ -41,6 +53,15 @@ pub(super) fn score_of(
 ) -> Option<f64> {
     let load = view.telemetry.fresh(now, table.stale_after)?;
     let live = &member.live;
+    if let Some(fresh) = load.fresh {
+        match (fresh, live.in_flight()) {
+            // A fresh rank proven idle, with nothing of ours on it: first, like a trial, for its
+            // first request is what makes its gauges appear. Failures still count against it.
+            (Fresh::Idle, 0) => return Some(UNTRIED + failing(member, admit)),
+            (Fresh::Unproven, n) if n >= FRESH_TRICKLE => return None,
+            _ => {}
+        }
+    }
     let since_poll = live
         .dispatched_weight
         .load(Relaxed)

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use crate::reason::{Reason, ReportKind};
-use crate::table::{Load, RankTelemetry};
+use crate::table::{Fresh, Load, RankTelemetry};
 pub use crate::wire::{Aggregate, LoadsReport, RankLoad};
 use crate::worker::Engine;
 
@@ -44,10 +44,15 @@ pub fn project(
         );
     }
     if report.loads.is_empty() {
-        return (
-            vec![RankTelemetry::unavailable(Reason::EmptyReport { gateway: false }); n],
-            notes,
-        );
+        // The real servicer omits ranks without a stats snapshot: a fresh engine's report is
+        // empty, and its ranks fresh where the engine said it has them.
+        let states = (engine.ranks())
+            .map(|rank| match engine.names_rank(rank) {
+                true => RankTelemetry::Available(Load::fresh(Fresh::Unproven, None, sampled_at)),
+                false => RankTelemetry::unavailable(Reason::EmptyReport { gateway: false }),
+            })
+            .collect();
+        return (states, notes);
     }
     let ranks = engine.ranks();
     notes.unmanaged = report
@@ -67,6 +72,15 @@ pub fn project(
                 .iter()
                 .filter(|l| l.dp_rank == Some(rank as i64));
             let (Some(entry), rest) = (entries.next(), entries.count()) else {
+                // A rank without a stats snapshot is left out of the report; if the engine
+                // itself said it has the rank, it is fresh (see `Fresh`).
+                if engine.names_rank(rank) {
+                    return RankTelemetry::Available(Load::fresh(
+                        Fresh::Unproven,
+                        None,
+                        sampled_at,
+                    ));
+                }
                 return RankTelemetry::unavailable(Reason::Absent {
                     rank,
                     report: ReportKind::Loads,
@@ -137,6 +151,7 @@ fn to_load(l: &RankLoad, capacity_divisor: u64, sampled_at: Instant) -> Load {
         aggregate: false,
         upstream: None,
         prefix_cache: None,
+        fresh: None,
         sampled_at,
     }
 }
@@ -187,6 +202,7 @@ pub fn rollup(report: &LoadsReport, sampled_at: Instant) -> RankTelemetry {
         aggregate: true,
         upstream: Some(Arc::from(report.loads.clone())),
         prefix_cache: None,
+        fresh: None,
         sampled_at,
     })
 }

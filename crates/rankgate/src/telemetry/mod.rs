@@ -11,6 +11,7 @@
 mod client;
 mod detect;
 mod events;
+mod fresh;
 pub mod grpc;
 pub mod health;
 pub mod loads;
@@ -418,8 +419,18 @@ fn log_change(fleet: &Fleet, w: WorkerIx, old: &RankTelemetry, new: &RankTelemet
         {
             tracing::warn!(worker = %id, reason = %b, "telemetry still unavailable, new reason");
         }
+        (_, RankTelemetry::Available(l)) if l.fresh.is_some() => {
+            let was_fresh = matches!(old, RankTelemetry::Available(o) if o.fresh.is_some());
+            if !was_fresh {
+                let fresh = l.fresh.map_or("", |f| f.as_str());
+                tracing::info!(worker = %id, fresh, "rank fresh: its engine names it but publishes no load gauges for it yet; routed as such until they appear");
+            }
+        }
         (RankTelemetry::Unavailable { .. }, RankTelemetry::Available(l)) => {
             tracing::info!(worker = %id, kv_usage = l.kv_usage, "telemetry available");
+        }
+        (RankTelemetry::Available(o), RankTelemetry::Available(l)) if o.fresh.is_some() => {
+            tracing::info!(worker = %id, kv_usage = l.kv_usage, "telemetry available: the fresh rank's load gauges appeared");
         }
         _ => {}
     }

@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::client::{Failure, HttpClient};
+use super::fresh::FreshRanks;
 use super::grpc::LoadsClient;
 use super::health::{self, Change, Health};
 use super::loads::{self, LoadsReport, ProjectionNotes};
@@ -65,6 +66,8 @@ pub struct Poller {
     shape_failing: bool,
     /// Per source: `Some` while it is out of the polls after a failure.
     down: Vec<Option<Down>>,
+    /// Since when each rank is fresh (no gauges yet).
+    fresh: FreshRanks,
 }
 
 impl Drop for Poller {
@@ -131,6 +134,7 @@ impl Poller {
             shape_failing: false,
             grpc,
             down: (0..engine_sources).map(|_| None).collect(),
+            fresh: FreshRanks::default(),
         })
     }
 
@@ -221,7 +225,8 @@ impl Poller {
         if !self.entry.shaped() {
             return None;
         }
-        let report = self.poll_engine(n).await;
+        let mut report = self.poll_engine(n).await;
+        self.fresh.judge(&self.entry.members, &mut report);
         if report.reachable && !self.reachable && asks(&self.engine) && n > 0 {
             self.detect_due = true;
         }

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use tokio::time::Instant;
 
 use crate::reason::{Reason, ReportKind};
-use crate::table::{Load, PrefixCounters, RankTelemetry};
+use crate::table::{Fresh, Load, PrefixCounters, RankTelemetry};
 use crate::worker::Engine;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +23,9 @@ enum Field {
     /// The engine's prefix-cache counters: prompt tokens looked up, and those found cached.
     PrefixQueries,
     PrefixHits,
+    /// Counters of work a rank has done (requests finished, prompt tokens processed): all 0
+    /// prove a rank without gauges never ran a request.
+    Work,
 }
 
 /// The series rankgate reads: name, field, and the label that carries the DP rank.
@@ -39,6 +42,8 @@ const SERIES: &[(&str, Field, &str)] = &[
         "engine",
     ),
     ("vllm:prefix_cache_hits_total", Field::PrefixHits, "engine"),
+    ("vllm:request_success_total", Field::Work, "engine"),
+    ("vllm:prompt_tokens_total", Field::Work, "engine"),
     ("sglang:token_usage", Field::Kv, "dp_rank"),
     ("sglang_token_usage", Field::Kv, "dp_rank"),
     ("sglang:num_running_reqs", Field::Running, "dp_rank"),
@@ -56,6 +61,8 @@ pub struct Series {
     pub capacity_tokens: Option<f64>,
     pub prefix_queries: Option<f64>,
     pub prefix_hits: Option<f64>,
+    /// The sum of the rank's work counters (see `Field::Work`), when it has any.
+    pub work: Option<f64>,
 }
 
 /// What one scrape says, keyed by the rank label's value.
@@ -163,6 +170,7 @@ impl Scrape {
             Field::PrefixHits => {
                 series.prefix_hits = Some(series.prefix_hits.unwrap_or(0.0) + value)
             }
+            Field::Work => series.work = Some(series.work.unwrap_or(0.0) + value),
             Field::CacheInfo => {
                 if let Some(tokens) = label("kv_cache_size_tokens").and_then(|t| t.parse().ok()) {
                     series.capacity_tokens = Some(tokens);
@@ -245,7 +253,9 @@ fn parse_value(s: &str) -> Option<f64> {
 }
 
 /// Projects a scrape onto each of the engine's ranks, in rank order. Each rank gets exactly the
-/// series labelled with its own global rank; a rank with none is Unavailable, never zero.
+/// series labelled with its own global rank; a rank with none is Unavailable, never zero, unless
+/// its engine reported its DP size itself (then it is fresh: see [`crate::table::Fresh`]). A
+/// rank with series but no KV gauge is fresh too.
 pub fn project(scrape: &Scrape, engine: &Engine, sampled_at: Instant) -> Vec<RankTelemetry> {
     engine
         .ranks()
@@ -260,6 +270,9 @@ pub fn project(scrape: &Scrape, engine: &Engine, sampled_at: Instant) -> Vec<Ran
                 });
                 match series {
                     Some(s) => to_telemetry(s, Some(rank), sampled_at),
+                    None if engine.names_rank(rank) => {
+                        RankTelemetry::Available(Load::fresh(Fresh::Unproven, None, sampled_at))
+                    }
                     None => RankTelemetry::unavailable(Reason::Absent {
                         rank,
                         report: ReportKind::Metrics,
@@ -278,8 +291,22 @@ pub fn project(scrape: &Scrape, engine: &Engine, sampled_at: Instant) -> Vec<Ran
 fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelemetry {
     let aggregate = rank.is_none();
     let invalid = |problem| RankTelemetry::unavailable(Reason::Invalid { rank, problem });
+    let capacity_tokens = s
+        .capacity_tokens
+        .filter(|c| c.is_finite() && *c >= 1.0)
+        .map(|c| c as u64);
     let Some(kv) = s.kv else {
-        return RankTelemetry::unavailable(Reason::NoKvGauge { rank });
+        // A rank's own series without any of its load gauges: fresh (the engine-wide figure
+        // has no such excuse, nor a rank whose other gauges are there). Work counters at 0
+        // prove it idle; NaN or negative ones prove nothing.
+        if rank.is_none() || s.running.is_some() || s.waiting.is_some() {
+            return RankTelemetry::unavailable(Reason::NoKvGauge { rank });
+        }
+        let fresh = match s.work {
+            Some(w) if w == 0.0 => Fresh::Idle,
+            _ => Fresh::Unproven,
+        };
+        return RankTelemetry::Available(Load::fresh(fresh, capacity_tokens, sampled_at));
     };
     if !(0.0..=1.0).contains(&kv) {
         // NaN fails `contains` too.
@@ -296,10 +323,6 @@ fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelem
         (Ok(r), Ok(w)) => (r, w),
         (Err(e), _) | (_, Err(e)) => return invalid(e),
     };
-    let capacity_tokens = s
-        .capacity_tokens
-        .filter(|c| c.is_finite() && *c >= 1.0)
-        .map(|c| c as u64);
     // Counters are optional extras: a bad one is left out, not held against the rank's load.
     let counter = |v: Option<f64>| v.filter(|x| x.is_finite() && *x >= 0.0).map(|x| x as u64);
     let prefix_cache = match (counter(s.prefix_queries), counter(s.prefix_hits)) {
@@ -315,6 +338,7 @@ fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelem
         aggregate,
         upstream: None,
         prefix_cache,
+        fresh: None,
         sampled_at,
     })
 }
@@ -422,6 +446,54 @@ mod tests {
         assert!(
             matches!(&ranks[3], RankTelemetry::Unavailable { reason } if reason.to_string().contains("running"))
         );
+    }
+
+    #[test]
+    fn a_rank_named_without_gauges_is_fresh_and_its_counters_say_whether_idle() {
+        // Real vLLM with DP: a rank that has served nothing has its counters, not its gauges.
+        let text = "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.3\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n\
+            vllm:request_success_total{engine=\"0\",finished_reason=\"stop\",model_name=\"m\"} 7.0\n\
+            vllm:request_success_total{engine=\"1\",finished_reason=\"stop\",model_name=\"m\"} 0.0\n\
+            vllm:request_success_total{engine=\"1\",finished_reason=\"length\",model_name=\"m\"} 0.0\n\
+            vllm:prompt_tokens_total{engine=\"1\",model_name=\"m\"} 0.0\n\
+            vllm:request_success_total{engine=\"2\",finished_reason=\"stop\",model_name=\"m\"} 3.0\n\
+            vllm:prefix_cache_queries_total{engine=\"3\",model_name=\"m\"} 0.0\n";
+        let ranks = project(&parse(text), &engine(5, 0), Instant::now());
+        assert_eq!(
+            (load(&ranks[0]).kv_usage, load(&ranks[0]).fresh),
+            (0.3, None)
+        );
+        assert_eq!(load(&ranks[1]).fresh, Some(Fresh::Idle));
+        assert_eq!(load(&ranks[1]).running, None, "zeros are not a reading");
+        // Counters that moved, or none at all: nothing proves it idle.
+        assert_eq!(load(&ranks[2]).fresh, Some(Fresh::Unproven));
+        assert_eq!(load(&ranks[3]).fresh, Some(Fresh::Unproven));
+        // No series at all, and the engine did not report its size itself: unknown.
+        assert!(matches!(
+            &ranks[4],
+            RankTelemetry::Unavailable {
+                reason: Reason::Absent { rank: 4, .. }
+            }
+        ));
+    }
+
+    #[test]
+    fn a_rank_the_engine_says_it_has_is_fresh_while_its_series_are_missing() {
+        let mut e = engine(2, 0);
+        e.reported = Some(crate::worker::Reported {
+            flavor: crate::worker::Flavor::Vllm,
+            dp_size: Some(2),
+            from: "test",
+            at_least: false,
+        });
+        let text = "vllm:kv_cache_usage_perc{engine=\"0\"} 0.1\n";
+        let ranks = project(&parse(text), &e, Instant::now());
+        assert_eq!(load(&ranks[1]).fresh, Some(Fresh::Unproven));
+        // Counted from /metrics labels, the size names nothing the labels do not.
+        e.reported.as_mut().unwrap().at_least = true;
+        let ranks = project(&parse(text), &e, Instant::now());
+        assert!(matches!(&ranks[1], RankTelemetry::Unavailable { .. }));
     }
 
     #[test]

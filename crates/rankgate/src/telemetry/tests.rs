@@ -13,6 +13,7 @@ fn view(kv: f64, running: u32, capacity: Option<u64>) -> RankView {
             aggregate: false,
             upstream: None,
             prefix_cache: None,
+            fresh: None,
             sampled_at: Instant::now(),
         }),
         ..RankView::initial()
