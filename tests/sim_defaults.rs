@@ -6,6 +6,10 @@
 //! a rank, so every turn stays where the engine holds it. (With `--capacity-tokens 4096`, the
 //! tests' small ranks, the same chat is a quarter of a rank and load moves turns off it: this
 //! test fails then, in every run tried.)
+//!
+//! Its ranks are also fresh, as a real vLLM's with DP: no load gauges for a rank before its first
+//! request (counters at 0 from the start). A fresh DP=8 server behind the router takes a burst
+//! on every rank, and a restart makes its ranks fresh again.
 
 mod common;
 
@@ -66,7 +70,9 @@ async fn a_1k_token_conversation_on_an_idle_default_fleet_stays_on_its_rank() {
         shipped_tokenizer().display().to_string()
     );
     let r = router(&extra, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
-    wait_state(&r, &[0, 1], "available").await;
+    // Fresh (no gauges before their first request), and routed: the first turn goes to either,
+    // the rest follow it though the other stays untried.
+    wait_state(&r, &[0, 1], "fresh").await;
 
     let tokenizer = ChatTokenizer::from_dir(&shipped_tokenizer()).expect("shipped tokenizer");
     let mut messages = vec![json!({
@@ -109,6 +115,56 @@ async fn a_1k_token_conversation_on_an_idle_default_fleet_stays_on_its_rank() {
         predicted(&r, "events").await > 0.0,
         "the turns were placed on the engine's word (its KV events)"
     );
+    r.shutdown().await;
+    e.shutdown().await;
+}
+
+/// `rankgate mock-engine --flavor vllm --dp-size 8` with the tests' small, slow ranks: its
+/// defaults otherwise, fresh ranks included.
+async fn fresh_engine(dp_size: u32) -> SimEngine {
+    let dp = dp_size.to_string();
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--flavor",
+        "vllm",
+        "--dp-size",
+        &dp,
+    ];
+    let (cfg, listen, _) =
+        cli::parse(args.into_iter().chain(["--decode-rate", "100"])).expect("mock-engine's flags");
+    assert!(cfg.gauges_after_first_request, "on by default for vLLM");
+    SimEngine::start(listen, cfg)
+        .await
+        .expect("start mock-engine")
+}
+
+#[tokio::test]
+async fn a_fresh_dp8_server_spreads_a_burst_over_every_rank_and_is_fresh_again_after_a_restart() {
+    let e = fresh_engine(8).await;
+    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 8, 0)]).await;
+    let all: Vec<usize> = (0..8).collect();
+    let rows = wait_state(&r, &all, "fresh").await;
+    assert!(
+        rows.iter()
+            .all(|w| w["fresh"] == "idle" && w["kv_usage"].is_null()),
+        "{rows:?}"
+    );
+    // Nothing was sent to it: the engine's /metrics names each rank by its counters alone.
+    let addr = r.addr;
+    let burst: Vec<_> = (0..64).map(|_| tokio::spawn(chat(addr, 16))).collect();
+    for reply in burst {
+        assert_eq!(reply.await.expect("request task").status, 200);
+    }
+    let served = e.served();
+    assert!(
+        served.iter().all(|&n| n >= 4),
+        "64 requests over 8 fresh ranks: {served:?}"
+    );
+    // Each rank served: its gauges appeared, and its numbers replace the fresh state.
+    wait_state(&r, &all, "available").await;
+    e.restart();
+    wait_state(&r, &all, "fresh").await;
     r.shutdown().await;
     e.shutdown().await;
 }

@@ -8,7 +8,7 @@ use super::affinity::{longest_prefix, Holdings};
 use super::avoid::Avoid;
 use super::dispatch::Selector;
 use super::explain::By;
-use super::scoring::score_of;
+use super::scoring::{score_of, untried as is_untried};
 use super::ties::random_at_most;
 use crate::ix::WorkerIx;
 use crate::outlier::Admit;
@@ -39,6 +39,8 @@ impl Selector {
             let mut scores = scores.borrow_mut();
             scores.clear();
             let mut skipped = false;
+            // Fresh ranks proven idle and untried (rare: allocates only when there are some).
+            let mut untried = Vec::new();
             let fleet = &snap.fleet;
             // An engine's ranks are consecutive: its verdict is looked up once per engine.
             let mut engine_ok = (None, false);
@@ -57,7 +59,12 @@ impl Selector {
                     // otherwise keep its score above every healthy rank's, and it would never
                     // get the one request that decides.
                     Some(_) if admit == Admit::Trial => scores.push((w, f64::NEG_INFINITY)),
-                    Some(s) => scores.push((w, s)),
+                    Some(s) => {
+                        scores.push((w, s));
+                        if is_untried(view, seat) {
+                            untried.push((w, s));
+                        }
+                    }
                 }
             }
             let best = scores.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
@@ -75,7 +82,9 @@ impl Selector {
             }
             // Scores are sums of floats: within 1e-9 they are the same load.
             let within = best + self.tie_margin.max(1e-9);
-            random_at_most(&scores, within, rng).map(|w| (w, skipped, By::Kv))
+            random_at_most(&untried, within, rng)
+                .or_else(|| random_at_most(&scores, within, rng))
+                .map(|w| (w, skipped, By::Kv))
         })
     }
 }

@@ -42,6 +42,8 @@ pub use scoring::score;
 pub use sizing::RequestSizer;
 
 #[cfg(test)]
+mod fresh_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod verdict_tests;

@@ -15,9 +15,13 @@ use crate::outlier::{Admit, FAILURE_WEIGHT};
 use crate::table::{Fresh, RankTelemetry, RankView, Snapshot, Table, FRESH_TRICKLE, UNIT_WEIGHT};
 use crate::worker::Member;
 
-/// The score of a fresh rank proven idle with nothing in flight: below every rank with numbers
-/// (their scores are at least 0), so such ranks are drawn among themselves first.
-pub const UNTRIED: f64 = -1.0;
+/// Whether a rank is fresh, proven idle, with nothing of this router's in flight: among ranks
+/// as good as the best it goes first, since its first request is what makes its gauges appear.
+#[inline]
+pub(super) fn untried(view: &RankView, member: &Member) -> bool {
+    matches!(&view.telemetry, RankTelemetry::Available(l) if l.fresh == Some(Fresh::Idle))
+        && member.live.in_flight() == 0
+}
 
 /// Whether a fresh rank that nothing proves idle has its trickle full: it takes no more until
 /// one of its requests ends (or its gauges appear).
@@ -53,14 +57,8 @@ pub(super) fn score_of(
 ) -> Option<f64> {
     let load = view.telemetry.fresh(now, table.stale_after)?;
     let live = &member.live;
-    if let Some(fresh) = load.fresh {
-        match (fresh, live.in_flight()) {
-            // A fresh rank proven idle, with nothing of ours on it: first, like a trial, for its
-            // first request is what makes its gauges appear. Failures still count against it.
-            (Fresh::Idle, 0) => return Some(UNTRIED + failing(member, admit)),
-            (Fresh::Unproven, n) if n >= FRESH_TRICKLE => return None,
-            _ => {}
-        }
+    if load.fresh == Some(Fresh::Unproven) && live.in_flight() >= FRESH_TRICKLE {
+        return None;
     }
     let since_poll = live
         .dispatched_weight

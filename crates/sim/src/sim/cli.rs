@@ -145,6 +145,11 @@ pub struct Args {
     /// /v1/models never answers.
     #[arg(long)]
     hang_models: bool,
+    /// vLLM: every rank publishes its load gauges from the start, as `vllm serve
+    /// --api-server-count 1` does; by default a rank publishes them only once it has run a
+    /// request, as vLLM with DP and one API server per rank does (its counters are there, at 0).
+    #[arg(long)]
+    gauges_from_start: bool,
     /// What /health answers (100..=599).
     #[arg(long, default_value_t = 200)]
     health_status: u16,
@@ -313,6 +318,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         hang_requests: a.hang_requests,
         hang_metrics: a.hang_metrics,
         hang_models: a.hang_models,
+        gauges_after_first_request: !a.gauges_from_start,
         health_status: a.health_status,
         die_after: a.die_after,
         stall_after_tokens: a.stall_after_tokens,

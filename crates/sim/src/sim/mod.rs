@@ -183,6 +183,14 @@ pub struct SimConfig {
     pub role: Option<PdRole>,
     /// The disaggregation settings of a role server (lease, ports, timeouts).
     pub pd: PdConfig,
+    /// vLLM flavor only, as vLLM with DP and one API server per rank (its default): a rank
+    /// publishes no load gauges (`/metrics`, nor so a `/v1/loads` or `GetLoads` entry) until it
+    /// has admitted a request since the engine started; its counters
+    /// (`vllm:request_success_total`) are there from the start, at 0. `rankgate mock-engine`
+    /// has it on by default (off: `--gauges-from-start`, as `vllm serve --api-server-count 1`);
+    /// [`SimConfig::default`], the tests' small engine, publishes from the start, so a test
+    /// that sets a rank's reported usage sees it at once, and one about fresh ranks turns it on.
+    pub gauges_after_first_request: bool,
 }
 
 impl Default for SimConfig {
@@ -219,6 +227,7 @@ impl Default for SimConfig {
             tokenizer: None,
             role: None,
             pd: PdConfig::default(),
+            gauges_after_first_request: false,
         }
     }
 }

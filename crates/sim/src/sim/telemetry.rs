@@ -34,12 +34,16 @@ impl Sim {
     pub(crate) fn rank_reports(&self) -> Vec<RankReport> {
         let knobs = read(&self.knobs).clone();
         let total_capacity: u64 = self.ranks.iter().map(|r| r.capacity).sum();
+        let fresh_silent =
+            self.cfg.flavor == SimFlavor::Vllm && self.cfg.gauges_after_first_request;
         self.ranks
             .iter()
             .enumerate()
             .filter(|(_, r)| !knobs.dark_ranks.contains(&r.global))
-            .map(|(i, rank)| {
-                let c = rank.counts();
+            .map(|(i, rank)| (i, rank, rank.counts()))
+            // A rank that has run nothing since the engine started publishes no gauges.
+            .filter(|(_, _, c)| !fresh_silent || c.admitted > 0)
+            .map(|(i, rank, c)| {
                 let usage = knobs
                     .kv_usage
                     .get(i)
@@ -160,6 +164,21 @@ impl Sim {
             }
         }
         if self.cfg.flavor == SimFlavor::Vllm {
+            // Counters exist for every rank from the start, gauges or not (dark ranks aside).
+            let name = "vllm:request_success_total";
+            let _ = writeln!(
+                o,
+                "# HELP {name} Count of successfully processed requests.\n# TYPE {name} counter"
+            );
+            let dark = read(&self.knobs).dark_ranks.clone();
+            for r in self.ranks.iter().filter(|r| !dark.contains(&r.global)) {
+                let finished = r.counts().finished as f64;
+                let _ = writeln!(
+                    o,
+                    "{name}{{engine=\"{}\",finished_reason=\"stop\",model_name=\"{model}\"}} {finished:?}",
+                    r.global
+                );
+            }
             o.push_str(
                 "# HELP vllm:cache_config_info simulated\n# TYPE vllm:cache_config_info gauge\n",
             );
