@@ -46,3 +46,62 @@ impl FreshRanks {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::table::{Fresh, InFlight};
+    use crate::worker::{EngineId, Fleet};
+
+    fn report(t: RankTelemetry, engine: EngineId) -> Report {
+        Report {
+            engine,
+            reachable: true,
+            weight_at_poll: vec![5_000],
+            ranks: vec![t],
+            source: None,
+            models: None,
+            reported: None,
+        }
+    }
+
+    fn fresh() -> RankTelemetry {
+        RankTelemetry::Available(Load::fresh(Fresh::Idle, None, Instant::now()))
+    }
+
+    #[test]
+    fn a_fresh_rank_counts_all_in_flight_and_turns_silent_after_serving_without_gauges() {
+        let fleet = Fleet::expand(vec![crate::worker::test_engine("http://e:1", 1, 0)]);
+        let engine = fleet.engines.iter().next().expect("one engine");
+        let (members, key) = (&engine.members, engine.key);
+        let serve = |n| (0..n).for_each(|_| drop(InFlight::start(members[0].clone(), 1000)));
+        let mut f = FreshRanks::default();
+        serve(3); // before it was seen fresh: not counted
+        let mut r = report(fresh(), key);
+        f.judge(members, &mut r);
+        assert_eq!(
+            r.weight_at_poll[0], 0,
+            "every request in flight is unreported"
+        );
+        serve(SILENT_AFTER - 1);
+        let mut r = report(fresh(), key);
+        f.judge(members, &mut r);
+        assert!(matches!(&r.ranks[0], RankTelemetry::Available(_)));
+        serve(1);
+        let mut r = report(fresh(), key);
+        f.judge(members, &mut r);
+        let silent = Reason::Silent {
+            served: SILENT_AFTER,
+        };
+        assert_eq!(r.ranks[0], RankTelemetry::unavailable(silent));
+        // Its gauges appear: no longer fresh; fresh again later (a restart) starts a new count.
+        let mut r = report(RankTelemetry::unavailable(Reason::NotPolled), key);
+        f.judge(members, &mut r);
+        assert_eq!(r.weight_at_poll[0], 5_000);
+        let mut r = report(fresh(), key);
+        f.judge(members, &mut r);
+        assert!(matches!(&r.ranks[0], RankTelemetry::Available(_)));
+    }
+}
