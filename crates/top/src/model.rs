@@ -27,7 +27,7 @@ pub struct Row {
     pub engine: String,
     pub dp_rank: Option<u32>,
     pub flavor: String,
-    /// `available` or `unavailable`.
+    /// `available`, `fresh` or `unavailable`.
     pub telemetry: String,
     pub reason: Option<String>,
     pub reason_kind: Option<String>,
@@ -51,12 +51,17 @@ pub struct Row {
 }
 
 impl Row {
+    /// Routable: fresh numbers, or a fresh rank (named by its engine, no load gauges yet).
     pub fn available(&self) -> bool {
-        self.telemetry == "available"
+        matches!(self.telemetry.as_str(), "available" | "fresh")
     }
 
-    /// A short word for the rank's state: `ok`, or the kind of reason it is unavailable.
+    /// A short word for the rank's state: `ok`, `fresh`, or the kind of reason it is
+    /// unavailable.
     pub fn state(&self) -> &str {
+        if self.telemetry == "fresh" {
+            return "fresh";
+        }
         if self.available() {
             return "ok";
         }

@@ -202,3 +202,14 @@ fn truncate_marks_the_cut() {
     assert_eq!(truncate("abcdef", 4), "abc…");
     assert_eq!(truncate("abcdef", 0), "");
 }
+
+#[test]
+fn a_fresh_rank_is_routable_and_says_so() {
+    let fresh = Row {
+        telemetry: "fresh".into(),
+        ..row("http://h:1@1", 1, None, 0)
+    };
+    let s = state(vec![row("http://h:1@0", 0, Some(0.2), 1), fresh.clone()]);
+    assert_eq!((fresh.state(), fresh.available()), ("fresh", true));
+    assert_eq!(s.totals().available, 2);
+}
