@@ -183,13 +183,12 @@ pub struct SimConfig {
     pub role: Option<PdRole>,
     /// The disaggregation settings of a role server (lease, ports, timeouts).
     pub pd: PdConfig,
-    /// vLLM flavor only, as vLLM with DP and one API server per rank (its default): a rank
-    /// publishes no load gauges (`/metrics`, nor so a `/v1/loads` or `GetLoads` entry) until it
-    /// has admitted a request since the engine started; its counters
-    /// (`vllm:request_success_total`) are there from the start, at 0. `rankgate mock-engine`
-    /// has it on by default (off: `--gauges-from-start`, as `vllm serve --api-server-count 1`);
-    /// [`SimConfig::default`], the tests' small engine, publishes from the start, so a test
-    /// that sets a rank's reported usage sees it at once, and one about fresh ranks turns it on.
+    /// vLLM only, as vLLM with DP and one API server per rank: a rank publishes no load gauges
+    /// (`/metrics`, so no `/v1/loads` or `GetLoads` entry) until it has admitted a request since
+    /// the engine started; its counters (`vllm:request_success_total`) are there from the
+    /// start, at 0. `rankgate mock-engine` has it on (off: `--gauges-from-start`, as `vllm serve
+    /// --api-server-count 1`); [`SimConfig::default`], the tests' small engine, has it off, so
+    /// a test that sets a rank's reported usage sees it at once.
     pub gauges_after_first_request: bool,
 }
 
