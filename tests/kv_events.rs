@@ -147,7 +147,10 @@ async fn a_replayed_capture_builds_each_ranks_index_and_faults_touch_only_their_
         "{:?}",
         i1.state()
     );
-    assert!(matches!(i0.state(), KvState::Available { partial: None, .. }));
+    assert!(matches!(
+        i0.state(),
+        KvState::Available { partial: None, .. }
+    ));
     assert_eq!(i0.block_size(), Some(128));
     assert_eq!(i1.block_size(), Some(128));
     // Each conversation's first blocks: rank 1's chat is held by rank 1 only (its index still
@@ -184,7 +187,14 @@ async fn a_replayed_capture_builds_each_ranks_index_and_faults_touch_only_their_
     // A restart (sequence back to 0): exact again from its first message.
     p0.send_seq(0, &payload0).await;
     common::until("exact after the restart", WAIT, || {
-        matches!(i0.state(), KvState::Available { partial: None, block_size: 128, .. })
+        matches!(
+            i0.state(),
+            KvState::Available {
+                partial: None,
+                block_size: 128,
+                ..
+            }
+        )
     })
     .await;
     assert_eq!(

@@ -186,7 +186,10 @@ async fn after_a_gap_of_100_events_the_replay_socket_makes_the_index_whole_again
         if iw.blocks() == cached {
             break;
         }
-        let frames = tokio::time::timeout(WAIT, sub.recv()).await.unwrap().unwrap();
+        let frames = tokio::time::timeout(WAIT, sub.recv())
+            .await
+            .unwrap()
+            .unwrap();
         let m = decode(&frames).unwrap();
         replay::deliver(&whole, &m).await;
         if !(10..110).contains(&m.seq) {
@@ -194,13 +197,32 @@ async fn after_a_gap_of_100_events_the_replay_socket_makes_the_index_whole_again
             replay::deliver(&lost, &m).await;
         }
     }
-    assert_eq!(iw.blocks(), cached, "the uninterrupted index holds what the engine does");
-    let last = iw.counts.messages.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        iw.blocks(),
+        cached,
+        "the uninterrupted index holds what the engine does"
+    );
+    let last = iw
+        .counts
+        .messages
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert!(last >= 120, "{last} messages: the gap is inside them");
     // The replay filled the gap: the same blocks, complete, exactly as the uninterrupted one.
-    assert!(matches!(ir.state(), KvState::Available { partial: None, .. }), "{:?}", ir.state());
-    assert_eq!(ir.counts.replayed.load(std::sync::atomic::Ordering::Relaxed), 100);
-    assert_eq!(ir.counts.resets.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert!(
+        matches!(ir.state(), KvState::Available { partial: None, .. }),
+        "{:?}",
+        ir.state()
+    );
+    assert_eq!(
+        ir.counts
+            .replayed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        100
+    );
+    assert_eq!(
+        ir.counts.resets.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     assert_eq!(ir.blocks(), iw.blocks());
     // Without it: a lower bound from the message after the gap, missing the gap's prompts.
     assert!(
@@ -213,12 +235,18 @@ async fn after_a_gap_of_100_events_the_replay_socket_makes_the_index_whole_again
         let names = block_hashes(&text_token_ids(p.as_bytes()), 16);
         let w = iw.matched_blocks(&names);
         assert_eq!(ir.matched_blocks(&names), w, "{p:?}");
-        assert!(il.matched_blocks(&names) <= w, "never more than the engine holds");
+        assert!(
+            il.matched_blocks(&names) <= w,
+            "never more than the engine holds"
+        );
         held_whole += w;
         held_lost += il.matched_blocks(&names);
     }
     assert_eq!(held_whole, 450);
-    assert!(held_lost < held_whole, "the gap's prompts are missing: {held_lost}");
+    assert!(
+        held_lost < held_whole,
+        "the gap's prompts are missing: {held_lost}"
+    );
 }
 
 /// Per local rank, the blocks a router's index holds for `e`'s ranks (from `/workers`).
@@ -245,7 +273,9 @@ async fn a_restarted_router_predicts_what_the_engine_stored_since_at_once() {
     })
     .await;
     let chat = |tag: &str| {
-        vec![json!({"role": "user", "content": format!("{tag} asks: {}", "tell me about routers and caches. ".repeat(12))})]
+        vec![
+            json!({"role": "user", "content": format!("{tag} asks: {}", "tell me about routers and caches. ".repeat(12))}),
+        ]
     };
     // The workload before the router restarts, and while it is down (straight to the engine).
     let a = exact_router(&e).await;
@@ -255,8 +285,12 @@ async fn a_restarted_router_predicts_what_the_engine_stored_since_at_once() {
     }
     a.shutdown().await;
     for c in 0..2 {
-        let body = json!({"model": "tiny-llama", "messages": chat(&format!("down-{c}")), "max_tokens": 4});
-        assert_eq!(post_json(e.addr, "/v1/chat/completions", body).await.status, 200);
+        let body =
+            json!({"model": "tiny-llama", "messages": chat(&format!("down-{c}")), "max_tokens": 4});
+        assert_eq!(
+            post_json(e.addr, "/v1/chat/completions", body).await.status,
+            200
+        );
     }
     // Restarted: it joins the engine's events mid-sequence, with no replay socket.
     let restarted = tokio::time::Instant::now();
@@ -296,7 +330,9 @@ async fn a_restarted_router_predicts_what_the_engine_stored_since_at_once() {
         .collect();
     assert!(
         coverage.iter().any(|c| c.starts_with("partial since "))
-            && coverage.iter().all(|c| c.starts_with("partial since ") || *c == "complete"),
+            && coverage
+                .iter()
+                .all(|c| c.starts_with("partial since ") || *c == "complete"),
         "{coverage:?}"
     );
     b.shutdown().await;

@@ -316,7 +316,10 @@ mod tests {
         let k = with_replay("e", None, Some("tcp://*:5657"), Some(2))
             .unwrap()
             .unwrap();
-        assert_eq!((k.endpoint.as_ref(), k.replay.as_ref().map(|r| r.port)), (None, Some(5657)));
+        assert_eq!(
+            (k.endpoint.as_ref(), k.replay.as_ref().map(|r| r.port)),
+            (None, Some(5657))
+        );
         let e = with_replay("e", None, Some("tcp://engine.local:5657"), None).unwrap_err();
         assert!(e.to_string().contains("e.kv_replay"), "{e}");
         let e = with_replay("e", None, Some("tcp://*:65535"), Some(2)).unwrap_err();

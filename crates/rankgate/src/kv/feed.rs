@@ -73,9 +73,9 @@ pub fn replay_at(ep: &KvEndpoint, offset: u32, engine_host: &str) -> Result<Repl
             named: None,
         },
         Some(h) => {
-            let ip: IpAddr = h.parse().map_err(|_| {
-                format!("replay endpoint host {h:?}: give an IP address (or *)")
-            })?;
+            let ip: IpAddr = h
+                .parse()
+                .map_err(|_| format!("replay endpoint host {h:?}: give an IP address (or *)"))?;
             Replay {
                 addr: SocketAddr::new(ip, port).to_string(),
                 named: Some(ip.to_canonical()),
@@ -142,7 +142,9 @@ pub fn from_sources(body: &[u8], engine_host: &str) -> Result<Vec<RankSource>, S
         let replay = match entry.get("replay_endpoint") {
             None | Some(serde_json::Value::Null) => None,
             Some(r) => {
-                let r = r.as_str().ok_or_else(|| at("replay_endpoint is not a string"))?;
+                let r = r
+                    .as_str()
+                    .ok_or_else(|| at("replay_endpoint is not a string"))?;
                 let ep = KvEndpoint::parse(r).map_err(|e| at(&format!("replay_endpoint {e}")))?;
                 Some(replay_at(&ep, 0, engine_host).map_err(|e| at(&e))?)
             }

@@ -97,7 +97,10 @@ pub async fn fetch(
                 return Ok(applied);
             }
             if last.is_some_and(|l| seq <= l) {
-                return Err(format!("sequence {seq} after {}: out of order", last.unwrap_or(0)));
+                return Err(format!(
+                    "sequence {seq} after {}: out of order",
+                    last.unwrap_or(0)
+                ));
             }
             last = Some(seq);
             if seq < from {

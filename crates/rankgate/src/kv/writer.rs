@@ -141,7 +141,10 @@ impl Writer {
             Some(last) if seq > last.wrapping_add(1) && seq > last => last + 1,
             _ => return None,
         };
-        if self.replay_failed.is_some_and(|t| t.elapsed() < REPLAY_BACKOFF) {
+        if self
+            .replay_failed
+            .is_some_and(|t| t.elapsed() < REPLAY_BACKOFF)
+        {
             return None;
         }
         Some((self.replay.clone()?, from))

@@ -48,10 +48,15 @@ pub(super) async fn feed(
     let (sources, from) = loop {
         let engine = addresses_of(host).await;
         let found = match configured {
-            Some((endpoint, topic)) => {
-                feed::from_config(endpoint, topic, replay, host, entry.start_rank, entry.dp_size)
-                    .map_err(Missing::from)
-            }
+            Some((endpoint, topic)) => feed::from_config(
+                endpoint,
+                topic,
+                replay,
+                host,
+                entry.start_rank,
+                entry.dp_size,
+            )
+            .map_err(Missing::from),
             None => (ask(&entry, &http, host).await).and_then(|mut s| {
                 // engines[].kv_replay (the operator's word) over what the engine says.
                 if let Some(r) = replay {

@@ -178,7 +178,11 @@ fn a_replay_is_asked_for_a_gap_or_a_late_join_and_not_again_soon_after_failing()
     assert_eq!(w.replay_for(5), None, "no replay socket");
     w.set_replay(Some("127.0.0.1:9".into()));
     assert_eq!(w.replay_for(0), None, "the first message: nothing missed");
-    assert_eq!(w.replay_for(5), Some(("127.0.0.1:9".into(), 0)), "joined late");
+    assert_eq!(
+        w.replay_for(5),
+        Some(("127.0.0.1:9".into(), 0)),
+        "joined late"
+    );
     w.apply(&msg(0, vec![stored(&[100], None, &[1, 2])]));
     assert_eq!(w.replay_for(1), None);
     assert_eq!(w.replay_for(7), Some(("127.0.0.1:9".into(), 1)));
@@ -188,7 +192,10 @@ fn a_replay_is_asked_for_a_gap_or_a_late_join_and_not_again_soon_after_failing()
     }
     w.replay_done(Ok(6));
     w.apply(&msg(7, vec![]));
-    assert!(matches!(w.index().state(), KvState::Available { partial: None, .. }));
+    assert!(matches!(
+        w.index().state(),
+        KvState::Available { partial: None, .. }
+    ));
     assert_eq!(w.index().counts.replayed.load(Relaxed), 6);
     w.replay_done(Err("refused".into()));
     assert_eq!(w.replay_for(20), None, "backing off after a failure");

@@ -316,8 +316,8 @@ pub(crate) async fn start(
                 p => offset(p, rank).ok_or_else(too_far)?,
             };
             let buffer = Arc::new(replay::Buffer::new(cfg.buffer_steps));
-            let addr = replay::start(SocketAddr::new(at.ip(), port), buffer.clone(), stop.clone())
-                .await?;
+            let addr =
+                replay::start(SocketAddr::new(at.ip(), port), buffer.clone(), stop.clone()).await?;
             (Some(buffer), Some(addr))
         }
     };
