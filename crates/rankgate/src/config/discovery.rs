@@ -168,6 +168,7 @@ impl EngineTemplate {
             kv_events: None,
             kv_events_topic: None,
             kv_events_from: None,
+            kv_replay: None,
             role: found.role.or(self.role),
             bootstrap_port: found.bootstrap_port.or(self.bootstrap_port),
         }

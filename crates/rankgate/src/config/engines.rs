@@ -41,6 +41,8 @@ pub struct RawEngine {
     pub(super) kv_events_topic: Option<String>,
     /// Addresses its events may also come from, when it connects to an endpoint rankgate binds.
     pub(super) kv_events_from: Option<Vec<String>>,
+    /// Its replay socket, as its `--kv-events-config` `replay_endpoint` writes it.
+    pub(super) kv_replay: Option<String>,
     /// `prefill` or `decode` for one side of a disaggregated model; unset: a whole engine.
     pub(super) role: Option<Role>,
     /// An SGLang prefill server's `--disaggregation-bootstrap-port`.
@@ -145,6 +147,8 @@ impl RawEngine {
             self.kv_events_from.as_deref(),
             self.dp_size,
         )?;
+        let kv_events =
+            super::kv::with_replay(at, kv_events, self.kv_replay.as_deref(), self.dp_size)?;
         if let Some(name) = &self.name {
             super::edge::check_engine_name(&format!("{at}.name"), name)?;
         }

@@ -89,6 +89,9 @@ pub struct KvEvents {
     /// Addresses besides its URL's whence its events may be published to an endpoint rankgate
     /// binds (`engines[].kv_events_from`).
     pub from: Vec<IpAddr>,
+    /// The engine's replay socket (`engines[].kv_replay`, its `--kv-events-config`
+    /// `replay_endpoint`): rank `r` at the port + `r`. `None`: as its `/kv_event_sources` says.
+    pub replay: Option<KvEndpoint>,
 }
 
 /// Validates `engines[i].kv_events`, `kv_events_topic` and `kv_events_from`; `None` when none
@@ -112,6 +115,7 @@ pub(super) fn kv_events(
                 endpoint: None,
                 topic: "".into(),
                 from,
+                replay: None,
             }))),
         };
     };
@@ -132,6 +136,48 @@ pub(super) fn kv_events(
         endpoint: Some(endpoint),
         topic: topic.unwrap_or("").into(),
         from,
+        replay: None,
+    })))
+}
+
+/// Adds `engines[i].kv_replay` to the engine's KV-event settings: an endpoint as its
+/// `--kv-events-config` `replay_endpoint` writes it (the engine binds it: `tcp://*:PORT`, or an
+/// IP address of the engine's), rank `r` at the port + `r`.
+pub(super) fn with_replay(
+    at: &str,
+    events: Option<Arc<KvEvents>>,
+    replay: Option<&str>,
+    dp_size: Option<u32>,
+) -> Result<Option<Arc<KvEvents>>, ConfigError> {
+    let Some(replay) = replay else {
+        return Ok(events);
+    };
+    let bad = |why: String| invalid(format!("{at}.kv_replay"), why);
+    let ep = KvEndpoint::parse(replay).map_err(bad)?;
+    if let Some(h) = ep.host.as_deref() {
+        if h.parse::<IpAddr>().is_err() {
+            return Err(bad(format!(
+                "{replay:?}: the engine binds its replay socket; give tcp://*:PORT or one of its IP addresses"
+            )));
+        }
+    }
+    if let Some(n) = dp_size {
+        if ep.port_of(n.saturating_sub(1)).is_none() {
+            return Err(bad(format!(
+                "rank r replays on port + r, and {n} ranks from port {} pass 65535",
+                ep.port
+            )));
+        }
+    }
+    let base = events.as_deref().cloned().unwrap_or(KvEvents {
+        endpoint: None,
+        topic: "".into(),
+        from: Vec::new(),
+        replay: None,
+    });
+    Ok(Some(Arc::new(KvEvents {
+        replay: Some(ep),
+        ..base
     })))
 }
 
@@ -262,6 +308,22 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(&*k.topic, "");
+    }
+
+    #[test]
+    fn a_replay_endpoint_is_the_engines_to_bind() {
+        assert_eq!(with_replay("e", None, None, None).unwrap(), None);
+        let k = with_replay("e", None, Some("tcp://*:5657"), Some(2))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (k.endpoint.as_ref(), k.replay.as_ref().map(|r| r.port)),
+            (None, Some(5657))
+        );
+        let e = with_replay("e", None, Some("tcp://engine.local:5657"), None).unwrap_err();
+        assert!(e.to_string().contains("e.kv_replay"), "{e}");
+        let e = with_replay("e", None, Some("tcp://*:65535"), Some(2)).unwrap_err();
+        assert!(e.to_string().contains("pass 65535"), "{e}");
     }
 
     #[test]

@@ -49,6 +49,39 @@ pub struct RankSource {
     pub rank: u32,
     pub reach: Reach,
     pub topic: Vec<u8>,
+    /// The engine's replay socket for the rank ([`super::replay`]), if it has one.
+    pub replay: Option<Replay>,
+}
+
+/// Where a rank's replay socket is: the engine always binds it, so rankgate connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replay {
+    /// `host:port` to connect to.
+    pub addr: String,
+    /// The address the engine named, when it named one rather than every interface (`*`):
+    /// from `/kv_event_sources`, it must be one of the engine's own ([`trusted`]).
+    pub named: Option<IpAddr>,
+}
+
+/// The replay socket of the rank `offset` ranks past the endpoint's (vLLM adds the rank to the
+/// port): the engine's host for `*`, else the address named, which must be an IP address.
+pub fn replay_at(ep: &KvEndpoint, offset: u32, engine_host: &str) -> Result<Replay, String> {
+    let port = (ep.port_of(offset)).ok_or_else(|| format!("replay port + {offset} past 65535"))?;
+    Ok(match ep.host.as_deref() {
+        None => Replay {
+            addr: join(engine_host, port),
+            named: None,
+        },
+        Some(h) => {
+            let ip: IpAddr = h
+                .parse()
+                .map_err(|_| format!("replay endpoint host {h:?}: give an IP address (or *)"))?;
+            Replay {
+                addr: SocketAddr::new(ip, port).to_string(),
+                named: Some(ip.to_canonical()),
+            }
+        }
+    })
 }
 
 /// The sources of ranks `first..first + count` from `engines[].kv_events`; `engine_host` is the
@@ -56,6 +89,7 @@ pub struct RankSource {
 pub fn from_config(
     endpoint: &KvEndpoint,
     topic: &str,
+    replay: Option<&KvEndpoint>,
     engine_host: &str,
     first: u32,
     count: u32,
@@ -68,6 +102,7 @@ pub fn from_config(
                 rank: first + i,
                 reach: reach(endpoint, port, engine_host)?,
                 topic: topic.as_bytes().to_vec(),
+                replay: replay.map(|r| replay_at(r, i, engine_host)).transpose()?,
             })
         })
         .collect()
@@ -103,10 +138,22 @@ pub fn from_sources(body: &[u8], engine_host: &str) -> Result<Vec<RankSource>, S
             (entry.get("endpoint").and_then(|e| e.as_str())).ok_or_else(|| at("no endpoint"))?;
         let ep = KvEndpoint::parse(endpoint).map_err(|e| at(&e))?;
         let topic = entry.get("topic").and_then(|t| t.as_str()).unwrap_or("");
+        // Each rank's entry names its own replay endpoint (the rank's port already added).
+        let replay = match entry.get("replay_endpoint") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(r) => {
+                let r = r
+                    .as_str()
+                    .ok_or_else(|| at("replay_endpoint is not a string"))?;
+                let ep = KvEndpoint::parse(r).map_err(|e| at(&format!("replay_endpoint {e}")))?;
+                Some(replay_at(&ep, 0, engine_host).map_err(|e| at(&e))?)
+            }
+        };
         out.push(RankSource {
             rank,
             reach: reach(&ep, ep.port, engine_host).map_err(|e| at(&e))?,
             topic: topic.as_bytes().to_vec(),
+            replay,
         });
     }
     out.sort_by_key(|s| s.rank);
@@ -139,6 +186,14 @@ pub fn trusted(
                 s.rank,
                 last.saturating_sub(1)
             ));
+        }
+        if let Some(ip) = s.replay.as_ref().and_then(|r| r.named) {
+            if !engine.contains(&ip) {
+                return refused(format!(
+                    "rank {} names a replay socket at {ip}, not an address of the engine",
+                    s.rank
+                ));
+            }
         }
         if let Reach::Bind(addr) = s.reach {
             if !engine.contains(&addr.ip().to_canonical()) {
@@ -215,7 +270,7 @@ async fn read(sub: &mut Subscriber<TcpStream>, writer: &SharedWriter) -> String 
     loop {
         match sub.recv().await {
             Ok(frames) => match decode(&frames) {
-                Ok(m) => lock(writer).apply(&m),
+                Ok(m) => super::replay::deliver(writer, &m).await,
                 Err(e) => lock(writer).undecodable(&e.to_string()),
             },
             Err(e) => return describe(e),
@@ -258,7 +313,8 @@ mod tests {
             RankSource {
                 rank: 0,
                 reach: Reach::Bind("127.0.0.1:5557".parse().unwrap()),
-                topic: b"kv".to_vec()
+                topic: b"kv".to_vec(),
+                replay: None,
             }
         );
         assert_eq!(s[1].reach, Reach::Bind("127.0.0.1:5558".parse().unwrap()));
@@ -321,7 +377,7 @@ mod tests {
     #[test]
     fn configured_endpoints_add_the_rank_to_the_port() {
         let endpoint = KvEndpoint::parse("tcp://*:6000").unwrap();
-        let s = from_config(&endpoint, "t", "::1", 4, 2).unwrap();
+        let s = from_config(&endpoint, "t", None, "::1", 4, 2).unwrap();
         assert_eq!(
             (s[0].rank, &s[0].reach),
             (4, &Reach::Connect("[::1]:6000".into()))

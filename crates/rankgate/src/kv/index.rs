@@ -13,10 +13,12 @@
 //! the rank's KV capacity ([`Writer::set_capacity_tokens`]).
 //!
 //! State: the index is `Available` only while it can claim no block the engine does not hold.
-//! It starts exact when it sees the engine's first message (sequence 0) or `AllBlocksCleared`;
-//! joined later, or after a gap in the sequence, it is cleared and rebuilds: unavailable (picks
-//! use rankgate's own record) until the rank has stored a whole KV capacity of blocks since,
-//! after which what it lacks is at most blocks the engine kept unused all that time. A sequence
+//! It starts complete when it sees the engine's first message (sequence 0) or
+//! `AllBlocksCleared`; joined later, or after a gap in the sequence that the engine's replay
+//! socket did not fill ([`super::replay`]), it is cleared and holds what it sees from there: a
+//! lower bound, used by picks at once, partial until the rank has stored a whole KV capacity of
+//! blocks since, after which what it lacks is at most blocks the engine kept unused all that
+//! time. A sequence
 //! that goes back is a restarted engine (its cache is empty): cleared, exact again from the
 //! message. A publisher that went away leaves the index unavailable but kept: its next message
 //! shows whether anything was missed in between.
@@ -142,6 +144,11 @@ pub struct Counts {
     pub skipped: AtomicU64,
     /// Times the index was dropped (gap, restart, bad message, over its bound).
     pub resets: AtomicU64,
+    /// Replays asked of the engine's replay socket, those that failed, and the messages
+    /// applied from them.
+    pub replays: AtomicU64,
+    pub replay_failures: AtomicU64,
+    pub replayed: AtomicU64,
 }
 
 impl std::fmt::Debug for RankIndex {

@@ -370,7 +370,7 @@ async fn publisher(s: TcpStream, peer: SocketAddr, b: Arc<Bound>, _slot: OwnedSe
                 }
             }
         }
-        lock(&w).apply(&m);
+        super::replay::deliver(&w, &m).await;
         claim.heard();
     };
     // Each rank is told before its claim is let go, so a successor's messages come after.

@@ -10,6 +10,7 @@
 //!   [`status`]: as `/workers` shows it;
 //! - [`feed`]: where each rank's events come from, and the tasks that read them;
 //! - [`listen`]: the endpoints rankgate binds for engines that connect, and whom they trust;
+//! - [`replay`]: the engine's replay socket, asked for what a gap lost;
 //! - [`zmtp`]: ZeroMQ's wire protocol, as much as a SUB (and the simulator's PUB) needs.
 
 pub mod capture;
@@ -19,6 +20,7 @@ pub mod hash;
 pub mod index;
 pub mod listen;
 pub mod msgpack;
+pub mod replay;
 pub mod state;
 pub mod status;
 pub mod writer;

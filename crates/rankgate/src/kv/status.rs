@@ -25,6 +25,7 @@ pub fn shown(i: &RankIndex, reading: bool) -> Value {
     json!({
         "state": state.name(),
         "reason": state.reason(),
+        "coverage": state.coverage(),
         "blocks": i.blocks(),
         "block_size": block_size,
         "memory_bytes": i.memory_bytes(),
@@ -33,5 +34,8 @@ pub fn shown(i: &RankIndex, reading: bool) -> Value {
         "removed": c.removed.load(Relaxed),
         "skipped": c.skipped.load(Relaxed),
         "resets": c.resets.load(Relaxed),
+        "replays": c.replays.load(Relaxed),
+        "replay_failures": c.replay_failures.load(Relaxed),
+        "replayed": c.replayed.load(Relaxed),
     })
 }

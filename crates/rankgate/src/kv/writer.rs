@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::event::{EngineHash, Event, Message};
 use super::hash::chain;
@@ -13,7 +14,7 @@ use super::index::{
     RankIndex, Table, CAPACITY_SLACK_QUARTERS, DEFAULT_CAPACITY_BLOCKS, MAX_BLOCKS,
     UNKNOWN_CAPACITY_MAX_BLOCKS,
 };
-use super::state::KvState;
+use super::state::{KvState, Partial};
 
 /// What a std `HashMap` of `capacity` entries of type `T` allocates: hashbrown keeps its
 /// buckets a power of two at most 7/8 full, each an entry and a control byte, plus a group of
@@ -34,8 +35,9 @@ fn map_bytes<T>(capacity: usize) -> usize {
 enum Phase {
     /// Exact: every event since the cache was empty was applied.
     Exact,
-    /// Cleared after joining late or a gap: this many blocks stored since.
-    Rebuilding { stored: usize },
+    /// Cleared after joining late or a gap: a lower bound holding what it saw from sequence
+    /// `since` on; `stored` blocks stored since (a whole capacity of them makes it complete).
+    Partial { since: u64, stored: usize },
     /// Unavailable for a reason outside the sequence (publisher gone); `then` is what it was.
     Paused { then: Resume },
 }
@@ -43,8 +45,12 @@ enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Resume {
     Exact,
-    Rebuilding { stored: usize },
+    Partial { since: u64, stored: usize },
 }
+
+/// After a replay failed, gaps within this long are not asked again: an engine whose replay
+/// socket is down or hostile costs one bounded attempt per this, not one per gap.
+const REPLAY_BACKOFF: Duration = Duration::from_secs(10);
 
 /// The one writer of a rank's index.
 pub struct Writer {
@@ -64,6 +70,12 @@ pub struct Writer {
     last_seq: Option<u64>,
     phase: Phase,
     why: String,
+    /// Why the index is partial (kept while a pause overwrites `why`).
+    partial_why: String,
+    /// The engine's replay socket for this rank (`host:port`), if it has one.
+    replay: Option<String>,
+    /// When a replay last failed (see [`REPLAY_BACKOFF`]).
+    replay_failed: Option<Instant>,
     /// `why` says no events will come (see [`Writer::off`]), until a message shows otherwise.
     off: bool,
 }
@@ -86,9 +98,15 @@ impl Writer {
             max_blocks: UNKNOWN_CAPACITY_MAX_BLOCKS,
             last_seq: None,
             phase: Phase::Paused {
-                then: Resume::Rebuilding { stored: 0 },
+                then: Resume::Partial {
+                    since: 0,
+                    stored: 0,
+                },
             },
             why: "no KV events yet".into(),
+            partial_why: String::new(),
+            replay: None,
+            replay_failed: None,
             off: false,
         }
     }
@@ -108,6 +126,50 @@ impl Writer {
         }
     }
 
+    /// The engine's replay socket for this rank (`host:port`), asked after a gap.
+    pub fn set_replay(&mut self, addr: Option<String>) {
+        self.replay = addr;
+    }
+
+    /// Where to ask, and from which sequence number, for what is missing before message `seq`
+    /// (a gap, or joining an engine already publishing: from 0, as far back as its buffer
+    /// goes); `None` when nothing is missing, there is no replay socket, or one failed within
+    /// [`REPLAY_BACKOFF`].
+    pub fn replay_for(&self, seq: u64) -> Option<(String, u64)> {
+        let from = match self.last_seq {
+            None if seq > 0 => 0,
+            Some(last) if seq > last.wrapping_add(1) && seq > last => last + 1,
+            _ => return None,
+        };
+        if self
+            .replay_failed
+            .is_some_and(|t| t.elapsed() < REPLAY_BACKOFF)
+        {
+            return None;
+        }
+        Some((self.replay.clone()?, from))
+    }
+
+    /// A replay ended: `Err` says why it failed (what it applied stays applied).
+    pub fn replay_done(&mut self, outcome: Result<u64, String>) {
+        let c = &self.index.counts;
+        c.replays.fetch_add(1, Relaxed);
+        match outcome {
+            Ok(n) => {
+                c.replayed.fetch_add(n, Relaxed);
+                self.replay_failed = None;
+            }
+            Err(why) => {
+                c.replay_failures.fetch_add(1, Relaxed);
+                self.replay_failed = Some(Instant::now());
+                tracing::debug!("KV-event replay failed: {why}");
+                if let Phase::Partial { .. } | Phase::Paused { .. } = self.phase {
+                    self.partial_why = format!("{}; replay failed: {why}", self.partial_why);
+                }
+            }
+        }
+    }
+
     /// Blocks the index may hold before it is dropped as claiming too much.
     pub fn max_blocks(&self) -> usize {
         self.max_blocks
@@ -116,9 +178,9 @@ impl Writer {
     /// The publisher went away (or fell silent while the rank was busy): unavailable until its
     /// next message shows what was missed.
     pub fn lost(&mut self, reason: &str) {
-        if let Phase::Exact | Phase::Rebuilding { .. } = self.phase {
+        if let Phase::Exact | Phase::Partial { .. } = self.phase {
             let then = match self.phase {
-                Phase::Rebuilding { stored } => Resume::Rebuilding { stored },
+                Phase::Partial { since, stored } => Resume::Partial { since, stored },
                 _ => Resume::Exact,
             };
             self.phase = Phase::Paused { then };
@@ -137,10 +199,12 @@ impl Writer {
     }
 
     /// A message the rank sent could not be decoded: its events are missing, so the index is
-    /// dropped as after a gap.
+    /// dropped as after a gap, and holds what follows (taken to be the next number).
     pub fn undecodable(&mut self, reason: &str) {
+        let next = self.last_seq.map_or(0, |l| l.wrapping_add(1));
+        self.last_seq = Some(next);
         self.reset(
-            Phase::Rebuilding { stored: 0 },
+            partial(next.wrapping_add(1)),
             format!("undecodable message: {reason}"),
         );
     }
@@ -156,35 +220,25 @@ impl Writer {
                 if let Phase::Paused { then } = self.phase {
                     self.phase = match then {
                         Resume::Exact => Phase::Exact,
-                        Resume::Rebuilding { stored } => Phase::Rebuilding { stored },
+                        Resume::Partial { since, stored } => Phase::Partial { since, stored },
                     };
                 }
             }
             Some(last) if seq <= last => {
-                let phase = if seq == 0 {
-                    Phase::Exact
-                } else {
-                    Phase::Rebuilding { stored: 0 }
-                };
+                let phase = if seq == 0 { Phase::Exact } else { partial(seq) };
                 self.reset(
                     phase,
-                    format!(
-                        "engine restarted (sequence went from {last} back to {seq}): rebuilding"
-                    ),
+                    format!("engine restarted (sequence went from {last} back to {seq})"),
                 );
             }
             Some(last) => self.reset(
-                Phase::Rebuilding { stored: 0 },
-                format!(
-                    "missed events {}..{} (sequence gap): rebuilding",
-                    last + 1,
-                    seq - 1
-                ),
+                partial(seq),
+                format!("missed events {}..{} (sequence gap)", last + 1, seq - 1),
             ),
             None if seq == 0 => self.reset(Phase::Exact, String::new()),
             None => self.reset(
-                Phase::Rebuilding { stored: 0 },
-                format!("joined the engine's events at sequence {seq}: rebuilding"),
+                partial(seq),
+                format!("joined the engine's events at sequence {seq}"),
             ),
         }
         self.last_seq = Some(seq);
@@ -214,7 +268,7 @@ impl Writer {
                     // was indexed in the old one names nothing the prompts will ask for.
                     let phase = match self.phase {
                         Phase::Exact if self.names.is_empty() => Phase::Exact,
-                        _ => Phase::Rebuilding { stored: 0 },
+                        _ => partial(self.last_seq.unwrap_or(0)),
                     };
                     let keep = self.why.clone();
                     self.clear();
@@ -274,19 +328,20 @@ impl Writer {
             self.rebuild();
         }
         self.index.counts.stored.fetch_add(1, Relaxed);
-        if let Phase::Rebuilding { stored } = &mut self.phase {
+        if let Phase::Partial { stored, .. } = &mut self.phase {
             *stored += 1;
             if *stored >= self.capacity_blocks {
                 self.phase = Phase::Exact;
                 self.why.clear();
+                self.partial_why.clear();
             }
         }
         if self.names.len() > self.max_blocks {
             // More than the rank can hold: events were missed (or someone else's were taken).
             self.reset(
-                Phase::Rebuilding { stored: 0 },
+                partial(self.last_seq.unwrap_or(0)),
                 format!(
-                    "the engine claims more than {} blocks, the index's bound (its KV capacity and a quarter): rebuilding",
+                    "the engine claims more than {} blocks, the index's bound (its KV capacity and a quarter)",
                     self.max_blocks
                 ),
             );
@@ -344,6 +399,9 @@ impl Writer {
         }
         self.clear();
         self.phase = phase;
+        if let Phase::Partial { .. } = phase {
+            self.partial_why = why.clone();
+        }
         self.why = why;
         self.publish();
     }
@@ -361,12 +419,19 @@ impl Writer {
             Phase::Exact if self.block_size > 0 || blocks == 0 => KvState::Available {
                 blocks,
                 block_size: self.block_size,
+                partial: None,
             },
-            Phase::Rebuilding { stored } => KvState::Unavailable {
-                reason: format!(
-                    "{} ({stored} of {} blocks stored since)",
-                    self.why, self.capacity_blocks
-                ),
+            // A lower bound: every block it names was stored and not removed since `since`.
+            Phase::Partial { since, stored } => KvState::Available {
+                blocks,
+                block_size: self.block_size,
+                partial: Some(Partial {
+                    since,
+                    why: format!(
+                        "{} ({stored} of {} blocks stored since; complete after a whole capacity)",
+                        self.partial_why, self.capacity_blocks
+                    ),
+                }),
             },
             _ if self.off => KvState::Off {
                 reason: self.why.clone(),
@@ -378,12 +443,17 @@ impl Writer {
         // Exact but no store seen yet: nothing is cached, and no block size to name prompts by.
         let state = match state {
             KvState::Available { block_size: 0, .. } => KvState::Unavailable {
-                reason: "exact, but no block stored yet (block size unknown)".into(),
+                reason: "no block stored yet (block size unknown)".into(),
             },
             s => s,
         };
         i.set(state);
     }
+}
+
+/// A lower bound from sequence `since`, nothing stored since yet.
+fn partial(since: u64) -> Phase {
+    Phase::Partial { since, stored: 0 }
 }
 
 #[cfg(test)]

@@ -43,15 +43,28 @@ pub(super) async fn feed(
     let kv = entry.kv_events.as_deref();
     let configured = kv.and_then(|k| Some((k.endpoint.as_ref()?, &*k.topic)));
     let also_from = kv.map_or(&[][..], |k| &k.from[..]);
+    let replay = kv.and_then(|k| k.replay.as_ref());
     let mut logged = String::new();
     let (sources, from) = loop {
         let engine = addresses_of(host).await;
         let found = match configured {
-            Some((endpoint, topic)) => {
-                feed::from_config(endpoint, topic, host, entry.start_rank, entry.dp_size)
-                    .map_err(Missing::from)
-            }
-            None => (ask(&entry, &http, host).await).and_then(|s| {
+            Some((endpoint, topic)) => feed::from_config(
+                endpoint,
+                topic,
+                replay,
+                host,
+                entry.start_rank,
+                entry.dp_size,
+            )
+            .map_err(Missing::from),
+            None => (ask(&entry, &http, host).await).and_then(|mut s| {
+                // engines[].kv_replay (the operator's word) over what the engine says.
+                if let Some(r) = replay {
+                    for src in &mut s {
+                        let offset = src.rank.saturating_sub(entry.start_rank);
+                        src.replay = feed::replay_at(r, offset, host).ok();
+                    }
+                }
                 feed::trusted(&s, entry.start_rank, entry.dp_size, &engine)
                     .map(|()| s)
                     .map_err(Missing::from)
@@ -102,6 +115,7 @@ pub(super) async fn feed(
             feed::lock(&writer).off("the engine publishes no KV events for this rank: its GET /kv_event_sources leaves the rank out (events off there, or not published over ZeroMQ)");
             continue;
         };
+        feed::lock(&writer).set_replay(src.replay.as_ref().map(|r| r.addr.clone()));
         start(src, &from, &writer, &listeners, &mut tasks, &mut held).await;
         ranks.push((m.clone(), writer, 0, 0));
     }

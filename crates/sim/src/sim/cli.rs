@@ -113,7 +113,9 @@ pub struct Args {
     /// Like vLLM's --kv-events-config (JSON: enable_kv_cache_events, publisher "zmq",
     /// endpoint "tcp://*:PORT" to bind or "tcp://HOST:PORT" to connect, topic; rank r uses
     /// PORT + r): each rank publishes its prefix cache's KV events over ZeroMQ, and
-    /// GET /kv_event_sources lists them. Turns on --prefix-caching.
+    /// GET /kv_event_sources lists them. With replay_endpoint ("tcp://*:PORT" or
+    /// "tcp://IP:PORT", rank r at PORT + r) each rank also keeps its last buffer_steps batches
+    /// and serves them on a ZeroMQ ROUTER socket, as vLLM does. Turns on --prefix-caching.
     #[arg(long)]
     kv_events_config: Option<String>,
     /// A model directory (tokenizer.json, tokenizer_config.json, chat template) whose tokenizer

@@ -169,6 +169,11 @@ impl SimEngine {
         self.sim.kv_publishers.iter().map(|p| p.bound).collect()
     }
 
+    /// Per local rank, the address its replay socket is bound to (`None` without one).
+    pub fn kv_replay_addrs(&self) -> Vec<Option<SocketAddr>> {
+        self.sim.kv_publishers.iter().map(|p| p.replay).collect()
+    }
+
     /// Per local rank, KV-event subscribers connected and subscribed right now.
     pub fn kv_event_subscribers(&self) -> Vec<usize> {
         self.sim

@@ -53,29 +53,33 @@ fn stores_chain_removals_follow_engine_hashes() {
         i.state(),
         KvState::Available {
             blocks: 2,
-            block_size: 2
+            block_size: 2,
+            partial: None,
         }
     );
 }
 
 #[test]
-fn a_gap_clears_and_rebuilds_a_restart_starts_exact() {
+fn a_gap_clears_to_a_lower_bound_a_restart_starts_exact() {
     let mut w = writer();
     w.set_capacity_tokens(6);
     w.apply(&msg(0, vec![stored(&[100], None, &[1, 2])]));
     w.set_capacity_tokens(6); // block size now known: 3 blocks
     w.apply(&msg(5, vec![stored(&[200], None, &[9, 9])]));
     let i = w.index().clone();
-    assert_eq!(i.block_size(), None);
+    assert_eq!(i.block_size(), Some(2), "a lower bound, used at once");
+    let state = i.state();
     assert!(
-        matches!(i.state(), KvState::Unavailable { reason } if reason.contains("missed events 1..4"))
+        matches!(&state, KvState::Available { partial: Some(p), .. } if p.since == 5 && p.why.contains("missed events 1..4")),
+        "{state:?}"
     );
+    assert!(state.coverage().unwrap().starts_with("partial since 5"));
     assert_eq!(i.matched_blocks(&block_hashes(&[1, 2], 2)), 0, "cleared");
+    assert_eq!(i.matched_blocks(&block_hashes(&[9, 9], 2)), 1, "seen since");
     w.apply(&msg(6, vec![stored(&[201, 202], None, &[7, 7, 8, 8])]));
-    assert_eq!(
-        i.block_size(),
-        Some(2),
-        "a whole capacity stored since: rebuilt"
+    assert!(
+        matches!(i.state(), KvState::Available { partial: None, .. }),
+        "a whole capacity stored since: complete"
     );
     w.apply(&msg(0, vec![stored(&[300], None, &[4, 4])]));
     assert_eq!(
@@ -150,7 +154,7 @@ fn without_a_known_capacity_the_index_is_bounded_far_below_the_hard_cap() {
     w.apply(&msg(0, vec![stored(&hashes, None, &tokens)]));
     assert!(w.index().blocks() <= UNKNOWN_CAPACITY_MAX_BLOCKS);
     assert!(
-        matches!(w.index().state(), KvState::Unavailable { reason } if reason.contains("claims more than 262144 blocks")),
+        matches!(w.index().state(), KvState::Available { partial: Some(p), .. } if p.why.contains("claims more than 262144 blocks")),
         "{:?}",
         w.index().state()
     );
@@ -166,4 +170,33 @@ fn the_table_grows_past_its_first_size() {
     let names = block_hashes(&tokens, 2);
     assert_eq!(w.index().matched_blocks(&names), 10_000);
     assert!(w.index().memory_bytes() > 10_000 * 16);
+}
+
+#[test]
+fn a_replay_is_asked_for_a_gap_or_a_late_join_and_not_again_soon_after_failing() {
+    let mut w = writer();
+    assert_eq!(w.replay_for(5), None, "no replay socket");
+    w.set_replay(Some("127.0.0.1:9".into()));
+    assert_eq!(w.replay_for(0), None, "the first message: nothing missed");
+    assert_eq!(
+        w.replay_for(5),
+        Some(("127.0.0.1:9".into(), 0)),
+        "joined late"
+    );
+    w.apply(&msg(0, vec![stored(&[100], None, &[1, 2])]));
+    assert_eq!(w.replay_for(1), None);
+    assert_eq!(w.replay_for(7), Some(("127.0.0.1:9".into(), 1)));
+    // The replay filled 1..6: the message that showed the gap then follows on.
+    for seq in 1..7 {
+        w.apply(&msg(seq, vec![]));
+    }
+    w.replay_done(Ok(6));
+    w.apply(&msg(7, vec![]));
+    assert!(matches!(
+        w.index().state(),
+        KvState::Available { partial: None, .. }
+    ));
+    assert_eq!(w.index().counts.replayed.load(Relaxed), 6);
+    w.replay_done(Err("refused".into()));
+    assert_eq!(w.replay_for(20), None, "backing off after a failure");
 }

@@ -1,7 +1,7 @@
 //! `--kv-events-config` as vLLM reads it: where each rank's PUB socket lives, its queue and
 //! buffer sizes, and the errors of a config that names something else.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use serde_json::Value;
 
@@ -23,8 +23,12 @@ pub struct KvEventsConfig {
     pub topic: String,
     /// Messages queued per subscriber before the oldest is dropped (vLLM's `hwm`).
     pub hwm: usize,
-    /// Reported by `/kv_event_sources` as vLLM does; the sim keeps no replay buffer.
+    /// Batches each rank keeps for its replay socket (vLLM's `buffer_steps`).
     pub buffer_steps: u64,
+    /// Where rank 0's replay socket binds (vLLM's `replay_endpoint`: `tcp://*:PORT` or
+    /// `tcp://IP:PORT`, always bound); rank r at the port + r, or a free port each with port 0.
+    /// `None`: no replay socket, as vLLM's default.
+    pub replay: Option<SocketAddr>,
     pub max_queue_size: u64,
 }
 
@@ -59,12 +63,23 @@ impl KvEventsConfig {
             hwm: DEFAULT_HWM,
             buffer_steps: DEFAULT_BUFFER_STEPS,
             max_queue_size: DEFAULT_MAX_QUEUE,
+            replay: None,
+        }
+    }
+
+    /// As [`KvEventsConfig::bind_local`], with each rank's replay socket on a free port of
+    /// 127.0.0.1 keeping `buffer_steps` batches.
+    pub fn bind_local_with_replay(buffer_steps: u64) -> KvEventsConfig {
+        KvEventsConfig {
+            replay: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)),
+            buffer_steps,
+            ..KvEventsConfig::bind_local()
         }
     }
 
     /// Reads vLLM's `--kv-events-config` JSON. `Ok(None)` when events are off
-    /// (`enable_kv_cache_events` false or absent, or publisher `"null"`). `replay_endpoint`
-    /// is accepted and ignored: the sim serves no replay.
+    /// (`enable_kv_cache_events` false or absent, or publisher `"null"`). `replay_endpoint`,
+    /// when set, is bound as vLLM binds it (`tcp://*:PORT` or `tcp://IP:PORT`).
     pub fn from_vllm_json(s: &str) -> Result<Option<KvEventsConfig>, KvConfigError> {
         let v: Value = serde_json::from_str(s).map_err(|e| KvConfigError::Json(e.to_string()))?;
         let o = v
@@ -86,7 +101,7 @@ impl KvEventsConfig {
                 .as_u64()
                 .ok_or_else(|| KvConfigError::Field(format!("{k} must be a whole number"))),
         };
-        text("replay_endpoint")?;
+        let replay = text("replay_endpoint")?;
         if !flag("enable_kv_cache_events")?.unwrap_or(false) {
             return Ok(None);
         }
@@ -104,7 +119,23 @@ impl KvEventsConfig {
             hwm: usize::try_from(hwm).unwrap_or(usize::MAX).max(1),
             buffer_steps: count("buffer_steps", DEFAULT_BUFFER_STEPS)?,
             max_queue_size: count("max_queue_size", DEFAULT_MAX_QUEUE)?,
+            replay: replay.as_deref().map(parse_replay).transpose()?,
         }))
+    }
+}
+
+/// A replay endpoint, which vLLM always binds: `tcp://*:PORT` or `tcp://IP:PORT`.
+fn parse_replay(s: &str) -> Result<SocketAddr, KvConfigError> {
+    match parse_endpoint(s)? {
+        KvEndpoint::Bind { host, port } => Ok(SocketAddr::new(host, port)),
+        KvEndpoint::Connect { host, port } => host
+            .parse::<IpAddr>()
+            .map(|ip| SocketAddr::new(ip, port))
+            .map_err(|_| {
+                KvConfigError::Field(format!(
+                    "replay_endpoint {s:?}: the engine binds it; give * or an IP address"
+                ))
+            }),
     }
 }
 

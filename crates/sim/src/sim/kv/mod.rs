@@ -22,6 +22,7 @@
 mod config;
 pub mod event;
 pub mod msgpack;
+mod replay;
 
 pub use config::{parse_endpoint, KvConfigError, KvEndpoint, KvEventsConfig};
 /// ZeroMQ's wire protocol: the router's own (its subscriber and this publisher speak the same).
@@ -256,6 +257,8 @@ pub(crate) struct RankPublisher {
     pub(crate) endpoint: String,
     /// The address bound, in bind mode.
     pub(crate) bound: Option<SocketAddr>,
+    /// The replay socket's address, when the config asks for one.
+    pub(crate) replay: Option<SocketAddr>,
     hub: Arc<Hub>,
 }
 
@@ -305,17 +308,32 @@ pub(crate) async fn start(
             (format!("tcp://{host}:{port}"), None)
         }
     };
+    let (buffer, replay) = match cfg.replay {
+        None => (None, None),
+        Some(at) => {
+            let port = match at.port() {
+                0 => 0,
+                p => offset(p, rank).ok_or_else(too_far)?,
+            };
+            let buffer = Arc::new(replay::Buffer::new(cfg.buffer_steps));
+            let addr =
+                replay::start(SocketAddr::new(at.ip(), port), buffer.clone(), stop.clone()).await?;
+            (Some(buffer), Some(addr))
+        }
+    };
     tokio::spawn(publish(
         rank,
         cfg.topic.clone().into_bytes(),
         events,
         hub.clone(),
+        buffer,
         stop,
     ));
     Ok(RankPublisher {
         rank,
         endpoint,
         bound,
+        replay,
         hub,
     })
 }
@@ -385,6 +403,7 @@ async fn publish(
     topic: Vec<u8>,
     events: Arc<RankEvents>,
     hub: Arc<Hub>,
+    buffer: Option<Arc<replay::Buffer>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut seq: u64 = 0;
@@ -396,6 +415,9 @@ async fn publish(
         let p = events.take();
         if p.restarted {
             seq = 0;
+            if let Some(b) = &buffer {
+                b.clear();
+            }
         }
         if p.lost {
             seq += 1;
@@ -403,13 +425,16 @@ async fn publish(
         if p.events.is_empty() {
             continue;
         }
-        // Nobody listening: the number still counts (a subscriber arriving later sees where the
-        // stream is), the encoding is saved.
-        if hub.subscribers() == 0 {
+        // Nobody listening and nothing to replay later: the number still counts (a subscriber
+        // arriving later sees where the stream is), the encoding is saved.
+        if hub.subscribers() == 0 && buffer.is_none() {
             seq += 1;
             continue;
         }
         let payload = event::encode_batch(event::now_ts(), &p.events, rank);
+        if let Some(b) = &buffer {
+            b.push(seq, Bytes::copy_from_slice(&payload));
+        }
         let msg = zmtp::message(&[&topic, &seq.to_be_bytes(), &payload]);
         hub.publish(&topic, &msg);
         seq += 1;
@@ -427,7 +452,10 @@ pub(crate) fn sources(cfg: &KvEventsConfig, publishers: &[RankPublisher]) -> Val
                 "enable_kv_cache_events": true,
                 "publisher": "zmq",
                 "endpoint": p.endpoint,
-                "replay_endpoint": null,
+                "replay_endpoint": p.replay.map(|a| match a.ip().is_unspecified() {
+                    true => format!("tcp://*:{}", a.port()),
+                    false => format!("tcp://{a}"),
+                }),
                 "buffer_steps": cfg.buffer_steps,
                 "hwm": cfg.hwm,
                 "max_queue_size": cfg.max_queue_size,
