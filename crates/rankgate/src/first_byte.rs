@@ -33,7 +33,7 @@ pub const TICK: Duration = Duration::from_millis(500);
 /// The stretch of recent first bytes the fleet's typical time is read from.
 pub const WINDOW: Duration = Duration::from_secs(30);
 /// First bytes the window must hold before anything is judged.
-pub const MIN_SAMPLES: u64 = 10;
+pub const MIN_SAMPLES: u64 = 5;
 /// The least a client must have waited for its leaving to count against the rank.
 pub const ABANDON_FLOOR: Duration = Duration::from_millis(100);
 
@@ -168,10 +168,10 @@ mod tests {
         let mut w = Window::default();
         let mut c = [0; SLOTS];
         assert_eq!(w.push(c), None, "no first bytes yet");
-        // 9 fast ones: too few to judge.
-        assert_eq!(w.push(at(5, 9, &mut c)), None);
+        // 4 fast ones: too few to judge.
+        assert_eq!(w.push(at(5, 4, &mut c)), None);
         // 100 in the 50 ms bucket, one slow: the p99 is still 50 ms.
-        assert_eq!(w.push(at(5, 91, &mut c)), Some(Duration::from_millis(50)));
+        assert_eq!(w.push(at(5, 96, &mut c)), Some(Duration::from_millis(50)));
         let p = w.push(at(9, 1, &mut c));
         assert_eq!(p, Some(Duration::from_millis(50)));
         let b = Bound::default();
