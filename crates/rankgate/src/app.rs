@@ -371,14 +371,7 @@ impl Router {
             front_rx.clone(),
         ));
         // The fleet's first-byte bound, which tells a hung request from a slow fleet.
-        tokio::spawn(crate::proxy::watch_first_bytes(
-            metrics.clone(),
-            crate::first_byte::Rule {
-                factor: cfg.routing.hung_factor,
-                floor: cfg.routing.hung_floor,
-            },
-            front_rx.clone(),
-        ));
+        crate::proxy::watch_first_bytes(&metrics, &cfg.routing, front_rx.clone());
         if let Some(l) = grpc_listener {
             front.push(tokio::spawn(crate::http::serve_with(
                 l,

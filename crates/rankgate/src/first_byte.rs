@@ -48,6 +48,15 @@ pub struct Rule {
     pub floor: Duration,
 }
 
+impl Rule {
+    pub fn of(routing: &crate::config::RoutingConfig) -> Rule {
+        Rule {
+            factor: routing.hung_factor,
+            floor: routing.hung_floor,
+        }
+    }
+}
+
 /// The bounds in force, in milliseconds (0: none, nothing is judged).
 #[derive(Debug, Default)]
 pub struct Bound {
@@ -141,7 +150,10 @@ impl Window {
         for (i, n) in self.sum.iter().enumerate() {
             seen += n;
             if seen >= want {
-                let secs = BUCKETS.get(i).copied().unwrap_or(BUCKETS[BUCKETS.len() - 1] * 2.0);
+                let secs = BUCKETS
+                    .get(i)
+                    .copied()
+                    .unwrap_or(BUCKETS[BUCKETS.len() - 1] * 2.0);
                 return Some(Duration::from_secs_f64(secs));
             }
         }
@@ -183,7 +195,13 @@ mod tests {
         b.set(Some(Duration::from_secs(5)), RULE);
         assert_eq!(b.stall(), Some(Duration::from_secs(20)));
         // Factor 0: nothing judged.
-        b.set(p, Rule { factor: 0.0, ..RULE });
+        b.set(
+            p,
+            Rule {
+                factor: 0.0,
+                ..RULE
+            },
+        );
         assert_eq!((b.stall(), b.abandon()), (None, None));
         b.set(None, RULE);
         assert_eq!(b.typical(), None);

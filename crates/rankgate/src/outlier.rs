@@ -377,7 +377,9 @@ mod tests {
             s.failure(Cause::Hung, POLICY);
         }
         assert_eq!(s.cause(), Cause::Hung);
-        let e = s.failure(Cause::Hung, POLICY).expect("third hung request ejects");
+        let e = s
+            .failure(Cause::Hung, POLICY)
+            .expect("third hung request ejects");
         assert!(
             e.to_string()
                 .starts_with("ejected: 3 consecutive requests with no first byte"),

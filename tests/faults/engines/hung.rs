@@ -52,7 +52,12 @@ async fn hung_rank_beside_a_healthy_one_is_ejected_and_shown() {
     for c in clients {
         match c.await.expect("client task") {
             Some(reply) => {
-                assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+                assert_eq!(
+                    reply.status,
+                    200,
+                    "{}",
+                    String::from_utf8_lossy(&reply.body)
+                );
                 assert!(is_on(&reply.worker(), &good), "{}", reply.worker());
                 answered += 1;
             }
@@ -67,7 +72,10 @@ async fn hung_rank_beside_a_healthy_one_is_ejected_and_shown() {
          {CLIENT_TIMEOUT:?}: {on_hung} reached the hung rank ({late} after the first \
          {SETTLED:?}), {answered} answered by the healthy rank, {gave_up} abandoned"
     );
-    assert!(late <= 3, "{late} requests reached the hung rank after {SETTLED:?}");
+    assert!(
+        late <= 3,
+        "{late} requests reached the hung rank after {SETTLED:?}"
+    );
     assert_eq!(answered + gave_up, total);
 
     // /workers: ejected, and why.
@@ -81,8 +89,14 @@ async fn hung_rank_beside_a_healthy_one_is_ejected_and_shown() {
     let f = &row["failures"];
     assert_eq!(f["kind"], "hung", "{row:#}");
     assert!(f["hung_requests"].as_u64().unwrap_or(0) >= 1, "{row:#}");
-    assert!(f["abandoned_before_first_byte"].as_u64().unwrap_or(0) >= 1, "{row:#}");
-    assert!(row["consecutive_failures"].as_u64().unwrap_or(0) >= 5, "{row:#}");
+    assert!(
+        f["abandoned_before_first_byte"].as_u64().unwrap_or(0) >= 1,
+        "{row:#}"
+    );
+    assert!(
+        row["consecutive_failures"].as_u64().unwrap_or(0) >= 5,
+        "{row:#}"
+    );
     let good_row = rows_of(&rows, &good)[0].clone();
     assert_eq!(good_row["telemetry"], "available", "{good_row:#}");
     assert_eq!(good_row["consecutive_failures"], 0, "{good_row:#}");
@@ -97,17 +111,34 @@ async fn hung_rank_beside_a_healthy_one_is_ejected_and_shown() {
     ))
     .await;
     assert!(abandoned >= 1.0, "{abandoned}");
-    assert!(m(format!("rankgate_requests_hung_total{{worker=\"{hung_id}\"}}")).await >= 1.0);
-    assert_eq!(m(format!("rankgate_rank_ejected{{worker=\"{hung_id}\"}}")).await, 1.0);
-    assert!(m(format!("rankgate_rank_consecutive_failures{{worker=\"{hung_id}\"}}")).await >= 5.0);
+    assert!(
+        m(format!(
+            "rankgate_requests_hung_total{{worker=\"{hung_id}\"}}"
+        ))
+        .await
+            >= 1.0
+    );
+    assert_eq!(
+        m(format!("rankgate_rank_ejected{{worker=\"{hung_id}\"}}")).await,
+        1.0
+    );
+    assert!(
+        m(format!(
+            "rankgate_rank_consecutive_failures{{worker=\"{hung_id}\"}}"
+        ))
+        .await
+            >= 5.0
+    );
     assert!(m("rankgate_first_byte_hung_after_seconds".into()).await >= 1.0);
     assert!(m("rankgate_first_byte_p99_seconds".into()).await > 0.0);
 
     // top, from the live admin listener: the rank is shown ejected, its FAIL cell says hung.
     let doc = get(r.admin_addr, "/workers").await.body;
     let page = String::from_utf8_lossy(&get(r.admin_addr, "/metrics").await.body).into_owned();
-    let mut top = rankgate_top::State::new(&format!("http://{}", r.admin_addr), Duration::from_secs(1));
-    top.apply(Instant::now(), &doc, Ok(&page)).expect("top reads /workers");
+    let mut top =
+        rankgate_top::State::new(&format!("http://{}", r.admin_addr), Duration::from_secs(1));
+    top.apply(Instant::now(), &doc, Ok(&page))
+        .expect("top reads /workers");
     let shown = (top.rows().iter())
         .find(|row| row.id == hung_id)
         .expect("the hung rank in top")

@@ -253,12 +253,16 @@ impl Metrics {
     /// A client left a request on `worker` before its answer ended (`mid_stream`: after its
     /// first byte).
     pub fn abandoned(&self, worker: &Member, mid_stream: bool) {
-        worker.counters.abandoned[mid_stream as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        worker.counters.abandoned[mid_stream as usize]
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// A request on `worker` waited for its first byte past the fleet's bound.
     pub fn hung(&self, worker: &Member) {
-        worker.counters.hung.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        worker
+            .counters
+            .hung
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// A prompt an engine's `/tokenize` answered (`ok`) or not, after `took`.

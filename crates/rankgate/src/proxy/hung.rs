@@ -47,22 +47,25 @@ pub(super) fn left_before_first_byte(
     }
 }
 
-/// Every [`TICK`], reads the fleet's first-byte histograms and publishes the bound under `rule`
-/// (`routing.hung_factor`, `routing.hung_floor`), until `shutdown`.
-pub async fn watch_first_bytes(
-    metrics: Arc<Metrics>,
-    rule: Rule,
+/// Spawns the task that, every [`TICK`], reads the fleet's first-byte histograms and publishes
+/// the bound under `routing.hung_factor` and `routing.hung_floor`, until `shutdown`.
+pub fn watch_first_bytes(
+    metrics: &Arc<Metrics>,
+    routing: &crate::config::RoutingConfig,
     mut shutdown: crate::http::Shutdown,
 ) {
-    let mut window = Window::default();
-    let mut tick = tokio::time::interval(TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = crate::http::shutdown_signalled(&mut shutdown) => return,
+    let (metrics, rule) = (metrics.clone(), Rule::of(routing));
+    tokio::spawn(async move {
+        let mut window = Window::default();
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = crate::http::shutdown_signalled(&mut shutdown) => return,
+            }
+            let p99 = window.push(metrics.first_byte_counts());
+            metrics.first_byte_bound.set(p99, rule);
         }
-        let p99 = window.push(metrics.first_byte_counts());
-        metrics.first_byte_bound.set(p99, rule);
-    }
+    });
 }

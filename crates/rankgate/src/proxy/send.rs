@@ -1,11 +1,9 @@
 //! Sending a request to its engine and streaming the answer back.
 //!
 //! The response must start within `server.response_timeout` (504 otherwise); the same timer then
-//! bounds the gaps in the body (`server.stream_idle_timeout`). While the fleet has a first-byte
-//! bound shorter than that ([`crate::first_byte`]), the timer is armed for the bound first: a
-//! request still without its response headers then is a hung one, a failure of its rank, and
-//! waits on for the rest of the response timeout. A request dropped before its headers (the
-//! client left) is counted, and judged by the same bound (`hung.rs`).
+//! bounds the gaps in the body (`server.stream_idle_timeout`). It is armed for the fleet's
+//! first-byte bound first when that is shorter: a request without headers by then is hung, a
+//! failure of its rank (`hung.rs`, which also judges requests whose client left).
 //!
 //! Connections to one engine are capped (`server.max_engine_connections`; over HTTP/1 that is
 //! requests in flight on it), so a burst cannot open more sockets than the engine or this
@@ -199,7 +197,14 @@ impl Drop for Sending {
         let started = (self.timer.as_ref()).and_then(|t| t.deadline().checked_sub(self.first));
         let busy = matches!(self.state, State::Waiting(_));
         let (metrics, policy) = (&self.ctx.metrics, self.dial.ejection);
-        super::hung::left_before_first_byte(metrics, policy, &self.target, started, self.hung, busy);
+        super::hung::left_before_first_byte(
+            metrics,
+            policy,
+            &self.target,
+            started,
+            self.hung,
+            busy,
+        );
     }
 }
 

@@ -208,8 +208,18 @@ fn the_fail_cell_names_the_run_of_failures() {
     let mut r = row("http://e:1@0", 0, Some(0.1), 0);
     assert_eq!(r.fail_cell(), None, "no failures: no cell");
     r.consecutive_failures = 5;
-    assert_eq!(r.fail_cell().as_deref(), Some("5"), "an older router: the count alone");
-    for (kind, shown) in [("500", "5 500"), ("hung", "5 hung"), ("transport", "5 conn"), ("timeout", "5 tmo"), ("mixed", "5 mix")] {
+    assert_eq!(
+        r.fail_cell().as_deref(),
+        Some("5"),
+        "an older router: the count alone"
+    );
+    for (kind, shown) in [
+        ("500", "5 500"),
+        ("hung", "5 hung"),
+        ("transport", "5 conn"),
+        ("timeout", "5 tmo"),
+        ("mixed", "5 mix"),
+    ] {
         r.failures = Some(Failures {
             kind: Some(kind.into()),
             ..Failures::default()
