@@ -136,7 +136,7 @@ async fn hung_rank_beside_a_healthy_one_is_ejected_and_shown() {
     let doc = get(r.admin_addr, "/workers").await.body;
     let page = String::from_utf8_lossy(&get(r.admin_addr, "/metrics").await.body).into_owned();
     let mut top =
-        rankgate_top::State::new(&format!("http://{}", r.admin_addr), Duration::from_secs(1));
+        rankgate_top::State::new(format!("http://{}", r.admin_addr), Duration::from_secs(1));
     top.apply(Instant::now(), &doc, Ok(&page))
         .expect("top reads /workers");
     let shown = (top.rows().iter())
