@@ -99,6 +99,22 @@ fn promtool_accepts_the_rule_file() {
     assert!(said.contains("SUCCESS"), "{said}");
 }
 
+/// `promtool test rules` on the rule file's unit tests (`deploy/prometheus/rules_test.yaml`:
+/// series in, alerts out), where promtool is installed as for the test above.
+#[test]
+#[ignore = "needs promtool (Debian package prometheus): .ci/run installs it and runs this test"]
+fn promtool_rule_unit_tests_pass() {
+    let out = Command::new("promtool")
+        .args(["test", "rules"])
+        .arg(root().join("deploy/prometheus/rules_test.yaml"))
+        .output()
+        .unwrap_or_else(|e| panic!("promtool: {e} (install the Debian package prometheus)"));
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("SUCCESS"), "{said}");
+}
+
 /// Builds the image and runs its binary on the ConfigMap's config. It needs a Docker engine
 /// (and the base images from their registries, and minutes for the release build), so it is
 /// ignored by a plain `cargo test` and reported so; `.ci/run` runs it (`--ignored`) where

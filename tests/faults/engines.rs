@@ -7,6 +7,7 @@
 //! (`cargo test --test faults -- --nocapture`).
 //!
 //! By theme: [`deaths`] (killed, hung, stalled), [`ejection`] (what counts against a rank),
+//! [`hung`] (gray failures: a rank whose requests never start, judged against its peers),
 //! [`requests`] (broken client bodies, admission) and [`connections`] (the router's connections to
 //! engines), over [`helpers`].
 
@@ -14,4 +15,5 @@ mod connections;
 mod deaths;
 mod ejection;
 mod helpers;
+mod hung;
 mod requests;

@@ -60,7 +60,7 @@ async fn live_fleet_through_engines_leaving_and_the_router_going() {
     top.poll_once().await;
     let text = draw(top.state(), &mut term);
     for id in a_ids.iter().chain(&b_ids) {
-        assert!(text.contains(&short_id(id, 25)), "{id} missing:\n{text}");
+        assert!(text.contains(&short_id(id, 18)), "{id} missing:\n{text}");
     }
     let totals = top.state().totals();
     assert!(
@@ -85,7 +85,7 @@ async fn live_fleet_through_engines_leaving_and_the_router_going() {
     for row in top.state().rows() {
         let line = text
             .lines()
-            .find(|l| l.starts_with(&short_id(&row.id, 25)))
+            .find(|l| l.starts_with(&short_id(&row.id, 18)))
             .unwrap_or_else(|| panic!("{} missing:\n{text}", row.id));
         if row.engine == b.url() {
             assert!(!row.available() && row.reason.is_some(), "{row:?}");
@@ -110,12 +110,12 @@ async fn live_fleet_through_engines_leaving_and_the_router_going() {
     assert_eq!(top.state().rows().len(), 2, "{text}");
     for id in &b_ids {
         assert!(
-            !text.contains(&short_id(id, 25)),
+            !text.contains(&short_id(id, 18)),
             "{id} still shown:\n{text}"
         );
     }
     for id in &a_ids {
-        assert!(text.contains(&short_id(id, 25)), "{id} missing:\n{text}");
+        assert!(text.contains(&short_id(id, 18)), "{id} missing:\n{text}");
     }
 
     // The router goes: the status line says so, the last rows stay, twice over.
@@ -129,7 +129,7 @@ async fn live_fleet_through_engines_leaving_and_the_router_going() {
         assert!(status.contains("stale"), "{text}");
         assert_eq!(top.state().outage.as_ref().unwrap().failures, polls);
         for id in &a_ids {
-            assert!(text.contains(&short_id(id, 25)), "{id} missing:\n{text}");
+            assert!(text.contains(&short_id(id, 18)), "{id} missing:\n{text}");
         }
     }
     drop(a);

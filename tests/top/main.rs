@@ -118,8 +118,10 @@ fn recorded_fleet_renders_at_80x24() {
     let mut term = terminal(80, 24);
     render(&state, &mut term).unwrap();
     let buffer = term.backend().buffer();
+    // The rank id takes what the fixed columns leave of 80: 18 columns; STATE starts at 19,
+    // FAIL at 27.
     for r in state.rows() {
-        let id = short_id(&r.id, 25);
+        let id = short_id(&r.id, 18);
         let y = (got.lines().position(|l| l.starts_with(&id)))
             .unwrap_or_else(|| panic!("{id} not on screen")) as u16;
         let want = if r.available() {
@@ -127,7 +129,14 @@ fn recorded_fleet_renders_at_80x24() {
         } else {
             Color::Red
         };
-        assert_eq!(buffer[(26, y)].fg, want, "{id}");
+        assert_eq!(buffer[(19, y)].fg, want, "{id}");
+        // A rank failing its requests says so in red even while its telemetry reads ok (the
+        // recorded rank @3 has 4 consecutive 500s).
+        let line = got.lines().nth(y as usize).unwrap_or_default();
+        if r.consecutive_failures > 0 {
+            assert!(line.contains(" 4 500 "), "{line}");
+            assert_eq!(buffer[(27, y)].fg, Color::Red, "{id}");
+        }
         if !r.available() {
             assert_eq!(buffer[(46, y)].fg, Color::Red, "{id}");
         }
@@ -164,11 +173,11 @@ fn prefill_and_decode_ranks_are_told_apart_at_80x24() {
     );
     for row in &rows {
         let id = row["id"].as_str().unwrap();
-        let short = short_id(id, 23);
+        let short = short_id(id, 16);
         let line = (text.lines().find(|l| l.starts_with(&short)))
             .unwrap_or_else(|| panic!("{id} not on screen:\n{text}"));
         let mark = if row["engine"] == first { 'P' } else { 'D' };
-        assert_eq!(line.chars().nth(24), Some(mark), "{line}");
+        assert_eq!(line.chars().nth(17), Some(mark), "{line}");
         assert!(line.chars().count() <= 80, "{line}");
     }
     let prefill = rows.iter().filter(|r| r["engine"] == first).count();
@@ -182,7 +191,7 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
     let mut term = terminal(80, 24);
     let unavailable: Vec<String> = (state.rows().iter())
         .filter(|r| !r.available())
-        .map(|r| short_id(&r.id, 25))
+        .map(|r| short_id(&r.id, 18))
         .collect();
 
     // Sorted by state: the unavailable ranks come first, under the titles.
@@ -205,7 +214,7 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
     state.filter = model.to_uppercase();
     let text = draw(&state, &mut term);
     for r in state.rows() {
-        let shown = text.contains(&short_id(&r.id, 25));
+        let shown = text.contains(&short_id(&r.id, 18));
         assert_eq!(shown, r.engine == engine, "{} in\n{text}", r.id);
     }
     state.filter.clear();
@@ -221,7 +230,7 @@ fn recorded_fleet_sorted_filtered_stale_and_squeezed() {
     assert!(status.contains("stale"), "{text}");
     assert!(status.ends_with("1 failed"), "{text}");
     for r in state.rows() {
-        assert!(text.contains(&short_id(&r.id, 25)), "{text}");
+        assert!(text.contains(&short_id(&r.id, 18)), "{text}");
     }
     let dim = term.backend().buffer()[(0, 3)].modifier;
     assert!(

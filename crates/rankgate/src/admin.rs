@@ -29,6 +29,7 @@ use crate::reason::Reason;
 use crate::table::{Fresh, RankTelemetry, Table};
 use crate::worker::{Deployment, EngineEntry, Flavor};
 
+mod failures;
 mod ready;
 
 /// What the admin handlers read.
@@ -233,6 +234,7 @@ impl Admin {
                     "age_ms": load.map(|l| now.saturating_duration_since(l.sampled_at).as_millis() as u64),
                     "in_flight": live.in_flight(),
                     "consecutive_failures": live.outlier.failures(),
+                    "failures": failures::shown(w),
                     "engine_note": engine.mismatch(),
                     "kv_index": crate::kv::status::shown(&w.kv, kv_events),
                 });

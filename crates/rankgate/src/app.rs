@@ -370,6 +370,8 @@ impl Router {
             table.clone(),
             front_rx.clone(),
         ));
+        // The fleet's first-byte bound, which tells a hung request from a slow fleet.
+        crate::proxy::watch_first_bytes(&metrics, &cfg.routing, front_rx.clone());
         if let Some(l) = grpc_listener {
             front.push(tokio::spawn(crate::http::serve_with(
                 l,

@@ -57,6 +57,7 @@ pub mod config;
 pub mod control;
 pub mod deadlines;
 pub mod discovery;
+pub mod first_byte;
 pub mod http;
 pub mod ix;
 pub mod kv;

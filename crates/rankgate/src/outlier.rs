@@ -10,6 +10,10 @@
 //! runs out, exactly one request is let through as a trial: success re-admits the rank, failure
 //! ejects it again for twice as long.
 //!
+//! A rank that hangs (its `/health` and `/metrics` answer, its requests never start) fails
+//! as [`Cause::Hung`]: a request still without a first byte long past the fleet's recent time
+//! to first byte, or one whose client left after waiting that long (`proxy/hung.rs`).
+//!
 //! The state is a handful of atomics beside each rank's live counters, so the request path reads
 //! it with relaxed loads and no lock; only the rare transitions use compare-and-swap.
 
@@ -35,6 +39,9 @@ pub enum Cause {
     Transport,
     /// No response headers within `server.response_timeout`, or a stream gone quiet.
     Timeout,
+    /// A gray failure: no first byte (response headers) long past the fleet's own recent time
+    /// to first byte, seen by rankgate's timer or by the client leaving (`proxy/hung.rs`).
+    Hung,
     /// The consecutive failures were not all of one kind.
     Mixed,
 }
@@ -46,6 +53,7 @@ impl Cause {
             Cause::Transport => 1,
             Cause::Timeout => 2,
             Cause::Mixed => 3,
+            Cause::Hung => 4,
         }
     }
 
@@ -54,6 +62,7 @@ impl Cause {
             1 => Cause::Transport,
             2 => Cause::Timeout,
             3 => Cause::Mixed,
+            4 => Cause::Hung,
             s => Cause::Status(s as u16),
         }
     }
@@ -66,6 +75,7 @@ impl fmt::Display for Cause {
             Cause::Transport => f.write_str("transport errors"),
             Cause::Timeout => f.write_str("timeouts"),
             Cause::Mixed => f.write_str("failures of mixed kinds"),
+            Cause::Hung => f.write_str("requests with no first byte long past the fleet's"),
         }
     }
 }
@@ -138,6 +148,11 @@ pub struct State {
 }
 
 impl State {
+    /// What the current run of failures was (meaningless while [`State::failures`] is 0).
+    pub fn cause(&self) -> Cause {
+        Cause::decode(self.cause.load(Relaxed))
+    }
+
     /// Consecutive failures so far (0 for a healthy rank).
     #[inline]
     pub fn failures(&self) -> u32 {
@@ -353,6 +368,24 @@ mod tests {
         s.failure(Cause::Timeout, POLICY);
         assert_eq!(s.ejection(), None);
         assert_eq!(Cause::decode(s.cause.load(Relaxed)), Cause::Timeout);
+    }
+
+    #[test]
+    fn hung_requests_eject_and_are_named() {
+        let s = State::default();
+        for _ in 0..2 {
+            s.failure(Cause::Hung, POLICY);
+        }
+        assert_eq!(s.cause(), Cause::Hung);
+        let e = s
+            .failure(Cause::Hung, POLICY)
+            .expect("third hung request ejects");
+        assert!(
+            e.to_string()
+                .starts_with("ejected: 3 consecutive requests with no first byte"),
+            "{e}"
+        );
+        assert_eq!(Cause::decode(Cause::Hung.encode()), Cause::Hung);
     }
 
     #[test]

@@ -45,12 +45,43 @@ pub struct Row {
     pub role: Option<String>,
     /// Where the config and the engine disagree (its configured DP size, say).
     pub engine_note: Option<String>,
+    /// What the rank's failures are (absent from a router older than gray failures).
+    pub failures: Option<Failures>,
     /// Not in the document: filled from `/metrics` deltas; `None` until two polls saw the rank.
     #[serde(skip)]
     pub req_per_s: Option<f64>,
 }
 
+/// A `/workers` row's `failures`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Failures {
+    /// The kind of the current run of failures: a status (`503`), `transport`, `timeout`,
+    /// `hung` or `mixed`; absent after a success.
+    pub kind: Option<String>,
+    pub hung_requests: u64,
+    pub abandoned_before_first_byte: u64,
+}
+
 impl Row {
+    /// The FAIL column: the rank's consecutive failures and their kind (`5 503`, `3 hung`), so
+    /// a rank failing every request never reads as just `ok`; `None` for a rank whose last
+    /// request succeeded.
+    pub fn fail_cell(&self) -> Option<String> {
+        let n = self.consecutive_failures;
+        if n == 0 {
+            return None;
+        }
+        let kind = match self.failures.as_ref().and_then(|f| f.kind.as_deref()) {
+            Some("transport") => "conn",
+            Some("timeout") => "tmo",
+            Some("mixed") => "mix",
+            Some(k) => k,
+            None => "",
+        };
+        Some(format!("{n} {kind}").trim_end().to_string())
+    }
+
     /// Routable: fresh numbers, or a fresh rank (named by its engine, no load gauges yet).
     pub fn available(&self) -> bool {
         matches!(self.telemetry.as_str(), "available" | "fresh")

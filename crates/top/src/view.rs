@@ -21,6 +21,8 @@ use super::status::{status_height, status_lines, Paging};
 
 /// Widths of the fixed columns; the rank id takes the rest.
 const STATE_W: usize = 7;
+/// Consecutive failures and their kind: `5 503`, `3 hung`.
+const FAIL_W: usize = 6;
 const INFL_W: usize = 4;
 const REQS_W: usize = 6;
 /// The bar, a space, then `100%`.
@@ -31,7 +33,8 @@ const WAIT_W: usize = 4;
 const SRC_W: usize = 4;
 const AGE_W: usize = 5;
 /// The columns after the id, with the space before each.
-const FIXED_W: usize = STATE_W + INFL_W + REQS_W + KV_W + RUN_W + WAIT_W + SRC_W + AGE_W + 8;
+const FIXED_W: usize =
+    STATE_W + FAIL_W + INFL_W + REQS_W + KV_W + RUN_W + WAIT_W + SRC_W + AGE_W + 9;
 /// Where an unavailable rank's reason goes: the load columns, KV to AGE.
 const REASON_W: usize = KV_W + RUN_W + WAIT_W + SRC_W + AGE_W + 4;
 /// Lines that are not rank rows: header, status, titles, keys.
@@ -159,6 +162,7 @@ fn title_line(state: &State, id_w: usize) -> Line<'static> {
     let text = [
         rank,
         pad(&mark(SortKey::State, "STATE"), STATE_W),
+        pad("FAIL", FAIL_W),
         lpad(&mark(SortKey::InFlight, "INFL"), INFL_W),
         lpad(&mark(SortKey::ReqPerSec, "REQ/S"), REQS_W),
         pad(&mark(SortKey::Kv, "KV"), KV_W),
@@ -203,6 +207,11 @@ fn row_lines(r: &Row, id_w: usize, width: usize, wrap: bool, stale: bool) -> Vec
                 down.add_modifier(Modifier::BOLD)
             },
         ),
+        Span::raw(" "),
+        match r.fail_cell() {
+            Some(fail) => Span::styled(pad(&truncate(&fail, FAIL_W), FAIL_W), down),
+            None => Span::raw(pad("-", FAIL_W)),
+        },
         Span::raw(" "),
         Span::raw(num(Some(r.in_flight), INFL_W)),
         Span::raw(" "),

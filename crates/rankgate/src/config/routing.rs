@@ -60,6 +60,12 @@ pub const DEFAULT_AFFINITY_MARGIN: f64 = 0.2;
 /// ...and never one whose projected KV is at or above this.
 pub const DEFAULT_AFFINITY_MAX_KV: f64 = 0.85;
 pub const DEFAULT_EJECT_FOR: Duration = Duration::from_secs(10);
+/// A request is hung once it waited for its first byte this many times the fleet's recent p99
+/// time to first byte (`crate::first_byte`): far enough above it that a rank a little slower
+/// than its peers, or a long answer that is not streamed, is not mistaken for one.
+pub const DEFAULT_HUNG_FACTOR: f64 = 4.0;
+/// ...and never before this, however fast the fleet.
+pub const DEFAULT_HUNG_FLOOR: Duration = Duration::from_secs(1);
 /// Longest an ejection lasts however often a rank is ejected in a row.
 pub const MAX_EJECT_FOR: Duration = Duration::from_secs(5 * 60);
 
@@ -76,6 +82,8 @@ pub(super) struct RawRouting {
     retry_on: Option<Vec<u16>>,
     eject_after: Option<u32>,
     eject_for: Option<HumanDuration>,
+    hung_factor: Option<f64>,
+    hung_floor: Option<HumanDuration>,
     tie_margin: Option<f64>,
     prefix_affinity: Option<bool>,
     affinity_margin: Option<f64>,
@@ -102,6 +110,11 @@ pub struct RoutingConfig {
     pub eject_after: u32,
     /// First ejection's length; it doubles with each ejection in a row, up to [`MAX_EJECT_FOR`].
     pub eject_for: Duration,
+    /// A request still without its first byte after this many times the fleet's recent p99
+    /// time to first byte is a failure of its rank (hung); 0 judges none.
+    pub hung_factor: f64,
+    /// ...but never before this.
+    pub hung_floor: Duration,
     /// `least_kv` picks at random among ranks scoring within this of the best, so that several
     /// rankgates seeing the same telemetry do not all send to the one idlest rank.
     pub tie_margin: f64,
@@ -143,6 +156,14 @@ pub(super) fn routing(
             ms(100),
             MAX_EJECT_FOR,
         )?,
+        hung_factor: raw.hung_factor.unwrap_or(DEFAULT_HUNG_FACTOR),
+        hung_floor: duration(
+            "routing.hung_floor",
+            raw.hung_floor,
+            DEFAULT_HUNG_FLOOR,
+            ms(100),
+            MAX_EJECT_FOR,
+        )?,
         tie_margin: raw.tie_margin.unwrap_or(DEFAULT_TIE_MARGIN),
         prefix_affinity: raw.prefix_affinity.unwrap_or(false),
         affinity_margin: raw.affinity_margin.unwrap_or(DEFAULT_AFFINITY_MARGIN),
@@ -150,12 +171,22 @@ pub(super) fn routing(
         kv_events: raw.kv_events.unwrap_or(false),
     };
     for (key, v, max) in [
+        ("routing.hung_factor", routing.hung_factor, 1000.0),
         ("routing.tie_margin", routing.tie_margin, 0.5),
         ("routing.affinity_margin", routing.affinity_margin, 1.0),
     ] {
         if !(0.0..=max).contains(&v) {
             return Err(invalid(key, format!("{v} must be in [0, {max}]")));
         }
+    }
+    if routing.hung_factor > 0.0 && routing.hung_factor < 1.0 {
+        return Err(invalid(
+            "routing.hung_factor",
+            format!(
+                "{} must be 0 (judge no request hung) or at least 1 (below, the fleet's own typical requests would count as hung)",
+                routing.hung_factor
+            ),
+        ));
     }
     let max_kv = routing.affinity_max_kv;
     if !(max_kv > 0.0 && max_kv <= 1.0) {

@@ -154,6 +154,10 @@ pub struct WorkerCounters {
     /// Upstream attempts by [`Attempt`] (in [`Attempt::ALL`] order).
     pub attempts: [AtomicU64; Attempt::ALL.len()],
     pub ejections: AtomicU64,
+    /// Requests whose client left: `[before_first_byte, mid_stream]`.
+    pub abandoned: [AtomicU64; 2],
+    /// Requests that waited for their first byte past the fleet's bound.
+    pub hung: AtomicU64,
     /// Prompt tokens prefix affinity expected the worker to hold for the requests sent to it:
     /// `[by rankgate's record, by its engine's KV events]`.
     pub predicted_hit_tokens: [AtomicU64; 2],

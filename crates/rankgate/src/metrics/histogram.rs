@@ -33,6 +33,11 @@ impl Histogram {
             .fetch_add(d.as_micros().min(u64::MAX as u128) as u64, Relaxed);
     }
 
+    /// Observations so far, by bucket (`+Inf` last).
+    pub fn counts(&self) -> [u64; BUCKETS.len() + 1] {
+        std::array::from_fn(|i| self.counts[i].load(Relaxed))
+    }
+
     /// Observations so far.
     #[cfg(test)]
     pub fn count(&self) -> u64 {

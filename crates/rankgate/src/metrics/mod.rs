@@ -27,7 +27,8 @@ mod certs;
 pub(crate) mod counts;
 mod doors;
 mod fleet;
-mod histogram;
+mod gray;
+pub(crate) mod histogram;
 mod kv;
 mod labels;
 mod pd;
@@ -73,6 +74,9 @@ pub struct Metrics {
     engine_tokenize_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     /// Disaggregated requests: outcomes, failures by leg, the legs' times.
     pub pd: Arc<PdCounts>,
+    /// How long a request may wait for its first byte before it counts as hung
+    /// ([`crate::first_byte`]); kept current by `proxy::watch_first_bytes`.
+    pub first_byte_bound: Arc<crate::first_byte::Bound>,
 }
 
 impl Default for Metrics {
@@ -204,7 +208,12 @@ impl Metrics {
             core: core.clone(),
             table: table.clone(),
         }));
+        let first_byte_bound = Arc::new(crate::first_byte::Bound::default());
         if let Some(table) = table {
+            registry.register_collector(Box::new(gray::Gray {
+                table: table.clone(),
+                bound: first_byte_bound.clone(),
+            }));
             registry.register_collector(Box::new(kv::KvPublishers {
                 table: table.clone(),
             }));
@@ -226,7 +235,34 @@ impl Metrics {
             engine_tokenize,
             engine_tokenize_seconds,
             pd,
+            first_byte_bound,
         }
+    }
+
+    /// Every model's first-byte histogram added up, bucket by bucket (cumulative counts).
+    pub fn first_byte_counts(&self) -> [u64; crate::first_byte::SLOTS] {
+        let mut all = [0; crate::first_byte::SLOTS];
+        for s in self.core.models.all() {
+            for (a, n) in all.iter_mut().zip(s.first_byte.counts()) {
+                *a += n;
+            }
+        }
+        all
+    }
+
+    /// A client left a request on `worker` before its answer ended (`mid_stream`: after its
+    /// first byte).
+    pub fn abandoned(&self, worker: &Member, mid_stream: bool) {
+        worker.counters.abandoned[mid_stream as usize]
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A request on `worker` waited for its first byte past the fleet's bound.
+    pub fn hung(&self, worker: &Member) {
+        worker
+            .counters
+            .hung
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// A prompt an engine's `/tokenize` answered (`ok`) or not, after `took`.

@@ -51,6 +51,8 @@ pub(super) fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfi
         retry_on: Vec::new(),
         eject_after: 5,
         eject_for: Duration::from_secs(10),
+        hung_factor: crate::config::DEFAULT_HUNG_FACTOR,
+        hung_floor: crate::config::DEFAULT_HUNG_FLOOR,
         // Exact picks, so the tests can tell which rank the credit points at.
         tie_margin: 0.0,
         prefix_affinity: false,

@@ -127,7 +127,9 @@ impl ProxyBody {
         let idle = matches!(err, StreamError::Idle(_));
         // rankgate's own shutdown is no verdict on the engine: the watch is dropped unjudged.
         if let Some(watch) = self.holds.on_break.take() {
-            if !matches!(err, StreamError::ShuttingDown) {
+            if matches!(err, StreamError::ShuttingDown) {
+                watch.shutdown();
+            } else {
                 watch.fire(idle);
             }
         }

@@ -28,6 +28,9 @@ pub struct Dial {
     pub(super) max_body: usize,
     /// `server.expose_worker`: whether the answer names its worker, and how.
     pub(super) exposure: Exposure,
+    /// `routing.eject_after` and `routing.eject_for`: a request that hangs is a failure of its
+    /// rank, judged in `send` (`hung.rs`).
+    pub(super) ejection: crate::outlier::Policy,
 }
 
 /// A client for engines' gRPC services, over connections a shutdown can cut.
@@ -49,6 +52,7 @@ impl Dial {
         deadlines: Deadlines,
         upstream: &Upstream,
         exposure: Exposure,
+        ejection: crate::outlier::Policy,
     ) -> Dial {
         let h2 = max_engine_connections.min(crate::upstream::MAX_GRPC_CONNECTIONS);
         let cutoff = Cutoff::default();
@@ -65,6 +69,7 @@ impl Dial {
             stream_idle: deadlines.stream_idle,
             max_body,
             exposure,
+            ejection,
         }
     }
 }

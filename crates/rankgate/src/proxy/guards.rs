@@ -194,7 +194,9 @@ impl Drop for Slot {
 pub(super) fn failure(metrics: &Metrics, policy: Policy, target: &Target, cause: Cause) {
     let ranks = match cause {
         Cause::Transport => &target.engine.members[..],
-        Cause::Status(_) | Cause::Timeout | Cause::Mixed => std::slice::from_ref(&target.worker),
+        Cause::Status(_) | Cause::Timeout | Cause::Hung | Cause::Mixed => {
+            std::slice::from_ref(&target.worker)
+        }
     };
     for w in ranks {
         if let Some(e) = w.live.outlier.failure(cause, policy) {
@@ -209,7 +211,7 @@ pub(super) fn failure(metrics: &Metrics, policy: Policy, target: &Target, cause:
 /// engine just went quiet). Judging at the headers would let every new stream of a rank that
 /// stalls mid-way wipe the failure the previous stall counted, so it would never be ejected (and
 /// a trial would re-admit it on headers alone). A body dropped unfinished (the client left) is no
-/// verdict: a trial passes to the next request.
+/// verdict (a trial passes to the next request), only counted as abandoned mid-stream.
 #[derive(Debug)]
 pub struct BreakWatch {
     ctx: Ctx,
@@ -244,6 +246,14 @@ impl BreakWatch {
         success(&self.target);
     }
 
+    /// rankgate's own shutdown cut the stream: no verdict on the engine, and no client left.
+    pub fn shutdown(mut self) {
+        self.judged = true;
+        if self.target.trial {
+            self.target.worker.live.outlier.abandon_trial();
+        }
+    }
+
     /// The stream ended with a failure status after its first byte (a gRPC call's trailers
     /// saying UNAVAILABLE): a failure of the rank, not of the whole engine's transport.
     pub fn failed(mut self, status: u16) {
@@ -259,7 +269,12 @@ impl BreakWatch {
 
 impl Drop for BreakWatch {
     fn drop(&mut self) {
-        if !self.judged && self.target.trial {
+        if self.judged {
+            return;
+        }
+        // Dropped unjudged: the response body went before its end, so the client left.
+        self.ctx.metrics.abandoned(&self.target.worker, true);
+        if self.target.trial {
             self.target.worker.live.outlier.abandon_trial();
         }
     }

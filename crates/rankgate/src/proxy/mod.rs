@@ -21,8 +21,9 @@
 //!           one), pinned; an
 //!           `upstream` span per attempt of a traced request
 //! observe   outlier accounting: consecutive failures eject a rank
-//! send      the engine connection (capped per engine); server.response_timeout -> 504; the
-//!           response streamed back under server.stream_idle_timeout
+//! send      the engine connection (capped per engine); no first byte past the fleet's bound
+//!           -> a hung request, a failure of the rank (hung.rs); server.response_timeout -> 504;
+//!           the response streamed back under server.stream_idle_timeout
 //! ```
 //!
 //! The stacks are assembled in `stack.rs`, where each layer is handed its own settings and state
@@ -63,6 +64,7 @@ mod error;
 mod exposure;
 pub(crate) mod grpc;
 mod guards;
+mod hung;
 mod identity;
 mod layer;
 mod observe;
@@ -88,6 +90,7 @@ pub use auth::{Keys, KeysError};
 pub use body::{Ending, Holds, ProxyBody};
 pub use error::{DebugRefused, Denied, GrpcError, ProxyError};
 pub use exposure::Exposure;
+pub use hung::watch_first_bytes;
 pub use identity::REQUEST_ID;
 pub use layer::{Answer, Below, Step, RANK_HEADER, WORKER_HEADER};
 pub use pin::pin_in_body;

@@ -51,8 +51,10 @@ where
             inner: self.inner.call(req),
             ctx: self.ctx.clone(),
             policy: self.policy,
-            open: target.trial,
-            target,
+            trial: Trial {
+                open: target.trial,
+                target,
+            },
         }
     }
 }
@@ -60,16 +62,23 @@ where
 /// An attempt's answer, recorded on its rank when it comes. A future of its own rather than a
 /// boxed `async` block: one allocation less on every request.
 pub struct Observing<F> {
+    /// Dropped first (fields drop in order): a request dropped after waiting long enough to be
+    /// hung fails its rank there (`send`), which ends a trial with a new ejection before
+    /// [`Trial`] would hand it on.
     inner: F,
     ctx: Ctx,
     policy: Policy,
+    trial: Trial,
+}
+
+/// The attempt's target, and whether it is a trial with no verdict yet: one dropped before its
+/// answer (the client left) hands the trial to the next request.
+struct Trial {
     target: Target,
-    /// A trial with no verdict yet: one dropped before its answer (the client left) hands the
-    /// trial to the next request.
     open: bool,
 }
 
-impl<F> Drop for Observing<F> {
+impl Drop for Trial {
     fn drop(&mut self) {
         if self.open {
             self.target.worker.live.outlier.abandon_trial();
@@ -82,7 +91,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer> {
         let this = self.get_mut();
-        let (ctx, policy, target) = (&this.ctx, this.policy, &this.target);
+        let (ctx, policy, target) = (&this.ctx, this.policy, &this.trial.target);
         // Errors below are located here, on the attempt's worker.
         let mut result =
             ready!(Pin::new(&mut this.inner).poll(cx)).map_err(|e| e.at(&target.worker));
@@ -137,7 +146,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Observing<F> {
             },
         };
         if judged {
-            this.open = false;
+            this.trial.open = false;
         }
         Poll::Ready(result)
     }

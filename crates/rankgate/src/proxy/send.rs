@@ -1,7 +1,9 @@
 //! Sending a request to its engine and streaming the answer back.
 //!
 //! The response must start within `server.response_timeout` (504 otherwise); the same timer then
-//! bounds the gaps in the body (`server.stream_idle_timeout`).
+//! bounds the gaps in the body (`server.stream_idle_timeout`). It is armed for the fleet's
+//! first-byte bound first when that is shorter: a request without headers by then is hung, a
+//! failure of its rank (`hung.rs`, which also judges requests whose client left).
 //!
 //! Connections to one engine are capped (`server.max_engine_connections`; over HTTP/1 that is
 //! requests in flight on it), so a burst cannot open more sockets than the engine or this
@@ -124,7 +126,11 @@ impl tower::Service<Request<Picked>> for Send {
         let (ctx, dial) = (&self.ctx, &self.dial);
         // One timer serves the whole exchange: the response timeout until the headers, then
         // (moved into the body) the stream idle timeout, so a request costs one timer.
-        let timer = Box::pin(tokio::time::sleep(dial.response));
+        let first = match ctx.metrics.first_byte_bound.stall() {
+            Some(bound) if bound < dial.response => bound,
+            _ => dial.response,
+        };
+        let timer = Box::pin(tokio::time::sleep(first));
         let mut sending = Sending {
             ctx: ctx.clone(),
             dial: dial.clone(),
@@ -135,6 +141,9 @@ impl tower::Service<Request<Picked>> for Send {
             state: State::Done,
             reconnected: false,
             reused: false,
+            first,
+            hung: false,
+            settled: false,
         };
         sending.state = if ctx.grpc() {
             // gRPC calls are streams on an engine's h2 connections, not connections.
@@ -171,6 +180,32 @@ pub struct Sending {
     reconnected: bool,
     /// The request went out on a connection that had carried requests before.
     reused: bool,
+    /// What the timer was first armed for: the fleet's first-byte bound when shorter than the
+    /// response timeout.
+    first: std::time::Duration,
+    /// The request was judged hung (no first byte by the bound).
+    hung: bool,
+    /// The future gave its answer: dropped before that, the client left.
+    settled: bool,
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let started = (self.timer.as_ref()).and_then(|t| t.deadline().checked_sub(self.first));
+        let busy = matches!(self.state, State::Waiting(_));
+        let (metrics, policy) = (&self.ctx.metrics, self.dial.ejection);
+        super::hung::left_before_first_byte(
+            metrics,
+            policy,
+            &self.target,
+            started,
+            self.hung,
+            busy,
+        );
+    }
 }
 
 type Sent = Result<Response<Incoming>, TrySendError<Request<RequestBody>>>;
@@ -261,15 +296,31 @@ impl Sending {
         State::Sending(Box::pin(sent))
     }
 
-    /// Still waiting, or `late` once the response timeout has passed.
+    /// Still waiting, or `late` once the response timeout has passed. The first-byte bound
+    /// passing first judges the request hung (unless it still waits for one of rankgate's own
+    /// connection slots), and the timer runs on to the response timeout.
     fn unless_late(
         &mut self,
         cx: &mut Context<'_>,
         late: ProxyError,
     ) -> Poll<super::layer::Answer> {
-        match self.timer.as_mut().map(|t| t.as_mut().poll(cx)) {
-            Some(Poll::Pending) => Poll::Pending,
-            _ => Poll::Ready(Err(late)),
+        loop {
+            let Some(timer) = self.timer.as_mut() else {
+                return Poll::Ready(Err(late));
+            };
+            if timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let rest = self.dial.response.saturating_sub(self.first);
+            if self.hung || rest.is_zero() {
+                return Poll::Ready(Err(late));
+            }
+            self.hung = true;
+            let at = timer.deadline() + rest;
+            timer.as_mut().reset(at);
+            if !matches!(self.state, State::Waiting(_)) {
+                super::hung::judge(&self.ctx.metrics, self.dial.ejection, &self.target);
+            }
         }
     }
 }
@@ -279,6 +330,15 @@ impl Future for Sending {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<super::layer::Answer> {
         let this = self.get_mut();
+        let answer = this.step(cx);
+        this.settled = answer.is_ready();
+        answer
+    }
+}
+
+impl Sending {
+    fn step(&mut self, cx: &mut Context<'_>) -> Poll<super::layer::Answer> {
+        let this = self;
         let (timeout, max_body) = (this.dial.response, this.dial.max_body);
         let resp = loop {
             match &mut this.state {

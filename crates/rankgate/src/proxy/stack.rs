@@ -80,12 +80,17 @@ impl Layers {
             stall: deadlines.body_read,
             whole: deadlines.body,
         };
+        let ejection = crate::outlier::Policy {
+            after: routing.eject_after,
+            base: routing.eject_for,
+        };
         let dial = Arc::new(Dial::new(
             server.max_engine_connections,
             server.max_body_bytes,
             deadlines,
             upstream,
             Exposure::new(server.expose_worker),
+            ejection,
         ));
         let shared = Arc::new(Shared {
             table,
@@ -118,10 +123,7 @@ impl Layers {
                 routing.retry_budget,
                 &routing.retry_on,
             )),
-            ejection: crate::outlier::Policy {
-                after: routing.eject_after,
-                base: routing.eject_for,
-            },
+            ejection,
             grpc: Arc::new(Local {
                 requests: Arc::new(Requests::default()),
                 draining: Arc::default(),

@@ -213,3 +213,28 @@ fn a_fresh_rank_is_routable_and_says_so() {
     assert_eq!((fresh.state(), fresh.available()), ("fresh", true));
     assert_eq!(s.totals().available, 2);
 }
+
+#[test]
+fn the_fail_cell_names_the_run_of_failures() {
+    let mut r = row("http://e:1@0", 0, Some(0.1), 0);
+    assert_eq!(r.fail_cell(), None, "no failures: no cell");
+    r.consecutive_failures = 5;
+    assert_eq!(
+        r.fail_cell().as_deref(),
+        Some("5"),
+        "an older router: the count alone"
+    );
+    for (kind, shown) in [
+        ("500", "5 500"),
+        ("hung", "5 hung"),
+        ("transport", "5 conn"),
+        ("timeout", "5 tmo"),
+        ("mixed", "5 mix"),
+    ] {
+        r.failures = Some(Failures {
+            kind: Some(kind.into()),
+            ..Failures::default()
+        });
+        assert_eq!(r.fail_cell().as_deref(), Some(shown));
+    }
+}
