@@ -164,7 +164,10 @@ impl Writer {
                 self.replay_failed = Some(Instant::now());
                 tracing::debug!("KV-event replay failed: {why}");
                 if let Phase::Partial { .. } | Phase::Paused { .. } = self.phase {
-                    self.partial_why = format!("{}; replay failed: {why}", self.partial_why);
+                    // The latest failure only: an engine failing every replay must not grow
+                    // this string without bound.
+                    let cause = self.partial_why.split("; replay failed: ").next();
+                    self.partial_why = format!("{}; replay failed: {why}", cause.unwrap_or(""));
                 }
             }
         }
