@@ -4,12 +4,14 @@
 //! load; the client gets the decode's answer; failures on either side are failed over or
 //! counted, never a silent recompute.
 //!
-//! By part: [`legs`] (where each leg goes, and failover) and [`failures`] (leases, errors and
-//! explanations), over [`helpers`].
+//! By part: [`legs`] (where each leg goes, and failover), [`failures`] (leases, errors and
+//! explanations) and [`broken`] (fleets that fail every request, and failover of either leg), over
+//! [`helpers`].
 #![cfg(feature = "sim")] // the simulated engine
 
 #[path = "../common/mod.rs"]
 mod common;
+mod broken;
 mod failures;
 mod helpers;
 mod legs;

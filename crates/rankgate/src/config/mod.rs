@@ -48,7 +48,7 @@ pub use error::ConfigError;
 pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
 pub use read::{read_regular, MAX_CONFIG_BYTES};
-pub use roles::{role_check, RoleCheck};
+pub use roles::{pairing_errors, role_check, RoleCheck};
 pub use routing::*;
 pub(crate) use rules::group_text;
 pub use rules::{address_warnings, Resolved, DEFAULT_HEALTH_PATH};

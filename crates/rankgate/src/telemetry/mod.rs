@@ -16,6 +16,7 @@ pub mod health;
 pub mod loads;
 mod models;
 mod poller;
+pub mod pd_probe;
 pub mod probe;
 pub mod prom;
 mod report;
