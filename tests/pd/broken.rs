@@ -124,7 +124,11 @@ async fn prefill_and_decode_servers_of_different_flavors_are_refused_and_counted
     ready(&rg, &[&p, &d]).await;
     let statuses = chats(&rg, 3).await;
     assert_eq!(statuses, [503, 503, 503]);
-    let m = metric_line(&rg, "rankgate_pd_failures_total{leg=\"prefill\",kind=\"unpaired\"} 3").await;
+    let m = metric_line(
+        &rg,
+        "rankgate_pd_failures_total{leg=\"prefill\",kind=\"unpaired\"} 3",
+    )
+    .await;
     assert!(m.contains("rankgate_pd_decoded_total 0"), "{m}");
     let warned = "disaggregated requests cannot be served";
     rg.wait_log(warned, Duration::from_secs(5)).await;
@@ -149,12 +153,19 @@ async fn a_prefill_server_without_a_kv_connector_is_caught_by_the_probe_and_mark
     let mut rg = serve("pd-no-connector", &engines).await;
     ready(&rg, &[&p, &d]).await;
     assert_eq!(chats(&rg, 4).await, [502, 502, 502, 502]);
-    let m = metric_line(&rg, "rankgate_pd_failures_total{leg=\"prefill\",kind=\"no_params\"} 4").await;
+    let m = metric_line(
+        &rg,
+        "rankgate_pd_failures_total{leg=\"prefill\",kind=\"no_params\"} 4",
+    )
+    .await;
     assert!(m.contains("rankgate_pd_decoded_total 0"), "{m}");
     let warned = "a prefill side fails every disaggregated request";
     let line = rg.wait_log(warned, Duration::from_secs(5)).await;
     assert_eq!(rg.count(warned), 1, "{:?}", rg.log());
-    assert!(line.contains("KV connector") && line.contains(&p.url()), "{line}");
+    assert!(
+        line.contains("KV connector") && line.contains(&p.url()),
+        "{line}"
+    );
     let rows = rows_of(&rg, &p).await;
     assert_eq!(rows[0]["pd"]["state"], "failing", "{rows:?}");
     assert_eq!(rows[0]["pd"]["kind"], "no_params", "{rows:?}");
@@ -199,7 +210,11 @@ async fn an_sglang_bootstrap_port_that_does_not_answer_is_caught_and_counted_on_
     let mut rg = serve("pd-bootstrap", &engines).await;
     ready(&rg, &[&p, &d]).await;
     assert_eq!(chats(&rg, 3).await, [500, 500, 500]);
-    let m = metric_line(&rg, "rankgate_pd_failures_total{leg=\"decode\",kind=\"status\"} 3").await;
+    let m = metric_line(
+        &rg,
+        "rankgate_pd_failures_total{leg=\"decode\",kind=\"status\"} 3",
+    )
+    .await;
     assert!(m.contains("rankgate_pd_decoded_total 0"), "{m}");
     let warned = "a decode side fails every disaggregated request";
     let line = rg.wait_log(warned, Duration::from_secs(5)).await;
@@ -230,7 +245,12 @@ async fn a_decode_rank_failing_its_first_request_before_any_byte_is_failed_over(
     .await;
     wait_models(&r).await;
     let reply = chat(r.addr, 4).await;
-    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     // The decode server was asked twice (the failed attempt is not among the requests it
     // served), the second time on the other rank; one prefill.
     assert_eq!(d.requests_received(), 2);
@@ -267,7 +287,12 @@ async fn an_sglang_prefill_rank_failing_before_its_first_byte_is_failed_over() {
     .await;
     wait_models(&r).await;
     let reply = chat(r.addr, 4).await;
-    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert_eq!(p.requests_received(), 2);
     // One prefill leg served, on the rank that did not fail; the first decode leg (waiting
     // on the failed rank's room) was cancelled with it, before or after reaching its engine.

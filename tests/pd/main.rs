@@ -9,9 +9,9 @@
 //! [`helpers`].
 #![cfg(feature = "sim")] // the simulated engine
 
+mod broken;
 #[path = "../common/mod.rs"]
 mod common;
-mod broken;
 mod failures;
 mod helpers;
 mod legs;

@@ -321,7 +321,6 @@ impl Engine {
         })
     }
 
-
     /// Reached over TLS: its URLs are `https://` (`[engine_tls]` says how). Validation gives
     /// `url` and `grpc_url` one scheme.
     pub fn tls(&self) -> bool {

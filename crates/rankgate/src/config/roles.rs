@@ -283,6 +283,32 @@ mod tests {
     }
 
     #[test]
+    fn a_prefill_servers_kv_lease_is_its_own_or_its_flavors_default() {
+        use super::super::engine::{SGLANG_KV_LEASE, VLLM_KV_LEASE};
+        use std::time::Duration;
+        let lease = |text: &str| Config::from_str(text).map(|c| c.engines[0].kv_lease()).ok();
+        assert_eq!(lease(&engine(0, "prefill", None)), Some(VLLM_KV_LEASE));
+        assert_eq!(VLLM_KV_LEASE, Duration::from_secs(480));
+        let sglang = "[[engines]]\nurl = \"http://e:1\"\nflavor = \"sglang\"\nrole = \"prefill\"\n";
+        assert_eq!(lease(sglang), Some(SGLANG_KV_LEASE));
+        let own = engine(0, "prefill", None) + "kv_lease = \"90s\"\n";
+        assert_eq!(lease(&own), Some(Duration::from_secs(90)));
+        for (text, why) in [
+            (
+                engine(0, "decode", None) + "kv_lease = \"90s\"\n",
+                "only a prefill server",
+            ),
+            (
+                engine(0, "prefill", None) + "kv_lease = \"0s\"\n",
+                "a lease of 0",
+            ),
+        ] {
+            let e = Config::from_str(&text).unwrap_err().to_string();
+            assert!(e.contains("engines[0].kv_lease") && e.contains(why), "{e}");
+        }
+    }
+
+    #[test]
     fn prefill_and_decode_servers_that_cannot_pair_are_errors() {
         let flavored = |i: u32, flavor: &str, role: &str, models: &str| {
             format!("[[engines]]\nurl = \"http://e{i}:8000\"\nflavor = \"{flavor}\"\ndp_size = 1\nrole = \"{role}\"\n{models}")
@@ -300,9 +326,11 @@ mod tests {
         let e = check(&text).errors.join("\n");
         assert!(e.contains("model `m`") && e.contains("model `n`"), "{e}");
         // One flavor, or flavors read from the engines: nothing certain.
-        assert!(check(&(engine(0, "prefill", None) + &engine(1, "decode", None)))
-            .errors
-            .is_empty());
+        assert!(
+            check(&(engine(0, "prefill", None) + &engine(1, "decode", None)))
+                .errors
+                .is_empty()
+        );
         let unknown = "[[engines]]\nurl = \"http://e1:8000\"\nrole = \"decode\"\n";
         assert!(check(&(flavored(0, "sglang", "prefill", "") + unknown))
             .errors

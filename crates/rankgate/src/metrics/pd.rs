@@ -3,8 +3,8 @@
 //! in atomics, encoded at scrape time; every label set is there from the start, at 0, so a
 //! rate over it never starts from nothing.
 
-use std::fmt;
 use std::collections::HashSet;
+use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;

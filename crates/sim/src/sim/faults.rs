@@ -96,7 +96,9 @@ impl Faults {
 
     /// The status this request fails with, if it is one of the failing share.
     pub(crate) fn failing(&self) -> Option<StatusCode> {
-        let first = self.fail_first.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+        let first = self
+            .fail_first
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
         if first.is_ok() {
             return Some(lock(&self.fail).status);
         }

@@ -87,7 +87,13 @@ pub fn answered(ctx: &Ctx, answer: Answer, prefill: PrefillLeg, flavor: Flavor) 
                     leg_ok(w);
                 }
             } else if resp.status().is_server_error() {
-                leg_failed(pd, PdLeg::Decode, PdFailure::Status, worker.as_deref(), flavor);
+                leg_failed(
+                    pd,
+                    PdLeg::Decode,
+                    PdFailure::Status,
+                    worker.as_deref(),
+                    flavor,
+                );
             } else {
                 // A 4xx is the client's request refused, no fault of the side.
                 pd.failed(PdLeg::Decode, PdFailure::Status);
@@ -96,7 +102,13 @@ pub fn answered(ctx: &Ctx, answer: Answer, prefill: PrefillLeg, flavor: Flavor) 
             Ok(resp)
         }
         Err(e) => {
-            leg_failed(pd, PdLeg::Decode, failure(&e), e.worker().map(|w| &**w), flavor);
+            leg_failed(
+                pd,
+                PdLeg::Decode,
+                failure(&e),
+                e.worker().map(|w| &**w),
+                flavor,
+            );
             Err(e)
         }
     }

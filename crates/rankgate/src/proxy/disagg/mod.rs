@@ -48,8 +48,8 @@ use crate::policy::Leg;
 use crate::upstream::RequestBody;
 use crate::worker::Flavor;
 use health::{leg_failed, leg_ok};
-use legs::{answered, count_leg, failure, Head};
 pub use legs::Split;
+use legs::{answered, count_leg, failure, Head};
 
 /// A prefill server's answer is one small JSON object: more than this is no prefill answer.
 const MAX_PREFILL_ANSWER: usize = 1 << 20;
@@ -178,7 +178,13 @@ where
             Err(e) => {
                 abandoned.disarm();
                 let at = e.worker().cloned();
-                leg_failed(&pd, PdLeg::Prefill, failure(&e), at.as_deref(), Flavor::Vllm);
+                leg_failed(
+                    &pd,
+                    PdLeg::Prefill,
+                    failure(&e),
+                    at.as_deref(),
+                    Flavor::Vllm,
+                );
                 return Err(e);
             }
         };
@@ -216,7 +222,13 @@ where
                     ProxyError::PrefillNoParams => PdFailure::NoParams,
                     _ => PdFailure::Unreadable,
                 };
-                leg_failed(&pd, PdLeg::Prefill, kind, Some(&prefill.worker), Flavor::Vllm);
+                leg_failed(
+                    &pd,
+                    PdLeg::Prefill,
+                    kind,
+                    Some(&prefill.worker),
+                    Flavor::Vllm,
+                );
                 tracing::debug!(worker = %prefill.worker.id_text, error = %e, "prefill leg failed");
                 return Err(e.at(&prefill.worker));
             }

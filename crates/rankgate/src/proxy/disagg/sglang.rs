@@ -206,7 +206,9 @@ impl Legs<'_> {
             }
             Ok(body)
         }));
-        let prefill_req = self.head.leg(self.client.clone(), split.avoid(Leg::Prefill), true);
+        let prefill_req = self
+            .head
+            .leg(self.client.clone(), split.avoid(Leg::Prefill), true);
         let mut prefill_req = prefill_req;
         let ext = prefill_req.extensions_mut();
         ext.insert(hook);
