@@ -228,38 +228,14 @@ impl Admin {
                     "consecutive_failures": live.outlier.failures(),
                     "engine_note": engine.mismatch(),
                     "kv_index": crate::kv::status::shown(&w.kv, kv_events),
-                    "pd": pd_state(w, engine.flavor),
+                    "pd": (crate::metrics::PdLeg::of(w.role))
+                        .map(|leg| w.counters.pd_health.shown(leg, engine.flavor)),
                 });
                 with_models(row, snap.catalog.of(w.engine), engine.models.is_some())
             })
             .chain(snap.fleet.engines.iter().filter(|e| !e.shaped()).map(unshaped_row))
             .collect();
         Value::Array(rows)
-    }
-}
-
-/// A prefill or decode rank's part in disaggregated requests: `failing` (with how its last
-/// legs failed) once its last few legs all failed, else `ok`; `null` for a whole engine's rank.
-fn pd_state(w: &crate::worker::Member, flavor: Flavor) -> Value {
-    if !w.role.disaggregated() {
-        return Value::Null;
-    }
-    let health = &w.counters.pd_health;
-    match health.failing() {
-        Some(kind) => json!({
-            "state": "failing",
-            "kind": kind.as_str(),
-            "failed_in_a_row": health.streak(),
-            "likely_cause": crate::metrics::likely_cause(
-                match w.role {
-                    crate::worker::Role::Prefill => crate::metrics::PdLeg::Prefill,
-                    _ => crate::metrics::PdLeg::Decode,
-                },
-                kind,
-                flavor,
-            ),
-        }),
-        None => json!({"state": "ok", "failed_in_a_row": health.streak()}),
     }
 }
 

@@ -27,6 +27,15 @@ pub enum PdLeg {
 impl PdLeg {
     pub const ALL: [PdLeg; 2] = [PdLeg::Prefill, PdLeg::Decode];
 
+    /// The leg a server of `role` takes; `None` for a whole engine.
+    pub fn of(role: crate::config::Role) -> Option<PdLeg> {
+        match role {
+            crate::config::Role::Prefill => Some(PdLeg::Prefill),
+            crate::config::Role::Decode => Some(PdLeg::Decode),
+            crate::config::Role::Both => None,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             PdLeg::Prefill => "prefill",
@@ -124,6 +133,22 @@ impl RankPdHealth {
     /// Failed legs in a row.
     pub fn streak(&self) -> u32 {
         self.streak.load(Relaxed)
+    }
+
+    /// `/workers`' `pd` of a rank taking `leg`s of an engine of `flavor`: `failing` (how its
+    /// last legs failed, and what most likely causes it) once its last [`PD_FAILING_AFTER`]
+    /// legs all failed, else `ok`.
+    pub fn shown(&self, leg: PdLeg, flavor: Flavor) -> serde_json::Value {
+        let streak = self.streak();
+        match self.failing() {
+            Some(kind) => serde_json::json!({
+                "state": "failing",
+                "kind": kind.as_str(),
+                "failed_in_a_row": streak,
+                "likely_cause": likely_cause(leg, kind, flavor),
+            }),
+            None => serde_json::json!({"state": "ok", "failed_in_a_row": streak}),
+        }
     }
 }
 
