@@ -86,6 +86,9 @@ pub fn run(config: Option<PathBuf>, probe: bool) -> ExitCode {
     for note in cfg.roles().notes {
         println!("note: {note}");
     }
+    if let Some(code) = crate::check_pd::refused(&cfg) {
+        return code;
+    }
     if !probe {
         return ExitCode::SUCCESS;
     }
@@ -114,10 +117,16 @@ pub fn run(config: Option<PathBuf>, probe: bool) -> ExitCode {
     for w in read.warnings.iter().filter(|w| !warned.contains(*w)) {
         eprintln!("rankgate: warning: {w}");
     }
+    // Prefill servers that would fail every disaggregated request.
+    let timeout = cfg.telemetry.timeout;
+    let pd = crate::check_pd::probe(&rt, &engines, &probed, timeout, &upstream);
     let down = probed.iter().filter(|p| !p.reachable).count();
     if down > 0 {
         eprintln!("rankgate: {down} engine(s) did not answer");
         return ExitCode::from(EXIT_UNAVAILABLE);
+    }
+    if let Some(code) = pd {
+        return code;
     }
     ExitCode::SUCCESS
 }

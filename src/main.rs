@@ -1,6 +1,7 @@
 //! The `rankgate` binary: parse the command line, load and validate the config, run.
 
 mod check;
+mod check_pd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -251,7 +251,13 @@ fn check_lists_each_engines_role_and_warns_of_a_missing_side() {
 /// warned of once the engines have said what they serve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_probe_shows_roles_and_reads_the_models_the_sides_serve() {
-    let p = engine(serving(&["shared", "only-prefill"], 1, 0)).await;
+    // A prefill server as `--probe` asks one to be: its one-token prefill returns
+    // kv_transfer_params.
+    let p = engine(rankgate_sim::sim::SimConfig {
+        role: Some(rankgate_sim::sim::PdRole::Prefill),
+        ..serving(&["shared", "only-prefill"], 1, 0)
+    })
+    .await;
     let d = engine(serving(&["shared"], 1, 0)).await;
     let fleet = [
         engine_entry(&p.url(), "vllm", "role = \"prefill\""),

@@ -4,10 +4,12 @@
 //! load; the client gets the decode's answer; failures on either side are failed over or
 //! counted, never a silent recompute.
 //!
-//! By part: [`legs`] (where each leg goes, and failover) and [`failures`] (leases, errors and
-//! explanations), over [`helpers`].
+//! By part: [`legs`] (where each leg goes, and failover), [`failures`] (leases, errors and
+//! explanations) and [`broken`] (fleets that fail every request, and failover of either leg), over
+//! [`helpers`].
 #![cfg(feature = "sim")] // the simulated engine
 
+mod broken;
 #[path = "../common/mod.rs"]
 mod common;
 mod failures;

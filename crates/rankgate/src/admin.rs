@@ -237,6 +237,8 @@ impl Admin {
                     "failures": failures::shown(w),
                     "engine_note": engine.mismatch(),
                     "kv_index": crate::kv::status::shown(&w.kv, kv_events),
+                    "pd": (crate::metrics::PdLeg::of(w.role))
+                        .map(|leg| w.counters.pd_health.shown(leg, engine.flavor)),
                 });
                 with_models(row, snap.catalog.of(w.engine), engine.models.is_some())
             })

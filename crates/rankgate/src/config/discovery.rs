@@ -171,6 +171,7 @@ impl EngineTemplate {
             kv_replay: None,
             role: found.role.or(self.role),
             bootstrap_port: found.bootstrap_port.or(self.bootstrap_port),
+            kv_lease: None,
         }
         .validate(at)
     }

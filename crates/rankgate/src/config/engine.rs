@@ -298,9 +298,29 @@ pub struct Engine {
     /// An SGLang prefill server's `--disaggregation-bootstrap-port` (`engines[].bootstrap_port`,
     /// [`SGLANG_BOOTSTRAP_PORT`] when unset); `None` for every other engine.
     pub bootstrap_port: Option<u16>,
+    /// A prefill server's KV lease (`engines[].kv_lease`): how long it keeps a request's
+    /// blocks for its decode; `None`: its flavor's default ([`Engine::kv_lease`]).
+    pub kv_lease: Option<std::time::Duration>,
 }
 
+/// vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` default (480 s): how long a NixlConnector prefill
+/// server keeps the blocks of a request no decode has read.
+pub const VLLM_KV_LEASE: std::time::Duration = std::time::Duration::from_secs(480);
+/// SGLang's `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` default (300 s): how long a prefill
+/// server waits for the decode of a room before it fails the request.
+pub const SGLANG_KV_LEASE: std::time::Duration = std::time::Duration::from_secs(300);
+
 impl Engine {
+    /// How long this prefill server keeps a request's KV for its decode: its `kv_lease`, else
+    /// its flavor's default. A decode leg that failed before its first byte is sent to another
+    /// decode rank only within it, since a later one would find the KV gone.
+    pub fn kv_lease(&self) -> std::time::Duration {
+        self.kv_lease.unwrap_or(match self.flavor {
+            Flavor::Sglang => SGLANG_KV_LEASE,
+            _ => VLLM_KV_LEASE,
+        })
+    }
+
     /// Reached over TLS: its URLs are `https://` (`[engine_tls]` says how). Validation gives
     /// `url` and `grpc_url` one scheme.
     pub fn tls(&self) -> bool {
@@ -422,5 +442,6 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         kv_events: None,
         role: Role::Both,
         bootstrap_port: None,
+        kv_lease: None,
     }
 }

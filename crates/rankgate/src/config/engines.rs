@@ -47,6 +47,8 @@ pub struct RawEngine {
     pub(super) role: Option<Role>,
     /// An SGLang prefill server's `--disaggregation-bootstrap-port`.
     pub(super) bootstrap_port: Option<u16>,
+    /// A prefill server's KV lease, where it is not its flavor's default.
+    pub(super) kv_lease: Option<super::duration::HumanDuration>,
 }
 
 impl RawEngine {
@@ -155,6 +157,7 @@ impl RawEngine {
         let role = self.role.unwrap_or_default();
         let bootstrap_port =
             check_role(at, role, self.flavor, addresses.http, self.bootstrap_port)?;
+        let kv_lease = check_lease(at, role, self.kv_lease)?;
         let api_key = self
             .api_key_env
             .as_deref()
@@ -183,6 +186,7 @@ impl RawEngine {
             kv_events,
             role,
             bootstrap_port,
+            kv_lease,
         };
         Ok(engine.with_reported(None))
     }
@@ -262,6 +266,31 @@ fn check_role(
         )),
         (_, _, None) => Ok(None),
     }
+}
+
+/// `engines[].kv_lease`: only a prefill server holds KV for a decode, for a while.
+fn check_lease(
+    at: &str,
+    role: Role,
+    lease: Option<super::duration::HumanDuration>,
+) -> Result<Option<std::time::Duration>, ConfigError> {
+    let Some(super::duration::HumanDuration(d)) = lease else {
+        return Ok(None);
+    };
+    let key = format!("{at}.kv_lease");
+    if role != Role::Prefill {
+        return Err(invalid(
+            key,
+            "only a prefill server keeps KV for its decode (set `role = \"prefill\"`, or remove this key)",
+        ));
+    }
+    if d.is_zero() {
+        return Err(invalid(
+            key,
+            "a lease of 0 leaves no time for the decode: give the prefill server's own (vLLM: VLLM_NIXL_ABORT_REQUEST_TIMEOUT, SGLang: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+        ));
+    }
+    Ok(Some(d))
 }
 
 /// The key in the environment variable `var` that `engines[i].api_key_env` names. The error

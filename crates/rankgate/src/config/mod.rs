@@ -41,14 +41,14 @@ pub use edge::{engine_name_ok, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER, MAX_EN
 pub use engine::test_engine;
 pub use engine::{
     ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, Role,
-    SourceKind, TelemetrySource, SGLANG_BOOTSTRAP_PORT,
+    SourceKind, TelemetrySource, SGLANG_BOOTSTRAP_PORT, SGLANG_KV_LEASE, VLLM_KV_LEASE,
 };
 pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;
 pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
 pub use read::{read_regular, MAX_CONFIG_BYTES};
-pub use roles::{role_check, RoleCheck};
+pub use roles::{pairing_errors, role_check, RoleCheck};
 pub use routing::*;
 pub(crate) use rules::group_text;
 pub use rules::{address_warnings, Resolved, DEFAULT_HEALTH_PATH};

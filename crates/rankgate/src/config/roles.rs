@@ -33,11 +33,70 @@ impl Engine {
     }
 }
 
-/// Warnings (a side is certainly missing) and notes (what is decided per request).
+/// Warnings (a side is certainly missing) and notes (what is decided per request), and errors:
+/// prefill and decode servers that certainly cannot pair (`check` refuses them).
 #[derive(Debug, Default, PartialEq)]
 pub struct RoleCheck {
     pub warnings: Vec<String>,
     pub notes: Vec<String>,
+    pub errors: Vec<String>,
+}
+
+/// Prefill and decode servers whose flavors certainly cannot pair: a disaggregated request
+/// needs its model's prefill and decode servers all of one flavor (vLLM's and SGLang's KV
+/// transfers cannot meet), else it is refused (503). Certain when the two sides' known
+/// flavors have none in common (every split request would mix them), or when the servers
+/// listing one model in `models` already have two flavors. `flavor_of` gives each engine's
+/// flavor where known (as configured, or as the engine said).
+pub fn pairing_errors(
+    engines: &[Engine],
+    flavor_of: impl Fn(usize, &Engine) -> Option<Flavor>,
+) -> Vec<String> {
+    let mut errors = Vec::new();
+    let sides: Vec<(usize, Role, Option<Flavor>)> = (engines.iter().enumerate())
+        .filter(|(_, e)| e.http && e.role.disaggregated())
+        .map(|(i, e)| (i, e.role, flavor_of(i, e)))
+        .collect();
+    let listed = |role: Role| -> Vec<String> {
+        (sides.iter().filter(|(_, r, _)| *r == role))
+            .map(|(i, _, f)| format!("engines[{i}] {}", f.map_or("unknown", Flavor::as_str)))
+            .collect()
+    };
+    let flavors = |role: Role| -> Option<Vec<Flavor>> {
+        (sides.iter().filter(|(_, r, _)| *r == role))
+            .map(|(_, _, f)| *f)
+            .collect()
+    };
+    if let (Some(p), Some(d)) = (flavors(Role::Prefill), flavors(Role::Decode)) {
+        if !p.is_empty() && !d.is_empty() && !p.iter().any(|f| d.contains(f)) {
+            errors.push(format!(
+                "prefill servers ({}) and decode servers ({}) have no flavor in common: vLLM's and SGLang's KV transfers cannot meet, so every chat and completion request of their models would be refused (503); serve a model with prefill and decode servers of one flavor",
+                listed(Role::Prefill).join(", "),
+                listed(Role::Decode).join(", "),
+            ));
+            return errors;
+        }
+    }
+    let mut models: BTreeMap<&str, Vec<(usize, Flavor)>> = BTreeMap::new();
+    for (i, _, f) in &sides {
+        for m in engines[*i].models.iter().flatten() {
+            if let Some(f) = f {
+                models.entry(m.as_str()).or_default().push((*i, *f));
+            }
+        }
+    }
+    for (model, servers) in models {
+        if servers.iter().any(|(_, f)| *f != servers[0].1) {
+            let named: Vec<String> = (servers.iter())
+                .map(|(i, f)| format!("engines[{i}] {f}"))
+                .collect();
+            errors.push(format!(
+                "model `{model}` is served disaggregated by servers of different flavors ({}): vLLM's and SGLang's KV transfers cannot meet, so its chat and completion requests would be refused (503)",
+                named.join(", ")
+            ));
+        }
+    }
+    errors
 }
 
 /// Names of the engines, `engines[0], engines[3]`.
@@ -64,7 +123,10 @@ fn may_join(role: Role, discovery: &[Discovery], admin: bool) -> Option<String> 
 /// of the missing side lists its models), notes for what only the engines can say.
 /// `admin`: engines may be added through the admin API.
 pub fn role_check(engines: &[Engine], discovery: &[Discovery], admin: bool) -> RoleCheck {
-    let mut out = RoleCheck::default();
+    let mut out = RoleCheck {
+        errors: pairing_errors(engines, |_, e| e.declared.flavor),
+        ..RoleCheck::default()
+    };
     // Only the HTTP front door splits requests: an engine without `url` takes no leg.
     let side = |role: Role| -> Vec<usize> {
         (engines.iter().enumerate())
@@ -218,6 +280,61 @@ mod tests {
             w.contains("model `x` has decode servers (engines[1]) and no prefill server"),
             "{w}"
         );
+    }
+
+    #[test]
+    fn a_prefill_servers_kv_lease_is_its_own_or_its_flavors_default() {
+        use super::super::engine::{SGLANG_KV_LEASE, VLLM_KV_LEASE};
+        use std::time::Duration;
+        let lease = |text: &str| Config::from_str(text).map(|c| c.engines[0].kv_lease()).ok();
+        assert_eq!(lease(&engine(0, "prefill", None)), Some(VLLM_KV_LEASE));
+        assert_eq!(VLLM_KV_LEASE, Duration::from_secs(480));
+        let sglang = "[[engines]]\nurl = \"http://e:1\"\nflavor = \"sglang\"\nrole = \"prefill\"\n";
+        assert_eq!(lease(sglang), Some(SGLANG_KV_LEASE));
+        let own = engine(0, "prefill", None) + "kv_lease = \"90s\"\n";
+        assert_eq!(lease(&own), Some(Duration::from_secs(90)));
+        for (text, why) in [
+            (
+                engine(0, "decode", None) + "kv_lease = \"90s\"\n",
+                "only a prefill server",
+            ),
+            (
+                engine(0, "prefill", None) + "kv_lease = \"0s\"\n",
+                "a lease of 0",
+            ),
+        ] {
+            let e = Config::from_str(&text).unwrap_err().to_string();
+            assert!(e.contains("engines[0].kv_lease") && e.contains(why), "{e}");
+        }
+    }
+
+    #[test]
+    fn prefill_and_decode_servers_that_cannot_pair_are_errors() {
+        let flavored = |i: u32, flavor: &str, role: &str, models: &str| {
+            format!("[[engines]]\nurl = \"http://e{i}:8000\"\nflavor = \"{flavor}\"\ndp_size = 1\nrole = \"{role}\"\n{models}")
+        };
+        let c = check(&(flavored(0, "sglang", "prefill", "") + &flavored(1, "vllm", "decode", "")));
+        assert_eq!(c.errors.len(), 1, "{c:?}");
+        assert!(c.errors[0].contains("no flavor in common"), "{c:?}");
+        assert!(c.errors[0].contains("engines[0] sglang"), "{c:?}");
+        // One model's servers of two flavors, though each side has both.
+        let m = "models = [\"m\"]\n";
+        let text = flavored(0, "vllm", "prefill", m)
+            + &flavored(1, "sglang", "prefill", "models = [\"n\"]\n")
+            + &flavored(2, "sglang", "decode", m)
+            + &flavored(3, "vllm", "decode", "models = [\"n\"]\n");
+        let e = check(&text).errors.join("\n");
+        assert!(e.contains("model `m`") && e.contains("model `n`"), "{e}");
+        // One flavor, or flavors read from the engines: nothing certain.
+        assert!(
+            check(&(engine(0, "prefill", None) + &engine(1, "decode", None)))
+                .errors
+                .is_empty()
+        );
+        let unknown = "[[engines]]\nurl = \"http://e1:8000\"\nrole = \"decode\"\n";
+        assert!(check(&(flavored(0, "sglang", "prefill", "") + unknown))
+            .errors
+            .is_empty());
     }
 
     #[test]

@@ -163,6 +163,8 @@ pub struct WorkerCounters {
     pub predicted_hit_tokens: [AtomicU64; 2],
     /// Legs of disaggregated requests sent here: `[prefill, decode]`.
     pub pd_legs: [AtomicU64; 2],
+    /// Whether its last disaggregated legs failed, and how (`/workers`' `pd`).
+    pub pd_health: super::pd::RankPdHealth,
 }
 
 impl WorkerCounters {

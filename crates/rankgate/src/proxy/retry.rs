@@ -63,6 +63,11 @@ impl Policy {
     pub fn withdraw(&self) -> bool {
         self.budget.withdraw()
     }
+
+    /// `routing.max_attempts`: a whole request's rounds (`disagg`'s SGLang failover) too.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
 }
 
 impl<S> Retry<S> {
@@ -137,7 +142,7 @@ where
             attempts: 1,
             resent: 0,
             last: None,
-            until: req.extensions().get::<RetryUntil>().map(|u| u.0),
+            until: req.extensions().get::<RetryUntil>().copied(),
         });
         Retrying {
             attempt: self.inner.call(req),
@@ -166,8 +171,9 @@ pub struct Again<S> {
     resent: u32,
     /// While a later attempt runs: the failure before it, which stands if it finds no rank.
     last: Option<(Answer, u32)>,
-    /// No retry starts after this (a decode leg: its prefill server's lease on the blocks).
-    until: Option<tokio::time::Instant>,
+    /// No retry starts after this (a decode leg: its prefill server's lease on the blocks),
+    /// and whether a 500 is retried until then.
+    until: Option<RetryUntil>,
 }
 
 impl<S> Future for Retrying<S>
@@ -197,7 +203,8 @@ where
                     a.ctx.metrics.retried();
                 }
             }
-            let Some((worker, ruled)) = failed(&result, a.ctx.grpc(), a.policy.on_500) else {
+            let on_500 = a.policy.on_500 || a.until.is_some_and(|u| u.1);
+            let Some((worker, ruled)) = failed(&result, a.ctx.grpc(), on_500) else {
                 return Poll::Ready(attempted(result, a.attempts));
             };
             if ruled == Ruled::Nothing {
@@ -213,7 +220,7 @@ where
                 continue;
             }
             if a.attempts >= a.policy.max_attempts
-                || a.until.is_some_and(|u| tokio::time::Instant::now() >= u)
+                || a.until.is_some_and(|u| tokio::time::Instant::now() >= u.0)
             {
                 return Poll::Ready(attempted(result, a.attempts));
             }

@@ -164,7 +164,12 @@ impl<S> Select<S> {
                 .collect::<Vec<_>>();
             let model = model.as_deref().map(crate::catalog::shown);
             let sides = (&only[..], &unknown[..]);
-            if let Some(split) = two_legs(&snap.fleet, sides, model.as_deref(), &avoid)? {
+            let legs = two_legs(&snap.fleet, sides, model.as_deref(), &avoid);
+            if let Err(ProxyError::NotDisaggregable(why)) = &legs {
+                // Counted and logged (once) as a side that fails every request.
+                super::disagg::health::unpaired(&ctx.metrics.pd, why);
+            }
+            if let Some(split) = legs? {
                 return Ok(Chosen::Split(Box::new(split)));
             }
         }

@@ -44,9 +44,11 @@ pub struct PrefillLeg {
 }
 
 /// A request extension: no retry starts after this instant (a decode leg, after its prefill
-/// server's blocks would have been released).
+/// server's blocks would have been released), and whether an engine's 500 is retried like a
+/// 502 until then (a decode leg: a decode server whose KV pull failed answers 500 before any
+/// byte, and another decode rank may pull the same blocks).
 #[derive(Debug, Clone, Copy)]
-pub struct RetryUntil(pub tokio::time::Instant);
+pub struct RetryUntil(pub tokio::time::Instant, pub bool);
 
 /// A request extension on a leg whose body depends on the rank chosen for it (an SGLang prefill
 /// leg: the room must land on that rank): `pick` calls it with its choice, and sends the body

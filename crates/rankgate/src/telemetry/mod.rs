@@ -16,6 +16,7 @@ pub mod grpc;
 pub mod health;
 pub mod loads;
 mod models;
+pub mod pd_probe;
 mod poller;
 pub mod probe;
 pub mod prom;

@@ -10,7 +10,7 @@
 //!     [--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}']
 //!     [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
 //!
-//! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--hang-requests]
+//! Faults, to watch a router cope: [--fail-status 503 --fail-percent 100] [--fail-first N] [--hang-requests]
 //! [--hang-metrics] [--hang-models] [--health-status 503] [--die-after N] [--stall-after-tokens K].
 //! With `--die-after` the process exits (status 1) once the engine has died.
 //!
@@ -138,6 +138,10 @@ pub struct Args {
     /// Share of OpenAI API requests that fail at once with --fail-status, in percent [0, 100].
     #[arg(long, default_value_t = 0.0)]
     fail_percent: f64,
+    /// The first N OpenAI API requests fail at once with --fail-status (a decode server whose
+    /// first KV pull fails: --role decode --fail-status 500 --fail-first 1).
+    #[arg(long)]
+    fail_first: Option<u64>,
     /// Accept generation requests and never answer them.
     #[arg(long)]
     hang_requests: bool,
@@ -317,6 +321,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         servicer_quirks: a.servicer_quirks,
         fail_status: a.fail_status,
         fail_percent: a.fail_percent,
+        fail_first: a.fail_first,
         hang_requests: a.hang_requests,
         hang_metrics: a.hang_metrics,
         hang_models: a.hang_models,

@@ -1,5 +1,5 @@
 //! Fault knobs: the ways a real engine misbehaves that a router has to survive. Failing a share
-//! of requests, hanging requests or telemetry, a failing `/health`, stalling streams, and dying
+//! of requests (or the first few), hanging requests or telemetry, a failing `/health`, stalling streams, and dying
 //! outright. Each is set in [`super::SimConfig`] and flipped at run time through
 //! [`super::SimEngine`]; values are checked here once for the library, `rankgate mock-engine`
 //! and scenarios.
@@ -50,6 +50,8 @@ struct Fail {
 #[derive(Debug)]
 pub(crate) struct Faults {
     fail: Mutex<Fail>,
+    /// Proxied requests left to fail before the share applies (`fail_first`).
+    fail_first: AtomicU64,
     pub(crate) hang_requests: AtomicBool,
     pub(crate) hang_metrics: AtomicBool,
     pub(crate) hang_models: AtomicBool,
@@ -69,6 +71,7 @@ impl Faults {
                 percent: check_percent(cfg.fail_percent)?,
                 count: 0,
             }),
+            fail_first: AtomicU64::new(cfg.fail_first.unwrap_or(0)),
             hang_requests: AtomicBool::new(cfg.hang_requests),
             hang_metrics: AtomicBool::new(cfg.hang_metrics),
             hang_models: AtomicBool::new(cfg.hang_models),
@@ -93,6 +96,12 @@ impl Faults {
 
     /// The status this request fails with, if it is one of the failing share.
     pub(crate) fn failing(&self) -> Option<StatusCode> {
+        let first = self
+            .fail_first
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1));
+        if first.is_ok() {
+            return Some(lock(&self.fail).status);
+        }
         let mut f = lock(&self.fail);
         if f.percent <= 0.0 {
             return None;
@@ -101,6 +110,11 @@ impl Faults {
         f.count += 1;
         let share = |k: f64| (k * f.percent / 100.0).floor();
         (share(n + 1.0) > share(n)).then_some(f.status)
+    }
+
+    /// The next `n` proxied requests fail with the failing status, before the share applies.
+    pub(crate) fn set_fail_first(&self, n: u64) {
+        self.fail_first.store(n, Relaxed);
     }
 
     pub(crate) fn set_health(&self, status: u16) -> Result<(), FaultError> {

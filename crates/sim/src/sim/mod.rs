@@ -156,6 +156,10 @@ pub struct SimConfig {
     /// Share of proxied requests (every POST endpoint) answered at once with `fail_status`, in
     /// percent; 0 is off.
     pub fail_percent: f64,
+    /// The first N proxied requests are answered at once with `fail_status`, before any byte
+    /// of an answer (a decode server whose first KV pull fails, as vLLM's first NIXL
+    /// handshake can); the rest as usual. `None`: off.
+    pub fail_first: Option<u64>,
     /// Proxied requests are accepted and never answered.
     pub hang_requests: bool,
     /// `/metrics`, `/v1/loads` and gRPC `GetLoads` never answer.
@@ -215,6 +219,7 @@ impl Default for SimConfig {
             servicer_quirks: false,
             fail_status: 503,
             fail_percent: 0.0,
+            fail_first: None,
             hang_requests: false,
             hang_metrics: false,
             hang_models: false,

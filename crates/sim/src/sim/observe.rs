@@ -99,6 +99,11 @@ impl SimEngine {
         self.sim.faults.hang_models.store(hang, Relaxed);
     }
 
+    /// The next `n` proxied requests fail at once with the failing status (`fail_first`).
+    pub fn set_fail_first(&self, n: u64) {
+        self.sim.faults.set_fail_first(n);
+    }
+
     /// What `/health` answers from now on (200 is healthy).
     pub fn set_health_status(&self, status: u16) -> Result<(), FaultError> {
         self.sim.faults.set_health(status)

@@ -2,12 +2,11 @@
 //! request built from the client's ([`Head`]), the decode's answer handed back with its
 //! prefill leg, and how each leg's outcome counts.
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Request, Response};
 
+use super::health::{leg_failed, leg_ok};
 use crate::metrics::{PdFailure, PdLeg};
 use crate::policy::{Avoid, Leg};
 use crate::prompt::PromptTokens;
@@ -19,11 +18,6 @@ use crate::proxy::target::PrefillLeg;
 use crate::proxy::trace::Traced;
 use crate::upstream::RequestBody;
 use crate::worker::{EngineId, Flavor};
-
-/// How long a vLLM prefill server keeps a request's blocks for its decode (vLLM's KV lease,
-/// 30 s): a decode leg that failed before its first byte is sent to another decode rank only
-/// within it, since a later one would find the blocks gone.
-pub const KV_LEASE: Duration = Duration::from_secs(30);
 
 /// A request to serve in two legs (set by `select`): the prefill and decode servers that may
 /// take each leg, their flavor, and what both legs must avoid besides (the front door, a model
@@ -79,21 +73,42 @@ impl Head {
     }
 }
 
-/// The decode leg's answer, the client's, carrying what the prefill leg was.
-pub fn answered(ctx: &Ctx, answer: Answer, prefill: PrefillLeg) -> Answer {
+/// The decode leg's answer, the client's, carrying what the prefill leg was. Decoded only
+/// with a success status: an engine's error is a failed decode leg, whatever it answered.
+pub fn answered(ctx: &Ctx, answer: Answer, prefill: PrefillLeg, flavor: Flavor) -> Answer {
     let pd = &ctx.metrics.pd;
     match answer {
         Ok(mut resp) => {
-            pd.decoded();
             count_leg(&resp, PdLeg::Decode);
-            if !resp.status().is_success() {
+            let worker = resp.body().target.as_ref().map(|t| t.worker.clone());
+            if resp.status().is_success() {
+                pd.decoded();
+                if let Some(w) = &worker {
+                    leg_ok(w);
+                }
+            } else if resp.status().is_server_error() {
+                leg_failed(
+                    pd,
+                    PdLeg::Decode,
+                    PdFailure::Status,
+                    worker.as_deref(),
+                    flavor,
+                );
+            } else {
+                // A 4xx is the client's request refused, no fault of the side.
                 pd.failed(PdLeg::Decode, PdFailure::Status);
             }
             resp.body_mut().holds.prefill = Some(Box::new(prefill));
             Ok(resp)
         }
         Err(e) => {
-            pd.failed(PdLeg::Decode, failure(&e));
+            leg_failed(
+                pd,
+                PdLeg::Decode,
+                failure(&e),
+                e.worker().map(|w| &**w),
+                flavor,
+            );
             Err(e)
         }
     }

@@ -9,11 +9,14 @@
 //! from which engine and side channel), then the decode leg sends the client's request with
 //! those parameters to a decode rank, whose answer (streamed or not) is the client's. A prefill
 //! answer without parameters is an error, never a decode that silently prefills again. A decode
-//! leg is failed over to another decode rank only while the prefill server still holds the
-//! blocks ([`KV_LEASE`]); a decode leg that still failed before its first byte (a decode that
-//! pulled the blocks and died, or answered 500 because its pull failed, which the outlier rules
-//! do not hold against it) runs once more from a new prefill, within the retry budget. A client
-//! that leaves during the prefill leg never gets a decode leg.
+//! leg that fails before its first byte (a transport failure, or any 5xx: a decode whose KV pull
+//! failed answers 500 before any byte, and the client has seen nothing) is failed over to
+//! another decode rank only while the prefill server still holds the blocks (its
+//! `engines[].kv_lease`, [`crate::config::Engine::kv_lease`]); a decode leg that still failed
+//! before its first byte (a decode that pulled the blocks and died, or answered 500 because its
+//! pull failed, which the outlier rules do not hold against it) runs once more from a new
+//! prefill, within the retry budget. A client that leaves during the prefill leg never gets a
+//! decode leg. How each leg ended is counted and judged in `health`.
 //!
 //! SGLang (bootstrap): both legs at once, see `sglang`.
 //!
@@ -21,6 +24,7 @@
 //! A client's own transfer fields never reach an engine (`body`).
 
 mod body;
+pub(crate) mod health;
 mod legs;
 mod sglang;
 
@@ -43,8 +47,9 @@ use crate::metrics::{PdFailure, PdLeg};
 use crate::policy::Leg;
 use crate::upstream::RequestBody;
 use crate::worker::Flavor;
+use health::{leg_failed, leg_ok};
+pub use legs::Split;
 use legs::{answered, count_leg, failure, Head};
-pub use legs::{Split, KV_LEASE};
 
 /// A prefill server's answer is one small JSON object: more than this is no prefill answer.
 const MAX_PREFILL_ANSWER: usize = 1 << 20;
@@ -105,7 +110,13 @@ where
         let head = Head(parts);
         match split.flavor {
             Flavor::Sglang => {
-                sglang::serve(self.inner.clone(), &self.ctx, head, client, split).await
+                let legs = sglang::Legs {
+                    ctx: &self.ctx,
+                    head: &head,
+                    client: &client,
+                    retry: &self.retry,
+                };
+                legs.serve(self.inner.clone(), split).await
             }
             _ => self.vllm(head, client, split).await,
         }
@@ -166,7 +177,14 @@ where
             Ok(resp) => resp,
             Err(e) => {
                 abandoned.disarm();
-                pd.failed(PdLeg::Prefill, failure(&e));
+                let at = e.worker().cloned();
+                leg_failed(
+                    &pd,
+                    PdLeg::Prefill,
+                    failure(&e),
+                    at.as_deref(),
+                    Flavor::Vllm,
+                );
                 return Err(e);
             }
         };
@@ -181,7 +199,16 @@ where
             // The engine's own error (a 4xx is the client's request, refused): the client
             // reads it as the engine wrote it. 5xx were failed over below already.
             abandoned.disarm();
-            pd.failed(PdLeg::Prefill, PdFailure::Status);
+            match resp.status().is_server_error() {
+                true => leg_failed(
+                    &pd,
+                    PdLeg::Prefill,
+                    PdFailure::Status,
+                    Some(&prefill.worker),
+                    Flavor::Vllm,
+                ),
+                false => pd.failed(PdLeg::Prefill, PdFailure::Status),
+            }
             return Ok((Ok(resp), false));
         }
         let params = read_answer(resp, self.answer_within)
@@ -195,11 +222,18 @@ where
                     ProxyError::PrefillNoParams => PdFailure::NoParams,
                     _ => PdFailure::Unreadable,
                 };
-                pd.failed(PdLeg::Prefill, kind);
-                tracing::warn!(worker = %prefill.worker.id_text, error = %e, "prefill leg failed");
+                leg_failed(
+                    &pd,
+                    PdLeg::Prefill,
+                    kind,
+                    Some(&prefill.worker),
+                    Flavor::Vllm,
+                );
+                tracing::debug!(worker = %prefill.worker.id_text, error = %e, "prefill leg failed");
                 return Err(e.at(&prefill.worker));
             }
         };
+        leg_ok(&prefill.worker);
         let prefill_took = started.elapsed();
         pd.prefill_took(prefill_took);
         let decode_started = Instant::now();
@@ -208,9 +242,9 @@ where
             split.avoid(Leg::Decode),
             false,
         );
-        decode_req
-            .extensions_mut()
-            .insert(RetryUntil(decode_started + KV_LEASE));
+        // Another decode rank may pull the same blocks while the prefill server keeps them.
+        let lease = prefill.engine.kv_lease();
+        (decode_req.extensions_mut()).insert(RetryUntil(decode_started + lease, true));
         let leg = PrefillLeg {
             worker: prefill.worker.id_text.clone(),
             took: prefill_took,
@@ -218,7 +252,7 @@ where
             kv_from: body::kv_source(&params),
         };
         let answer = self.inner.call(decode_req).await;
-        Ok((answered(&self.ctx, answer, leg), true))
+        Ok((answered(&self.ctx, answer, leg, Flavor::Vllm), true))
     }
 }
 

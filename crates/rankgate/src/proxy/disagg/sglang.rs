@@ -19,15 +19,17 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::body;
-use super::legs::{answered, count_leg, failure, Head, Split, KV_LEASE};
+use super::health::{leg_failed, leg_ok};
+use super::legs::{answered, count_leg, failure, Head, Split};
 use crate::metrics::{PdFailure, PdLeg};
 use crate::policy::Leg;
 use crate::proxy::error::ProxyError;
 use crate::proxy::layer::{Answer, Below};
+use crate::proxy::retry::Policy;
 use crate::proxy::shared::Ctx;
 use crate::proxy::target::{LegHook, PrefillLeg, RetryUntil, Target};
 use crate::upstream::RequestBody;
-use crate::worker::{Deployment, WorkerId};
+use crate::worker::{Deployment, Flavor, Member, WorkerId};
 
 /// Where the decode fetches the KV of this request from: the prefill rank's bootstrap address
 /// and the room.
@@ -37,6 +39,8 @@ struct Rendezvous {
     port: u16,
     room: u64,
     prefill: Arc<str>,
+    /// How long the prefill server waits for the room's decode (its `kv_lease`).
+    lease: Duration,
 }
 
 /// A room (a 63-bit integer, as SGLang's are) that lands on `rank` of `dp_size`.
@@ -81,6 +85,7 @@ fn rendezvous(target: &Target) -> Rendezvous {
         port,
         room: room_for(rank, dp_size, &mut rand::rng()),
         prefill: target.worker.id_text.clone(),
+        lease: target.engine.kv_lease(),
     }
 }
 
@@ -88,130 +93,201 @@ fn rendezvous(target: &Target) -> Rendezvous {
 /// same body again should the leg be resent to that rank on a new connection).
 type Written = Option<(WorkerId, Bytes)>;
 
-pub(super) async fn serve<S>(
-    mut inner: S,
-    ctx: &Ctx,
-    head: Head,
-    client: Bytes,
-    split: Split,
-) -> Answer
-where
-    S: Below<RequestBody> + Clone + Send + 'static,
-{
-    let pd = ctx.metrics.pd.clone();
-    let started = Instant::now();
-    let (tx, rx) = oneshot::channel::<Rendezvous>();
-    let tx = Mutex::new(Some(tx));
-    let written: Mutex<Written> = Mutex::new(None);
-    let for_hook = client.clone();
-    let hook = LegHook(Arc::new(move |target: &Target| {
-        let mut w = written.lock().unwrap_or_else(PoisonError::into_inner);
-        match &*w {
-            Some((key, body)) if *key == target.worker.key => return Ok(body.clone()),
-            Some(_) => return Err(ProxyError::Internal(
-                "an SGLang prefill leg cannot move to another rank: its decode waits on the room"
-                    .into(),
-            )),
-            None => {}
+/// One SGLang request's two legs: what every round of them needs.
+pub(super) struct Legs<'a> {
+    pub ctx: &'a Ctx,
+    pub head: &'a Head,
+    pub client: &'a Bytes,
+    /// `routing.max_attempts` and the retry budget a prefill failover draws on.
+    pub retry: &'a Arc<Policy>,
+}
+
+/// One round's end: the answer, and the prefill rank to fail over from when its leg failed
+/// before the decode answered (the client has seen nothing).
+type Round = (Answer, Option<Arc<Member>>);
+
+impl Legs<'_> {
+    /// The legs, and again on another prefill rank (with a new room and a new decode leg, the
+    /// old one cancelled) while a prefill leg fails before any answer reached the client,
+    /// within `routing.max_attempts` and the retry budget: the failover a vLLM prefill leg
+    /// gets from the retry layer, which an SGLang one cannot (its decode waits on its room).
+    pub(super) async fn serve<S>(&self, inner: S, mut split: Split) -> Answer
+    where
+        S: Below<RequestBody> + Clone + Send + 'static,
+    {
+        let mut attempts = 1;
+        let (mut answer, mut failed) = self.round(inner.clone(), &split).await;
+        while let Some(worker) = failed.take() {
+            if attempts >= self.retry.max_attempts() || !self.retry.withdraw() {
+                break;
+            }
+            self.ctx.metrics.retried();
+            split.base.worker(worker.key);
+            attempts += 1;
+            let (next, next_failed) = self.round(inner.clone(), &split).await;
+            // No other prefill rank: the failure the client gets is the real one.
+            if let Err(e) = &next {
+                if matches!(
+                    e.root(),
+                    ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. }
+                ) {
+                    break;
+                }
+            }
+            (answer, failed) = (next, next_failed);
         }
-        let r = rendezvous(target);
-        let body = body::bootstrap(&for_hook, &r.host, r.port, r.room)?;
-        *w = Some((target.worker.key, body.clone()));
-        if let Some(tx) = tx.lock().unwrap_or_else(PoisonError::into_inner).take() {
-            let _ = tx.send(r);
+        answer
+    }
+
+    /// A prefill leg that ended before the decode answered: counted, and whether it is worth
+    /// another prefill rank (failed before its first byte: transport, 502-504).
+    fn prefill_failed(&self, answer: Answer) -> Round {
+        let pd = &self.ctx.metrics.pd;
+        match answer {
+            Ok(resp) => {
+                count_leg(&resp, PdLeg::Prefill);
+                let worker = resp.body().target.as_ref().map(|t| t.worker.clone());
+                let status = resp.status();
+                match status.is_server_error() {
+                    true => leg_failed(
+                        pd,
+                        PdLeg::Prefill,
+                        PdFailure::Status,
+                        worker.as_deref(),
+                        Flavor::Sglang,
+                    ),
+                    false => pd.failed(PdLeg::Prefill, PdFailure::Status),
+                }
+                let again = worker.filter(|_| matches!(status.as_u16(), 502..=504));
+                (Ok(resp), again)
+            }
+            Err(e) => {
+                let worker = e.worker().cloned();
+                leg_failed(
+                    pd,
+                    PdLeg::Prefill,
+                    failure(&e),
+                    worker.as_deref(),
+                    Flavor::Sglang,
+                );
+                let again = worker.filter(|_| e.retryable());
+                (Err(e), again)
+            }
         }
-        Ok(body)
-    }));
-    let mut prefill_req = head.leg(client.clone(), split.avoid(Leg::Prefill), true);
-    let ext = prefill_req.extensions_mut();
-    ext.insert(hook);
-    // No failover: the decode leg is sent the room of this rank.
-    ext.insert(RetryUntil(started));
-    let mut prefill = inner.call(prefill_req);
-    // The pick has chosen the prefill rank once the room is written; a prefill leg that ends
-    // before that found no rank.
-    let rendezvous = tokio::select! {
-        r = rx => r.ok(),
-        answer = &mut prefill => {
-            let e = match answer {
-                Err(e) => e,
-                Ok(_) => ProxyError::Internal("a prefill leg answered without its room".into()),
+    }
+
+    /// Both legs once.
+    async fn round<S>(&self, mut inner: S, split: &Split) -> Round
+    where
+        S: Below<RequestBody> + Clone + Send + 'static,
+    {
+        let ctx = self.ctx;
+        let pd = ctx.metrics.pd.clone();
+        let started = Instant::now();
+        let (tx, rx) = oneshot::channel::<Rendezvous>();
+        let tx = Mutex::new(Some(tx));
+        let written: Mutex<Written> = Mutex::new(None);
+        let for_hook = self.client.clone();
+        let hook = LegHook(Arc::new(move |target: &Target| {
+            let mut w = written.lock().unwrap_or_else(PoisonError::into_inner);
+            match &*w {
+                Some((key, body)) if *key == target.worker.key => return Ok(body.clone()),
+                Some(_) => return Err(ProxyError::Internal(
+                    "an SGLang prefill leg cannot move to another rank: its decode waits on the room"
+                        .into(),
+                )),
+                None => {}
+            }
+            let r = rendezvous(target);
+            let body = body::bootstrap(&for_hook, &r.host, r.port, r.room)?;
+            *w = Some((target.worker.key, body.clone()));
+            if let Some(tx) = tx.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                let _ = tx.send(r);
+            }
+            Ok(body)
+        }));
+        let prefill_req = self
+            .head
+            .leg(self.client.clone(), split.avoid(Leg::Prefill), true);
+        let mut prefill_req = prefill_req;
+        let ext = prefill_req.extensions_mut();
+        ext.insert(hook);
+        // No failover within the leg: the decode leg is sent the room of this rank (a new
+        // round fails it over, with a new room).
+        ext.insert(RetryUntil(started, false));
+        let mut prefill = inner.call(prefill_req);
+        // The pick has chosen the prefill rank once the room is written; a prefill leg that ends
+        // before that found no rank, or failed on the rank it found.
+        let rendezvous = tokio::select! {
+            r = rx => r.ok(),
+            answer = &mut prefill => return self.prefill_failed(answer),
+        };
+        let Some(r) = rendezvous else {
+            // The hook is gone without sending: the leg ended; its answer says why.
+            return self.prefill_failed(prefill.await);
+        };
+        let decode_started = Instant::now();
+        let decode_body = match body::bootstrap(self.client, &r.host, r.port, r.room) {
+            Ok(b) => b,
+            Err(e) => return (Err(e), None),
+        };
+        let mut decode_req = self.head.leg(decode_body, split.avoid(Leg::Decode), false);
+        // Another decode rank may take the room while its prefill server waits for one.
+        (decode_req.extensions_mut()).insert(RetryUntil(decode_started + r.lease, true));
+        let mut decode = inner.call(decode_req);
+        let mut prefill_took: Option<Duration> = None;
+        let mut prefill = Some(prefill);
+        // Both legs run; the decode's answer is the client's. A prefill that fails first cancels
+        // the decode (dropped: its connection closes, and SGLang aborts it).
+        let answer = loop {
+            let Some(p) = prefill.as_mut() else {
+                break (&mut decode).await;
             };
-            pd.failed(PdLeg::Prefill, failure(&e));
-            return Err(e);
-        }
-    };
-    let Some(r) = rendezvous else {
-        // The hook is gone without sending: the leg ended; its answer says why.
-        let e = match prefill.await {
-            Err(e) => e,
-            Ok(_) => ProxyError::Internal("a prefill leg answered without its room".into()),
-        };
-        pd.failed(PdLeg::Prefill, failure(&e));
-        return Err(e);
-    };
-    let decode_started = Instant::now();
-    let decode_body = body::bootstrap(&client, &r.host, r.port, r.room)?;
-    let mut decode_req = head.leg(decode_body, split.avoid(Leg::Decode), false);
-    (decode_req.extensions_mut()).insert(RetryUntil(decode_started + KV_LEASE));
-    let mut decode = inner.call(decode_req);
-    let mut prefill_took: Option<Duration> = None;
-    let mut prefill = Some(prefill);
-    // Both legs run; the decode's answer is the client's. A prefill that fails first cancels
-    // the decode (dropped: its connection closes, and SGLang aborts it).
-    let answer = loop {
-        let Some(p) = prefill.as_mut() else {
-            break (&mut decode).await;
-        };
-        tokio::select! {
-            answer = p => {
-                prefill = None;
-                match answer {
-                    Ok(resp) if resp.status().is_success() => {
-                        prefill_took = Some(started.elapsed());
-                        count_leg(&resp, PdLeg::Prefill);
-                        tokio::spawn(drain(resp));
+            tokio::select! {
+                answer = p => {
+                    prefill = None;
+                    match answer {
+                        Ok(resp) if resp.status().is_success() => {
+                            prefill_took = Some(started.elapsed());
+                            count_leg(&resp, PdLeg::Prefill);
+                            if let Some(t) = &resp.body().target {
+                                leg_ok(&t.worker);
+                            }
+                            tokio::spawn(drain(resp));
+                        }
+                        failed => return self.prefill_failed(failed),
                     }
+                }
+                answer = &mut decode => break answer,
+            }
+        };
+        if let Some(p) = prefill.take() {
+            // The decode answered first: the prefill's answer is only read out, in the
+            // background.
+            tokio::spawn(async move {
+                match p.await {
                     Ok(resp) => {
+                        pd.prefill_took(started.elapsed());
                         count_leg(&resp, PdLeg::Prefill);
-                        pd.failed(PdLeg::Prefill, PdFailure::Status);
-                        return Ok(resp);
+                        drain(resp).await
                     }
-                    Err(e) => {
-                        pd.failed(PdLeg::Prefill, failure(&e));
-                        return Err(e);
-                    }
+                    Err(e) => pd.failed(PdLeg::Prefill, failure(&e)),
                 }
-            }
-            answer = &mut decode => break answer,
+            });
         }
-    };
-    if let Some(p) = prefill.take() {
-        // The decode answered first: the prefill's answer is only read out, in the background.
-        let pd = pd.clone();
-        tokio::spawn(async move {
-            match p.await {
-                Ok(resp) => {
-                    pd.prefill_took(started.elapsed());
-                    count_leg(&resp, PdLeg::Prefill);
-                    drain(resp).await
-                }
-                Err(e) => pd.failed(PdLeg::Prefill, failure(&e)),
-            }
-        });
+        if let Some(took) = prefill_took {
+            ctx.metrics.pd.prefill_took(took);
+        }
+        let leg = PrefillLeg {
+            worker: r.prefill.clone(),
+            // Concurrent legs: the prefill's answer time when it came first, else the time the
+            // decode took to answer (the prefill was still going).
+            took: prefill_took.unwrap_or_else(|| started.elapsed()),
+            decode_started,
+            kv_from: Some(format!("{}:{} room {}", r.host, r.port, r.room).into()),
+        };
+        (answered(ctx, answer, leg, Flavor::Sglang), None)
     }
-    if let Some(took) = prefill_took {
-        pd.prefill_took(took);
-    }
-    let leg = PrefillLeg {
-        worker: r.prefill.clone(),
-        // Concurrent legs: the prefill's answer time when it came first, else the time the
-        // decode took to answer (the prefill was still going).
-        took: prefill_took.unwrap_or_else(|| started.elapsed()),
-        decode_started,
-        kv_from: Some(format!("{}:{} room {}", r.host, r.port, r.room).into()),
-    };
-    answered(ctx, answer, leg)
 }
 
 /// Reads a prefill answer to its end and drops it (so its rank's guards end with it).
