@@ -37,6 +37,15 @@ use tokio::time::Instant;
 
 pub use dist::{Dist, TraceEntry};
 use plan::{body, plan, Planned};
+
+/// With the admin token, asks rankgate which rank served a request (it answers in
+/// `x-rankgate-worker` whatever `server.expose_worker` says).
+pub const DEBUG_HEADER: &str = "x-rankgate-debug";
+/// Where the admin token goes with [`DEBUG_HEADER`] (`Authorization` carries the API key).
+pub const ADMIN_TOKEN_HEADER: &str = "x-rankgate-admin-token";
+/// What a report says of a request whose answer named no rank: under the default
+/// `server.expose_worker = "none"` rankgate hides it unless asked with the admin token.
+pub const HIDDEN: &str = "(hidden by the router: give --admin-token)";
 pub use report::Report;
 pub use session::Sessions;
 
@@ -127,6 +136,9 @@ pub struct Workload {
     pub spread: Vec<String>,
     pub progress: bool,
     pub seed: u64,
+    /// rankgate's admin token: each request asks (`x-rankgate-debug`) which rank served it, so
+    /// the report names it under any `server.expose_worker`.
+    pub admin_token: Option<Arc<str>>,
 }
 
 impl Workload {
@@ -149,6 +161,7 @@ impl Workload {
             spread: Vec::new(),
             progress: false,
             seed: 1,
+            admin_token: None,
         }
     }
 }
@@ -222,12 +235,18 @@ pub(crate) async fn one(
     body: Bytes,
     stream: bool,
     start: Instant,
+    admin_token: Option<Arc<str>>,
 ) -> Outcome {
-    let req = Request::builder()
+    let mut req = Request::builder()
         .method(Method::POST)
         .uri(uri)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body));
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(t) = &admin_token {
+        req = req
+            .header(DEBUG_HEADER, "1")
+            .header(ADMIN_TOKEN_HEADER, &**t);
+    }
+    let req = req.body(Full::new(body));
     let resp = match req {
         Ok(r) => client.request(r).await.ok(),
         Err(_) => None,
@@ -410,7 +429,8 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
             Target::Http(c, uris) => {
                 let u = uris[(sent_count - 1) % uris.len()].clone();
                 let (c, b, stream) = (c.clone(), body(w, p), w.stream);
-                Box::pin(async move { one(c, u, b, stream, Instant::now()).await })
+                let token = w.admin_token.clone();
+                Box::pin(async move { one(c, u, b, stream, Instant::now(), token).await })
             }
             Target::Grpc(c) => {
                 let c = c.clone();
@@ -419,6 +439,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                     prompt_tokens: p.prompt,
                     max_tokens: p.output.min(u32::MAX as u64) as u32,
                     rank: None,
+                    admin_token: w.admin_token.clone(),
                 };
                 Box::pin(async move { grpc::one(c, g, Instant::now()).await })
             }
