@@ -450,8 +450,14 @@ async fn check_probe_reads_each_engine_once() {
     assert_eq!(o.status.code(), Some(69), "{out}");
     assert!(line_of(&out, &closed).contains("reachable=no"), "{out}");
     let said = String::from_utf8_lossy(&o.stderr);
-    assert!(said.contains("would get no traffic: nothing answered"), "{said}");
-    assert!(said.contains("1 of 2 engine(s) would serve nothing"), "{said}");
+    assert!(
+        said.contains("would get no traffic: nothing answered"),
+        "{said}"
+    );
+    assert!(
+        said.contains("1 of 2 engine(s) would serve nothing"),
+        "{said}"
+    );
 }
 
 /// The probe's line for `url` (empty when there is none, which every assertion on it catches).

@@ -63,7 +63,13 @@ async fn openai_client_names_the_rank_with_the_admin_token() {
         let base = base.clone();
         tokio::task::spawn_blocking(move || {
             let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"));
-            c.args(["openai-client", "--model", "tiny-llama", "--base-url", &base]);
+            c.args([
+                "openai-client",
+                "--model",
+                "tiny-llama",
+                "--base-url",
+                &base,
+            ]);
             c.env_remove("RANKGATE_ADMIN_TOKEN");
             if let Some(t) = token {
                 c.args(["--admin-token", t]);
@@ -88,8 +94,10 @@ async fn openai_client_names_the_rank_with_the_admin_token() {
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(!out.contains(&e.url()), "the rank stays hidden: {out}");
     assert!(!out.contains("worker=-"), "{out}");
-    let chat = (out.lines().find(|l| l.starts_with("chat.completions.create ")))
-        .unwrap_or_default();
+    let chat = (out
+        .lines()
+        .find(|l| l.starts_with("chat.completions.create ")))
+    .unwrap_or_default();
     assert!(chat.contains("hidden by the router"), "{out}");
     r.shutdown().await;
 }

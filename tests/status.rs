@@ -292,7 +292,10 @@ async fn check_probe_names_ranks_failed_requests_and_unknowns() {
     assert!(!l.contains("dp_size=0"), "{l}");
     // What it could not learn is `unknown`, with why; never `?`.
     assert!(l.contains("\tflavor=unknown (not configured"), "{l}");
-    assert!(l.contains("\thealth=unknown (/health did not answer)"), "{l}");
+    assert!(
+        l.contains("\thealth=unknown (/health did not answer)"),
+        "{l}"
+    );
     assert!(!out.contains("flavor=?"), "{out}");
 
     // Reachable (as /workers says it) but unhealthy: its rank would get no traffic, so the
@@ -311,8 +314,16 @@ async fn check_probe_names_ranks_failed_requests_and_unknowns() {
         sick.url()
     );
     assert!(said.contains(&sick_said), "{said}");
-    assert!(said.contains(&format!("{down}: its ranks would get no traffic: nothing answered")), "{said}");
-    assert!(said.contains("3 of 4 engine(s) would serve nothing"), "{said}");
+    assert!(
+        said.contains(&format!(
+            "{down}: its ranks would get no traffic: nothing answered"
+        )),
+        "{said}"
+    );
+    assert!(
+        said.contains("3 of 4 engine(s) would serve nothing"),
+        "{said}"
+    );
 }
 
 /// A rank that never had numbers is logged as not having them yet, not as "still" without them.

@@ -36,7 +36,10 @@ fn the_helm_charts_defaults_hold_together() {
     let [front, admin_svc] = services.split("\n---\n").collect::<Vec<_>>()[..] else {
         panic!("templates/service.yaml: the front door's Service, ---, the admin one");
     };
-    assert!(front.contains("type: {{ .Values.service.type }}"), "{front}");
+    assert!(
+        front.contains("type: {{ .Values.service.type }}"),
+        "{front}"
+    );
     assert!(!front.contains("name: admin"), "{front}");
     assert!(admin_svc.contains("type: ClusterIP"), "{admin_svc}");
     assert!(admin_svc.contains("name: admin"), "{admin_svc}");
@@ -126,7 +129,9 @@ fn helm_renders_the_chart() {
         assert!(kinds.contains(k), "no {k} in {kinds:?}");
     }
     for svc in docs.iter().filter(|d| d["kind"] == "Service") {
-        let admin = array_at(svc, "/spec/ports").iter().any(|p| p["name"] == "admin");
+        let admin = array_at(svc, "/spec/ports")
+            .iter()
+            .any(|p| p["name"] == "admin");
         let want = if admin { "ClusterIP" } else { "LoadBalancer" };
         assert_eq!(str_at(svc, "/spec/type"), want, "{svc}");
     }

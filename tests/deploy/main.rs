@@ -71,7 +71,11 @@ fn kustomization_lists_every_manifest_and_names_agree() {
     };
     assert!(selects(&deploy["spec"]["selector"]["matchLabels"]));
     let services: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "Service").collect();
-    assert_eq!(services.len(), 2, "the front door's Service and the admin one");
+    assert_eq!(
+        services.len(),
+        2,
+        "the front door's Service and the admin one"
+    );
     for svc in services {
         assert!(
             selects(&svc["spec"]["selector"]),
@@ -166,7 +170,9 @@ fn config_ports_are_the_deployment_and_service_ports() {
         resolve_port(c, &p["targetPort"])
     };
     assert!(
-        !array_at(front, "/spec/ports").iter().any(|p| p["name"] == "admin"),
+        !array_at(front, "/spec/ports")
+            .iter()
+            .any(|p| p["name"] == "admin"),
         "the front door's Service has no admin port"
     );
     assert_eq!(

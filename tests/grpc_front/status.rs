@@ -171,7 +171,15 @@ async fn grpc_client_names_the_rank_with_the_admin_token() {
         let url = url.clone();
         tokio::task::spawn_blocking(move || {
             let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"));
-            c.args(["grpc-client", "--flavor", "vllm", "--max-tokens", "2", "--url", &url]);
+            c.args([
+                "grpc-client",
+                "--flavor",
+                "vllm",
+                "--max-tokens",
+                "2",
+                "--url",
+                &url,
+            ]);
             c.env_remove("RANKGATE_ADMIN_TOKEN");
             if let Some(t) = token {
                 c.args(["--admin-token", t]);
@@ -181,12 +189,20 @@ async fn grpc_client_names_the_rank_with_the_admin_token() {
     };
     let o = run(Some(TOKEN)).await.unwrap();
     let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(out.contains(&format!("served by {}", e.worker(0))), "{out}");
 
     let o = run(None).await.unwrap();
     let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(o.status.success(), "{out}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(out.contains("served by (hidden by the router"), "{out}");
     assert!(!out.contains(&e.worker(0)), "{out}");
     r.shutdown().await;

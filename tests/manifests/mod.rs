@@ -91,7 +91,12 @@ pub fn service<'a>(docs: &'a [Value], name: &str) -> &'a Value {
     let found: Vec<&Value> = (docs.iter())
         .filter(|d| d["kind"] == "Service" && d["metadata"]["name"] == name)
         .collect();
-    assert_eq!(found.len(), 1, "expected one Service {name}, found {}", found.len());
+    assert_eq!(
+        found.len(),
+        1,
+        "expected one Service {name}, found {}",
+        found.len()
+    );
     found[0]
 }
 

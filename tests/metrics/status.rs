@@ -26,7 +26,11 @@ async fn an_engine_pending_its_shape_is_counted_everywhere() {
     let pending = format!("[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\n", hung.url());
     let r = router(FAST, &[engine_toml(&up.url(), "vllm", 2, 0), pending]).await;
     let rows = wait_workers(&r, WAIT, |rows| {
-        rows.len() == 3 && (rows.iter()).filter(|w| w["telemetry"] == "available").count() == 2
+        rows.len() == 3
+            && (rows.iter())
+                .filter(|w| w["telemetry"] == "available")
+                .count()
+                == 2
     })
     .await;
     let row = (rows.iter())
@@ -50,7 +54,11 @@ async fn an_engine_pending_its_shape_is_counted_everywhere() {
     );
     assert_eq!(sample(&page, &series), Some(1.0), "{page}");
     let states = sum(&page, "rankgate_rank_telemetry_state", &[]);
-    assert_eq!(states, rows.len() as f64, "one state series per /workers row");
+    assert_eq!(
+        states,
+        rows.len() as f64,
+        "one state series per /workers row"
+    );
     r.shutdown().await;
 }
 

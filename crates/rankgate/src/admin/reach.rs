@@ -58,6 +58,12 @@ mod tests {
             reachable: true,
             ..RankView::initial()
         };
-        assert_eq!(of(&up, None), Reach { reachable: true, health: "ok" });
+        assert_eq!(
+            of(&up, None),
+            Reach {
+                reachable: true,
+                health: "ok"
+            }
+        );
     }
 }

@@ -192,7 +192,9 @@ async fn one(
         reachable: health_answered || asked.is_ok() || models.is_some() || telemetry.is_some(),
         flavor: match (shaped.shaped() || shaped.declared.flavor.is_some(), &asked) {
             (true, _) => shaped.flavor.as_str().into(),
-            (false, Err(_)) => "unknown (not configured, and the engine did not say: see problems)".into(),
+            (false, Err(_)) => {
+                "unknown (not configured, and the engine did not say: see problems)".into()
+            }
             (false, Ok(_)) => "unknown (not configured, and not in what the engine said)".into(),
         },
         health,

@@ -174,9 +174,13 @@ impl GrpcClient {
 fn debugged<T>(req: T, call: &GenerateCall) -> Result<tonic::Request<T>, Status> {
     let mut req = tonic::Request::new(req);
     if let Some(t) = &call.admin_token {
-        let token = (t.parse()).map_err(|_| Status::invalid_argument("the admin token is not a valid header value"))?;
+        let token = (t.parse())
+            .map_err(|_| Status::invalid_argument("the admin token is not a valid header value"))?;
         let m = req.metadata_mut();
-        m.insert("x-rankgate-debug", tonic::metadata::MetadataValue::from_static("1"));
+        m.insert(
+            "x-rankgate-debug",
+            tonic::metadata::MetadataValue::from_static("1"),
+        );
         m.insert("x-rankgate-admin-token", token);
     }
     Ok(req)

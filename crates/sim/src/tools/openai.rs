@@ -28,7 +28,13 @@ pub async fn run(args: Args) -> ToolResult {
     let mut failed = 0;
     let token = super::admin_token(args.admin_token);
     for call in sdk::calls(&args.model) {
-        let sent = sdk::send_as(&client, &args.base_url, &args.api_key, token.as_deref(), &call);
+        let sent = sdk::send_as(
+            &client,
+            &args.base_url,
+            &args.api_key,
+            token.as_deref(),
+            &call,
+        );
         match sent.await {
             Ok(o) => {
                 // Without a worker: rankgate answered itself (the model list), or hides the
