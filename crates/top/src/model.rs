@@ -67,8 +67,6 @@ impl Row {
             Some("empty_report") => "empty",
             Some("fleet_rollup") => "rollup",
             Some("shape_unknown") => "unknown",
-            // It answers, but its health path fails (as `/workers`' `health` says).
-            Some("health") => "unhealthy",
             Some(kind) => kind,
             None => "down",
         }
