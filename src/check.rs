@@ -7,8 +7,8 @@ use std::process::ExitCode;
 
 use crate::{config_path, load, runtime, EXIT_CONFIG, EXIT_UNAVAILABLE};
 
-/// Runs `check`: exit 64 for a config error, 69 when `--probe` finds an engine that does not
-/// answer.
+/// Runs `check`: exit 64 for a config error, 69 when `--probe` finds an engine whose ranks
+/// would get no traffic (it does not answer, its health path fails, its shape is unknown).
 pub fn run(config: Option<PathBuf>, probe: bool) -> ExitCode {
     let config = config_path(config);
     let cfg = match load(&config) {
@@ -120,15 +120,37 @@ pub fn run(config: Option<PathBuf>, probe: bool) -> ExitCode {
     // Prefill servers that would fail every disaggregated request.
     let timeout = cfg.telemetry.timeout;
     let pd = crate::check_pd::probe(&rt, &engines, &probed, timeout, &upstream);
-    let down = probed.iter().filter(|p| !p.reachable).count();
-    if down > 0 {
-        eprintln!("rankgate: {down} engine(s) did not answer");
+    if !all_take_traffic(&probed) {
         return ExitCode::from(EXIT_UNAVAILABLE);
     }
     if let Some(code) = pd {
         return code;
     }
     ExitCode::SUCCESS
+}
+
+/// Whether every probed engine's ranks would get traffic; else each one that would not is
+/// named, with why, on stderr (`check --probe` then exits 69): an engine that answers but whose
+/// health path fails serves nothing, as surely as one that does not answer.
+fn all_take_traffic(probed: &[rankgate::telemetry::probe::Probed]) -> bool {
+    let idle: Vec<_> = (probed.iter())
+        .filter_map(|p| Some((p, p.no_traffic()?)))
+        .collect();
+    for (p, why) in &idle {
+        let ranks = match p.ranks.len() {
+            0 => "its ranks".to_string(),
+            n => format!("its {n} rank(s)"),
+        };
+        eprintln!("rankgate: {}: {ranks} would get no traffic: {why}", p.url);
+    }
+    if !idle.is_empty() {
+        eprintln!(
+            "rankgate: {} of {} engine(s) would serve nothing",
+            idle.len(),
+            probed.len()
+        );
+    }
+    idle.is_empty()
 }
 
 /// Reads every TLS file the config names, as `serve` would at start.

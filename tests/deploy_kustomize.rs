@@ -130,16 +130,24 @@ fn monitoring_objects_are_an_optional_component() {
         assert_eq!(str_at(o, "/apiVersion"), "monitoring.coreos.com/v1");
     }
 
-    // The ServiceMonitor scrapes /metrics through the base Service's admin port.
+    // The ServiceMonitor scrapes /metrics through the admin Service's port, and selects that
+    // Service only (the front door's has no admin port).
     let docs = manifests();
-    let svc = one(&docs, "Service");
+    let svc = service(&docs, "rankgate-admin");
+    let front = service(&docs, "rankgate");
     let sm = one(&objects, "ServiceMonitor");
     let sm_sel = sm["spec"]["selector"]["matchLabels"].as_object().unwrap();
     assert!(
         sm_sel
             .iter()
             .all(|(k, v)| &svc["metadata"]["labels"][k] == v),
-        "the ServiceMonitor selects the Service"
+        "the ServiceMonitor selects the admin Service"
+    );
+    assert!(
+        !sm_sel
+            .iter()
+            .all(|(k, v)| &front["metadata"]["labels"][k] == v),
+        "the ServiceMonitor does not select the front door's Service"
     );
     let eps = array_at(sm, "/spec/endpoints");
     assert_eq!(eps.len(), 1);

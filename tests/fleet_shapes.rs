@@ -449,7 +449,15 @@ async fn check_probe_reads_each_engine_once() {
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert_eq!(o.status.code(), Some(69), "{out}");
     assert!(line_of(&out, &closed).contains("reachable=no"), "{out}");
-    assert!(String::from_utf8_lossy(&o.stderr).contains("1 engine(s) did not answer"));
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        said.contains("would get no traffic: nothing answered"),
+        "{said}"
+    );
+    assert!(
+        said.contains("1 of 2 engine(s) would serve nothing"),
+        "{said}"
+    );
 }
 
 /// The probe's line for `url` (empty when there is none, which every assertion on it catches).

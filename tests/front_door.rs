@@ -201,11 +201,12 @@ async fn upstream_failure_is_502_naming_the_engine() {
     assert_eq!(reply.worker(), format!("{url}@0"));
     assert_eq!(workers(&r).await[0]["in_flight"], 0);
     let metrics = String::from_utf8(get(r.admin_addr, "/metrics").await.body.to_vec()).unwrap();
-    // Counted on its worker, with the status rankgate answered for it.
+    // Counted on its worker, with the status rankgate answered for it, and the model it named
+    // (the engine's list is not read yet: the request's own name is its label).
     let worker = format!("status=\"502\",worker=\"{url}@0\"}} 1");
     assert!(
         metrics.lines().any(|l| l.starts_with(
-            "rankgate_requests_total{model=\"unknown\",route=\"/v1/chat/completions\","
+            "rankgate_requests_total{model=\"tiny-llama\",route=\"/v1/chat/completions\","
         ) && l.ends_with(&worker)),
         "{metrics}"
     );

@@ -156,7 +156,9 @@ async fn failing_health_takes_an_engine_out_until_it_recovers() {
         assert_eq!(reason(row), "health: HTTP 503 Service Unavailable", "{row}");
         assert_eq!(row["telemetry"], "unavailable");
         assert_eq!(row["reason_kind"], "health");
-        assert_eq!(row["reachable"], false);
+        // It answered (503): reachable, as `check --probe` says, but unhealthy, so no traffic.
+        assert_eq!(row["reachable"], true, "{row}");
+        assert_eq!(row["health"], "unhealthy", "{row}");
         assert!(row["kv_usage"].is_null(), "{row}");
     }
     assert!(rows[2..].iter().all(|w| w["telemetry"] == "available"));
@@ -178,6 +180,7 @@ async fn failing_health_takes_an_engine_out_until_it_recovers() {
     a.b.health_status.store(200, Relaxed);
     let rows = wait_state(&r, &[0, 1], "available").await;
     assert_eq!(rows[0]["reachable"], true);
+    assert_eq!(rows[0]["health"], "ok");
     assert!(rows[0]["reason"].is_null(), "{}", rows[0]);
 }
 

@@ -69,3 +69,50 @@ async fn a_rank_that_got_nothing_is_listed_with_0() {
     assert!(err.contains("/workers"), "{err}");
     r.shutdown().await;
 }
+
+/// Under the default `expose_worker = "none"`, `rankgate load --admin` with the admin token
+/// counts each request on the rank that served it (it asks with `x-rankgate-debug`); without
+/// the token its table says the router hides the rank instead of crediting nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_names_the_rank_under_expose_worker_none() {
+    use common::admin::{token_env, TOKEN};
+    let e = engine(SimConfig {
+        dark_ranks: vec![1],
+        kv_usage: vec![0.1, 0.1],
+        ..sim(SimFlavor::Vllm, 2, 0)
+    })
+    .await;
+    let server = format!("expose_worker = \"none\"\n{}", token_env());
+    let r = router_with(&server, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    wait_state(&r, &[0], "available").await;
+    let admin = format!("http://{}", r.admin_addr);
+    let (busy, dark) = (format!("{}@0", e.url()), format!("{}@1", e.url()));
+    let workload = |token: Option<&str>| {
+        let mut w = Workload::new(format!("http://{}", r.addr));
+        w.arrivals = Arrivals::Closed(2);
+        w.requests = 6;
+        w.output_tokens = Dist::Fixed(2);
+        w.duration = Duration::from_secs(30);
+        w.admin_token = token.map(Into::into);
+        w
+    };
+
+    let mut report = load::run(&workload(Some(TOKEN))).await.unwrap();
+    assert_eq!(report.ok().count(), 6);
+    report.fleet = load::fleet::ranks(&admin, Some(TOKEN)).await.unwrap();
+    let per = report.per_worker();
+    assert_eq!(per.get(&busy), Some(&6), "{per:?}");
+    assert_eq!(per.get(&dark), Some(&0), "{per:?}");
+    assert_eq!(per.len(), 2, "{per:?}");
+
+    let mut report = load::run(&workload(None)).await.unwrap();
+    report.fleet = load::fleet::ranks(&admin, None).await.unwrap();
+    let per = report.per_worker();
+    assert_eq!(per.get(load::HIDDEN), Some(&6), "{per:?}");
+    assert!(
+        report.table().contains("hidden by the router"),
+        "{}",
+        report.table()
+    );
+    r.shutdown().await;
+}

@@ -47,3 +47,57 @@ async fn the_sdks_calls_get_what_one_engine_would_answer() {
         "nothing reached the engine without model-b"
     );
 }
+
+/// `rankgate openai-client` under the default `expose_worker = "none"`: with the admin token
+/// each proxied call names the rank that served it (rankgate's own answers say so); without it
+/// the tool says the router hides the rank, never `worker=-`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_client_names_the_rank_with_the_admin_token() {
+    use common::admin::{token_env, TOKEN};
+    let e = engine(serving(&["tiny-llama"], 2, 0)).await;
+    let server = format!("expose_worker = \"none\"\n{}", token_env());
+    let r = router_with(&server, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    wait_models(&r).await;
+    let base = format!("http://{}", r.addr);
+    let run = |token: Option<&'static str>| {
+        let base = base.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"));
+            c.args([
+                "openai-client",
+                "--model",
+                "tiny-llama",
+                "--base-url",
+                &base,
+            ]);
+            c.env_remove("RANKGATE_ADMIN_TOKEN");
+            if let Some(t) = token {
+                c.args(["--admin-token", t]);
+            }
+            c.output().unwrap()
+        })
+    };
+    let o = run(Some(TOKEN)).await.unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let line = |name: &str| {
+        (out.lines().find(|l| l.starts_with(name)))
+            .unwrap_or_else(|| panic!("no {name} line:\n{out}"))
+            .to_string()
+    };
+    let chat = line("chat.completions.create ");
+    assert!(chat.contains(&format!("worker={}@", e.url())), "{out}");
+    let listed = line("models.list");
+    assert!(listed.contains("answered by the router itself"), "{out}");
+    assert!(!out.contains("worker=-"), "{out}");
+
+    let o = run(None).await.unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(!out.contains(&e.url()), "the rank stays hidden: {out}");
+    assert!(!out.contains("worker=-"), "{out}");
+    let chat = (out
+        .lines()
+        .find(|l| l.starts_with("chat.completions.create ")))
+    .unwrap_or_default();
+    assert!(chat.contains("hidden by the router"), "{out}");
+    r.shutdown().await;
+}

@@ -217,13 +217,20 @@ async fn check_probe_names_ranks_failed_requests_and_unknowns() {
     })
     .await;
     let down = format!("http://{}", closed_port());
+    // Answers everything, but its /health says 503: reachable, unhealthy, serving nothing.
+    let sick = engine(SimConfig {
+        health_status: 503,
+        ..sim(SimFlavor::Vllm, 1, 0)
+    })
+    .await;
     let path =
         std::env::temp_dir().join(format!("rankgate-status-probe-{}.toml", std::process::id()));
     let config = format!(
-        "[telemetry]\ntimeout = \"300ms\"\n{}[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\n{}",
+        "[telemetry]\ntimeout = \"300ms\"\n{}[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\n{}{}",
         url_only(&up.url()),
         hung.url(),
         url_only(&down),
+        url_only(&sick.url()),
     );
     std::fs::write(&path, config).unwrap();
     let run = path.clone();
@@ -247,7 +254,14 @@ async fn check_probe_names_ranks_failed_requests_and_unknowns() {
     };
     let l = line_of(&up.url());
     let ranks = format!("ranks={0}@0,{0}@1\t", up.url());
-    for part in ["reachable=yes", "dp_size=2", &ranks, "models=tiny-llama"] {
+    for part in [
+        "reachable=yes",
+        "health=ok",
+        "flavor=vllm",
+        "dp_size=2",
+        &ranks,
+        "models=tiny-llama",
+    ] {
         assert!(l.contains(part), "{part}: {l}");
     }
     assert!(!l.contains("problems="), "{l}");
@@ -276,6 +290,57 @@ async fn check_probe_names_ranks_failed_requests_and_unknowns() {
         assert!(l.contains(part), "{part}: {l}");
     }
     assert!(!l.contains("dp_size=0"), "{l}");
+    // What it could not learn is `unknown`, with why; never `?`.
+    assert!(l.contains("\tflavor=unknown (not configured"), "{l}");
+    assert!(
+        l.contains("\thealth=unknown (/health did not answer)"),
+        "{l}"
+    );
+    assert!(!out.contains("flavor=?"), "{out}");
+
+    // Reachable (as /workers says it) but unhealthy: its rank would get no traffic, so the
+    // probe fails and says which engine and why.
+    let l = line_of(&sick.url());
+    for part in [
+        "reachable=yes",
+        "health=unhealthy (/health answered HTTP 503",
+        "flavor=vllm",
+    ] {
+        assert!(l.contains(part), "{part}: {l}");
+    }
+    let said = String::from_utf8_lossy(&o.stderr);
+    let sick_said = format!(
+        "{}: its 1 rank(s) would get no traffic: reachable but unhealthy",
+        sick.url()
+    );
+    assert!(said.contains(&sick_said), "{said}");
+    assert!(
+        said.contains(&format!(
+            "{down}: its ranks would get no traffic: nothing answered"
+        )),
+        "{said}"
+    );
+    assert!(
+        said.contains("3 of 4 engine(s) would serve nothing"),
+        "{said}"
+    );
+}
+
+/// A rank that never had numbers is logged as not having them yet, not as "still" without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_never_available_is_not_available_yet() {
+    let down = format!("http://{}", closed_port());
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_delay = \"0s\"\n{FAST}{}",
+        engine_toml(&down, "vllm", 1, 0),
+    );
+    let mut rg = Rankgate::start("status-never", &config, None).await;
+    let said = rg.wait_log("telemetry not available yet", WAIT).await;
+    assert!(said.contains(&format!("worker={down}@0")), "{said}");
+    let first = (rg.log().into_iter())
+        .find(|l| l.contains("telemetry") && l.contains(&format!("{down}@0")))
+        .unwrap_or_default();
+    assert!(first.contains("telemetry not available yet"), "{first}");
 }
 
 /// One model served: a request naming another gets rankgate's own 404 `model_not_found`,

@@ -1,7 +1,8 @@
 //! `rankgate top`'s status that never misleads, over real sockets and ratatui's `TestBackend`:
 //! after two readings of `/metrics` every rank has a REQ/S figure (a rank that never served is
 //! 0.0 like one that went idle; `-` only while no rate is known yet), and an error too long for
-//! the status line is wrapped whole below it, the rows still in view.
+//! the status line is wrapped whole below it, the rows still in view; a prefill rank's legs are
+//! its load, as a decode rank's are.
 #![cfg(all(feature = "top", feature = "sim"))]
 
 mod common;
@@ -150,5 +151,56 @@ async fn a_long_admin_error_is_wrapped_whole_with_the_rows_in_view() {
         "{text}"
     );
     assert!(lines[2].starts_with("RANK"), "{text}");
+    r.shutdown().await;
+}
+
+/// A disaggregated fleet: each leg counts on the rank that served it, so after requests the
+/// prefill rank's REQ/S is not 0.0 (its legs answer no client), nor is the decode rank's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_legs_show_as_load_on_their_rank() {
+    use rankgate_sim::sim::{PdRole, SimConfig};
+    let side = |role| SimConfig {
+        role: Some(role),
+        decode_tokens_per_sec: 2000.0,
+        ..sim(SimFlavor::Vllm, 1, 0)
+    };
+    let p = engine(side(PdRole::Prefill)).await;
+    let d = engine(side(PdRole::Decode)).await;
+    let table = |e: &rankgate_sim::sim::SimEngine, role: &str| {
+        format!(
+            "[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\ndp_size = 1\nrole = \"{role}\"\n",
+            e.url()
+        )
+    };
+    let r = router(FAST, &[table(&p, "prefill"), table(&d, "decode")]).await;
+    wait_workers(&r, Duration::from_secs(10), |rows| {
+        rows.len() == 2 && rows.iter().all(|w| w["telemetry"] == "available")
+    })
+    .await;
+    wait_models(&r).await;
+    let mut top = Top::new(
+        &format!("http://{}", r.admin_addr),
+        Duration::from_millis(200),
+    )
+    .expect("admin url");
+    top.poll_once().await;
+    for _ in 0..4 {
+        let reply = send(
+            post(r.addr, "/v1/chat/completions")
+                .body(Full::new(Bytes::from(chat_body(2, false))))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK);
+    }
+    top.poll_once().await;
+    let rows = top.state().rows();
+    let rate = |url: String| {
+        (rows.iter().find(|w| w.id == format!("{url}@0")))
+            .and_then(|w| w.req_per_s)
+            .unwrap_or_else(|| panic!("{url}@0 has no rate: {rows:?}"))
+    };
+    assert!(rate(p.url()) > 0.0, "the prefill rank's legs: {rows:?}");
+    assert!(rate(d.url()) > 0.0, "the decode rank's legs: {rows:?}");
     r.shutdown().await;
 }

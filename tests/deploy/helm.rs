@@ -30,6 +30,20 @@ fn the_helm_charts_defaults_hold_together() {
         read("deploy/prometheus/rules.yaml"),
         "the chart's alerts are deploy/prometheus/rules.yaml"
     );
+    // `service.type` is the front door's alone: the admin port is on a second Service,
+    // always ClusterIP, so a LoadBalancer front door never publishes it.
+    let services = read(&format!("{CHART}/templates/service.yaml"));
+    let [front, admin_svc] = services.split("\n---\n").collect::<Vec<_>>()[..] else {
+        panic!("templates/service.yaml: the front door's Service, ---, the admin one");
+    };
+    assert!(
+        front.contains("type: {{ .Values.service.type }}"),
+        "{front}"
+    );
+    assert!(!front.contains("name: admin"), "{front}");
+    assert!(admin_svc.contains("type: ClusterIP"), "{admin_svc}");
+    assert!(admin_svc.contains("name: admin"), "{admin_svc}");
+    assert!(!admin_svc.contains(".Values.service.type"), "{admin_svc}");
     // `.Values.a.b` in every template names a key values.yaml has.
     let mut read_values = BTreeSet::new();
     for entry in std::fs::read_dir(root().join(CHART).join("templates")).unwrap() {
@@ -95,6 +109,8 @@ fn helm_renders_the_chart() {
         "serviceMonitor.enabled=true",
         "--set",
         "prometheusRule.enabled=true",
+        "--set",
+        "service.type=LoadBalancer",
         "--set-file",
         &set_file,
     ]);
@@ -111,6 +127,13 @@ fn helm_renders_the_chart() {
         .chain(["PodDisruptionBudget", "Secret"])
     {
         assert!(kinds.contains(k), "no {k} in {kinds:?}");
+    }
+    for svc in docs.iter().filter(|d| d["kind"] == "Service") {
+        let admin = array_at(svc, "/spec/ports")
+            .iter()
+            .any(|p| p["name"] == "admin");
+        let want = if admin { "ClusterIP" } else { "LoadBalancer" };
+        assert_eq!(str_at(svc, "/spec/type"), want, "{svc}");
     }
     let cfg_map = one(&docs, "ConfigMap");
     fill_token_var(&on);

@@ -70,11 +70,19 @@ fn kustomization_lists_every_manifest_and_names_agree() {
             .all(|(k, v)| &pod_labels[k] == v)
     };
     assert!(selects(&deploy["spec"]["selector"]["matchLabels"]));
-    let svc = one(&docs, "Service");
-    assert!(
-        selects(&svc["spec"]["selector"]),
-        "the Service selects the pods"
+    let services: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "Service").collect();
+    assert_eq!(
+        services.len(),
+        2,
+        "the front door's Service and the admin one"
     );
+    for svc in services {
+        assert!(
+            selects(&svc["spec"]["selector"]),
+            "Service {} selects the pods",
+            svc["metadata"]["name"]
+        );
+    }
     assert_eq!(deploy["spec"]["replicas"], 2);
 
     // The ConfigMap the pod mounts is the one applied.
@@ -144,9 +152,16 @@ fn config_ports_are_the_deployment_and_service_ports() {
         .collect();
     assert_eq!(container_ports, [http, admin, grpc].into_iter().collect());
 
-    let svc = one(&docs, "Service");
-    let ports = array_at(svc, "/spec/ports");
-    assert_eq!(ports.len(), 3);
+    // The front door's Service carries HTTP and gRPC only; the admin port has its own
+    // ClusterIP Service, so a LoadBalancer front door never publishes it.
+    let front = service(&docs, "rankgate");
+    let admin_svc = service(&docs, "rankgate-admin");
+    assert_eq!(array_at(front, "/spec/ports").len(), 2);
+    assert_eq!(array_at(admin_svc, "/spec/ports").len(), 1);
+    assert_eq!(str_at(admin_svc, "/spec/type"), "ClusterIP");
+    let ports: Vec<&Value> = (array_at(front, "/spec/ports").iter())
+        .chain(array_at(admin_svc, "/spec/ports"))
+        .collect();
     let target = |name: &str| {
         let p = ports
             .iter()
@@ -154,6 +169,12 @@ fn config_ports_are_the_deployment_and_service_ports() {
             .unwrap_or_else(|| panic!("Service port {name}"));
         resolve_port(c, &p["targetPort"])
     };
+    assert!(
+        !array_at(front, "/spec/ports")
+            .iter()
+            .any(|p| p["name"] == "admin"),
+        "the front door's Service has no admin port"
+    );
     assert_eq!(
         [target("http"), target("admin"), target("grpc")],
         [http, admin, grpc]

@@ -19,6 +19,9 @@ use crate::{dashboard::*, promql::*};
 const NOT_ON_THE_DASHBOARD: &[&str] = &[
     // The complement of rankgate_rank_telemetry_state{state="unavailable"}, which has the reason.
     "rankgate_rank_telemetry_available",
+    // Pending engines are in rankgate_rank_telemetry_state too (reason="shape_unknown"), which
+    // the dashboard shows; this count is for the alert RankgateEngineShapeUnknown.
+    "rankgate_fleet_engines_pending_shape",
 ];
 
 /// Labels Prometheus adds to every series it scrapes: legends may name them while an expression

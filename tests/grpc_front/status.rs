@@ -155,3 +155,55 @@ async fn a_fleet_of_grpc_only_engines_is_ready() {
     );
     r.shutdown().await;
 }
+
+/// `rankgate grpc-client` under the default `expose_worker = "none"`: with the admin token the
+/// call names the rank that served it; without it the tool says the router hides the rank,
+/// not that the call went around rankgate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_client_names_the_rank_with_the_admin_token() {
+    use crate::common::admin::{token_env, TOKEN};
+    let e = Eng::start(Flavor::Vllm, 1, 0).await;
+    let server = format!("expose_worker = \"none\"\n{}", token_env());
+    let r = router_with(&server, GRPC_FAST, &[e.toml()]).await;
+    wait_state(&r, &[0], "available").await;
+    let url = format!("http://{}", r.grpc_addr.expect("grpc_listen"));
+    let run = |token: Option<&'static str>| {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"));
+            c.args([
+                "grpc-client",
+                "--flavor",
+                "vllm",
+                "--max-tokens",
+                "2",
+                "--url",
+                &url,
+            ]);
+            c.env_remove("RANKGATE_ADMIN_TOKEN");
+            if let Some(t) = token {
+                c.args(["--admin-token", t]);
+            }
+            c.output().unwrap()
+        })
+    };
+    let o = run(Some(TOKEN)).await.unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.contains(&format!("served by {}", e.worker(0))), "{out}");
+
+    let o = run(None).await.unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.contains("served by (hidden by the router"), "{out}");
+    assert!(!out.contains(&e.worker(0)), "{out}");
+    r.shutdown().await;
+}

@@ -86,6 +86,20 @@ pub fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
     found[0]
 }
 
+/// The Service named `name` (the front door `rankgate`, or `rankgate-admin`).
+pub fn service<'a>(docs: &'a [Value], name: &str) -> &'a Value {
+    let found: Vec<&Value> = (docs.iter())
+        .filter(|d| d["kind"] == "Service" && d["metadata"]["name"] == name)
+        .collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "expected one Service {name}, found {}",
+        found.len()
+    );
+    found[0]
+}
+
 pub fn str_at<'a>(v: &'a Value, pointer: &str) -> &'a str {
     v.pointer(pointer)
         .and_then(Value::as_str)

@@ -13,3 +13,4 @@ mod exposition;
 mod helpers;
 mod page;
 mod series;
+mod status;

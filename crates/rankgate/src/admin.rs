@@ -30,6 +30,7 @@ use crate::table::{Fresh, RankTelemetry, Table};
 use crate::worker::{Deployment, EngineEntry, Flavor};
 
 mod failures;
+mod reach;
 mod ready;
 
 /// What the admin handlers read.
@@ -201,6 +202,7 @@ impl Admin {
                     .ejection()
                     .map(Reason::Ejected)
                     .or_else(|| view.telemetry.unavailable_reason(now, table.stale_after));
+                let reach = reach::of(view, reason.as_ref());
                 // A fresh rank's zeros are not a reading: shown as its state, not as numbers.
                 let (load, fresh) = match &view.telemetry {
                     RankTelemetry::Available(l) => (l.fresh.is_none().then_some(l), l.fresh),
@@ -223,7 +225,8 @@ impl Admin {
                     "reason": reason.as_ref().map(ToString::to_string),
                     "reason_kind": reason.as_ref().map(|r| r.kind()),
                     "source": view.source.map_or("none", SourceKind::as_str),
-                    "reachable": view.reachable,
+                    "reachable": reach.reachable,
+                    "health": reach.health,
                     "kv_usage": load.map(|l| l.kv_usage),
                     "num_running_reqs": load.and_then(|l| l.running),
                     "num_waiting_reqs": load.and_then(|l| l.waiting),
@@ -273,7 +276,10 @@ fn unshaped_row(e: &Arc<EngineEntry>) -> Value {
         "reason": reason,
         "reason_kind": "shape_unknown",
         "source": null,
-        "reachable": false,
+        // Not known: the shape question's failure may be a silent engine or one that
+        // answered something else (`reason` says which).
+        "reachable": null,
+        "health": "unknown",
         "in_flight": 0,
         "consecutive_failures": 0,
     });

@@ -104,6 +104,11 @@ impl Catalog {
         self.models.len() > 1 || (self.models.len() == 1 && !self.all_known)
     }
 
+    /// Some engine's model list is not known yet (its `/v1/models` not read).
+    pub fn lists_pending(&self) -> bool {
+        !self.all_known
+    }
+
     /// The one model of a fleet that serves one, once every engine's list is known: a request
     /// naming another is answered here (no engine serves it). `None` while some list is unknown
     /// (that engine may serve any model).

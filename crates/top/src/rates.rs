@@ -1,8 +1,8 @@
-//! Requests per second per worker, from the deltas of `rankgate_requests_total` between two
-//! readings of the admin's `/metrics`. Before a second reading no rate is known (`-` on screen);
-//! after it every worker has one, a worker with no series included (0: rankgate writes a
-//! worker's series from its first answer on), so a rank idle since the router started and a
-//! rank that went idle read the same.
+//! Requests per second per worker, from the deltas of `rankgate_requests_total` (and of each
+//! prefill rank's `rankgate_pd_legs_total`) between two readings of the admin's `/metrics`.
+//! Before a second reading no rate is known (`-` on screen); after it every worker has one, a
+//! worker with no series included (0: rankgate writes a worker's series from its first answer
+//! on), so a rank idle since the router started and a rank that went idle read the same.
 
 use std::collections::HashMap;
 
@@ -10,6 +10,9 @@ use tokio::time::Instant;
 
 /// The counter whose per-worker deltas are requests per second.
 const REQUESTS_TOTAL: &str = "rankgate_requests_total";
+/// Legs of disaggregated requests by rank: a prefill rank answers no client request (the decode
+/// leg's answer is the client's, counted on the decode rank), so its load is its prefill legs.
+const PD_LEGS_TOTAL: &str = "rankgate_pd_legs_total";
 
 /// One reading's rates, by worker.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -62,12 +65,18 @@ impl Rates {
 }
 
 /// Sums `rankgate_requests_total` by its `worker` label over every other label (status code
-/// today; model, route or code should they be added), from Prometheus text exposition.
+/// today; model, route or code should they be added), plus each rank's prefill legs
+/// (`rankgate_pd_legs_total{leg="prefill"}`), from Prometheus text exposition: every request
+/// counts on the rank that served it, each leg of a disaggregated one on its own rank.
 pub fn request_counts(metrics: &str) -> HashMap<String, f64> {
     let mut counts = HashMap::new();
     for line in metrics.lines() {
-        let Some(rest) = line.strip_prefix(REQUESTS_TOTAL) else {
-            continue;
+        let (rest, legs) = match line.strip_prefix(REQUESTS_TOTAL) {
+            Some(rest) => (rest, false),
+            None => match line.strip_prefix(PD_LEGS_TOTAL) {
+                Some(rest) => (rest, true),
+                None => continue,
+            },
         };
         let Some(labels) = rest.strip_prefix('{') else {
             continue;
@@ -75,6 +84,10 @@ pub fn request_counts(metrics: &str) -> HashMap<String, f64> {
         let Some((labels, value)) = split_labels(labels) else {
             continue;
         };
+        // Decode legs are in rankgate_requests_total already (their answer is the client's).
+        if legs && !labels.iter().any(|(k, v)| k == "leg" && v == "prefill") {
+            continue;
+        }
         let Some(worker) = labels
             .into_iter()
             .find_map(|(k, v)| (k == "worker").then_some(v))
@@ -155,6 +168,18 @@ mod tests {
         assert_eq!(c.len(), 2, "{c:?}");
         assert_eq!(c["http://a:1@0"], 7.0);
         assert_eq!(c["http://a:1@1"], 7.0);
+    }
+
+    #[test]
+    fn prefill_legs_count_on_their_rank_decode_legs_once() {
+        let text = "rankgate_requests_total{worker=\"http://d:1@0\",status=\"200\"} 4\n\
+            rankgate_pd_legs_total{worker=\"http://p:1@0\",leg=\"prefill\"} 3\n\
+            rankgate_pd_legs_total{worker=\"http://p:1@0\",leg=\"decode\"} 0\n\
+            rankgate_pd_legs_total{worker=\"http://d:1@0\",leg=\"decode\"} 4\n\
+            rankgate_pd_legs_total{worker=\"http://d:1@0\",leg=\"prefill\"} 0\n";
+        let c = request_counts(text);
+        assert_eq!(c["http://p:1@0"], 3.0, "{c:?}");
+        assert_eq!(c["http://d:1@0"], 4.0, "{c:?}");
     }
 
     #[test]

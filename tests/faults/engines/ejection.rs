@@ -134,7 +134,9 @@ async fn unhealthy_engine_gets_no_traffic() {
     .await;
     for w in &rows[..2] {
         assert!(reason(w).starts_with("health: HTTP 503"), "{w}");
-        assert_eq!(w["reachable"], false, "{w}");
+        // It answers (503): reachable, as `check --probe` says, and unhealthy: no traffic.
+        assert_eq!(w["reachable"], true, "{w}");
+        assert_eq!(w["health"], "unhealthy", "{w}");
     }
     for _ in 0..12 {
         let reply = chat(r.addr, 1).await;

@@ -169,12 +169,19 @@ impl Collector for Fleet {
             })
             .collect();
         let available = states.iter().filter(|s| s.is_none()).count();
+        // An engine whose flavor or DP size is not known yet has no ranks, but it is part of
+        // the fleet and takes no traffic: counted as one unavailable entry here, in the state
+        // series below and in `/workers` (one row each), so all three agree on the size.
+        let pending: Vec<&str> = (snap.fleet.engines.iter())
+            .filter(|e| !e.shaped())
+            .map(|e| &*e.url)
+            .collect();
         let mut m = enc.encode_descriptor(
             "rankgate_fleet_ranks",
             "Ranks in the fleet by state: available (fresh telemetry, or a fresh rank that has \
-             no load gauges yet; not ejected) or unavailable. Both series are always present; \
-             available = 0 means every request fails with 503 or goes to a rank chosen without \
-             telemetry.",
+             no load gauges yet; not ejected) or unavailable (an engine whose shape is not known \
+             yet counts as one). Both series are always present; available = 0 means every \
+             request fails with 503 or goes to a rank chosen without telemetry.",
             None,
             MetricType::Gauge,
         )?;
@@ -182,15 +189,24 @@ impl Collector for Fleet {
         gauge(
             &mut m,
             &[("state", "unavailable")],
-            (states.len() - available) as i64,
+            (states.len() - available + pending.len()) as i64,
         )?;
+        let m = enc.encode_descriptor(
+            "rankgate_fleet_engines_pending_shape",
+            "Engines whose flavor or DP size is not known yet (they have not said it): no \
+             ranks, no traffic until they do.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(pending.len() as i64).encode(m)?;
 
         let mut m = enc.encode_descriptor(
             "rankgate_rank_telemetry_state",
             "The rank's state, with the kind of reason when it is unavailable (not_polled, \
-             absent, invalid, stale, sources_failed, health, ejected, silent, ...), or fresh \
-             (named by its engine, no load gauges yet) with reason idle or unproven; always 1, \
-             one series per rank.",
+             absent, invalid, stale, sources_failed, health, ejected, silent, ...; shape_unknown, \
+             with the engine's URL as `worker`, for an engine whose ranks are not known yet), or \
+             fresh (named by its engine, no load gauges yet) with reason idle or unproven; always \
+             1, one series per rank.",
             None,
             MetricType::Gauge,
         )?;
@@ -208,6 +224,15 @@ impl Collector for Fleet {
                 ("worker", &*w.id_text),
                 ("state", state),
                 ("reason", reason),
+            ];
+            gauge(&mut m, &labels, 1i64)?;
+        }
+        // The engine's URL stands for its ranks until they are known (as in `/workers`).
+        for url in &pending {
+            let labels = [
+                ("worker", *url),
+                ("state", "unavailable"),
+                ("reason", "shape_unknown"),
             ];
             gauge(&mut m, &labels, 1i64)?;
         }

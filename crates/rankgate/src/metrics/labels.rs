@@ -31,6 +31,12 @@ pub const UNKNOWN: &str = "unknown";
 /// through more models than this over one process's life is not one we label well anyway).
 const MAX_MODELS: usize = 1024;
 
+/// Most model names ever labelled from requests alone, before the engines' lists said them
+/// (see [`Models::provisional`]): clients choose these, so only a few are believed.
+const MAX_PROVISIONAL: usize = 8;
+/// Longest model name labelled from a request alone.
+const MAX_PROVISIONAL_LEN: usize = 256;
+
 /// A request's `model` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ModelIdx(pub(super) u16);
@@ -65,6 +71,9 @@ pub struct CatalogLabels {
     pub only: ModelIdx,
     /// Requests' models decide their engines, so each request's is read (by `select`).
     pub by_model: bool,
+    /// Some engine's model list is not known yet: requests' models are read for their label
+    /// (see [`Models::provisional`]), so the first requests are not all `unknown`.
+    pub pending: bool,
     /// The catalog's model names, sorted, with their index.
     names: Vec<(Arc<str>, ModelIdx)>,
 }
@@ -133,6 +142,8 @@ pub struct Models {
     current: ArcSwap<CatalogLabels>,
     /// Held while names are interned.
     grow: Mutex<()>,
+    /// Names interned by [`Models::provisional`], never more than [`MAX_PROVISIONAL`].
+    provisional: AtomicUsize,
 }
 
 impl Default for Models {
@@ -144,6 +155,7 @@ impl Default for Models {
             },
             current: ArcSwap::default(),
             grow: Mutex::new(()),
+            provisional: AtomicUsize::new(0),
         };
         models.interned.push(series(UNKNOWN.into()));
         models
@@ -218,8 +230,35 @@ impl Models {
             catalog: Some(catalog.clone()),
             only,
             by_model: catalog.routes_by_model(),
+            pending: catalog.lists_pending(),
             names,
         }));
+    }
+
+    /// The label of a request naming `model` while some engine's list is not known yet: the
+    /// catalog's, else the name itself, interned for good (once the lists are read, a model
+    /// they have keeps the same label). Clients choose names, so at most [`MAX_PROVISIONAL`]
+    /// are ever taken this way, none longer than [`MAX_PROVISIONAL_LEN`]; past that, `unknown`.
+    #[cold]
+    pub fn provisional(&self, labels: &CatalogLabels, model: &str) -> ModelIdx {
+        let known = labels.of(model);
+        if known != ModelIdx::UNKNOWN || model.len() > MAX_PROVISIONAL_LEN || model.is_empty() {
+            return known;
+        }
+        let _grow = self.grow.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = self.interned.iter().position(|s| &*s.name == model) {
+            return ModelIdx(i as u16);
+        }
+        if self.provisional.load(Relaxed) >= MAX_PROVISIONAL {
+            return ModelIdx::UNKNOWN;
+        }
+        match self.interned.push(series(model.into())) {
+            Some(i) => {
+                self.provisional.fetch_add(1, Relaxed);
+                ModelIdx(i as u16)
+            }
+            None => ModelIdx::UNKNOWN,
+        }
     }
 
     /// Runs `f` on the series of model `m`.

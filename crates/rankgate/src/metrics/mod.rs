@@ -285,7 +285,8 @@ impl Metrics {
             model: catalog.only,
             route: self.core.routes.of(grpc, path),
         };
-        (labels, (catalog.by_model && !grpc).then(ModelSlot::default))
+        let read = catalog.by_model || catalog.pending;
+        (labels, (read && !grpc).then(ModelSlot::default))
     }
 
     /// The label of a request naming `model` in the fleet of `snap`.
@@ -295,9 +296,13 @@ impl Metrics {
     }
 
     pub fn model(&self, model: &str, snap: &Snapshot) -> ModelIdx {
-        (self.core.models)
-            .labels(&snap.catalog, snap.fleet.engines.len())
-            .of(model)
+        let models = &self.core.models;
+        let labels = models.labels(&snap.catalog, snap.fleet.engines.len());
+        match labels.pending {
+            // Before the engines' lists are read: the request's own name, within bounds.
+            true => models.provisional(&labels, model),
+            false => labels.of(model),
+        }
     }
 
     /// A request answered on `worker` (by its engine, or by rankgate for its attempt).

@@ -91,7 +91,8 @@ impl<S> Select<S> {
         let split = snap.fleet.http.disaggregated && split_route(path);
         // The usual request: one model, one flavor, nothing to look at (engines that serve no
         // HTTP are left out by the pick itself).
-        if !snap.catalog.routes_by_model() && !mixed_flavors && !split && path != "/v1/responses" {
+        let usual = !snap.catalog.routes_by_model() && !snap.catalog.lists_pending();
+        if usual && !mixed_flavors && !split && path != "/v1/responses" {
             // One model served: a request naming another is answered here (`not_served`).
             let full = matches!(req.body(), RequestBody::Full(_));
             if let (Some(sole), true) = (snap.catalog.sole_model(), full) {
@@ -118,6 +119,17 @@ impl<S> Select<S> {
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
         if let Some(sole) = snap.catalog.sole_model() {
             not_served(req, route, sole)?;
+        }
+        // Before the engines' model lists are read, a request naming its model is labelled
+        // with it (`Metrics::model` bounds how many names), not `unknown`.
+        if let (false, true, Some(slot)) = (
+            by_model,
+            snap.catalog.lists_pending() && route.payload != Payload::Empty,
+            req.extensions().get::<ModelSlot>(),
+        ) {
+            if let Ok(Some(m)) = model(req, route) {
+                slot.set(ctx.metrics.model(&m, &snap));
+            }
         }
         if !by_model && !split && (!mixed_flavors || route.flavors == crate::worker::Flavors::BOTH)
         {

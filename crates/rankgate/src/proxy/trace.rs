@@ -3,7 +3,8 @@
 //! `--otlp-traces-endpoint`) joins the client's trace; a `request` span per request, with the
 //! pick (candidates, scores, ranks passed over and why) as attributes and an `upstream` child
 //! span per attempt on an engine; and, for `x-rankgate-debug: 1` with the admin token, each
-//! attempt's pick explanation in an `x-rankgate-pick` response header.
+//! attempt's pick explanation in an `x-rankgate-pick` response header, and the rank that
+//! answered in `x-rankgate-worker` under any `server.expose_worker`.
 //!
 //! The spans are at target `rankgate::trace`, which the log filter leaves off unless `RUST_LOG`
 //! names it (then they print when they close) and OTLP export turns on. A request nobody
@@ -266,6 +267,12 @@ where
             span.record("otel.status_code", "ERROR");
         }
         if let Some(picks) = this.picks.take() {
+            // The admin token was checked (`auth`): the rank that answered is named in full
+            // whatever `server.expose_worker` tells clients, so an operator's tools can say it.
+            if let Some(t) = &resp.body().target {
+                let v = t.worker.header.clone();
+                resp.headers_mut().insert(super::layer::WORKER_HEADER, v);
+            }
             let picks = picks.lock().map(|p| p.clone()).unwrap_or_default();
             for x in picks {
                 if let Ok(v) = HeaderValue::from_str(&x.to_json(MAX_PICK_HEADER)) {

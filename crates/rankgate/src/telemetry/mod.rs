@@ -415,6 +415,12 @@ fn log_change(fleet: &Fleet, w: WorkerIx, old: &RankTelemetry, new: &RankTelemet
         (RankTelemetry::Available(_), RankTelemetry::Unavailable { reason }) => {
             tracing::warn!(worker = %id, %reason, "telemetry unavailable");
         }
+        // A rank first polled without numbers never had any: "still" would say it lost them.
+        (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
+            if matches!(a, crate::reason::Reason::NotPolled) && !a.same_kind(b) =>
+        {
+            tracing::warn!(worker = %id, reason = %b, "telemetry not available yet");
+        }
         (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
             if !a.same_kind(b) =>
         {

@@ -18,8 +18,13 @@ use crate::worker::{Engine, EngineEntry, Origin};
 pub struct Probed {
     pub url: String,
     /// Something answered: its health path (any HTTP answer), the shape question, a telemetry
-    /// source or the model list.
+    /// source or the model list. As in `/workers`: an engine whose health path answers 503 is
+    /// reachable (and unhealthy).
     pub reachable: bool,
+    /// `ok`, `unhealthy (<what the health path answered>)`, or `unknown (<why>)`, as
+    /// `/workers`' `health` says it.
+    pub health: String,
+    /// The flavor as configured or read, else `unknown (<why>)`.
     pub flavor: String,
     /// `None` while the engine has not said it (and the config leaves it to the engine).
     pub dp_size: Option<u32>,
@@ -81,12 +86,20 @@ async fn one(
     };
     // The health path: any HTTP answer (an error status too) says the engine is up.
     let mut health_answered = false;
+    let mut health = "unknown (no health path: gRPC only, or none configured)".to_string();
     if let (true, Some(path)) = (engine.http, engine.health_path.as_deref()) {
         match get(path) {
             Ok(uri) => match fetch(&http, uri).await {
-                Ok(_) => health_answered = true,
+                Ok(_) => {
+                    health_answered = true;
+                    health = "ok".into();
+                }
                 Err(f) => {
                     health_answered = f.answered;
+                    health = match f.answered {
+                        true => format!("unhealthy ({path} answered {})", f.reason),
+                        false => format!("unknown ({path} did not answer)"),
+                    };
                     problems.push(format!("GET {path}: {}", f.reason));
                 }
             },
@@ -177,10 +190,14 @@ async fn one(
     Probed {
         url: engine.url.to_string(),
         reachable: health_answered || asked.is_ok() || models.is_some() || telemetry.is_some(),
-        flavor: match shaped.shaped() || shaped.declared.flavor.is_some() {
-            true => shaped.flavor.as_str().into(),
-            false => "?".into(),
+        flavor: match (shaped.shaped() || shaped.declared.flavor.is_some(), &asked) {
+            (true, _) => shaped.flavor.as_str().into(),
+            (false, Err(_)) => {
+                "unknown (not configured, and the engine did not say: see problems)".into()
+            }
+            (false, Ok(_)) => "unknown (not configured, and not in what the engine said)".into(),
         },
+        health,
         dp_size: shaped.shaped().then_some(shaped.dp_size),
         ranks,
         models,
@@ -192,6 +209,21 @@ async fn one(
 }
 
 impl Probed {
+    /// Why this engine's ranks would get no traffic if served as probed, or `None` when they
+    /// would: nothing answered, its health path failed, or its ranks are not known.
+    pub fn no_traffic(&self) -> Option<String> {
+        if !self.reachable {
+            return Some("nothing answered".into());
+        }
+        if self.health.starts_with("unhealthy") {
+            return Some(format!("reachable but {}", self.health));
+        }
+        if self.ranks.is_empty() {
+            return Some("its flavor or DP size is not known, so it has no ranks".into());
+        }
+        None
+    }
+
     /// One line of the table `check --probe` prints: each column says what was found, or
     /// `unknown`; what failed, and on which request, is in `problems`.
     pub fn line(&self) -> String {
@@ -217,9 +249,10 @@ impl Probed {
             false => format!("\tproblems={}", self.problems.join("; ")),
         };
         format!(
-            "{}\treachable={}\tflavor={}\tdp_size={dp_size}\tranks={ranks}\trole={}\tmodels={models}\ttelemetry={telemetry}\tkv_events={kv_events}{problems}",
+            "{}\treachable={}\thealth={}\tflavor={}\tdp_size={dp_size}\tranks={ranks}\trole={}\tmodels={models}\ttelemetry={telemetry}\tkv_events={kv_events}{problems}",
             self.url,
             if self.reachable { "yes" } else { "no" },
+            self.health,
             self.flavor,
             self.role,
         )

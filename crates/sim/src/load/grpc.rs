@@ -29,6 +29,8 @@ pub struct GenerateCall {
     pub max_tokens: u32,
     /// A rank to pin (rankgate replaces it with its own pick).
     pub rank: Option<i32>,
+    /// rankgate's admin token: the call asks (`x-rankgate-debug`) which rank served it.
+    pub admin_token: Option<std::sync::Arc<str>>,
 }
 
 /// One message of a generation stream.
@@ -95,10 +97,14 @@ impl Generation {
 impl GrpcClient {
     /// A client for `flavor`'s service at `url` (`http://host:port`).
     pub fn new(flavor: Flavor, url: &str) -> Result<GrpcClient, String> {
+        Self::with_transport(flavor, url, transport(Duration::from_secs(2)))
+    }
+
+    /// The same over `t` (e.g. one trusting a private CA, for an `https://` front door).
+    pub fn with_transport(flavor: Flavor, url: &str, t: Transport) -> Result<GrpcClient, String> {
         let origin: http::Uri = url
             .parse()
             .map_err(|e| format!("gRPC address {url:?}: {e}"))?;
-        let t = transport(Duration::from_secs(2));
         match flavor {
             Flavor::Vllm => Ok(GrpcClient::Vllm(
                 vllm::vllm_engine_client::VllmEngineClient::with_origin(t, origin),
@@ -134,7 +140,7 @@ impl GrpcClient {
                     stream: true,
                     data_parallel_rank: call.rank,
                 };
-                let resp = c.generate(req).await?;
+                let resp = c.generate(debugged(req, call)?).await?;
                 Ok(Generation {
                     worker: worker(resp.metadata()),
                     stream: Stream::Vllm(resp.into_inner()),
@@ -153,7 +159,7 @@ impl GrpcClient {
                     data_parallel_rank: call.rank,
                     stream: true,
                 };
-                let resp = c.generate(req).await?;
+                let resp = c.generate(debugged(req, call)?).await?;
                 Ok(Generation {
                     worker: worker(resp.metadata()),
                     stream: Stream::Sglang(resp.into_inner()),
@@ -161,6 +167,23 @@ impl GrpcClient {
             }
         }
     }
+}
+
+/// `req` asking, with the admin token, which rank serves it (rankgate then names it in
+/// `x-rankgate-worker` whatever `server.expose_worker` says).
+fn debugged<T>(req: T, call: &GenerateCall) -> Result<tonic::Request<T>, Status> {
+    let mut req = tonic::Request::new(req);
+    if let Some(t) = &call.admin_token {
+        let token = (t.parse())
+            .map_err(|_| Status::invalid_argument("the admin token is not a valid header value"))?;
+        let m = req.metadata_mut();
+        m.insert(
+            "x-rankgate-debug",
+            tonic::metadata::MetadataValue::from_static("1"),
+        );
+        m.insert("x-rankgate-admin-token", token);
+    }
+    Ok(req)
 }
 
 /// The HTTP-like status a gRPC status is reported under (the report classes errors by status).

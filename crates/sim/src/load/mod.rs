@@ -18,6 +18,7 @@ mod plan;
 mod progress;
 
 use progress::{end_progress, spawn_progress};
+mod outcome;
 pub mod report;
 pub mod scrape;
 pub mod sdk;
@@ -37,6 +38,8 @@ use tokio::time::Instant;
 
 pub use dist::{Dist, TraceEntry};
 use plan::{body, plan, Planned};
+
+pub use outcome::{ErrorKind, Outcome, ADMIN_TOKEN_HEADER, DEBUG_HEADER, HIDDEN};
 pub use report::Report;
 pub use session::Sessions;
 
@@ -127,6 +130,9 @@ pub struct Workload {
     pub spread: Vec<String>,
     pub progress: bool,
     pub seed: u64,
+    /// rankgate's admin token: each request asks (`x-rankgate-debug`) which rank served it, so
+    /// the report names it under any `server.expose_worker`.
+    pub admin_token: Option<Arc<str>>,
 }
 
 impl Workload {
@@ -149,58 +155,7 @@ impl Workload {
             spread: Vec::new(),
             progress: false,
             seed: 1,
-        }
-    }
-}
-
-/// Why a request failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorKind {
-    Connect,
-    Http4xx,
-    Http5xx,
-    /// The body failed to arrive whole (a non-streaming answer broken or unreadable).
-    Body,
-    /// A 2xx stream that ended (cleanly or broken) before the engine's end: no `data: [DONE]`
-    /// for SSE, no completion message for gRPC.
-    StreamCut,
-    /// A 2xx stream that carried an error event (rankgate's `data: {"error": ...}` when it cuts a
-    /// stream after its first byte): the answer is incomplete whatever followed.
-    StreamErrorEvent,
-    Deadline,
-}
-
-/// One request's result.
-#[derive(Debug, Clone)]
-pub struct Outcome {
-    /// When it was sent, from the start of the run.
-    pub sent: Duration,
-    /// How late it was sent against its schedule (the client's own overhead).
-    pub lag: Duration,
-    pub status: u16,
-    pub error: Option<ErrorKind>,
-    pub ttft: Option<Duration>,
-    /// Gaps between consecutive tokens.
-    pub itl: Vec<Duration>,
-    pub e2e: Duration,
-    pub tokens: u64,
-    pub worker: Option<String>,
-}
-
-impl Outcome {
-    /// A request that got no usable answer.
-    pub(crate) fn failed(kind: ErrorKind, e2e: Duration) -> Outcome {
-        Outcome {
-            sent: Duration::ZERO,
-            lag: Duration::ZERO,
-            status: 0,
-            error: Some(kind),
-            ttft: None,
-            itl: Vec::new(),
-            e2e,
-            tokens: 0,
-            worker: None,
+            admin_token: None,
         }
     }
 }
@@ -222,12 +177,18 @@ pub(crate) async fn one(
     body: Bytes,
     stream: bool,
     start: Instant,
+    admin_token: Option<Arc<str>>,
 ) -> Outcome {
-    let req = Request::builder()
+    let mut req = Request::builder()
         .method(Method::POST)
         .uri(uri)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body));
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(t) = &admin_token {
+        req = req
+            .header(DEBUG_HEADER, "1")
+            .header(ADMIN_TOKEN_HEADER, &**t);
+    }
+    let req = req.body(Full::new(body));
     let resp = match req {
         Ok(r) => client.request(r).await.ok(),
         Err(_) => None,
@@ -410,7 +371,8 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
             Target::Http(c, uris) => {
                 let u = uris[(sent_count - 1) % uris.len()].clone();
                 let (c, b, stream) = (c.clone(), body(w, p), w.stream);
-                Box::pin(async move { one(c, u, b, stream, Instant::now()).await })
+                let token = w.admin_token.clone();
+                Box::pin(async move { one(c, u, b, stream, Instant::now(), token).await })
             }
             Target::Grpc(c) => {
                 let c = c.clone();
@@ -419,6 +381,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                     prompt_tokens: p.prompt,
                     max_tokens: p.output.min(u32::MAX as u64) as u32,
                     rank: None,
+                    admin_token: w.admin_token.clone(),
                 };
                 Box::pin(async move { grpc::one(c, g, Instant::now()).await })
             }

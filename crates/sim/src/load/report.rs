@@ -89,7 +89,9 @@ impl Report {
     pub fn per_worker(&self) -> BTreeMap<String, usize> {
         let mut m: BTreeMap<String, usize> = (self.fleet.iter()).map(|w| (w.clone(), 0)).collect();
         for o in self.ok() {
-            *m.entry(o.worker.clone().unwrap_or_else(|| "-".into()))
+            // No rank named: rankgate hides it (`expose_worker = "none"`) unless asked with the
+            // admin token; saying so beats a `-` that reads as "no rank".
+            *m.entry(o.worker.clone().unwrap_or_else(|| super::HIDDEN.into()))
                 .or_default() += 1;
         }
         m

@@ -98,7 +98,19 @@ pub async fn send(
     api_key: &str,
     call: &Call,
 ) -> Result<Outcome, String> {
-    tokio::time::timeout(CALL_TIMEOUT, exchange(client, base, api_key, call))
+    send_as(client, base, api_key, None, call).await
+}
+
+/// [`send`], asking with rankgate's `admin_token` (if any) which rank serves the call.
+pub async fn send_as(
+    client: &rankgate::http::HttpClient<Full<Bytes>>,
+    base: &str,
+    api_key: &str,
+    admin_token: Option<&str>,
+    call: &Call,
+) -> Result<Outcome, String> {
+    let exchange = exchange(client, base, api_key, admin_token, call);
+    tokio::time::timeout(CALL_TIMEOUT, exchange)
         .await
         .map_err(|_| format!("no complete answer within {CALL_TIMEOUT:?}"))?
 }
@@ -107,6 +119,7 @@ async fn exchange(
     client: &rankgate::http::HttpClient<Full<Bytes>>,
     base: &str,
     api_key: &str,
+    admin_token: Option<&str>,
     call: &Call,
 ) -> Result<Outcome, String> {
     let body = call
@@ -132,6 +145,9 @@ async fn exchange(
         .header("x-stainless-retry-count", "0");
     if call.body.is_some() {
         req = req.header(header::CONTENT_TYPE, "application/json");
+    }
+    if let Some(t) = admin_token {
+        req = (req.header(super::DEBUG_HEADER, "1")).header(super::ADMIN_TOKEN_HEADER, t);
     }
     let req = req.body(Full::new(body)).map_err(|e| e.to_string())?;
     let resp = client

@@ -130,6 +130,8 @@ struct Shared {
     model: String,
     output_tokens: Dist,
     seed: u64,
+    /// Asks rankgate which rank served each turn (see [`Workload::admin_token`]).
+    admin_token: Option<Arc<str>>,
 }
 
 impl Shared {
@@ -162,6 +164,7 @@ pub(super) async fn run(
         model: w.model.clone(),
         output_tokens: w.output_tokens,
         seed: w.seed,
+        admin_token: w.admin_token.clone(),
     });
     let live = match w.arrivals {
         Arrivals::Closed(c) => Some(Arc::new(Semaphore::new(c.max(1)))),
@@ -221,7 +224,8 @@ async fn session(sh: &Shared, s: &Sessions, i: usize) -> Vec<Outcome> {
         let n = sh.next_uri.fetch_add(1, Relaxed);
         let uri = sh.uris[n % sh.uris.len()].clone();
         let t0 = Instant::now();
-        let call = one(sh.client.clone(), uri, body, sh.stream, t0);
+        let token = sh.admin_token.clone();
+        let call = one(sh.client.clone(), uri, body, sh.stream, t0, token);
         let mut o = tokio::time::timeout_at(sh.deadline, call)
             .await
             .unwrap_or_else(|_| Outcome::failed(ErrorKind::Deadline, t0.elapsed()));

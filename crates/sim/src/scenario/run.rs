@@ -253,6 +253,8 @@ pub async fn run_fleet(
         grpc: grpc.then(|| s.engines[0].flavor.into()),
         progress,
         seed: w.seed,
+        // Scenarios run with `expose_worker = "url"`: every answer names its rank.
+        admin_token: None,
     };
     let report = load::run(&workload).await;
     let _ = stop_tx.send(true);

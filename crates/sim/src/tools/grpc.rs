@@ -1,11 +1,13 @@
 //! `rankgate grpc-client`: a gRPC client for an engine's own service, or for rankgate's gRPC
 //! front door, which serves the same services: one streaming `Generate` (the worker that served
 //! it is in the response's `x-rankgate-worker` metadata), then the per-rank loads from
-//! `GetLoads`.
+//! `GetLoads`. With the admin token it asks rankgate which rank served the call (named under
+//! any `server.expose_worker`); `--ca-file` reaches a front door whose certificate a private CA
+//! signed.
 
 use std::time::{Duration, Instant};
 
-use rankgate::telemetry::grpc::{transport, LoadsClient};
+use rankgate::telemetry::grpc::{transport_with, LoadsClient};
 use rankgate::worker::Flavor;
 
 use super::ToolResult;
@@ -24,6 +26,12 @@ pub struct Args {
     pub max_tokens: u32,
     #[arg(long, default_value = "grpc-client-1")]
     pub id: String,
+    /// rankgate's admin token (else RANKGATE_ADMIN_TOKEN): the call asks which rank served it.
+    #[arg(long)]
+    pub admin_token: Option<String>,
+    /// PEM CA bundle that signed an `https://` server's certificate (else the system's roots).
+    #[arg(long)]
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// Every call is bounded: a server that never answers ends the example, not hangs it.
@@ -36,22 +44,32 @@ pub async fn run(a: Args) -> ToolResult {
         "sglang" => Flavor::Sglang,
         other => return Err(format!("--flavor {other:?}: vllm or sglang")),
     };
-    let mut client = GrpcClient::new(flavor, &a.url)?;
+    let tls = rankgate::tls::Upstream::trusting(a.ca_file.as_deref())
+        .map_err(|e| format!("--ca-file: {e}"))?;
+    let transport = transport_with(Duration::from_secs(2), &tls);
+    let origin = a.url.trim_end_matches('/');
+    let mut client = GrpcClient::with_transport(flavor, origin, transport.clone())?;
+    let token = super::admin_token(a.admin_token);
     let call = GenerateCall {
         request_id: a.id.clone(),
         prompt_tokens: a.prompt_tokens,
         max_tokens: a.max_tokens,
         rank: None,
+        admin_token: token.as_deref().map(Into::into),
     };
     let started = Instant::now();
     let generation = tokio::time::timeout(CALL_TIMEOUT, async {
         let mut g = client.generate(&call).await?;
+        // Without the metadata: an engine answered directly, or rankgate hides its ranks
+        // (`expose_worker = "none"`) from a caller without the admin token.
+        let unnamed = match &token {
+            Some(_) => "(no x-rankgate-worker: not through rankgate)",
+            None => "(hidden by the router: give --admin-token; or not through rankgate)",
+        };
         println!(
             "Generate {:?}: served by {}",
             a.id,
-            g.worker
-                .as_deref()
-                .unwrap_or("(no x-rankgate-worker: not through rankgate)")
+            g.worker.as_deref().unwrap_or(unnamed)
         );
         let mut first = None;
         while let Some(ev) = g.next().await? {
@@ -78,8 +96,7 @@ pub async fn run(a: Args) -> ToolResult {
         Err(s) => return Err(format!("Generate failed: {:?}: {}", s.code(), s.message())),
     }
 
-    let origin = a.url.trim_end_matches('/');
-    let loads = LoadsClient::new(flavor, origin, transport(Duration::from_secs(2)))?;
+    let loads = LoadsClient::new(flavor, origin, transport)?;
     let report = tokio::time::timeout(CALL_TIMEOUT, loads.get_loads(None))
         .await
         .map_err(|_| format!("GetLoads timed out after {CALL_TIMEOUT:?}"))??;

@@ -108,10 +108,13 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub engine_metrics: Vec<String>,
     /// The router's admin listener (base URL): the report then lists every rank of its fleet,
-    /// those that served nothing included (the admin token, if any, from
-    /// RANKGATE_ADMIN_TOKEN).
+    /// those that served nothing included.
     #[arg(long, conflicts_with = "scenario")]
     pub admin: Option<String>,
+    /// rankgate's admin token (else RANKGATE_ADMIN_TOKEN): each request asks which rank served
+    /// it, so the per-worker counts are right under any `server.expose_worker`.
+    #[arg(long)]
+    pub admin_token: Option<String>,
     /// Write the full report as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -179,6 +182,8 @@ pub async fn run(a: Args) -> ToolResult {
     w.output_tokens = a.output_tokens;
     w.model = a.model;
     w.progress = true;
+    let token = super::admin_token(a.admin_token);
+    w.admin_token = token.as_deref().map(Into::into);
     if let (Some(count), Some(turns)) = (a.sessions, a.turns) {
         let s = Sessions {
             count,
@@ -219,7 +224,6 @@ pub async fn run(a: Args) -> ToolResult {
         report.prefix_cache = Some((q1.saturating_sub(q0), h1.saturating_sub(h0)));
     }
     if let Some(admin) = &a.admin {
-        let token = std::env::var("RANKGATE_ADMIN_TOKEN").ok();
         report.fleet = load::fleet::ranks(admin, token.as_deref())
             .await
             .map_err(|e| format!("--admin: {e}"))?;

@@ -11,5 +11,12 @@ pub mod grpc;
 pub mod load;
 pub mod openai;
 
+/// The admin token from `--admin-token`, else the `RANKGATE_ADMIN_TOKEN` variable (as the
+/// deployment's manifests name it); an empty one is none.
+pub fn admin_token(flag: Option<String>) -> Option<String> {
+    flag.or_else(|| std::env::var("RANKGATE_ADMIN_TOKEN").ok())
+        .filter(|t| !t.is_empty())
+}
+
 /// Errors of a tool: printed by the binary after the subcommand's name.
 pub type ToolResult = Result<(), String>;

@@ -16,20 +16,39 @@ pub struct Args {
     /// Sent as `Authorization: Bearer`, as the SDK always does (it needs some key).
     #[arg(long, default_value = "EMPTY")]
     pub api_key: String,
+    /// rankgate's admin token (else RANKGATE_ADMIN_TOKEN): each call asks which rank served
+    /// it, named whatever `server.expose_worker` says.
+    #[arg(long)]
+    pub admin_token: Option<String>,
 }
 
 /// Sends each call in turn; fails, after all of them, when any failed.
 pub async fn run(args: Args) -> ToolResult {
     let client = rankgate::http::client(std::time::Duration::from_secs(2));
     let mut failed = 0;
+    let token = super::admin_token(args.admin_token);
     for call in sdk::calls(&args.model) {
-        match sdk::send(&client, &args.base_url, &args.api_key, &call).await {
+        let sent = sdk::send_as(
+            &client,
+            &args.base_url,
+            &args.api_key,
+            token.as_deref(),
+            &call,
+        );
+        match sent.await {
             Ok(o) => {
+                // Without a worker: rankgate answered itself (the model list), or hides the
+                // rank from clients (`expose_worker = "none"`) and was not asked.
+                let worker = match (&o.worker, &token) {
+                    (Some(w), _) => w.as_str(),
+                    (None, Some(_)) => "(none: answered by the router itself)",
+                    (None, None) => crate::load::HIDDEN,
+                };
                 println!(
                     "{:<40} {} worker={} request-id={} {} bytes",
                     call.name,
                     o.status,
-                    o.worker.as_deref().unwrap_or("-"),
+                    worker,
                     o.request_id.as_deref().unwrap_or("-"),
                     o.body.len()
                 );
