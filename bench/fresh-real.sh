@@ -70,9 +70,9 @@ wait_models() { # name, port
   echo "# $name up on :$port after $((SECONDS - t0)) s (nothing sent to it)"
 }
 
-start_rankgate() { # the [[engines]] entries
-  printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\naccess_log = true\n\n%s\n' \
-    "$RG_PORT" "$RG_ADMIN" "$1" > "$work/rankgate.toml"
+start_rankgate() { # the [[engines]] entries, then more config
+  printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\naccess_log = true\n\n%s\n%s\n' \
+    "$RG_PORT" "$RG_ADMIN" "${2:-}" "$1" > "$work/rankgate.toml"
   : > "$work/rankgate.log"
   start rankgate env RUST_LOG=info "$RANKGATE" serve --config "$work/rankgate.toml" --log-format json
   local t0=$SECONDS
@@ -134,7 +134,8 @@ def one(i, out):
               "took": time.time() - t0, "raw": raw[:200].decode(errors="replace") if s != 200 else ""}
 
 def rank(w):
-    return None if not w else int(str(w).rsplit("@", 1)[1])
+    w = str(w or "")
+    return int(w.rsplit("@", 1)[1]) if "@" in w else None
 
 def run(pd):
     print("# rankgate's view of the fresh fleet before any request:")
@@ -190,7 +191,10 @@ if [ "$WHAT" = pd ] || [ "$WHAT" = both ]; then
   start decode env PORT=$D_PORT DP=2 CORES="0|1" SIDE_PORT=$D_SIDE VLLM_PORT=$D_VLLM UCX_PORTS="$((PB + 750))-$((PB + 799))" \
     ENGINE_ID=fresh-D "$REAL_VLLM" decode
   wait_models decode $D_PORT
-  start_rankgate "$(printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\nrole = "prefill"\n\n[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\nrole = "decode"\n' $P_PORT $D_PORT)"
+  # Four engine cores on two CPUs: a real vLLM's /metrics and /health took over 2 s to answer here
+  # (the default telemetry timeout), so this fleet is polled with more patience.
+  start_rankgate "$(printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\nrole = "prefill"\n\n[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\nrole = "decode"\n' $P_PORT $D_PORT)" \
+    "$(printf '[telemetry]\ntimeout = "8s"\nstale_after = "20s"\n')"
   python3 "$work/fresh.py" pd || rc=1
 fi
 echo "# fresh-real: $([ $rc = 0 ] && echo PASS || echo FAIL)"
