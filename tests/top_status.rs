@@ -37,12 +37,12 @@ fn terminal(width: u16, height: u16) -> Terminal<TestBackend> {
 
 /// The REQ/S cell of `id`'s line: the column right after IN-FLIGHT.
 fn req_per_s(text: &str, id: &str) -> String {
-    let short = short_id(id, 25);
+    let short = short_id(id, 18);
     let line = (text.lines().find(|l| l.starts_with(&short)))
         .unwrap_or_else(|| panic!("{id} not on screen:\n{text}"));
     let cells: Vec<&str> = line[short.len()..].split_whitespace().collect();
-    // STATE, INFL, REQ/S, ...
-    cells[2].to_string()
+    // STATE, FAIL, INFL, REQ/S, ...
+    cells[3].to_string()
 }
 
 /// One engine of two ranks, rank 1 at 95% KV: `least_kv` sends everything to rank 0.

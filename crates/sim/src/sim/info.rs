@@ -8,10 +8,19 @@
 use http::{Response, StatusCode};
 use serde_json::{json, Value};
 
-use super::{Sim, SimBody};
+use super::{Sim, SimBody, DEFAULT_MODEL};
 use rankgate::http::json_response;
 
 impl Sim {
+    /// The first served model: what a request that names none gets, and the `model_name` label
+    /// of `/metrics` (vLLM labels its series with the first served name).
+    pub(crate) fn default_model(&self) -> &str {
+        self.cfg
+            .models
+            .first()
+            .map_or(DEFAULT_MODEL, String::as_str)
+    }
+
     /// `/v1/models`: one card per served name.
     pub(super) fn models(&self) -> Value {
         let data: Vec<Value> = self.cfg.models.iter().map(|m| self.model_card(m)).collect();

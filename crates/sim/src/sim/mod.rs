@@ -493,13 +493,4 @@ impl Sim {
         }
         b
     }
-
-    /// The first served model: what a request that names none gets, and the `model_name` label
-    /// of `/metrics` (vLLM labels its series with the first served name).
-    pub(crate) fn default_model(&self) -> &str {
-        self.cfg
-            .models
-            .first()
-            .map_or(DEFAULT_MODEL, String::as_str)
-    }
 }
