@@ -303,7 +303,7 @@ fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelem
             return RankTelemetry::unavailable(Reason::NoKvGauge { rank });
         }
         let fresh = match s.work {
-            Some(w) if w == 0.0 => Fresh::Idle,
+            Some(0.0) => Fresh::Idle,
             _ => Fresh::Unproven,
         };
         return RankTelemetry::Available(Load::fresh(fresh, capacity_tokens, sampled_at));
