@@ -14,61 +14,16 @@
 # among the first 4.
 #
 # whole: one vLLM DP=2 (cores 0|1). pd: a prefill DP=2 and a decode DP=2 (NixlConnector), each on
-# cores 0|1. Environment: RANKGATE (default target/release/rankgate, built when absent), REAL_VLLM,
-# PORT_BASE (19000; every port is PORT_BASE + 0..999), START_TIMEOUT (600 s per engine).
+# cores 0|1. Environment: as bench/real-vllm-lib.sh says (RANKGATE, REAL_VLLM, PORT_BASE, START_TIMEOUT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-RANKGATE="${RANKGATE:-target/release/rankgate}"
-REAL_VLLM="${REAL_VLLM:-../shared/tools/real-vllm/run-real-vllm.sh}"
-PB="${PORT_BASE:-19000}"
-START_TIMEOUT="${START_TIMEOUT:-600}"
 WHAT="${1:-both}"
-
-[ -x "$REAL_VLLM" ] || { echo "no real-vllm launcher at $REAL_VLLM" >&2; exit 1; }
-if [ ! -x "$RANKGATE" ]; then
-  [ "$RANKGATE" = target/release/rankgate ] || { echo "RANKGATE=$RANKGATE is not executable" >&2; exit 1; }
-  cargo build --release
-fi
-[ "$PB" -ge 1024 ] && [ "$((PB + 999))" -lt 32768 ] || { echo "PORT_BASE must keep ports in 1024..32767" >&2; exit 1; }
+. bench/real-vllm-lib.sh
 
 E_PORT=$((PB + 5)) P_PORT=$((PB + 10)) D_PORT=$((PB + 40)) RG_PORT=$((PB + 80)) RG_ADMIN=$((PB + 90))
 P_SIDE=$((PB + 110)) D_SIDE=$((PB + 140)) P_VLLM=$((PB + 200)) D_VLLM=$((PB + 300)) E_VLLM=$((PB + 400))
-for p in $E_PORT $P_PORT $D_PORT $RG_PORT $RG_ADMIN $P_SIDE $((P_SIDE + 1)) $D_SIDE $((D_SIDE + 1)); do
-  if ss -Hltn "sport = :$p" | grep -q .; then echo "port $p is taken: set PORT_BASE" >&2; exit 1; fi
-done
-
-work=$(mktemp -d)
-declare -A procs=()
-stop() { # name: SIGTERM, wait up to 60 s, then SIGKILL its process group
-  local name=$1 pid=${procs[$1]:-}
-  [ -n "$pid" ] || return 0
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 120); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  kill -KILL -- "-$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  unset "procs[$name]"
-}
-cleanup() {
-  local n
-  for n in rankgate "${!procs[@]}"; do stop "$n"; done
-  [ -n "${KEEP_WORK:-}" ] && echo "# work directory kept: $work" >&2 || rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-start() { local name=$1; shift; setsid "$@" >> "$work/$name.log" 2>&1 & procs[$name]=$!; }
-
-wait_models() { # name, port
-  local name=$1 port=$2 t0=$SECONDS
-  while ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
-      "http://127.0.0.1:$port/v1/models" 2> /dev/null; do
-    kill -0 "${procs[$name]}" 2>/dev/null || { echo "# $name exited; its log:" >&2; tail -30 "$work/$name.log" >&2; exit 1; }
-    [ $((SECONDS - t0)) -lt "$START_TIMEOUT" ] || { echo "# $name not up in ${START_TIMEOUT}s" >&2; tail -30 "$work/$name.log" >&2; exit 1; }
-    sleep 2
-  done
-  echo "# $name up on :$port after $((SECONDS - t0)) s (nothing sent to it)"
-}
+free_ports $E_PORT $P_PORT $D_PORT $RG_PORT $RG_ADMIN $P_SIDE $((P_SIDE + 1)) $D_SIDE $((D_SIDE + 1))
 
 start_rankgate() { # the [[engines]] entries, then more config
   printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\naccess_log = true\n\n%s\n%s\n' \
