@@ -59,25 +59,17 @@ async fn openai_client_names_the_rank_with_the_admin_token() {
     let r = router_with(&server, FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
     wait_models(&r).await;
     let base = format!("http://{}", r.addr);
-    let run = |token: Option<&'static str>| {
-        let base = base.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"));
-            c.args([
-                "openai-client",
-                "--model",
-                "tiny-llama",
-                "--base-url",
-                &base,
-            ]);
-            c.env_remove("RANKGATE_ADMIN_TOKEN");
-            if let Some(t) = token {
-                c.args(["--admin-token", t]);
-            }
-            c.output().unwrap()
-        })
+    let run = |token| {
+        let args = [
+            "openai-client",
+            "--model",
+            "tiny-llama",
+            "--base-url",
+            &base,
+        ];
+        common::binary::run_tool(args.map(String::from).to_vec(), token)
     };
-    let o = run(Some(TOKEN)).await.unwrap();
+    let o = run(Some(TOKEN)).await;
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     let line = |name: &str| {
         (out.lines().find(|l| l.starts_with(name)))
@@ -90,7 +82,7 @@ async fn openai_client_names_the_rank_with_the_admin_token() {
     assert!(listed.contains("answered by the router itself"), "{out}");
     assert!(!out.contains("worker=-"), "{out}");
 
-    let o = run(None).await.unwrap();
+    let o = run(None).await;
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(!out.contains(&e.url()), "the rank stays hidden: {out}");
     assert!(!out.contains("worker=-"), "{out}");

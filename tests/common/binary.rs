@@ -171,3 +171,19 @@ impl Rankgate {
         }
     }
 }
+
+/// Runs one of the binary's client tools (`rankgate <args>`) to its end, off the runtime's
+/// threads: with `--admin-token token` when given, and never a token from the test's own
+/// environment (`RANKGATE_ADMIN_TOKEN`).
+pub async fn run_tool(args: Vec<String>, token: Option<&'static str>) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_rankgate"));
+        c.args(args).env_remove("RANKGATE_ADMIN_TOKEN");
+        if let Some(t) = token {
+            c.args(["--admin-token", t]);
+        }
+        c.output().expect("run the rankgate binary")
+    })
+    .await
+    .expect("the tool's thread")
+}

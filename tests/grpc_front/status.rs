@@ -167,27 +167,19 @@ async fn grpc_client_names_the_rank_with_the_admin_token() {
     let r = router_with(&server, GRPC_FAST, &[e.toml()]).await;
     wait_state(&r, &[0], "available").await;
     let url = format!("http://{}", r.grpc_addr.expect("grpc_listen"));
-    let run = |token: Option<&'static str>| {
-        let url = url.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"));
-            c.args([
-                "grpc-client",
-                "--flavor",
-                "vllm",
-                "--max-tokens",
-                "2",
-                "--url",
-                &url,
-            ]);
-            c.env_remove("RANKGATE_ADMIN_TOKEN");
-            if let Some(t) = token {
-                c.args(["--admin-token", t]);
-            }
-            c.output().unwrap()
-        })
+    let run = |token| {
+        let args = [
+            "grpc-client",
+            "--flavor",
+            "vllm",
+            "--max-tokens",
+            "2",
+            "--url",
+            &url,
+        ];
+        crate::common::binary::run_tool(args.map(String::from).to_vec(), token)
     };
-    let o = run(Some(TOKEN)).await.unwrap();
+    let o = run(Some(TOKEN)).await;
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
         o.status.success(),
@@ -196,7 +188,7 @@ async fn grpc_client_names_the_rank_with_the_admin_token() {
     );
     assert!(out.contains(&format!("served by {}", e.worker(0))), "{out}");
 
-    let o = run(None).await.unwrap();
+    let o = run(None).await;
     let out = String::from_utf8_lossy(&o.stdout).to_string();
     assert!(
         o.status.success(),
