@@ -1,10 +1,8 @@
 //! An engine's model list (`/v1/models`, for `/loads?model=`), read aside from the polls.
 //!
 //! The list changes rarely and an engine may hang on it while its telemetry answers, so it is
-//! read by one owned background task at a time, bounded by the poll timeout: a poll never waits
-//! for one. The poller takes a read's list as soon as it is done ([`ModelsReader::finished`]),
-//! not at its next poll: until an engine's list is known, requests are labelled and routed
-//! without it, and at a long poll interval that would last a whole interval.
+//! read by one owned background task at a time, bounded by the poll timeout: a poll only picks
+//! up a finished read and never waits for one.
 
 use std::time::Duration;
 
@@ -23,7 +21,7 @@ pub struct ModelsReader {
     uri: Option<http::Uri>,
     /// Poll number from which a read is due again.
     next: u64,
-    task: Option<JoinHandle<Read>>,
+    task: Option<JoinHandle<Result<Vec<Model>, String>>>,
     /// Whether the engine answered the last poll: one that comes back (perhaps restarted with
     /// other models) is read again at once.
     was_reachable: bool,
@@ -64,7 +62,27 @@ impl ModelsReader {
         let mut got = None;
         if let Some(task) = self.task.take_if(|t| t.is_finished()) {
             // Finished, so this await returns at once.
-            got = self.take(task.await, n);
+            match task.await {
+                Ok(Ok(models)) => {
+                    got = Some(models);
+                    self.warned = false;
+                }
+                Ok(Err(why)) if !self.warned => {
+                    self.warned = true;
+                    let uri = self
+                        .uri
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default();
+                    tracing::warn!(%uri, error = %why, "reading the engine's models failed; requests naming a model go to engines known to serve it (an HTTP 401 means engines[].api_key_env is missing or wrong)");
+                }
+                _ => {}
+            }
+            self.next = n + if got.is_some() {
+                MODELS_EVERY
+            } else {
+                MODELS_RETRY
+            };
         }
         if reachable && !self.was_reachable {
             self.next = n;
@@ -83,52 +101,6 @@ impl ModelsReader {
         got
     }
 }
-
-impl ModelsReader {
-    /// Waits for the read in flight (forever when there is none) and takes its outcome as
-    /// [`ModelsReader::step`] would at poll `n`: the list, or `None` when the read failed.
-    pub async fn finished(&mut self, n: u64) -> Option<Vec<Model>> {
-        let Some(task) = self.task.as_mut() else {
-            return std::future::pending().await;
-        };
-        let outcome = task.await;
-        self.task = None;
-        self.take(outcome, n)
-    }
-
-    /// A finished read's outcome: the list, or the failure logged (once per run of failures);
-    /// the next read is due [`MODELS_EVERY`] or [`MODELS_RETRY`] polls after `n`.
-    fn take(
-        &mut self,
-        outcome: Result<Read, tokio::task::JoinError>,
-        n: u64,
-    ) -> Option<Vec<Model>> {
-        let got = match outcome {
-            Ok(Ok(models)) => {
-                self.warned = false;
-                Some(models)
-            }
-            Ok(Err(why)) if !self.warned => {
-                self.warned = true;
-                let uri = (self.uri.as_ref())
-                    .map(ToString::to_string)
-                    .unwrap_or_default();
-                tracing::warn!(%uri, error = %why, "reading the engine's models failed; requests naming a model go to engines known to serve it (an HTTP 401 means engines[].api_key_env is missing or wrong)");
-                None
-            }
-            _ => None,
-        };
-        self.next = n + if got.is_some() {
-            MODELS_EVERY
-        } else {
-            MODELS_RETRY
-        };
-        got
-    }
-}
-
-/// What one read of the list gives: the models, or why not.
-type Read = Result<Vec<Model>, String>;
 
 pub(super) async fn read(http: &HttpClient, uri: http::Uri) -> Result<Vec<Model>, String> {
     let body = fetch(http, uri).await.map_err(|f| f.reason)?;

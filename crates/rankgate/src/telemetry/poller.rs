@@ -148,24 +148,6 @@ impl Poller {
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
-                // A model list read between polls is handed on at once.
-                got = self.models.finished(n) => {
-                    let Some(models) = got else { continue };
-                    let report = Report {
-                        engine: self.entry.key,
-                        reachable: self.reachable,
-                        weight_at_poll: Vec::new(),
-                        ranks: Vec::new(),
-                        source: None,
-                        models: Some(models),
-                        reported: None,
-                    };
-                    tokio::select! {
-                        sent = tx.send(report) => if sent.is_err() { return },
-                        _ = shutdown_signalled(&mut shutdown) => return,
-                    }
-                    continue;
-                }
                 _ = shutdown_signalled(&mut shutdown) => return,
             }
             // Dropping a poll cancels its requests, so shutdown never waits on a stuck engine.
