@@ -219,7 +219,15 @@ where
                 this.attempt = a.inner.call(next);
                 continue;
             }
+            // A decode leg's 500 goes to one other decode rank, no further: when that one
+            // fails too, the prefill that holds the blocks is the likelier culprit (dead, or its
+            // KV unreachable), and `disagg` runs the request once more from another prefill,
+            // which needs the retry budget more than a third decode rank does.
+            let decode_500 = !a.policy.on_500
+                && a.until.is_some_and(|u| u.1)
+                && matches!(&result, Ok(r) if r.status() == http::StatusCode::INTERNAL_SERVER_ERROR);
             if a.attempts >= a.policy.max_attempts
+                || (decode_500 && a.attempts >= 2)
                 || a.until.is_some_and(|u| tokio::time::Instant::now() >= u.0)
             {
                 return Poll::Ready(attempted(result, a.attempts));
