@@ -63,9 +63,14 @@ done
 rankgate_conf() { # listen admin flavor upstream [second-upstream]
   printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "$1" "$2"
   printf '[telemetry]\ninterval = "60s"\nstale_after = "120s"\n'
+  # The engine's model fixed in the config, as its /v1/models would say it: at a 60 s interval
+  # the list read at the first poll is taken at the second, so without it the window would
+  # measure the first poll's state (lists pending: each request's model read for its label).
   printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\ntelemetry = ["prometheus"]\n' "$4" "$3"
+  printf 'models = ["tiny-llama"]\n'
   if [ -n "${5:-}" ]; then
     printf '[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "%s"\ndp_size = 2\ntelemetry = ["prometheus"]\n' "$5" "$3"
+    printf 'models = ["other-model"]\n'
   fi
 }
 nginx_conf() { # listen upstream
