@@ -154,6 +154,9 @@ pub struct RankView {
     pub kv_per_request: f64,
     /// Which kind of telemetry source produced the numbers (`None`: none has yet).
     pub source: Option<SourceKind>,
+    /// The rank has been available (numbers, or fresh) at some poll since it joined: one that
+    /// never was is "not available yet" in the log, never "still unavailable".
+    pub ever_available: bool,
 }
 
 impl RankView {
@@ -164,6 +167,7 @@ impl RankView {
             weight_at_poll: 0,
             kv_per_request: 0.0,
             source: None,
+            ever_available: false,
         }
     }
 }
@@ -188,6 +192,7 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
         weight_at_poll: 0,
         kv_per_request: 0.02,
         source: None,
+        ever_available: true,
     }
 }
 

@@ -199,8 +199,11 @@ impl Publisher {
         }
         let range = self.fleet.workers_of(e);
         for ((w, telemetry), weight) in range.zip(report.ranks).zip(report.weight_at_poll) {
-            log_change(&self.fleet, w, &self.views[w].telemetry, &telemetry);
+            let was = &self.views[w];
+            log_change(&self.fleet, w, was, &telemetry);
+            let available = matches!(telemetry, RankTelemetry::Available(_));
             self.views[w] = RankView {
+                ever_available: was.ever_available || available,
                 telemetry,
                 reachable: report.reachable,
                 weight_at_poll: weight,
@@ -409,15 +412,16 @@ fn log_staleness(
 }
 
 /// One log line per state change of a rank, not one per poll.
-fn log_change(fleet: &Fleet, w: WorkerIx, old: &RankTelemetry, new: &RankTelemetry) {
+fn log_change(fleet: &Fleet, w: WorkerIx, was: &RankView, new: &RankTelemetry) {
     let id = &fleet.workers[w].id_text;
+    let old = &was.telemetry;
     match (old, new) {
         (RankTelemetry::Available(_), RankTelemetry::Unavailable { reason }) => {
             tracing::warn!(worker = %id, %reason, "telemetry unavailable");
         }
-        // A rank first polled without numbers never had any: "still" would say it lost them.
+        // A rank that never had numbers: "still" would say it lost them.
         (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
-            if matches!(a, crate::reason::Reason::NotPolled) && !a.same_kind(b) =>
+            if !was.ever_available && !a.same_kind(b) =>
         {
             tracing::warn!(worker = %id, reason = %b, "telemetry not available yet");
         }
