@@ -109,6 +109,8 @@ async fn the_admin_token_names_the_rank_under_expose_worker_none() {
     report.fleet = load::fleet::ranks(&admin, None).await.unwrap();
     let per = report.per_worker();
     assert_eq!(per.get(load::HIDDEN), Some(&6), "{per:?}");
+    // The fleet's ranks are not listed with a 0 no one counted.
+    assert_eq!(per.len(), 1, "{per:?}");
     assert!(
         report.table().contains("hidden by the router"),
         "{}",

@@ -32,8 +32,9 @@ pub struct Probed {
     pub ranks: Vec<String>,
     /// The model list; `None` when it could not be read (why is in `problems`).
     pub models: Option<Vec<String>>,
-    /// The source that answered, and the ranks it gave numbers for; `None` when none did.
-    pub telemetry: Option<(&'static str, usize)>,
+    /// The source that answered, the ranks it gave numbers for (or shows fresh), and of those
+    /// the fresh ones (named, no load gauges yet); `None` when none answered.
+    pub telemetry: Option<(&'static str, usize, usize)>,
     /// Whether it lists KV-event sources; `None` when `/kv_event_sources` got no answer.
     pub kv_events: Option<bool>,
     /// Its role, with an SGLang prefill server's bootstrap port (`Engine::role_text`).
@@ -66,6 +67,9 @@ pub async fn probe(
 /// Most requests the shape question makes one after the other (SGLang's server info, vLLM's
 /// version, metrics, KV-event sources): its whole bound, each request having its own.
 const SHAPE_REQUESTS: u32 = 4;
+
+/// Unavailable ranks whose reasons one probe line lists at most.
+const MAX_RANK_PROBLEMS: usize = 8;
 
 async fn one(
     engine: Engine,
@@ -155,15 +159,28 @@ async fn one(
         Some(entry) => match poller::Poller::new(entry, cfg.clone(), http.clone(), transport) {
             Ok(mut p) => {
                 let (source, polled) = p.poll_once().await;
-                let fresh = (polled.iter())
+                let routable = (polled.iter())
                     .filter(|r| matches!(r, RankTelemetry::Available(_)))
+                    .count();
+                let fresh = (polled.iter())
+                    .filter(|r| matches!(r, RankTelemetry::Available(l) if l.fresh.is_some()))
                     .count();
                 match (source, polled.first()) {
                     (None, Some(RankTelemetry::Unavailable { reason })) => {
                         problems.push(format!("telemetry: {reason}"));
                         None
                     }
-                    _ => Some((source.map_or("none", SourceKind::as_str), fresh)),
+                    _ => {
+                        // Each rank that gets no traffic says why, as `/workers` does (a few).
+                        let dark = (polled.iter()).filter_map(|r| match r {
+                            RankTelemetry::Unavailable { reason } => Some(reason),
+                            RankTelemetry::Available(_) => None,
+                        });
+                        for reason in dark.take(MAX_RANK_PROBLEMS) {
+                            problems.push(format!("telemetry: {reason}"));
+                        }
+                        Some((source.map_or("none", SourceKind::as_str), routable, fresh))
+                    }
                 }
             }
             Err(e) => {
@@ -235,8 +252,13 @@ impl Probed {
         };
         let models = self.models.as_ref().map_or_else(unknown, |m| m.join(","));
         let telemetry = match (&self.telemetry, self.dp_size) {
-            (Some((source, fresh)), Some(n)) => format!("{source}: {fresh}/{n} ranks"),
-            (Some((source, fresh)), None) => format!("{source}: {fresh} ranks"),
+            (Some((source, ok, fresh)), n) => {
+                let of = n.map(|n| format!("/{n}")).unwrap_or_default();
+                match fresh {
+                    0 => format!("{source}: {ok}{of} ranks"),
+                    f => format!("{source}: {ok}{of} ranks ({f} fresh: no load gauges yet)"),
+                }
+            }
             (None, _) => unknown(),
         };
         let kv_events = match self.kv_events {

@@ -85,9 +85,12 @@ impl Report {
     }
 
     /// Successful requests per worker: every rank of [`Report::fleet`] (0 for one that served
-    /// nothing), and any other worker an answer named.
+    /// nothing), and any other worker an answer named. When the router hid the rank of some
+    /// answers, the fleet's ranks are not listed: a 0 beside them would be a guess.
     pub fn per_worker(&self) -> BTreeMap<String, usize> {
-        let mut m: BTreeMap<String, usize> = (self.fleet.iter()).map(|w| (w.clone(), 0)).collect();
+        let hidden = self.ok().any(|o| o.worker.is_none());
+        let fleet = self.fleet.iter().filter(|_| !hidden);
+        let mut m: BTreeMap<String, usize> = fleet.map(|w| (w.clone(), 0)).collect();
         for o in self.ok() {
             // No rank named: rankgate hides it (`expose_worker = "none"`) unless asked with the
             // admin token; saying so beats a `-` that reads as "no rank".
@@ -221,9 +224,11 @@ impl Report {
             return o;
         }
         let total = self.ok().count().max(1);
-        let listed = match self.fleet.is_empty() {
-            true => "the workers that answered (--admin lists every rank)",
-            false => "every rank of the fleet",
+        let hidden = per.contains_key(super::HIDDEN);
+        let listed = match (self.fleet.is_empty(), hidden) {
+            (_, true) => "the router hides which rank served (with --admin-token it tells)",
+            (true, false) => "the workers that answered (--admin lists every rank)",
+            (false, false) => "every rank of the fleet",
         };
         let _ = writeln!(o, "per worker, {listed}:");
         for (w, n) in per {
