@@ -42,6 +42,7 @@ pub fn view(r: u32, now: tokio::time::Instant) -> RankView {
         weight_at_poll: 0,
         kv_per_request: 0.02,
         source: None,
+        ever_available: true,
     }
 }
 
