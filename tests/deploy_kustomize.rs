@@ -346,9 +346,13 @@ fn kubectl_kustomize_renders_the_base_and_the_component() {
     for kind in MONITORING_KINDS {
         assert_eq!(str_at(one(&docs, kind), "/metadata/namespace"), namespace);
     }
+    // One object of each kind, but for the two Services (the front door and the admin port).
     assert_eq!(
         docs.len(),
-        want.len() + MONITORING_KINDS.len(),
-        "one object of each kind"
+        want.len() + 1 + MONITORING_KINDS.len(),
+        "one object of each kind, two Services"
     );
+    for name in ["rankgate", "rankgate-admin"] {
+        service(&docs, name);
+    }
 }
