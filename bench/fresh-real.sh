@@ -19,6 +19,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WHAT="${1:-both}"
+# The decode server's DP size: 2, or 1 (core 1) where a DP=2 decode beside a DP=2 prefill does not
+# start on two cores (its DP coordinator timed out after 120 s here, four engine cores on two CPUs).
+D_DP="${D_DP:-2}"
 . bench/real-vllm-lib.sh
 
 E_PORT=$((PB + 5)) P_PORT=$((PB + 10)) D_PORT=$((PB + 40)) RG_PORT=$((PB + 80)) RG_ADMIN=$((PB + 90))
@@ -139,11 +142,11 @@ if [ "$WHAT" = whole ] || [ "$WHAT" = both ]; then
   stop rankgate; stop engine
 fi
 if [ "$WHAT" = pd ] || [ "$WHAT" = both ]; then
-  echo "## Prefill DP=2 + decode DP=2 (NixlConnector, each on cores 0|1, :$P_PORT and :$D_PORT), started fresh"
+  echo "## Prefill DP=2 + decode DP=$D_DP (NixlConnector, each on cores 0|1, :$P_PORT and :$D_PORT), started fresh"
   start prefill env PORT=$P_PORT DP=2 CORES="0|1" SIDE_PORT=$P_SIDE VLLM_PORT=$P_VLLM UCX_PORTS="$((PB + 700))-$((PB + 749))" \
     ENGINE_ID=fresh-P "$REAL_VLLM" prefill
   wait_models prefill $P_PORT
-  start decode env PORT=$D_PORT DP=2 CORES="0|1" SIDE_PORT=$D_SIDE VLLM_PORT=$D_VLLM UCX_PORTS="$((PB + 750))-$((PB + 799))" \
+  start decode env PORT=$D_PORT DP=$D_DP CORES="$([ "$D_DP" = 1 ] && echo 1 || echo '0|1')" SIDE_PORT=$D_SIDE VLLM_PORT=$D_VLLM UCX_PORTS="$((PB + 750))-$((PB + 799))" \
     ENGINE_ID=fresh-D "$REAL_VLLM" decode
   wait_models decode $D_PORT
   # Four engine cores on two CPUs: a real vLLM's /metrics and /health took over 2 s to answer here
