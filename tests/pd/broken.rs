@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
+use rankgate::app::Router;
 use rankgate_sim::sim::{PdConfig, PdRole, SimConfig, SimEngine, SimFlavor};
 use serde_json::Value;
 
@@ -238,19 +239,7 @@ async fn a_decode_rank_failing_its_first_request_before_any_byte_is_failed_over(
         role_toml(&p, "vllm", 1, "prefill"),
         role_toml(&d, "vllm", 2, "decode"),
     ];
-    let r = router(FAST, &tables).await;
-    wait_workers(&r, Duration::from_secs(10), |rows| {
-        rows.len() == 3 && rows.iter().all(|w| w["telemetry"] == "available")
-    })
-    .await;
-    wait_models(&r).await;
-    let reply = chat(r.addr, 4).await;
-    assert_eq!(
-        reply.status,
-        200,
-        "{}",
-        String::from_utf8_lossy(&reply.body)
-    );
+    let r = one_chat_answered(&tables).await;
     // The decode server was asked twice (the failed attempt is not among the requests it
     // served), the second time on the other rank; one prefill.
     assert_eq!(d.requests_received(), 2);
@@ -280,7 +269,22 @@ async fn an_sglang_prefill_rank_failing_before_its_first_byte_is_failed_over() {
         role_toml(&p, "sglang", 2, "prefill"),
         role_toml(&d, "sglang", 1, "decode"),
     ];
-    let r = router(FAST, &tables).await;
+    let r = one_chat_answered(&tables).await;
+    assert_eq!(p.requests_received(), 2);
+    // One prefill leg served, on the rank that did not fail; the first decode leg (waiting
+    // on the failed rank's room) was cancelled with it, before or after reaching its engine.
+    assert_eq!(p.seen().len(), 1, "{:?}", p.seen());
+    assert!((1..=2).contains(&d.seen().len()), "{:?}", d.seen());
+    let m = metrics_text(&r).await;
+    assert!(m.contains("rankgate_pd_decoded_total 1"), "{m}");
+    assert!(m.contains("rankgate_retries_total 1"), "{m}");
+    r.shutdown().await;
+}
+
+/// A router before the three ranks of `tables`, once all have numbers and models, that has
+/// answered one chat with 200 (the failed attempt before it, if any, failed over).
+async fn one_chat_answered(tables: &[String]) -> Router {
+    let r = router(FAST, tables).await;
     wait_workers(&r, Duration::from_secs(10), |rows| {
         rows.len() == 3 && rows.iter().all(|w| w["telemetry"] == "available")
     })
@@ -293,13 +297,5 @@ async fn an_sglang_prefill_rank_failing_before_its_first_byte_is_failed_over() {
         "{}",
         String::from_utf8_lossy(&reply.body)
     );
-    assert_eq!(p.requests_received(), 2);
-    // One prefill leg served, on the rank that did not fail; the first decode leg (waiting
-    // on the failed rank's room) was cancelled with it, before or after reaching its engine.
-    assert_eq!(p.seen().len(), 1, "{:?}", p.seen());
-    assert!((1..=2).contains(&d.seen().len()), "{:?}", d.seen());
-    let m = metrics_text(&r).await;
-    assert!(m.contains("rankgate_pd_decoded_total 1"), "{m}");
-    assert!(m.contains("rankgate_retries_total 1"), "{m}");
-    r.shutdown().await;
+    r
 }
