@@ -242,6 +242,17 @@ fn main() -> ExitCode {
                 tracing::warn!("config: {w}");
             }
             let code = rt.block_on(async {
+                // Before the first listener binds: a SIGHUP's default action would kill the
+                // process and a SIGTERM would skip the drain. One sent while starting waits in
+                // its stream and is acted on as soon as the router serves.
+                let mut signals = match Signals::new() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!("rankgate: cannot listen for signals: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                tracing::info!("signals: SIGTERM and SIGINT drain, SIGHUP reloads; starting");
                 let router = match rankgate::app::Router::start_from(cfg, Some(config)).await {
                     Ok(r) => r,
                     Err(e) => {
@@ -250,13 +261,6 @@ fn main() -> ExitCode {
                             true => ExitCode::from(EXIT_CONFIG),
                             false => ExitCode::FAILURE,
                         };
-                    }
-                };
-                let mut signals = match Signals::new() {
-                    Ok(s) => s,
-                    Err(e) => {
-                        eprintln!("rankgate: cannot listen for signals: {e}");
-                        return ExitCode::FAILURE;
                     }
                 };
                 let first = signals.next(&router).await;

@@ -38,6 +38,17 @@ impl Rankgate {
     /// Starts `rankgate serve` with `config` (which must listen on port 0), optionally under
     /// RLIMIT_NOFILE `nofile`, and returns once it logs the ports it serves on.
     pub async fn start(name: &str, config: &str, nofile: Option<u64>) -> Rankgate {
+        Rankgate::start_until(name, config, nofile, None).await
+    }
+
+    /// [`Rankgate::start`], returning as soon as a stderr line holds `early` (when given; a line
+    /// logged before the ports bind), the ports then read later by [`Rankgate::serving`].
+    pub async fn start_until(
+        name: &str,
+        config: &str,
+        nofile: Option<u64>,
+        early: Option<&str>,
+    ) -> Rankgate {
         let path = std::env::temp_dir().join(format!(
             "rankgate-faults-{}-{name}.toml",
             std::process::id()
@@ -98,7 +109,18 @@ impl Rankgate {
             lines_seen,
             config: path,
         };
-        let line = rg
+        match early {
+            Some(needle) => {
+                rg.wait_log(needle, Duration::from_secs(20)).await;
+            }
+            None => rg.serving().await,
+        }
+        rg
+    }
+
+    /// Waits (bounded) for the `rankgate serving` line and reads the bound ports from it.
+    pub async fn serving(&mut self) {
+        let line = self
             .wait_log("rankgate serving", Duration::from_secs(20))
             .await;
         let field = |key: &str| -> SocketAddr {
@@ -107,9 +129,8 @@ impl Rankgate {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or_else(|| panic!("no {key} in {line}"))
         };
-        rg.addr = field("addr=");
-        rg.admin_addr = field("admin_addr=");
-        rg
+        self.addr = field("addr=");
+        self.admin_addr = field("admin_addr=");
     }
 
     /// The stderr lines so far.

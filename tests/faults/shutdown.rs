@@ -259,6 +259,54 @@ async fn second_signal_exits_130_at_once() {
     );
 }
 
+/// Signals sent while rankgate starts (its handlers are in place before any port binds): a SIGHUP
+/// neither kills it nor is lost (the reload follows once it serves), and a SIGTERM then drains
+/// and exits 0 rather than dying of the signal's default action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_sent_while_starting_are_acted_on_once_serving() {
+    let e = slow_engine(16.0).await;
+    let mut rg = Rankgate::start_until(
+        "early-signals",
+        &binary_config(&e.url(), ""),
+        None,
+        Some("SIGHUP reloads; starting"),
+    )
+    .await;
+    rg.signal(libc::SIGHUP);
+    rg.serving().await;
+    rg.wait_log("SIGHUP: config reloaded", Duration::from_secs(10))
+        .await;
+    wait_status(rg.admin_addr, "/ready", 200, Duration::from_secs(10)).await;
+    rg.signal(libc::SIGTERM);
+    let status = rg
+        .wait_exit(Duration::from_secs(10))
+        .await
+        .expect("exit after the drain");
+    assert_eq!(status.code(), Some(0), "{}", rg.log().join("\n"));
+    assert_eq!(rg.count("shutting down"), 1, "{}", rg.log().join("\n"));
+}
+
+/// A SIGTERM sent while rankgate starts: it serves, then drains at once and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_while_starting_drains_and_exits_0() {
+    let e = slow_engine(16.0).await;
+    let mut rg = Rankgate::start_until(
+        "early-term",
+        &binary_config(&e.url(), ""),
+        None,
+        Some("SIGHUP reloads; starting"),
+    )
+    .await;
+    rg.signal(libc::SIGTERM);
+    let status = rg
+        .wait_exit(Duration::from_secs(10))
+        .await
+        .expect("exit after the drain");
+    assert_eq!(status.code(), Some(0), "{}", rg.log().join("\n"));
+    assert_eq!(rg.count("rankgate serving"), 1, "{}", rg.log().join("\n"));
+    assert_eq!(rg.count("drained; exiting"), 1, "{}", rg.log().join("\n"));
+}
+
 /// In process: `Router::shutdown` waits for streams in flight, and one longer than
 /// `drain_grace` is cut when the grace expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
