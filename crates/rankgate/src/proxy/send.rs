@@ -272,7 +272,11 @@ impl Sending {
                 .map_err(|e| failed("connect", &*e))?
                 .into_inner();
             let io = cutoff.wrap(io);
-            let (sender, conn) = hyper::client::conn::http1::handshake(io)
+            // An answer head larger than the bound fails as a parse error ("message head is
+            // too large"), a 502 with that reason in the error log, never passed on.
+            let (sender, conn) = hyper::client::conn::http1::Builder::new()
+                .max_buf_size(crate::upstream::MAX_ENGINE_HEADER_BYTES)
+                .handshake(io)
                 .await
                 .map_err(|e| failed("handshake", &e))?;
             tokio::spawn(async move {
@@ -467,6 +471,7 @@ impl Sending {
             Ending::Cut
         };
         let exposure = this.dial.exposure;
+        exposure.scrub(&mut parts.headers);
         if let Some(shown) = exposure.worker(&this.target.worker) {
             parts.headers.insert(WORKER_HEADER, shown.clone());
         }

@@ -7,6 +7,12 @@ pub mod cutoff;
 pub mod idle;
 pub mod request;
 
+/// The most an engine's answer head (status line and headers) may take, over HTTP/1 and h2
+/// alike: a larger one is refused as a broken answer (502), never passed to a client. An
+/// engine's usual head is well under 1 KiB; hyper's own defaults allow ~400 KiB (HTTP/1) and
+/// 16 MiB (h2).
+pub const MAX_ENGINE_HEADER_BYTES: usize = 64 * 1024;
+
 pub use conn::{ConnLimits, EngineConn, Slots, Streams, MAX_GRPC_CONNECTIONS};
 pub use cutoff::{CutConnector, CutIo, Cutoff};
 pub use idle::{Idle, Sender};
