@@ -126,19 +126,21 @@ const MAX_PARSE_MESSAGE: usize = 300;
 /// but for the line's own `key`. What it quotes of rankgate's own (the keys and values it
 /// expects) stays.
 fn redact(message: &str, text: &str, key: Option<&str>) -> String {
+    // One line: toml writes "invalid string\nexpected ...".
+    let message = message.trim().replace('\n', ", ");
     // serde's and toml's "..., expected X": X is what rankgate expects (its keys, its values),
     // never the file's.
     let (said, expected) = match message.find(", expected ") {
         Some(i) => message.split_at(i),
-        None => (message, ""),
+        None => (message.as_str(), ""),
     };
     let mut out = redact_quoted(said, text, key);
-    out.push_str(expected);
     if out.len() > MAX_PARSE_MESSAGE {
         let cut = floor_char_boundary(&out, MAX_PARSE_MESSAGE);
         out.truncate(cut);
         out.push('…');
     }
+    out.push_str(expected);
     out
 }
 
