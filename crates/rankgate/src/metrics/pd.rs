@@ -276,7 +276,8 @@ impl Collector for Pd {
              transport, timeout, status (an error answer after retries), no_params (a prefill \
              answer without kv_transfer_params), unreadable (a prefill answer that could not \
              be read), unpaired (the model's prefill and decode servers cannot pair: no leg \
-             was sent), other",
+             was sent), bad_params (a prefill's kv_transfer_params refused: a foreign \
+             remote_host, a bad port, a member of the wrong type or size), other",
             None,
             MetricType::Counter,
         )?;
