@@ -23,6 +23,9 @@ use crate::policy::NoRank;
 use crate::upstream::ClientBodyError;
 use crate::worker::Member;
 
+/// How many [`ENGINE_NAMING`] holds.
+pub const ENGINE_NAMING_COUNT: usize = 10;
+
 /// The engine response headers that can name an engine, its host or its rank, dropped from
 /// every answer unless `expose_worker = "url"` (the only mode that names addresses): `Server`
 /// (vLLM's uvicorn says `uvicorn`, a build or a balancer in front may add a host), `Via` (a proxy
@@ -32,7 +35,8 @@ use crate::worker::Member;
 /// `X-Served-By` and `X-Backend-Server` (what balancers name their backend with), the rank an
 /// engine says it served on (`x-data-parallel-rank`, the simulated engine's `x-sim-rank`), and
 /// an upstream gateway's own `x-rankgate-worker` (rankgate's own is written after, by mode).
-pub const ENGINE_NAMING: [HeaderName; 10] = [
+/// A `static`: a `const` would build the names anew at each use.
+pub static ENGINE_NAMING: [HeaderName; ENGINE_NAMING_COUNT] = [
     header::SERVER,
     header::VIA,
     header::ALT_SVC,
@@ -67,13 +71,21 @@ impl Exposure {
 
     /// An engine's answer headers as clients may see them: without [`ENGINE_NAMING`] unless
     /// `url`. On every answer, so it looks before it touches: one pass over the few names an
-    /// engine sends (vLLM: five), one removal per name found.
+    /// engine sends (vLLM: five), then one removal per name found (vLLM: its `server`).
     pub fn scrub(self, h: &mut HeaderMap) {
         if self.0 == ExposeWorker::Url {
             return;
         }
-        while let Some(n) = h.keys().find(|n| ENGINE_NAMING.contains(n)).cloned() {
-            h.remove(&n);
+        let mut found: [Option<HeaderName>; ENGINE_NAMING_COUNT] = Default::default();
+        // `keys` yields each name once, so no more than the list holds are found.
+        for (slot, n) in found
+            .iter_mut()
+            .zip(h.keys().filter(|n| ENGINE_NAMING.contains(n)))
+        {
+            *slot = Some(n.clone());
+        }
+        for n in found.iter().map_while(Option::as_ref) {
+            h.remove(n);
         }
     }
 
