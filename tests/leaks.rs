@@ -286,7 +286,12 @@ async fn engine_headers_that_name_it_never_reach_a_client_unless_url() {
         }
         assert_eq!(reply.headers["content-type"], "application/json");
         if mode == "none" {
-            assert_discreet("named by itself", &reply.headers, &reply.body, &[authority(&e.url)]);
+            assert_discreet(
+                "named by itself",
+                &reply.headers,
+                &reply.body,
+                &[authority(&e.url)],
+            );
             for v in reply.headers.values() {
                 let v = String::from_utf8_lossy(v.as_bytes());
                 assert!(!v.contains("gpu-node-7") && !v.contains("10.77.0.9"), "{v}");

@@ -132,7 +132,9 @@ async fn a_file_of_secrets_is_refused_by_its_line_never_its_text() {
     // The process's own environment, as a config path pointed at it reads.
     let environ = std::fs::read("/proc/self/environ").unwrap();
     let values: Vec<String> = (environ.split(|b| *b == 0))
-        .filter_map(|kv| Some(String::from_utf8_lossy(kv.splitn(2, |b| *b == b'=').nth(1)?).into_owned()))
+        .filter_map(|kv| {
+            Some(String::from_utf8_lossy(kv.splitn(2, |b| *b == b'=').nth(1)?).into_owned())
+        })
         .filter(|v| v.len() >= 4)
         .collect();
     assert!(!values.is_empty());
@@ -143,7 +145,10 @@ async fn a_file_of_secrets_is_refused_by_its_line_never_its_text() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
     assert!(msg.contains("line 1, column "), "{msg}");
     for v in &values {
-        assert!(!msg.contains(v.as_str()), "the environment's {v:?} in {msg}");
+        assert!(
+            !msg.contains(v.as_str()),
+            "the environment's {v:?} in {msg}"
+        );
     }
 
     // A secret on line 3 of something that is no rankgate config.
@@ -152,8 +157,14 @@ async fn a_file_of_secrets_is_refused_by_its_line_never_its_text() {
     replace(&file.0, |p| std::fs::write(p, &dotenv).unwrap());
     let (status, msg) = reload(&r).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
-    assert!(msg.contains("line 3, column 15, key `admin_token`"), "{msg}");
-    assert!(!msg.contains("sk-live") && !msg.contains("0123456789"), "{msg}");
+    assert!(
+        msg.contains("line 3, column 15, key `admin_token`"),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains("sk-live") && !msg.contains("0123456789"),
+        "{msg}"
+    );
     // `rankgate check` says the same, and nothing more.
     let path = file.0.clone();
     let out = tokio::task::spawn_blocking(move || {
@@ -171,7 +182,10 @@ async fn a_file_of_secrets_is_refused_by_its_line_never_its_text() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!out.status.success(), "{said}");
-    assert!(said.contains("line 3, column 15") && !said.contains("sk-live"), "{said}");
+    assert!(
+        said.contains("line 3, column 15") && !said.contains("sk-live"),
+        "{said}"
+    );
     // Served as it was throughout.
     wait_state(&r, &[0, 1], "available").await;
     r.shutdown().await;

@@ -176,15 +176,24 @@ async fn client_ip_headers_are_kept_from_a_trusted_proxy_only() {
     ];
     // Each alone, then all at once: a stranger's never reach the engine.
     for one in claims.iter().map(std::slice::from_ref).chain([&claims[..]]) {
-        assert_eq!(send_from(stranger, r.addr, chat_with(r.addr, one)).await, 200);
+        assert_eq!(
+            send_from(stranger, r.addr, chat_with(r.addr, one)).await,
+            200
+        );
         let seen = e.last();
         for (name, _) in one {
-            assert!(!seen.contains_key(*name), "{name} from a stranger: {seen:?}");
+            assert!(
+                !seen.contains_key(*name),
+                "{name} from a stranger: {seen:?}"
+            );
         }
         assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
     }
     // A trusted proxy's reach it as it wrote them.
-    assert_eq!(send_from(proxy, r.addr, chat_with(r.addr, &claims)).await, 200);
+    assert_eq!(
+        send_from(proxy, r.addr, chat_with(r.addr, &claims)).await,
+        200
+    );
     let seen = e.last();
     for (name, value) in claims {
         assert_eq!(seen[name], value, "{name} from a trusted proxy");

@@ -49,7 +49,10 @@ async fn a_prefill_naming_a_foreign_host_never_reaches_a_decode() {
             "{message}"
         );
         let text = String::from_utf8_lossy(&reply.body);
-        assert!(!text.contains("6.6.6.6") && !text.contains("127.0.0.1"), "{text}");
+        assert!(
+            !text.contains("6.6.6.6") && !text.contains("127.0.0.1"),
+            "{text}"
+        );
     }
     assert_eq!(p.requests_received(), 3, "each request was prefilled once");
     assert_eq!(d.requests_received(), 0, "no decode saw the parameters");
@@ -77,7 +80,12 @@ async fn a_prefill_naming_a_foreign_host_never_reaches_a_decode() {
 async fn vllms_default_side_channel_host_passes_for_a_prefill_on_loopback() {
     let (p, d, r) = pair("localhost").await;
     let reply = chat(r.addr, 4).await;
-    assert_eq!(reply.status, 200, "{}", String::from_utf8_lossy(&reply.body));
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
     assert_eq!((p.requests_received(), d.requests_received()), (1, 1));
     r.shutdown().await;
 }

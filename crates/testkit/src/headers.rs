@@ -83,8 +83,8 @@ fn answer(record: &Mutex<Vec<HeaderMap>>, req: &Request<Incoming>) -> Response<F
         }
     }
     // Asked for: one header of that many bytes.
-    if let Some(n) = (req.headers().get(HUGE_HEADER))
-        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+    if let Some(n) =
+        (req.headers().get(HUGE_HEADER)).and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
     {
         b = b.header("x-huge", "h".repeat(n));
     }

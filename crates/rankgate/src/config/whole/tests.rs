@@ -138,7 +138,9 @@ fn a_parse_error_names_the_line_never_the_files_text() {
             assert!(!e.contains(part), "{part} in {e:?}");
         }
     }
-    let e = Config::from_str("[server]\n\n  listen = 5\n").unwrap_err().to_string();
+    let e = Config::from_str("[server]\n\n  listen = 5\n")
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("line 3, column 12, key `listen`: invalid type: integer `…`"),
         "{e}"

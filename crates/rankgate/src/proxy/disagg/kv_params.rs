@@ -81,12 +81,7 @@ fn shape(members: &Map<String, Value>) -> Result<Option<&str>, ProxyError> {
     }
     let mut host = None;
     for (name, value) in members {
-        let bad = |why: &'static str| {
-            refused(
-                why,
-                format!("member {:?}: {why}", clip(name)),
-            )
-        };
+        let bad = |why: &'static str| refused(why, format!("member {:?}: {why}", clip(name)));
         match (name.as_str(), value) {
             (_, Value::Null) => {}
             ("remote_host", Value::String(h)) if h.len() <= 253 => host = Some(h.as_str()),
@@ -100,27 +95,34 @@ fn shape(members: &Map<String, Value>) -> Result<Option<&str>, ProxyError> {
                 return Err(bad("a flag is not true or false"))
             }
             (
-                "tp_size" | "dcp_size" | "pp_size" | "remote_num_tokens"
+                "tp_size"
+                | "dcp_size"
+                | "pp_size"
+                | "remote_num_tokens"
                 | "remote_prefill_cached_tokens",
                 v,
             ) if v.is_u64() => {}
             (
-                "tp_size" | "dcp_size" | "pp_size" | "remote_num_tokens"
+                "tp_size"
+                | "dcp_size"
+                | "pp_size"
+                | "remote_num_tokens"
                 | "remote_prefill_cached_tokens",
                 _,
             ) => return Err(bad("a count is not a non-negative integer")),
             ("remote_blocks_expiry_time", Value::Number(_)) => {}
             ("remote_blocks_expiry_time", _) => return Err(bad("an expiry time is not a number")),
-            ("remote_block_ids", v) => block_ids(v).map_err(|_| bad("remote_block_ids are not block ids"))?,
+            ("remote_block_ids", v) => {
+                block_ids(v).map_err(|_| bad("remote_block_ids are not block ids"))?
+            }
             (_, Value::String(s)) if s.len() <= MAX_STRING && !is_place(name) => {}
             (_, Value::String(_)) if is_place(name) => {
                 return Err(bad("a member names a place rankgate cannot check"))
             }
             (_, Value::Bool(_) | Value::Number(_)) => {}
             (_, Value::Array(items))
-                if !is_place(name)
-                    && items.len() <= MAX_LIST
-                    && items.iter().all(small_scalar) => {}
+                if !is_place(name) && items.len() <= MAX_LIST && items.iter().all(small_scalar) => {
+            }
             _ if is_place(name) => return Err(bad("a member names a place rankgate cannot check")),
             _ => return Err(bad("a member is too large or nested")),
         }
@@ -236,7 +238,10 @@ fn canonical(a: IpAddr) -> IpAddr {
 fn engine_host(authority: &str) -> String {
     let host = match authority.parse::<http::uri::Authority>() {
         Ok(a) => a.host().to_string(),
-        Err(_) => authority.rsplit_once(':').map_or(authority, |(h, _)| h).to_string(),
+        Err(_) => authority
+            .rsplit_once(':')
+            .map_or(authority, |(h, _)| h)
+            .to_string(),
     };
     bare(&host)
 }
@@ -314,9 +319,19 @@ mod tests {
         let p = |host: &str| json!({"remote_host": host, "remote_port": 5600});
         assert!(check(p("10.0.0.5"), &engine).await.is_ok());
         assert!(check(p("::ffff:10.0.0.5"), &engine).await.is_ok());
-        for foreign in ["6.6.6.6", "localhost", "127.0.0.1", "10.0.0.50", "evil.example"] {
+        for foreign in [
+            "6.6.6.6",
+            "localhost",
+            "127.0.0.1",
+            "10.0.0.50",
+            "evil.example",
+        ] {
             let r = check(p(foreign), &engine).await;
-            assert_eq!(why(r), "remote_host is not the prefill server's address", "{foreign}");
+            assert_eq!(
+                why(r),
+                "remote_host is not the prefill server's address",
+                "{foreign}"
+            );
         }
         let listed = prefill("http://10.0.0.5:8000", &["10.1.0.5", "gpu-7.internal"]);
         assert!(check(p("10.1.0.5"), &listed).await.is_ok());
@@ -334,26 +349,73 @@ mod tests {
     async fn types_and_sizes_are_bounded() {
         let engine = prefill("http://10.0.0.5:8000", &[]);
         let bad = [
-            (json!({"remote_port": 22222222}), "remote_port is not a port (1 to 65535)"),
-            (json!({"remote_port": 0}), "remote_port is not a port (1 to 65535)"),
-            (json!({"remote_port": "22"}), "remote_port is not a port (1 to 65535)"),
-            (json!({"remote_host": 7}), "remote_host is not a host name or address"),
-            (json!({"do_remote_prefill": "yes"}), "a flag is not true or false"),
-            (json!({"tp_size": -1}), "a count is not a non-negative integer"),
-            (json!({"remote_block_ids": [[1, -2]]}), "remote_block_ids are not block ids"),
-            (json!({"remote_block_ids": [[[1]]]}), "remote_block_ids are not block ids"),
-            (json!({"remote_block_ids": "1,2"}), "remote_block_ids are not block ids"),
-            (json!({"remote_engine_id": "x".repeat(MAX_STRING + 1)}), "a member is too large or nested"),
-            (json!({"new_thing": {"a": 1}}), "a member is too large or nested"),
-            (json!({"peer_url": "http://6.6.6.6/"}), "a member names a place rankgate cannot check"),
-            (json!({"side_channel_ip": "6.6.6.6"}), "a member names a place rankgate cannot check"),
-            (json!({"bootstrap_addr": ["6.6.6.6"]}), "a member names a place rankgate cannot check"),
+            (
+                json!({"remote_port": 22222222}),
+                "remote_port is not a port (1 to 65535)",
+            ),
+            (
+                json!({"remote_port": 0}),
+                "remote_port is not a port (1 to 65535)",
+            ),
+            (
+                json!({"remote_port": "22"}),
+                "remote_port is not a port (1 to 65535)",
+            ),
+            (
+                json!({"remote_host": 7}),
+                "remote_host is not a host name or address",
+            ),
+            (
+                json!({"do_remote_prefill": "yes"}),
+                "a flag is not true or false",
+            ),
+            (
+                json!({"tp_size": -1}),
+                "a count is not a non-negative integer",
+            ),
+            (
+                json!({"remote_block_ids": [[1, -2]]}),
+                "remote_block_ids are not block ids",
+            ),
+            (
+                json!({"remote_block_ids": [[[1]]]}),
+                "remote_block_ids are not block ids",
+            ),
+            (
+                json!({"remote_block_ids": "1,2"}),
+                "remote_block_ids are not block ids",
+            ),
+            (
+                json!({"remote_engine_id": "x".repeat(MAX_STRING + 1)}),
+                "a member is too large or nested",
+            ),
+            (
+                json!({"new_thing": {"a": 1}}),
+                "a member is too large or nested",
+            ),
+            (
+                json!({"peer_url": "http://6.6.6.6/"}),
+                "a member names a place rankgate cannot check",
+            ),
+            (
+                json!({"side_channel_ip": "6.6.6.6"}),
+                "a member names a place rankgate cannot check",
+            ),
+            (
+                json!({"bootstrap_addr": ["6.6.6.6"]}),
+                "a member names a place rankgate cannot check",
+            ),
         ];
         for (params, want) in bad {
             assert_eq!(why(check(params.clone(), &engine).await), want, "{params}");
         }
-        let many: Map<String, Value> = (0..=MAX_MEMBERS).map(|i| (format!("m{i}"), json!(1))).collect();
-        assert_eq!(why(check(Value::Object(many), &engine).await), "too many members");
+        let many: Map<String, Value> = (0..=MAX_MEMBERS)
+            .map(|i| (format!("m{i}"), json!(1)))
+            .collect();
+        assert_eq!(
+            why(check(Value::Object(many), &engine).await),
+            "too many members"
+        );
         let ids: Vec<u64> = (0..=MAX_BLOCK_IDS as u64).collect();
         let r = check(json!({"remote_block_ids": [ids]}), &engine).await;
         assert_eq!(why(r), "remote_block_ids are not block ids");
@@ -372,12 +434,21 @@ mod tests {
     #[tokio::test]
     async fn the_public_reason_holds_no_value() {
         let engine = prefill("http://10.0.0.5:8000", &[]);
-        let e = check(json!({"remote_host": "6.6.6.6", "remote_port": 22}), &engine)
-            .await
-            .unwrap_err();
-        assert!(e.to_string().contains("6.6.6.6"), "the operator's log names it: {e}");
+        let e = check(
+            json!({"remote_host": "6.6.6.6", "remote_port": 22}),
+            &engine,
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("6.6.6.6"),
+            "the operator's log names it: {e}"
+        );
         let public = crate::proxy::exposure::Exposure::default().error(&e);
-        assert!(!public.contains("6.6.6.6") && !public.contains("10.0.0.5"), "{public}");
+        assert!(
+            !public.contains("6.6.6.6") && !public.contains("10.0.0.5"),
+            "{public}"
+        );
         assert_eq!(e.status(), http::StatusCode::BAD_GATEWAY);
     }
 }
