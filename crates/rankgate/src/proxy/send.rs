@@ -32,7 +32,7 @@ use super::layer::WORKER_HEADER;
 use super::pin::strip_hop_by_hop;
 use super::shared::Ctx;
 use super::target::Picked;
-use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
+use crate::upstream::{handshake, BodyTooLarge, ClientBodyError, RequestBody, Sender};
 use crate::worker::EngineEntry;
 
 #[derive(Clone)]
@@ -272,13 +272,7 @@ impl Sending {
                 .map_err(|e| failed("connect", &*e))?
                 .into_inner();
             let io = cutoff.wrap(io);
-            // An answer head larger than the bound fails as a parse error ("message head is
-            // too large"), a 502 with that reason in the error log, never passed on.
-            let (sender, conn) = hyper::client::conn::http1::Builder::new()
-                .max_buf_size(crate::upstream::MAX_ENGINE_HEADER_BYTES)
-                .handshake(io)
-                .await
-                .map_err(|e| failed("handshake", &e))?;
+            let (sender, conn) = handshake(io).await.map_err(|e| failed("handshake", &e))?;
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
                     tracing::debug!(engine = %engine.url, error = %crate::http::error_chain(&e), "engine connection ended");
