@@ -1,8 +1,10 @@
 //! What a client learns of the fleet with the default settings, over real sockets: nothing. No
 //! `x-rankgate-worker` header or gRPC metadata, and no engine address, internal URL or setting
 //! name in any answer rankgate makes itself: 200, 404, 408, 413, 429, 502, 503, 504, a stream cut
-//! by the idle timeout, and the gRPC statuses of engines that refuse and hang. (The tests that
-//! read the worker header ask for it with `expose_worker = "url"`; `name` is proven here too.)
+//! by the idle timeout, and the gRPC statuses of engines that refuse and hang; and none of the
+//! engine's own headers that name it (`Server`, `Via`, `Alt-Svc`, `Set-Cookie`, rank headers),
+//! nor an engine header larger than rankgate's bound. (The tests that read the worker header ask
+//! for it with `expose_worker = "url"`; `name` is proven here too.)
 #![cfg(feature = "sim")] // the simulated engine
 
 mod common;
@@ -246,4 +248,63 @@ async fn expose_worker_name_tells_the_configured_name_only() {
     assert_eq!(rows[0]["name"], "decode-a@0", "{rows:?}");
     assert_eq!(rows[0]["engine"], e.url(), "{rows:?}");
     r.shutdown().await;
+}
+
+#[tokio::test]
+async fn engine_headers_that_name_it_never_reach_a_client_unless_url() {
+    use common::headers::{HeaderEngine, HUGE_HEADER, NAME_YOURSELF, NAMING};
+    let e = HeaderEngine::start().await;
+    let table = format!(
+        "[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\ndp_size = 2\ntelemetry = [\"prometheus\"]\nname = \"p1\"\n",
+        e.url
+    );
+    let ask = |addr, header: &str, value: &str| {
+        let req = post(addr, "/v1/chat/completions")
+            .header(header, value)
+            .body(http_body_util::Full::new(bytes::Bytes::from(chat_body(
+                4, false,
+            ))))
+            .unwrap();
+        send(req)
+    };
+    for (mode, shown) in [("none", false), ("name", false), ("url", true)] {
+        let r = start(
+            &format!("expose_worker = \"{mode}\""),
+            FAST,
+            std::slice::from_ref(&table),
+        )
+        .await;
+        wait_state(&r, &[0, 1], "available").await;
+        let reply = ask(r.addr, NAME_YOURSELF, "1").await;
+        assert_eq!(reply.status, 200, "{mode}");
+        for (name, value) in NAMING {
+            let got = reply.headers.get(name).map(|v| v.as_bytes());
+            match shown {
+                false => assert_eq!(got, None, "{mode}: {name} reached the client"),
+                true => assert_eq!(got, Some(value.as_bytes()), "{mode}: {name}"),
+            }
+        }
+        assert_eq!(reply.headers["content-type"], "application/json");
+        if mode == "none" {
+            assert_discreet(
+                "named by itself",
+                &reply.headers,
+                &reply.body,
+                &[authority(&e.url)],
+            );
+            for v in reply.headers.values() {
+                let v = String::from_utf8_lossy(v.as_bytes());
+                assert!(!v.contains("gpu-node-7") && !v.contains("10.77.0.9"), "{v}");
+            }
+            // A header within the bound passes; one of 200 KB is no answer: 502, never passed.
+            let fits = ask(r.addr, HUGE_HEADER, "32768").await;
+            assert_eq!(fits.status, 200);
+            assert_eq!(fits.headers["x-huge"].len(), 32768);
+            let huge = ask(r.addr, HUGE_HEADER, "204800").await;
+            huge.assert_openai_error(502, None);
+            assert!(!huge.headers.contains_key("x-huge"));
+            assert!(huge.body.len() < 1024, "{}", huge.body.len());
+        }
+        r.shutdown().await;
+    }
 }

@@ -1,6 +1,8 @@
 //! A reload's file is bounded over real sockets: a path that points at a FIFO, at `/dev/zero` or
 //! at a file over `config::MAX_CONFIG_BYTES` is refused promptly with what it is, the fleet keeps
-//! serving as it was, and a later valid reload still applies.
+//! serving as it was, and a later valid reload still applies. A path that points at a file of
+//! secrets (`/proc/self/environ`, a `.env`) is refused naming the line, never its text: in the
+//! reload's answer and in `rankgate check`'s.
 
 mod common;
 
@@ -113,4 +115,78 @@ fn the_start_refuses_what_a_reload_refuses() {
     );
     let err = Config::load(&std::env::temp_dir()).unwrap_err().to_string();
     assert!(err.contains("a directory"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_of_secrets_is_refused_by_its_line_never_its_text() {
+    let a = engine(SimConfig::default()).await;
+    let head = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{FAST}",
+        token_env()
+    );
+    let file = TempConfig::new(&format!("{head}{}", engine_toml(&a.url(), "vllm", 2, 0)));
+    let cfg = Config::load(&file.0).unwrap();
+    let r = Router::start_from(cfg, Some(file.0.clone())).await.unwrap();
+    wait_state(&r, &[0, 1], "available").await;
+
+    // The process's own environment, as a config path pointed at it reads.
+    let environ = std::fs::read("/proc/self/environ").unwrap();
+    let values: Vec<String> = (environ.split(|b| *b == 0))
+        .filter_map(|kv| {
+            Some(String::from_utf8_lossy(kv.splitn(2, |b| *b == b'=').nth(1)?).into_owned())
+        })
+        .filter(|v| v.len() >= 4)
+        .collect();
+    assert!(!values.is_empty());
+    replace(&file.0, |p| {
+        std::os::unix::fs::symlink("/proc/self/environ", p).unwrap()
+    });
+    let (status, msg) = reload(&r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
+    assert!(msg.contains("line 1, column "), "{msg}");
+    for v in &values {
+        assert!(
+            !msg.contains(v.as_str()),
+            "the environment's {v:?} in {msg}"
+        );
+    }
+
+    // A secret on line 3 of something that is no rankgate config.
+    let secret = "sk-live-0123456789abcdef";
+    let dotenv = format!("[server]\nlisten = \"127.0.0.1:0\"\nadmin_token = {secret}\n");
+    replace(&file.0, |p| std::fs::write(p, &dotenv).unwrap());
+    let (status, msg) = reload(&r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
+    assert!(
+        msg.contains("line 3, column 15, key `admin_token`"),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains("sk-live") && !msg.contains("0123456789"),
+        "{msg}"
+    );
+    // `rankgate check` says the same, and nothing more.
+    let path = file.0.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_rankgate"))
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("line 3, column 15") && !said.contains("sk-live"),
+        "{said}"
+    );
+    // Served as it was throughout.
+    wait_state(&r, &[0, 1], "available").await;
+    r.shutdown().await;
 }

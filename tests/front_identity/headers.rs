@@ -1,6 +1,6 @@
 //! The headers rankgate forwards: request ids and forwarded headers reach the engine and come back,
-//! the client's trace is continued or one started, forwarding headers are kept from a trusted
-//! proxy only, and a Connection header cannot strip what rankgate forwards.
+//! the client's trace is continued or one started, forwarding and client-IP headers are kept
+//! from a trusted proxy only, and a Connection header cannot strip what rankgate forwards.
 
 use bytes::Bytes;
 use http::Request;
@@ -160,6 +160,45 @@ async fn forwarding_headers_are_kept_from_a_trusted_proxy_only() {
     let seen = e.last();
     assert_eq!(seen["x-forwarded-for"], "127.0.0.2");
     assert_eq!(seen["x-forwarded-proto"], "http");
+    r.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_ip_headers_are_kept_from_a_trusted_proxy_only() {
+    let (e, r) = header_fleet("trusted_proxies = [\"127.0.0.2/32\"]").await;
+    let (stranger, proxy) = ([127, 0, 0, 1].into(), [127, 0, 0, 2].into());
+    let claims = [
+        ("x-real-ip", "203.0.113.7"),
+        ("true-client-ip", "203.0.113.8"),
+        ("x-client-ip", "203.0.113.9"),
+        ("cf-connecting-ip", "203.0.113.10"),
+        ("x-original-forwarded-for", "203.0.113.11"),
+    ];
+    // Each alone, then all at once: a stranger's never reach the engine.
+    for one in claims.iter().map(std::slice::from_ref).chain([&claims[..]]) {
+        assert_eq!(
+            send_from(stranger, r.addr, chat_with(r.addr, one)).await,
+            200
+        );
+        let seen = e.last();
+        for (name, _) in one {
+            assert!(
+                !seen.contains_key(*name),
+                "{name} from a stranger: {seen:?}"
+            );
+        }
+        assert_eq!(seen["x-forwarded-for"], "127.0.0.1");
+    }
+    // A trusted proxy's reach it as it wrote them.
+    assert_eq!(
+        send_from(proxy, r.addr, chat_with(r.addr, &claims)).await,
+        200
+    );
+    let seen = e.last();
+    for (name, value) in claims {
+        assert_eq!(seen[name], value, "{name} from a trusted proxy");
+    }
+    assert_eq!(seen["x-forwarded-for"], "127.0.0.2");
     r.shutdown().await;
 }
 

@@ -6,7 +6,7 @@
 //!
 //! By part: [`legs`] (where each leg goes, and failover), [`failures`] (leases, errors and
 //! explanations) and [`broken`] (fleets that fail every request, and failover of either leg), over
-//! [`helpers`].
+//! [`helpers`]; [`untrusted`]: a prefill's parameters checked before a decode sees them.
 #![cfg(feature = "sim")] // the simulated engine
 
 mod broken;
@@ -15,3 +15,4 @@ mod common;
 mod failures;
 mod helpers;
 mod legs;
+mod untrusted;

@@ -71,13 +71,42 @@ fn answer(record: &Mutex<Vec<HeaderMap>>, req: &Request<Incoming>) -> Response<F
             )
         }
     };
-    Response::builder()
+    let mut b = Response::builder()
         .header("content-type", ctype)
         // As vLLM's server answers by default: any origin.
-        .header("access-control-allow-origin", "*")
-        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .header("access-control-allow-origin", "*");
+    // Asked for by the request (rankgate forwards the header): an engine that names itself, as
+    // a build, a balancer or a proxy in front of it would.
+    if req.headers().contains_key(NAME_YOURSELF) {
+        for (k, v) in NAMING {
+            b = b.header(k, v);
+        }
+    }
+    // Asked for: one header of that many bytes.
+    if let Some(n) =
+        (req.headers().get(HUGE_HEADER)).and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+    {
+        b = b.header("x-huge", "h".repeat(n));
+    }
+    b.body(Full::new(Bytes::from_static(body.as_bytes())))
         .unwrap()
 }
+
+/// A request header that makes [`HeaderEngine`] answer with [`NAMING`].
+pub const NAME_YOURSELF: &str = "x-test-name-yourself";
+/// A request header whose number makes [`HeaderEngine`] answer with an `x-huge` header that long.
+pub const HUGE_HEADER: &str = "x-test-huge-header";
+/// The headers that name an engine, as [`HeaderEngine`] sends them when asked.
+pub const NAMING: [(&str, &str); 8] = [
+    ("server", "vllm-engine/10.77.0.9:8000"),
+    ("via", "1.1 gpu-node-7.internal"),
+    ("alt-svc", "h2=\"gpu-node-7.internal:8443\""),
+    ("set-cookie", "node=gpu-node-7; Path=/"),
+    ("x-sim-rank", "1"),
+    ("x-data-parallel-rank", "1"),
+    ("x-served-by", "gpu-node-7"),
+    ("x-powered-by", "vllm 10.77.0.9"),
+];
 
 impl HeaderEngine {
     /// Its `[[engines]]` table: vLLM, DP=2, polled through its `/metrics`; `more`: more keys.

@@ -172,6 +172,7 @@ impl EngineTemplate {
             role: found.role.or(self.role),
             bootstrap_port: found.bootstrap_port.or(self.bootstrap_port),
             kv_lease: None,
+            kv_hosts: None,
         }
         .validate(at)
     }

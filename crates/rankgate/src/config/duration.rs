@@ -22,18 +22,20 @@ impl<'de> Deserialize<'de> for HumanDuration {
                 parse_duration(s).map(HumanDuration).map_err(E::custom)
             }
             // A bare number is the commonest slip: say what to write instead.
-            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<HumanDuration, E> {
-                Err(E::custom(format!(
-                    "{n} has no unit: write it as a string with one, e.g. \"{n}ms\" or \"{n}s\""
-                )))
+            // The number itself is not repeated: errors never echo the file (see
+            // `whole::describe_toml_error`), and the line and column point at it.
+            fn visit_i64<E: serde::de::Error>(self, _n: i64) -> Result<HumanDuration, E> {
+                Err(E::custom(
+                    "a number has no unit: write it as a string with one, e.g. \"250ms\" or \"2s\"",
+                ))
             }
             fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<HumanDuration, E> {
                 self.visit_i64(n.min(i64::MAX as u64) as i64)
             }
-            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<HumanDuration, E> {
-                Err(E::custom(format!(
-                    "{n} has no unit: write it as a string with one, e.g. \"{n}s\""
-                )))
+            fn visit_f64<E: serde::de::Error>(self, _n: f64) -> Result<HumanDuration, E> {
+                Err(E::custom(
+                    "a number has no unit: write it as a string with one, e.g. \"1.5s\"",
+                ))
             }
         }
         d.deserialize_any(Visitor)

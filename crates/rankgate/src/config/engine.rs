@@ -301,6 +301,10 @@ pub struct Engine {
     /// A prefill server's KV lease (`engines[].kv_lease`): how long it keeps a request's
     /// blocks for its decode; `None`: its flavor's default ([`Engine::kv_lease`]).
     pub kv_lease: Option<std::time::Duration>,
+    /// `engines[].kv_hosts`: besides its url's host (and the addresses that host resolves
+    /// to), the hosts a prefill server's `kv_transfer_params.remote_host` may name, lowercase;
+    /// empty for every other engine. Any other host is refused before a decode sees it.
+    pub kv_hosts: Vec<Arc<str>>,
 }
 
 /// vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` default (480 s): how long a NixlConnector prefill
@@ -443,5 +447,6 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         role: Role::Both,
         bootstrap_port: None,
         kv_lease: None,
+        kv_hosts: Vec::new(),
     }
 }

@@ -49,6 +49,8 @@ pub struct RawEngine {
     pub(super) bootstrap_port: Option<u16>,
     /// A prefill server's KV lease, where it is not its flavor's default.
     pub(super) kv_lease: Option<super::duration::HumanDuration>,
+    /// Hosts a prefill server's `kv_transfer_params.remote_host` may name besides its url's.
+    pub(super) kv_hosts: Option<Vec<String>>,
 }
 
 impl RawEngine {
@@ -158,6 +160,7 @@ impl RawEngine {
         let bootstrap_port =
             check_role(at, role, self.flavor, addresses.http, self.bootstrap_port)?;
         let kv_lease = check_lease(at, role, self.kv_lease)?;
+        let kv_hosts = check_kv_hosts(at, role, self.kv_hosts)?;
         let api_key = self
             .api_key_env
             .as_deref()
@@ -187,6 +190,7 @@ impl RawEngine {
             role,
             bootstrap_port,
             kv_lease,
+            kv_hosts,
         };
         Ok(engine.with_reported(None))
     }
@@ -291,6 +295,55 @@ fn check_lease(
         ));
     }
     Ok(Some(d))
+}
+
+/// The most hosts `engines[].kv_hosts` may list: a prefill server has an address or a few.
+pub const MAX_KV_HOSTS: usize = 64;
+
+/// `engines[].kv_hosts`: the hosts (IP addresses or names, as the prefill server writes them in
+/// `kv_transfer_params.remote_host`) its decode may be sent to besides its url's host. Only a
+/// prefill server's answers name one. Kept lowercase, IPv6 without brackets.
+fn check_kv_hosts(
+    at: &str,
+    role: Role,
+    hosts: Option<Vec<String>>,
+) -> Result<Vec<Arc<str>>, ConfigError> {
+    let Some(hosts) = hosts else {
+        return Ok(Vec::new());
+    };
+    let key = format!("{at}.kv_hosts");
+    if role != Role::Prefill {
+        return Err(invalid(
+            key,
+            "only a prefill server's answers name a KV host (set `role = \"prefill\"`, or remove this key)",
+        ));
+    }
+    if hosts.len() > MAX_KV_HOSTS {
+        return Err(invalid(
+            key,
+            format!("{} hosts: at most {MAX_KV_HOSTS}", hosts.len()),
+        ));
+    }
+    hosts
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let bare = h.trim().trim_start_matches('[').trim_end_matches(']');
+            let ok = !bare.is_empty()
+                && bare.len() <= 253
+                && (bare.parse::<std::net::IpAddr>().is_ok()
+                    || bare
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_'));
+            match ok {
+                true => Ok(Arc::from(bare.to_ascii_lowercase())),
+                false => Err(invalid(
+                    format!("{key}[{i}]"),
+                    "must be an IP address or a host name, without a port or scheme",
+                )),
+            }
+        })
+        .collect()
 }
 
 /// The key in the environment variable `var` that `engines[i].api_key_env` names. The error

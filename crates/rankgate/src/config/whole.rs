@@ -84,17 +84,6 @@ fn too_many(workers: usize) -> ConfigError {
     )
 }
 
-/// "line N (`the line`): message": the line names the key, which toml's message may not.
-fn describe_toml_error(text: &str, e: &toml::de::Error) -> String {
-    let Some(span) = e.span() else {
-        return e.message().to_string();
-    };
-    let start = span.start.min(text.len());
-    let line_no = text[..start].matches('\n').count() + 1;
-    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
-    format!("line {line_no} (`{line}`): {}", e.message())
-}
-
 impl Config {
     /// Reads and validates a config file: a regular file of at most
     /// [`MAX_CONFIG_BYTES`](super::MAX_CONFIG_BYTES) (see `read`). Blocking: the runtime calls it
@@ -113,8 +102,10 @@ impl Config {
     pub fn from_str(text: &str) -> Result<Config, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: String::new(),
-            message: describe_toml_error(text, &e),
+            message: super::toml_error::describe(text, &e),
         })?;
+        // What the rules say of a key may quote its value: the file parsed as a rankgate
+        // config by then (every table denies unknown keys), so it is the operator's own.
         Config::validate(raw)
     }
 

@@ -117,6 +117,7 @@ where
 {
     Client::builder(TokioExecutor::new())
         .http2_only(true)
+        .http2_max_header_list_size(crate::upstream::MAX_ENGINE_HEADER_BYTES as u32)
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
         .build(connector)

@@ -64,10 +64,13 @@ pub enum PdFailure {
     /// No leg could be sent: the model's prefill and decode servers cannot pair (their flavors
     /// differ, or a side is missing). Counted on the prefill leg, the one never started.
     Unpaired = 7,
+    /// The prefill server's `kv_transfer_params` were refused (a foreign host, a bad port, a
+    /// member of the wrong type or size): no decode saw them.
+    BadParams = 8,
 }
 
 impl PdFailure {
-    pub const ALL: [PdFailure; 8] = [
+    pub const ALL: [PdFailure; 9] = [
         PdFailure::NoRank,
         PdFailure::Transport,
         PdFailure::Timeout,
@@ -76,6 +79,7 @@ impl PdFailure {
         PdFailure::Unreadable,
         PdFailure::Other,
         PdFailure::Unpaired,
+        PdFailure::BadParams,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -88,6 +92,7 @@ impl PdFailure {
             PdFailure::Unreadable => "unreadable",
             PdFailure::Other => "other",
             PdFailure::Unpaired => "unpaired",
+            PdFailure::BadParams => "bad_params",
         }
     }
 }
@@ -175,6 +180,9 @@ pub fn likely_cause(leg: PdLeg, kind: PdFailure, flavor: Flavor) -> &'static str
         }
         (_, PdFailure::Unreadable, _) => {
             "the prefill server's answers cannot be read: is it a vLLM prefill server?"
+        }
+        (_, PdFailure::BadParams, _) => {
+            "the prefill server's kv_transfer_params are refused: its remote_host is not its url's host (list the address its KV side channel reports, VLLM_NIXL_SIDE_CHANNEL_HOST, in engines[].kv_hosts), or it answers parameters out of type or size (is it what it claims?)"
         }
         (_, PdFailure::NoRank, _) => "none of the side's ranks can take a leg (unavailable or ejected)",
         (_, PdFailure::Unpaired, _) => "the model's prefill and decode servers cannot pair",
@@ -268,7 +276,8 @@ impl Collector for Pd {
              transport, timeout, status (an error answer after retries), no_params (a prefill \
              answer without kv_transfer_params), unreadable (a prefill answer that could not \
              be read), unpaired (the model's prefill and decode servers cannot pair: no leg \
-             was sent), other",
+             was sent), bad_params (a prefill's kv_transfer_params refused: a foreign \
+             remote_host, a bad port, a member of the wrong type or size), other",
             None,
             MetricType::Counter,
         )?;

@@ -79,6 +79,12 @@ pub enum ProxyError {
     /// The prefill server's answer could not be read for its KV transfer parameters.
     #[error("the prefill server's answer could not be read: {0}")]
     PrefillAnswer(String),
+    /// The prefill server's KV transfer parameters were refused before any decode saw them
+    /// (`disagg/kv_params.rs`): a host that is not the prefill server's, a port out of range, a
+    /// member of the wrong type or beyond its size. `why` is for clients (no value in it),
+    /// `detail` for the operator's log.
+    #[error("the prefill server's kv_transfer_params were refused ({why}): {detail}. No decode was started")]
+    PrefillBadParams { why: &'static str, detail: String },
     /// A model served disaggregated that cannot be split as the fleet stands.
     #[error("{0}")]
     NotDisaggregable(String),
@@ -162,7 +168,8 @@ impl ProxyError {
             ProxyError::Upstream { .. }
             | ProxyError::StaleConnection { .. }
             | ProxyError::PrefillNoParams
-            | ProxyError::PrefillAnswer(_) => StatusCode::BAD_GATEWAY,
+            | ProxyError::PrefillAnswer(_)
+            | ProxyError::PrefillBadParams { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::Grpc(g) => g.http.unwrap_or(http_status(g.code)),
@@ -238,6 +245,7 @@ impl ProxyError {
             | ProxyError::NotDisaggregable(_)
             | ProxyError::PrefillNoParams
             | ProxyError::PrefillAnswer(_)
+            | ProxyError::PrefillBadParams { .. }
             | ProxyError::Upstream { .. }
             | ProxyError::StaleConnection { .. } => Code::Unavailable,
             ProxyError::Internal(_) | ProxyError::At { .. } => Code::Internal,

@@ -6,12 +6,15 @@
 //! By default a client learns nothing: no header, and messages that name no engine address,
 //! no internal URL and no setting (`server.response_timeout` tells an attacker which knob it is
 //! pushing on). `name` adds the engine's configured name with the rank; `url` gives the whole
-//! detail, addresses included, as the errors' own `Display` writes it. Operators keep that
+//! detail, addresses included, as the errors' own `Display` writes it. The engines' own response
+//! headers that name them ([`ENGINE_NAMING`]: `Server`, `Via`, `Alt-Svc`, `Set-Cookie`, rank
+//! headers) are dropped unless `url`. Operators keep that
 //! detail whatever the setting: the access log and error log, `x-rankgate-debug` (admin token)
 //! and `/workers` on the admin listener read the errors and workers directly, not through here.
 
 use std::fmt::Write;
 
+use http::header::{self, HeaderMap, HeaderName};
 use http::HeaderValue;
 
 use super::error::{DebugRefused, ProxyError, StreamError};
@@ -19,6 +22,32 @@ use crate::config::ExposeWorker;
 use crate::policy::NoRank;
 use crate::upstream::ClientBodyError;
 use crate::worker::Member;
+
+/// How many [`ENGINE_NAMING`] holds.
+pub const ENGINE_NAMING_COUNT: usize = 10;
+
+/// The engine response headers that can name an engine, its host or its rank, dropped from
+/// every answer unless `expose_worker = "url"` (the only mode that names addresses): `Server`
+/// (vLLM's uvicorn says `uvicorn`, a build or a balancer in front may add a host), `Via` (a proxy
+/// in front of the engine names its host), `Alt-Svc` (names another host:port of the engine),
+/// `Set-Cookie` (an engine itself sets none; a balancer in front of it sets sticky cookies that
+/// name the backend, and rankgate keeps no client sessions on an engine), `X-Powered-By`,
+/// `X-Served-By` and `X-Backend-Server` (what balancers name their backend with), the rank an
+/// engine says it served on (`x-data-parallel-rank`, the simulated engine's `x-sim-rank`), and
+/// an upstream gateway's own `x-rankgate-worker` (rankgate's own is written after, by mode).
+/// A `static`: a `const` would build the names anew at each use.
+pub static ENGINE_NAMING: [HeaderName; ENGINE_NAMING_COUNT] = [
+    header::SERVER,
+    header::VIA,
+    header::ALT_SVC,
+    header::SET_COOKIE,
+    HeaderName::from_static("x-powered-by"),
+    HeaderName::from_static("x-served-by"),
+    HeaderName::from_static("x-backend-server"),
+    HeaderName::from_static("x-data-parallel-rank"),
+    HeaderName::from_static("x-sim-rank"),
+    HeaderName::from_static("x-rankgate-worker"),
+];
 
 /// One router's answer to "what does a client learn about our fleet". `Copy`: the layers that
 /// answer carry it by value. The default tells nothing.
@@ -37,6 +66,26 @@ impl Exposure {
             ExposeWorker::None => None,
             ExposeWorker::Name => m.named.as_ref(),
             ExposeWorker::Url => Some(&m.header),
+        }
+    }
+
+    /// An engine's answer headers as clients may see them: without [`ENGINE_NAMING`] unless
+    /// `url`. On every answer, so it looks before it touches: one pass over the few names an
+    /// engine sends (vLLM: five), then one removal per name found (vLLM: its `server`).
+    pub fn scrub(self, h: &mut HeaderMap) {
+        if self.0 == ExposeWorker::Url {
+            return;
+        }
+        let mut found: [Option<HeaderName>; ENGINE_NAMING_COUNT] = Default::default();
+        // `keys` yields each name once, so no more than the list holds are found.
+        for (slot, n) in found
+            .iter_mut()
+            .zip(h.keys().filter(|n| ENGINE_NAMING.contains(n)))
+        {
+            *slot = Some(n.clone());
+        }
+        for n in found.iter().map_while(Option::as_ref) {
+            h.remove(n);
         }
     }
 
@@ -116,6 +165,11 @@ fn write_public(out: &mut String, err: &ProxyError) -> std::fmt::Result {
         ProxyError::PrefillAnswer(_) => {
             out.write_str("the prefill server's answer could not be read")
         }
+        // `why` names a member and the rule it broke, never its value.
+        ProxyError::PrefillBadParams { why, .. } => write!(
+            out,
+            "the prefill server's KV transfer parameters were refused: {why}"
+        ),
         // Never an engine or a setting: those go in its `engine` (shown under `url` only).
         ProxyError::Grpc(g) => out.write_str(&g.message),
         // The client's own mistakes, said in the client's terms (no address or setting in
@@ -204,6 +258,30 @@ mod tests {
             }
         }
         assert_eq!(Exposure::new(ExposeWorker::None).worker(&w), None);
+    }
+
+    #[test]
+    fn engine_headers_that_name_it_go_unless_url() {
+        let sent = || {
+            let mut h = HeaderMap::new();
+            for n in &ENGINE_NAMING {
+                h.append(n, HeaderValue::from_static("gpu-node-7.internal"));
+            }
+            h.append(header::SET_COOKIE, HeaderValue::from_static("b=2"));
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+            h.insert("x-request-id", HeaderValue::from_static("r1"));
+            h
+        };
+        for mode in [ExposeWorker::None, ExposeWorker::Name] {
+            let mut h = sent();
+            Exposure::new(mode).scrub(&mut h);
+            let mut left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+            left.sort_unstable();
+            assert_eq!(left, ["content-type", "x-request-id"], "{mode:?}");
+        }
+        let mut h = sent();
+        Exposure::new(ExposeWorker::Url).scrub(&mut h);
+        assert_eq!(h.len(), sent().len());
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! A client's own `X-Forwarded-*` (and `Forwarded`) are believed only from a peer in
 //! `server.trusted_proxies`, which they are appended to, as nginx's realip module and Envoy's
 //! trusted hops do; anyone else's are replaced by what rankgate saw: the peer's address, and
-//! `https` behind rankgate's own TLS listener.
+//! `https` behind rankgate's own TLS listener. The other client-IP claims (`X-Real-IP`,
+//! `True-Client-IP`, `X-Client-IP`, `CF-Connecting-IP`, `X-Original-Forwarded-For`) are kept
+//! from the same trusted peers only.
 //!
 //! It runs on every request, so it allocates as little as it can: a generated id is 32 hex
 //! digits written into a stack buffer, and the connection's own address is rendered once per
@@ -86,10 +88,25 @@ pub fn forward_for(h: &mut HeaderMap, peer_ip: &HeaderValue) {
     h.insert(FORWARDED_FOR, v);
 }
 
-/// Whether `n` is a forwarding header a client may have written: `X-Forwarded-*`, `Forwarded`.
+/// The other headers that claim a client's address, written by CDNs and other proxies
+/// (nginx's realip module, Cloudflare, Akamai, ingress-nginx's copy of the original
+/// `X-Forwarded-For`). An engine or its logs may believe them, so a stranger's are dropped too.
+pub const CLIENT_IP_HEADERS: [&str; 5] = [
+    "x-real-ip",
+    "true-client-ip",
+    "x-client-ip",
+    "cf-connecting-ip",
+    "x-original-forwarded-for",
+];
+
+/// Whether `n` is a forwarding header a client may have written: `X-Forwarded-*`, `Forwarded`,
+/// or one of [`CLIENT_IP_HEADERS`].
 fn is_forwarding(n: &HeaderName) -> bool {
     let n = n.as_str().as_bytes();
-    n.starts_with(b"x-forwarded-") || n == b"forwarded"
+    n.starts_with(b"x-forwarded-")
+        || n == b"forwarded"
+        // Their lengths (9..=24) first: most names are ruled out by one compare.
+        || ((9..=24).contains(&n.len()) && CLIENT_IP_HEADERS.iter().any(|c| c.as_bytes() == n))
 }
 
 /// The forwarding headers the engine gets: a trusted proxy's appended to, anyone else's
@@ -104,7 +121,8 @@ pub fn forwarded(h: &mut HeaderMap, peer_ip: &HeaderValue, trusted: bool, proto:
             }
             return;
         }
-        // A stranger's claims (`X-Forwarded-Host`, `-Port`, `Forwarded` too) are dropped.
+        // A stranger's claims (`X-Forwarded-Host`, `-Port`, `Forwarded`, `X-Real-IP` and the
+        // other client-IP headers too) are dropped.
         while let Some(n) = h.keys().find(|n| is_forwarding(n)).cloned() {
             h.remove(&n);
         }
@@ -302,6 +320,27 @@ mod tests {
         let mut h = HeaderMap::new();
         forwarded(&mut h, &ip, true, &https);
         assert_eq!((&h[FORWARDED_FOR], &h[FORWARDED_PROTO]), (&ip, &https));
+    }
+
+    #[test]
+    fn client_ip_claims_are_kept_only_from_trusted_proxies() {
+        let ip = peer_ip_header(([10, 0, 0, 9], 5000).into());
+        let http = HeaderValue::from_static("http");
+        for name in CLIENT_IP_HEADERS {
+            let mut h = HeaderMap::new();
+            h.insert(name, HeaderValue::from_static("6.6.6.6"));
+            h.insert("x-real-ipx", HeaderValue::from_static("kept"));
+            forwarded(&mut h, &ip, false, &http);
+            assert!(!h.contains_key(name), "{name} from a stranger passed");
+            assert_eq!(h["x-real-ipx"], "kept", "only the listed names go");
+            assert_eq!(h[FORWARDED_FOR], "10.0.0.9");
+
+            let mut h = HeaderMap::new();
+            h.insert(name, HeaderValue::from_static("6.6.6.6"));
+            forwarded(&mut h, &ip, true, &http);
+            assert_eq!(h[name], "6.6.6.6", "{name} from a trusted proxy");
+            assert_eq!(h[FORWARDED_FOR], "10.0.0.9");
+        }
     }
 
     #[test]

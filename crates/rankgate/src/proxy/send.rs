@@ -32,7 +32,7 @@ use super::layer::WORKER_HEADER;
 use super::pin::strip_hop_by_hop;
 use super::shared::Ctx;
 use super::target::Picked;
-use crate::upstream::{BodyTooLarge, ClientBodyError, RequestBody, Sender};
+use crate::upstream::{handshake, BodyTooLarge, ClientBodyError, RequestBody, Sender};
 use crate::worker::EngineEntry;
 
 #[derive(Clone)]
@@ -272,9 +272,7 @@ impl Sending {
                 .map_err(|e| failed("connect", &*e))?
                 .into_inner();
             let io = cutoff.wrap(io);
-            let (sender, conn) = hyper::client::conn::http1::handshake(io)
-                .await
-                .map_err(|e| failed("handshake", &e))?;
+            let (sender, conn) = handshake(io).await.map_err(|e| failed("handshake", &e))?;
             tokio::spawn(async move {
                 if let Err(e) = conn.await {
                     tracing::debug!(engine = %engine.url, error = %crate::http::error_chain(&e), "engine connection ended");
@@ -467,6 +465,7 @@ impl Sending {
             Ending::Cut
         };
         let exposure = this.dial.exposure;
+        exposure.scrub(&mut parts.headers);
         if let Some(shown) = exposure.worker(&this.target.worker) {
             parts.headers.insert(WORKER_HEADER, shown.clone());
         }

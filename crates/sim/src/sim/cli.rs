@@ -192,6 +192,9 @@ pub struct Args {
     /// BASE + r. 0: free ports.
     #[arg(long, default_value_t = 0)]
     side_port: u16,
+    /// vLLM P: the host its answers name as remote_host (VLLM_NIXL_SIDE_CHANNEL_HOST).
+    #[arg(long, default_value = "127.0.0.1")]
+    side_host: String,
     /// SGLang P: the bootstrap server's port (--disaggregation-bootstrap-port). 0: a free port.
     #[arg(long, default_value_t = 0)]
     disaggregation_bootstrap_port: u16,
@@ -278,6 +281,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         engine_id: a.engine_id,
         kv_lease: seconds("--kv-lease", a.kv_lease)?,
         side_port: a.side_port,
+        side_host: a.side_host,
         bootstrap_port: a.disaggregation_bootstrap_port,
         bootstrap_timeout: seconds(
             "--disaggregation-bootstrap-timeout",

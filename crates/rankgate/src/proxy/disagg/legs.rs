@@ -131,6 +131,7 @@ pub(super) fn failure(e: &ProxyError) -> PdFailure {
         ProxyError::Timeout(_) => PdFailure::Timeout,
         ProxyError::PrefillNoParams => PdFailure::NoParams,
         ProxyError::PrefillAnswer(_) => PdFailure::Unreadable,
+        ProxyError::PrefillBadParams { .. } => PdFailure::BadParams,
         _ => PdFailure::Other,
     }
 }

@@ -21,10 +21,12 @@
 //! SGLang (bootstrap): both legs at once, see `sglang`.
 //!
 //! `select` decides which requests are split ([`Split`]); the usual request passes through.
-//! A client's own transfer fields never reach an engine (`body`).
+//! A client's own transfer fields never reach an engine (`body`), and a prefill server's are
+//! checked before a decode sees them (`kv_params`).
 
 mod body;
 pub(crate) mod health;
+mod kv_params;
 mod legs;
 mod sglang;
 
@@ -214,12 +216,15 @@ where
         let params = read_answer(resp, self.answer_within)
             .await
             .and_then(|answer| body::params(&answer).map(Bytes::copy_from_slice));
+        // Untrusted: checked before any decode sees them (a refusal is `bad_params`).
+        let params = kv_params::checked(params, &prefill.engine).await;
         abandoned.disarm();
         let params = match params {
             Ok(p) => p,
             Err(e) => {
                 let kind = match e {
                     ProxyError::PrefillNoParams => PdFailure::NoParams,
+                    ProxyError::PrefillBadParams { .. } => PdFailure::BadParams,
                     _ => PdFailure::Unreadable,
                 };
                 leg_failed(

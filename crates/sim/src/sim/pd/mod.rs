@@ -72,6 +72,10 @@ pub struct PdConfig {
     /// vLLM P: the NIXL side channel's base port (`VLLM_NIXL_SIDE_CHANNEL_PORT`); local rank r
     /// listens on base + r. 0 picks a free port per rank.
     pub side_port: u16,
+    /// vLLM P: the host its answers name as `remote_host` (`VLLM_NIXL_SIDE_CHANNEL_HOST`):
+    /// where a decode pulls from. A prefill that names another host than its own is what a
+    /// router must refuse (rankgate's `kv_params`).
+    pub side_host: String,
     /// SGLang P: `--disaggregation-bootstrap-port`; 0 picks a free port.
     pub bootstrap_port: u16,
     /// SGLang P: how long a prefilled room waits for its D before the request fails.
@@ -86,6 +90,7 @@ impl Default for PdConfig {
             engine_id: None,
             kv_lease: DEFAULT_KV_LEASE,
             side_port: 0,
+            side_host: "127.0.0.1".into(),
             bootstrap_port: 0,
             bootstrap_timeout: DEFAULT_SGLANG_TIMEOUT,
             waiting_timeout: DEFAULT_SGLANG_TIMEOUT,

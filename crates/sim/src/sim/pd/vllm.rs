@@ -235,7 +235,7 @@ impl Sim {
             "remote_block_ids": [blocks],
             "remote_engine_id": self.rank_engine_id(local),
             "remote_request_id": request_id,
-            "remote_host": "127.0.0.1",
+            "remote_host": self.cfg.pd.side_host,
             "remote_port": self.pd.side_ports.get(local).copied().unwrap_or(0),
             "tp_size": 1,
             "dcp_size": 1,
