@@ -5,10 +5,11 @@
 //! down, so each connection lives under a deadline: its first request's headers must arrive
 //! within `header_read_timeout` (the HTTP version sniff and the h2 preface included, which hyper's
 //! own HTTP/1 header timeout does not cover), and a connection with no request in progress is
-//! closed after `idle_timeout`. One client address holds at most `max_connections_per_client`
-//! connections, and a full table (`max_connections`, whose default leaves file descriptors for
-//! the upstream connections and the admin listener) first closes its oldest connection that has
-//! not sent a request yet; only a table of serving connections pauses accepting
+//! closed after `idle_timeout`. One client address (an IPv6 prefix) holds at most
+//! `max_connections_per_client` connections, and a full table (`max_connections`, whose
+//! default leaves file descriptors for the upstream connections and the admin listener) first
+//! closes its oldest connection that has not sent a request yet, else (gracefully) its longest
+//! idle one between requests; only a table of connections all in a request pauses accepting
 //! ([`super::admission`]). Shutdown stops accepting, lets requests and streams in flight finish
 //! for the drain grace, then returns.
 
@@ -103,7 +104,8 @@ pub async fn serve_with<M, S, B>(
             _ = shutdown_signalled(&mut shutdown) => break,
         };
         let activity = Arc::new(Activity::new());
-        let place = admission.admit(peer.ip(), &activity);
+        let client = admission.key(peer.ip());
+        let place = admission.admit(client, &activity);
         if !matches!(place, Place::Now) {
             if let Some(held) = client_full.allow() {
                 tracing::warn!(
@@ -117,7 +119,7 @@ pub async fn serve_with<M, S, B>(
         if let Place::Refused = place {
             continue;
         }
-        let ticket = Ticket::new(admission, peer.ip(), &activity);
+        let ticket = Ticket::new(admission, client, &activity);
         // The slot is taken once a client is there, never while waiting for one: with several
         // listeners on one door, a slot held by an idle listener was a slot the busy ones
         // lacked (below the cap, clients waited; with a cap under the core count, forever). At
@@ -130,7 +132,9 @@ pub async fn serve_with<M, S, B>(
                 let mut replaced = admission.replace_oldest();
                 if let Some(held) = cap_reached.allow() {
                     let outcome = match replaced {
-                        Replace::Done => "the oldest connection with no request yet closed",
+                        Replace::Done => {
+                            "a connection with no request yet, or idle between requests, closed"
+                        }
                         Replace::Later(_) => {
                             "accepting paused until a connection with no request yet has had its 250 ms"
                         }
