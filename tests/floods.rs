@@ -426,6 +426,34 @@ async fn a_connection_with_a_request_in_flight_is_never_reclaimed() {
     );
 }
 
+/// A client behind the same address as a flood of silent sockets (a NAT) gets in: its
+/// connection, queued behind them, sends its request and takes the place of one that said
+/// nothing, however young; the flood's newcomers only turn over among themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_behind_a_flooders_address_is_served() {
+    let (_e, r) = small_door("max_connections = 64\nmax_connections_per_client = 2").await;
+    let mut silent = Vec::new();
+    for round in 0..5 {
+        // Fresh silent sockets: two hold the places, two more fill the queue.
+        for _ in 0..4 {
+            silent.push(connect_from(3, r.addr).await);
+        }
+        // One accept loop: they are accepted before the good client, in order.
+        let mut good = connect_from(3, r.addr).await;
+        let (status, _) = roundtrip(&mut good, "/nope")
+            .await
+            .unwrap_or_else(|| panic!("round {round}: the client behind the flood was closed"));
+        assert!(status.starts_with("HTTP/1.1 404"), "{status}");
+    }
+    assert!(
+        metric(
+            &r,
+            "rankgate_connections_replaced_total{listener=\"front\"}"
+        ) >= 5
+    );
+    drop(silent);
+}
+
 /// A body whose every gap is well inside `body_read_timeout` still gets its 408 at
 /// `body_timeout`, and never reaches an engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,6 +31,8 @@ pub(super) struct Activity {
     placed: AtomicBool,
     /// Its place in its address's count went to the connection that replaced it.
     handed_over: AtomicBool,
+    /// The client has sent bytes (set once, before its first request).
+    spoke: AtomicBool,
 }
 
 impl Activity {
@@ -45,6 +47,7 @@ impl Activity {
             evict: Notify::new(),
             placed: AtomicBool::new(false),
             handed_over: AtomicBool::new(false),
+            spoke: AtomicBool::new(false),
         }
     }
 
@@ -83,6 +86,15 @@ impl Activity {
     /// it a moment in the tables' queues).
     pub(super) fn ended(&self) {
         self.evicted.store(true, Relaxed);
+    }
+
+    /// The client has sent its first bytes.
+    pub(super) fn spoke(&self) {
+        self.spoke.store(true, Relaxed);
+    }
+
+    pub(super) fn has_spoken(&self) -> bool {
+        self.spoke.load(Relaxed)
     }
 
     pub(super) fn placed(&self) {

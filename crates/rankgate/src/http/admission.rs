@@ -211,6 +211,34 @@ impl Admission {
         true
     }
 
+    /// `activity`, queued at its address, has sent its first bytes: it takes the place of the
+    /// address's oldest connection holding one that has sent nothing yet, of any age (that one
+    /// is closed). A client behind a flooder's address (a NAT) then gets in however fast the
+    /// flood's silent sockets come, while a flood that speaks only trades places with itself.
+    pub(super) fn take_over(&self, ip: IpAddr, activity: &Arc<Activity>) -> bool {
+        let mut t = self.tables();
+        let per_client = self.per_client;
+        let Some(client) = t.clients.get_mut(&ip) else {
+            return false;
+        };
+        if activity.is_placed() || !activity.waiting() {
+            return false;
+        }
+        let silent = (client.waiting.iter().enumerate())
+            .find_map(|(i, w)| Some((i, w.upgrade()?)).filter(|(_, a)| a.waiting() && !a.has_spoken()));
+        let Some((i, silent)) = silent else {
+            return false;
+        };
+        client.waiting.remove(i);
+        silent.evict(true);
+        self.replaced.fetch_add(1, Relaxed);
+        client.queued = client.queued.saturating_sub(1);
+        activity.placed();
+        push(&mut client.waiting, activity, per_client);
+        push_placed(&mut client.placed, activity, per_client);
+        true
+    }
+
     /// The door is full: closes its oldest connection not serving yet, if it has had its
     /// [`REPLACEABLE_AFTER`], else its longest idle connection of the client holding the most
     /// (gracefully).
@@ -309,10 +337,19 @@ impl Ticket {
     }
 
     /// Waits for a place at the connection's address (given back by one of its connections),
-    /// until `deadline`. `false`: none came in time, or a newer connection replaced this one.
-    pub(super) async fn wait_for_place(&self, freed: &Notify, deadline: Instant) -> bool {
+    /// until `deadline`; once `spoke` says the client sent its first bytes, it takes the place
+    /// of one of the address's connections that has said nothing ([`Admission::take_over`]).
+    /// `false`: no place came in time, or a newer connection replaced this one.
+    pub(super) async fn wait_for_place(
+        &self,
+        freed: &Notify,
+        deadline: Instant,
+        spoke: impl std::future::Future<Output = bool>,
+    ) -> bool {
         let (admission, ip, activity) = (&self.admission, self.ip, &self.activity);
         let waited = tokio::time::timeout_at(deadline, async {
+            let mut spoke = std::pin::pin!(spoke);
+            let mut listening = true;
             loop {
                 if admission.take_place(ip, activity) {
                     return true;
@@ -320,6 +357,15 @@ impl Ticket {
                 tokio::select! {
                     () = freed.notified() => {}
                     () = activity.evicted() => return false,
+                    said = &mut spoke, if listening => {
+                        listening = false;
+                        if said {
+                            activity.spoke();
+                            if admission.take_over(ip, activity) {
+                                return true;
+                            }
+                        }
+                    }
                 }
             }
         })
@@ -388,7 +434,7 @@ fn is_waiting(w: &Weak<Activity>) -> bool {
 /// The oldest connection of `queue` still waiting for its first request, if it has had
 /// [`REPLACEABLE_AFTER`] to send it.
 fn pop_waiting(queue: &mut VecDeque<Weak<Activity>>) -> Option<Arc<Activity>> {
-    pop_oldest(queue, |_| true)
+    pop_oldest(queue, REPLACEABLE_AFTER, |_| true)
 }
 
 /// [`pop_waiting`] for an address's queue, skipping the connections that took a place since
@@ -396,18 +442,24 @@ fn pop_waiting(queue: &mut VecDeque<Weak<Activity>>) -> Option<Arc<Activity>> {
 /// were queued handed its place to a newcomer that only queued: the place was never given
 /// back, and after enough of them the address's every place was held by nobody, its
 /// connections all waiting for a place until their header deadline.
+///
+/// Any age will do, but never one that has spoken: a queued connection is not read, so one
+/// that sent its request waits for a place ([`Admission::take_over`]), while a flood's
+/// silent sockets turn over behind it. Refusing the newcomer while the queue was young
+/// instead lost a fifth of the new connections of a client behind a flooder's NAT.
 fn pop_queued(queue: &mut VecDeque<Weak<Activity>>) -> Option<Arc<Activity>> {
-    pop_oldest(queue, |a| !a.is_placed())
+    pop_oldest(queue, Duration::ZERO, |a| !a.is_placed() && !a.has_spoken())
 }
 
 fn pop_oldest(
     queue: &mut VecDeque<Weak<Activity>>,
+    min_age: Duration,
     keep: impl Fn(&Activity) -> bool,
 ) -> Option<Arc<Activity>> {
     while let Some(w) = queue.front() {
         match w.upgrade().filter(|a| a.waiting() && keep(a)) {
             // The queue is oldest first: if this one is too young, so are all after it.
-            Some(a) if a.opened.elapsed() < REPLACEABLE_AFTER => return None,
+            Some(a) if a.opened.elapsed() < min_age => return None,
             Some(a) => {
                 queue.pop_front();
                 return Some(a);

@@ -189,7 +189,12 @@ pub async fn serve_with<M, S, B>(
         tokio::spawn(async move {
             if let Place::Wait(freed) = place {
                 let deadline = activity.opened + opts.header_read_timeout;
-                if !ticket.wait_for_place(&freed, deadline).await {
+                // Its first bytes (not its closing: a peek of nothing).
+                let spoke = async {
+                    let mut b = [0u8; 1];
+                    matches!(stream.peek(&mut b).await, Ok(n) if n > 0)
+                };
+                if !ticket.wait_for_place(&freed, deadline, spoke).await {
                     tracing::debug!(%peer, "client connection closed: no place for its address in time");
                     return;
                 }
@@ -211,8 +216,9 @@ pub async fn serve_with<M, S, B>(
                     // something: a socket that connects and says nothing costs no more over
                     // TLS than in cleartext.
                     let handshake = tokio::select! {
-                        r = tokio::time::timeout_at(deadline, async move {
+                        r = tokio::time::timeout_at(deadline, async {
                             stream.readable().await?;
+                            activity.spoke();
                             acceptor.accept(stream).await
                         }) => r,
                         () = activity.evicted() => {
@@ -291,6 +297,7 @@ where
             return;
         }
     };
+    w.activity.spoke();
     let io = conn::client_io(io, first, w.activity.clone(), !h2);
     // Boxed: hyper's connection and its watch are only made here, so the task of a connection
     // still waiting for its first bytes (most of a flood) is no larger than what it holds.

@@ -56,11 +56,11 @@ async fn a_connection_that_took_a_place_is_not_replaced_as_queued() {
     drop(g2);
     drop(tickets.remove(0));
     assert!(adm.take_place(ip(2), &q1));
-    // Two newcomers queue (x is too young to replace), a third finds the queue full of
-    // young ones and q1, which is no longer queued.
+    // Two newcomers queue (x is too young to replace), a third finds the queue full and
+    // takes the spot of its oldest still queued, n1, passing over q1, no longer queued.
     let (n1, n2) = (conn(&mut tickets, wait), conn(&mut tickets, wait));
-    let _n3 = conn(&mut tickets, |p| matches!(p, Place::Refused));
-    assert!(q1.waiting() && n1.waiting() && n2.waiting() && x.waiting());
+    let _n3 = conn(&mut tickets, wait);
+    assert!(q1.waiting() && !n1.waiting() && n2.waiting() && x.waiting());
     drop(tickets);
     // Every place given back: the address holds none.
     assert_eq!(adm.clients(), 0);
@@ -146,4 +146,37 @@ async fn ipv6_clients_of_one_prefix_share_their_places() {
         adm.admit(key("2001:db8:0:1::1"), &Arc::new(Activity::new())),
         Place::Now
     ));
+}
+
+/// A queued connection that has sent its request takes the place of its address's oldest
+/// connection that has said nothing, however young; one that spoke is never the one taken
+/// over, nor replaced in the queue by a newcomer.
+#[tokio::test(start_paused = true)]
+async fn a_queued_connection_that_spoke_takes_over_a_silent_one() {
+    let adm = Arc::new(Admission::new(16, 2, 64));
+    let (talker, silent) = (Arc::new(Activity::new()), Arc::new(Activity::new()));
+    assert!(matches!(adm.admit(ip(2), &talker), Place::Now));
+    talker.spoke();
+    assert!(matches!(adm.admit(ip(2), &silent), Place::Now));
+    // Both young: the newcomer queues.
+    let q = Arc::new(Activity::new());
+    assert!(matches!(adm.admit(ip(2), &q), Place::Wait(_)));
+    let _tq = Ticket::new(&adm, ip(2), &q);
+    // It speaks: it takes `silent`'s place, not `talker`'s.
+    q.spoke();
+    assert!(adm.take_over(ip(2), &q));
+    assert!(!silent.waiting() && talker.waiting() && q.is_placed());
+    // A second one that speaks finds no silent connection left: it waits, and newcomers
+    // that fill the queue never replace it.
+    let q2 = Arc::new(Activity::new());
+    assert!(matches!(adm.admit(ip(2), &q2), Place::Wait(_)));
+    q2.spoke();
+    assert!(!adm.take_over(ip(2), &q2));
+    let q3 = Arc::new(Activity::new());
+    assert!(matches!(adm.admit(ip(2), &q3), Place::Wait(_)));
+    assert!(matches!(
+        adm.admit(ip(2), &Arc::new(Activity::new())),
+        Place::Wait(_)
+    ));
+    assert!(q2.waiting() && !q3.waiting());
 }
