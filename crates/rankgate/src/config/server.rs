@@ -461,8 +461,8 @@ mod tests {
     fn client_ipv6_prefix_defaults_to_64_and_must_be_1_to_128() {
         let d = Config::from_str(ENGINE).unwrap();
         assert_eq!(d.server.client_ipv6_prefix, 64);
-        let all = Config::from_str(&format!("[server]\nclient_ipv6_prefix = 128\n{ENGINE}"))
-            .unwrap();
+        let all =
+            Config::from_str(&format!("[server]\nclient_ipv6_prefix = 128\n{ENGINE}")).unwrap();
         assert_eq!(all.server.client_ipv6_prefix, 128);
         assert_eq!(d.restart_needed(&all), ["server.client_ipv6_prefix"]);
         for bad in ["0", "129", "-1", "100000"] {

@@ -224,8 +224,9 @@ impl Admission {
         if activity.is_placed() || !activity.waiting() {
             return false;
         }
-        let silent = (client.waiting.iter().enumerate())
-            .find_map(|(i, w)| Some((i, w.upgrade()?)).filter(|(_, a)| a.waiting() && !a.has_spoken()));
+        let silent = (client.waiting.iter().enumerate()).find_map(|(i, w)| {
+            Some((i, w.upgrade()?)).filter(|(_, a)| a.waiting() && !a.has_spoken())
+        });
         let Some((i, silent)) = silent else {
             return false;
         };
@@ -253,8 +254,8 @@ impl Admission {
             clients, by_open, ..
         } = &mut *t;
         // Largest first; a client whose every connection is busy is passed over.
-        let idle = (by_open.iter().rev())
-            .find_map(|(_, ip)| pop_idle(&mut clients.get_mut(ip)?.placed));
+        let idle =
+            (by_open.iter().rev()).find_map(|(_, ip)| pop_idle(&mut clients.get_mut(ip)?.placed));
         if let Some(idle) = idle {
             idle.evict(false);
             self.reclaimed.fetch_add(1, Relaxed);
