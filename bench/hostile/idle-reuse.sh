@@ -89,14 +89,14 @@ run() {
   done
   # The probe begins once the floods hold their sockets, and ends before they do.
   sleep 3
-  probe "$6" "$7" $(( HOLD - 5 )) >"$work/probe.out"
+  (probe "$6" "$7" $(( HOLD - 5 ))) >"$work/probe.out" || true
   wait "${fl[@]}" || true
   local connects=0 held=0 c h
   for ((a = 2; a < 2 + $5; a++)); do
-    read -r c h < <(sed -n 's/.*connects=\([0-9]*\) .*held_max=\([0-9]*\).*/\1 \2/p' "$work/flood.$a")
+    read -r c h < <(sed -n 's/.*connects=\([0-9]*\) .*held_max=\([0-9]*\).*/\1 \2/p' "$work/flood.$a") || true
     connects=$(( connects + ${c:-0} )); held=$(( held + ${h:-0} ))
   done
-  read -r n p50 p99 max failed resets < <(summary "$work/probe.out")
+  read -r n p50 p99 max failed resets < <(summary "$work/probe.out") || true
   printf '%-24s %9s %8s %8s %5s %7s %7s %7s %5s %6s\n' "$1" "$5x$4" "$connects" "$held" "$n" \
     "$p50" "$p99" "$max" "$failed" "$resets"
   sleep 2
