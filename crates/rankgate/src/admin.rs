@@ -3,6 +3,10 @@
 //! fleet's changes: `POST /engines`, `DELETE /engines?url=...` and `POST /reload`, which need the
 //! admin token (`server.admin_token_env`; without it they are refused).
 //!
+//! `/ready` and `/health` are answered on the connection's own task from the snapshot, taking
+//! no lock; the fleet-wide renders run off the runtime's threads, a couple at a time
+//! ([`render::RENDERS_AT_ONCE`]), and the mutations wait on their own, so neither can hold a probe up.
+//!
 //! `/loads` speaks the fleet-rollup shape of an upstream gateway (entries annotated with
 //! `worker`, `dp_rank` = global rank, an `aggregate`), so one rankgate can front others.
 
@@ -28,10 +32,14 @@ use crate::proxy::Denied;
 use crate::reason::Reason;
 use crate::table::{Fresh, RankTelemetry, Table};
 use crate::worker::{Deployment, EngineEntry, Flavor};
+use query::query_param;
+use render::off_runtime;
 
 mod failures;
+mod query;
 mod reach;
 mod ready;
+mod render;
 
 /// What the admin handlers read.
 pub struct Admin {
@@ -56,17 +64,27 @@ impl Admin {
         Ok(match (req.method().clone(), path.as_str()) {
             (Method::GET, "/health") => respond(StatusCode::OK, "text/plain", "ok\n"),
             (Method::GET, "/ready") => self.ready(),
-            (Method::GET, "/workers") => json_response(StatusCode::OK, &self.workers()),
-            (Method::GET, "/engines") => json_response(StatusCode::OK, &self.engines()),
+            (Method::GET, "/workers") => {
+                off_runtime(move || json_response(StatusCode::OK, &self.workers())).await
+            }
+            (Method::GET, "/engines") => {
+                off_runtime(move || json_response(StatusCode::OK, &self.engines())).await
+            }
             (Method::GET, "/loads") => {
                 let model = req.uri().query().and_then(|q| query_param(q, "model"));
-                json_response(StatusCode::OK, &self.loads(model.as_deref()))
+                off_runtime(move || json_response(StatusCode::OK, &self.loads(model.as_deref())))
+                    .await
             }
-            (Method::GET, "/metrics") => respond(
-                StatusCode::OK,
-                crate::metrics::CONTENT_TYPE,
-                self.metrics.render(),
-            ),
+            (Method::GET, "/metrics") => {
+                off_runtime(move || {
+                    respond(
+                        StatusCode::OK,
+                        crate::metrics::CONTENT_TYPE,
+                        self.metrics.render(),
+                    )
+                })
+                .await
+            }
             (Method::POST, "/engines") | (Method::DELETE, "/engines") | (Method::POST, "/reload") => {
                 match self.control.authorize(req.headers()) {
                     Ok(()) => self.mutate(req).await,
@@ -433,33 +451,6 @@ fn not_allowed(path: &str, method: &Method, allow: &'static str) -> Response<Ful
     r
 }
 
-/// The value of `key` in a query string, percent-decoded (model ids carry `/`).
-fn query_param(query: &str, key: &str) -> Option<String> {
-    let raw = query
-        .split('&')
-        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))?;
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                    continue;
-                }
-                _ => out.push(b'%'),
-            },
-            b'+' => out.push(b' '),
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8(out).ok()
-}
-
 /// UTC time as ISO 8601 (`2026-12-02T14:00:00.123Z`).
 fn iso8601(t: std::time::SystemTime) -> String {
     let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -486,15 +477,5 @@ mod tests {
         // 2024-02-29 12:34:56.789 UTC, a leap day.
         let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_789);
         assert_eq!(iso8601(t), "2024-02-29T12:34:56.789Z");
-    }
-
-    #[test]
-    fn query_params_are_decoded() {
-        assert_eq!(
-            query_param("a=1&model=meta-llama%2FLlama-3", "model").as_deref(),
-            Some("meta-llama/Llama-3")
-        );
-        assert_eq!(query_param("models=x", "model"), None);
-        assert_eq!(query_param("model=a%2", "model").as_deref(), Some("a%2"));
     }
 }

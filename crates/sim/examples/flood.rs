@@ -3,7 +3,8 @@
 //!
 //! `flood TARGET FROM KIND COUNT SECONDS MAX_CONNECTS`: from one source address, keeps up to `--count` connections open to `--target`,
 //! each saying only what its kind says (`idle`: nothing; `h2-preface`: the 24-byte HTTP/2
-//! preface; `tls-half`: the first bytes of a TLS ClientHello record), opening a new one for
+//! preface; `tls-half`: the first bytes of a TLS ClientHello record; `one-request`: one cheap
+//! `GET /nope`, its answer read, then nothing), opening a new one for
 //! each the server closes, for `--seconds` and at most `--max-connects` connects in all.
 //! Prints one line: `connects=N closed_by_server=N held_max=N connect_errors=N`. (The good
 //! client the script measures alongside is curl, from another address.)
@@ -24,7 +25,7 @@ const CONNECTING: usize = 512;
 
 fn usage() -> ! {
     eprintln!(
-        "usage: flood flood TARGET FROM KIND(idle|h2-preface|tls-half) COUNT SECONDS MAX_CONNECTS"
+        "usage: flood flood TARGET FROM KIND(idle|h2-preface|tls-half|one-request) COUNT SECONDS MAX_CONNECTS"
     );
     std::process::exit(2)
 }
@@ -47,6 +48,8 @@ fn first_bytes(kind: &str) -> &'static [u8] {
         "h2-preface" => b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
         // A handshake record announcing 512 bytes, and the first 4 of a ClientHello.
         "tls-half" => &[0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc],
+        // Keep-alive: the answer comes, then the socket idles between requests.
+        "one-request" => b"GET /nope HTTP/1.1\r\nhost: flood\r\n\r\n",
         _ => usage(),
     }
 }

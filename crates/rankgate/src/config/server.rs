@@ -39,6 +39,10 @@ pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(30);
 /// share of `max_connections` (1/8): enough for a NAT or a gateway in front carrying many
 /// users, while it takes at least 8 addresses to fill the table.
 pub const DEFAULT_CLIENT_SHARE: usize = 8;
+/// IPv6 clients count against `max_connections_per_client` by this prefix unless
+/// `server.client_ipv6_prefix` says otherwise: one host is commonly given a whole /64, so
+/// counting each address apart let one host hold the table alone.
+pub const DEFAULT_CLIENT_IPV6_PREFIX: u8 = 64;
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -58,6 +62,7 @@ pub(super) struct RawServer {
     max_header_bytes: Option<usize>,
     max_connections: Option<usize>,
     max_connections_per_client: Option<usize>,
+    client_ipv6_prefix: Option<i64>,
     max_engine_connections: Option<usize>,
     grpc_streams_per_connection: Option<usize>,
     max_in_flight: Option<usize>,
@@ -108,6 +113,9 @@ pub struct ServerConfig {
     /// Client connections one client address may hold at once; `None`: a share of
     /// `max_connections` ([`DEFAULT_CLIENT_SHARE`]).
     pub max_connections_per_client: Option<usize>,
+    /// The prefix length an IPv6 client address is counted by (1 to 128; 128: each address
+    /// apart). IPv4 addresses, IPv4-mapped ones included, count one by one.
+    pub client_ipv6_prefix: u8,
     /// Connections rankgate opens to one engine at once (HTTP/1: requests in flight on it).
     pub max_engine_connections: usize,
     /// gRPC calls one h2 connection to an engine carries before the next call opens another
@@ -263,6 +271,7 @@ fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         max_header_bytes: raw.max_header_bytes.unwrap_or(DEFAULT_MAX_HEADER_BYTES),
         max_connections: raw.max_connections,
         max_connections_per_client: raw.max_connections_per_client,
+        client_ipv6_prefix: client_ipv6_prefix(raw.client_ipv6_prefix)?,
         max_engine_connections: (raw.max_engine_connections)
             .unwrap_or(DEFAULT_MAX_ENGINE_CONNECTIONS),
         grpc_streams_per_connection: (raw.grpc_streams_per_connection)
@@ -283,6 +292,19 @@ fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         admin_tls: raw.admin_tls,
         expose_worker: raw.expose_worker.unwrap_or(DEFAULT_EXPOSE_WORKER),
         trusted_proxies: trusted_proxies(raw.trusted_proxies)?,
+    })
+}
+
+/// `server.client_ipv6_prefix`: a prefix length, 1 to 128.
+fn client_ipv6_prefix(v: Option<i64>) -> Result<u8, ConfigError> {
+    let Some(v) = v else {
+        return Ok(DEFAULT_CLIENT_IPV6_PREFIX);
+    };
+    u8::try_from(v).ok().filter(|p| (1..=128).contains(p)).ok_or_else(|| {
+        invalid(
+            "server.client_ipv6_prefix",
+            format!("{v} is not a prefix length from 1 to 128 (64: a host's /64, the default; 128: each address apart)"),
+        )
     })
 }
 
@@ -433,5 +455,24 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("ready_requires_routable"), "{e}");
+    }
+
+    #[test]
+    fn client_ipv6_prefix_defaults_to_64_and_must_be_1_to_128() {
+        let d = Config::from_str(ENGINE).unwrap();
+        assert_eq!(d.server.client_ipv6_prefix, 64);
+        let all =
+            Config::from_str(&format!("[server]\nclient_ipv6_prefix = 128\n{ENGINE}")).unwrap();
+        assert_eq!(all.server.client_ipv6_prefix, 128);
+        assert_eq!(d.restart_needed(&all), ["server.client_ipv6_prefix"]);
+        for bad in ["0", "129", "-1", "100000"] {
+            let e = Config::from_str(&format!("[server]\nclient_ipv6_prefix = {bad}\n{ENGINE}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("server.client_ipv6_prefix") && e.contains("1 to 128"),
+                "{bad}: {e}"
+            );
+        }
     }
 }

@@ -1,7 +1,8 @@
 //! What is known of one client connection, kept current by its requests: when it opened, its
 //! requests started and in progress, when it last went idle, and whether a newer connection
-//! took its place before it served anything. Read by the connection watch (its deadlines), the
-//! admission tables (which connections may be replaced) and the connection's bytes (its 431s).
+//! took its place. Read by the connection watch (its deadlines), the admission tables (which
+//! connections may be replaced: not serving yet, or idle between requests) and the
+//! connection's bytes (its 431s).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -21,14 +22,17 @@ pub(super) struct Activity {
     /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
     /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
     pub(super) answered_431: AtomicUsize,
-    /// Closed to make room for a newer connection (see [`super::admission`]); told through
-    /// `evict`, which keeps the word until the connection's task looks (a stored permit).
+    /// Closed to make room for a newer connection (see [`super::admission`]): at once before
+    /// its first request, gracefully after; told through `evict`, which keeps the word until
+    /// the connection's task looks (a stored permit).
     evicted: AtomicBool,
     evict: Notify,
     /// It holds a place in its address's count (else it waits for one).
     placed: AtomicBool,
     /// Its place in its address's count went to the connection that replaced it.
     handed_over: AtomicBool,
+    /// The client has sent bytes (set once, before its first request).
+    spoke: AtomicBool,
 }
 
 impl Activity {
@@ -43,6 +47,7 @@ impl Activity {
             evict: Notify::new(),
             placed: AtomicBool::new(false),
             handed_over: AtomicBool::new(false),
+            spoke: AtomicBool::new(false),
         }
     }
 
@@ -51,12 +56,45 @@ impl Activity {
         self.started.load(Relaxed) == 0 && !self.evicted.load(Relaxed)
     }
 
-    /// Tells the connection to close (it does unless a request began meanwhile); `hand_over`:
-    /// its place in its address's count goes to the newcomer.
+    /// Told to close for a newer connection.
+    pub(super) fn told_to_close(&self) -> bool {
+        self.evicted.load(Relaxed)
+    }
+
+    /// When the connection went idle, if it is idle between requests now (it served one, has
+    /// none in progress, and was not told to close).
+    pub(super) fn idle_since(&self) -> Option<Instant> {
+        if self.started.load(Relaxed) == 0
+            || self.active.load(Relaxed) > 0
+            || self.evicted.load(Relaxed)
+        {
+            return None;
+        }
+        Some(self.opened + std::time::Duration::from_millis(self.idle_since_ms.load(Relaxed)))
+    }
+
+    /// Tells the connection to close (at once if no request began yet, else once what is in
+    /// progress is done: see [`super::watch`]); `hand_over`: its place in its address's count
+    /// goes to the newcomer.
     pub(super) fn evict(&self, hand_over: bool) {
         self.handed_over.store(hand_over, Relaxed);
         self.evicted.store(true, Relaxed);
         self.evict.notify_one();
+    }
+
+    /// The connection has ended: never one to close for a newer one (its record may outlive
+    /// it a moment in the tables' queues).
+    pub(super) fn ended(&self) {
+        self.evicted.store(true, Relaxed);
+    }
+
+    /// The client has sent its first bytes.
+    pub(super) fn spoke(&self) {
+        self.spoke.store(true, Relaxed);
+    }
+
+    pub(super) fn has_spoken(&self) -> bool {
+        self.spoke.load(Relaxed)
     }
 
     pub(super) fn placed(&self) {
@@ -71,15 +109,10 @@ impl Activity {
         self.handed_over.load(Relaxed)
     }
 
-    /// Resolves once the connection is told to close for a newer one while it has served no
-    /// request (an eviction that came after its first request began is let go).
+    /// Resolves once the connection is told to close for a newer one. Whether to close at once
+    /// (no request yet) or gracefully is the watch's to say ([`super::watch`]).
     pub(super) async fn evicted(&self) {
-        loop {
-            self.evict.notified().await;
-            if self.started.load(Relaxed) == 0 {
-                return;
-            }
-        }
+        self.evict.notified().await;
     }
 
     /// A request has begun; it stays active until the guard is dropped (with its response body).

@@ -9,12 +9,17 @@ use tokio::sync::Semaphore;
 
 use super::admission::Admission;
 use super::throttle::Throttle;
-use crate::config::{ServerConfig, DEFAULT_CLIENT_SHARE};
+use crate::config::{ServerConfig, DEFAULT_CLIENT_IPV6_PREFIX, DEFAULT_CLIENT_SHARE};
 use crate::deadlines::Deadlines;
 use crate::tls::ServerTls;
 
 /// File descriptors kept back from client connections for listeners, telemetry and logs.
 const RESERVED_FDS: usize = 64;
+
+/// The admin listener's per-address share of its 256 places: 16 each, so it takes 16
+/// addresses, every connection of each busy with a request, to fill it (eight, the issue's
+/// flood, hold half). Kubernetes probes and a Prometheus scraper need a few connections each.
+pub const ADMIN_CLIENT_SHARE: usize = 16;
 
 /// Limits on one listener's client connections.
 #[derive(Debug, Clone)]
@@ -26,6 +31,8 @@ pub struct ServeOptions {
     pub max_connections: usize,
     /// Connections one client address may hold at once (see [`super::admission`]).
     pub max_connections_per_client: usize,
+    /// The prefix an IPv6 client is counted by (`server.client_ipv6_prefix`).
+    pub client_ipv6_prefix: u8,
     pub drain_grace: Duration,
     /// Shared by several listeners of one front door (thread-per-core); `None`: the listener's
     /// own.
@@ -60,6 +67,7 @@ impl Door {
             admission: Arc::new(Admission::new(
                 max_connections,
                 opts.max_connections_per_client,
+                opts.client_ipv6_prefix,
             )),
             client_full: Throttle::new(Duration::from_secs(5)),
             accept_errors: Throttle::new(Duration::from_secs(5)),
@@ -81,6 +89,10 @@ impl Door {
             replaced: self
                 .admission
                 .replaced
+                .load(std::sync::atomic::Ordering::Relaxed),
+            reclaimed: self
+                .admission
+                .reclaimed
                 .load(std::sync::atomic::Ordering::Relaxed),
         }
     }
@@ -104,6 +116,8 @@ pub struct DoorStats {
     pub refused: u64,
     /// Connections closed before their first request to make room for a newer one.
     pub replaced: u64,
+    /// Connections idle between requests closed (gracefully) to make room for a newer one.
+    pub reclaimed: u64,
 }
 
 impl Default for ServeOptions {
@@ -117,6 +131,7 @@ impl Default for ServeOptions {
             max_connections: 256,
             // The simulated engine's one client is rankgate, from one address.
             max_connections_per_client: 256,
+            client_ipv6_prefix: DEFAULT_CLIENT_IPV6_PREFIX,
             drain_grace: Duration::from_secs(30),
             door: None,
             tls: None,
@@ -125,12 +140,14 @@ impl Default for ServeOptions {
 }
 
 impl ServeOptions {
-    /// The admin listener's: the defaults, with a client address's share of them, so a flood
-    /// from one address leaves room for the probes and scrapes from others.
+    /// The admin listener's: the defaults, with a client address's share of them
+    /// ([`ADMIN_CLIENT_SHARE`]), so that floods from fewer than that many addresses leave room
+    /// for the probes and scrapes from others even when every one of their connections is
+    /// busy. Idle ones are reclaimed besides ([`super::admission`]).
     pub fn admin() -> ServeOptions {
         let d = ServeOptions::default();
         ServeOptions {
-            max_connections_per_client: d.max_connections / DEFAULT_CLIENT_SHARE,
+            max_connections_per_client: d.max_connections / ADMIN_CLIENT_SHARE,
             ..d
         }
     }
@@ -147,6 +164,7 @@ impl ServeOptions {
             max_connections,
             max_connections_per_client: (cfg.max_connections_per_client)
                 .unwrap_or_else(|| default_per_client(max_connections)),
+            client_ipv6_prefix: cfg.client_ipv6_prefix,
             drain_grace: cfg.drain_grace,
             door: None,
             tls: None,

@@ -5,6 +5,7 @@
 
 mod activity;
 mod admission;
+mod client_key;
 mod conn;
 mod dial;
 mod limits;
@@ -15,7 +16,7 @@ mod watch;
 
 pub use conn::MAX_HEADER_LINES;
 pub use dial::{ConnectTimeout, Dialed, Dialer};
-pub use limits::{default_per_client, Door, DoorStats, ServeOptions};
+pub use limits::{default_per_client, Door, DoorStats, ServeOptions, ADMIN_CLIENT_SHARE};
 pub use serve::{serve, serve_with};
 pub use shutdown::{shutdown_signalled, Shutdown};
 pub use throttle::Throttle;

@@ -5,10 +5,11 @@
 //! down, so each connection lives under a deadline: its first request's headers must arrive
 //! within `header_read_timeout` (the HTTP version sniff and the h2 preface included, which hyper's
 //! own HTTP/1 header timeout does not cover), and a connection with no request in progress is
-//! closed after `idle_timeout`. One client address holds at most `max_connections_per_client`
-//! connections, and a full table (`max_connections`, whose default leaves file descriptors for
-//! the upstream connections and the admin listener) first closes its oldest connection that has
-//! not sent a request yet; only a table of serving connections pauses accepting
+//! closed after `idle_timeout`. One client address (an IPv6 prefix) holds at most
+//! `max_connections_per_client` connections, and a full table (`max_connections`, whose
+//! default leaves file descriptors for the upstream connections and the admin listener) first
+//! closes its oldest connection that has not sent a request yet, else (gracefully) its longest
+//! idle one between requests; only a table of connections all in a request pauses accepting
 //! ([`super::admission`]). Shutdown stops accepting, lets requests and streams in flight finish
 //! for the drain grace, then returns.
 
@@ -103,7 +104,8 @@ pub async fn serve_with<M, S, B>(
             _ = shutdown_signalled(&mut shutdown) => break,
         };
         let activity = Arc::new(Activity::new());
-        let place = admission.admit(peer.ip(), &activity);
+        let client = admission.key(peer.ip());
+        let place = admission.admit(client, &activity);
         if !matches!(place, Place::Now) {
             if let Some(held) = client_full.allow() {
                 tracing::warn!(
@@ -117,7 +119,7 @@ pub async fn serve_with<M, S, B>(
         if let Place::Refused = place {
             continue;
         }
-        let ticket = Ticket::new(admission, peer.ip(), &activity);
+        let ticket = Ticket::new(admission, client, &activity);
         // The slot is taken once a client is there, never while waiting for one: with several
         // listeners on one door, a slot held by an idle listener was a slot the busy ones
         // lacked (below the cap, clients waited; with a cap under the core count, forever). At
@@ -130,7 +132,9 @@ pub async fn serve_with<M, S, B>(
                 let mut replaced = admission.replace_oldest();
                 if let Some(held) = cap_reached.allow() {
                     let outcome = match replaced {
-                        Replace::Done => "the oldest connection with no request yet closed",
+                        Replace::Done => {
+                            "a connection with no request yet, or idle between requests, closed"
+                        }
                         Replace::Later(_) => {
                             "accepting paused until a connection with no request yet has had its 250 ms"
                         }
@@ -185,7 +189,12 @@ pub async fn serve_with<M, S, B>(
         tokio::spawn(async move {
             if let Place::Wait(freed) = place {
                 let deadline = activity.opened + opts.header_read_timeout;
-                if !ticket.wait_for_place(&freed, deadline).await {
+                // Its first bytes (not its closing: a peek of nothing).
+                let spoke = async {
+                    let mut b = [0u8; 1];
+                    matches!(stream.peek(&mut b).await, Ok(n) if n > 0)
+                };
+                if !ticket.wait_for_place(&freed, deadline, spoke).await {
                     tracing::debug!(%peer, "client connection closed: no place for its address in time");
                     return;
                 }
@@ -207,8 +216,9 @@ pub async fn serve_with<M, S, B>(
                     // something: a socket that connects and says nothing costs no more over
                     // TLS than in cleartext.
                     let handshake = tokio::select! {
-                        r = tokio::time::timeout_at(deadline, async move {
+                        r = tokio::time::timeout_at(deadline, async {
                             stream.readable().await?;
+                            activity.spoke();
                             acceptor.accept(stream).await
                         }) => r,
                         () = activity.evicted() => {
@@ -287,6 +297,7 @@ where
             return;
         }
     };
+    w.activity.spoke();
     let io = conn::client_io(io, first, w.activity.clone(), !h2);
     // Boxed: hyper's connection and its watch are only made here, so the task of a connection
     // still waiting for its first bytes (most of a flood) is no larger than what it holds.

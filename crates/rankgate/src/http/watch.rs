@@ -1,7 +1,8 @@
 //! The watch over one client connection: its deadlines (the first request's headers within
 //! `header_read_timeout`, none in progress for `idle_timeout`), the shutdown (finish what is
 //! in flight), the end of the drain grace (close now), and a newer connection taking the place
-//! of one that has not served yet (close now, [`super::admission`]).
+//! of this one ([`super::admission`]): close now if it has not begun a request, else finish
+//! gracefully, as at shutdown (HTTP/1 closes when idle, h2 sends GOAWAY).
 //!
 //! The watch runs as a task of its own beside the connection and tells it what to do through
 //! [`Orders`]: the connection's task then costs one atomic load per wake-up. Watching from the
@@ -146,6 +147,7 @@ async fn watch(
     let ended = orders.ended.notified();
     let mut ended = std::pin::pin!(ended);
     let mut shutting_down = false;
+    let mut evicted = false;
     loop {
         tokio::select! {
             () = &mut ended => return,
@@ -161,9 +163,16 @@ async fn watch(
                 }
             }
             _ = &mut cut => return orders.tell(CLOSE),
-            () = activity.evicted(), if activity.started.load(Relaxed) == 0 => {
-                tracing::debug!("client connection closed before its first request: replaced by a newer one");
-                return orders.tell(CLOSE);
+            () = activity.evicted(), if !evicted => {
+                evicted = true;
+                if activity.started.load(Relaxed) == 0 {
+                    tracing::debug!("client connection closed before its first request: replaced by a newer one");
+                    return orders.tell(CLOSE);
+                }
+                // Idle between requests when chosen; one whose next request began since
+                // finishes it first. Never cut: no request in flight is lost for a newcomer.
+                tracing::debug!("client connection idle between requests closed gracefully: its place went to a newer one");
+                orders.tell(FINISH);
             }
             _ = shutdown_signalled(&mut shutdown), if !shutting_down => {
                 shutting_down = true;

@@ -1,8 +1,8 @@
 //! The listeners' connection limits and what their clients do with them, read from each door
 //! at scrape time: `rankgate_connections_max`, `rankgate_connections_per_client_max`,
 //! `rankgate_connections_open`, `rankgate_connection_clients`, and the connections refused
-//! (an address at its limit, all serving) or replaced (closed before their first request to
-//! make room for a newer one). A flood shows here before it shows anywhere else.
+//! (an address at its limit, all serving), replaced (closed before their first request to
+//! make room for a newer one) or reclaimed (idle between requests, closed for a newer one). A flood shows here before it shows anywhere else.
 
 use std::fmt;
 use std::sync::Arc;
@@ -56,7 +56,7 @@ impl Collector for Doors {
                     .encode(m.encode_family(&[("listener", *listener)])?)?;
             }
         }
-        let counters: [Series<u64>; 2] = [
+        let counters: [Series<u64>; 3] = [
             (
                 "rankgate_connections_refused",
                 "Client connections closed at their header deadline while waiting for a place: \
@@ -68,6 +68,12 @@ impl Collector for Doors {
                 "Client connections closed before their first request to make room for a newer \
                  one (their address at its limit, or the listener full)",
                 |s| s.replaced,
+            ),
+            (
+                "rankgate_connections_reclaimed",
+                "Client connections idle between requests closed gracefully to make room for a \
+                 newer one (their address at its limit, or the listener full)",
+                |s| s.reclaimed,
             ),
         ];
         for (name, help, read) in counters {
