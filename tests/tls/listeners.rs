@@ -326,8 +326,8 @@ async fn a_bad_certificate_is_a_clear_start_error() {
     }
 }
 
-/// Clients that stall or send garbage on the TLS port hold nothing: one that connects and
-/// never starts its handshake is closed after `header_read_timeout`, one that sends plain
+/// Clients that stall or send garbage on the TLS port hold nothing: one that sends the first
+/// byte of its handshake and no more is closed after `header_read_timeout`, one that sends plain
 /// HTTP is refused at once, and a good client is served throughout.
 #[tokio::test]
 async fn a_stalled_or_garbage_handshake_is_closed_and_others_are_served() {
@@ -336,7 +336,10 @@ async fn a_stalled_or_garbage_handshake_is_closed_and_others_are_served() {
     let (files, _) = pki.issue("front");
     let (_e, r) = tls_router(&files, "header_read_timeout = \"300ms\"\n").await;
     let started = tokio::time::Instant::now();
+    // The first byte of a TLS record (a handshake), then nothing: a socket that sends nothing
+    // at all waits in the kernel and never reaches rankgate (`TCP_DEFER_ACCEPT`).
     let mut silent = tokio::net::TcpStream::connect(r.addr).await.unwrap();
+    silent.write_all(&[0x16]).await.unwrap();
     let mut garbage = tokio::net::TcpStream::connect(r.addr).await.unwrap();
     garbage
         .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -121,36 +121,17 @@ pub struct Router {
     certificates: Vec<Arc<ServerTls>>,
 }
 
-/// Connections the kernel queues for a listener before it drops SYNs (capped by
-/// `net.core.somaxconn`). `TcpListener::bind` asks for 128: a burst of new clients, or the wait
-/// while accepting is paused at `max_connections`, then overflows it and clients stall for a
-/// SYN retry (1 s, then 2 s, ...).
-const LISTEN_BACKLOG: u32 = 4096;
-
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
     bind_shared(key, addr, false)
 }
 
-/// [`bind`], with `SO_REUSEPORT` when `shared`: then several listeners share one port and the
-/// kernel spreads new connections among them.
+/// [`bind`], with `SO_REUSEPORT` when `shared` (see [`crate::http::listen`]).
 fn bind_shared(
     key: &'static str,
     addr: SocketAddr,
     shared: bool,
 ) -> Result<TcpListener, StartError> {
-    let err = |source| StartError::Listen { key, addr, source };
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()
-    } else {
-        tokio::net::TcpSocket::new_v6()
-    }
-    .map_err(err)?;
-    socket.set_reuseaddr(true).map_err(err)?;
-    if shared {
-        socket.set_reuseport(true).map_err(err)?;
-    }
-    socket.bind(addr).map_err(err)?;
-    socket.listen(LISTEN_BACKLOG).map_err(err)
+    crate::http::listen(addr, shared).map_err(|source| StartError::Listen { key, addr, source })
 }
 
 /// Thread-per-core: the HTTP front door on one single-threaded runtime per core the process may

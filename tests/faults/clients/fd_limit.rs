@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::{timeout, Instant};
 
@@ -27,10 +28,14 @@ async fn open_many_from(addr: SocketAddr, n: usize, sources: u8) -> Vec<TcpStrea
             0 | 1 => 1,
             k => 2 + (i % k as usize) as u8,
         };
+        // One byte of a request head: a socket that says nothing waits in the kernel until it
+        // does (`TCP_DEFER_ACCEPT`) and would never reach rankgate's table.
         let connect = async move {
             let socket = tokio::net::TcpSocket::new_v4()?;
             socket.bind(SocketAddr::from(([127, 0, 0, from], 0)))?;
-            socket.connect(addr).await
+            let mut s = socket.connect(addr).await?;
+            s.write_all(b"G").await?;
+            Ok::<_, std::io::Error>(s)
         };
         match timeout(Duration::from_secs(1), connect).await {
             Ok(Ok(s)) => v.push(s),

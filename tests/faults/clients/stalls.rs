@@ -43,8 +43,10 @@ fn stalled_per_kind() -> usize {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Stall {
-    /// Connected, nothing sent.
-    Silent,
+    /// One byte of a request head, then nothing. (A socket that sends nothing at all waits in
+    /// the kernel and never reaches rankgate: its listeners defer accepting until a client
+    /// speaks, `TCP_DEFER_ACCEPT`.)
+    FirstByte,
     /// Part of an HTTP/1 request head.
     PartialHeaders,
     /// The h2 preface and an empty SETTINGS frame, then nothing.
@@ -56,7 +58,7 @@ enum Stall {
 impl Stall {
     fn bytes(self) -> &'static [u8] {
         match self {
-            Stall::Silent => b"",
+            Stall::FirstByte => b"P",
             Stall::PartialHeaders => {
                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: rankgate\r\nContent-Type: appl"
             }
@@ -229,7 +231,7 @@ async fn stall_kind(
             eprintln!("  {with_408} of {n} stalled bodies answered 408 before the close");
             assert_eq!(with_408, n, "every stalled body gets its 408");
         }
-        Stall::Silent | Stall::PartialHeaders => {
+        Stall::FirstByte | Stall::PartialHeaders => {
             for c in &closed {
                 assert!(
                     c.got.is_empty(),
@@ -253,7 +255,7 @@ async fn stall_kind(
     );
 }
 
-/// 2,000 stalled connections of each kind (silent, partial head, h2 preface only, stalled body):
+/// 2,000 stalled connections of each kind (one byte, partial head, h2 preface only, stalled body):
 /// normal and admin requests are served while they are open, and rankgate closes each after its
 /// timeout; stalled bodies get 408 and never reach an engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -274,7 +276,7 @@ async fn stalled_connections_are_closed_after_their_timeouts() {
     wait_state(&r, &[0, 1], "available").await;
     eprintln!("stalled clients, {n} per kind:");
     for kind in [
-        Stall::Silent,
+        Stall::FirstByte,
         Stall::PartialHeaders,
         Stall::H2Preface,
         Stall::StalledBody,

@@ -8,7 +8,9 @@
 //! `body_timeout`, with a 408.
 #![cfg(feature = "sim")] // the simulated engine
 
+#[path = "../common/mod.rs"]
 mod common;
+mod reclaim;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -38,7 +40,29 @@ async fn connect_from(from: u8, to: SocketAddr) -> TcpStream {
 /// `None` if the connection closed (or was reset) first.
 async fn roundtrip(s: &mut TcpStream, path: &str) -> Option<(String, String)> {
     let req = format!("GET {path} HTTP/1.1\r\nhost: rankgate\r\n\r\n");
-    s.write_all(req.as_bytes()).await.ok()?;
+    exchange(s, req.as_bytes()).await
+}
+
+/// The start of a request head, sent by [`begun_from`]'s connections.
+const BEGUN: &[u8] = b"GET /nope HTTP/1.1\r\n";
+
+/// A connection from `127.0.0.<from>` that has begun a request head and sent nothing more: it
+/// has no request yet. (A socket that says nothing at all never reaches rankgate: its listeners
+/// accept a connection only once it speaks, `TCP_DEFER_ACCEPT`.)
+async fn begun_from(from: u8, to: SocketAddr) -> TcpStream {
+    let mut s = connect_from(from, to).await;
+    s.write_all(BEGUN).await.expect("send the first line");
+    s
+}
+
+/// Ends the head a [`begun_from`] connection began; the answer, as [`roundtrip`]'s.
+async fn finish(s: &mut TcpStream) -> Option<(String, String)> {
+    exchange(s, b"host: rankgate\r\n\r\n").await
+}
+
+/// Sends `bytes` on `s`, then reads one answer (see [`roundtrip`]).
+async fn exchange(s: &mut TcpStream, bytes: &[u8]) -> Option<(String, String)> {
+    s.write_all(bytes).await.ok()?;
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     timeout(LIMIT, async {
@@ -189,9 +213,9 @@ async fn an_address_over_its_limit_keeps_no_other_address_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_address_at_its_limit_replaces_its_oldest_idle_connection() {
     let (_e, r) = small_door("max_connections = 16\nmax_connections_per_client = 2").await;
-    let mut idle1 = connect_from(3, r.addr).await;
+    let mut idle1 = begun_from(3, r.addr).await;
     wait_metric(&r, OPEN, 1).await;
-    let mut idle2 = connect_from(3, r.addr).await;
+    let mut idle2 = begun_from(3, r.addr).await;
     wait_metric(&r, OPEN, 2).await;
     // A connection has 250 ms to send its request before a newer one may replace it.
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -205,7 +229,7 @@ async fn an_address_at_its_limit_replaces_its_oldest_idle_connection() {
         "the oldest idle one stayed"
     );
     assert!(
-        roundtrip(&mut idle2, "/nope").await.is_some(),
+        finish(&mut idle2).await.is_some(),
         "the younger idle connection was closed too"
     );
     assert_eq!(
@@ -230,9 +254,9 @@ async fn a_full_table_closes_a_connection_with_no_request_before_a_serving_one()
         assert!(roundtrip(&mut s, "/nope").await.is_some());
         serving.push(s);
     }
-    let mut older = connect_from(1, r.addr).await;
+    let mut older = begun_from(1, r.addr).await;
     wait_metric(&r, OPEN, 3).await;
-    let mut younger = connect_from(1, r.addr).await;
+    let mut younger = begun_from(1, r.addr).await;
     wait_metric(&r, OPEN, 4).await;
     // A connection has 250 ms to send its request before a newer one may replace it.
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -246,12 +270,16 @@ async fn a_full_table_closes_a_connection_with_no_request_before_a_serving_one()
         closed_by_rankgate(&mut older).await,
         "the oldest idle one stayed"
     );
-    for s in serving.iter_mut().chain([&mut younger]) {
+    for s in serving.iter_mut() {
         assert!(
             roundtrip(s, "/nope").await.is_some(),
-            "a connection was closed"
+            "a serving connection was closed"
         );
     }
+    assert!(
+        finish(&mut younger).await.is_some(),
+        "the younger idle connection was closed"
+    );
     assert_eq!(metric(&r, OPEN), 4);
 }
 
@@ -263,7 +291,7 @@ async fn admin_ready_answers_with_its_table_full_of_idle_sockets() {
     let mut idle = Vec::new();
     for from in 2..12u8 {
         for _ in 0..30 {
-            idle.push(connect_from(from, r.admin_addr).await);
+            idle.push(begun_from(from, r.admin_addr).await);
         }
     }
     let ready = timeout(LIMIT, get(r.admin_addr, "/ready"))
@@ -282,176 +310,6 @@ async fn admin_ready_answers_with_its_table_full_of_idle_sockets() {
         256
     );
     drop(idle);
-}
-
-/// `n` connections from `127.0.0.<from>` to `to`, each served one request and then left idle.
-async fn idle_after_one_request(from: u8, to: SocketAddr, n: usize) -> Vec<TcpStream> {
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let mut s = connect_from(from, to).await;
-        let (status, _) = roundtrip(&mut s, "/nope").await.expect("served");
-        assert!(status.starts_with("HTTP/1.1 404"), "{status}");
-        out.push(s);
-    }
-    out
-}
-
-/// The admin listener (256 places, 16 per address) filled by twenty addresses whose sockets
-/// each sent one request and then idle: a probe from another address is answered, in place of
-/// an idle socket, closed gracefully (nothing half-answered).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admin_ready_answers_with_its_table_full_of_sockets_idle_after_one_request() {
-    let (_e, r) = small_door("").await;
-    assert_eq!(
-        metric(
-            &r,
-            "rankgate_connections_per_client_max{listener=\"admin\"}"
-        ),
-        16
-    );
-    let mut idle = Vec::new();
-    // 2..=21: 20 addresses x 16 = 320 sockets for 256 places; each address's own 17th
-    // reclaims its own oldest, the door's 257th on the largest address's.
-    for from in 2..22u8 {
-        idle.extend(idle_after_one_request(from, r.admin_addr, 17).await);
-    }
-    for _ in 0..3 {
-        let mut probe = connect_from(30, r.admin_addr).await;
-        let (status, body) = roundtrip(&mut probe, "/ready")
-            .await
-            .expect("/ready answered with the admin table full of idle sockets");
-        assert!(status.starts_with("HTTP/1.1 200"), "{status} {body}");
-    }
-    let reclaimed = metric(
-        &r,
-        "rankgate_connections_reclaimed_total{listener=\"admin\"}",
-    );
-    // 20 by the addresses' own 17th, 64 by the door, 1 for the first probe (the others found
-    // the place it gave back).
-    assert!(reclaimed >= 85, "{reclaimed} reclaimed");
-    assert!(metric(&r, "rankgate_connections_open{listener=\"admin\"}") <= 256);
-    // Those closed were closed cleanly, at a request's boundary: EOF, never a partial answer.
-    let mut closed = 0;
-    for s in &mut idle {
-        let mut buf = [0u8; 64];
-        if let Ok(r) = timeout(Duration::from_millis(1), s.read(&mut buf)).await {
-            assert!(matches!(r, Ok(0) | Err(_)), "bytes on an idle socket");
-            closed += 1;
-        }
-    }
-    assert!(closed >= 80, "{closed} idle sockets seen closed");
-}
-
-/// A front door with a small table full of sockets idle after one request from several
-/// addresses: another address is served, every time, in place of the idle ones.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_front_door_reclaims_idle_connections_for_a_newcomer() {
-    let (_e, r) = small_door("max_connections = 8\nmax_connections_per_client = 4").await;
-    let mut idle = Vec::new();
-    for from in 2..5u8 {
-        idle.extend(idle_after_one_request(from, r.addr, 4).await);
-    }
-    for _ in 0..5 {
-        let mut s = connect_from(9, r.addr).await;
-        let (status, _) = roundtrip(&mut s, "/nope")
-            .await
-            .expect("another address served");
-        assert!(status.starts_with("HTTP/1.1 404"), "{status}");
-    }
-    assert!(metric(&r, OPEN) <= 8);
-    assert!(
-        metric(
-            &r,
-            "rankgate_connections_reclaimed_total{listener=\"front\"}"
-        ) >= 5
-    );
-    drop(idle);
-}
-
-/// Reclaiming never cuts a request in flight: a connection streaming a slow answer keeps it
-/// to its end while newcomers take every idle place around it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_with_a_request_in_flight_is_never_reclaimed() {
-    let e = engine(SimConfig {
-        decode_tokens_per_sec: 20.0,
-        ..SimConfig::default()
-    })
-    .await;
-    let r = router_with(
-        "thread_per_core = false\nmax_connections = 4\nmax_connections_per_client = 4",
-        FAST,
-        &[engine_toml(&e.url(), "vllm", 2, 0)],
-    )
-    .await;
-    wait_state(&r, &[0, 1], "available").await;
-    // 30 tokens at 20 a second: a stream of about 1.5 s.
-    let body = chat_body(30, true);
-    let mut streaming = connect_from(5, r.addr).await;
-    let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: rankgate\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    streaming.write_all(req.as_bytes()).await.unwrap();
-    let reader = tokio::spawn(async move {
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        let _ = timeout(Duration::from_secs(10), async {
-            while !got.windows(12).any(|w| w == b"data: [DONE]") {
-                match streaming.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => got.extend_from_slice(&buf[..n]),
-                }
-            }
-        })
-        .await;
-        String::from_utf8_lossy(&got).to_string()
-    });
-    wait_metric(&r, OPEN, 1).await;
-    let mut idle = idle_after_one_request(2, r.addr, 3).await;
-    // Newcomers from other addresses, each in place of an idle connection, while it streams.
-    for from in 10..20u8 {
-        let mut s = connect_from(from, r.addr).await;
-        let (status, _) = roundtrip(&mut s, "/nope").await.expect("served");
-        assert!(status.starts_with("HTTP/1.1 404"), "{status}");
-        idle.push(s);
-    }
-    let text = reader.await.unwrap();
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    assert!(text.contains("data: [DONE]"), "the stream was cut: {text}");
-    assert!(
-        metric(
-            &r,
-            "rankgate_connections_reclaimed_total{listener=\"front\"}"
-        ) >= 10
-    );
-}
-
-/// A client behind the same address as a flood of silent sockets (a NAT) gets in: its
-/// connection, queued behind them, sends its request and takes the place of one that said
-/// nothing, however young; the flood's newcomers only turn over among themselves.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_behind_a_flooders_address_is_served() {
-    let (_e, r) = small_door("max_connections = 64\nmax_connections_per_client = 2").await;
-    let mut silent = Vec::new();
-    for round in 0..5 {
-        // Fresh silent sockets: two hold the places, two more fill the queue.
-        for _ in 0..4 {
-            silent.push(connect_from(3, r.addr).await);
-        }
-        // One accept loop: they are accepted before the good client, in order.
-        let mut good = connect_from(3, r.addr).await;
-        let (status, _) = roundtrip(&mut good, "/nope")
-            .await
-            .unwrap_or_else(|| panic!("round {round}: the client behind the flood was closed"));
-        assert!(status.starts_with("HTTP/1.1 404"), "{status}");
-    }
-    assert!(
-        metric(
-            &r,
-            "rankgate_connections_replaced_total{listener=\"front\"}"
-        ) >= 5
-    );
-    drop(silent);
 }
 
 /// A body whose every gap is well inside `body_read_timeout` still gets its 408 at

@@ -1,0 +1,61 @@
+//! The listening sockets of rankgate's doors: how many connections the kernel may queue for
+//! each, and that it hands over only connections that have spoken.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+
+/// Connections the kernel queues for a listener before it drops SYNs (capped by
+/// `net.core.somaxconn`). `TcpListener::bind` asks for 128: a burst of new clients, or the wait
+/// while accepting is paused at `max_connections`, then overflows it and clients stall for a
+/// SYN retry (1 s, then 2 s, ...).
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listening socket on `addr`, with `SO_REUSEPORT` when `shared`: then several listeners share
+/// one port and the kernel spreads new connections among them.
+pub fn listen(addr: SocketAddr, shared: bool) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }?;
+    socket.set_reuseaddr(true)?;
+    if shared {
+        socket.set_reuseport(true)?;
+    }
+    socket.bind(addr)?;
+    defer_accept(&socket)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// The kernel keeps a connection that has sent nothing out of the accept queue for 10 s
+/// (`TCP_DEFER_ACCEPT`; rounded up to its SYN-ACK retries, about 15 s). Every protocol served
+/// here has the client speak first (an HTTP head, a TLS hello, the h2 preface), so a real client
+/// is accepted with its first bytes, at once, while a flood of sockets that never speak waits in
+/// the kernel instead of the accept queue: a client from another address is no longer queued
+/// behind thousands of them (nginx's `deferred`). A TCP-only check (a Kubernetes `tcpSocket`
+/// probe) still connects: the handshake completes on its side.
+#[cfg(target_os = "linux")]
+fn defer_accept(socket: &tokio::net::TcpSocket) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let secs: libc::c_int = 10;
+    // SAFETY: setsockopt on a socket this function borrows, with a c_int the call reads only.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            (&secs as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    match rc {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn defer_accept(_: &tokio::net::TcpSocket) -> std::io::Result<()> {
+    Ok(())
+}
