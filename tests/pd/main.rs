@@ -15,3 +15,4 @@ mod common;
 mod failures;
 mod helpers;
 mod legs;
+mod truth;

@@ -12,6 +12,7 @@ use crate::catalog::ModelError;
 use crate::policy::NoRank;
 use crate::scan::ScanError;
 use crate::upstream::ClientBodyError;
+use super::leg::PrefillLeg;
 use crate::worker::Member;
 
 /// A proxy error, classified once and mapped to a status and an OpenAI error body in one place.
@@ -79,6 +80,10 @@ pub enum ProxyError {
     /// The prefill server's answer could not be read for its KV transfer parameters.
     #[error("the prefill server's answer could not be read: {0}")]
     PrefillAnswer(String),
+    /// A disaggregated request's decode leg failed after its prefill leg was done: said as the
+    /// decode's failure (its status), never as another one (a second prefill's, or "no rank").
+    #[error("{0}")]
+    Decode(Box<DecodeFailure>),
     /// A model served disaggregated that cannot be split as the fleet stands.
     #[error("{0}")]
     NotDisaggregable(String),
@@ -93,6 +98,38 @@ pub enum ProxyError {
         /// Attempts on engines the request made, this one included (set by retry; 0 before).
         attempts: u32,
     },
+}
+
+/// How a disaggregated request's decode leg failed, and what its prefill leg was (for the
+/// access log: the request's line names both legs whatever the answer).
+#[derive(Debug)]
+pub struct DecodeFailure {
+    pub why: DecodeWhy,
+    pub prefill: PrefillLeg,
+}
+
+/// What the decode rank did.
+#[derive(Debug)]
+pub enum DecodeWhy {
+    /// It answered this error status before any byte of an answer, with (the start of) this
+    /// reply.
+    Answered { status: StatusCode, reply: String },
+    /// It failed with this (the transport, the response timeout).
+    Failed(ProxyError),
+}
+
+impl std::fmt::Display for DecodeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.why {
+            DecodeWhy::Answered { status, reply } if reply.is_empty() => {
+                write!(f, "decode rank failed: {status}")
+            }
+            DecodeWhy::Answered { status, reply } => {
+                write!(f, "decode rank failed: {status}: {reply}")
+            }
+            DecodeWhy::Failed(e) => write!(f, "decode leg failed: {e}"),
+        }
+    }
 }
 
 impl ProxyError {
@@ -127,6 +164,7 @@ impl ProxyError {
     pub fn attempts(&self) -> u32 {
         match self {
             ProxyError::At { attempts, .. } => (*attempts).max(1),
+            ProxyError::Decode(d) => d.prefill.prefill_attempts + d.prefill.decode_attempts,
             _ => 0,
         }
     }
@@ -164,6 +202,10 @@ impl ProxyError {
             | ProxyError::PrefillNoParams
             | ProxyError::PrefillAnswer(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Decode(d) => match &d.why {
+                DecodeWhy::Answered { status, .. } => *status,
+                DecodeWhy::Failed(e) => e.status(),
+            },
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::Grpc(g) => g.http.unwrap_or(http_status(g.code)),
         }
@@ -238,6 +280,7 @@ impl ProxyError {
             | ProxyError::NotDisaggregable(_)
             | ProxyError::PrefillNoParams
             | ProxyError::PrefillAnswer(_)
+            | ProxyError::Decode(_)
             | ProxyError::Upstream { .. }
             | ProxyError::StaleConnection { .. } => Code::Unavailable,
             ProxyError::Internal(_) | ProxyError::At { .. } => Code::Internal,

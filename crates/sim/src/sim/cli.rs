@@ -188,6 +188,10 @@ pub struct Args {
     /// vLLM P: seconds blocks nobody pulled are kept (kv_lease_duration).
     #[arg(long, default_value_t = 30.0)]
     kv_lease: f64,
+    /// vLLM P: seconds between its answer's head and its body, the blocks lent already (a
+    /// slow link to the router; 0: none).
+    #[arg(long, default_value_t = 0.0)]
+    prefill_answer_delay: f64,
     /// vLLM P: the side channel's base port (VLLM_NIXL_SIDE_CHANNEL_PORT); rank r listens on
     /// BASE + r. 0: free ports.
     #[arg(long, default_value_t = 0)]
@@ -277,6 +281,10 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
     let pd = super::PdConfig {
         engine_id: a.engine_id,
         kv_lease: seconds("--kv-lease", a.kv_lease)?,
+        answer_delay: match a.prefill_answer_delay {
+            0.0 => std::time::Duration::ZERO,
+            s => seconds("--prefill-answer-delay", s)?,
+        },
         side_port: a.side_port,
         bootstrap_port: a.disaggregation_bootstrap_port,
         bootstrap_timeout: seconds(
