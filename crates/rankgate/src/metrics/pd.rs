@@ -215,6 +215,9 @@ pub struct PdCounts {
     failures: [[AtomicU64; PdFailure::ALL.len()]; 2],
     /// Requests whose client left before their answer, by where they were ([`PdStage`]).
     abandoned: [AtomicU64; 3],
+    /// Releases of the blocks of requests abandoned between the legs: sent and read (0), or
+    /// failed (1).
+    released: [AtomicU64; 2],
     /// From the prefill leg's start to its KV transfer parameters read.
     prefill: Histogram,
     /// From the decode leg's start to its first byte reaching the client.
@@ -235,6 +238,11 @@ impl PdCounts {
 
     pub fn abandoned(&self, stage: PdStage) {
         self.abandoned[stage as usize].fetch_add(1, Relaxed);
+    }
+
+    /// A release of an abandoned request's blocks ended: read by a decode, or not.
+    pub fn released(&self, ok: bool) {
+        self.released[usize::from(!ok)].fetch_add(1, Relaxed);
     }
 
     /// Requests abandoned at `stage` so far.
@@ -295,6 +303,18 @@ impl Collector for Pd {
         for stage in PdStage::ALL {
             ConstCounter::new(c.abandoned_at(stage))
                 .encode(m.encode_family(&[("stage", stage.as_str())])?)?;
+        }
+        let mut m = enc.encode_descriptor(
+            "rankgate_pd_released",
+            "Releases of the KV blocks a vLLM prefill server lent for a request whose client \
+             left between the legs (a decode of one token sent for them, which frees them; \
+             vLLM has no other way but its lease), by outcome: read, failed",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, outcome) in ["read", "failed"].into_iter().enumerate() {
+            ConstCounter::new(c.released[i].load(Relaxed))
+                .encode(m.encode_family(&[("outcome", outcome)])?)?;
         }
         let mut m = enc.encode_descriptor(
             "rankgate_pd_failures",

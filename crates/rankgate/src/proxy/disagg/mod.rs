@@ -26,6 +26,7 @@
 mod body;
 pub(crate) mod health;
 mod legs;
+mod release;
 mod sglang;
 mod watch;
 
@@ -33,11 +34,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
-use http_body_util::BodyExt;
+use http::Request;
 use tokio::time::Instant;
 
-use super::body::ProxyBody;
 use super::error::ProxyError;
 use super::layer::{Answer, Below, Step};
 use super::read;
@@ -51,10 +50,8 @@ use crate::worker::Flavor;
 use health::{leg_failed, leg_ok};
 pub use legs::Split;
 use legs::{answered, count_leg, failure, judged, Failed, Head};
+use release::{Lent, Release};
 use watch::Watch;
-
-/// A prefill server's answer is one small JSON object: more than this is no prefill answer.
-const MAX_PREFILL_ANSWER: usize = 1 << 20;
 
 #[derive(Clone)]
 pub struct Disagg<S> {
@@ -251,12 +248,28 @@ where
         // From here the prefill server holds the blocks for a decode.
         watch.at(PdStage::Between);
         watch.prefill_worker = Some(prefill.worker.id_text.clone());
-        let params = read_answer(resp, self.answer_within)
-            .await
+        let lease = prefill.engine.kv_lease();
+        // Should the client leave before the decode leg goes out, the blocks are released.
+        let mut lent = Lent::new(
+            resp.into_body(),
+            Release {
+                inner: self.inner.clone(),
+                ctx: self.ctx.clone(),
+                method: head.0.method.clone(),
+                uri: head.0.uri.clone(),
+                headers: head.0.headers.clone(),
+                client: client.clone(),
+                avoid: split.avoid(Leg::Decode),
+                within: self.answer_within,
+                lease,
+            },
+        );
+        let params = (lent.answer(self.answer_within).await)
             .and_then(|answer| body::params(&answer).map(Bytes::copy_from_slice));
         let params = match params {
             Ok(p) => p,
             Err(e) => {
+                lent.handed_on();
                 let kind = match e {
                     ProxyError::PrefillNoParams => PdFailure::NoParams,
                     _ => PdFailure::Unreadable,
@@ -272,6 +285,7 @@ where
                 return Round::Prefill(Err(e.at(&prefill.worker)));
             }
         };
+        lent.read(params.clone());
         leg_ok(&prefill.worker);
         let prefill_took = started.elapsed();
         pd.prefill_took(prefill_took);
@@ -281,7 +295,6 @@ where
             Err(e) => return Round::Prefill(Err(e)),
         };
         // Another decode rank may pull the same blocks while the prefill server keeps them.
-        let lease = prefill.engine.kv_lease();
         (decode_req.extensions_mut()).insert(RetryUntil(decode_started + lease, true));
         let leg = PrefillLeg {
             worker: prefill.worker.id_text.clone(),
@@ -295,6 +308,8 @@ where
         // A client that leaves now closes the decode's connection: vLLM aborts the request,
         // and a decode aborted before it pulled tells the prefill server to free the blocks.
         watch.at(PdStage::Decode);
+        lent.handed_on();
+        drop(lent);
         let answer = self.inner.call(decode_req).await;
         watch.tally.decode += watch::attempts_of(&answer);
         let answer = answered(&self.ctx, answer, leg.clone(), Flavor::Vllm);
@@ -307,17 +322,4 @@ where
 enum Round {
     Prefill(Answer),
     Decode(Result<Answer, Failed>),
-}
-
-/// The prefill server's answer, whole (it is small), within `within`.
-async fn read_answer(resp: Response<ProxyBody>, within: Duration) -> Result<Bytes, ProxyError> {
-    let limited = http_body_util::Limited::new(resp.into_body(), MAX_PREFILL_ANSWER);
-    match tokio::time::timeout(within, limited.collect()).await {
-        Err(_) => Err(ProxyError::PrefillAnswer(format!(
-            "not read whole within {} ms",
-            within.as_millis()
-        ))),
-        Ok(Err(e)) => Err(ProxyError::PrefillAnswer(crate::http::error_chain(&*e))),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-    }
 }
