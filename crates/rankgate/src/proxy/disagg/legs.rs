@@ -234,3 +234,71 @@ async fn reply_of(resp: Response<ProxyBody>) -> String {
         None => said.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ExposeWorker;
+    use crate::proxy::exposure::Exposure;
+    use http::StatusCode;
+
+    fn leg() -> PrefillLeg {
+        PrefillLeg {
+            worker: "http://10.0.0.1:8000@0".into(),
+            took: Duration::from_millis(5),
+            decode_started: tokio::time::Instant::now(),
+            kv_from: None,
+            prefill_attempts: 0,
+            decode_attempts: 0,
+            decode_failed: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_decode_is_told_as_the_decodes_failure_with_both_legs_attempts() {
+        let failed = Failed {
+            why: DecodeWhy::Answered {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                reply: "KV pull from 10.0.0.9 failed".into(),
+            },
+            worker: None,
+            leg: leg(),
+        };
+        assert!(failed.worth_a_new_prefill() && !failed.no_rank());
+        let tally = Tally {
+            prefill: 1,
+            decode: 2,
+        };
+        let e = failed.into_answer(tally).unwrap_err();
+        assert_eq!(e.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(e.attempts(), 3);
+        let ProxyError::Decode(d) = e.root() else {
+            panic!("{e:?}")
+        };
+        assert!(d.prefill.decode_failed);
+        assert_eq!((d.prefill.prefill_attempts, d.prefill.decode_attempts), (1, 2));
+        // The engine's reply only where the operator lets clients see engines.
+        let public = Exposure::new(ExposeWorker::None).error(&e);
+        assert_eq!(public, "decode rank failed: 500 Internal Server Error");
+        let full = Exposure::new(ExposeWorker::Url).error(&e);
+        assert!(full.contains("KV pull from 10.0.0.9 failed"), "{full}");
+
+        let timed_out = Failed {
+            why: DecodeWhy::Failed(ProxyError::Timeout(Duration::from_secs(5))),
+            worker: None,
+            leg: leg(),
+        };
+        let e = timed_out.into_answer(tally).unwrap_err();
+        assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(
+            Exposure::new(ExposeWorker::None).error(&e),
+            "decode leg failed: the engine sent no response headers within 5000 ms"
+        );
+        let none = Failed {
+            why: DecodeWhy::Failed(ProxyError::NoRank(crate::policy::NoRank::NoneReachable)),
+            worker: None,
+            leg: leg(),
+        };
+        assert!(none.no_rank() && !none.worth_a_new_prefill());
+    }
+}

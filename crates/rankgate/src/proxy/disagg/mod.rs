@@ -15,8 +15,13 @@
 //! `engines[].kv_lease`, [`crate::config::Engine::kv_lease`]); a decode leg that still failed
 //! before its first byte (a decode that pulled the blocks and died, or answered 500 because its
 //! pull failed, which the outlier rules do not hold against it) runs once more from a new
-//! prefill, within the retry budget. A client that leaves during the prefill leg never gets a
-//! decode leg. How each leg ended is counted and judged in `health`.
+//! prefill, within the retry budget, only where a decode rank it did not fail on can take it.
+//! A decode leg that failed is the client's answer as the decode's failure
+//! ([`ProxyError::Decode`]), never a later round's "no rank". A client that leaves during the
+//! prefill leg never gets a decode leg; one that leaves between the legs has the prefill's
+//! blocks released (`release`); every abandoned request is counted by stage and logged
+//! (`watch`), and the access line counts each leg's attempts. How each leg ended is counted and
+//! judged in `health`.
 //!
 //! SGLang (bootstrap): both legs at once, see `sglang`.
 //!

@@ -167,3 +167,22 @@ async fn release<S: Below<RequestBody> + Clone + Send + 'static>(
         false => Err(ProxyError::Internal(format!("the release decode answered {status}"))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    #[test]
+    fn a_release_is_a_whole_decode_of_one_token_with_the_prefills_params() {
+        let client = br#"{"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":true},"max_tokens":64,"max_completion_tokens":64,"min_tokens":8,"kv_transfer_params":{"remote_host":"evil"}}"#;
+        let params = br#"{"do_remote_prefill":true,"remote_block_ids":[1,2],"remote_port":5600}"#;
+        let got: Value =
+            serde_json::from_slice(&super::body::release(client, params).unwrap()).unwrap();
+        assert_eq!(
+            got,
+            json!({"model": "m", "prompt": "p", "max_tokens": 1, "max_completion_tokens": 1,
+                "stream": false, "kv_transfer_params": {"do_remote_prefill": true,
+                "remote_block_ids": [1, 2], "remote_port": 5600}})
+        );
+    }
+}
