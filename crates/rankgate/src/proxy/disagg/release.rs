@@ -95,8 +95,12 @@ impl<S: Below<RequestBody> + Clone + Send + 'static> Drop for Lent<S> {
         let Some(r) = self.release.take() else {
             return;
         };
+        // Dropped off any runtime (never on the request path): nothing to send it with.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let (body, read, params) = (self.body.take(), std::mem::take(&mut self.read), self.params.take());
-        tokio::spawn(async move {
+        rt.spawn(async move {
             let lease = r.lease;
             let ctx = r.ctx.clone();
             match tokio::time::timeout(lease, release(r, body, read, params)).await {
