@@ -78,7 +78,7 @@ TOML
   "$RANKGATE" serve --config "$work/$name.toml" > "$log" 2>&1 &
   router=$!
   pids+=($router)
-  wait_for "[ \$(curl -s http://127.0.0.1:$admin/workers | grep -o '\"telemetry\": *\"available\"' | wc -l) -eq $((1 + d_dp)) ]" 30
+  wait_for "curl -sf http://127.0.0.1:$admin/ready" 30
   wait_for "curl -sf http://127.0.0.1:$front/v1/models | grep -q tiny-llama" 30
 }
 stop_fleet() { kill "$router" 2>/dev/null || true; for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; pids=(); sleep 0.2; }
