@@ -81,7 +81,10 @@ async fn metric(rg: &Rankgate, line: &str) {
         if text.lines().any(|l| l == line) {
             return;
         }
-        assert!(tokio::time::Instant::now() < deadline, "no {line} in\n{text}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no {line} in\n{text}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -168,7 +171,12 @@ async fn a_client_leaving_between_the_legs_or_during_the_decode_is_logged_and_co
     given_up(&rg, "pd-between", Duration::from_millis(300)).await;
     metric(&rg, "rankgate_pd_abandoned_total{stage=\"between\"} 1").await;
     let line = access_line(&mut rg, "pd-between").await;
-    for field in ["status=499", "between", "prefill_attempts=1", "decode_attempts=0"] {
+    for field in [
+        "status=499",
+        "between",
+        "prefill_attempts=1",
+        "decode_attempts=0",
+    ] {
         assert!(line.contains(field), "{field}: {line}");
     }
     // No vLLM API frees a finished prefill's blocks: a decode of one token reads them, long
@@ -190,6 +198,9 @@ async fn a_client_leaving_between_the_legs_or_during_the_decode_is_logged_and_co
     for field in ["status=499", "decode_attempts=1", "prefill_attempts=1"] {
         assert!(line.contains(field), "{field}: {line}");
     }
-    assert!(line.contains("abandoned=\"decode\"") || line.contains("abandoned=decode"), "{line}");
+    assert!(
+        line.contains("abandoned=\"decode\"") || line.contains("abandoned=decode"),
+        "{line}"
+    );
     metric(&rg, "rankgate_pd_abandoned_total{stage=\"prefill\"} 0").await;
 }

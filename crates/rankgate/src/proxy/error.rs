@@ -8,11 +8,11 @@ use std::time::Duration;
 use http::{Method, StatusCode};
 use tonic::Code;
 
+use super::leg::PrefillLeg;
 use crate::catalog::ModelError;
 use crate::policy::NoRank;
 use crate::scan::ScanError;
 use crate::upstream::ClientBodyError;
-use super::leg::PrefillLeg;
 use crate::worker::Member;
 
 /// A proxy error, classified once and mapped to a status and an OpenAI error body in one place.

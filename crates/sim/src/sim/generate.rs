@@ -346,8 +346,9 @@ impl Sim {
         let local = call.local;
         if !job.stream {
             return match self.run(local, &job, None).await {
-                Some(Ok(v)) if self.cfg.role == Some(super::PdRole::Prefill)
-                    && !self.cfg.pd.answer_delay.is_zero() =>
+                Some(Ok(v))
+                    if self.cfg.role == Some(super::PdRole::Prefill)
+                        && !self.cfg.pd.answer_delay.is_zero() =>
                 {
                     self.late_body(&v)
                 }

@@ -11,11 +11,11 @@ use http::{Request, Response};
 use http_body_util::BodyExt;
 
 use super::health::{leg_failed, leg_ok};
+use super::watch::{stamp, Tally};
 use crate::metrics::{PdFailure, PdLeg};
 use crate::policy::{Avoid, Leg};
 use crate::prompt::PromptTokens;
 use crate::proxy::body::ProxyBody;
-use super::watch::{stamp, Tally};
 use crate::proxy::error::{DecodeFailure, DecodeWhy, ProxyError};
 use crate::proxy::layer::Answer;
 use crate::proxy::shared::Ctx;
@@ -276,7 +276,10 @@ mod tests {
             panic!("{e:?}")
         };
         assert!(d.prefill.decode_failed);
-        assert_eq!((d.prefill.prefill_attempts, d.prefill.decode_attempts), (1, 2));
+        assert_eq!(
+            (d.prefill.prefill_attempts, d.prefill.decode_attempts),
+            (1, 2)
+        );
         // The engine's reply only where the operator lets clients see engines.
         let public = Exposure::new(ExposeWorker::None).error(&e);
         assert_eq!(public, "decode rank failed: 500 Internal Server Error");

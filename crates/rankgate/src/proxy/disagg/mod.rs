@@ -137,7 +137,13 @@ where
     /// rank it did not fail on is there to take it: with none, a second prefill would only
     /// pin blocks no decode pulls. The client gets the decode's failure, never the second
     /// round's "no rank".
-    async fn vllm(mut self, head: Head, client: Bytes, mut split: Split, mut watch: Watch) -> Answer {
+    async fn vllm(
+        mut self,
+        head: Head,
+        client: Bytes,
+        mut split: Split,
+        mut watch: Watch,
+    ) -> Answer {
         let failed = match self.two_legs(&head, &client, &split, &mut watch).await {
             Round::Prefill(answer) => return self.ended(answer, watch),
             Round::Decode(Ok(answer)) => return self.ended(answer, watch),
@@ -162,7 +168,10 @@ where
                 failed.into_answer(watch.tally)
             }
             Round::Prefill(Err(e))
-                if matches!(e.root(), ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. }) =>
+                if matches!(
+                    e.root(),
+                    ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. }
+                ) =>
             {
                 watch.done();
                 failed.into_answer(watch.tally)

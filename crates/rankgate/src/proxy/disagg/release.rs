@@ -99,7 +99,11 @@ impl<S: Below<RequestBody> + Clone + Send + 'static> Drop for Lent<S> {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (body, read, params) = (self.body.take(), std::mem::take(&mut self.read), self.params.take());
+        let (body, read, params) = (
+            self.body.take(),
+            std::mem::take(&mut self.read),
+            self.params.take(),
+        );
         rt.spawn(async move {
             let lease = r.lease;
             let ctx = r.ctx.clone();
@@ -119,7 +123,8 @@ impl<S: Below<RequestBody> + Clone + Send + 'static> Drop for Lent<S> {
 async fn read_on(body: &mut Option<ProxyBody>, read: &mut BytesMut) -> Result<Bytes, ProxyError> {
     if let Some(b) = body {
         while let Some(frame) = b.frame().await {
-            let frame = frame.map_err(|e| ProxyError::PrefillAnswer(crate::http::error_chain(&*e)))?;
+            let frame =
+                frame.map_err(|e| ProxyError::PrefillAnswer(crate::http::error_chain(&*e)))?;
             if let Ok(data) = frame.into_data() {
                 if read.len() + data.len() > MAX_PREFILL_ANSWER {
                     return Err(ProxyError::PrefillAnswer(format!(
@@ -168,7 +173,9 @@ async fn release<S: Below<RequestBody> + Clone + Send + 'static>(
     while let Some(Ok(_)) = b.frame().await {}
     match status.is_success() {
         true => Ok(()),
-        false => Err(ProxyError::Internal(format!("the release decode answered {status}"))),
+        false => Err(ProxyError::Internal(format!(
+            "the release decode answered {status}"
+        ))),
     }
 }
 
