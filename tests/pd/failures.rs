@@ -63,7 +63,7 @@ async fn a_client_gone_during_prefill_starts_no_decode_and_leaves_no_blocks_held
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !metrics_text(&r)
         .await
-        .contains("rankgate_pd_abandoned_total 1")
+        .contains("rankgate_pd_abandoned_total{stage=\"prefill\"} 1")
     {
         assert!(
             tokio::time::Instant::now() < deadline,

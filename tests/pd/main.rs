@@ -15,4 +15,5 @@ mod common;
 mod failures;
 mod helpers;
 mod legs;
+mod truth;
 mod untrusted;

@@ -50,7 +50,7 @@ use crate::worker::Member;
 pub use counts::{Attempt, PollCounters, PollResult, RequestCounts, RequestKey, WorkerCounters};
 pub use histogram::BUCKETS;
 pub use labels::{ModelIdx, ModelSlot, RequestLabels, UNKNOWN};
-pub use pd::{likely_cause, PdCounts, PdFailure, PdLeg, RankPdHealth, PD_FAILING_AFTER};
+pub use pd::{likely_cause, PdCounts, PdFailure, PdLeg, PdStage, RankPdHealth, PD_FAILING_AFTER};
 pub use routes::{RouteIdx, UNMATCHED};
 
 use shared::Core;

@@ -190,6 +190,30 @@ pub fn likely_cause(leg: PdLeg, kind: PdFailure, flavor: Flavor) -> &'static str
     }
 }
 
+/// Where a disaggregated request was when its client left (`rankgate_pd_abandoned`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PdStage {
+    /// Before the prefill's answer: no blocks are lent yet (the prefill is cancelled).
+    Prefill,
+    /// After the prefill's answer, before the decode leg was handed on: the prefill server
+    /// holds the blocks and no decode will pull them (see docs/disaggregation.md).
+    Between,
+    /// The decode leg, before its answer: its connection is closed, which aborts it.
+    Decode,
+}
+
+impl PdStage {
+    pub const ALL: [PdStage; 3] = [PdStage::Prefill, PdStage::Between, PdStage::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PdStage::Prefill => "prefill",
+            PdStage::Between => "between",
+            PdStage::Decode => "decode",
+        }
+    }
+}
+
 /// The counters, one set for the router.
 #[derive(Debug, Default)]
 pub struct PdCounts {
@@ -197,8 +221,11 @@ pub struct PdCounts {
     decoded: AtomicU64,
     /// Failures by leg and kind.
     failures: [[AtomicU64; PdFailure::ALL.len()]; 2],
-    /// Requests whose client left before the decode leg began (no decode is started for them).
-    abandoned: AtomicU64,
+    /// Requests whose client left before their answer, by where they were ([`PdStage`]).
+    abandoned: [AtomicU64; 3],
+    /// Releases of the blocks of requests abandoned between the legs: sent and read (0), or
+    /// failed (1).
+    released: [AtomicU64; 2],
     /// From the prefill leg's start to its KV transfer parameters read.
     prefill: Histogram,
     /// From the decode leg's start to its first byte reaching the client.
@@ -217,8 +244,18 @@ impl PdCounts {
         self.failures[leg as usize][kind as usize].fetch_add(1, Relaxed);
     }
 
-    pub fn abandoned(&self) {
-        self.abandoned.fetch_add(1, Relaxed);
+    pub fn abandoned(&self, stage: PdStage) {
+        self.abandoned[stage as usize].fetch_add(1, Relaxed);
+    }
+
+    /// A release of an abandoned request's blocks ended: read by a decode, or not.
+    pub fn released(&self, ok: bool) {
+        self.released[usize::from(!ok)].fetch_add(1, Relaxed);
+    }
+
+    /// Requests abandoned at `stage` so far.
+    pub fn abandoned_at(&self, stage: PdStage) -> u64 {
+        self.abandoned[stage as usize].load(Relaxed)
     }
 
     pub fn prefill_took(&self, d: Duration) {
@@ -262,14 +299,31 @@ impl Collector for Pd {
             MetricType::Counter,
         )?;
         ConstCounter::new(c.decoded.load(Relaxed)).encode(m)?;
-        let m = enc.encode_descriptor(
+        let mut m = enc.encode_descriptor(
             "rankgate_pd_abandoned",
-            "Disaggregated requests whose client left during the prefill leg: no decode leg \
-             was started",
+            "Disaggregated requests whose client left before their answer, by stage: prefill \
+             (no decode leg is started), between (after the prefill's answer, before the \
+             decode leg: the prefill server holds the blocks until its lease), decode (the \
+             decode leg is cancelled)",
             None,
             MetricType::Counter,
         )?;
-        ConstCounter::new(c.abandoned.load(Relaxed)).encode(m)?;
+        for stage in PdStage::ALL {
+            ConstCounter::new(c.abandoned_at(stage))
+                .encode(m.encode_family(&[("stage", stage.as_str())])?)?;
+        }
+        let mut m = enc.encode_descriptor(
+            "rankgate_pd_released",
+            "Releases of the KV blocks a vLLM prefill server lent for a request whose client \
+             left between the legs (a decode of one token sent for them, which frees them; \
+             vLLM has no other way but its lease), by outcome: read, failed",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, outcome) in ["read", "failed"].into_iter().enumerate() {
+            ConstCounter::new(c.released[i].load(Relaxed))
+                .encode(m.encode_family(&[("outcome", outcome)])?)?;
+        }
         let mut m = enc.encode_descriptor(
             "rankgate_pd_failures",
             "Failed legs of disaggregated requests, by leg (prefill, decode) and kind: no_rank, \

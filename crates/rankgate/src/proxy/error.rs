@@ -8,6 +8,7 @@ use std::time::Duration;
 use http::{Method, StatusCode};
 use tonic::Code;
 
+use super::leg::PrefillLeg;
 use crate::catalog::ModelError;
 use crate::policy::NoRank;
 use crate::scan::ScanError;
@@ -85,6 +86,10 @@ pub enum ProxyError {
     /// `detail` for the operator's log.
     #[error("the prefill server's kv_transfer_params were refused ({why}): {detail}. No decode was started")]
     PrefillBadParams { why: &'static str, detail: String },
+    /// A disaggregated request's decode leg failed after its prefill leg was done: said as the
+    /// decode's failure (its status), never as another one (a second prefill's, or "no rank").
+    #[error("{0}")]
+    Decode(Box<DecodeFailure>),
     /// A model served disaggregated that cannot be split as the fleet stands.
     #[error("{0}")]
     NotDisaggregable(String),
@@ -99,6 +104,38 @@ pub enum ProxyError {
         /// Attempts on engines the request made, this one included (set by retry; 0 before).
         attempts: u32,
     },
+}
+
+/// How a disaggregated request's decode leg failed, and what its prefill leg was (for the
+/// access log: the request's line names both legs whatever the answer).
+#[derive(Debug)]
+pub struct DecodeFailure {
+    pub why: DecodeWhy,
+    pub prefill: PrefillLeg,
+}
+
+/// What the decode rank did.
+#[derive(Debug)]
+pub enum DecodeWhy {
+    /// It answered this error status before any byte of an answer, with (the start of) this
+    /// reply.
+    Answered { status: StatusCode, reply: String },
+    /// It failed with this (the transport, the response timeout).
+    Failed(ProxyError),
+}
+
+impl std::fmt::Display for DecodeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.why {
+            DecodeWhy::Answered { status, reply } if reply.is_empty() => {
+                write!(f, "decode rank failed: {status}")
+            }
+            DecodeWhy::Answered { status, reply } => {
+                write!(f, "decode rank failed: {status}: {reply}")
+            }
+            DecodeWhy::Failed(e) => write!(f, "decode leg failed: {e}"),
+        }
+    }
 }
 
 impl ProxyError {
@@ -133,6 +170,7 @@ impl ProxyError {
     pub fn attempts(&self) -> u32 {
         match self {
             ProxyError::At { attempts, .. } => (*attempts).max(1),
+            ProxyError::Decode(d) => d.prefill.prefill_attempts + d.prefill.decode_attempts,
             _ => 0,
         }
     }
@@ -171,6 +209,10 @@ impl ProxyError {
             | ProxyError::PrefillAnswer(_)
             | ProxyError::PrefillBadParams { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Decode(d) => match &d.why {
+                DecodeWhy::Answered { status, .. } => *status,
+                DecodeWhy::Failed(e) => e.status(),
+            },
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::Grpc(g) => g.http.unwrap_or(http_status(g.code)),
         }
@@ -246,6 +288,7 @@ impl ProxyError {
             | ProxyError::PrefillNoParams
             | ProxyError::PrefillAnswer(_)
             | ProxyError::PrefillBadParams { .. }
+            | ProxyError::Decode(_)
             | ProxyError::Upstream { .. }
             | ProxyError::StaleConnection { .. } => Code::Unavailable,
             ProxyError::Internal(_) | ProxyError::At { .. } => Code::Internal,

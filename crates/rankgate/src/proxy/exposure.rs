@@ -17,7 +17,7 @@ use std::fmt::Write;
 use http::header::{self, HeaderMap, HeaderName};
 use http::HeaderValue;
 
-use super::error::{DebugRefused, ProxyError, StreamError};
+use super::error::{DebugRefused, DecodeWhy, ProxyError, StreamError};
 use crate::config::ExposeWorker;
 use crate::policy::NoRank;
 use crate::upstream::ClientBodyError;
@@ -170,6 +170,14 @@ fn write_public(out: &mut String, err: &ProxyError) -> std::fmt::Result {
             out,
             "the prefill server's KV transfer parameters were refused: {why}"
         ),
+        // The decode's status, never its reply (an engine's text may name its host).
+        ProxyError::Decode(d) => match &d.why {
+            DecodeWhy::Answered { status, .. } => write!(out, "decode rank failed: {status}"),
+            DecodeWhy::Failed(e) => {
+                out.write_str("decode leg failed: ")?;
+                write_public(out, e.root())
+            }
+        },
         // Never an engine or a setting: those go in its `engine` (shown under `url` only).
         ProxyError::Grpc(g) => out.write_str(&g.message),
         // The client's own mistakes, said in the client's terms (no address or setting in

@@ -95,7 +95,7 @@ impl Done {
             self.first_seen = true;
             let since = self.started.elapsed();
             (self.ctx.metrics).first_byte(self.model, since);
-            if let Some(p) = &self.prefill {
+            if let Some(p) = self.prefill.as_ref().filter(|p| !p.decode_failed) {
                 (self.ctx.metrics.pd).decode_first_byte(p.decode_started.elapsed());
             }
             if let Some(a) = &mut self.access {
@@ -128,6 +128,8 @@ impl Drop for Done {
                 attempts = a.attempts,
                 prefill_worker = self.prefill.as_ref().map(|p| &*p.worker),
                 prefill_ms = self.prefill.as_ref().map(|p| ms(p.took)),
+                prefill_attempts = self.prefill.as_ref().map(|p| p.prefill_attempts),
+                decode_attempts = self.prefill.as_ref().map(|p| p.decode_attempts),
                 kv_from = self.prefill.as_ref().and_then(|p| p.kv_from.as_deref()),
                 "request"
             );

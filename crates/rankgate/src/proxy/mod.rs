@@ -67,6 +67,7 @@ mod guards;
 mod hung;
 mod identity;
 mod layer;
+mod leg;
 mod observe;
 mod pick;
 mod pin;

@@ -48,6 +48,13 @@ pub struct Errors {
 }
 
 impl Errors {
+    /// `server.access_log`: whether requests that end without an answer (`disagg`) log too.
+    pub fn access_log(&self) -> bool {
+        self.access_log
+    }
+}
+
+impl Errors {
     pub fn new(access_log: bool, retry_after_secs: u32, exposure: Exposure) -> Errors {
         Errors {
             storm: Throttle::new(Duration::from_secs(5)),
@@ -170,7 +177,12 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
             }
             Err(e) => {
                 count(ctx, &e, labels);
-                render(ctx, &this.errors, &e)
+                let mut resp = render(ctx, &this.errors, &e);
+                // A failed decode leg's line names its prefill leg too.
+                if let ProxyError::Decode(d) = e.root() {
+                    resp.body_mut().holds.prefill = Some(Box::new(d.prefill.clone()));
+                }
+                resp
             }
         };
         resp.body_mut().holds.attempts = attempts;

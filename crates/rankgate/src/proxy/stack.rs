@@ -257,6 +257,7 @@ impl Layers {
             self.limits.max_body,
             self.dial.response,
             &self.retry,
+            self.errors.access_log(),
         )
     }
 

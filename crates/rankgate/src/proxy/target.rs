@@ -27,21 +27,7 @@ pub struct Picked {
     pub guard: InFlight,
 }
 
-/// What the prefill leg of a disaggregated request was: carried in the decode leg's answer (in
-/// its body's holds) up to `respond`, for the access log and the decode leg's time to first
-/// byte.
-#[derive(Debug, Clone)]
-pub struct PrefillLeg {
-    /// The prefill rank.
-    pub worker: Arc<str>,
-    /// The prefill leg, retries and the reading of its answer included.
-    pub took: std::time::Duration,
-    /// When the decode leg began.
-    pub decode_started: tokio::time::Instant,
-    /// Where the decode pulls the KV from, as the prefill server named it
-    /// (`<remote_engine_id>:<remote_port>`; SGLang: the bootstrap address and room).
-    pub kv_from: Option<Arc<str>>,
-}
+pub use super::leg::PrefillLeg;
 
 /// A request extension: no retry starts after this instant (a decode leg, after its prefill
 /// server's blocks would have been released), and whether an engine's 500 is retried like a

@@ -30,8 +30,7 @@ use std::net::SocketAddr;
 
 use clap::ValueEnum;
 
-use super::SimFlavor as Flavor;
-use super::{check_percent, check_status, deployment, SimConfig, SimEngine};
+use super::{check_percent, check_status, deployment, SimConfig, SimEngine, SimFlavor as Flavor};
 use rankgate::worker::RankNumbering;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -188,8 +187,10 @@ pub struct Args {
     /// vLLM P: seconds blocks nobody pulled are kept (kv_lease_duration).
     #[arg(long, default_value_t = 30.0)]
     kv_lease: f64,
-    /// vLLM P: the side channel's base port (VLLM_NIXL_SIDE_CHANNEL_PORT); rank r listens on
-    /// BASE + r. 0: free ports.
+    /// vLLM P: seconds between its answer's head and body, blocks lent (a slow link; 0: none).
+    #[arg(long, default_value_t = 0.0)]
+    prefill_answer_delay: f64,
+    /// vLLM P: side channel base port (VLLM_NIXL_SIDE_CHANNEL_PORT), rank r on BASE + r; 0: free.
     #[arg(long, default_value_t = 0)]
     side_port: u16,
     /// vLLM P: the host its answers name as remote_host (VLLM_NIXL_SIDE_CHANNEL_HOST).
@@ -280,6 +281,10 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
     let pd = super::PdConfig {
         engine_id: a.engine_id,
         kv_lease: seconds("--kv-lease", a.kv_lease)?,
+        answer_delay: (a.prefill_answer_delay != 0.0)
+            .then(|| seconds("--prefill-answer-delay", a.prefill_answer_delay))
+            .transpose()?
+            .unwrap_or_default(),
         side_port: a.side_port,
         side_host: a.side_host,
         bootstrap_port: a.disaggregation_bootstrap_port,

@@ -324,12 +324,34 @@ impl Sim {
         Some(self.held(Blocks::of_text(next.as_bytes(), tokens)))
     }
 
+    /// A P's whole answer whose body comes `pd.answer_delay` after its head.
+    fn late_body(&self, v: &Value) -> Response<SimBody> {
+        let (tx, rx) = mpsc::channel(1);
+        let (body, delay) = (Bytes::from(v.to_string()), self.cfg.pd.answer_delay);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = tx.send(body).await;
+        });
+        let mut resp = Response::new(SimBody::Stream(rx));
+        (resp.headers_mut()).insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+
     /// Answers a generation request, streaming or whole.
     pub(super) async fn decode(self: Arc<Self>, api: Api, call: Call) -> Response<SimBody> {
         let job = Job::new(&self, api, &call, self.next_id.fetch_add(1, Relaxed));
         let local = call.local;
         if !job.stream {
             return match self.run(local, &job, None).await {
+                Some(Ok(v))
+                    if self.cfg.role == Some(super::PdRole::Prefill)
+                        && !self.cfg.pd.answer_delay.is_zero() =>
+                {
+                    self.late_body(&v)
+                }
                 Some(Ok(v)) => json_response(StatusCode::OK, &v),
                 Some(Err(e)) => json_response(StatusCode::INTERNAL_SERVER_ERROR, &e),
                 None => self.hold().await,

@@ -62,6 +62,19 @@ pub fn prefill(client: &[u8]) -> Result<Bytes, ProxyError> {
     rewrite(client, &PREFILL_DROPS, &add)
 }
 
+/// A decode of one token, answered whole, with the prefill server's parameters: what releases
+/// the blocks of a request whose client left between the legs (`release`).
+pub fn release(client: &[u8], params: &[u8]) -> Result<Bytes, ProxyError> {
+    let one = b"1".as_slice();
+    let mut add: Vec<(&str, &[u8])> = vec![("max_tokens", one)];
+    if scan::json_member_raw(client, &["max_completion_tokens"])?.is_some_and(|v| v != b"null") {
+        add.push(("max_completion_tokens", one));
+    }
+    add.push(("stream", b"false"));
+    add.push(("kv_transfer_params", params));
+    rewrite(client, &PREFILL_DROPS, &add)
+}
+
 /// vLLM's decode leg: the client's request as it came, with the prefill server's parameters.
 pub fn decode(client: &[u8], params: &[u8]) -> Result<Bytes, ProxyError> {
     rewrite(client, &TRANSFER_FIELDS, &[("kv_transfer_params", params)])

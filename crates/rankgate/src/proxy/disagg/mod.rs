@@ -15,8 +15,13 @@
 //! `engines[].kv_lease`, [`crate::config::Engine::kv_lease`]); a decode leg that still failed
 //! before its first byte (a decode that pulled the blocks and died, or answered 500 because its
 //! pull failed, which the outlier rules do not hold against it) runs once more from a new
-//! prefill, within the retry budget. A client that leaves during the prefill leg never gets a
-//! decode leg. How each leg ended is counted and judged in `health`.
+//! prefill, within the retry budget, only where a decode rank it did not fail on can take it.
+//! A decode leg that failed is the client's answer as the decode's failure
+//! ([`ProxyError::Decode`]), never a later round's "no rank". A client that leaves during the
+//! prefill leg never gets a decode leg; one that leaves between the legs has the prefill's
+//! blocks released (`release`); every abandoned request is counted by stage and logged
+//! (`watch`), and the access line counts each leg's attempts. How each leg ended is counted and
+//! judged in `health`.
 //!
 //! SGLang (bootstrap): both legs at once, see `sglang`.
 //!
@@ -28,33 +33,32 @@ mod body;
 pub(crate) mod health;
 mod kv_params;
 mod legs;
+mod release;
 mod sglang;
+mod watch;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
-use http_body_util::BodyExt;
+use http::Request;
 use tokio::time::Instant;
 
-use super::body::ProxyBody;
 use super::error::ProxyError;
 use super::layer::{Answer, Below, Step};
 use super::read;
 use super::retry::Policy;
 use super::shared::Ctx;
 use super::target::{PrefillLeg, RetryUntil};
-use crate::metrics::{PdFailure, PdLeg};
+use crate::metrics::{PdFailure, PdLeg, PdStage};
 use crate::policy::Leg;
 use crate::upstream::RequestBody;
 use crate::worker::Flavor;
 use health::{leg_failed, leg_ok};
 pub use legs::Split;
-use legs::{answered, count_leg, failure, Head};
-
-/// A prefill server's answer is one small JSON object: more than this is no prefill answer.
-const MAX_PREFILL_ANSWER: usize = 1 << 20;
+use legs::{answered, count_leg, failure, judged, Failed, Head};
+use release::{Lent, Release};
+use watch::Watch;
 
 #[derive(Clone)]
 pub struct Disagg<S> {
@@ -66,6 +70,8 @@ pub struct Disagg<S> {
     answer_within: Duration,
     /// The retry budget a request run again from its prefill draws on.
     retry: Arc<Policy>,
+    /// `server.access_log`: a request whose client left is logged here.
+    access_log: bool,
 }
 
 impl<S> Disagg<S> {
@@ -75,6 +81,7 @@ impl<S> Disagg<S> {
         max_body: usize,
         answer_within: Duration,
         retry: &Arc<Policy>,
+        access_log: bool,
     ) -> Disagg<S> {
         Disagg {
             inner,
@@ -82,6 +89,7 @@ impl<S> Disagg<S> {
             max_body,
             answer_within,
             retry: retry.clone(),
+            access_log,
         }
     }
 }
@@ -109,6 +117,7 @@ where
         let (parts, body) = req.into_parts();
         let whole = read::whole(body, self.max_body).await?;
         let client = body::client_body(&whole)?;
+        let watch = Watch::new(&self.ctx.metrics.pd, &parts, &client, self.access_log);
         let head = Head(parts);
         match split.flavor {
             Flavor::Sglang => {
@@ -118,67 +127,108 @@ where
                     client: &client,
                     retry: &self.retry,
                 };
-                legs.serve(self.inner.clone(), split).await
+                legs.serve(self.inner.clone(), split, watch).await
             }
-            _ => self.vllm(head, client, split).await,
+            _ => self.vllm(head, client, split, watch).await,
         }
     }
 
-    /// vLLM's two legs, one after the other; once more from a new prefill when the decode leg
-    /// failed before its first byte on every decode rank it was failed over to (its prefill's
-    /// blocks may be gone with the first decode that pulled them), within the retry budget.
-    async fn vllm(mut self, head: Head, client: Bytes, mut split: Split) -> Answer {
-        let (answer, redo) = self.vllm_once(&head, &client, &split).await;
-        if !redo || !self.retry.withdraw() {
-            return answer;
+    /// vLLM's two legs, one after the other. A decode leg that failed on every decode rank the
+    /// retry layer could fail it over to (with the same blocks, within the prefill server's
+    /// lease) runs once more from a new prefill, within the retry budget, only where a decode
+    /// rank it did not fail on is there to take it: with none, a second prefill would only
+    /// pin blocks no decode pulls. The client gets the decode's failure, never the second
+    /// round's "no rank".
+    async fn vllm(
+        mut self,
+        head: Head,
+        client: Bytes,
+        mut split: Split,
+        mut watch: Watch,
+    ) -> Answer {
+        let failed = match self.two_legs(&head, &client, &split, &mut watch).await {
+            Round::Prefill(answer) => return self.ended(answer, watch),
+            Round::Decode(Ok(answer)) => return self.ended(answer, watch),
+            Round::Decode(Err(failed)) => failed,
+        };
+        if !failed.worth_a_new_prefill() || !self.another_decode(&failed, &mut split) {
+            watch.done();
+            return failed.into_answer(watch.tally);
+        }
+        if !self.retry.withdraw() {
+            self.ctx.metrics.retry_refused();
+            watch.done();
+            return failed.into_answer(watch.tally);
         }
         self.ctx.metrics.retried();
-        // The decode rank that failed last is not asked again.
-        let failed = match &answer {
-            Ok(resp) => resp.body().target.as_ref().map(|t| t.worker.key),
-            Err(e) => e.worker().map(|w| w.key),
-        };
-        if let Some(w) = failed {
-            split.base.worker(w);
-        }
-        drop(answer);
-        self.vllm_once(&head, &client, &split).await.0
-    }
-
-    /// The two legs once; `true` with a decode that failed before its first byte.
-    async fn vllm_once(&mut self, head: &Head, client: &Bytes, split: &Split) -> (Answer, bool) {
-        match self.two_legs(head, client, split).await {
-            Ok((answer, true)) => {
-                let redo = match &answer {
-                    Ok(resp) => resp.status().is_server_error(),
-                    Err(e) => e.retryable() || matches!(e.root(), ProxyError::Timeout(_)),
-                };
-                (answer, redo)
+        match self.two_legs(&head, &client, &split, &mut watch).await {
+            Round::Decode(Ok(answer)) => self.ended(answer, watch),
+            // No decode rank after all (gone since), or the second prefill found none: the
+            // failure the client gets is the real one.
+            Round::Decode(Err(again)) if again.no_rank() => {
+                watch.done();
+                failed.into_answer(watch.tally)
             }
-            Ok((answer, false)) => (answer, false),
-            Err(e) => (Err(e), false),
+            Round::Prefill(Err(e))
+                if matches!(
+                    e.root(),
+                    ProxyError::NoRank(_) | ProxyError::NoRankUnlisted { .. }
+                ) =>
+            {
+                watch.done();
+                failed.into_answer(watch.tally)
+            }
+            Round::Decode(Err(again)) => {
+                watch.done();
+                again.into_answer(watch.tally)
+            }
+            Round::Prefill(answer) => self.ended(answer, watch),
         }
     }
 
-    /// The two legs: the answer, and whether it is the decode leg's (`Err`: the prefill leg
-    /// failed, or the request could not be split).
+    /// The client's answer, with every attempt of both legs on it.
+    fn ended(&self, answer: Answer, mut watch: Watch) -> Answer {
+        watch.done();
+        watch::stamp(answer, watch.tally)
+    }
+
+    /// Whether a decode rank other than the one `failed` on could take the request now; if so,
+    /// that one is avoided from here on.
+    fn another_decode(&self, failed: &Failed, split: &mut Split) -> bool {
+        let Some(w) = &failed.worker else {
+            return false;
+        };
+        let mut avoid = split.avoid(Leg::Decode);
+        avoid.worker(w.key);
+        if !self.ctx.selector.any_routable(&self.ctx.table, &avoid) {
+            return false;
+        }
+        split.base.worker(w.key);
+        true
+    }
+
+    /// The two legs once.
     async fn two_legs(
         &mut self,
         head: &Head,
         client: &Bytes,
         split: &Split,
-    ) -> Result<(Answer, bool), ProxyError> {
+        watch: &mut Watch,
+    ) -> Round {
         let pd = self.ctx.metrics.pd.clone();
         let started = Instant::now();
-        let prefill_req = head.leg(body::prefill(client)?, split.avoid(Leg::Prefill), true);
-        // Dropped with this future if the client leaves during the prefill leg: counted, and
-        // no decode leg is started.
-        let abandoned = Abandoned(Some(pd.clone()));
+        watch.at(PdStage::Prefill);
+        let prefill_req = match body::prefill(client) {
+            Ok(b) => head.leg(b, split.avoid(Leg::Prefill), true),
+            Err(e) => return Round::Prefill(Err(e)),
+        };
+        // Dropped with this future if the client leaves during the prefill leg: counted
+        // (`watch`), and no decode leg is started.
         let answer = self.inner.call(prefill_req).await;
+        watch.tally.prefill += watch::attempts_of(&answer);
         let resp = match answer {
             Ok(resp) => resp,
             Err(e) => {
-                abandoned.disarm();
                 let at = e.worker().cloned();
                 leg_failed(
                     &pd,
@@ -187,20 +237,18 @@ where
                     at.as_deref(),
                     Flavor::Vllm,
                 );
-                return Err(e);
+                return Round::Prefill(Err(e));
             }
         };
         let Some(prefill) = resp.body().target.clone() else {
-            abandoned.disarm();
-            return Err(ProxyError::Internal(
+            return Round::Prefill(Err(ProxyError::Internal(
                 "a prefill answer without its rank".into(),
-            ));
+            )));
         };
         count_leg(&resp, PdLeg::Prefill);
         if !resp.status().is_success() {
-            // The engine's own error (a 4xx is the client's request, refused): the client
+            // The engine's own error (a 4xx is the client's request refused): the client
             // reads it as the engine wrote it. 5xx were failed over below already.
-            abandoned.disarm();
             match resp.status().is_server_error() {
                 true => leg_failed(
                     &pd,
@@ -211,17 +259,36 @@ where
                 ),
                 false => pd.failed(PdLeg::Prefill, PdFailure::Status),
             }
-            return Ok((Ok(resp), false));
+            return Round::Prefill(Ok(resp));
         }
-        let params = read_answer(resp, self.answer_within)
-            .await
+        // From here the prefill server holds the blocks for a decode.
+        watch.at(PdStage::Between);
+        watch.prefill_worker = Some(prefill.worker.id_text.clone());
+        let lease = prefill.engine.kv_lease();
+        // Should the client leave before the decode leg goes out, the blocks are released.
+        let mut lent = Lent::new(
+            resp.into_body(),
+            Release {
+                inner: self.inner.clone(),
+                ctx: self.ctx.clone(),
+                method: head.0.method.clone(),
+                uri: head.0.uri.clone(),
+                headers: head.0.headers.clone(),
+                client: client.clone(),
+                avoid: split.avoid(Leg::Decode),
+                within: self.answer_within,
+                lease,
+                engine: prefill.engine.clone(),
+            },
+        );
+        let params = (lent.answer(self.answer_within).await)
             .and_then(|answer| body::params(&answer).map(Bytes::copy_from_slice));
         // Untrusted: checked before any decode sees them (a refusal is `bad_params`).
         let params = kv_params::checked(params, &prefill.engine).await;
-        abandoned.disarm();
         let params = match params {
             Ok(p) => p,
             Err(e) => {
+                lent.handed_on();
                 let kind = match e {
                     ProxyError::PrefillNoParams => PdFailure::NoParams,
                     ProxyError::PrefillBadParams { .. } => PdFailure::BadParams,
@@ -235,58 +302,44 @@ where
                     Flavor::Vllm,
                 );
                 tracing::debug!(worker = %prefill.worker.id_text, error = %e, "prefill leg failed");
-                return Err(e.at(&prefill.worker));
+                return Round::Prefill(Err(e.at(&prefill.worker)));
             }
         };
+        lent.read(params.clone());
         leg_ok(&prefill.worker);
         let prefill_took = started.elapsed();
         pd.prefill_took(prefill_took);
         let decode_started = Instant::now();
-        let mut decode_req = head.leg(
-            body::decode(client, &params)?,
-            split.avoid(Leg::Decode),
-            false,
-        );
+        let mut decode_req = match body::decode(client, &params) {
+            Ok(b) => head.leg(b, split.avoid(Leg::Decode), false),
+            Err(e) => return Round::Prefill(Err(e)),
+        };
         // Another decode rank may pull the same blocks while the prefill server keeps them.
-        let lease = prefill.engine.kv_lease();
         (decode_req.extensions_mut()).insert(RetryUntil(decode_started + lease, true));
         let leg = PrefillLeg {
             worker: prefill.worker.id_text.clone(),
             took: prefill_took,
             decode_started,
             kv_from: body::kv_source(&params),
+            prefill_attempts: 0,
+            decode_attempts: 0,
+            decode_failed: false,
         };
+        // A client that leaves now closes the decode's connection: vLLM aborts the request,
+        // and a decode aborted before it pulled tells the prefill server to free the blocks.
+        watch.at(PdStage::Decode);
+        lent.handed_on();
+        drop(lent);
         let answer = self.inner.call(decode_req).await;
-        Ok((answered(&self.ctx, answer, leg, Flavor::Vllm), true))
+        watch.tally.decode += watch::attempts_of(&answer);
+        let answer = answered(&self.ctx, answer, leg.clone(), Flavor::Vllm);
+        Round::Decode(judged(answer, leg).await)
     }
 }
 
-/// The prefill server's answer, whole (it is small), within `within`.
-async fn read_answer(resp: Response<ProxyBody>, within: Duration) -> Result<Bytes, ProxyError> {
-    let limited = http_body_util::Limited::new(resp.into_body(), MAX_PREFILL_ANSWER);
-    match tokio::time::timeout(within, limited.collect()).await {
-        Err(_) => Err(ProxyError::PrefillAnswer(format!(
-            "not read whole within {} ms",
-            within.as_millis()
-        ))),
-        Ok(Err(e)) => Err(ProxyError::PrefillAnswer(crate::http::error_chain(&*e))),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-    }
-}
-
-/// Counts a request whose client left during its prefill leg, unless disarmed first.
-struct Abandoned(Option<std::sync::Arc<crate::metrics::PdCounts>>);
-
-impl Abandoned {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Abandoned {
-    fn drop(&mut self) {
-        if let Some(pd) = self.0.take() {
-            pd.abandoned();
-        }
-    }
+/// One round of the legs: the prefill leg's answer when no decode leg followed, else the
+/// decode leg's (the client's answer, or how it failed).
+enum Round {
+    Prefill(Answer),
+    Decode(Result<Answer, Failed>),
 }

@@ -20,8 +20,9 @@ use tokio::time::Instant;
 
 use super::body;
 use super::health::{leg_failed, leg_ok};
-use super::legs::{answered, count_leg, failure, Head, Split};
-use crate::metrics::{PdFailure, PdLeg};
+use super::legs::{answered, count_leg, failure, judged, Head, Split};
+use super::watch::{attempts_of, stamp, Watch};
+use crate::metrics::{PdFailure, PdLeg, PdStage};
 use crate::policy::Leg;
 use crate::proxy::error::ProxyError;
 use crate::proxy::layer::{Answer, Below};
@@ -111,12 +112,12 @@ impl Legs<'_> {
     /// old one cancelled) while a prefill leg fails before any answer reached the client,
     /// within `routing.max_attempts` and the retry budget: the failover a vLLM prefill leg
     /// gets from the retry layer, which an SGLang one cannot (its decode waits on its room).
-    pub(super) async fn serve<S>(&self, inner: S, mut split: Split) -> Answer
+    pub(super) async fn serve<S>(&self, inner: S, mut split: Split, mut watch: Watch) -> Answer
     where
         S: Below<RequestBody> + Clone + Send + 'static,
     {
         let mut attempts = 1;
-        let (mut answer, mut failed) = self.round(inner.clone(), &split).await;
+        let (mut answer, mut failed) = self.round(inner.clone(), &split, &mut watch).await;
         while let Some(worker) = failed.take() {
             if attempts >= self.retry.max_attempts() || !self.retry.withdraw() {
                 break;
@@ -124,7 +125,7 @@ impl Legs<'_> {
             self.ctx.metrics.retried();
             split.base.worker(worker.key);
             attempts += 1;
-            let (next, next_failed) = self.round(inner.clone(), &split).await;
+            let (next, next_failed) = self.round(inner.clone(), &split, &mut watch).await;
             // No other prefill rank: the failure the client gets is the real one.
             if let Err(e) = &next {
                 if matches!(
@@ -136,7 +137,8 @@ impl Legs<'_> {
             }
             (answer, failed) = (next, next_failed);
         }
-        answer
+        watch.done();
+        stamp(answer, watch.tally)
     }
 
     /// A prefill leg that ended before the decode answered: counted, and whether it is worth
@@ -177,7 +179,7 @@ impl Legs<'_> {
     }
 
     /// Both legs once.
-    async fn round<S>(&self, mut inner: S, split: &Split) -> Round
+    async fn round<S>(&self, mut inner: S, split: &Split, watch: &mut Watch) -> Round
     where
         S: Below<RequestBody> + Clone + Send + 'static,
     {
@@ -215,17 +217,26 @@ impl Legs<'_> {
         // No failover within the leg: the decode leg is sent the room of this rank (a new
         // round fails it over, with a new room).
         ext.insert(RetryUntil(started, false));
+        watch.at(PdStage::Prefill);
         let mut prefill = inner.call(prefill_req);
         // The pick has chosen the prefill rank once the room is written; a prefill leg that ends
         // before that found no rank, or failed on the rank it found.
         let rendezvous = tokio::select! {
             r = rx => r.ok(),
-            answer = &mut prefill => return self.prefill_failed(answer),
+            answer = &mut prefill => {
+                watch.tally.prefill += attempts_of(&answer);
+                return self.prefill_failed(answer);
+            }
         };
         let Some(r) = rendezvous else {
             // The hook is gone without sending: the leg ended; its answer says why.
-            return self.prefill_failed(prefill.await);
+            let answer = prefill.await;
+            watch.tally.prefill += attempts_of(&answer);
+            return self.prefill_failed(answer);
         };
+        // The prefill leg is sent: one attempt (never failed over within the round).
+        watch.tally.prefill += 1;
+        watch.prefill_worker = Some(r.prefill.clone());
         let decode_started = Instant::now();
         let decode_body = match body::bootstrap(self.client, &r.host, r.port, r.room) {
             Ok(b) => b,
@@ -234,6 +245,9 @@ impl Legs<'_> {
         let mut decode_req = self.head.leg(decode_body, split.avoid(Leg::Decode), false);
         // Another decode rank may take the room while its prefill server waits for one.
         (decode_req.extensions_mut()).insert(RetryUntil(decode_started + r.lease, true));
+        // Both legs at once from here: a client that leaves closes both connections, and SGLang
+        // aborts both requests (the prefill's answer comes only once its KV went out).
+        watch.at(PdStage::Decode);
         let mut decode = inner.call(decode_req);
         let mut prefill_took: Option<Duration> = None;
         let mut prefill = Some(prefill);
@@ -261,6 +275,7 @@ impl Legs<'_> {
                 answer = &mut decode => break answer,
             }
         };
+        watch.tally.decode += attempts_of(&answer);
         if let Some(p) = prefill.take() {
             // The decode answered first: the prefill's answer is only read out, in the
             // background.
@@ -285,8 +300,15 @@ impl Legs<'_> {
             took: prefill_took.unwrap_or_else(|| started.elapsed()),
             decode_started,
             kv_from: Some(format!("{}:{} room {}", r.host, r.port, r.room).into()),
+            prefill_attempts: 0,
+            decode_attempts: 0,
+            decode_failed: false,
         };
-        (answered(ctx, answer, leg, Flavor::Sglang), None)
+        let answer = answered(ctx, answer, leg.clone(), Flavor::Sglang);
+        match judged(answer, leg).await {
+            Ok(answer) => (answer, None),
+            Err(failed) => (failed.into_answer(watch.tally), None),
+        }
     }
 }
 

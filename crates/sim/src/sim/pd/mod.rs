@@ -69,6 +69,9 @@ pub struct PdConfig {
     pub engine_id: Option<String>,
     /// vLLM P: how long blocks nobody pulled are held (`kv_lease_duration`).
     pub kv_lease: Duration,
+    /// vLLM P: how long its answer's body comes after its head, the blocks lent already (as
+    /// over a slow link to the router): a client that leaves meanwhile leaves them lent.
+    pub answer_delay: Duration,
     /// vLLM P: the NIXL side channel's base port (`VLLM_NIXL_SIDE_CHANNEL_PORT`); local rank r
     /// listens on base + r. 0 picks a free port per rank.
     pub side_port: u16,
@@ -89,6 +92,7 @@ impl Default for PdConfig {
         PdConfig {
             engine_id: None,
             kv_lease: DEFAULT_KV_LEASE,
+            answer_delay: Duration::ZERO,
             side_port: 0,
             side_host: "127.0.0.1".into(),
             bootstrap_port: 0,
