@@ -8,6 +8,7 @@
 //! compare-and-swap retry loop and owns the per-rank state-change log. Each poller also probes
 //! its engine's health path ([`health`]) and stops promptly on shutdown, mid-poll or not.
 
+pub mod budget;
 mod client;
 mod detect;
 mod events;
@@ -41,6 +42,10 @@ use crate::worker::{EngineEntry, EngineId, Fleet, Reported, WorkerId};
 
 pub use report::Report;
 
+/// Engines named one by one in the log per fleet change (joined, left, said their shape); the
+/// rest are counted in one line.
+const LOG_EACH: usize = 20;
+
 /// What the publisher needs besides the table.
 pub struct Settings {
     pub telemetry: TelemetryConfig,
@@ -66,7 +71,9 @@ pub fn spawn(
         let (tx, rx) = mpsc::channel(fleet.engines.len().max(16) * 2);
         let snap = table.snapshot.load_full();
         let listeners = Arc::new(Listeners::new(table.kv_refused.clone()));
+        let budget = budget::Budget::new(settings.telemetry.max_concurrent_polls);
         let mut p = Publisher {
+            budget: budget.clone(),
             http: client::HttpClient::new(crate::http::client_with(
                 settings.telemetry.timeout,
                 &settings.upstream,
@@ -86,11 +93,13 @@ pub fn spawn(
             tasks: JoinSet::new(),
             shutdown: shutdown.clone(),
             reported: HashMap::new(),
+            reshaped: Vec::new(),
             by_key: HashMap::new(),
         };
         p.by_key = (p.fleet.engines.iter_enumerated())
             .map(|(i, e)| (e.key, i))
             .collect();
+        p.tasks.spawn(budget.refill());
         p.start_pollers();
         p.run(rx, changes, shutdown).await;
         p.tasks.abort_all();
@@ -121,9 +130,13 @@ struct Publisher {
     /// The endpoints rankgate binds for engines that connect to publish their events.
     listeners: Arc<Listeners>,
     tasks: JoinSet<()>,
+    /// The polls' concurrency and pace, shared by every poller.
+    budget: Arc<budget::Budget>,
     shutdown: Shutdown,
     /// What each engine (by URL) last said of its flavor and size.
     reported: HashMap<Arc<str>, Reported>,
+    /// Engines that said their shape since the last publish (rebuilt then, all at once).
+    reshaped: Vec<Arc<str>>,
     /// Each engine of `fleet` by key, for its poll reports.
     by_key: HashMap<EngineId, EngineIx>,
 }
@@ -168,7 +181,11 @@ impl Publisher {
             }
             let now = tokio::time::Instant::now();
             if pending && now >= next {
-                self.publish();
+                if self.reshaped.is_empty() {
+                    self.publish();
+                } else {
+                    self.reshape();
+                }
                 log_staleness(&self.table, &self.fleet, &self.views, &mut self.stale);
                 pending = false;
                 next = now + every;
@@ -194,7 +211,11 @@ impl Publisher {
             return;
         };
         if let Some(reported) = report.reported {
-            self.reshape(e, reported);
+            // Rebuilt at the next publish, with every other engine that said its shape by
+            // then: one rebuild per engine would cost a huge fleet's arrival O(n^2).
+            let url = self.fleet.engines[e].url.clone();
+            self.reported.insert(url.clone(), reported);
+            self.reshaped.push(url);
             return;
         }
         let range = self.fleet.workers_of(e);
@@ -234,37 +255,54 @@ impl Publisher {
         let stay: HashSet<&str> = plan.engines.iter().map(|(_, e)| &*e.url).collect();
         self.reported.retain(|url, _| stay.contains(&**url));
         self.rebuild(plan.engines);
-        for url in &plan.outcome.added {
-            tracing::info!(engine = %url, "engine joined the fleet");
-        }
-        for url in &plan.outcome.changed {
-            tracing::info!(engine = %url, "engine changed: its ranks carry on");
-        }
-        for url in &plan.outcome.removed {
-            tracing::info!(engine = %url, "engine left the fleet: no new requests, those on it finish");
-        }
+        // One line per engine, up to LOG_EACH of each kind, then a count: a change of 20,000
+        // engines is not 20,000 lines written by the snapshot's writer.
+        let each = |urls: &[String], what: &str| {
+            for url in urls.iter().take(LOG_EACH) {
+                tracing::info!(engine = %url, "{what}");
+            }
+            if urls.len() > LOG_EACH {
+                tracing::info!(engines = urls.len() - LOG_EACH, "{what} (and more engines, not logged one by one)");
+            }
+        };
+        each(&plan.outcome.added, "engine joined the fleet");
+        each(&plan.outcome.changed, "engine changed: its ranks carry on");
+        each(
+            &plan.outcome.removed,
+            "engine left the fleet: no new requests, those on it finish",
+        );
         Ok(plan.outcome)
     }
 
-    /// Engine `e` said what it is: its entry is built anew with that (same-rank workers carry
-    /// on), and a disagreement with the config is logged once, here.
-    fn reshape(&mut self, e: EngineIx, reported: Reported) {
-        let url = self.fleet.engines[e].url.clone();
-        self.reported.insert(url.clone(), reported);
+    /// The engines that said what they are since the last publish: their entries are built
+    /// anew with it, in one rebuild however many they are (same-rank workers carry on), and a
+    /// disagreement with the config is logged once, here.
+    fn reshape(&mut self) {
+        let urls = std::mem::take(&mut self.reshaped);
         let (listed, _) = self.sources.engines();
         self.rebuild(listed);
-        if let Some(entry) = self.fleet.engines.iter().find(|x| x.url == url) {
-            // With the fleet's count now, which the start line could not give.
-            let (flavor, ranks, workers) = (entry.flavor, entry.dp_size, self.fleet.workers.len());
-            let engines_pending_shape = (self.fleet.engines.iter()).filter(|e| !e.shaped()).count();
+        // With the fleet's count now, which the start line could not give.
+        let workers = self.fleet.workers.len();
+        let engines_pending_shape = (self.fleet.engines.iter()).filter(|e| !e.shaped()).count();
+        let at: HashMap<&str, &EngineEntry> =
+            (self.fleet.engines.iter()).map(|e| (&*e.url, &**e)).collect();
+        let mut quiet = 0usize;
+        for url in &urls {
+            let Some(entry) = at.get(&**url) else { continue };
+            let (flavor, ranks) = (entry.flavor, entry.dp_size);
             match entry.mismatch() {
                 Some(m) => {
                     tracing::warn!(engine = %url, mismatch = %m, workers, engines_pending_shape, "engine disagrees with the config")
                 }
-                None => {
+                None if quiet < LOG_EACH => {
+                    quiet += 1;
                     tracing::info!(engine = %url, %flavor, ranks, workers, engines_pending_shape, "engine said its shape")
                 }
+                None => quiet += 1,
             }
+        }
+        if quiet > LOG_EACH {
+            tracing::info!(engines = quiet - LOG_EACH, workers, engines_pending_shape, "more engines said their shape (not logged one by one)");
         }
     }
 
@@ -343,7 +381,7 @@ impl Publisher {
                 Ok(p) => {
                     let task = self
                         .tasks
-                        .spawn(p.run(self.tx.clone(), self.shutdown.clone()));
+                        .spawn(p.run(self.budget.clone(), self.tx.clone(), self.shutdown.clone()));
                     self.pollers.insert(entry.key, task);
                 }
                 // Config validation makes this unreachable; if it is not, the engine's ranks
