@@ -167,7 +167,10 @@ async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_
                 n += 1;
                 let t = std::time::Instant::now();
                 let ready = tokio::time::timeout(PROMPTLY, get(admin_addr, "/ready")).await;
-                assert!(ready.is_ok(), "/ready unanswered for {PROMPTLY:?} during the reload");
+                assert!(
+                    ready.is_ok(),
+                    "/ready unanswered for {PROMPTLY:?} during the reload"
+                );
                 probes += 1;
                 slowest = slowest.max(t.elapsed());
                 if n % 4 == 0 {
@@ -191,9 +194,12 @@ async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_
     // Far above what the reload takes, and within its own deadline's reach.
     let generous = rankgate::control::RELOAD_DEADLINE + PROMPTLY;
     file.write(&big);
-    let reply = tokio::time::timeout(generous, admin(&r, Method::POST, "/reload", Some(TOKEN), None))
-        .await
-        .expect("the reload to thousands of engines is answered");
+    let reply = tokio::time::timeout(
+        generous,
+        admin(&r, Method::POST, "/reload", Some(TOKEN), None),
+    )
+    .await
+    .expect("the reload to thousands of engines is answered");
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
     assert_eq!(reply.json()["added"].as_array().map(Vec::len), Some(DEAD));
     // The dead engines are polled for a while (longer than stale_after, 2 s): the real ranks
@@ -201,9 +207,12 @@ async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_
     tokio::time::sleep(Duration::from_secs(3)).await;
 
     file.write(&small);
-    let reply = tokio::time::timeout(generous, admin(&r, Method::POST, "/reload", Some(TOKEN), None))
-        .await
-        .expect("the reload back is answered");
+    let reply = tokio::time::timeout(
+        generous,
+        admin(&r, Method::POST, "/reload", Some(TOKEN), None),
+    )
+    .await
+    .expect("the reload back is answered");
     assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
     assert_eq!(reply.json()["removed"].as_array().map(Vec::len), Some(DEAD));
     let listed = get(r.admin_addr, "/engines").await.json();

@@ -298,7 +298,11 @@ impl Fleet {
     pub fn workers_of(&self, engine: EngineIx) -> impl Iterator<Item = WorkerIx> + use<> {
         // Workers are in engine order: a binary search, not a scan (this runs for every poll
         // report, and fleets run to tens of thousands of ranks).
-        let start = self.workers.iter().as_slice().partition_point(|w| w.engine < engine);
+        let start = self
+            .workers
+            .iter()
+            .as_slice()
+            .partition_point(|w| w.engine < engine);
         let range = match self.workers.iter().as_slice().get(start) {
             Some(w) if w.engine == engine => start..start + self.engines[engine].members.len(),
             _ => 0..0,

@@ -77,7 +77,8 @@ impl Budget {
     pub async fn refill(self: Arc<Budget>) {
         let mut tick = tokio::time::interval(REFILL_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let ticks_per_second = (Duration::from_secs(1).as_millis() / REFILL_EVERY.as_millis()) as u32;
+        let ticks_per_second =
+            (Duration::from_secs(1).as_millis() / REFILL_EVERY.as_millis()) as u32;
         let per_tick = (self.per_second / ticks_per_second).max(1) as usize;
         loop {
             tick.tick().await;
@@ -110,7 +111,9 @@ mod tests {
             held.push(b.enter(true).await.unwrap());
         }
         assert_eq!(b.answering.available_permits(), 0);
-        assert!(tokio::time::timeout(Duration::from_secs(1), b.enter(true)).await.is_err());
+        assert!(tokio::time::timeout(Duration::from_secs(1), b.enter(true))
+            .await
+            .is_err());
         drop(held);
         assert_eq!(b.answering.available_permits(), 64);
     }

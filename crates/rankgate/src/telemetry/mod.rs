@@ -23,6 +23,7 @@ pub mod probe;
 pub mod prom;
 mod report;
 mod source;
+mod states;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -41,6 +42,7 @@ use crate::upstream::ConnLimits;
 use crate::worker::{EngineEntry, EngineId, Fleet, Reported, WorkerId};
 
 pub use report::Report;
+use states::{log_change, log_staleness};
 
 /// Engines named one by one in the log per fleet change (joined, left, said their shape); the
 /// rest are counted in one line.
@@ -176,6 +178,10 @@ impl Publisher {
                 _ = tokio::time::sleep_until(next), if pending => {}
                 _ = tick.tick() => {
                     log_staleness(&self.table, &self.fleet, &self.views, &mut self.stale);
+                    // The pollers of engines that left end soon after their abort; until
+                    // joined, each one's task (its whole future inline) stays allocated:
+                    // 20,000 of them held ~100 MB after a huge fleet went.
+                    while self.tasks.try_join_next().is_some() {}
                 }
                 _ = shutdown.changed() => return,
             }
@@ -262,7 +268,10 @@ impl Publisher {
                 tracing::info!(engine = %url, "{what}");
             }
             if urls.len() > LOG_EACH {
-                tracing::info!(engines = urls.len() - LOG_EACH, "{what} (and more engines, not logged one by one)");
+                tracing::info!(
+                    engines = urls.len() - LOG_EACH,
+                    "{what} (and more engines, not logged one by one)"
+                );
             }
         };
         each(&plan.outcome.added, "engine joined the fleet");
@@ -284,11 +293,14 @@ impl Publisher {
         // With the fleet's count now, which the start line could not give.
         let workers = self.fleet.workers.len();
         let engines_pending_shape = (self.fleet.engines.iter()).filter(|e| !e.shaped()).count();
-        let at: HashMap<&str, &EngineEntry> =
-            (self.fleet.engines.iter()).map(|e| (&*e.url, &**e)).collect();
+        let at: HashMap<&str, &EngineEntry> = (self.fleet.engines.iter())
+            .map(|e| (&*e.url, &**e))
+            .collect();
         let mut quiet = 0usize;
         for url in &urls {
-            let Some(entry) = at.get(&**url) else { continue };
+            let Some(entry) = at.get(&**url) else {
+                continue;
+            };
             let (flavor, ranks) = (entry.flavor, entry.dp_size);
             match entry.mismatch() {
                 Some(m) => {
@@ -302,7 +314,12 @@ impl Publisher {
             }
         }
         if quiet > LOG_EACH {
-            tracing::info!(engines = quiet - LOG_EACH, workers, engines_pending_shape, "more engines said their shape (not logged one by one)");
+            tracing::info!(
+                engines = quiet - LOG_EACH,
+                workers,
+                engines_pending_shape,
+                "more engines said their shape (not logged one by one)"
+            );
         }
     }
 
@@ -379,9 +396,11 @@ impl Publisher {
                 self.grpc.clone(),
             ) {
                 Ok(p) => {
-                    let task = self
-                        .tasks
-                        .spawn(p.run(self.budget.clone(), self.tx.clone(), self.shutdown.clone()));
+                    let task = self.tasks.spawn(p.run(
+                        self.budget.clone(),
+                        self.tx.clone(),
+                        self.shutdown.clone(),
+                    ));
                     self.pollers.insert(entry.key, task);
                 }
                 // Config validation makes this unreachable; if it is not, the engine's ranks
@@ -420,68 +439,6 @@ pub fn next_snapshot(
         fleet: fleet.clone(),
         ranks: views.clone(),
         catalog: catalog.clone(),
-    }
-}
-
-/// One log line when a rank's last sample ages past `stale_after`, one when fresh numbers return.
-fn log_staleness(
-    table: &Table,
-    fleet: &Fleet,
-    views: &IxVec<WorkerIx, RankView>,
-    stale: &mut IxVec<WorkerIx, bool>,
-) {
-    let now = tokio::time::Instant::now();
-    for (w, v) in views.iter_enumerated() {
-        let RankTelemetry::Available(l) = &v.telemetry else {
-            stale[w] = false;
-            continue;
-        };
-        let is_stale = now.saturating_duration_since(l.sampled_at) > table.stale_after;
-        if is_stale != stale[w] {
-            let id = &fleet.workers[w].id_text;
-            if is_stale {
-                tracing::warn!(worker = %id, stale_after_ms = table.stale_after.as_millis() as u64, "telemetry stale");
-            } else {
-                tracing::info!(worker = %id, "telemetry fresh again");
-            }
-            stale[w] = is_stale;
-        }
-    }
-}
-
-/// One log line per state change of a rank, not one per poll.
-fn log_change(fleet: &Fleet, w: WorkerIx, was: &RankView, new: &RankTelemetry) {
-    let id = &fleet.workers[w].id_text;
-    let old = &was.telemetry;
-    match (old, new) {
-        (RankTelemetry::Available(_), RankTelemetry::Unavailable { reason }) => {
-            tracing::warn!(worker = %id, %reason, "telemetry unavailable");
-        }
-        // A rank that never had numbers: "still" would say it lost them.
-        (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
-            if !was.ever_available && !a.same_kind(b) =>
-        {
-            tracing::warn!(worker = %id, reason = %b, "telemetry not available yet");
-        }
-        (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
-            if !a.same_kind(b) =>
-        {
-            tracing::warn!(worker = %id, reason = %b, "telemetry still unavailable, new reason");
-        }
-        (_, RankTelemetry::Available(l)) if l.fresh.is_some() => {
-            let was_fresh = matches!(old, RankTelemetry::Available(o) if o.fresh.is_some());
-            if !was_fresh {
-                let fresh = l.fresh.map_or("", |f| f.as_str());
-                tracing::info!(worker = %id, fresh, "rank fresh: its engine names it but publishes no load gauges for it yet; routed as such until they appear");
-            }
-        }
-        (RankTelemetry::Unavailable { .. }, RankTelemetry::Available(l)) => {
-            tracing::info!(worker = %id, kv_usage = l.kv_usage, "telemetry available");
-        }
-        (RankTelemetry::Available(o), RankTelemetry::Available(l)) if o.fresh.is_some() => {
-            tracing::info!(worker = %id, kv_usage = l.kv_usage, "telemetry available: the fresh rank's load gauges appeared");
-        }
-        _ => {}
     }
 }
 
