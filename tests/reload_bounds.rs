@@ -173,7 +173,7 @@ async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_
                 );
                 probes += 1;
                 slowest = slowest.max(t.elapsed());
-                if n % 4 == 0 {
+                if n.is_multiple_of(4) {
                     let rows = get(admin_addr, "/workers").await.json();
                     let rows = rows.as_array().cloned().unwrap_or_default();
                     for row in rows.iter().filter(|w| {
