@@ -190,3 +190,119 @@ async fn a_file_of_secrets_is_refused_by_its_line_never_its_text() {
     wait_state(&r, &[0, 1], "available").await;
     r.shutdown().await;
 }
+
+/// A reload to thousands of engines that refuse every connection (issue 38: 20,000 such engines
+/// once left a reload unanswered, `/ready` at 5-21 s and the real engines' ranks stale): it is
+/// answered within its deadline, `/ready` keeps answering meanwhile, the two real engines'
+/// ranks never leave "available", and a reload back to them applies promptly. The dead engines'
+/// polls are paced (`telemetry::budget`), so they never take the runtime from the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_applies() {
+    const DEAD: usize = 3_000;
+    let a = engine(SimConfig::default()).await;
+    let b = engine(sim(rankgate_sim::sim::SimFlavor::Vllm, 2, 2)).await;
+    let head = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}{FAST}",
+        token_env()
+    );
+    let small = format!(
+        "{head}{}{}",
+        engine_toml(&a.url(), "vllm", 2, 0),
+        engine_toml(&b.url(), "vllm", 2, 2)
+    );
+    // A port nobody listens on, on every loopback address below.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut big = small.clone();
+    for i in 0..DEAD {
+        big.push_str(&format!(
+            "[[engines]]\nurl = \"http://127.1.{}.{}:{closed}\"\nflavor = \"vllm\"\n",
+            i / 250,
+            1 + i % 250
+        ));
+    }
+    let file = TempConfig::new(&small);
+    let r = Router::start_from(Config::load(&file.0).unwrap(), Some(file.0.clone()))
+        .await
+        .unwrap();
+    wait_state(&r, &[0, 1, 2, 3], "available").await;
+
+    // Watches /ready (every 50 ms) and the real ranks (every 200 ms) until told to stop.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let admin_addr = r.admin_addr;
+    let watcher = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let (mut probes, mut slowest, mut not_available) = (0u32, Duration::ZERO, Vec::new());
+            let mut n = 0u32;
+            // Bounded: 60 s at most, whatever the test does.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 1_200 {
+                n += 1;
+                let t = std::time::Instant::now();
+                let ready = tokio::time::timeout(PROMPTLY, get(admin_addr, "/ready")).await;
+                assert!(
+                    ready.is_ok(),
+                    "/ready unanswered for {PROMPTLY:?} during the reload"
+                );
+                probes += 1;
+                slowest = slowest.max(t.elapsed());
+                if n.is_multiple_of(4) {
+                    let rows = get(admin_addr, "/workers").await.json();
+                    let rows = rows.as_array().cloned().unwrap_or_default();
+                    for row in rows.iter().filter(|w| {
+                        let id = w["id"].as_str().unwrap_or("");
+                        id.starts_with(&a.url()) || id.starts_with(&b.url())
+                    }) {
+                        if row["telemetry"] != "available" {
+                            not_available.push(format!("{}: {}", row["id"], row["telemetry"]));
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (probes, slowest, not_available)
+        }
+    });
+
+    // Far above what the reload takes, and within its own deadline's reach.
+    let generous = rankgate::control::RELOAD_DEADLINE + PROMPTLY;
+    file.write(&big);
+    let reply = tokio::time::timeout(
+        generous,
+        admin(&r, Method::POST, "/reload", Some(TOKEN), None),
+    )
+    .await
+    .expect("the reload to thousands of engines is answered");
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["added"].as_array().map(Vec::len), Some(DEAD));
+    // The dead engines are polled for a while (longer than stale_after, 2 s): the real ranks
+    // must stay fresh all along.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    file.write(&small);
+    let reply = tokio::time::timeout(
+        generous,
+        admin(&r, Method::POST, "/reload", Some(TOKEN), None),
+    )
+    .await
+    .expect("the reload back is answered");
+    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+    assert_eq!(reply.json()["removed"].as_array().map(Vec::len), Some(DEAD));
+    let listed = get(r.admin_addr, "/engines").await.json();
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (probes, slowest, not_available) = watcher.await.unwrap();
+    assert!(probes > 10, "/ready was asked throughout ({probes} probes)");
+    assert!(
+        not_available.is_empty(),
+        "the real ranks left \"available\" during the reload: {not_available:?}"
+    );
+    // Not a timing bound: "answered at all" with room for a loaded debug build.
+    assert!(slowest < PROMPTLY, "/ready took {slowest:?}");
+    wait_state(&r, &[0, 1, 2, 3], "available").await;
+    r.shutdown().await;
+}

@@ -9,6 +9,7 @@
 //! after the pool's idle timeout, client ones after theirs), each freeing more. A burst is of
 //! requests in flight or of client connections open: a flood of idle sockets or half-done
 //! handshakes grew the heap by hundreds of megabytes without a single request, and kept it.
+//! A fleet's engines count as well: a reload to thousands of engines and back is a burst too.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,13 +40,16 @@ pub fn spawn(
                 _ = tick.tick() => {}
                 _ = shutdown.changed() => return,
             }
-            let in_flight: u64 = {
+            let (in_flight, engines): (u64, u64) = {
                 let snap = table.snapshot.load();
-                snap.fleet.workers.iter().map(|w| w.live.in_flight()).sum()
+                let n = snap.fleet.workers.iter().map(|w| w.live.in_flight()).sum();
+                (n, snap.fleet.engines.len() as u64)
             };
             let connections: u64 = doors.iter().map(|d| d.open() as u64).sum();
             // A request holds a connection too: each counts once per unit of memory it holds.
-            let in_flight = in_flight + connections;
+            // So does an engine (its poller, entry and ranks): a reload from 20,000 engines
+            // back to 2 is a burst gone like any other.
+            let in_flight = in_flight + connections + engines;
             high = high.max(in_flight);
             let now = tokio::time::Instant::now();
             // A burst is over when what is left in flight is under a quarter of its peak.

@@ -296,10 +296,16 @@ impl Fleet {
 
     /// Engine `e`'s workers in [`Fleet::workers`] (they are contiguous).
     pub fn workers_of(&self, engine: EngineIx) -> impl Iterator<Item = WorkerIx> + use<> {
-        let start = self.workers.iter().position(|w| w.engine == engine);
-        let range = match start {
-            Some(s) => s..s + self.engines[engine].members.len(),
-            None => 0..0,
+        // Workers are in engine order: a binary search, not a scan (this runs for every poll
+        // report, and fleets run to tens of thousands of ranks).
+        let start = self
+            .workers
+            .iter()
+            .as_slice()
+            .partition_point(|w| w.engine < engine);
+        let range = match self.workers.iter().as_slice().get(start) {
+            Some(w) if w.engine == engine => start..start + self.engines[engine].members.len(),
+            _ => 0..0,
         };
         range.map(WorkerIx::new)
     }

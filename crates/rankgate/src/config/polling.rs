@@ -21,6 +21,11 @@ pub const MAX_INTERVAL: Duration = Duration::from_secs(60);
 pub const MIN_TIMEOUT: Duration = Duration::from_millis(10);
 /// Beyond this a rank's numbers are history, not load.
 pub const MAX_STALE_AFTER: Duration = Duration::from_secs(3600);
+/// Polls in flight at once, per lane (engines that answer; engines not reached): bounds the
+/// sockets and the share of the runtime a huge fleet of dead engines can take.
+pub const DEFAULT_MAX_CONCURRENT_POLLS: usize = 256;
+/// Beyond this the bound bounds nothing a machine has (each poll holds a socket or two).
+pub const MAX_MAX_CONCURRENT_POLLS: usize = 65_536;
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -29,6 +34,7 @@ pub(super) struct RawTelemetry {
     stale_after: Option<HumanDuration>,
     timeout: Option<HumanDuration>,
     health_failures: Option<u32>,
+    max_concurrent_polls: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +45,8 @@ pub struct TelemetryConfig {
     pub timeout: Duration,
     /// Consecutive failed health probes before an engine counts as unhealthy (>= 1).
     pub health_failures: u32,
+    /// Polls in flight at once, in each of the two lanes (`telemetry::budget`).
+    pub max_concurrent_polls: usize,
 }
 
 /// The `[telemetry]` table, with its bounds: each limit is a named constant above.
@@ -79,10 +87,20 @@ pub(super) fn telemetry_config(raw: RawTelemetry) -> Result<TelemetryConfig, Con
             "must be at least 1 (disable probes per engine with health_path = \"\")",
         ));
     }
+    let max_concurrent_polls = raw
+        .max_concurrent_polls
+        .unwrap_or(DEFAULT_MAX_CONCURRENT_POLLS);
+    if !(1..=MAX_MAX_CONCURRENT_POLLS).contains(&max_concurrent_polls) {
+        return Err(invalid(
+            "telemetry.max_concurrent_polls",
+            format!("{max_concurrent_polls} must be between 1 and {MAX_MAX_CONCURRENT_POLLS}"),
+        ));
+    }
     Ok(TelemetryConfig {
         interval,
         stale_after,
         timeout,
         health_failures,
+        max_concurrent_polls,
     })
 }

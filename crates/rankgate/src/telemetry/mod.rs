@@ -8,6 +8,7 @@
 //! compare-and-swap retry loop and owns the per-rank state-change log. Each poller also probes
 //! its engine's health path ([`health`]) and stops promptly on shutdown, mid-poll or not.
 
+pub mod budget;
 mod client;
 mod detect;
 mod events;
@@ -22,6 +23,7 @@ pub mod probe;
 pub mod prom;
 mod report;
 mod source;
+mod states;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -40,6 +42,11 @@ use crate::upstream::ConnLimits;
 use crate::worker::{EngineEntry, EngineId, Fleet, Reported, WorkerId};
 
 pub use report::Report;
+use states::{log_change, log_staleness};
+
+/// Engines named one by one in the log per fleet change (joined, left, said their shape); the
+/// rest are counted in one line.
+const LOG_EACH: usize = 20;
 
 /// What the publisher needs besides the table.
 pub struct Settings {
@@ -66,7 +73,9 @@ pub fn spawn(
         let (tx, rx) = mpsc::channel(fleet.engines.len().max(16) * 2);
         let snap = table.snapshot.load_full();
         let listeners = Arc::new(Listeners::new(table.kv_refused.clone()));
+        let budget = budget::Budget::new(settings.telemetry.max_concurrent_polls);
         let mut p = Publisher {
+            budget: budget.clone(),
             http: client::HttpClient::new(crate::http::client_with(
                 settings.telemetry.timeout,
                 &settings.upstream,
@@ -86,11 +95,13 @@ pub fn spawn(
             tasks: JoinSet::new(),
             shutdown: shutdown.clone(),
             reported: HashMap::new(),
+            reshaped: Vec::new(),
             by_key: HashMap::new(),
         };
         p.by_key = (p.fleet.engines.iter_enumerated())
             .map(|(i, e)| (e.key, i))
             .collect();
+        p.tasks.spawn(budget.refill());
         p.start_pollers();
         p.run(rx, changes, shutdown).await;
         p.tasks.abort_all();
@@ -121,9 +132,13 @@ struct Publisher {
     /// The endpoints rankgate binds for engines that connect to publish their events.
     listeners: Arc<Listeners>,
     tasks: JoinSet<()>,
+    /// The polls' concurrency and pace, shared by every poller.
+    budget: Arc<budget::Budget>,
     shutdown: Shutdown,
     /// What each engine (by URL) last said of its flavor and size.
     reported: HashMap<Arc<str>, Reported>,
+    /// Engines that said their shape since the last publish (rebuilt then, all at once).
+    reshaped: Vec<Arc<str>>,
     /// Each engine of `fleet` by key, for its poll reports.
     by_key: HashMap<EngineId, EngineIx>,
 }
@@ -163,12 +178,20 @@ impl Publisher {
                 _ = tokio::time::sleep_until(next), if pending => {}
                 _ = tick.tick() => {
                     log_staleness(&self.table, &self.fleet, &self.views, &mut self.stale);
+                    // The pollers of engines that left end soon after their abort; until
+                    // joined, each one's task (its whole future inline) stays allocated:
+                    // 20,000 of them held ~100 MB after a huge fleet went.
+                    while self.tasks.try_join_next().is_some() {}
                 }
                 _ = shutdown.changed() => return,
             }
             let now = tokio::time::Instant::now();
             if pending && now >= next {
-                self.publish();
+                if self.reshaped.is_empty() {
+                    self.publish();
+                } else {
+                    self.reshape();
+                }
                 log_staleness(&self.table, &self.fleet, &self.views, &mut self.stale);
                 pending = false;
                 next = now + every;
@@ -194,7 +217,11 @@ impl Publisher {
             return;
         };
         if let Some(reported) = report.reported {
-            self.reshape(e, reported);
+            // Rebuilt at the next publish, with every other engine that said its shape by
+            // then: one rebuild per engine would cost a huge fleet's arrival O(n^2).
+            let url = self.fleet.engines[e].url.clone();
+            self.reported.insert(url.clone(), reported);
+            self.reshaped.push(url);
             return;
         }
         let range = self.fleet.workers_of(e);
@@ -234,37 +261,65 @@ impl Publisher {
         let stay: HashSet<&str> = plan.engines.iter().map(|(_, e)| &*e.url).collect();
         self.reported.retain(|url, _| stay.contains(&**url));
         self.rebuild(plan.engines);
-        for url in &plan.outcome.added {
-            tracing::info!(engine = %url, "engine joined the fleet");
-        }
-        for url in &plan.outcome.changed {
-            tracing::info!(engine = %url, "engine changed: its ranks carry on");
-        }
-        for url in &plan.outcome.removed {
-            tracing::info!(engine = %url, "engine left the fleet: no new requests, those on it finish");
-        }
+        // One line per engine, up to LOG_EACH of each kind, then a count: a change of 20,000
+        // engines is not 20,000 lines written by the snapshot's writer.
+        let each = |urls: &[String], what: &str| {
+            for url in urls.iter().take(LOG_EACH) {
+                tracing::info!(engine = %url, "{what}");
+            }
+            if urls.len() > LOG_EACH {
+                tracing::info!(
+                    engines = urls.len() - LOG_EACH,
+                    "{what} (and more engines, not logged one by one)"
+                );
+            }
+        };
+        each(&plan.outcome.added, "engine joined the fleet");
+        each(&plan.outcome.changed, "engine changed: its ranks carry on");
+        each(
+            &plan.outcome.removed,
+            "engine left the fleet: no new requests, those on it finish",
+        );
         Ok(plan.outcome)
     }
 
-    /// Engine `e` said what it is: its entry is built anew with that (same-rank workers carry
-    /// on), and a disagreement with the config is logged once, here.
-    fn reshape(&mut self, e: EngineIx, reported: Reported) {
-        let url = self.fleet.engines[e].url.clone();
-        self.reported.insert(url.clone(), reported);
+    /// The engines that said what they are since the last publish: their entries are built
+    /// anew with it, in one rebuild however many they are (same-rank workers carry on), and a
+    /// disagreement with the config is logged once, here.
+    fn reshape(&mut self) {
+        let urls = std::mem::take(&mut self.reshaped);
         let (listed, _) = self.sources.engines();
         self.rebuild(listed);
-        if let Some(entry) = self.fleet.engines.iter().find(|x| x.url == url) {
-            // With the fleet's count now, which the start line could not give.
-            let (flavor, ranks, workers) = (entry.flavor, entry.dp_size, self.fleet.workers.len());
-            let engines_pending_shape = (self.fleet.engines.iter()).filter(|e| !e.shaped()).count();
+        // With the fleet's count now, which the start line could not give.
+        let workers = self.fleet.workers.len();
+        let engines_pending_shape = (self.fleet.engines.iter()).filter(|e| !e.shaped()).count();
+        let at: HashMap<&str, &EngineEntry> = (self.fleet.engines.iter())
+            .map(|e| (&*e.url, &**e))
+            .collect();
+        let mut quiet = 0usize;
+        for url in &urls {
+            let Some(entry) = at.get(&**url) else {
+                continue;
+            };
+            let (flavor, ranks) = (entry.flavor, entry.dp_size);
             match entry.mismatch() {
                 Some(m) => {
                     tracing::warn!(engine = %url, mismatch = %m, workers, engines_pending_shape, "engine disagrees with the config")
                 }
-                None => {
+                None if quiet < LOG_EACH => {
+                    quiet += 1;
                     tracing::info!(engine = %url, %flavor, ranks, workers, engines_pending_shape, "engine said its shape")
                 }
+                None => quiet += 1,
             }
+        }
+        if quiet > LOG_EACH {
+            tracing::info!(
+                engines = quiet - LOG_EACH,
+                workers,
+                engines_pending_shape,
+                "more engines said their shape (not logged one by one)"
+            );
         }
     }
 
@@ -341,9 +396,11 @@ impl Publisher {
                 self.grpc.clone(),
             ) {
                 Ok(p) => {
-                    let task = self
-                        .tasks
-                        .spawn(p.run(self.tx.clone(), self.shutdown.clone()));
+                    let task = self.tasks.spawn(p.run(
+                        self.budget.clone(),
+                        self.tx.clone(),
+                        self.shutdown.clone(),
+                    ));
                     self.pollers.insert(entry.key, task);
                 }
                 // Config validation makes this unreachable; if it is not, the engine's ranks
@@ -382,68 +439,6 @@ pub fn next_snapshot(
         fleet: fleet.clone(),
         ranks: views.clone(),
         catalog: catalog.clone(),
-    }
-}
-
-/// One log line when a rank's last sample ages past `stale_after`, one when fresh numbers return.
-fn log_staleness(
-    table: &Table,
-    fleet: &Fleet,
-    views: &IxVec<WorkerIx, RankView>,
-    stale: &mut IxVec<WorkerIx, bool>,
-) {
-    let now = tokio::time::Instant::now();
-    for (w, v) in views.iter_enumerated() {
-        let RankTelemetry::Available(l) = &v.telemetry else {
-            stale[w] = false;
-            continue;
-        };
-        let is_stale = now.saturating_duration_since(l.sampled_at) > table.stale_after;
-        if is_stale != stale[w] {
-            let id = &fleet.workers[w].id_text;
-            if is_stale {
-                tracing::warn!(worker = %id, stale_after_ms = table.stale_after.as_millis() as u64, "telemetry stale");
-            } else {
-                tracing::info!(worker = %id, "telemetry fresh again");
-            }
-            stale[w] = is_stale;
-        }
-    }
-}
-
-/// One log line per state change of a rank, not one per poll.
-fn log_change(fleet: &Fleet, w: WorkerIx, was: &RankView, new: &RankTelemetry) {
-    let id = &fleet.workers[w].id_text;
-    let old = &was.telemetry;
-    match (old, new) {
-        (RankTelemetry::Available(_), RankTelemetry::Unavailable { reason }) => {
-            tracing::warn!(worker = %id, %reason, "telemetry unavailable");
-        }
-        // A rank that never had numbers: "still" would say it lost them.
-        (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
-            if !was.ever_available && !a.same_kind(b) =>
-        {
-            tracing::warn!(worker = %id, reason = %b, "telemetry not available yet");
-        }
-        (RankTelemetry::Unavailable { reason: a }, RankTelemetry::Unavailable { reason: b })
-            if !a.same_kind(b) =>
-        {
-            tracing::warn!(worker = %id, reason = %b, "telemetry still unavailable, new reason");
-        }
-        (_, RankTelemetry::Available(l)) if l.fresh.is_some() => {
-            let was_fresh = matches!(old, RankTelemetry::Available(o) if o.fresh.is_some());
-            if !was_fresh {
-                let fresh = l.fresh.map_or("", |f| f.as_str());
-                tracing::info!(worker = %id, fresh, "rank fresh: its engine names it but publishes no load gauges for it yet; routed as such until they appear");
-            }
-        }
-        (RankTelemetry::Unavailable { .. }, RankTelemetry::Available(l)) => {
-            tracing::info!(worker = %id, kv_usage = l.kv_usage, "telemetry available");
-        }
-        (RankTelemetry::Available(o), RankTelemetry::Available(l)) if o.fresh.is_some() => {
-            tracing::info!(worker = %id, kv_usage = l.kv_usage, "telemetry available: the fresh rank's load gauges appeared");
-        }
-        _ => {}
     }
 }
 

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 
+use super::budget::{Budget, MISSES_TO_UNREACHED};
 use super::client::{Failure, HttpClient};
 use super::fresh::FreshRanks;
 use super::grpc::LoadsClient;
@@ -138,22 +139,41 @@ impl Poller {
         })
     }
 
-    /// Polls once per interval until shutdown.
-    pub async fn run(mut self, tx: mpsc::Sender<Report>, mut shutdown: Shutdown) {
-        let mut ticker = tokio::time::interval(self.cfg.interval);
+    /// Polls once per interval until shutdown, each poll within `budget` (see
+    /// [`super::budget`]); the first at a point of the interval the engine's key picks, so a
+    /// fleet that arrives at once is not polled in one burst.
+    pub async fn run(
+        mut self,
+        budget: Arc<Budget>,
+        tx: mpsc::Sender<Report>,
+        mut shutdown: Shutdown,
+    ) {
+        let first = Instant::now() + stagger(self.entry.key, self.cfg.interval);
+        let mut ticker = tokio::time::interval_at(first, self.cfg.interval);
         // A slow poll delays the next one instead of firing a burst of catch-up polls at an
         // engine that is already struggling.
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut n: u64 = 0;
+        // Consecutive steps that did not reach the engine; one never reached starts unreached.
+        let mut misses = MISSES_TO_UNREACHED;
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
                 _ = shutdown_signalled(&mut shutdown) => return,
             }
             // Dropping a poll cancels its requests, so shutdown never waits on a stuck engine.
+            // The step is boxed: between polls (most of a poller's life, and all of it for the
+            // thousands waiting for a place) the task holds only the poller.
             let report = tokio::select! {
-                r = self.step(n) => r,
+                r = async {
+                    let _place = budget.enter(misses < MISSES_TO_UNREACHED).await;
+                    Box::pin(self.step(n)).await
+                } => r,
                 _ = shutdown_signalled(&mut shutdown) => return,
+            };
+            misses = match &report {
+                Some(r) if r.reachable => 0,
+                _ => misses.saturating_add(1),
             };
             let Some(report) = report else { continue };
             n += 1;
@@ -459,6 +479,15 @@ impl Poller {
             }
         }
     }
+}
+
+/// Where in the first interval an engine's polls start: spread by its key.
+fn stagger(key: crate::worker::EngineId, interval: std::time::Duration) -> std::time::Duration {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    let nanos = interval.as_nanos().max(1) as u64;
+    std::time::Duration::from_nanos(h.finish() % nanos)
 }
 
 /// Whether the engine is asked what it is: when the config leaves its flavor to it, or it is its

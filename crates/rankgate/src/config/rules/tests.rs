@@ -127,6 +127,8 @@ fn telemetry_bounds() {
     assert!(e.contains("telemetry.stale_after"), "{e}");
     let e = err(&format!("[telemetry]\nhealth_failures = 0\n{base}"));
     assert!(e.contains("telemetry.health_failures"), "{e}");
+    let e = err(&format!("[telemetry]\nmax_concurrent_polls = 0\n{base}"));
+    assert!(e.contains("telemetry.max_concurrent_polls"), "{e}");
     let c = Config::from_str(&format!(
         "[telemetry]\ninterval = \"10ms\"\nstale_after = \"60m\"\ntimeout = \"10ms\"\nhealth_failures = 1\n{base}"
     ))
@@ -135,6 +137,10 @@ fn telemetry_bounds() {
     assert_eq!(c.telemetry.health_failures, 1);
     let c = Config::from_str(&base).unwrap();
     assert_eq!(c.telemetry.health_failures, DEFAULT_HEALTH_FAILURES);
+    assert_eq!(
+        c.telemetry.max_concurrent_polls,
+        super::super::polling::DEFAULT_MAX_CONCURRENT_POLLS
+    );
 }
 
 #[test]
