@@ -18,6 +18,10 @@ pub(super) struct Activity {
     pub(super) started: AtomicU64,
     /// Milliseconds after `opened` when the connection last went idle.
     pub(super) idle_since_ms: AtomicU64,
+    /// Milliseconds after `opened`, plus one, when a write to the client last found its socket
+    /// full with nothing taken since; 0 while writes go through. Kept by [`super::conn::ClientIo`],
+    /// read by the watch for `send_timeout`.
+    pub(super) write_stalled_ms: AtomicU64,
     /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
     /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
     pub(super) answered_431: AtomicUsize,
@@ -38,6 +42,7 @@ impl Activity {
             active: AtomicUsize::new(0),
             started: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(0),
+            write_stalled_ms: AtomicU64::new(0),
             answered_431: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             evict: Notify::new(),
@@ -79,6 +84,34 @@ impl Activity {
             if self.started.load(Relaxed) == 0 {
                 return;
             }
+        }
+    }
+
+    /// What a write to the client came to: a socket found full starts the stall's clock (if
+    /// not running), any byte taken stops it. One load per write while the client keeps up.
+    #[inline]
+    pub(super) fn wrote<T>(&self, r: &std::task::Poll<std::io::Result<T>>, took: impl Fn(&T) -> bool) {
+        match r {
+            std::task::Poll::Pending => {
+                if self.write_stalled_ms.load(Relaxed) == 0 {
+                    let at = self.opened.elapsed().as_millis() as u64 + 1;
+                    self.write_stalled_ms.store(at, Relaxed);
+                }
+            }
+            std::task::Poll::Ready(Ok(n)) if took(n) => {
+                if self.write_stalled_ms.load(Relaxed) != 0 {
+                    self.write_stalled_ms.store(0, Relaxed);
+                }
+            }
+            std::task::Poll::Ready(_) => {}
+        }
+    }
+
+    /// Since when the client has taken nothing of what waits to be written to it, if so.
+    pub(super) fn stalled_since(&self) -> Option<Instant> {
+        match self.write_stalled_ms.load(Relaxed) {
+            0 => None,
+            at => Some(self.opened + std::time::Duration::from_millis(at - 1)),
         }
     }
 

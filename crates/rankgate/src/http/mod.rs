@@ -6,6 +6,7 @@
 mod activity;
 mod admission;
 mod conn;
+mod cut;
 mod dial;
 mod limits;
 mod serve;
@@ -14,6 +15,7 @@ mod throttle;
 mod watch;
 
 pub use conn::MAX_HEADER_LINES;
+pub use cut::send_timed_out;
 pub use dial::{ConnectTimeout, Dialed, Dialer};
 pub use limits::{default_per_client, Door, DoorStats, ServeOptions};
 pub use serve::{serve, serve_with};

@@ -77,6 +77,7 @@ pub(crate) mod route;
 mod select;
 pub(crate) mod send;
 mod shared;
+mod streams;
 mod stack;
 mod target;
 #[cfg(test)]
