@@ -90,7 +90,11 @@ impl Activity {
     /// What a write to the client came to: a socket found full starts the stall's clock (if
     /// not running), any byte taken stops it. One load per write while the client keeps up.
     #[inline]
-    pub(super) fn wrote<T>(&self, r: &std::task::Poll<std::io::Result<T>>, took: impl Fn(&T) -> bool) {
+    pub(super) fn wrote<T>(
+        &self,
+        r: &std::task::Poll<std::io::Result<T>>,
+        took: impl Fn(&T) -> bool,
+    ) {
         match r {
             std::task::Poll::Pending => {
                 if self.write_stalled_ms.load(Relaxed) == 0 {

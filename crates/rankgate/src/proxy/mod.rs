@@ -77,8 +77,8 @@ pub(crate) mod route;
 mod select;
 pub(crate) mod send;
 mod shared;
-mod streams;
 mod stack;
+mod streams;
 mod target;
 #[cfg(test)]
 mod tests;

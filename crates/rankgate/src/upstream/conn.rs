@@ -323,7 +323,10 @@ mod tests {
             }
         })
         .await;
-        assert!(held_back.is_ok(), "the flood's next request waits, held back by its share");
+        assert!(
+            held_back.is_ok(),
+            "the flood's next request waits, held back by its share"
+        );
         // Another client's slot given back frees none of the flood's share: it still waits.
         slots.give_back(other);
         tokio::task::yield_now().await;
