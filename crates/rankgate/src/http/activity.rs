@@ -3,7 +3,7 @@
 //! took its place before it served anything. Read by the connection watch (its deadlines), the
 //! admission tables (which connections may be replaced) and the connection's bytes (its 431s).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -22,6 +22,9 @@ pub(super) struct Activity {
     /// full with nothing taken since; 0 while writes go through. Kept by [`super::conn::ClientIo`],
     /// read by the watch for `send_timeout`.
     pub(super) write_stalled_ms: AtomicU64,
+    /// The client's TCP socket, for the watch to ask whether the client takes what is sent
+    /// ([`super::progress`]); -1: none.
+    pub(super) fd: AtomicI32,
     /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
     /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
     pub(super) answered_431: AtomicUsize,
@@ -43,6 +46,7 @@ impl Activity {
             started: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(0),
             write_stalled_ms: AtomicU64::new(0),
+            fd: AtomicI32::new(-1),
             answered_431: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             evict: Notify::new(),

@@ -9,6 +9,7 @@ mod conn;
 mod cut;
 mod dial;
 mod limits;
+mod progress;
 mod serve;
 mod shutdown;
 mod throttle;

@@ -103,6 +103,11 @@ pub async fn serve_with<M, S, B>(
             _ = shutdown_signalled(&mut shutdown) => break,
         };
         let activity = Arc::new(Activity::new());
+        // For send_timeout: whether the client acknowledges what is sent (watch.rs).
+        activity.fd.store(
+            std::os::fd::AsRawFd::as_raw_fd(&stream),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let place = admission.admit(peer.ip(), &activity);
         if !matches!(place, Place::Now) {
             if let Some(held) = client_full.allow() {

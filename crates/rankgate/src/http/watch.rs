@@ -157,17 +157,24 @@ async fn watch(
     let ended = orders.ended.notified();
     let mut ended = std::pin::pin!(ended);
     let mut shutting_down = false;
+    // The client's acknowledged byte count when last seen to move, and since when it has not.
+    let mut quiet: Option<(u64, Instant)> = None;
     loop {
         tokio::select! {
             () = &mut ended => return,
             () = &mut timer => {
                 let now = Instant::now();
-                let stalled = activity.stalled_since().map(|s| s + opts.send_timeout);
+                let quiet_since = client_quiet(&activity, &mut quiet, now);
+                let stalled = [activity.stalled_since(), quiet_since].into_iter().flatten().min();
+                let stalled = stalled.map(|s| s + opts.send_timeout);
                 if stalled.is_some_and(|d| d <= now) {
                     tracing::debug!("client connection cut: it took nothing of its answer for send_timeout");
                     return orders.tell(SEND_CUT);
                 }
-                match deadline(&activity, &opts).into_iter().chain(stalled).min() {
+                // While bytes wait for the client, a look every twelfth of send_timeout: the
+                // cut comes at most that long after the client's last acknowledgement.
+                let look = quiet_since.map(|_| now + opts.send_timeout / 12);
+                match deadline(&activity, &opts).into_iter().chain(stalled).chain(look).min() {
                     Some(d) if d <= now => {
                         tracing::debug!("client connection closed: no request within its timeout");
                         return orders.tell(CLOSE);
@@ -185,6 +192,22 @@ async fn watch(
                 shutting_down = true;
                 orders.tell(FINISH);
             }
+        }
+    }
+}
+
+/// Since when the client has acknowledged nothing while bytes wait for it (as of this look and
+/// the last ones), if so; `last` carries its acknowledged count from look to look.
+fn client_quiet(a: &Activity, last: &mut Option<(u64, Instant)>, now: Instant) -> Option<Instant> {
+    let Some((acked, true)) = super::progress::look(a.fd.load(Relaxed)) else {
+        *last = None;
+        return None;
+    };
+    match last {
+        Some((seen, since)) if *seen == acked => Some(*since),
+        _ => {
+            *last = Some((acked, now));
+            Some(now)
         }
     }
 }
