@@ -118,7 +118,7 @@ while time.time() - t0 < hold:
     kv = 100 * sum(ranks) / len(ranks) if ranks else float("nan")
     flight = total(p, "rankgate_rank_in_flight_requests") if p else float("nan")
     cut = total(p, "rankgate_streams_cut_total", 'reason="send_timeout"') if p else float("nan")
-    r429 = total(p, "rankgate_local_responses_total", 'code="429"') if p else float("nan")
+    r429 = total(p, "rankgate_local_responses_total", 'status="429"') if p else float("nan")
     print(f"| {time.time() - t0:.0f} | {flight:.0f} | {total(e, 'vllm:num_requests_running'):.0f} | "
           f"{total(e, 'vllm:num_requests_waiting'):.0f} | {kv:.1f}% | {cut:.0f} | {r429:.0f} |", flush=True)
     time.sleep(max(0.0, 5 - (time.time() - t0) % 5))

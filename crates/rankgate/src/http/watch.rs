@@ -171,9 +171,10 @@ async fn watch(
                     tracing::debug!("client connection cut: it took nothing of its answer for send_timeout");
                     return orders.tell(SEND_CUT);
                 }
-                // While bytes wait for the client, a look every twelfth of send_timeout: the
-                // cut comes at most that long after the client's last acknowledgement.
-                let look = quiet_since.map(|_| now + opts.send_timeout / 12);
+                // While a request is in progress, a look every twelfth of send_timeout: a
+                // client that stops taking its answer is cut at most that much past it.
+                let busy = quiet_since.is_some() || activity.active.load(Relaxed) > 0;
+                let look = busy.then(|| now + opts.send_timeout / 12);
                 match deadline(&activity, &opts).into_iter().chain(stalled).chain(look).min() {
                     Some(d) if d <= now => {
                         tracing::debug!("client connection closed: no request within its timeout");
