@@ -44,12 +44,13 @@ fn look_linux(_fd: i32) -> Option<(u64, bool)> {
     None
 }
 
-#[cfg(all(test, target_os = "linux"))]
+#[cfg(test)]
 mod tests {
     use std::io::Write;
     use std::os::fd::AsRawFd;
 
     #[test]
+    #[cfg(target_os = "linux")]
     fn a_peer_that_reads_nothing_leaves_bytes_waiting_and_the_count_still() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let mut out = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();

@@ -170,13 +170,14 @@ pub struct Slot {
 }
 
 impl Slot {
-    pub(super) fn connection(engine: &Arc<EngineEntry>, core: usize, client: u32) -> Slot {
+    /// A slot for a request of the client connection `conn` (its core, its address's share).
+    pub(super) fn connection(engine: &Arc<EngineEntry>, conn: &super::shared::Conn) -> Slot {
         Slot {
             engine: engine.clone(),
             stream: None,
             sender: None,
-            core,
-            client,
+            core: conn.core,
+            client: conn.client,
             ended: false,
         }
     }
