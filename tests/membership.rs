@@ -331,6 +331,7 @@ async fn changes_need_the_admin_token_and_bad_ones_are_named() {
     assert_eq!(reply.headers["allow"], "GET, POST, DELETE");
     assert_eq!(workers(&r).await.len(), 2, "nothing changed");
     // Serving went on throughout.
-    assert_eq!(chat(r.addr, 2).await.status, StatusCode::OK);
+    let served = chat(r.addr, 2).await;
+    assert_eq!(served.status, StatusCode::OK, "{:?}", served.body);
     r.shutdown().await;
 }

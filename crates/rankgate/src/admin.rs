@@ -34,6 +34,7 @@ use crate::table::{Fresh, RankTelemetry, Table};
 use crate::worker::{Deployment, EngineEntry, Flavor};
 use query::query_param;
 use render::off_runtime;
+pub use render::Renders;
 
 mod failures;
 mod query;
@@ -53,9 +54,20 @@ pub struct Admin {
     pub grpc_front: bool,
     /// `server.ready_requires_routable`: `/ready` is 503 while no rank is routable.
     pub ready_requires_routable: bool,
+    /// The fleet-wide renders in progress ([`render`]).
+    pub renders: Arc<Renders>,
 }
 
 impl Admin {
+    /// `f` of this router, rendered off the runtime's threads ([`render`]).
+    async fn render(
+        self: Arc<Self>,
+        f: impl FnOnce(&Admin) -> Response<Full<Bytes>> + Send + 'static,
+    ) -> Response<Full<Bytes>> {
+        let renders = self.renders.clone();
+        off_runtime(&renders, move || f(&self)).await
+    }
+
     pub async fn handle(
         self: Arc<Self>,
         req: Request<Incoming>,
@@ -65,22 +77,22 @@ impl Admin {
             (Method::GET, "/health") => respond(StatusCode::OK, "text/plain", "ok\n"),
             (Method::GET, "/ready") => self.ready(),
             (Method::GET, "/workers") => {
-                off_runtime(move || json_response(StatusCode::OK, &self.workers())).await
+                self.render(|a| json_response(StatusCode::OK, &a.workers())).await
             }
             (Method::GET, "/engines") => {
-                off_runtime(move || json_response(StatusCode::OK, &self.engines())).await
+                self.render(|a| json_response(StatusCode::OK, &a.engines())).await
             }
             (Method::GET, "/loads") => {
                 let model = req.uri().query().and_then(|q| query_param(q, "model"));
-                off_runtime(move || json_response(StatusCode::OK, &self.loads(model.as_deref())))
+                self.render(move |a| json_response(StatusCode::OK, &a.loads(model.as_deref())))
                     .await
             }
             (Method::GET, "/metrics") => {
-                off_runtime(move || {
+                self.render(|a| {
                     respond(
                         StatusCode::OK,
                         crate::metrics::CONTENT_TYPE,
-                        self.metrics.render(),
+                        a.metrics.render(),
                     )
                 })
                 .await

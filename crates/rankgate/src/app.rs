@@ -373,6 +373,7 @@ impl Router {
             control: control.clone(),
             grpc_front: grpc_addr.is_some(),
             ready_requires_routable: cfg.server.ready_requires_routable,
+            renders: Default::default(),
         });
         let admin_task = tokio::spawn(crate::http::serve_with(
             admin_listener,

@@ -13,10 +13,19 @@ use crate::http::openai_error;
 /// read the snapshot and take no lock: they never wait behind the admin API's work).
 pub(super) const RENDERS_AT_ONCE: usize = 2;
 
-static RENDERS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(RENDERS_AT_ONCE);
+/// One router's renders in progress (its own: several routers in one process, as in tests, never
+/// wait on each other's).
+pub struct Renders(tokio::sync::Semaphore);
 
-/// Runs `render` off the runtime's threads, within [`RENDERS_AT_ONCE`].
+impl Default for Renders {
+    fn default() -> Renders {
+        Renders(tokio::sync::Semaphore::new(RENDERS_AT_ONCE))
+    }
+}
+
+/// Runs `render` off the runtime's threads, within [`RENDERS_AT_ONCE`] of `renders`.
 pub(super) async fn off_runtime(
+    renders: &Renders,
     render: impl FnOnce() -> Response<Full<Bytes>> + Send + 'static,
 ) -> Response<Full<Bytes>> {
     let unavailable = || {
@@ -26,7 +35,7 @@ pub(super) async fn off_runtime(
             "the admin render did not finish",
         )
     };
-    let Ok(_permit) = RENDERS.acquire().await else {
+    let Ok(_permit) = renders.0.acquire().await else {
         return unavailable();
     };
     tokio::task::spawn_blocking(render)

@@ -140,16 +140,18 @@ impl Poller {
     }
 
     /// Polls once per interval until shutdown, each poll within `budget` (see
-    /// [`super::budget`]); the first at a point of the interval the engine's key picks, so a
-    /// fleet that arrives at once is not polled in one burst.
+    /// [`super::budget`]). The first poll goes at once (an engine is unknown, so unroutable,
+    /// until it answers one); the later ones at a point of the interval the engine's key picks
+    /// (the second between one and two intervals after the first), so a fleet that arrived at
+    /// once is not polled in one burst every interval.
     pub async fn run(
         mut self,
         budget: Arc<Budget>,
         tx: mpsc::Sender<Report>,
         mut shutdown: Shutdown,
     ) {
-        let first = Instant::now() + stagger(self.entry.key, self.cfg.interval);
-        let mut ticker = tokio::time::interval_at(first, self.cfg.interval);
+        let mut ticker = tokio::time::interval(self.cfg.interval);
+        let mut spread = Some(stagger(self.entry.key, self.cfg.interval));
         // A slow poll delays the next one instead of firing a burst of catch-up polls at an
         // engine that is already struggling.
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -160,6 +162,11 @@ impl Poller {
             tokio::select! {
                 _ = ticker.tick() => {}
                 _ = shutdown_signalled(&mut shutdown) => return,
+            }
+            // The second poll a full interval after the first, and then some: never sooner
+            // than the interval promises (a poll sooner would be a burst of its own).
+            if let Some(offset) = spread.take() {
+                ticker.reset_at(Instant::now() + self.cfg.interval + offset);
             }
             // Dropping a poll cancels its requests, so shutdown never waits on a stuck engine.
             // The step is boxed: between polls (most of a poller's life, and all of it for the
