@@ -139,11 +139,9 @@ impl Poller {
         })
     }
 
-    /// Polls once per interval until shutdown, each poll within `budget` (see
-    /// [`super::budget`]). The first poll goes at once (an engine is unknown, so unroutable,
-    /// until it answers one); the later ones at a point of the interval the engine's key picks
-    /// (the second between one and two intervals after the first), so a fleet that arrived at
-    /// once is not polled in one burst every interval.
+    /// Polls once per interval until shutdown, the first at once (an engine is unknown, so
+    /// unroutable, until it answers one), each poll within `budget` (see [`super::budget`]: a
+    /// fleet that arrives at once is polled within its bounds, not in one burst).
     pub async fn run(
         mut self,
         budget: Arc<Budget>,
@@ -151,7 +149,6 @@ impl Poller {
         mut shutdown: Shutdown,
     ) {
         let mut ticker = tokio::time::interval(self.cfg.interval);
-        let mut spread = Some(stagger(self.entry.key, self.cfg.interval));
         // A slow poll delays the next one instead of firing a burst of catch-up polls at an
         // engine that is already struggling.
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -162,11 +159,6 @@ impl Poller {
             tokio::select! {
                 _ = ticker.tick() => {}
                 _ = shutdown_signalled(&mut shutdown) => return,
-            }
-            // The second poll a full interval after the first, and then some: never sooner
-            // than the interval promises (a poll sooner would be a burst of its own).
-            if let Some(offset) = spread.take() {
-                ticker.reset_at(Instant::now() + self.cfg.interval + offset);
             }
             // Dropping a poll cancels its requests, so shutdown never waits on a stuck engine.
             // The step is boxed: between polls (most of a poller's life, and all of it for the
@@ -486,15 +478,6 @@ impl Poller {
             }
         }
     }
-}
-
-/// Where in the first interval an engine's polls start: spread by its key.
-fn stagger(key: crate::worker::EngineId, interval: std::time::Duration) -> std::time::Duration {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    key.hash(&mut h);
-    let nanos = interval.as_nanos().max(1) as u64;
-    std::time::Duration::from_nanos(h.finish() % nanos)
 }
 
 /// Whether the engine is asked what it is: when the config leaves its flavor to it, or it is its
