@@ -31,6 +31,7 @@ mod rules;
 mod server;
 mod sources;
 mod tls;
+mod token;
 mod toml_error;
 mod traces;
 mod whole;

@@ -10,6 +10,8 @@ use super::duration::{duration, ms, secs, HumanDuration};
 use super::edge::{trusted_proxies, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER};
 use super::error::{invalid, ConfigError};
 use super::tls::ListenerTls;
+use super::token::admin_token;
+pub use super::token::AdminToken;
 
 /// The stream limit most gRPC servers advertise or are deployed with; an engine that allows more
 /// only gets a second connection it did not need.
@@ -183,39 +185,6 @@ impl ServerConfig {
     pub fn streams_per_client(&self) -> usize {
         (self.max_streams_per_client).unwrap_or(DEFAULT_MAX_STREAMS_PER_CLIENT)
     }
-}
-
-/// The admin token. Its Debug never shows it.
-#[derive(Clone, PartialEq)]
-pub struct AdminToken(pub Box<[u8]>);
-
-impl std::fmt::Debug for AdminToken {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AdminToken(..)")
-    }
-}
-
-/// The token in `var`: printable ASCII without spaces, so a `Bearer` header can carry it. The
-/// error names the variable, never a value.
-fn admin_token(var: &str) -> Result<AdminToken, ConfigError> {
-    let err = |problem: &str| {
-        invalid(
-            "server.admin_token_env",
-            format!("environment variable {var:?} {problem}"),
-        )
-    };
-    let value = std::env::var(var).map_err(|e| match e {
-        std::env::VarError::NotPresent => err("is not set"),
-        std::env::VarError::NotUnicode(_) => err("is not valid UTF-8"),
-    })?;
-    let value = value.trim();
-    if value.is_empty() {
-        return Err(err("is empty"));
-    }
-    if !value.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(err("must hold printable ASCII without spaces"));
-    }
-    Ok(AdminToken(value.as_bytes().into()))
 }
 
 fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr, ConfigError> {
