@@ -76,16 +76,25 @@ impl Exposure {
         if self.0 == ExposeWorker::Url {
             return;
         }
-        let mut found: [Option<HeaderName>; ENGINE_NAMING_COUNT] = Default::default();
-        // `keys` yields each name once, so no more than the list holds are found.
-        for (slot, n) in found
-            .iter_mut()
-            .zip(h.keys().filter(|n| ENGINE_NAMING.contains(n)))
-        {
-            *slot = Some(n.clone());
+        // The usual answer holds one (an engine's `Server`) or none: one pass finds it, and only
+        // an answer with more looks again (no list to fill and drop on every answer).
+        let (mut first, mut more) = (None, false);
+        for n in h.keys().filter(|n| ENGINE_NAMING.contains(n)) {
+            match first {
+                None => first = Some(n.clone()),
+                Some(_) => {
+                    more = true;
+                    break;
+                }
+            }
         }
-        for n in found.iter().map_while(Option::as_ref) {
-            h.remove(n);
+        let Some(first) = first else { return };
+        h.remove(&first);
+        while let Some(n) = more
+            .then(|| h.keys().find(|n| ENGINE_NAMING.contains(n)).cloned())
+            .flatten()
+        {
+            h.remove(&n);
         }
     }
 
