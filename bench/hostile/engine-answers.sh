@@ -29,12 +29,8 @@ for t in python3 curl; do
   command -v "$t" >/dev/null || { echo "needs $t" >&2; exit 2; }
 done
 
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# The work directory, the processes stopped on exit, free_port.
+. bench/lib.sh
 failed=0
 verdict() { # ok?, what
   if [[ "$1" == 1 ]]; then echo "PASS $2"; else echo "FAIL $2"; failed=1; fi

@@ -38,11 +38,8 @@ if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt $((BIG + 500)) ]; the
   echo "RLIMIT_NOFILE $(ulimit -n) (hard) here: the one-address flood holds $BIG" >&2
 fi
 
-work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# The work directory, the processes stopped on exit, free_port.
+. bench/lib.sh
 wait_up() {
   for _ in $(seq 100); do curl -sk -o /dev/null --max-time 1 "$@" && return 0; sleep 0.1; done
   echo "not answering: $*" >&2; exit 1

@@ -259,19 +259,26 @@ async fn second_signal_exits_130_at_once() {
     );
 }
 
-/// Signals sent while rankgate starts (its handlers are in place before any port binds): a SIGHUP
-/// neither kills it nor is lost (the reload follows once it serves), and a SIGTERM then drains
-/// and exits 0 rather than dying of the signal's default action.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn signals_sent_while_starting_are_acted_on_once_serving() {
+/// An engine and `rankgate serve` before it, returned as soon as rankgate has logged that its
+/// signal handlers are in place, before any port binds.
+async fn starting(name: &str) -> (rankgate_sim::sim::SimEngine, Rankgate) {
     let e = slow_engine(16.0).await;
-    let mut rg = Rankgate::start_until(
-        "early-signals",
+    let rg = Rankgate::start_until(
+        name,
         &binary_config(&e.url(), ""),
         None,
         Some("SIGHUP reloads; starting"),
     )
     .await;
+    (e, rg)
+}
+
+/// Signals sent while rankgate starts (its handlers are in place before any port binds): a SIGHUP
+/// neither kills it nor is lost (the reload follows once it serves), and a SIGTERM then drains
+/// and exits 0 rather than dying of the signal's default action.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_sent_while_starting_are_acted_on_once_serving() {
+    let (_e, mut rg) = starting("early-signals").await;
     rg.signal(libc::SIGHUP);
     rg.serving().await;
     rg.wait_log("SIGHUP: config reloaded", Duration::from_secs(10))
@@ -289,14 +296,7 @@ async fn signals_sent_while_starting_are_acted_on_once_serving() {
 /// A SIGTERM sent while rankgate starts: it serves, then drains at once and exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigterm_while_starting_drains_and_exits_0() {
-    let e = slow_engine(16.0).await;
-    let mut rg = Rankgate::start_until(
-        "early-term",
-        &binary_config(&e.url(), ""),
-        None,
-        Some("SIGHUP reloads; starting"),
-    )
-    .await;
+    let (_e, mut rg) = starting("early-term").await;
     rg.signal(libc::SIGTERM);
     let status = rg
         .wait_exit(Duration::from_secs(10))
