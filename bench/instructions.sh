@@ -24,6 +24,8 @@
 # ROUTER=PATH measures that rankgate binary instead of the one built here (an A/B against
 # another commit's build, run back to back).
 # KEEP=DIR keeps each target's callgrind output there (callgrind_annotate DIR/vllm.callgrind).
+# CG_DETAIL='--dump-instr=yes' replaces callgrind's detail options (costs per instruction, to read
+# against objdump).
 # CHECK=bench/instructions.expected compares the vllm figure with the one committed there and
 # exits 1 when it is more than 5% above (.ci/run's guard, with REQUESTS=300 TARGETS=vllm).
 set -euo pipefail
@@ -148,7 +150,7 @@ start_target() { # NAME -> sets PORT, PID
   local name=$1 base=${1#stream-} upstream=$UP
   [ "$name" = "$base" ] || upstream=$SIM
   PORT=$(free_port); local admin; admin=$(free_port)
-  local cg=(valgrind --tool=callgrind --dump-instr=no --collect-jumps=no --callgrind-out-file="$work/callgrind.out.%p")
+  local cg=(valgrind --tool=callgrind ${CG_DETAIL:---dump-instr=no --collect-jumps=no} --callgrind-out-file="$work/callgrind.out.%p")
   case $base in
     nginx) nginx_conf "$PORT" "$upstream" > "$work/cg-nginx.conf"; "${cg[@]}" nginx -c "$work/cg-nginx.conf" -p "$work" 2>/dev/null & ;;
     bare|lean) "${cg[@]}" "target/release/examples/${base}_proxy" "127.0.0.1:$PORT" "127.0.0.1:$upstream" 2>/dev/null & ;;

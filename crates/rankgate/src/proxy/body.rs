@@ -62,8 +62,10 @@ pub struct ProxyBody {
 #[derive(Debug)]
 enum Kind {
     Full(Option<Bytes>),
-    /// rankgate's own gRPC answer: one message, then the trailers with its status.
-    Grpc(Option<Bytes>, Option<http::HeaderMap>),
+    /// rankgate's own gRPC answer: one message, then the trailers with its status. Boxed, as
+    /// the upstream body is: every answer is moved up the stack by value, and an inline map
+    /// made each of those moves 88 bytes longer.
+    Grpc(Option<Bytes>, Option<Box<http::HeaderMap>>),
     Upstream(Box<Upstream>),
 }
 
@@ -183,7 +185,7 @@ impl ProxyBody {
     /// One gRPC message, then `trailers`.
     pub fn grpc(message: Option<Bytes>, trailers: http::HeaderMap) -> ProxyBody {
         ProxyBody {
-            kind: Kind::Grpc(message, Some(trailers)),
+            kind: Kind::Grpc(message, Some(Box::new(trailers))),
             holds: Holds::default(),
             target: None,
         }
@@ -214,7 +216,7 @@ impl Body for ProxyBody {
             Kind::Grpc(message, trailers) => {
                 let frame = match message.take() {
                     Some(m) => Frame::data(m),
-                    None => return Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t)))),
+                    None => return Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(*t)))),
                 };
                 return Poll::Ready(Some(Ok(frame)));
             }

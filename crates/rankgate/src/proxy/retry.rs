@@ -170,7 +170,9 @@ pub struct Again<S> {
     /// Times it was sent again after a kept connection turned out closed (not attempts).
     resent: u32,
     /// While a later attempt runs: the failure before it, which stands if it finds no rank.
-    last: Option<(Answer, u32)>,
+    /// Boxed (only a retry fills it): inline, an answer made every request's future 512 bytes
+    /// larger, and every move of it up the stack that much longer.
+    last: Option<Box<(Answer, u32)>>,
     /// No retry starts after this (a decode leg: its prefill server's lease on the blocks),
     /// and whether a 500 is retried until then.
     until: Option<RetryUntil>,
@@ -189,7 +191,7 @@ where
             let Some(a) = &mut this.again else {
                 return Poll::Ready(attempted(result, 1));
             };
-            if let Some((last, its_attempts)) = a.last.take() {
+            if let Some((last, its_attempts)) = a.last.take().map(|b| *b) {
                 // Sent again (no retry) when the attempts did not move.
                 let retried = its_attempts < a.attempts;
                 // No other rank to go to: the failure the client gets is the real one.
@@ -215,7 +217,7 @@ where
                 }
                 a.resent += 1;
                 let next = a.request();
-                a.last = Some((result, a.attempts));
+                a.last = Some(Box::new((result, a.attempts)));
                 this.attempt = a.inner.call(next);
                 continue;
             }
@@ -253,7 +255,7 @@ where
                 Ruled::Nothing => {}
             }
             let next = a.request();
-            a.last = Some((result, a.attempts));
+            a.last = Some(Box::new((result, a.attempts)));
             a.attempts += 1;
             this.attempt = a.inner.call(next);
         }

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// Poll starts a second for engines not reached, across the fleet: each is a connection attempt
 /// or two, so this bounds what dead engines cost (well under a core) whatever their number.
@@ -37,6 +37,9 @@ pub struct Budget {
     /// (a small fleet never waits for one). A waiter that goes (its engine left the fleet)
     /// leaves the queue and takes no slot.
     starts: Semaphore,
+    /// Told when a start slot is taken: the refill sleeps while the slots are full, so a fleet
+    /// whose engines all answer costs no timer wake-ups (100 a second, otherwise, for nothing).
+    drawn: Notify,
     per_second: u32,
 }
 
@@ -52,6 +55,7 @@ impl Budget {
             answering: Arc::new(Semaphore::new(max)),
             unreached: Arc::new(Semaphore::new(max)),
             starts: Semaphore::new(per_second as usize),
+            drawn: Notify::new(),
             per_second,
         })
     }
@@ -63,6 +67,7 @@ impl Budget {
             return self.answering.clone().acquire_owned().await.ok();
         }
         self.starts.acquire().await.ok()?.forget();
+        self.drawn.notify_one();
         self.unreached.clone().acquire_owned().await.ok()
     }
 
@@ -81,6 +86,12 @@ impl Budget {
             (Duration::from_secs(1).as_millis() / REFILL_EVERY.as_millis()) as u32;
         let per_tick = (self.per_second / ticks_per_second).max(1) as usize;
         loop {
+            if self.starts.available_permits() >= self.per_second as usize {
+                // Full: nothing to add until a slot is taken (a stored notification covers one
+                // taken meanwhile), then a refill from then on.
+                self.drawn.notified().await;
+                tick.reset();
+            }
             tick.tick().await;
             self.top_up(per_tick);
         }
@@ -116,5 +127,23 @@ mod tests {
             .is_err());
         drop(held);
         assert_eq!(b.answering.available_permits(), 64);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refill_that_slept_while_full_wakes_when_slots_are_taken() {
+        let b = Budget::with_pace(64, 200);
+        tokio::spawn(b.clone().refill());
+        // Full for a while: the refill waits for a slot to be taken.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(b.starts.available_permits(), 200);
+        for _ in 0..200 {
+            drop(b.enter(false).await.unwrap());
+        }
+        let started = tokio::time::Instant::now();
+        assert!(b.enter(false).await.is_some());
+        assert!(started.elapsed() <= REFILL_EVERY * 2, "{:?}", started.elapsed());
+        // Refilled on up to a second's worth, then asleep again.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(b.starts.available_permits(), 200);
     }
 }
