@@ -5,6 +5,8 @@
 //! deadline      key (default)                       enforced by         on expiry
 //! header_read   server.header_read_timeout (10 s)   http::serve, watch  connection closed
 //! idle          server.idle_timeout (60 s)          http::watch         connection closed
+//! send          server.send_timeout (60 s)          http::conn, watch   connection cut, its
+//!                                                                       engine requests with it
 //! h2_keepalive  server.h2_keepalive_interval (20 s) hyper's h2 server   connection closed
 //! body_read     server.body_read_timeout (30 s)     proxy read, pick,   408 (gRPC:
 //!                                                   grpc local,         DEADLINE_EXCEEDED)
@@ -43,6 +45,9 @@ pub struct Deadlines {
     pub header_read: Duration,
     /// A client connection with no request in flight.
     pub idle: Duration,
+    /// A client connection whose answer could not be written to it (the client takes nothing
+    /// of it): cut, and the engine requests it carries are dropped with it.
+    pub send: Duration,
     /// Between h2 keep-alive pings to a client (its answer is due within the same time).
     pub h2_keepalive: Duration,
     /// Any wait for more of a client's request body.
@@ -65,6 +70,7 @@ impl Deadlines {
         Deadlines {
             header_read: server.header_read_timeout,
             idle: server.idle_timeout,
+            send: server.send_timeout,
             h2_keepalive: server.h2_keepalive_interval,
             body_read: server.body_read_timeout,
             body: server.body_timeout,

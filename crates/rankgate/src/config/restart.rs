@@ -27,10 +27,11 @@ macro_rules! restart_keys {
 restart_keys! {
     server: listen, admin_listen, grpc_listen, max_body_bytes, connect_timeout, response_timeout,
         stream_idle_timeout, header_read_timeout, body_read_timeout, body_timeout,
-        idle_timeout,
+        idle_timeout, send_timeout,
         h2_keepalive_interval, max_header_bytes, max_connections,
         max_connections_per_client, client_ipv6_prefix, max_engine_connections,
-        grpc_streams_per_connection, max_in_flight, shutdown_delay, drain_grace, extra_routes,
+        grpc_streams_per_connection, max_in_flight, max_streams_per_client, shutdown_delay,
+        drain_grace, extra_routes,
         api_keys_env, api_keys_file, cors_allow_origins, admin_token_env, ready_requires_routable,
         access_log,
         thread_per_core, tls, admin_tls;

@@ -29,6 +29,15 @@ pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A whole body of `DEFAULT_MAX_BODY_BYTES` at a slow client's 1 MB/s takes about half of it.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// A client that takes nothing of its answer for this long is cut (nginx's `send_timeout`).
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
+/// Unless `server.max_streams_per_client` says otherwise, one client address may have this many
+/// requests in flight at once: a quarter of an engine's default connection cap, well below what
+/// one engine takes.
+pub const DEFAULT_MAX_STREAMS_PER_CLIENT: usize = DEFAULT_MAX_ENGINE_CONNECTIONS / 4;
+/// One client address may hold at most 1/this of any one engine's connection slots, so the
+/// others still find slots on it.
+pub const ENGINE_SHARE_PER_CLIENT: usize = 2;
 pub const DEFAULT_H2_KEEPALIVE: Duration = Duration::from_secs(20);
 pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
 /// hyper cannot read HTTP/1 headers into a smaller buffer than this.
@@ -60,6 +69,7 @@ pub(super) struct RawServer {
     body_read_timeout: Option<HumanDuration>,
     body_timeout: Option<HumanDuration>,
     idle_timeout: Option<HumanDuration>,
+    send_timeout: Option<HumanDuration>,
     h2_keepalive_interval: Option<HumanDuration>,
     max_header_bytes: Option<usize>,
     max_connections: Option<usize>,
@@ -68,6 +78,7 @@ pub(super) struct RawServer {
     max_engine_connections: Option<usize>,
     grpc_streams_per_connection: Option<usize>,
     max_in_flight: Option<usize>,
+    max_streams_per_client: Option<usize>,
     shutdown_delay: Option<HumanDuration>,
     drain_grace: Option<HumanDuration>,
     extra_routes: Option<Vec<String>>,
@@ -107,6 +118,9 @@ pub struct ServerConfig {
     pub body_timeout: Duration,
     /// A client connection with no request in progress for this long is closed.
     pub idle_timeout: Duration,
+    /// A client connection whose answer could not be written for this long (the client takes
+    /// nothing of it) is cut, and its engine requests with it.
+    pub send_timeout: Duration,
     /// HTTP/2 keep-alive ping interval (and how long a ping may go unanswered).
     pub h2_keepalive_interval: Duration,
     pub max_header_bytes: usize,
@@ -125,6 +139,9 @@ pub struct ServerConfig {
     pub grpc_streams_per_connection: usize,
     /// Requests in flight through the front door at once; `None`: unlimited.
     pub max_in_flight: Option<usize>,
+    /// Requests one client address may have in flight at once (429 beyond; peers in
+    /// `trusted_proxies` are not held to it); `None`: [`DEFAULT_MAX_STREAMS_PER_CLIENT`].
+    pub max_streams_per_client: Option<usize>,
     /// After a shutdown signal, how long to keep accepting (while `/ready` says 503).
     pub shutdown_delay: Duration,
     /// How long requests and streams in flight may take to finish once accepting stops.
@@ -162,6 +179,14 @@ pub struct ServerConfig {
     pub trusted_proxies: Vec<Cidr>,
 }
 
+impl ServerConfig {
+    /// Requests one client address may have in flight at once (`max_streams_per_client`, or
+    /// its default).
+    pub fn streams_per_client(&self) -> usize {
+        (self.max_streams_per_client).unwrap_or(DEFAULT_MAX_STREAMS_PER_CLIENT)
+    }
+}
+
 fn parse_addr(key: &str, v: Option<String>, default: &str) -> Result<SocketAddr, ConfigError> {
     let s = v.as_deref().unwrap_or(default);
     s.parse()
@@ -193,6 +218,7 @@ const HEADER_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_HEADER_READ_TIMEOUT, ms(
 const BODY_READ_TIMEOUT: Bounds = Bounds::new(DEFAULT_BODY_READ_TIMEOUT, ms(100), secs(3600));
 const BODY_TIMEOUT: Bounds = Bounds::new(DEFAULT_BODY_TIMEOUT, ms(100), secs(24 * 3600));
 const IDLE_TIMEOUT: Bounds = Bounds::new(DEFAULT_IDLE_TIMEOUT, ms(100), secs(3600));
+const SEND_TIMEOUT: Bounds = Bounds::new(DEFAULT_SEND_TIMEOUT, ms(100), secs(3600));
 const H2_KEEPALIVE: Bounds = Bounds::new(DEFAULT_H2_KEEPALIVE, ms(100), secs(3600));
 const SHUTDOWN_DELAY: Bounds = Bounds::new(Duration::ZERO, Duration::ZERO, secs(600));
 const DRAIN_GRACE: Bounds = Bounds::new(DEFAULT_DRAIN_GRACE, Duration::ZERO, secs(3600));
@@ -235,6 +261,7 @@ fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             .read("server.body_read_timeout", raw.body_read_timeout)?,
         body_timeout: BODY_TIMEOUT.read("server.body_timeout", raw.body_timeout)?,
         idle_timeout: IDLE_TIMEOUT.read("server.idle_timeout", raw.idle_timeout)?,
+        send_timeout: SEND_TIMEOUT.read("server.send_timeout", raw.send_timeout)?,
         h2_keepalive_interval: H2_KEEPALIVE
             .read("server.h2_keepalive_interval", raw.h2_keepalive_interval)?,
         max_header_bytes: raw.max_header_bytes.unwrap_or(DEFAULT_MAX_HEADER_BYTES),
@@ -246,6 +273,7 @@ fn read(raw: RawServer) -> Result<ServerConfig, ConfigError> {
         grpc_streams_per_connection: (raw.grpc_streams_per_connection)
             .unwrap_or(DEFAULT_GRPC_STREAMS_PER_CONNECTION),
         max_in_flight: raw.max_in_flight,
+        max_streams_per_client: raw.max_streams_per_client,
         shutdown_delay: SHUTDOWN_DELAY.read("server.shutdown_delay", raw.shutdown_delay)?,
         drain_grace: DRAIN_GRACE.read("server.drain_grace", raw.drain_grace)?,
         extra_routes: raw.extra_routes.unwrap_or_default(),
@@ -303,6 +331,10 @@ fn check_limits(server: &ServerConfig) -> Result<(), ConfigError> {
             Some(server.max_engine_connections),
         ),
         ("server.max_in_flight", server.max_in_flight),
+        (
+            "server.max_streams_per_client",
+            server.max_streams_per_client,
+        ),
         (
             "server.grpc_streams_per_connection",
             Some(server.grpc_streams_per_connection),

@@ -4,7 +4,7 @@
 //! connections may be replaced: not serving yet, or idle between requests) and the
 //! connection's bytes (its 431s).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
@@ -19,6 +19,13 @@ pub(super) struct Activity {
     pub(super) started: AtomicU64,
     /// Milliseconds after `opened` when the connection last went idle.
     pub(super) idle_since_ms: AtomicU64,
+    /// Milliseconds after `opened`, plus one, when a write to the client last found its socket
+    /// full with nothing taken since; 0 while writes go through. Kept by [`super::conn::ClientIo`],
+    /// read by the watch for `send_timeout`.
+    pub(super) write_stalled_ms: AtomicU64,
+    /// The client's TCP socket, for the watch to ask whether the client takes what is sent
+    /// ([`super::progress`]); -1: none.
+    pub(super) fd: AtomicI32,
     /// Responses with status 431 the service has given (an engine's, or rankgate's own): the
     /// 431s on the wire that are not hyper's refusal of a head (see [`super::conn::ClientIo`]).
     pub(super) answered_431: AtomicUsize,
@@ -42,6 +49,8 @@ impl Activity {
             active: AtomicUsize::new(0),
             started: AtomicU64::new(0),
             idle_since_ms: AtomicU64::new(0),
+            write_stalled_ms: AtomicU64::new(0),
+            fd: AtomicI32::new(-1),
             answered_431: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
             evict: Notify::new(),
@@ -113,6 +122,38 @@ impl Activity {
     /// (no request yet) or gracefully is the watch's to say ([`super::watch`]).
     pub(super) async fn evicted(&self) {
         self.evict.notified().await;
+    }
+
+    /// What a write to the client came to: a socket found full starts the stall's clock (if
+    /// not running), any byte taken stops it. One load per write while the client keeps up.
+    #[inline]
+    pub(super) fn wrote<T>(
+        &self,
+        r: &std::task::Poll<std::io::Result<T>>,
+        took: impl Fn(&T) -> bool,
+    ) {
+        match r {
+            std::task::Poll::Pending => {
+                if self.write_stalled_ms.load(Relaxed) == 0 {
+                    let at = self.opened.elapsed().as_millis() as u64 + 1;
+                    self.write_stalled_ms.store(at, Relaxed);
+                }
+            }
+            std::task::Poll::Ready(Ok(n)) if took(n) => {
+                if self.write_stalled_ms.load(Relaxed) != 0 {
+                    self.write_stalled_ms.store(0, Relaxed);
+                }
+            }
+            std::task::Poll::Ready(_) => {}
+        }
+    }
+
+    /// Since when the client has taken nothing of what waits to be written to it, if so.
+    pub(super) fn stalled_since(&self) -> Option<Instant> {
+        match self.write_stalled_ms.load(Relaxed) {
+            0 => None,
+            at => Some(self.opened + std::time::Duration::from_millis(at - 1)),
+        }
     }
 
     /// A request has begun; it stays active until the guard is dropped (with its response body).

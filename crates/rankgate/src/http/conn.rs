@@ -297,7 +297,9 @@ impl<T: Write + Unpin> Write for ClientIo<T> {
             self.held.store(true, Relaxed);
             return Poll::Ready(Ok(buf.len()));
         }
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.activity.wrote(&r, |&n| n > 0);
+        r
     }
 
     fn poll_write_vectored(
@@ -313,7 +315,9 @@ impl<T: Write + Unpin> Write for ClientIo<T> {
             self.held.store(true, Relaxed);
             return Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()));
         }
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.activity.wrote(&r, |&n| n > 0);
+        r
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -324,7 +328,11 @@ impl<T: Write + Unpin> Write for ClientIo<T> {
         if self.holding() {
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.io).poll_flush(cx)
+        // A flush that cannot finish (TLS records waiting for the socket) is a stall too; one
+        // that does says nothing of whether the client took anything.
+        let r = Pin::new(&mut self.io).poll_flush(cx);
+        self.activity.wrote(&r, |_| false);
+        r
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {

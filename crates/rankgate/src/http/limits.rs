@@ -26,6 +26,9 @@ pub const ADMIN_CLIENT_SHARE: usize = 16;
 pub struct ServeOptions {
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
+    /// A connection whose answer could not be written for this long is cut (its client takes
+    /// nothing of it): see [`super::watch`].
+    pub send_timeout: Duration,
     pub h2_keepalive: Duration,
     pub max_header_bytes: usize,
     pub max_connections: usize,
@@ -126,6 +129,7 @@ impl Default for ServeOptions {
         ServeOptions {
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
+            send_timeout: crate::config::DEFAULT_SEND_TIMEOUT,
             h2_keepalive: Duration::from_secs(20),
             max_header_bytes: 64 * 1024,
             max_connections: 256,
@@ -159,6 +163,7 @@ impl ServeOptions {
         ServeOptions {
             header_read_timeout: deadlines.header_read,
             idle_timeout: deadlines.idle,
+            send_timeout: deadlines.send,
             h2_keepalive: deadlines.h2_keepalive,
             max_header_bytes: cfg.max_header_bytes,
             max_connections,

@@ -7,15 +7,18 @@ mod activity;
 mod admission;
 mod client_key;
 mod conn;
+mod cut;
 mod dial;
 mod limits;
 mod listen;
+mod progress;
 mod serve;
 mod shutdown;
 mod throttle;
 mod watch;
 
 pub use conn::MAX_HEADER_LINES;
+pub use cut::send_timed_out;
 pub use dial::{ConnectTimeout, Dialed, Dialer};
 pub use limits::{default_per_client, Door, DoorStats, ServeOptions, ADMIN_CLIENT_SHARE};
 pub use listen::listen;

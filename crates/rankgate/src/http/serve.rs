@@ -104,6 +104,11 @@ pub async fn serve_with<M, S, B>(
             _ = shutdown_signalled(&mut shutdown) => break,
         };
         let activity = Arc::new(Activity::new());
+        // For send_timeout: whether the client acknowledges what is sent (watch.rs).
+        activity.fd.store(
+            std::os::fd::AsRawFd::as_raw_fd(&stream),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let client = admission.key(peer.ip());
         let place = admission.admit(client, &activity);
         if !matches!(place, Place::Now) {

@@ -1,5 +1,6 @@
 //! The watch over one client connection: its deadlines (the first request's headers within
-//! `header_read_timeout`, none in progress for `idle_timeout`), the shutdown (finish what is
+//! `header_read_timeout`, none in progress for `idle_timeout`, an answer the client takes
+//! nothing of for `send_timeout`), the shutdown (finish what is
 //! in flight), the end of the drain grace (close now), and a newer connection taking the place
 //! of this one ([`super::admission`]): close now if it has not begun a request, else finish
 //! gracefully, as at shutdown (HTTP/1 closes when idle, h2 sends GOAWAY).
@@ -21,6 +22,7 @@ use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use super::activity::Activity;
+use super::cut::SendCut;
 use super::limits::ServeOptions;
 use super::shutdown::{shutdown_signalled, Shutdown};
 
@@ -33,6 +35,8 @@ pub trait Graceful: Future<Output = Result<(), hyper::Error>> {
 const GO_ON: u8 = 0;
 const FINISH: u8 = 1;
 const CLOSE: u8 = 2;
+/// Close now: the client took nothing of its answer for `send_timeout`.
+const SEND_CUT: u8 = 3;
 
 /// What the watch tells its connection, and how each side wakes the other.
 #[derive(Default)]
@@ -65,6 +69,9 @@ pub(super) struct Watch<'a> {
 /// Serves `conn` until it ends, its deadlines pass, or the drain grace expires; at shutdown it
 /// finishes what is in flight and takes nothing new.
 pub(super) async fn drive<C: Graceful>(conn: C, w: Watch<'_>) {
+    // Declared before the connection, so dropped after it: the bodies the connection drops
+    // see it armed when the watch cut it for send_timeout.
+    let mut cutting = SendCut::default();
     let orders = Arc::new(Orders::default());
     tokio::spawn(watch(
         orders.clone(),
@@ -73,14 +80,18 @@ pub(super) async fn drive<C: Graceful>(conn: C, w: Watch<'_>) {
         w.cut,
         w.shutdown,
     ));
+    let conn = std::pin::pin!(conn);
     let watched = Watched {
-        conn: std::pin::pin!(conn),
+        conn,
         orders: &orders,
         finishing: false,
         waker: None,
     };
     watched.await;
     orders.ended.notify_one();
+    if orders.say.load(Relaxed) == SEND_CUT {
+        cutting.arm();
+    }
 }
 
 /// The connection as its task polls it: first what the watch says (one load), then hyper.
@@ -100,7 +111,7 @@ impl<C: Graceful> Future for Watched<'_, C> {
         match this.orders.say.load(Relaxed) {
             // The drain grace expired (or the accept loop is gone): dropping the connection
             // closes it, streams and all.
-            CLOSE => return Poll::Ready(()),
+            CLOSE | SEND_CUT => return Poll::Ready(()),
             FINISH if !this.finishing => {
                 this.finishing = true;
                 this.conn.as_mut().graceful();
@@ -141,19 +152,32 @@ async fn watch(
     mut cut: watch::Receiver<bool>,
     mut shutdown: Shutdown,
 ) {
-    let period = opts.idle_timeout.min(opts.header_read_timeout);
+    let period = (opts.idle_timeout.min(opts.header_read_timeout)).min(opts.send_timeout);
     let mut timer = std::pin::pin!(tokio::time::sleep_until(Instant::now() + period));
     let mut cut = std::pin::pin!(cut.wait_for(|c| *c));
     let ended = orders.ended.notified();
     let mut ended = std::pin::pin!(ended);
     let mut shutting_down = false;
     let mut evicted = false;
+    // The client's acknowledged byte count when last seen to move, and since when it has not.
+    let mut quiet: Option<(u64, Instant)> = None;
     loop {
         tokio::select! {
             () = &mut ended => return,
             () = &mut timer => {
                 let now = Instant::now();
-                match deadline(&activity, &opts) {
+                let quiet_since = client_quiet(&activity, &mut quiet, now);
+                let stalled = [activity.stalled_since(), quiet_since].into_iter().flatten().min();
+                let stalled = stalled.map(|s| s + opts.send_timeout);
+                if stalled.is_some_and(|d| d <= now) {
+                    tracing::debug!("client connection cut: it took nothing of its answer for send_timeout");
+                    return orders.tell(SEND_CUT);
+                }
+                // While a request is in progress, a look every twelfth of send_timeout: a
+                // client that stops taking its answer is cut at most that much past it.
+                let busy = quiet_since.is_some() || activity.active.load(Relaxed) > 0;
+                let look = busy.then(|| now + opts.send_timeout / 12);
+                match deadline(&activity, &opts).into_iter().chain(stalled).chain(look).min() {
                     Some(d) if d <= now => {
                         tracing::debug!("client connection closed: no request within its timeout");
                         return orders.tell(CLOSE);
@@ -178,6 +202,22 @@ async fn watch(
                 shutting_down = true;
                 orders.tell(FINISH);
             }
+        }
+    }
+}
+
+/// Since when the client has acknowledged nothing while bytes wait for it (as of this look and
+/// the last ones), if so; `last` carries its acknowledged count from look to look.
+fn client_quiet(a: &Activity, last: &mut Option<(u64, Instant)>, now: Instant) -> Option<Instant> {
+    let Some((acked, true)) = super::progress::look(a.fd.load(Relaxed)) else {
+        *last = None;
+        return None;
+    };
+    match last {
+        Some((seen, since)) if *seen == acked => Some(*since),
+        _ => {
+            *last = Some((acked, now));
+            Some(now)
         }
     }
 }

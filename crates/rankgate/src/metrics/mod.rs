@@ -67,7 +67,7 @@ pub struct Metrics {
     retries: Counter,
     retries_refused: Counter,
     /// Streams cut after their first byte: `[broken, idle]`.
-    streams_cut: [Counter; 2],
+    streams_cut: [Counter; 3],
     /// Prompts tokenized by an engine's `POST /tokenize` (`models[].engine_tokenize`):
     /// `[ok, failed]`, and the seconds they took.
     engine_tokenize: [Counter; 2],
@@ -176,13 +176,16 @@ impl Metrics {
         registry.register(
             "rankgate_streams_cut",
             "Responses cut after their first byte, by reason: the engine's stream broke, or went \
-             quiet for server.stream_idle_timeout (SSE streams end with an error event)",
+             quiet for server.stream_idle_timeout (SSE streams end with an error event), or the \
+             client took nothing of it for server.send_timeout (send_timeout: its connection cut, \
+             its engine request with it)",
             streams_cut.clone(),
         );
         // The label sets are fixed: resolved once, and both present from the start.
         let streams_cut = [
             streams_cut.get_or_create_owned(&[("reason", "broken")]),
             streams_cut.get_or_create_owned(&[("reason", "idle")]),
+            streams_cut.get_or_create_owned(&[("reason", "send_timeout")]),
         ];
         let tokenize = prometheus_client::metrics::family::Family::<
             [(&'static str, &'static str); 1],
@@ -374,6 +377,11 @@ impl Metrics {
         self.streams_cut[idle as usize].inc();
     }
 
+    /// A response was cut because its client took nothing of it for `server.send_timeout`.
+    pub fn stream_cut_send_timeout(&self) {
+        self.streams_cut[2].inc();
+    }
+
     /// A rank was ejected after consecutive failures.
     pub fn ejected(&self, worker: &Member) {
         worker
@@ -412,6 +420,7 @@ mod tests {
             "rankgate_retries_total 1",
             "rankgate_streams_cut_total{reason=\"idle\"} 1",
             "rankgate_streams_cut_total{reason=\"broken\"} 0",
+            "rankgate_streams_cut_total{reason=\"send_timeout\"} 0",
             "rankgate_local_responses_total{model=\"unknown\",route=\"unmatched\",status=\"401\"} 1",
             "rankgate_request_duration_seconds_bucket{model=\"unknown\",le=\"0.005\"} 1",
             "rankgate_request_duration_seconds_count{model=\"unknown\"} 1",

@@ -21,7 +21,7 @@ use super::error::StreamError;
 use super::exposure::Exposure;
 use super::grpc::requests::Held;
 use super::grpc::status::status_headers;
-use super::guards::{Admitted, BreakWatch, Done, Slot};
+use super::guards::{Admitted, BreakWatch, ClientStream, Done, Slot};
 use super::target::Target;
 use crate::table::InFlight;
 use crate::upstream::BoxError;
@@ -33,6 +33,8 @@ pub struct Holds {
     pub in_flight: Option<InFlight>,
     /// A slot under `server.max_in_flight` (admission).
     pub admitted: Option<Admitted>,
+    /// A request of its client address's, under `server.max_streams_per_client` (admission).
+    pub client: Option<ClientStream>,
     /// A connection slot under `server.max_engine_connections` (send).
     pub connection: Option<Slot>,
     /// Time to first byte and duration (respond).

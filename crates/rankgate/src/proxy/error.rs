@@ -51,6 +51,8 @@ pub enum ProxyError {
     ClientBody(#[from] ClientBodyError),
     #[error("rankgate has server.max_in_flight = {0} requests in flight; retry later")]
     Overloaded(usize),
+    #[error("this client address has server.max_streams_per_client = {0} requests in flight; retry later")]
+    ClientStreams(u32),
     #[error("no routable rank: {0}")]
     NoRank(#[from] NoRank),
     /// The request's model is on no known model list; the engines that might serve it (their
@@ -198,7 +200,9 @@ impl ProxyError {
             ProxyError::ClientBody(ClientBodyError::Stalled(_) | ClientBodyError::TooSlow(_)) => {
                 StatusCode::REQUEST_TIMEOUT
             }
-            ProxyError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ProxyError::Overloaded(_) | ProxyError::ClientStreams(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ProxyError::NoRank(_)
             | ProxyError::NoRankUnlisted { .. }
             | ProxyError::NotDisaggregable(_)
@@ -272,7 +276,9 @@ impl ProxyError {
                 DebugRefused::Missing | DebugRefused::Wrong => Code::Unauthenticated,
             },
             ProxyError::OriginNotAllowed(_) => Code::PermissionDenied,
-            ProxyError::TooLarge(_) | ProxyError::Overloaded(_) => Code::ResourceExhausted,
+            ProxyError::TooLarge(_) | ProxyError::Overloaded(_) | ProxyError::ClientStreams(_) => {
+                Code::ResourceExhausted
+            }
             ProxyError::ClientBody(ClientBodyError::Stalled(_) | ClientBodyError::TooSlow(_))
             | ProxyError::Timeout(_) => Code::DeadlineExceeded,
             ProxyError::BadJson(_)

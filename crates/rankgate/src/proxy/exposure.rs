@@ -150,6 +150,9 @@ fn write_public(out: &mut String, err: &ProxyError) -> std::fmt::Result {
             d.as_millis()
         ),
         ProxyError::Overloaded(_) => out.write_str("too many requests in flight; retry later"),
+        ProxyError::ClientStreams(_) => {
+            out.write_str("too many requests in flight from this address; retry later")
+        }
         ProxyError::NoRank(why) | ProxyError::NoRankUnlisted { why, .. } => {
             write!(out, "no routable rank: {}", no_rank(*why))
         }

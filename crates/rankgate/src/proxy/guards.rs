@@ -44,6 +44,23 @@ impl Drop for Admitted {
     }
 }
 
+/// One request counted against its client address's `server.max_streams_per_client` until
+/// its response body ends. Holds the connection's handle, whose count stays on its core.
+#[derive(Debug)]
+pub struct ClientStream(Ctx);
+
+impl ClientStream {
+    pub(super) fn new(ctx: &Ctx) -> ClientStream {
+        ClientStream(ctx.clone())
+    }
+}
+
+impl Drop for ClientStream {
+    fn drop(&mut self) {
+        self.0.clients.give_back(self.0.conn().client);
+    }
+}
+
 /// Records one request's time to first byte when the engine's first chunk passes, and its
 /// duration when its response body ends or is dropped.
 #[derive(Debug)]
@@ -131,6 +148,7 @@ impl Drop for Done {
                 prefill_attempts = self.prefill.as_ref().map(|p| p.prefill_attempts),
                 decode_attempts = self.prefill.as_ref().map(|p| p.decode_attempts),
                 kv_from = self.prefill.as_ref().and_then(|p| p.kv_from.as_deref()),
+                cut = crate::http::send_timed_out().then_some("send_timeout"),
                 "request"
             );
         }
@@ -148,16 +166,20 @@ pub struct Slot {
     /// back to once the response has ended cleanly ([`Slot::ended`]).
     pub(super) sender: Option<Sender>,
     core: usize,
+    /// The client's key, whose share of the engine's slots this one counts in.
+    client: u32,
     ended: bool,
 }
 
 impl Slot {
-    pub(super) fn connection(engine: &Arc<EngineEntry>, core: usize) -> Slot {
+    /// A slot for a request of the client connection `conn` (its core, its address's share).
+    pub(super) fn connection(engine: &Arc<EngineEntry>, conn: &super::shared::Conn) -> Slot {
         Slot {
             engine: engine.clone(),
             stream: None,
             sender: None,
-            core,
+            core: conn.core,
+            client: conn.client,
             ended: false,
         }
     }
@@ -168,6 +190,7 @@ impl Slot {
             stream: Some(k),
             sender: None,
             core: 0,
+            client: 0,
             ended: false,
         }
     }
@@ -186,7 +209,7 @@ impl Drop for Slot {
                 if let Some(sender) = self.sender.take().filter(|_| self.ended) {
                     self.engine.conn.idle.give_back(self.core, sender);
                 }
-                self.engine.conn.slots.give_back()
+                self.engine.conn.slots.give_back(self.client)
             }
         }
     }
@@ -274,8 +297,14 @@ impl Drop for BreakWatch {
         if self.judged {
             return;
         }
-        // Dropped unjudged: the response body went before its end, so the client left.
-        self.ctx.metrics.abandoned(&self.target.worker, true);
+        // Dropped unjudged: the response body went before its end, so the client left, or took
+        // nothing of it for server.send_timeout and its connection was cut (no verdict on the
+        // engine either way).
+        if crate::http::send_timed_out() {
+            self.ctx.metrics.stream_cut_send_timeout();
+        } else {
+            self.ctx.metrics.abandoned(&self.target.worker, true);
+        }
         if self.target.trial {
             self.target.worker.live.outlier.abandon_trial();
         }

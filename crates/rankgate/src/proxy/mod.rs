@@ -79,6 +79,7 @@ mod select;
 pub(crate) mod send;
 mod shared;
 mod stack;
+mod streams;
 mod target;
 #[cfg(test)]
 mod tests;

@@ -7,7 +7,8 @@
 //!
 //! Connections to one engine are capped (`server.max_engine_connections`; over HTTP/1 that is
 //! requests in flight on it), so a burst cannot open more sockets than the engine or this
-//! process's file descriptors allow; a request waits for a slot within its response timeout.
+//! process's file descriptors allow; a request waits for a slot within its response timeout
+//! (one address holds at most half of them: `upstream::conn::Slots`).
 //! Upstream failures are classified here, once: the client's broken body stays the client's.
 //! The response leaves carrying its rank: the target and the request's in-flight mark in its
 //! body, and the `x-rankgate-worker` header as far as `server.expose_worker` lets clients know.
@@ -150,13 +151,13 @@ impl tower::Service<Request<Picked>> for Send {
             let k = sending.target.engine.conn.streams.take();
             sending.slot = Some(Slot::stream(&sending.target.engine, k));
             State::Grpc(dial.grpc_clients[k].request(req))
-        } else if sending.target.engine.conn.slots.try_take() {
-            sending.slot = Some(Slot::connection(&sending.target.engine, ctx.conn().core));
+        } else if sending.target.engine.conn.slots.try_take(ctx.conn().client) {
+            sending.slot = Some(Slot::connection(&sending.target.engine, ctx.conn()));
             sending.start(req)
         } else {
-            let engine = sending.target.engine.clone();
+            let (engine, client) = (sending.target.engine.clone(), ctx.conn().client);
             State::Waiting(Box::new((
-                Box::pin(async move { engine.conn.slots.take().await }),
+                Box::pin(async move { engine.conn.slots.take(client).await }),
                 Some(req),
             )))
         };
@@ -349,8 +350,7 @@ impl Sending {
                         };
                         return this.unless_late(cx, busy);
                     }
-                    let core = this.ctx.conn().core;
-                    this.slot = Some(Slot::connection(&this.target.engine, core));
+                    this.slot = Some(Slot::connection(&this.target.engine, this.ctx.conn()));
                     let Some(req) = req.take() else {
                         return Poll::Ready(Err(ProxyError::Internal("request sent twice".into())));
                     };

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use http::header::HeaderValue;
 
+use super::streams::{client_key, ClientStreams};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
 use crate::table::Table;
@@ -23,6 +24,8 @@ pub struct Shared {
     pub table: Arc<Table>,
     pub selector: Arc<Selector>,
     pub metrics: Arc<Metrics>,
+    /// Requests in flight per client address (`server.max_streams_per_client`).
+    pub clients: ClientStreams,
 }
 
 impl std::fmt::Debug for Shared {
@@ -54,6 +57,8 @@ pub struct Conn {
     pub peer_ip: HeaderValue,
     /// The front door it came in through.
     pub front: Front,
+    /// Its address's key in the per-client counts ([`ClientStreams`], engines' shares).
+    pub client: u32,
 }
 
 impl Ctx {
@@ -69,6 +74,7 @@ impl Ctx {
             peer,
             peer_ip: peer_ip_header(peer),
             front,
+            client: client_key(peer.ip()),
         }))
     }
 

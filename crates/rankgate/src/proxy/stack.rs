@@ -96,6 +96,7 @@ impl Layers {
             table,
             selector: Arc::new(Selector::new(routing)),
             metrics,
+            clients: super::streams::ClientStreams::new(server.streams_per_client()),
         });
         Arc::new(Layers {
             forwarding: Arc::new(identity::Forwarding::new(
@@ -198,7 +199,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
         .layer_fn(|inner| l.read(inner, c))
         .layer_fn(|inner| select::Select::new(inner, c, &l.extra_routes))
         .layer_fn(|inner| tokens::Tokens::new(inner, c, &l.prompts))
-        .layer_fn(|inner| l.admit(l.disagg(l.retry(l.pick(inner, c), c), c)))
+        .layer_fn(|inner| l.admit(l.disagg(l.retry(l.pick(inner, c), c), c), c))
         .service(l.observe_send(c))
 }
 
@@ -246,8 +247,8 @@ impl Layers {
         read::Read::new(inner, c, self.limits)
     }
 
-    pub(super) fn admit<S>(&self, inner: S) -> admit::Admit<S> {
-        admit::Admit::new(inner, &self.admission)
+    pub(super) fn admit<S>(&self, inner: S, c: &Ctx) -> admit::Admit<S> {
+        admit::Admit::new(inner, c, &self.admission, &self.forwarding)
     }
 
     pub(super) fn disagg<S>(&self, inner: S, c: &Ctx) -> disagg::Disagg<S> {
@@ -276,7 +277,7 @@ impl Layers {
     /// The lower half both front doors share, above and below what only one of them has
     /// (gRPC's `track` between pick and observe).
     fn admit_retry_pick<S>(&self, inner: S, c: &Ctx) -> admit::Admit<retry::Retry<pick::Pick<S>>> {
-        self.admit(self.retry(self.pick(inner, c), c))
+        self.admit(self.retry(self.pick(inner, c), c), c)
     }
 
     fn observe_send(&self, c: &Ctx) -> observe::Observe<send::Send> {

@@ -124,11 +124,28 @@ async fn route_answers_404_and_405_and_passes_the_rest() {
 async fn admission_counts_until_the_body_ends() {
     let s = shared("[server]\nmax_in_flight = 1\n");
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
-    let mut admit = s.layers.admit(inner);
+    let mut admit = s.layers.admit(inner, &s.ctx);
     let held = admit.call(Request::new(())).await.unwrap();
     let e = admit.call(Request::new(())).await.unwrap_err();
     assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
     // The slot is freed when the first response's body ends, not when its headers went out.
+    held.into_body().collect().await.unwrap();
+    assert!(admit.call(Request::new(())).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_client_address_past_its_streams_gets_429_and_another_does_not() {
+    let s = shared("[server]\nmax_streams_per_client = 1\n");
+    let inner = || service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
+    let mut admit = s.layers.admit(inner(), &s.ctx);
+    let held = admit.call(Request::new(())).await.unwrap();
+    let e = admit.call(Request::new(())).await.unwrap_err();
+    assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(e.to_string().contains("max_streams_per_client"), "{e}");
+    // Another address's connection is counted apart.
+    let other = Ctx::new(s.layers.shared(), ([127, 0, 0, 2], 9).into(), Front::Http);
+    let mut theirs = s.layers.admit(inner(), &other);
+    assert!(theirs.call(Request::new(())).await.is_ok());
     held.into_body().collect().await.unwrap();
     assert!(admit.call(Request::new(())).await.is_ok());
 }

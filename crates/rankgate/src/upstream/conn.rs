@@ -7,51 +7,104 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use tokio::sync::Notify;
 
 use super::idle::Idle;
+pub use crate::config::ENGINE_SHARE_PER_CLIENT;
 
 /// The connection slots to one engine. Taking and giving back a slot is one atomic operation
-/// on the request path; only a request that finds every slot taken waits, and only then is
-/// anyone woken (tokio's `Semaphore` locks its waiter list on every release, from every core).
+/// on the request path (two with the client's share); only a request that finds every slot
+/// taken waits, and only then is anyone woken (tokio's `Semaphore` locks its waiter list on
+/// every release, from every core).
+///
+/// One client address holds at most 1/[`ENGINE_SHARE_PER_CLIENT`] of the slots (at least one),
+/// so one that fills the engine with streams it never reads leaves the rest to the others: its
+/// requests past its share wait, as any request at the cap does, for one of its own to end. The
+/// shares are counted in [`SHARE_BUCKETS`] counters by the client's key (a hash of its address):
+/// addresses whose keys meet share one share.
 #[derive(Debug)]
 pub struct Slots {
     used: AtomicUsize,
     limit: usize,
+    /// Slots held per bucket of client keys, and what one bucket may hold.
+    shares: Box<[AtomicUsize]>,
+    share: usize,
     /// Requests waiting for a slot, and their wake-up.
     waiting: AtomicUsize,
+    /// Of them, those held back by their share: while there are any, a slot given back wakes
+    /// every waiter (the one woken alone might be held back still, and the others sleep on).
+    held_back: AtomicUsize,
     freed: Notify,
 }
+
+/// Buckets of client keys an engine's shares are counted in.
+pub const SHARE_BUCKETS: usize = 64;
 
 impl Slots {
     pub fn new(limit: usize) -> Slots {
         Slots {
             used: AtomicUsize::new(0),
             limit,
+            shares: (0..SHARE_BUCKETS).map(|_| AtomicUsize::new(0)).collect(),
+            share: (limit / ENGINE_SHARE_PER_CLIENT).max(1),
             waiting: AtomicUsize::new(0),
+            held_back: AtomicUsize::new(0),
             freed: Notify::new(),
         }
     }
 
-    pub(crate) fn try_take(&self) -> bool {
-        self.used
-            .fetch_update(SeqCst, SeqCst, |n| (n < self.limit).then_some(n + 1))
-            .is_ok()
+    fn bucket(&self, client: u32) -> &AtomicUsize {
+        &self.shares[client as usize % SHARE_BUCKETS]
     }
 
-    pub(crate) async fn take(&self) {
+    /// A slot for the client `client` (its key), now: `Err(true)` when its share is what
+    /// holds it back, `Err(false)` when every slot is taken.
+    fn try_take_as(&self, client: u32) -> Result<(), bool> {
+        let share = self.share;
+        let bucket = self.bucket(client);
+        if (bucket.fetch_update(SeqCst, SeqCst, |n| (n < share).then_some(n + 1))).is_err() {
+            return Err(true);
+        }
+        let taken = self
+            .used
+            .fetch_update(SeqCst, SeqCst, |n| (n < self.limit).then_some(n + 1))
+            .is_ok();
+        if !taken {
+            bucket.fetch_sub(1, SeqCst);
+            return Err(false);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn try_take(&self, client: u32) -> bool {
+        self.try_take_as(client).is_ok()
+    }
+
+    pub(crate) async fn take(&self, client: u32) {
         self.waiting.fetch_add(1, SeqCst);
         // Counted as waiting before looking, so a slot given back after the look wakes us.
-        struct Waiting<'a>(&'a AtomicUsize);
+        struct Waiting<'a>(&'a AtomicUsize, &'a AtomicUsize, bool);
         impl Drop for Waiting<'_> {
             fn drop(&mut self) {
                 self.0.fetch_sub(1, SeqCst);
+                if self.2 {
+                    self.1.fetch_sub(1, SeqCst);
+                }
             }
         }
-        let _waiting = Waiting(&self.waiting);
+        let mut waiting = Waiting(&self.waiting, &self.held_back, false);
         loop {
             let freed = self.freed.notified();
             let mut freed = std::pin::pin!(freed);
             freed.as_mut().enable();
-            if self.try_take() {
-                return;
+            match self.try_take_as(client) {
+                Ok(()) => return,
+                Err(true) if !waiting.2 => {
+                    waiting.2 = true;
+                    self.held_back.fetch_add(1, SeqCst);
+                    // Counted before looking again, so a give-back after the look wakes all.
+                    if self.try_take_as(client).is_ok() {
+                        return;
+                    }
+                }
+                Err(_) => {}
             }
             freed.await;
         }
@@ -61,10 +114,19 @@ impl Slots {
         self.limit
     }
 
-    pub(crate) fn give_back(&self) {
+    /// Slots the client `client` holds now (with any whose keys share its bucket).
+    pub fn held_by(&self, client: u32) -> usize {
+        self.bucket(client).load(SeqCst)
+    }
+
+    pub(crate) fn give_back(&self, client: u32) {
+        self.bucket(client).fetch_sub(1, SeqCst);
         self.used.fetch_sub(1, SeqCst);
         if self.waiting.load(SeqCst) > 0 {
-            self.freed.notify_one();
+            match self.held_back.load(SeqCst) {
+                0 => self.freed.notify_one(),
+                _ => self.freed.notify_waiters(),
+            }
         }
     }
 }
@@ -215,11 +277,12 @@ mod tests {
     #[tokio::test]
     async fn a_full_engine_makes_the_next_request_wait_until_a_slot_is_given_back() {
         let slots = Arc::new(Slots::new(2));
-        assert!(slots.try_take() && slots.try_take());
-        assert!(!slots.try_take(), "at the cap");
+        let [a, b, c, d] = [0, 1, 2, 3];
+        assert!(slots.try_take(a) && slots.try_take(b));
+        assert!(!slots.try_take(c), "at the cap");
         let waiter = {
             let slots = slots.clone();
-            tokio::spawn(async move { slots.take().await })
+            tokio::spawn(async move { slots.take(c).await })
         };
         // Still waiting: nothing was given back.
         let waiting = tokio::time::timeout(Duration::from_millis(50), async {
@@ -230,15 +293,50 @@ mod tests {
         .await;
         assert!(waiting.is_ok(), "the waiter counts itself");
         assert!(!waiter.is_finished());
-        slots.give_back();
+        slots.give_back(a);
         tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
             .expect("woken by the slot given back")
             .unwrap();
-        assert!(!slots.try_take(), "the waiter holds the freed slot");
+        assert!(!slots.try_take(d), "the waiter holds the freed slot");
         assert_eq!(slots.waiting.load(super::SeqCst), 0);
-        slots.give_back();
-        slots.give_back();
-        assert!(slots.try_take() && slots.try_take() && !slots.try_take());
+        slots.give_back(b);
+        slots.give_back(c);
+        assert!(slots.try_take(a) && slots.try_take(b) && !slots.try_take(c));
+    }
+
+    #[tokio::test]
+    async fn one_client_holds_at_most_half_the_slots_and_waits_for_its_own() {
+        let slots = Arc::new(Slots::new(4));
+        let (flood, other) = (7, 8);
+        assert!(slots.try_take(flood) && slots.try_take(flood));
+        assert!(!slots.try_take(flood), "past its share, with slots free");
+        assert_eq!(slots.held_by(flood), 2);
+        assert!(slots.try_take(other), "another client still finds a slot");
+        let waiter = {
+            let slots = slots.clone();
+            tokio::spawn(async move { slots.take(flood).await })
+        };
+        let held_back = tokio::time::timeout(Duration::from_secs(5), async {
+            while slots.held_back.load(super::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        assert!(
+            held_back.is_ok(),
+            "the flood's next request waits, held back by its share"
+        );
+        // Another client's slot given back frees none of the flood's share: it still waits.
+        slots.give_back(other);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        slots.give_back(flood);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("woken once one of its own ended")
+            .unwrap();
+        assert_eq!(slots.held_by(flood), 2);
+        assert_eq!(slots.held_back.load(super::SeqCst), 0);
     }
 }
