@@ -2,6 +2,14 @@
 //! latency is recorded when its body ends. The outermost layer that can fail: only `identity`
 //! and `cors` (which add headers, and answer preflights) run outside it.
 //!
+//! It also counts each request against its client address's `server.max_streams_per_client`
+//! until the answer's body ends, and answers 429 past it before anything below runs (peers in
+//! `server.trusted_proxies` carry many clients' requests and are not held to it): one address
+//! must not hold more of the fleet than a share well below what one engine can take. Here
+//! rather than in `admit`, so that the count rides in this layer's future and answer, which
+//! every request has anyway: a future of its own in `admit` cost about 300 instructions per
+//! request (bench/instructions.sh).
+//!
 //! A request's labels are resolved here, before anything below runs: its route from its path,
 //! its model from the catalog when the fleet serves one model. Where the fleet routes by model,
 //! `select` reads the model from the body anyway, and writes its label to a slot this layer
@@ -21,7 +29,7 @@ use tokio::time::Instant;
 use super::body::ProxyBody;
 use super::error::ProxyError;
 use super::exposure::Exposure;
-use super::guards::{Access, Done};
+use super::guards::{Access, ClientStream, Done};
 use super::layer::{Answer, WORKER_HEADER};
 use super::shared::Ctx;
 use crate::http::Throttle;
@@ -32,6 +40,8 @@ pub struct Respond<S> {
     inner: S,
     ctx: Ctx,
     errors: Arc<Errors>,
+    /// The connection's peer is a trusted proxy: no per-client limit.
+    gateway: bool,
 }
 
 /// How errors are answered and logged, one for the router.
@@ -79,11 +89,18 @@ impl std::fmt::Display for Logged<'_> {
 }
 
 impl<S> Respond<S> {
-    pub fn new(inner: S, ctx: &Ctx, errors: &Arc<Errors>) -> Respond<S> {
+    pub fn new(
+        inner: S,
+        ctx: &Ctx,
+        errors: &Arc<Errors>,
+        forwarding: &super::identity::Forwarding,
+    ) -> Respond<S> {
+        let peer = ctx.conn().peer.ip();
         Respond {
             inner,
             ctx: ctx.clone(),
             errors: errors.clone(),
+            gateway: forwarding.trusted.iter().any(|c| c.contains(peer)),
         }
     }
 }
@@ -124,14 +141,24 @@ where
                 ttfb: None,
             })
         });
+        let (clients, key) = (&ctx.clients, ctx.conn().client);
+        let (inner, client) = match self.gateway || clients.take(key) {
+            true => (
+                Some(self.inner.call(req)),
+                (!self.gateway).then(|| ClientStream::new(ctx)),
+            ),
+            // Refused before anything below runs (no body read for a request turned away).
+            false => (None, None),
+        };
         Responding {
             started,
-            inner: self.inner.call(req),
+            inner,
             ctx: self.ctx.clone(),
             errors: self.errors.clone(),
             labels,
             slot,
             access,
+            client,
         }
     }
 }
@@ -139,7 +166,8 @@ where
 /// The answer of the layers below, turned into the client's response. A future of its own
 /// rather than a boxed `async` block: this is one allocation less on every request.
 pub struct Responding<F> {
-    inner: F,
+    /// `None`: refused for its address's `server.max_streams_per_client`.
+    inner: Option<F>,
     started: Instant,
     ctx: Ctx,
     errors: Arc<Errors>,
@@ -147,6 +175,8 @@ pub struct Responding<F> {
     /// Where `select` writes the request's model, in a fleet that routes by model.
     slot: Option<ModelSlot>,
     access: Option<Box<Access>>,
+    /// The request's place among its address's streams, moved into the answer's body.
+    client: Option<ClientStream>,
 }
 
 impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
@@ -154,7 +184,10 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let answer = ready!(Pin::new(&mut this.inner).poll(cx));
+        let answer = match &mut this.inner {
+            Some(inner) => ready!(Pin::new(inner).poll(cx)),
+            None => Err(ProxyError::ClientStreams(this.ctx.clients.limit)),
+        };
         let (ctx, mut labels) = (&this.ctx, this.labels);
         if let Some(slot) = &this.slot {
             labels.model = slot.get();
@@ -194,7 +227,9 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
             a.attempts = attempts;
             done.access = Some(a);
         }
-        resp.body_mut().holds.done = Some(done);
+        let holds = &mut resp.body_mut().holds;
+        holds.done = Some(done);
+        holds.client = this.client.take();
         Poll::Ready(Ok(resp))
     }
 }

@@ -199,7 +199,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
         .layer_fn(|inner| l.read(inner, c))
         .layer_fn(|inner| select::Select::new(inner, c, &l.extra_routes))
         .layer_fn(|inner| tokens::Tokens::new(inner, c, &l.prompts))
-        .layer_fn(|inner| l.admit(l.disagg(l.retry(l.pick(inner, c), c), c), c))
+        .layer_fn(|inner| l.admit(l.disagg(l.retry(l.pick(inner, c), c), c)))
         .service(l.observe_send(c))
 }
 
@@ -232,7 +232,7 @@ impl Layers {
     }
 
     pub(super) fn respond<S>(&self, inner: S, c: &Ctx) -> respond::Respond<S> {
-        respond::Respond::new(inner, c, &self.errors)
+        respond::Respond::new(inner, c, &self.errors, &self.forwarding)
     }
 
     pub(super) fn auth<S>(&self, inner: S) -> auth::Auth<S> {
@@ -247,8 +247,8 @@ impl Layers {
         read::Read::new(inner, c, self.limits)
     }
 
-    pub(super) fn admit<S>(&self, inner: S, c: &Ctx) -> admit::Admit<S> {
-        admit::Admit::new(inner, c, &self.admission, &self.forwarding)
+    pub(super) fn admit<S>(&self, inner: S) -> admit::Admit<S> {
+        admit::Admit::new(inner, &self.admission)
     }
 
     pub(super) fn disagg<S>(&self, inner: S, c: &Ctx) -> disagg::Disagg<S> {
@@ -277,7 +277,7 @@ impl Layers {
     /// The lower half both front doors share, above and below what only one of them has
     /// (gRPC's `track` between pick and observe).
     fn admit_retry_pick<S>(&self, inner: S, c: &Ctx) -> admit::Admit<retry::Retry<pick::Pick<S>>> {
-        self.admit(self.retry(self.pick(inner, c), c), c)
+        self.admit(self.retry(self.pick(inner, c), c))
     }
 
     fn observe_send(&self, c: &Ctx) -> observe::Observe<send::Send> {

@@ -124,7 +124,7 @@ async fn route_answers_404_and_405_and_passes_the_rest() {
 async fn admission_counts_until_the_body_ends() {
     let s = shared("[server]\nmax_in_flight = 1\n");
     let inner = service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
-    let mut admit = s.layers.admit(inner, &s.ctx);
+    let mut admit = s.layers.admit(inner);
     let held = admit.call(Request::new(())).await.unwrap();
     let e = admit.call(Request::new(())).await.unwrap_err();
     assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -137,17 +137,31 @@ async fn admission_counts_until_the_body_ends() {
 async fn a_client_address_past_its_streams_gets_429_and_another_does_not() {
     let s = shared("[server]\nmax_streams_per_client = 1\n");
     let inner = || service_fn(|_: Request<()>| async { Ok::<_, ProxyError>(answer(200)) }).boxed();
-    let mut admit = s.layers.admit(inner(), &s.ctx);
-    let held = admit.call(Request::new(())).await.unwrap();
-    let e = admit.call(Request::new(())).await.unwrap_err();
-    assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert!(e.to_string().contains("max_streams_per_client"), "{e}");
+    let mut respond = s.layers.respond(inner(), &s.ctx);
+    let held = respond.call(Request::new(())).await.unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    let refused = respond.call(Request::new(())).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = refused.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.contains("in flight from this address"), "{text}");
     // Another address's connection is counted apart.
     let other = Ctx::new(s.layers.shared(), ([127, 0, 0, 2], 9).into(), Front::Http);
-    let mut theirs = s.layers.admit(inner(), &other);
-    assert!(theirs.call(Request::new(())).await.is_ok());
+    let mut theirs = s.layers.respond(inner(), &other);
+    assert_eq!(
+        theirs.call(Request::new(())).await.unwrap().status(),
+        StatusCode::OK
+    );
+    // The count goes down when the held answer's body ends, not before.
+    assert_eq!(
+        respond.call(Request::new(())).await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
     held.into_body().collect().await.unwrap();
-    assert!(admit.call(Request::new(())).await.is_ok());
+    assert_eq!(
+        respond.call(Request::new(())).await.unwrap().status(),
+        StatusCode::OK
+    );
 }
 
 #[tokio::test]

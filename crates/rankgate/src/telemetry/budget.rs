@@ -141,7 +141,11 @@ mod tests {
         }
         let started = tokio::time::Instant::now();
         assert!(b.enter(false).await.is_some());
-        assert!(started.elapsed() <= REFILL_EVERY * 2, "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() <= REFILL_EVERY * 2,
+            "{:?}",
+            started.elapsed()
+        );
         // Refilled on up to a second's worth, then asleep again.
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(b.starts.available_permits(), 200);
