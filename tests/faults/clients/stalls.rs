@@ -265,10 +265,11 @@ async fn stalled_connections_are_closed_after_their_timeouts() {
     let limit = Duration::from_secs(2);
     let r = router(
         // Every stalled connection from this one address held to its timeout: the address may
-        // hold the whole table.
+        // hold the whole table, and as many requests (a stalled body is one in flight of its
+        // address's; past max_streams_per_client it would get 429 at once, not its timeout).
         &format!(
             "header_read_timeout = \"2s\"\nbody_read_timeout = \"2s\"\n\
-             max_connections_per_client = 1000000\n{FAST}"
+             max_connections_per_client = 1000000\nmax_streams_per_client = 1000000\n{FAST}"
         ),
         &[engine_toml(&e.url(), "vllm", 2, 0)],
     )
