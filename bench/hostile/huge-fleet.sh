@@ -24,6 +24,7 @@
 #
 # Loopback only; every loop bounded; every process started is stopped on exit.
 # Usage: bench/hostile/huge-fleet.sh [N=20000] [KINDS="refused blackholed"] [HOLD=20]
+#   INSPECT=1: glibc's malloc_stats at the end (through gdb), to tell memory in use from memory held.
 #   HOLD: seconds the huge fleet is kept before the reload back.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -142,6 +143,12 @@ l.bind(("0.0.0.0", int(sys.argv[1]))); l.listen(0); time.sleep(900)' "$DEAD" & p
   peak=$(hwm_kb "$RG")
   sleep 60
   after=$(rss_kb "$RG")
+  if [ -n "${INSPECT:-}" ]; then
+    # What the 60 s RSS is made of: glibc's own count of the bytes in use and held (to stderr,
+    # the log), per arena.
+    gdb -p "$RG" -batch -ex 'call (void)malloc_stats()' >/dev/null 2>&1 || true
+    grep -E "^(Arena|system bytes|in use bytes|Total)" "$work/log-$kind" | tail -40 >&2 || true
+  fi
   p50=? p99=? max=? lost=? bad=? samples=?
   read -r p50 p99 max lost bad samples < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("%.0f %.0f %.0f %d %d %d" % (d["p50"], d["p99"], d["max"], d["lost"], d["bad"], d["samples"]))' "$work/watched") || echo "$kind: the watcher left no figures" >&2
   printf '%-10s %6s %9.0f %22s %8s %11s %6s %9s %10s %8s %12s\n' "$kind" "${big% *}" \

@@ -10,6 +10,15 @@
 //! requests in flight or of client connections open: a flood of idle sockets or half-done
 //! handshakes grew the heap by hundreds of megabytes without a single request, and kept it.
 //! A fleet's engines count as well: a reload to thousands of engines and back is a burst too.
+//!
+//! Trimming frees only whole free pages, and glibc's own tuning worked against it: each large
+//! block it gave back to the system raised the size from which blocks are mapped apart
+//! (`M_MMAP_THRESHOLD`, up to 32 MiB), so the fleet-sized vectors of every snapshot published
+//! during a huge fleet went into the arenas, and the small long-lived blocks allocated among
+//! them pinned their pages: after a reload to 20,000 engines and back, 33-47 MB resident for 3 MB
+//! in use (13 MB before). The threshold is fixed at 1 MiB ([`tune`]): 20 MB after
+//! (bench/hostile/huge-fleet.sh, docs/reliability.md). Request bodies under 1 MiB still come
+//! from the arenas.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +39,7 @@ pub fn spawn(
     doors: Vec<Arc<Door>>,
     mut shutdown: Shutdown,
 ) -> tokio::task::JoinHandle<()> {
+    tune();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -83,3 +93,23 @@ fn trim() -> bool {
 fn trim() -> bool {
     false
 }
+
+/// Blocks of 1 MiB and more are mapped apart and unmapped when freed, always (see the module
+/// doc), unless the operator tuned the threshold through the environment (glibc reads
+/// `MALLOC_MMAP_THRESHOLD_` and `GLIBC_TUNABLES` at start): theirs stands.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn tune() {
+    let tuned = std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
+        || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("mmap_threshold"));
+    if !tuned {
+        // SAFETY: mallopt only sets the allocator's parameter; a value it refuses changes nothing.
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn tune() {}
+
+/// See [`tune`].
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const MMAP_THRESHOLD: i32 = 1 << 20;

@@ -88,8 +88,12 @@ where
             || req.uri().path() == "/v1/responses";
         let keep = if whole { self.max_body } else { self.keep };
         let (max, pace) = (self.max_body, BodyPace::new(self.stall, self.whole));
+        // Taken apart here, not in the block: what the block captures it keeps for its whole
+        // life, so the request whole and then its parts made it 264 bytes larger, past the
+        // largest allocation glibc reuses per thread (1,032 bytes: every request's box of this
+        // went through the arena's bins).
+        let (parts, body) = req.into_parts();
         Box::pin(async move {
-            let (parts, body) = req.into_parts();
             let body = read(body, length, max, keep, pace).await?;
             inner.call(Request::from_parts(parts, body)).await
         })
@@ -106,9 +110,11 @@ async fn next_frame(
     let first = std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await;
     match first {
         Poll::Ready(frame) => Ok(frame),
+        // Boxed: a timer inline made every request's read future 112 bytes larger, for the
+        // rare client that makes us wait.
         Poll::Pending => {
             let (until, error) = pace.wait();
-            tokio::time::timeout_at(until, next)
+            Box::pin(tokio::time::timeout_at(until, next))
                 .await
                 .map_err(|_| error)
         }

@@ -131,18 +131,20 @@ where
         // Only a body kept whole can be sent twice; the head is copied only then. Even with
         // retries off (max_attempts = 1): a kept connection the engine had closed is sent on
         // again.
-        let again = req.body().replay().map(|body| Again {
-            head: head(&req),
-            body,
-            inner: self.inner.clone(),
-            ctx: self.ctx.clone(),
-            policy: self.policy.clone(),
-            // Engines ruled out before the first attempt (by model or route) stay out.
-            avoid: req.extensions().get::<Avoid>().cloned().unwrap_or_default(),
-            attempts: 1,
-            resent: 0,
-            last: None,
-            until: req.extensions().get::<RetryUntil>().copied(),
+        let again = req.body().replay().map(|body| {
+            Box::new(Again {
+                head: head(&req),
+                body,
+                inner: self.inner.clone(),
+                ctx: self.ctx.clone(),
+                policy: self.policy.clone(),
+                // Engines ruled out before the first attempt (by model or route) stay out.
+                avoid: req.extensions().get::<Avoid>().cloned().unwrap_or_default(),
+                attempts: 1,
+                resent: 0,
+                last: None,
+                until: req.extensions().get::<RetryUntil>().copied(),
+            })
         });
         Retrying {
             attempt: self.inner.call(req),
@@ -155,8 +157,11 @@ where
 /// less on every request.
 pub struct Retrying<S: Below<RequestBody>> {
     attempt: S::Future,
-    /// What another attempt needs; `None` when the request cannot be sent twice.
-    again: Option<Again<S>>,
+    /// What another attempt needs; `None` when the request cannot be sent twice. Boxed: inline
+    /// it made `read`'s boxed future 1,368 bytes, past the largest size glibc keeps per thread
+    /// for reuse (1,032), so every request's allocation of it went through the arena's bins
+    /// (about 250 instructions more than a box of each, bench/instructions.sh).
+    again: Option<Box<Again<S>>>,
 }
 
 pub struct Again<S> {
@@ -170,8 +175,8 @@ pub struct Again<S> {
     /// Times it was sent again after a kept connection turned out closed (not attempts).
     resent: u32,
     /// While a later attempt runs: the failure before it, which stands if it finds no rank.
-    /// Boxed (only a retry fills it): inline, an answer made every request's future 512 bytes
-    /// larger, and every move of it up the stack that much longer.
+    /// Boxed (only a retry fills it): inline, an answer made every request's `Again` 512 bytes
+    /// larger (moved by value, and past the size glibc reuses per thread: see `again`).
     last: Option<Box<(Answer, u32)>>,
     /// No retry starts after this (a decode leg: its prefill server's lease on the blocks),
     /// and whether a 500 is retried until then.
