@@ -1,6 +1,6 @@
 # Shared by the bench/ scripts (sourced from the repository root): a work directory and the
-# processes to stop on exit, free loopback ports, a process's CPU ticks, a wrk run with the
-# CPU it cost, and the nginx configs they run.
+# processes to stop on exit, free loopback ports, a process's CPU ticks, waiting for a URL, a
+# simulated vLLM server, a wrk run with the CPU it cost, and the nginx configs they run.
 
 work=$(mktemp -d)
 pids=()
@@ -11,6 +11,16 @@ cp tests/fixtures/vllm-0.32-dp2-metrics.txt "$work/metrics"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# Waits (10 s at most) until URL answers 2xx.
+wait_http() { for _ in $(seq 100); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done; echo "no answer from $1" >&2; return 1; }
+# A simulated vLLM server (DP 2) on 127.0.0.1:PORT, its log in LOG, extra flags after: started,
+# stopped on exit, waited for.
+mock_vllm() { # port log [flags...]
+  local port=$1 log=$2; shift 2
+  "$RANKGATE" mock-engine --listen "127.0.0.1:$port" --flavor vllm --dp-size 2 "$@" >"$log" 2>&1 &
+  pids+=($!)
+  wait_http "http://127.0.0.1:$port/health"
+}
 
 # wrk's latency percentile ("50%" or "99%") in milliseconds (it prints us, ms or s).
 wrk_ms() {

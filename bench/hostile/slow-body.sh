@@ -10,12 +10,9 @@ RANKGATE=${RANKGATE:-target/release/rankgate}
 [ -x "$RANKGATE" ] || cargo build --release --locked --bin rankgate >&2
 # The work directory, the processes stopped on exit, free_port.
 source bench/lib.sh
-wait_http() { for _ in $(seq 100); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done; echo "no answer from $1" >&2; return 1; }
 
 engine=$(free_port); front=$(free_port); admin=$(free_port)
-"$RANKGATE" mock-engine --listen "127.0.0.1:$engine" --flavor vllm --dp-size 2 >"$work/engine.log" 2>&1 &
-pids+=($!)
-wait_http "http://127.0.0.1:$engine/health"
+mock_vllm "$engine" "$work/engine.log"
 cat >"$work/rg.toml" <<CONF
 [server]
 listen = "127.0.0.1:$front"

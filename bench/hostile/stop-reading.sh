@@ -27,7 +27,6 @@ RANKGATE=${RANKGATE:-$TARGET_DIR/release/rankgate}
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 # The work directory, the processes stopped on exit, free_port.
 source bench/lib.sh
-wait_http() { for _ in $(seq 100); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done; echo "no answer from $1" >&2; return 1; }
 
 cat >"$work/flood.py" <<'PY'
 # flood.py FRONT ENGINE_METRICS PROXY_METRICS(or -) FLOOD HOLD TOKENS
@@ -142,9 +141,7 @@ run() { # title front engine-metrics proxy-metrics
 }
 
 engine=$(free_port); front=$(free_port); admin=$(free_port)
-"$RANKGATE" mock-engine --listen "127.0.0.1:$engine" --flavor vllm --dp-size 2 >"$work/engine.log" 2>&1 &
-pids+=($!)
-wait_http "http://127.0.0.1:$engine/health"
+mock_vllm "$engine" "$work/engine.log"
 cat >"$work/rg.toml" <<CONF
 [server]
 listen = "127.0.0.1:$front"
@@ -162,9 +159,7 @@ run "rankgate (defaults: send_timeout 60 s, max_streams_per_client 256)" "$front
 
 if command -v nginx >/dev/null; then
   engine2=$(free_port); nx=$(free_port)
-  "$RANKGATE" mock-engine --listen "127.0.0.1:$engine2" --flavor vllm --dp-size 2 >"$work/engine2.log" 2>&1 &
-  pids+=($!)
-  wait_http "http://127.0.0.1:$engine2/health"
+  mock_vllm "$engine2" "$work/engine2.log"
   cat >"$work/nginx.conf" <<CONF
 worker_processes 1; daemon off; pid $work/nginx.pid; error_log $work/nginx.err;
 worker_rlimit_nofile 8192;

@@ -33,7 +33,7 @@ pub struct Holds {
     pub in_flight: Option<InFlight>,
     /// A slot under `server.max_in_flight` (admission).
     pub admitted: Option<Admitted>,
-    /// A request of its client address's, under `server.max_streams_per_client` (admission).
+    /// A request of its client address's, under `server.max_streams_per_client` (respond).
     pub client: Option<ClientStream>,
     /// A connection slot under `server.max_engine_connections` (send).
     pub connection: Option<Slot>,

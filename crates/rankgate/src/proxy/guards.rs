@@ -45,7 +45,8 @@ impl Drop for Admitted {
 }
 
 /// One request counted against its client address's `server.max_streams_per_client` until
-/// its response body ends. Holds the connection's handle, whose count stays on its core.
+/// its response body ends (taken by `respond`). Holds the connection's handle (whose reference
+/// count stays on its core); the count itself is one table for the router.
 #[derive(Debug)]
 pub struct ClientStream(Ctx);
 
@@ -57,7 +58,9 @@ impl ClientStream {
 
 impl Drop for ClientStream {
     fn drop(&mut self) {
-        self.0.clients.give_back(self.0.conn().client);
+        if let Some(key) = self.0.conn().client {
+            self.0.clients.give_back(key);
+        }
     }
 }
 
@@ -166,8 +169,9 @@ pub struct Slot {
     /// back to once the response has ended cleanly ([`Slot::ended`]).
     pub(super) sender: Option<Sender>,
     core: usize,
-    /// The client's key, whose share of the engine's slots this one counts in.
-    client: u32,
+    /// The client's key, whose share of the engine's slots this one counts in (`None`: a
+    /// trusted proxy's, held to no share).
+    client: Option<u32>,
     ended: bool,
 }
 
@@ -190,7 +194,7 @@ impl Slot {
             stream: Some(k),
             sender: None,
             core: 0,
-            client: 0,
+            client: None,
             ended: false,
         }
     }

@@ -1,11 +1,12 @@
 //! Every error becomes an OpenAI-shaped response, every response is counted, and each request's
-//! latency is recorded when its body ends. The outermost layer that can fail: only `identity`
-//! and `cors` (which add headers, and answer preflights) run outside it.
+//! latency is recorded when its body ends. The outermost layer that can fail: only `identity`,
+//! `trace` and `cors` (which add headers, and answer preflights) run outside it.
 //!
-//! It also counts each request against its client address's `server.max_streams_per_client`
-//! until the answer's body ends, and answers 429 past it before anything below runs (peers in
-//! `server.trusted_proxies` carry many clients' requests and are not held to it): one address
-//! must not hold more of the fleet than a share well below what one engine can take. Here
+//! It also counts each request an engine serves against its client address's
+//! `server.max_streams_per_client` until the answer's body ends, and answers 429 past it before
+//! anything below runs (peers in `server.trusted_proxies` carry many clients' requests and are
+//! not held to it; rankgate's own answers, a gRPC `Abort` above all, are not counted): one
+//! address must not hold more of the fleet than a share well below what one engine can take. Here
 //! rather than in `admit`, so that the count rides in this layer's future and answer, which
 //! every request has anyway: a future of its own in `admit` cost about 300 instructions per
 //! request (bench/instructions.sh).
@@ -40,8 +41,6 @@ pub struct Respond<S> {
     inner: S,
     ctx: Ctx,
     errors: Arc<Errors>,
-    /// The connection's peer is a trusted proxy: no per-client limit.
-    gateway: bool,
 }
 
 /// How errors are answered and logged, one for the router.
@@ -89,18 +88,11 @@ impl std::fmt::Display for Logged<'_> {
 }
 
 impl<S> Respond<S> {
-    pub fn new(
-        inner: S,
-        ctx: &Ctx,
-        errors: &Arc<Errors>,
-        forwarding: &super::identity::Forwarding,
-    ) -> Respond<S> {
-        let peer = ctx.conn().peer.ip();
+    pub fn new(inner: S, ctx: &Ctx, errors: &Arc<Errors>) -> Respond<S> {
         Respond {
             inner,
             ctx: ctx.clone(),
             errors: errors.clone(),
-            gateway: forwarding.trusted.iter().any(|c| c.contains(peer)),
         }
     }
 }
@@ -141,14 +133,14 @@ where
                 ttfb: None,
             })
         });
-        let (clients, key) = (&ctx.clients, ctx.conn().client);
-        let (inner, client) = match self.gateway || clients.take(key) {
-            true => (
-                Some(self.inner.call(req)),
-                (!self.gateway).then(|| ClientStream::new(ctx)),
-            ),
+        let key = ctx.conn().client.filter(|_| counted(ctx, req.uri().path()));
+        let (inner, client) = match key {
+            None => (Some(self.inner.call(req)), None),
+            Some(key) if ctx.clients.take(key) => {
+                (Some(self.inner.call(req)), Some(ClientStream::new(ctx)))
+            }
             // Refused before anything below runs (no body read for a request turned away).
-            false => (None, None),
+            Some(_) => (None, None),
         };
         Responding {
             started,
@@ -231,6 +223,16 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
         holds.done = Some(done);
         holds.client = this.client.take();
         Poll::Ready(Ok(resp))
+    }
+}
+
+/// Whether a request counts among its address's streams: one an engine serves. rankgate's own
+/// answers (the model list, gRPC health, `GetLoads`, `FlushCache`, and `Abort` above all: it
+/// frees a place) hold nothing of the fleet, and a client at its cap must still get them.
+fn counted(ctx: &Ctx, path: &str) -> bool {
+    match ctx.grpc() {
+        true => super::grpc::proxied(path),
+        false => !super::route::answered_here(path),
     }
 }
 

@@ -95,6 +95,12 @@ pub enum Action {
 /// Stored responses live on the engine that created them, which rankgate does not track.
 pub const STORED_RESPONSES: &str = "stored responses are kept by the engine that created them, and rankgate does not route by response id: send requests with \"store\": false and the whole conversation instead of previous_response_id";
 
+/// Whether `path` is answered by rankgate itself (the model list, a model), whatever the method.
+pub fn answered_here(path: &str) -> bool {
+    path.strip_prefix("/v1/models")
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
 /// The action for `method` on `path`, or the error the client gets.
 pub fn lookup(
     ctx: &Ctx,

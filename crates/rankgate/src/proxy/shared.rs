@@ -7,6 +7,7 @@ use std::sync::Arc;
 use http::header::HeaderValue;
 
 use super::streams::{client_key, ClientStreams};
+use crate::config::Cidr;
 use crate::metrics::Metrics;
 use crate::policy::Selector;
 use crate::table::Table;
@@ -26,6 +27,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Requests in flight per client address (`server.max_streams_per_client`).
     pub clients: ClientStreams,
+    /// `server.trusted_proxies`: peers that carry many clients' requests.
+    pub trusted: Box<[Cidr]>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -57,8 +60,10 @@ pub struct Conn {
     pub peer_ip: HeaderValue,
     /// The front door it came in through.
     pub front: Front,
-    /// Its address's key in the per-client counts ([`ClientStreams`], engines' shares).
-    pub client: u32,
+    /// Its address's key in the per-client counts ([`ClientStreams`], engines' shares);
+    /// `None` for a peer in `server.trusted_proxies`, which carries many clients' requests and
+    /// is held to neither.
+    pub client: Option<u32>,
 }
 
 impl Ctx {
@@ -74,7 +79,8 @@ impl Ctx {
             peer,
             peer_ip: peer_ip_header(peer),
             front,
-            client: client_key(peer.ip()),
+            client: (!shared.trusted.iter().any(|c| c.contains(peer.ip())))
+                .then(|| client_key(peer.ip())),
         }))
     }
 

@@ -97,6 +97,7 @@ impl Layers {
             selector: Arc::new(Selector::new(routing)),
             metrics,
             clients: super::streams::ClientStreams::new(server.streams_per_client()),
+            trusted: server.trusted_proxies.clone().into(),
         });
         Arc::new(Layers {
             forwarding: Arc::new(identity::Forwarding::new(
@@ -232,7 +233,7 @@ impl Layers {
     }
 
     pub(super) fn respond<S>(&self, inner: S, c: &Ctx) -> respond::Respond<S> {
-        respond::Respond::new(inner, c, &self.errors, &self.forwarding)
+        respond::Respond::new(inner, c, &self.errors)
     }
 
     pub(super) fn auth<S>(&self, inner: S) -> auth::Auth<S> {

@@ -152,6 +152,9 @@ async fn a_client_address_past_its_streams_gets_429_and_another_does_not() {
         theirs.call(Request::new(())).await.unwrap().status(),
         StatusCode::OK
     );
+    // rankgate's own answers are no engine's streams: served at the cap.
+    let models = Request::get("/v1/models").body(()).unwrap();
+    assert_eq!(respond.call(models).await.unwrap().status(), StatusCode::OK);
     // The count goes down when the held answer's body ends, not before.
     assert_eq!(
         respond.call(Request::new(())).await.unwrap().status(),

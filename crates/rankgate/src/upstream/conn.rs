@@ -54,30 +54,35 @@ impl Slots {
         &self.shares[client as usize % SHARE_BUCKETS]
     }
 
-    /// A slot for the client `client` (its key), now: `Err(true)` when its share is what
-    /// holds it back, `Err(false)` when every slot is taken.
-    fn try_take_as(&self, client: u32) -> Result<(), bool> {
+    /// A slot for the client `client` (its key; `None`: a trusted proxy, held to no share),
+    /// now: `Err(true)` when its share is what holds it back, `Err(false)` when every slot is
+    /// taken.
+    fn try_take_as(&self, client: Option<u32>) -> Result<(), bool> {
         let share = self.share;
-        let bucket = self.bucket(client);
-        if (bucket.fetch_update(SeqCst, SeqCst, |n| (n < share).then_some(n + 1))).is_err() {
-            return Err(true);
+        let bucket = client.map(|c| self.bucket(c));
+        if let Some(b) = bucket {
+            if (b.fetch_update(SeqCst, SeqCst, |n| (n < share).then_some(n + 1))).is_err() {
+                return Err(true);
+            }
         }
         let taken = self
             .used
             .fetch_update(SeqCst, SeqCst, |n| (n < self.limit).then_some(n + 1))
             .is_ok();
         if !taken {
-            bucket.fetch_sub(1, SeqCst);
+            if let Some(b) = bucket {
+                b.fetch_sub(1, SeqCst);
+            }
             return Err(false);
         }
         Ok(())
     }
 
-    pub(crate) fn try_take(&self, client: u32) -> bool {
+    pub(crate) fn try_take(&self, client: Option<u32>) -> bool {
         self.try_take_as(client).is_ok()
     }
 
-    pub(crate) async fn take(&self, client: u32) {
+    pub(crate) async fn take(&self, client: Option<u32>) {
         self.waiting.fetch_add(1, SeqCst);
         // Counted as waiting before looking, so a slot given back after the look wakes us.
         struct Waiting<'a>(&'a AtomicUsize, &'a AtomicUsize, bool);
@@ -119,8 +124,10 @@ impl Slots {
         self.bucket(client).load(SeqCst)
     }
 
-    pub(crate) fn give_back(&self, client: u32) {
-        self.bucket(client).fetch_sub(1, SeqCst);
+    pub(crate) fn give_back(&self, client: Option<u32>) {
+        if let Some(c) = client {
+            self.bucket(c).fetch_sub(1, SeqCst);
+        }
         self.used.fetch_sub(1, SeqCst);
         if self.waiting.load(SeqCst) > 0 {
             match self.held_back.load(SeqCst) {
@@ -260,6 +267,7 @@ impl Streams {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -274,10 +282,22 @@ mod tests {
         assert_eq!(host_header("[::1]:8000", false), "[::1]:8000");
     }
 
+    /// Whether `n` goes above 0 within 5 s: a waiter has counted itself.
+    async fn counted(n: &AtomicUsize) -> bool {
+        let above = async {
+            while n.load(super::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), above)
+            .await
+            .is_ok()
+    }
+
     #[tokio::test]
     async fn a_full_engine_makes_the_next_request_wait_until_a_slot_is_given_back() {
         let slots = Arc::new(Slots::new(2));
-        let [a, b, c, d] = [0, 1, 2, 3];
+        let [a, b, c, d] = [0, 1, 2, 3].map(Some);
         assert!(slots.try_take(a) && slots.try_take(b));
         assert!(!slots.try_take(c), "at the cap");
         let waiter = {
@@ -285,13 +305,7 @@ mod tests {
             tokio::spawn(async move { slots.take(c).await })
         };
         // Still waiting: nothing was given back.
-        let waiting = tokio::time::timeout(Duration::from_millis(50), async {
-            while slots.waiting.load(super::SeqCst) == 0 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await;
-        assert!(waiting.is_ok(), "the waiter counts itself");
+        assert!(counted(&slots.waiting).await, "the waiter counts itself");
         assert!(!waiter.is_finished());
         slots.give_back(a);
         tokio::time::timeout(Duration::from_secs(5), waiter)
@@ -308,23 +322,17 @@ mod tests {
     #[tokio::test]
     async fn one_client_holds_at_most_half_the_slots_and_waits_for_its_own() {
         let slots = Arc::new(Slots::new(4));
-        let (flood, other) = (7, 8);
+        let (flood, other) = (Some(7), Some(8));
         assert!(slots.try_take(flood) && slots.try_take(flood));
         assert!(!slots.try_take(flood), "past its share, with slots free");
-        assert_eq!(slots.held_by(flood), 2);
+        assert_eq!(slots.held_by(7), 2);
         assert!(slots.try_take(other), "another client still finds a slot");
         let waiter = {
             let slots = slots.clone();
             tokio::spawn(async move { slots.take(flood).await })
         };
-        let held_back = tokio::time::timeout(Duration::from_secs(5), async {
-            while slots.held_back.load(super::SeqCst) == 0 {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await;
         assert!(
-            held_back.is_ok(),
+            counted(&slots.held_back).await,
             "the flood's next request waits, held back by its share"
         );
         // Another client's slot given back frees none of the flood's share: it still waits.
@@ -336,7 +344,15 @@ mod tests {
             .await
             .expect("woken once one of its own ended")
             .unwrap();
-        assert_eq!(slots.held_by(flood), 2);
+        assert_eq!(slots.held_by(7), 2);
         assert_eq!(slots.held_back.load(super::SeqCst), 0);
+        // A trusted proxy (no key) carries many clients: held to no share, only to the cap.
+        slots.give_back(flood);
+        slots.give_back(flood);
+        assert!(
+            (0..4).all(|_| slots.try_take(None)),
+            "all four, past any share"
+        );
+        assert!(!slots.try_take(None), "at the cap");
     }
 }

@@ -56,6 +56,13 @@ pub(super) fn flavor_of(service: &str) -> Option<Flavor> {
     }
 }
 
+/// Whether the call at `path` goes to an engine (for `respond`'s count of a client's streams):
+/// not the ones answered here, nor those refused.
+pub fn proxied(path: &str) -> bool {
+    let call = parse_path(path).and_then(|(service, method)| call(flavor_of(service)?, method));
+    matches!(call, Some(Call::Proxy { .. }))
+}
+
 /// The rank field of a proxied call's request message (for `pick`).
 pub fn rank_field(path: &str) -> Option<u64> {
     let (service, method) = parse_path(path)?;

@@ -24,7 +24,7 @@ pub(crate) mod status;
 mod track;
 
 pub use answer::{answered, status_response};
-pub use calls::{pin, rank_field};
+pub use calls::{pin, proxied, rank_field};
 pub use local::Local;
 pub use requests::Requests;
 pub use route::Route;
@@ -36,6 +36,22 @@ mod tests {
     use super::status::{percent_decode, status_headers};
     use crate::worker::Flavor;
     use tonic::Code;
+
+    #[test]
+    fn only_calls_an_engine_serves_count_among_a_clients_streams() {
+        for service in [VLLM_SERVICE, SGLANG_SERVICE] {
+            assert!(proxied(&format!("/{service}/Generate")));
+            assert!(proxied(&format!("/{service}/GetModelInfo")));
+            for method in ["Abort", "GetLoads", "FlushCache", "NoSuchMethod"] {
+                assert!(
+                    !proxied(&format!("/{service}/{method}")),
+                    "{service}/{method}"
+                );
+            }
+        }
+        assert!(!proxied(&format!("/{HEALTH_SERVICE}/Check")));
+        assert!(!proxied("/not-a-method"));
+    }
 
     #[test]
     fn one_message_takes_exactly_one_uncompressed_frame() {
