@@ -191,14 +191,16 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
             ),
             Err(e) => (e.worker().map(|w| w.id_text.clone()), e.attempts()),
         };
-        let mut resp = match answer {
+        // The status counted and logged: an error's own (a gRPC error answer is HTTP 200 with
+        // its code in a header, and its log line said 200 for a refusal).
+        let (mut resp, status) = match answer {
             Ok(resp) => {
                 let status = super::grpc::answered(&resp, ctx.grpc()).as_u16();
                 match &resp.body().target {
                     Some(t) => ctx.metrics.response(&t.worker, labels, status),
                     None => ctx.metrics.local_response(labels, status),
                 }
-                resp
+                (resp, status)
             }
             Err(e) => {
                 count(ctx, &e, labels);
@@ -207,14 +209,14 @@ impl<F: Future<Output = Answer> + Unpin> Future for Responding<F> {
                 if let ProxyError::Decode(d) = e.root() {
                     resp.body_mut().holds.prefill = Some(Box::new(d.prefill.clone()));
                 }
-                resp
+                (resp, e.status().as_u16())
             }
         };
         resp.body_mut().holds.attempts = attempts;
         let mut done = Done::new(this.started, ctx, labels.model);
         done.prefill = resp.body_mut().holds.prefill.take();
         if let Some(mut a) = this.access.take() {
-            a.status = super::grpc::answered(&resp, ctx.grpc()).as_u16();
+            a.status = status;
             a.worker = worker;
             a.attempts = attempts;
             done.access = Some(a);
