@@ -185,7 +185,14 @@ async fn each_side_picks_its_own_least_loaded_rank_and_the_loaded_ranks_get_no_l
 
 #[tokio::test]
 async fn an_engine_killed_on_each_side_mid_run_fails_no_request() {
-    let (p, d, r) = pd_fleet(SimFlavor::Vllm, 2, 2, 2, "").await;
+    // What is tested is that every request a dead engine held is failed over to the
+    // survivors, which takes up to three retries each (the prefill's transport failure, the
+    // decode's 500 once its prefill is gone and once more on another decode rank, a new round
+    // from the other prefill). With 40 in flight at the kill, that is about what the default
+    // budget allows (20% of ~180 legs plus the floor of 20): a slow run spent it (48 retries,
+    // 3 refused, in 2 of 6 runs of this binary beside the suite). The budget's own bound is
+    // `tests/faults` `retry_budget_caps_extra_load_when_everything_fails`; here it is lifted.
+    let (p, d, r) = pd_fleet(SimFlavor::Vllm, 2, 2, 2, "[routing]\nretry_budget = 1.0").await;
     let addr = r.addr;
     let run = move |k: usize| {
         let body =
@@ -209,7 +216,10 @@ async fn an_engine_killed_on_each_side_mid_run_fails_no_request() {
             let text = String::from_utf8_lossy(&m.body).to_string();
             let pd: Vec<&str> = text
                 .lines()
-                .filter(|l| l.starts_with("rankgate_pd_failures") && !l.ends_with(" 0"))
+                .filter(|l| {
+                    (l.starts_with("rankgate_pd_failures") || l.starts_with("rankgate_retries"))
+                        && !l.ends_with(" 0")
+                })
                 .collect();
             panic!(
                 "{status} {}\n{pd:?}\n{}",
