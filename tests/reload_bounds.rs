@@ -233,6 +233,9 @@ async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_
     // Watches /ready (every 50 ms) and the real ranks (every 200 ms) until told to stop.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let admin_addr = r.admin_addr;
+    // The urls, not the engines: moved into the watcher, the engines went with it when it
+    // ended, and the last check below then found them gone (connection refused).
+    let (url_a, url_b) = (a.url(), b.url());
     let watcher = tokio::spawn({
         let stop = stop.clone();
         async move {
@@ -254,7 +257,7 @@ async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_
                     let rows = rows.as_array().cloned().unwrap_or_default();
                     for row in rows.iter().filter(|w| {
                         let id = w["id"].as_str().unwrap_or("");
-                        id.starts_with(&a.url()) || id.starts_with(&b.url())
+                        id.starts_with(&url_a) || id.starts_with(&url_b)
                     }) {
                         if row["telemetry"] != "available" {
                             not_available.push(format!("{}: {}", row["id"], row["telemetry"]));
