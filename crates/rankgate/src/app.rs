@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::control::Control;
-use crate::http::{Door, ServeOptions};
+use crate::http::{Door, ServeOptions, Share};
 use crate::membership::{Membership, Sources};
 use crate::metrics::Metrics;
 use crate::policy::Selector;
@@ -122,16 +122,16 @@ pub struct Router {
 }
 
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
-    bind_shared(key, addr, false)
+    bind_shared(key, addr, Share::No)
 }
 
-/// [`bind`], with `SO_REUSEPORT` when `shared` (see [`crate::http::listen`]).
+/// [`bind`], sharing the port as `share` says (see [`crate::http::listen`]).
 fn bind_shared(
     key: &'static str,
     addr: SocketAddr,
-    shared: bool,
+    share: Share,
 ) -> Result<TcpListener, StartError> {
-    crate::http::listen(addr, shared).map_err(|source| StartError::Listen { key, addr, source })
+    crate::http::listen(addr, share).map_err(|source| StartError::Listen { key, addr, source })
 }
 
 /// Thread-per-core: the HTTP front door on one single-threaded runtime per core the process may
@@ -140,14 +140,17 @@ fn bind_shared(
 /// leaves the thread that accepted it (no work stealing, no wake-ups across threads). Each
 /// returned task ends when its thread's front door has drained.
 fn serve_per_core(
+    first: TcpListener,
     addr: SocketAddr,
     layers: &Arc<crate::proxy::Layers>,
     shutdown: watch::Receiver<bool>,
     opts: &ServeOptions,
 ) -> Result<Vec<JoinHandle<()>>, StartError> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let listeners = (0..cores)
-        .map(|_| bind_shared("server.listen", addr, true))
+    // `first` is bound (alone, then shared: `Share::Lead`); the other cores' join its port.
+    let others = (1..cores).map(|_| bind_shared("server.listen", addr, Share::Join));
+    let listeners = std::iter::once(Ok(first))
+        .chain(others)
         .collect::<Result<Vec<_>, _>>()?;
     // One cap (it guards the process's file descriptors), one count per client address and
     // one set of log throttles for all the cores' listeners: the door in `opts`.
@@ -224,7 +227,12 @@ impl Router {
             .map(|t| ServerTls::load("server.admin_tls", t))
             .transpose()?;
         let upstream = Upstream::load(&cfg.engine_tls)?;
-        let listener = bind("server.listen", cfg.server.listen).await?;
+        // Thread-per-core: the first of the cores' listeners, bound alone then shared.
+        let share = match cfg.server.thread_per_core {
+            true => Share::Lead,
+            false => Share::No,
+        };
+        let listener = bind_shared("server.listen", cfg.server.listen, share)?;
         let admin_listener = bind("server.admin_listen", cfg.server.admin_listen).await?;
         let grpc_listener = match cfg.server.grpc_listen {
             Some(a) => Some(bind("server.grpc_listen", a).await?),
@@ -330,11 +338,7 @@ impl Router {
         );
         let selector = layers.shared().selector.clone();
         let mut front = if cfg.server.thread_per_core {
-            // Bound without SO_REUSEPORT above, then again once per core with it: a port
-            // anyone holds is an error, as without thread-per-core (two rankgates would
-            // otherwise both start on one port and split its traffic).
-            drop(listener);
-            serve_per_core(addr, &layers, front_rx.clone(), &front_opts)?
+            serve_per_core(listener, addr, &layers, front_rx.clone(), &front_opts)?
         } else {
             vec![tokio::spawn(crate::http::serve_with(
                 listener,

@@ -11,19 +11,38 @@ use tokio::net::TcpListener;
 /// SYN retry (1 s, then 2 s, ...).
 const LISTEN_BACKLOG: u32 = 4096;
 
-/// A listening socket on `addr`, with `SO_REUSEPORT` when `shared`: then several listeners share
-/// one port and the kernel spreads new connections among them.
-pub fn listen(addr: SocketAddr, shared: bool) -> std::io::Result<TcpListener> {
+/// Whether a listener shares its port with others (`SO_REUSEPORT`: the kernel spreads new
+/// connections among them; thread-per-core's one per core).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Share {
+    /// Its port alone.
+    No,
+    /// The first of a shared port: bound alone, so a port anyone holds is an error (two
+    /// rankgates would otherwise both start on one port and split its traffic), then opened to
+    /// [`Share::Join`]ers before it listens. Bound, dropped and bound again shared, the port
+    /// was free for a moment, and another socket could take it (a test's, now and then).
+    Lead,
+    /// Another listener on a [`Share::Lead`]er's port.
+    Join,
+}
+
+/// A listening socket on `addr`, sharing its port as `share` says.
+pub fn listen(addr: SocketAddr, share: Share) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()
     } else {
         tokio::net::TcpSocket::new_v6()
     }?;
     socket.set_reuseaddr(true)?;
-    if shared {
+    if share == Share::Join {
         socket.set_reuseport(true)?;
     }
     socket.bind(addr)?;
+    if share == Share::Lead {
+        // Before it listens: a listener joins its port's group of shared ones when it starts
+        // listening.
+        socket.set_reuseport(true)?;
+    }
     defer_accept(&socket)?;
     socket.listen(LISTEN_BACKLOG)
 }

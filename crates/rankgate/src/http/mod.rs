@@ -21,7 +21,7 @@ pub use conn::MAX_HEADER_LINES;
 pub use cut::send_timed_out;
 pub use dial::{ConnectTimeout, Dialed, Dialer};
 pub use limits::{default_per_client, Door, DoorStats, ServeOptions, ADMIN_CLIENT_SHARE};
-pub use listen::listen;
+pub use listen::{listen, Share};
 pub use serve::{serve, serve_with};
 pub use shutdown::{shutdown_signalled, Shutdown};
 pub use throttle::Throttle;
