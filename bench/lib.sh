@@ -13,6 +13,13 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # Waits (10 s at most) until URL answers 2xx.
 wait_http() { for _ in $(seq 100); do curl -sf -o /dev/null "$1" && return 0; sleep 0.1; done; echo "no answer from $1" >&2; return 1; }
+# rankgate serving CONFIG, its log in LOG: started, stopped on exit, waited for until its admin
+# listener on 127.0.0.1:ADMIN is ready.
+serve_rankgate() { # config log admin
+  "$RANKGATE" serve --config "$1" >"$2" 2>&1 &
+  pids+=($!)
+  wait_http "http://127.0.0.1:$3/ready"
+}
 # A simulated vLLM server (DP 2) on 127.0.0.1:PORT, its log in LOG, extra flags after: started,
 # stopped on exit, waited for.
 mock_vllm() { # port log [flags...]

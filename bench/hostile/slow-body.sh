@@ -24,9 +24,7 @@ url = "http://127.0.0.1:$engine"
 flavor = "vllm"
 dp_size = 2
 CONF
-"$RANKGATE" serve --config "$work/rg.toml" >"$work/rg.log" 2>&1 &
-pids+=($!)
-wait_http "http://127.0.0.1:$admin/ready"
+serve_rankgate "$work/rg.toml" "$work/rg.log" "$admin"
 
 cat >"$work/drip.py" <<'PY'
 import socket, sys, time

@@ -151,9 +151,7 @@ url = "http://127.0.0.1:$engine"
 flavor = "vllm"
 dp_size = 2
 CONF
-"$RANKGATE" serve --config "$work/rg.toml" >"$work/rg.log" 2>&1 &
-pids+=($!)
-wait_http "http://127.0.0.1:$admin/ready"
+serve_rankgate "$work/rg.toml" "$work/rg.log" "$admin"
 run "rankgate (defaults: send_timeout 60 s, max_streams_per_client 256)" "$front" \
   "http://127.0.0.1:$engine/metrics" "http://127.0.0.1:$admin/metrics"
 
