@@ -270,30 +270,29 @@ async fn a_reload_to_thousands_of_dead_engines_stalls_nothing_and_a_reload_back_
         }
     });
 
-    // Far above what the reload takes, and within its own deadline's reach.
-    let generous = rankgate::control::RELOAD_DEADLINE + PROMPTLY;
-    file.write(&big);
-    let reply = tokio::time::timeout(
-        generous,
-        admin(&r, Method::POST, "/reload", Some(TOKEN), None),
-    )
-    .await
-    .expect("the reload to thousands of engines is answered");
-    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
-    assert_eq!(reply.json()["added"].as_array().map(Vec::len), Some(DEAD));
+    // `text` written and reloaded: answered 200 within the reload's own deadline (and a
+    // moment), and the count of engines the answer lists under `key`.
+    let reload_to = |text: String, key: &'static str| {
+        file.write(&text);
+        let generous = rankgate::control::RELOAD_DEADLINE + PROMPTLY;
+        let r = &r;
+        async move {
+            let reply = tokio::time::timeout(
+                generous,
+                admin(r, Method::POST, "/reload", Some(TOKEN), None),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("a reload listing {key} engines unanswered"));
+            assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+            reply.json()[key].as_array().map(Vec::len)
+        }
+    };
+    assert_eq!(reload_to(big, "added").await, Some(DEAD));
     // The dead engines are polled for a while (longer than stale_after, 2 s): the real ranks
     // must stay fresh all along.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    file.write(&small);
-    let reply = tokio::time::timeout(
-        generous,
-        admin(&r, Method::POST, "/reload", Some(TOKEN), None),
-    )
-    .await
-    .expect("the reload back is answered");
-    assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
-    assert_eq!(reply.json()["removed"].as_array().map(Vec::len), Some(DEAD));
+    assert_eq!(reload_to(small, "removed").await, Some(DEAD));
     let listed = get(r.admin_addr, "/engines").await.json();
     assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
 

@@ -92,24 +92,23 @@ chat() { # request id; prints "status body"
 field() { grep "request_id=\"$1\"" "$log" | grep -o "$2=[^ ]*" | head -1 | cut -d= -f2; }
 
 echo "case                 status  message                                   P prefills  attempts  prefill_attempts  decode_attempts"
-# decode-500-alone
-fleet alone "" 1 "--fail-status 500 --fail-first 1"
-out=$(chat d500); status=${out%% *}; msg=${out#* }
-wait_for "grep -q 'request_id=\"d500\"' '$log'" 10
-prefills=$(metric "$p_url" "vllm:request_success_total")
-printf '%-20s %6s  %-40s  %10s  %8s  %16s  %15s\n' decode-500-alone "$status" "$msg" "$prefills" \
-  "$(field d500 attempts)" "$(field d500 prefill_attempts)" "$(field d500 decode_attempts)"
+# One chat (request id ID) through a pair whose decode server (D_RANKS ranks) answers its first
+# request 500: its status, message and P's prefills (in status, msg, prefills), and its row.
+decode_500() { # case id d_ranks
+  fleet "$1" "" "$3" "--fail-status 500 --fail-first 1"
+  local out; out=$(chat "$2"); status=${out%% *}; msg=${out#* }
+  wait_for "grep -q 'request_id=\"$2\"' '$log'" 10
+  prefills=$(metric "$p_url" "vllm:request_success_total")
+  printf '%-20s %6s  %-40s  %10s  %8s  %16s  %15s\n' "decode-500-$1" "$status" "$msg" "$prefills" \
+    "$(field "$2" attempts)" "$(field "$2" prefill_attempts)" "$(field "$2" decode_attempts)"
+}
+
+decode_500 alone d500 1
 verdict decode-500-alone "[ '$status' = 500 ] && [[ '$msg' == *'decode rank failed: 500'* ]] && [ '$prefills' = 1 ] && [ '$(field d500 attempts)' = 2 ]" \
   "500 'decode rank failed: 500 ...' after one prefill, attempts=2 (prefill 1, decode 1); before: 503 'no rank is reachable now', 2 prefills, attempts=0"
 stop_fleet
 
-# decode-500-failover
-fleet failover "" 2 "--fail-status 500 --fail-first 1"
-out=$(chat over); status=${out%% *}; msg=${out#* }
-wait_for "grep -q 'request_id=\"over\"' '$log'" 10
-prefills=$(metric "$p_url" "vllm:request_success_total")
-printf '%-20s %6s  %-40s  %10s  %8s  %16s  %15s\n' decode-500-failover "$status" "$msg" "$prefills" \
-  "$(field over attempts)" "$(field over prefill_attempts)" "$(field over decode_attempts)"
+decode_500 failover over 2
 verdict decode-500-failover "[ '$status' = 200 ] && [ '$prefills' = 1 ] && [ '$(field over decode_attempts)' = 2 ]" \
   "200 after one prefill, the same blocks read by the other decode rank (decode_attempts=2)"
 stop_fleet

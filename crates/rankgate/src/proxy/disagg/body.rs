@@ -50,23 +50,22 @@ pub fn client_body(body: &Bytes) -> Result<Bytes, ProxyError> {
 /// vLLM's prefill leg: the client's request for one token, answered whole, with the blocks
 /// kept for a remote decode.
 pub fn prefill(client: &[u8]) -> Result<Bytes, ProxyError> {
-    let one = b"1".as_slice();
-    let mut add: Vec<(&str, &[u8])> = vec![("max_tokens", one)];
-    // Where the client gave it: a chat request with only `max_completion_tokens` would
-    // otherwise keep the client's length on the prefill server.
-    if scan::json_member_raw(client, &["max_completion_tokens"])?.is_some_and(|v| v != b"null") {
-        add.push(("max_completion_tokens", one));
-    }
-    add.push(("stream", b"false"));
-    add.push(("kv_transfer_params", PREFILL_PARAMS));
-    rewrite(client, &PREFILL_DROPS, &add)
+    one_token(client, PREFILL_PARAMS)
 }
 
 /// A decode of one token, answered whole, with the prefill server's parameters: what releases
 /// the blocks of a request whose client left between the legs (`release`).
 pub fn release(client: &[u8], params: &[u8]) -> Result<Bytes, ProxyError> {
+    one_token(client, params)
+}
+
+/// The client's request for one token, not streamed, with `params` as its
+/// `kv_transfer_params`.
+fn one_token(client: &[u8], params: &[u8]) -> Result<Bytes, ProxyError> {
     let one = b"1".as_slice();
     let mut add: Vec<(&str, &[u8])> = vec![("max_tokens", one)];
+    // Where the client gave it: a chat request with only `max_completion_tokens` would
+    // otherwise keep the client's length on the engine.
     if scan::json_member_raw(client, &["max_completion_tokens"])?.is_some_and(|v| v != b"null") {
         add.push(("max_completion_tokens", one));
     }
