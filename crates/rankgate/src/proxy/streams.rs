@@ -52,7 +52,8 @@ impl ClientStreams {
     }
 
     /// Requests in flight for the client `key` now.
-    pub fn of(&self, key: u32) -> u32 {
+    #[cfg(test)]
+    fn of(&self, key: u32) -> u32 {
         self.counts[bucket(key)].load(Relaxed)
     }
 }

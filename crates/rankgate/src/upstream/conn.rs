@@ -120,7 +120,8 @@ impl Slots {
     }
 
     /// Slots the client `client` holds now (with any whose keys share its bucket).
-    pub fn held_by(&self, client: u32) -> usize {
+    #[cfg(test)]
+    fn held_by(&self, client: u32) -> usize {
         self.bucket(client).load(SeqCst)
     }
 
