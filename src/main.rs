@@ -147,7 +147,7 @@ fn load(path: &std::path::Path) -> Result<Config, ExitCode> {
         eprintln!("rankgate: {e}");
         ExitCode::from(EXIT_CONFIG)
     })?;
-    if let Err(e) = rankgate::proxy::Keys::load(&cfg.server) {
+    if let Err(e) = rankgate::proxy::Keys::load(&cfg.server, &cfg.flow) {
         eprintln!("rankgate: config file {}: {e}", path.display());
         return Err(ExitCode::from(EXIT_CONFIG));
     }

@@ -56,6 +56,8 @@ pub struct Admin {
     pub ready_requires_routable: bool,
     /// The fleet-wide renders in progress ([`render`]).
     pub renders: Arc<Renders>,
+    /// Flow control's queue (`[flow]` on), for `/flows`.
+    pub flows: Option<Arc<crate::proxy::Flows>>,
 }
 
 impl Admin {
@@ -103,7 +105,11 @@ impl Admin {
                     Err(refusal) => refused(refusal),
                 }
             }
-            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics") => {
+            (Method::GET, "/flows") => json_response(
+                StatusCode::OK,
+                &(self.flows.as_deref()).map_or(serde_json::json!({"enabled": false}), crate::proxy::flow_page),
+            ),
+            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics" | "/flows") => {
                 not_allowed(&path, &m, "GET")
             }
             (m, "/engines") => not_allowed(&path, &m, "GET, POST, DELETE"),

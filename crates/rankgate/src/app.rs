@@ -68,12 +68,14 @@ pub const CUT_FLUSH: Duration = Duration::from_secs(1);
 pub struct Cut {
     cutoff: Cutoff,
     table: Arc<Table>,
+    flows: Option<Arc<crate::proxy::Flows>>,
 }
 
 impl Cut {
     /// Cuts every engine connection, then waits (at most [`CUT_FLUSH`]) until no request is in
     /// flight and the cut streams' last events have had a moment to go out.
     pub async fn now(self) {
+        self.flows.iter().for_each(|f| f.close());
         self.cutoff.cut();
         let flushed = async {
             let mut tick = tokio::time::interval(Duration::from_millis(10));
@@ -111,6 +113,8 @@ pub struct Router {
     /// `server.drain_grace`: when it ends, the engine connections are cut ([`Cutoff`]).
     drain_grace: Duration,
     cutoff: Cutoff,
+    /// Flow control's queue: what still waits when the drain grace ends is answered 503.
+    flows: Option<Arc<crate::proxy::Flows>>,
     /// Stops the front doors' accept loops (their connections then drain).
     stop_front: watch::Sender<bool>,
     /// Stops telemetry and the admin listener, once the front door has drained.
@@ -215,7 +219,7 @@ impl Router {
     pub async fn start_from(cfg: Config, path: Option<PathBuf>) -> Result<Router, StartError> {
         // Before any port binds: a key source that cannot be read must stop the start, never
         // leave the door open (or a load balancer routing to a router that refuses everyone).
-        let keys = Keys::load(&cfg.server)?;
+        let keys = Keys::load(&cfg.server, &cfg.flow)?;
         if let Some(k) = &keys {
             tracing::info!(keys = ?k, "client API keys required");
         }
@@ -337,6 +341,11 @@ impl Router {
             prompts,
         );
         let selector = layers.shared().selector.clone();
+        let flows = layers.flows().cloned();
+        let dispatch = flows.as_ref().map(|f| {
+            metrics.add_late(crate::proxy::flow_collector(f));
+            tokio::spawn(f.clone().run(rest_rx.clone()))
+        });
         let mut front = if cfg.server.thread_per_core {
             serve_per_core(listener, addr, &layers, front_rx.clone(), &front_opts)?
         } else {
@@ -378,6 +387,7 @@ impl Router {
             grpc_front: grpc_addr.is_some(),
             ready_requires_routable: cfg.server.ready_requires_routable,
             renders: Default::default(),
+            flows: flows.clone(),
         });
         let admin_task = tokio::spawn(crate::http::serve_with(
             admin_listener,
@@ -413,6 +423,7 @@ impl Router {
             shutdown_delay: cfg.server.shutdown_delay,
             drain_grace: cfg.server.drain_grace,
             cutoff: layers.cutoff().clone(),
+            flows,
             stop_front,
             stop_rest,
             front,
@@ -420,6 +431,7 @@ impl Router {
             rest: [monitor, admin_task, memory, tls_watch]
                 .into_iter()
                 .chain(discovery)
+                .chain(dispatch)
                 .collect(),
         })
     }
@@ -442,6 +454,7 @@ impl Router {
         Cut {
             cutoff: self.cutoff.clone(),
             table: self.table.clone(),
+            flows: self.flows.clone(),
         }
     }
 
@@ -473,6 +486,7 @@ impl Router {
             .is_err()
         {
             tracing::warn!("drain grace expired with streams still running: cutting them");
+            self.flows.iter().for_each(|f| f.close());
             self.cutoff.cut();
             front.await;
         }

@@ -106,7 +106,7 @@ impl Control {
     /// Whether a request may change the fleet (constant-time token comparison).
     pub fn authorize(&self, headers: &http::HeaderMap) -> Result<(), Refusal> {
         let token = self.token.as_ref().ok_or(Refusal::Disabled)?;
-        token.check(headers).map_err(Refusal::Denied)
+        token.check(headers).map(drop).map_err(Refusal::Denied)
     }
 
     /// Re-reads the config file (off the runtime, within [`RELOAD_DEADLINE`]) and applies its

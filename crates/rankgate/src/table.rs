@@ -226,6 +226,8 @@ pub struct Table {
     pub stale_after: Duration,
     /// KV-event publishers refused on rankgate's bound endpoints, for `/metrics`.
     pub kv_refused: Arc<crate::kv::listen::Refusals>,
+    /// Told each time telemetry publishes a snapshot (flow control's queue wakes on it).
+    pub published: tokio::sync::Notify,
 }
 
 impl Table {
@@ -234,6 +236,7 @@ impl Table {
             snapshot: ArcSwap::from_pointee(Snapshot::initial(fleet)),
             stale_after,
             kv_refused: Arc::default(),
+            published: tokio::sync::Notify::new(),
         })
     }
 }

@@ -21,6 +21,7 @@ mod edge;
 pub mod engine;
 mod engines;
 mod error;
+mod flow;
 mod kv;
 mod polling;
 mod read;
@@ -47,6 +48,11 @@ pub use engine::{
 };
 pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;
+pub use flow::{FlowConfig, Objective, Saturation};
+pub use flow::{
+    DEFAULT_MAX_WAIT_HEADER, DEFAULT_OBJECTIVE, DEFAULT_OBJECTIVE_HEADER, DEFAULT_TENANT_HEADER,
+    MAX_TENANT_BYTES,
+};
 pub use kv::{KvEndpoint, KvEvents, ModelConfig};
 pub use polling::*;
 pub use read::{read_regular, MAX_CONFIG_BYTES};

@@ -35,7 +35,7 @@ restart_keys! {
         api_keys_env, api_keys_file, cors_allow_origins, admin_token_env, ready_requires_routable,
         access_log,
         thread_per_core, tls, admin_tls;
-    whole: engine_tls, routing, telemetry, discovery, tracing, models;
+    whole: engine_tls, routing, telemetry, discovery, tracing, models, flow;
 }
 
 impl Config {

@@ -14,6 +14,7 @@ use super::discovery::{Discovery, RawDiscovery};
 use super::engine::Engine;
 use super::engines::RawEngine;
 use super::error::{invalid, ConfigError};
+use super::flow::{flow, FlowConfig, RawFlow};
 use super::kv::{models, ModelConfig, RawModel};
 use super::polling::{telemetry_config, RawTelemetry, TelemetryConfig};
 use super::routing::{routing, RawRouting, RoutingConfig};
@@ -46,6 +47,8 @@ struct RawConfig {
     engine_tls: EngineTls,
     #[serde(default)]
     models: Vec<RawModel>,
+    #[serde(default)]
+    flow: RawFlow,
 }
 
 /// A validated config.
@@ -61,6 +64,8 @@ pub struct Config {
     pub engine_tls: EngineTls,
     /// `[[models]]`: their tokenizers, for `routing.kv_events`.
     pub models: Vec<ModelConfig>,
+    /// `[flow]`: flow control (off unless enabled).
+    pub flow: FlowConfig,
     /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
     /// the only ones the admin API may name.
     pub key_vars: Vec<String>,
@@ -117,6 +122,7 @@ impl Config {
         let tracing = tracing_config(raw.tracing)?;
         let engine_tls = raw.engine_tls.validate()?;
         let models = models(raw.models)?;
+        let flow = flow(raw.flow)?;
 
         let discovery = (raw.discovery.into_iter().enumerate())
             .map(|(i, d)| d.validate(i))
@@ -181,6 +187,7 @@ impl Config {
             tracing,
             engine_tls,
             models,
+            flow,
             key_vars,
         })
     }

@@ -77,6 +77,21 @@ pub struct Metrics {
     /// How long a request may wait for its first byte before it counts as hung
     /// ([`crate::first_byte`]); kept current by `proxy::watch_first_bytes`.
     pub first_byte_bound: Arc<crate::first_byte::Bound>,
+    /// The series of what is built after the registry (flow control's queue).
+    late: Late,
+}
+
+/// A collector registered empty and filled once, later.
+#[derive(Debug, Default, Clone)]
+struct Late(Arc<std::sync::OnceLock<Box<dyn prometheus_client::collector::Collector>>>);
+
+impl prometheus_client::collector::Collector for Late {
+    fn encode(&self, enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        match self.0.get() {
+            Some(c) => c.encode(enc),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -228,6 +243,8 @@ impl Metrics {
         if !doors.is_empty() {
             registry.register_collector(Box::new(doors::Doors(doors)));
         }
+        let late = Late::default();
+        registry.register_collector(Box::new(late.clone()));
         Metrics {
             registry,
             core,
@@ -239,7 +256,13 @@ impl Metrics {
             engine_tokenize_seconds,
             pd,
             first_byte_bound,
+            late,
         }
+    }
+
+    /// Adds the series of a part built after the registry (once; a second is ignored).
+    pub fn add_late(&self, c: Box<dyn prometheus_client::collector::Collector>) {
+        let _ = self.late.0.set(c);
     }
 
     /// Every model's first-byte histogram added up, bucket by bucket (cumulative counts).

@@ -62,6 +62,8 @@ pub struct Selector {
     pub(super) tie_margin: f64,
     /// `routing.prefix_affinity`: `(affinity_margin, affinity_max_kv)`.
     pub(super) affinity: Option<(f64, f64)>,
+    /// `[flow]`'s limits while flow control is on: a saturated rank is picked last.
+    pub(super) saturation: Option<crate::config::Saturation>,
 }
 
 impl Selector {
@@ -75,7 +77,14 @@ impl Selector {
             affinity: cfg
                 .prefix_affinity
                 .then_some((cfg.affinity_margin, cfg.affinity_max_kv)),
+            saturation: None,
         }
+    }
+
+    /// The selector judging saturation by `limits` (flow control on).
+    pub fn judging(mut self, limits: Option<crate::config::Saturation>) -> Selector {
+        self.saturation = limits;
+        self
     }
 
     /// Whether picks weigh prompt prefixes (then `pick` layer reads them from the body).

@@ -8,6 +8,7 @@ use super::affinity::{longest_prefix, Holdings};
 use super::avoid::Avoid;
 use super::dispatch::Selector;
 use super::explain::By;
+use super::saturation::{room_of, SATURATED};
 use super::scoring::{score_of, untried as is_untried};
 use super::ties::random_at_most;
 use crate::ix::WorkerIx;
@@ -59,7 +60,11 @@ impl Selector {
                     // otherwise keep its score above every healthy rank's, and it would never
                     // get the one request that decides.
                     Some(_) if admit == Admit::Trial => scores.push((w, f64::NEG_INFINITY)),
-                    Some(s) => {
+                    Some(mut s) => {
+                        let full = |sat| room_of(table, view, seat, now, sat) == Some(0);
+                        if self.saturation.as_ref().is_some_and(full) {
+                            s += SATURATED;
+                        }
                         scores.push((w, s));
                         if is_untried(view, seat) {
                             untried.push((w, s));

@@ -29,6 +29,7 @@ mod explain;
 mod in_flight;
 mod least_kv;
 mod rule;
+mod saturation;
 mod scoring;
 mod sizing;
 mod ties;

@@ -21,11 +21,26 @@ use std::sync::Arc;
 use http::HeaderMap;
 
 use super::error::{DebugRefused, Denied, ProxyError};
+use super::flow::KeyBinding;
 use super::layer::{Below, Step};
-use crate::config::ServerConfig;
+use crate::config::{FlowConfig, ServerConfig};
 
-/// The accepted keys.
-pub struct Keys(Vec<Box<[u8]>>);
+/// The number (from 1) of the line holding the `n`th key (from 0) of a key file's `text`.
+fn key_line(text: &str, n: usize) -> usize {
+    let keyed = |l: &&str| {
+        l.split_ascii_whitespace()
+            .next()
+            .is_some_and(|k| !k.starts_with('#'))
+    };
+    (text.lines().enumerate())
+        .filter(|(_, l)| keyed(l))
+        .nth(n)
+        .map_or(0, |(i, _)| i + 1)
+}
+
+/// The accepted keys, each with what it binds its requests to (flow control's tenant and
+/// highest objective: `server.api_keys_file` lines `<key> tenant=<id> objective=<name>`).
+pub struct Keys(Vec<(Box<[u8]>, Option<Arc<KeyBinding>>)>);
 
 impl std::fmt::Debug for Keys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -61,6 +76,37 @@ pub enum KeysError {
         line: usize,
         problem: &'static str,
     },
+    #[error("server.api_keys_file: {} line {line}: objective {name:?} is not one of flow.objectives", .path.display())]
+    UnknownObjective {
+        path: PathBuf,
+        line: usize,
+        name: String,
+    },
+}
+
+/// What follows a key on its line: `tenant=<id>`, `objective=<name>`.
+const BAD_BINDING: &str = "after the key, only `tenant=<id>` and `objective=<name>` may follow (letters, digits and -_.:@/+=~, at most 128 bytes)";
+
+fn binding(
+    words: std::str::SplitAsciiWhitespace<'_>,
+) -> Result<Option<Arc<KeyBinding>>, &'static str> {
+    let mut b = KeyBinding::default();
+    let ok = |v: &str| {
+        !v.is_empty()
+            && v.len() <= crate::config::MAX_TENANT_BYTES
+            && v.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"-_.:@/+=~".contains(&c))
+    };
+    for word in words {
+        match word.split_once('=') {
+            Some(("tenant", v)) if ok(v) && b.tenant.is_none() => b.tenant = Some(v.into()),
+            Some(("objective", v)) if ok(v) && b.objective.is_none() => {
+                b.objective = Some(v.into())
+            }
+            _ => return Err(BAD_BINDING),
+        }
+    }
+    Ok((b != KeyBinding::default()).then(|| Arc::new(b)))
 }
 
 /// What no `Authorization: Bearer` value can carry, so a key holding it could never match: the
@@ -78,7 +124,7 @@ fn check_key(k: &str) -> Result<(), &'static str> {
 /// The keys in an environment variable's value: comma-separated, each trimmed, empty entries
 /// skipped. `value` is what the environment held (`None`: unset), so this is testable without
 /// touching the process environment.
-pub fn keys_from_env(var: &str, value: Option<OsString>) -> Result<Vec<Box<[u8]>>, KeysError> {
+pub fn keys_from_env(var: &str, value: Option<OsString>) -> Result<Vec<Bound>, KeysError> {
     let value = value.ok_or_else(|| KeysError::EnvUnset { var: var.into() })?;
     let text = value
         .to_str()
@@ -93,7 +139,7 @@ pub fn keys_from_env(var: &str, value: Option<OsString>) -> Result<Vec<Box<[u8]>
             entry: i + 1,
             problem,
         })?;
-        keys.push(k.as_bytes().into());
+        keys.push((k.as_bytes().into(), None));
     }
     if keys.is_empty() {
         return Err(KeysError::EnvEmpty { var: var.into() });
@@ -101,21 +147,26 @@ pub fn keys_from_env(var: &str, value: Option<OsString>) -> Result<Vec<Box<[u8]>
     Ok(keys)
 }
 
-/// The keys in a key file's text: one per line, trimmed; blank lines and lines starting with
-/// `#` skipped. Only whole-line comments: a `#` inside a key is part of it.
-pub fn keys_from_file(path: &Path, text: &str) -> Result<Vec<Box<[u8]>>, KeysError> {
+/// A key and what it binds its requests to.
+pub type Bound = (Box<[u8]>, Option<Arc<KeyBinding>>);
+
+/// The keys in a key file's text: one per line, trimmed, optionally followed by what it binds
+/// its requests to (`tenant=<id> objective=<name>`); blank lines and lines starting with `#`
+/// skipped. Only whole-line comments: a `#` inside a key is part of it.
+pub fn keys_from_file(path: &Path, text: &str) -> Result<Vec<Bound>, KeysError> {
     let mut keys = Vec::new();
     for (i, line) in text.lines().enumerate() {
-        let k = line.trim();
-        if k.is_empty() || k.starts_with('#') {
+        let mut words = line.split_ascii_whitespace();
+        let Some(k) = words.next().filter(|k| !k.starts_with('#')) else {
             continue;
-        }
-        check_key(k).map_err(|problem| KeysError::FileBadKey {
+        };
+        let bad = |problem| KeysError::FileBadKey {
             path: path.into(),
             line: i + 1,
             problem,
-        })?;
-        keys.push(k.as_bytes().into());
+        };
+        check_key(k).map_err(bad)?;
+        keys.push((k.as_bytes().into(), binding(words).map_err(bad)?));
     }
     if keys.is_empty() {
         return Err(KeysError::FileEmpty { path: path.into() });
@@ -126,7 +177,7 @@ pub fn keys_from_file(path: &Path, text: &str) -> Result<Vec<Box<[u8]>>, KeysErr
 impl Keys {
     /// Reads the keys `[server]` points at: `None` when it names no source. Both sources may be
     /// set; then either's keys are accepted.
-    pub fn load(server: &ServerConfig) -> Result<Option<Keys>, KeysError> {
+    pub fn load(server: &ServerConfig, flow: &FlowConfig) -> Result<Option<Keys>, KeysError> {
         let mut keys = Vec::new();
         if let Some(var) = &server.api_keys_env {
             keys.extend(keys_from_env(var, std::env::var_os(var))?);
@@ -136,40 +187,62 @@ impl Keys {
                 path: path.clone(),
                 source,
             })?;
-            keys.extend(keys_from_file(path, &text)?);
+            let bound = keys_from_file(path, &text)?;
+            // The objectives the keys name are flow's: a misspelt one is said at startup.
+            let named = |b: &Option<Arc<KeyBinding>>| b.as_ref()?.objective.clone();
+            for (line, (_, b)) in bound.iter().enumerate() {
+                match named(b) {
+                    Some(name) if flow.objective(&name).is_none() => {
+                        return Err(KeysError::UnknownObjective {
+                            path: path.clone(),
+                            // Lines without a key are not counted here: found again below.
+                            line: key_line(&text, line),
+                            name: name.to_string(),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            keys.extend(bound);
         }
         Ok((!keys.is_empty()).then_some(Keys(keys)))
     }
 
     /// One accepted key (the admin token).
     pub fn single(key: &[u8]) -> Keys {
-        Keys(vec![key.into()])
+        Keys(vec![(key.into(), None)])
     }
 
     #[cfg(test)]
     pub fn new(keys: &[&str]) -> Keys {
-        Keys(keys.iter().map(|k| k.as_bytes().into()).collect())
+        Keys(keys.iter().map(|k| (k.as_bytes().into(), None)).collect())
     }
 
-    /// Whether `presented` is one of the keys. Every key is compared, each over the whole of the
-    /// longer of the two, and the results are folded without a branch: the time taken depends on
-    /// the keys' lengths and the one presented, never on which key matched or how much of it.
+    /// Whether `presented` is one of the keys.
     pub fn accepts(&self, presented: &[u8]) -> bool {
-        let mut ok = false;
-        for k in &self.0 {
-            ok |= constant_time_eq(k, presented);
-        }
-        ok
+        self.matched(presented).is_some()
     }
 
-    /// Checks a request's `Authorization` header.
-    pub fn check(&self, h: &http::HeaderMap) -> Result<(), Denied> {
+    /// Which key `presented` is. Every key is compared, each over the whole of the longer of
+    /// the two, and the results are folded without a branch: the time taken depends on the
+    /// keys' lengths and the one presented, never on which key matched or how much of it.
+    fn matched(&self, presented: &[u8]) -> Option<usize> {
+        // 1 + the index of the last key that matched, 0 for none.
+        let mut found = 0usize;
+        for (i, (k, _)) in self.0.iter().enumerate() {
+            let eq = constant_time_eq(k, presented) as usize;
+            found = found * (1 - eq) + (i + 1) * eq;
+        }
+        found.checked_sub(1)
+    }
+
+    /// Checks a request's `Authorization` header; what its key binds it to, if anything.
+    pub fn check(&self, h: &http::HeaderMap) -> Result<Option<Arc<KeyBinding>>, Denied> {
         let v = h.get(header::AUTHORIZATION).ok_or(Denied::Missing)?;
         let token = bearer_token(v.as_bytes()).ok_or(Denied::NotBearer)?;
-        if self.accepts(token) {
-            Ok(())
-        } else {
-            Err(Denied::Wrong)
+        match self.matched(token) {
+            Some(i) => Ok(self.0[i].1.clone()),
+            None => Err(Denied::Wrong),
         }
     }
 }
@@ -251,8 +324,12 @@ where
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
         let gate = &*self.gate;
-        if let Some(Err(d)) = gate.keys.as_ref().map(|k| k.check(req.headers())) {
-            return Step::ready(Err(ProxyError::Unauthorized(d)));
+        match gate.keys.as_ref().map(|k| k.check(req.headers())) {
+            Some(Err(d)) => return Step::ready(Err(ProxyError::Unauthorized(d))),
+            Some(Ok(Some(binding))) => {
+                req.extensions_mut().insert(binding);
+            }
+            _ => {}
         }
         if let Some(Err(refused)) = debug_allowed(gate.debug_token.as_ref(), req.headers()) {
             return Step::ready(Err(refused.into()));
@@ -273,10 +350,48 @@ where
 mod tests {
     use super::*;
 
-    fn strs(keys: Vec<Box<[u8]>>) -> Vec<String> {
+    fn strs(keys: Vec<Bound>) -> Vec<String> {
         keys.iter()
-            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .map(|(k, _)| String::from_utf8_lossy(k).into_owned())
             .collect()
+    }
+
+    #[test]
+    fn file_keys_may_bind_a_tenant_and_an_objective() {
+        let text = "sk-a tenant=acme objective=standard\nsk-b\nsk-c objective=batch\n";
+        let keys = keys_from_file(Path::new("/k"), text).unwrap();
+        let b = keys[0].1.as_deref().unwrap();
+        assert_eq!(b.tenant.as_deref(), Some("acme"));
+        assert_eq!(b.objective.as_deref(), Some("standard"));
+        assert!(keys[1].1.is_none());
+        let keys = Keys(keys);
+        let h = |k: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                header::AUTHORIZATION,
+                format!("Bearer {k}").parse().unwrap(),
+            );
+            h
+        };
+        let bound = keys.check(&h("sk-c")).unwrap().unwrap();
+        assert_eq!(bound.objective.as_deref(), Some("batch"));
+        assert!(keys.check(&h("sk-b")).unwrap().is_none());
+        assert_eq!(keys.check(&h("sk-d")).unwrap_err(), Denied::Wrong);
+        for bad in [
+            "k tenant=",
+            "k colour=red",
+            "k tenant=a tenant=b",
+            "k tenant=a\"b",
+        ] {
+            let e = keys_from_file(Path::new("/k"), bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("line 1") && e.contains("tenant=<id>"),
+                "{bad}: {e}"
+            );
+        }
+        assert_eq!(key_line("# c\n\nk1\n# d\nk2 x=y\n", 1), 5);
     }
 
     #[test]
@@ -353,8 +468,8 @@ mod tests {
         assert_eq!(check(Some("Basic azE=")), Err(Denied::NotBearer));
         assert_eq!(check(Some("Bearer")), Err(Denied::NotBearer));
         assert_eq!(check(Some("Bearer k2")), Err(Denied::Wrong));
-        assert_eq!(check(Some("Bearer k1")), Ok(()));
-        assert_eq!(check(Some("bearer   k1")), Ok(()));
+        assert_eq!(check(Some("Bearer k1")), Ok(None));
+        assert_eq!(check(Some("bearer   k1")), Ok(None));
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub struct Holds {
     /// A disaggregated request's prefill leg, on its decode leg's answer (disagg; moved into
     /// `done` by respond).
     pub prefill: Option<Box<super::target::PrefillLeg>>,
+    /// The tenant charged for the output as it streams (flow control).
+    pub flow: Option<Box<super::flow::Charge>>,
 }
 
 /// The body of a response to the client.
@@ -234,6 +236,9 @@ impl Body for ProxyBody {
                 }
                 if let Some(done) = &mut this.holds.done {
                     done.passed(&frame);
+                }
+                if let Some(charge) = &this.holds.flow {
+                    charge.passed(&frame);
                 }
                 // A gRPC call that failed after its first byte says so in its trailers.
                 let unavailable = up.ending == Ending::GrpcStatus

@@ -53,6 +53,9 @@ pub enum ProxyError {
     Overloaded(usize),
     #[error("this client address has server.max_streams_per_client = {0} requests in flight; retry later")]
     ClientStreams(u32),
+    /// Flow control answered it: its wait ran out, the queue was full, or rankgate stopped.
+    #[error("{0}")]
+    Flow(Box<super::flow::Refused>),
     #[error("no routable rank: {0}")]
     NoRank(#[from] NoRank),
     /// The request's model is on no known model list; the engines that might serve it (their
@@ -206,6 +209,7 @@ impl ProxyError {
             ProxyError::NoRank(_)
             | ProxyError::NoRankUnlisted { .. }
             | ProxyError::NotDisaggregable(_)
+            | ProxyError::Flow(_)
             | ProxyError::EngineBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. }
             | ProxyError::StaleConnection { .. }
@@ -248,6 +252,7 @@ impl ProxyError {
             ProxyError::Model(ModelError::Missing(_)) | ProxyError::Scan(_) => {
                 (Some("model"), self.status().as_u16().into())
             }
+            ProxyError::Flow(f) => (None, f.why.as_str().into()),
             _ => (None, self.status().as_u16().into()),
         }
     }
@@ -289,6 +294,7 @@ impl ProxyError {
             | ProxyError::ClientBody(_) => Code::InvalidArgument,
             ProxyError::NoRank(_)
             | ProxyError::NoRankUnlisted { .. }
+            | ProxyError::Flow(_)
             | ProxyError::EngineBusy { .. }
             | ProxyError::NotDisaggregable(_)
             | ProxyError::PrefillNoParams

@@ -156,6 +156,7 @@ fn write_public(out: &mut String, err: &ProxyError) -> std::fmt::Result {
         ProxyError::NoRank(why) | ProxyError::NoRankUnlisted { why, .. } => {
             write!(out, "no routable rank: {}", no_rank(*why))
         }
+        ProxyError::Flow(f) => out.write_str(f.public()),
         ProxyError::Upstream { .. } => out.write_str("the engine failed before answering"),
         ProxyError::StaleConnection { .. } => {
             out.write_str("the engine closed its connection before answering")

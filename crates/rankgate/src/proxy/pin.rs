@@ -102,13 +102,28 @@ pub fn json_object(body: &[u8]) -> Result<(), ProxyError> {
 /// Only the top level is parsed: each member's value is kept as its raw JSON text and copied
 /// through, so a long prompt is validated but never built into a tree and printed again.
 pub fn pin_in_body(body: &[u8], rank: u32) -> Result<Bytes, ProxyError> {
+    with_member(body, &SGLANG_RANK_FIELDS, rank)
+}
+
+/// Writes the top-level member `name` of a JSON object body as `value`, replacing the client's
+/// (flow control's `priority`), the rest copied through as [`pin_in_body`] does.
+pub fn set_member(body: &[u8], name: &str, value: i64) -> Result<Bytes, ProxyError> {
+    with_member(body, &[name], value)
+}
+
+/// `body` without the members `names`, then `names[0]` set to `value`.
+fn with_member(
+    body: &[u8],
+    names: &[&str],
+    value: impl std::fmt::Display,
+) -> Result<Bytes, ProxyError> {
     json_object(body)?;
     let mut out = Vec::with_capacity(body.len() + 32);
     out.push(b'{');
-    crate::scan::copy_members_except(body, &SGLANG_RANK_FIELDS, &mut out)
+    crate::scan::copy_members_except(body, names, &mut out)
         .map_err(|e| ProxyError::BadJson(e.to_string()))?;
     // Writing into a Vec cannot fail.
-    let _ = write!(out, "\"{}\":{rank}}}", SGLANG_RANK_FIELDS[0]);
+    let _ = write!(out, "\"{}\":{value}}}", names[0]);
     Ok(Bytes::from(out))
 }
 

@@ -16,14 +16,15 @@ use super::auth::{Gate, Keys};
 use super::body::ProxyBody;
 use super::dial::Dial;
 use super::exposure::Exposure;
+use super::flow::Flows;
 use super::grpc::{Local, Requests};
 use super::read::Limits;
 use super::respond::Errors;
 use super::retry::Policy;
 use super::shared::{Ctx, Front, Shared};
 use super::{
-    admit, auth, cors, disagg, grpc, identity, observe, pick, read, respond, retry, route, select,
-    tokens,
+    admit, auth, cors, disagg, flow, grpc, identity, observe, pick, read, respond, retry, route,
+    select, tokens,
 };
 use super::{send, trace};
 use crate::config::Config;
@@ -47,6 +48,8 @@ pub struct Layers {
     extra_routes: Arc<[String]>,
     limits: Limits,
     admission: Option<Arc<admit::Admission>>,
+    /// The queue (`[flow]`); `None`: flow control is off.
+    flows: Option<Arc<Flows>>,
     retry: Arc<Policy>,
     ejection: crate::outlier::Policy,
     dial: Arc<Dial>,
@@ -92,9 +95,13 @@ impl Layers {
             Exposure::new(server.expose_worker),
             ejection,
         ));
+        let flow = &cfg.flow;
+        let selector =
+            Arc::new(Selector::new(routing).judging(flow.enabled.then_some(flow.saturation)));
+        let flows = flow.enabled.then(|| Flows::new(flow, &selector, &table));
         let shared = Arc::new(Shared {
             table,
-            selector: Arc::new(Selector::new(routing)),
+            selector,
             metrics,
             clients: super::streams::ClientStreams::new(server.streams_per_client()),
             trusted: server.trusted_proxies.clone().into(),
@@ -120,6 +127,7 @@ impl Layers {
             admission: server
                 .max_in_flight
                 .map(|limit| Arc::new(admit::Admission::new(limit))),
+            flows,
             retry: Arc::new(Policy::new(
                 routing.max_attempts,
                 routing.retry_budget,
@@ -145,6 +153,11 @@ impl Layers {
 
     pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
+    }
+
+    /// Flow control's queue, when `[flow]` is on.
+    pub fn flows(&self) -> Option<&Arc<Flows>> {
+        self.flows.as_ref()
     }
 
     /// Set once shutdown begins: the gRPC health service then says NOT_SERVING.
@@ -200,7 +213,7 @@ pub fn stack(layers: &Layers, core: usize, peer: SocketAddr) -> impl FrontDoor {
         .layer_fn(|inner| l.read(inner, c))
         .layer_fn(|inner| select::Select::new(inner, c, &l.extra_routes))
         .layer_fn(|inner| tokens::Tokens::new(inner, c, &l.prompts))
-        .layer_fn(|inner| l.admit(l.disagg(l.retry(l.pick(inner, c), c), c)))
+        .layer_fn(|inner| l.admit(l.flow(l.disagg(l.retry(l.pick(inner, c), c), c), c)))
         .service(l.observe_send(c))
 }
 
@@ -252,6 +265,10 @@ impl Layers {
         admit::Admit::new(inner, &self.admission)
     }
 
+    pub(super) fn flow<S>(&self, inner: S, c: &Ctx) -> flow::Flow<S> {
+        flow::Flow::new(inner, c, &self.flows)
+    }
+
     pub(super) fn disagg<S>(&self, inner: S, c: &Ctx) -> disagg::Disagg<S> {
         disagg::Disagg::new(
             inner,
@@ -277,8 +294,12 @@ impl Layers {
 
     /// The lower half both front doors share, above and below what only one of them has
     /// (gRPC's `track` between pick and observe).
-    fn admit_retry_pick<S>(&self, inner: S, c: &Ctx) -> admit::Admit<retry::Retry<pick::Pick<S>>> {
-        self.admit(self.retry(self.pick(inner, c), c))
+    fn admit_retry_pick<S>(
+        &self,
+        inner: S,
+        c: &Ctx,
+    ) -> admit::Admit<flow::Flow<retry::Retry<pick::Pick<S>>>> {
+        self.admit(self.flow(self.retry(self.pick(inner, c), c), c))
     }
 
     fn observe_send(&self, c: &Ctx) -> observe::Observe<send::Send> {

@@ -250,6 +250,7 @@ impl Publisher {
         let default = self.settings.default_kv_per_request;
         let next = next_snapshot(&self.fleet, &mut self.views, &self.catalog, default);
         self.table.snapshot.store(Arc::new(next));
+        self.table.published.notify_waiters();
     }
 
     /// Applies a membership change: the next fleet, with what is known of the engines that

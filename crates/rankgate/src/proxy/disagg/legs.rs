@@ -37,7 +37,7 @@ pub struct Split {
 
 impl Split {
     /// What the `leg`'s pick may choose from.
-    pub(super) fn avoid(&self, leg: Leg) -> Avoid {
+    pub(crate) fn avoid(&self, leg: Leg) -> Avoid {
         let mut avoid = self.base.clone();
         avoid.only(match leg {
             Leg::Prefill => self.prefill.clone(),

@@ -1,0 +1,85 @@
+//! A request's charge to its tenant while its answer streams: the output tokens, as they pass
+//! (an SSE event is a token or a few; any other body is counted at four bytes a token), and the
+//! tenant's request in flight, which ends when the answer does and wakes the queue.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body::Frame;
+use tokio::sync::Notify;
+
+use super::queue::Tenant;
+
+/// Bytes of a non-SSE answer counted as one token.
+const BYTES_PER_TOKEN: usize = 4;
+
+#[derive(Debug)]
+pub struct Charge {
+    pub tenant: Arc<Tenant>,
+    pub band: usize,
+    pub weight: f64,
+    /// The answer is an event stream: its events are counted, not its bytes.
+    pub events: bool,
+    pub kick: Arc<Notify>,
+}
+
+impl Charge {
+    /// A request of `tenant` in flight from now until this is dropped.
+    pub fn start(tenant: Arc<Tenant>, band: usize, weight: f64, kick: &Arc<Notify>) -> Charge {
+        tenant.in_flight.fetch_add(1, Relaxed);
+        Charge {
+            tenant,
+            band,
+            weight,
+            events: false,
+            kick: kick.clone(),
+        }
+    }
+
+    /// Charges the output in `frame`.
+    #[inline]
+    pub fn passed(&self, frame: &Frame<Bytes>) {
+        let Some(data) = frame.data_ref() else {
+            return;
+        };
+        let tokens = match self.events {
+            true => data.windows(5).filter(|w| w == b"data:").count(),
+            false => data.len().div_ceil(BYTES_PER_TOKEN),
+        };
+        if tokens > 0 {
+            (self.tenant).charge(self.band, tokens as u64, self.weight);
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.tenant.in_flight.fetch_sub(1, Relaxed);
+        // A request ended: room may have appeared.
+        self.kick.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_count_as_tokens_and_other_bodies_by_bytes() {
+        let kick = Arc::new(Notify::new());
+        let t = Arc::new(Tenant::for_tests("t"));
+        let mut c = Charge::start(t.clone(), 0, 1.0, &kick);
+        assert_eq!(t.in_flight.load(Relaxed), 1);
+        c.events = true;
+        c.passed(&Frame::data(Bytes::from_static(
+            b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n",
+        )));
+        assert_eq!(t.tokens.load(Relaxed), 2);
+        c.events = false;
+        c.passed(&Frame::data(Bytes::from_static(b"12345678")));
+        assert_eq!(t.tokens.load(Relaxed), 4);
+        drop(c);
+        assert_eq!(t.in_flight.load(Relaxed), 0);
+    }
+}

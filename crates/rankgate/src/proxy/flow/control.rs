@@ -1,0 +1,276 @@
+//! [`Flows`]: one router's queue, what wakes it, and who leaves it when.
+//!
+//! A request arriving while nothing waits and a rank it may use has room goes at once. Else it
+//! waits, and [`Flows::pump`] sends the next ones on (the queue's order, each only if one of its
+//! ranks has room) whenever room may have appeared: a request ends (its answer's [`Charge`]
+//! drops), telemetry is published, a request arrives. No loop polls. The rank itself is picked
+//! after the request leaves the queue, by the pick below, with that moment's telemetry and
+//! prefix affinity (late binding).
+//!
+//! Between a request leaving and its pick marking it in flight on a rank, it is `pending`: the
+//! room the pump sees is the fleet's less the requests already on their way to it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::{oneshot, Notify};
+
+use super::queue::{Caps, Full, Queue, Tenant, Waiter};
+use super::refusal::Refusal;
+use super::stats::ObjectiveStats;
+use crate::config::FlowConfig;
+use crate::policy::{Avoid, Leg, Selector};
+use crate::proxy::disagg::Split;
+use crate::table::Table;
+
+/// Candidates the pump looks at per wake: bounds the time it holds the lock.
+const LOOK: usize = 256;
+
+/// The ranks a request may go to, as its pick will see them.
+#[derive(Debug)]
+pub enum Eligible {
+    Whole(Avoid),
+    /// A disaggregated request: a prefill rank and a decode rank, each side judged by its own.
+    Split(Box<(Avoid, Avoid)>),
+}
+
+impl Eligible {
+    pub fn of(avoid: Option<&Avoid>, split: Option<&Split>) -> Eligible {
+        match split {
+            Some(s) => Eligible::Split(Box::new((s.avoid(Leg::Prefill), s.avoid(Leg::Decode)))),
+            None => Eligible::Whole(avoid.cloned().unwrap_or_default()),
+        }
+    }
+}
+
+/// What a waiting request is told.
+#[derive(Debug)]
+pub enum Go {
+    Send(Pending),
+    Refuse(Refusal),
+}
+
+/// A request on its way from the queue to its pick: counted against the fleet's room until
+/// dropped.
+#[derive(Debug)]
+pub struct Pending(Arc<AtomicU64>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+#[derive(Debug)]
+pub struct Item {
+    go: oneshot::Sender<Go>,
+    eligible: Eligible,
+}
+
+/// Where a request stands after [`Flows::arrive`].
+pub enum Arrival {
+    /// Room now: go.
+    Now(Arc<Tenant>, Pending),
+    /// Queued: wait on the receiver; leave with the seq if it gives up.
+    Queued(Arc<Tenant>, u64, oneshot::Receiver<Go>),
+    Refused(Arc<Tenant>, Refusal),
+}
+
+pub struct Flows {
+    pub cfg: Arc<FlowConfig>,
+    /// Each objective's band (objectives of one priority share one).
+    pub band_of: Box<[usize]>,
+    queue: Mutex<Queue<Item>>,
+    /// Requests waiting (read without the lock: `/metrics`, the dispatcher).
+    waiting: AtomicUsize,
+    pending: Arc<AtomicU64>,
+    pub kick: Arc<Notify>,
+    closed: AtomicBool,
+    selector: Arc<Selector>,
+    table: Arc<Table>,
+    pub stats: Box<[ObjectiveStats]>,
+}
+
+impl std::fmt::Debug for Flows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Flows({} waiting)", self.waiting.load(Relaxed))
+    }
+}
+
+impl Flows {
+    pub fn new(cfg: &FlowConfig, selector: &Arc<Selector>, table: &Arc<Table>) -> Arc<Flows> {
+        let mut band_of = Vec::with_capacity(cfg.objectives.len());
+        let mut band = 0;
+        for (i, o) in cfg.objectives.iter().enumerate() {
+            if i > 0 && o.priority != cfg.objectives[i - 1].priority {
+                band += 1;
+            }
+            band_of.push(band);
+        }
+        let caps = Caps {
+            count: cfg.max_queued,
+            bytes: cfg.max_queued_bytes,
+            tenant_count: cfg.max_queued_per_tenant,
+            tenant_bytes: cfg.max_queued_bytes_per_tenant,
+            tenants: cfg.max_tenants,
+        };
+        Arc::new(Flows {
+            queue: Mutex::new(Queue::new(band + 1, caps)),
+            band_of: band_of.into(),
+            waiting: AtomicUsize::new(0),
+            pending: Arc::default(),
+            kick: Arc::new(Notify::new()),
+            closed: AtomicBool::new(false),
+            selector: selector.clone(),
+            table: table.clone(),
+            stats: cfg.objectives.iter().map(|_| Default::default()).collect(),
+            cfg: Arc::new(cfg.clone()),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Queue<Item>> {
+        // The queue's invariants hold between statements: a panic elsewhere leaves it usable.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The room of the ranks `e` allows, less what is on its way; `None`: no telemetry to
+    /// judge by (the pick decides).
+    fn fits(&self, e: &Eligible, pending: u64) -> bool {
+        let room = |a: &Avoid| self.selector.room(&self.table, a);
+        let room = match e {
+            Eligible::Whole(a) => room(a),
+            Eligible::Split(legs) => match (room(&legs.0), room(&legs.1)) {
+                (Some(p), Some(d)) => Some(p.min(d)),
+                _ => None,
+            },
+        };
+        room.is_none_or(|r| r > pending)
+    }
+
+    fn pending(&self) -> Pending {
+        self.pending.fetch_add(1, Relaxed);
+        Pending(self.pending.clone())
+    }
+
+    /// A request of `tenant` arrives (its objective, size and cost in `w`, where it may go in
+    /// `eligible`): it goes now, waits, or is refused.
+    pub fn arrive(&self, tenant: &str, w: Waiter<()>, eligible: Eligible) -> Arrival {
+        let objective = w.objective;
+        let band = self.band_of[objective];
+        let mut q = self.lock();
+        let tenant = q.tenant(tenant);
+        if q.len() == 0 && self.fits(&eligible, self.pending.load(Relaxed)) {
+            tenant.charge(band, w.cost, w.weight);
+            self.stats[objective].direct.fetch_add(1, Relaxed);
+            return Arrival::Now(tenant, self.pending());
+        }
+        if self.closed.load(Relaxed) {
+            return Arrival::Refused(tenant, Refusal::ShuttingDown);
+        }
+        let (tx, rx) = oneshot::channel();
+        let w = Waiter {
+            seq: 0,
+            bytes: w.bytes,
+            cost: w.cost,
+            weight: w.weight,
+            since: w.since,
+            objective,
+            item: Item { go: tx, eligible },
+        };
+        match q.push(band, &tenant, w) {
+            Ok(seq) => {
+                self.stats[objective].queued.fetch_add(1, Relaxed);
+                self.waiting.store(q.len(), Relaxed);
+                // Room may be there for it already (another request waited for other ranks).
+                self.pump_locked(&mut q);
+                Arrival::Queued(tenant, seq, rx)
+            }
+            Err((full, _)) => Arrival::Refused(
+                tenant,
+                match full {
+                    Full::All => Refusal::QueueFull,
+                    Full::Tenant => Refusal::TenantFull,
+                },
+            ),
+        }
+    }
+
+    /// Takes request `seq` out of the queue; false if it was not there (it was sent or refused
+    /// already, and its answer is in its channel).
+    pub fn leave(&self, objective: usize, tenant: &Arc<Tenant>, seq: u64) -> bool {
+        let mut q = self.lock();
+        let left = q.remove(self.band_of[objective], tenant, seq).is_some();
+        if left {
+            self.stats[objective].queued.fetch_sub(1, Relaxed);
+            self.waiting.store(q.len(), Relaxed);
+        }
+        left
+    }
+
+    /// Sends on every waiting request that fits now, in the queue's order.
+    pub fn pump(&self) {
+        let mut q = self.lock();
+        self.pump_locked(&mut q);
+    }
+
+    fn pump_locked(&self, q: &mut Queue<Item>) {
+        let mut look = LOOK;
+        while q.len() > 0 {
+            let pending = self.pending.load(Relaxed);
+            let Some((tenant, w)) = q.next(&mut look, |w| self.fits(&w.item.eligible, pending))
+            else {
+                break;
+            };
+            let stats = &self.stats[w.objective];
+            stats.queued.fetch_sub(1, Relaxed);
+            stats.dispatched.fetch_add(1, Relaxed);
+            stats.wait.observe(w.since.elapsed());
+            tenant.dispatched.fetch_add(1, Relaxed);
+            // A receiver gone (its client left as it was chosen) drops the guard at once.
+            let _ = w.item.go.send(Go::Send(self.pending()));
+        }
+        self.waiting.store(q.len(), Relaxed);
+    }
+
+    /// Requests waiting now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Relaxed)
+    }
+
+    /// Refuses everything waiting (shutdown: the drain grace ran out) and anything that arrives
+    /// later and would wait.
+    pub fn close(&self) {
+        self.closed.store(true, Relaxed);
+        let all = self.lock().take_all();
+        self.waiting.store(0, Relaxed);
+        for (_, w) in all {
+            let stats = &self.stats[w.objective];
+            stats.queued.fetch_sub(1, Relaxed);
+            let _ = w.item.go.send(Go::Refuse(Refusal::ShuttingDown));
+        }
+    }
+
+    /// The tenants tracked (for `/metrics` and `/flows`).
+    pub fn tenants(&self) -> Vec<Arc<Tenant>> {
+        self.lock().tenants().cloned().collect()
+    }
+
+    /// Requests waiting per band (for `/flows`).
+    pub fn per_band(&self) -> Vec<usize> {
+        self.lock().per_band()
+    }
+
+    /// The dispatcher: pumps whenever a request ends or telemetry is published, until `stop`.
+    pub async fn run(self: Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = self.kick.notified() => {}
+                _ = self.table.published.notified() => {}
+                _ = crate::http::shutdown_signalled(&mut stop) => return,
+            }
+            if self.waiting() > 0 {
+                self.pump();
+            }
+        }
+    }
+}
