@@ -193,3 +193,33 @@ impl EngineSpec {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra: &str) -> Result<EngineSpec, String> {
+        let text = format!("flavor = \"vllm\"\ndp_size = 1\n{extra}");
+        let s: EngineSpec = toml::from_str(&text).map_err(|e| e.to_string())?;
+        s.validate().map(|()| s)
+    }
+
+    #[test]
+    fn queue_keys_reach_the_engine_and_bad_ones_are_refused() {
+        let d = spec("").expect("valid").sim_config();
+        assert_eq!(d.max_num_seqs, SimConfig::default().max_num_seqs);
+        assert_eq!(d.scheduling_policy, SchedulingPolicy::Fcfs);
+        let s = spec("max_num_seqs = 4\nscheduling_policy = \"priority\"").expect("valid");
+        let cfg = s.sim_config();
+        assert_eq!(cfg.max_num_seqs, 4);
+        assert_eq!(cfg.scheduling_policy, SchedulingPolicy::Priority);
+        assert_eq!(cfg.flavor, SimFlavor::Vllm);
+        let e = spec("max_num_seqs = 0").unwrap_err();
+        assert!(e.contains("max_num_seqs"), "{e}");
+        let e = spec("scheduling_policy = \"lifo\"").unwrap_err();
+        assert!(e.contains("lifo") || e.contains("variant"), "{e}");
+        let text = "flavor = \"sglang\"\ndp_size = 1\nscheduling_policy = \"priority\"";
+        let s: EngineSpec = toml::from_str(text).expect("parses");
+        assert!(s.validate().unwrap_err().contains("scheduling_policy"));
+    }
+}
