@@ -51,7 +51,8 @@ async fn gauges(e: &SimEngine) -> (u64, u64) {
     let value = |name: &str| -> u64 {
         let line = page.lines().find(|l| l.starts_with(&format!("{name}{{")));
         let v = line.and_then(|l| l.rsplit(' ').next()).unwrap_or("");
-        v.parse::<f64>().unwrap_or_else(|_| panic!("{name} in\n{page}")) as u64
+        v.parse::<f64>()
+            .unwrap_or_else(|_| panic!("{name} in\n{page}")) as u64
     };
     (
         value("vllm:num_requests_running"),
@@ -67,7 +68,10 @@ async fn until_gauges(e: &SimEngine, want: impl Fn((u64, u64)) -> bool) -> (u64,
         if want(g) {
             return g;
         }
-        assert!(tokio::time::Instant::now() < deadline, "gauges stuck at {g:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "gauges stuck at {g:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

@@ -267,7 +267,9 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
     if a.max_num_seqs == 0 {
         return Err("--max-num-seqs must be at least 1".into());
     }
-    if a.scheduling_policy == super::SchedulingPolicy::Priority && matches!(a.flavor, FlavorArg::Sglang) {
+    if a.scheduling_policy == super::SchedulingPolicy::Priority
+        && matches!(a.flavor, FlavorArg::Sglang)
+    {
         return Err("--scheduling-policy priority is vLLM's: the SGLang flavor has none".into());
     }
     check_status(a.fail_status).map_err(|e| format!("--fail-status: {e}"))?;

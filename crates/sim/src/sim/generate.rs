@@ -349,7 +349,13 @@ impl Sim {
             Ok(p) => p,
             Err(msg) => {
                 let bad = StatusCode::BAD_REQUEST;
-                return error(Endpoint::Decode(api), bad, "BadRequestError", Some("priority"), &msg);
+                return error(
+                    Endpoint::Decode(api),
+                    bad,
+                    "BadRequestError",
+                    Some("priority"),
+                    &msg,
+                );
             }
         };
         let n = self.next_id.fetch_add(1, Relaxed);
@@ -405,7 +411,12 @@ impl Sim {
             tx.send(open).await.ok()?;
         }
         let mut adm = rank
-            .admit_ranked(job.prompt_tokens, job.blocks.as_ref(), job.max_tokens, job.priority)
+            .admit_ranked(
+                job.prompt_tokens,
+                job.blocks.as_ref(),
+                job.max_tokens,
+                job.priority,
+            )
             .await;
         self.admitted();
         // A D's prompt KV comes from its P, with its KV allocated here: that prefill is skipped.

@@ -267,7 +267,8 @@ impl Rank {
         prompt_blocks: Option<&Blocks>,
         max_tokens: u64,
     ) -> Admission<'_> {
-        self.admit_ranked(prompt, prompt_blocks, max_tokens, 0).await
+        self.admit_ranked(prompt, prompt_blocks, max_tokens, 0)
+            .await
     }
 
     /// [`Rank::admit_prompt`] at `priority` (lower goes first; 0 for all under FCFS). The

@@ -98,8 +98,7 @@ fn pd_flags_set_the_role_and_its_settings_and_bad_seconds_name_the_flag() {
         (p.pd.side_port, p.pd.engine_id.as_deref()),
         (40100, Some("pd-P"))
     );
-    let d =
-        parse(&["--role", "decode", "--disaggregation-waiting-timeout", "2"]).expect("valid");
+    let d = parse(&["--role", "decode", "--disaggregation-waiting-timeout", "2"]).expect("valid");
     assert_eq!(d.pd.waiting_timeout, std::time::Duration::from_secs(2));
     for flag in ["--kv-lease", "--disaggregation-bootstrap-timeout"] {
         let e = parse(&["--role", "prefill", flag, "0"]).unwrap_err();
@@ -114,7 +113,10 @@ fn queue_flags_set_the_cap_and_the_policy_and_bad_ones_name_the_flag() {
     assert_eq!(d.scheduling_policy, super::super::SchedulingPolicy::Fcfs);
     let p = parse(&["--max-num-seqs", "2", "--scheduling-policy", "priority"]).expect("valid");
     assert_eq!(p.max_num_seqs, 2);
-    assert_eq!(p.scheduling_policy, super::super::SchedulingPolicy::Priority);
+    assert_eq!(
+        p.scheduling_policy,
+        super::super::SchedulingPolicy::Priority
+    );
     let e = parse(&["--max-num-seqs", "0"]).unwrap_err();
     assert!(e.contains("--max-num-seqs"), "{e}");
     let argv = [

@@ -153,7 +153,10 @@ async fn in_order_a_small_request_waits_behind_a_large_one_that_does_not_fit() {
         let rank = Rank::new(0, 100, 0.0).with_queueing(q);
         let running = rank.admit(30, 30).await;
         let mut big = Box::pin(rank.admit(30, 30));
-        assert!(futures_poll_once(big.as_mut()).await.is_none(), "60 + 60 > 100");
+        assert!(
+            futures_poll_once(big.as_mut()).await.is_none(),
+            "60 + 60 > 100"
+        );
         let mut small = Box::pin(rank.admit(5, 5));
         let small_now = futures_poll_once(small.as_mut()).await;
         if !in_order {
@@ -180,7 +183,10 @@ async fn max_running_caps_the_running_requests_and_the_rest_wait() {
     let b = rank.admit(10, 10).await;
     let mut c = Box::pin(rank.admit(10, 10));
     let mut d = Box::pin(rank.admit(10, 10));
-    assert!(futures_poll_once(c.as_mut()).await.is_none(), "KV is plenty");
+    assert!(
+        futures_poll_once(c.as_mut()).await.is_none(),
+        "KV is plenty"
+    );
     assert!(futures_poll_once(d.as_mut()).await.is_none());
     assert_eq!((rank.counts().running, rank.counts().waiting), (2, 2));
     drop(a);
