@@ -2,11 +2,12 @@
 //! records of each request, and every endpoint it imitates, answered by the rank it was pinned to.
 //!
 //! By part: [`serving`] (models, API keys, records), [`vllm`] and [`sglang`] (each flavor's
-//! endpoints), over [`helpers`].
+//! endpoints), [`queue`] (a vLLM rank's waiting queue), over [`helpers`].
 
 #[path = "../common/mod.rs"]
 mod common;
 mod helpers;
+mod queue;
 mod serving;
 mod sglang;
 mod vllm;

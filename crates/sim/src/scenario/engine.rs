@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use crate::sim::kv::KvEventsConfig;
-use crate::sim::{check_percent, check_status, SimConfig, SimFlavor};
+use crate::sim::{check_percent, check_status, SchedulingPolicy, SimConfig, SimFlavor};
 
 /// One simulated engine of the fleet.
 #[derive(Debug, Clone, Deserialize)]
@@ -62,6 +62,17 @@ pub struct EngineSpec {
     /// sim's `compute`): what a long prompt does to the requests decoding beside it.
     #[serde(default)]
     pub prefill_interference: bool,
+    /// Like vLLM's `--max-num-seqs`: requests running per rank at most, the rest wait.
+    #[serde(default = "default_max_num_seqs")]
+    pub max_num_seqs: u32,
+    /// Like vLLM's `--scheduling-policy`: `"fcfs"` (arrival) or `"priority"` (the body's
+    /// `priority`, lower first); vLLM engines only.
+    #[serde(default)]
+    pub scheduling_policy: SchedulingPolicy,
+}
+
+fn default_max_num_seqs() -> u32 {
+    SimConfig::default().max_num_seqs
 }
 
 fn default_fail_status() -> u16 {
@@ -122,6 +133,7 @@ impl EngineSpec {
         if self.die_after == Some(0) {
             return Err("die_after must be at least 1".into());
         }
+        self.sim_queue().check_queue()?;
         if self.kv_events && !self.prefix_caching {
             return Err(
                 "kv_events needs prefix_caching (the events are the prefix cache's)".into(),
@@ -167,7 +179,47 @@ impl EngineSpec {
             die_after: self.die_after,
             stall_after_tokens: self.stall_after_tokens,
             role: self.role,
+            ..self.sim_queue()
+        }
+    }
+
+    /// The default engine with this spec's flavor and queue settings.
+    fn sim_queue(&self) -> SimConfig {
+        SimConfig {
+            flavor: self.flavor,
+            max_num_seqs: self.max_num_seqs,
+            scheduling_policy: self.scheduling_policy,
             ..SimConfig::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra: &str) -> Result<EngineSpec, String> {
+        let text = format!("flavor = \"vllm\"\ndp_size = 1\n{extra}");
+        let s: EngineSpec = toml::from_str(&text).map_err(|e| e.to_string())?;
+        s.validate().map(|()| s)
+    }
+
+    #[test]
+    fn queue_keys_reach_the_engine_and_bad_ones_are_refused() {
+        let d = spec("").expect("valid").sim_config();
+        assert_eq!(d.max_num_seqs, SimConfig::default().max_num_seqs);
+        assert_eq!(d.scheduling_policy, SchedulingPolicy::Fcfs);
+        let s = spec("max_num_seqs = 4\nscheduling_policy = \"priority\"").expect("valid");
+        let cfg = s.sim_config();
+        assert_eq!(cfg.max_num_seqs, 4);
+        assert_eq!(cfg.scheduling_policy, SchedulingPolicy::Priority);
+        assert_eq!(cfg.flavor, SimFlavor::Vllm);
+        let e = spec("max_num_seqs = 0").unwrap_err();
+        assert!(e.contains("max_num_seqs"), "{e}");
+        let e = spec("scheduling_policy = \"lifo\"").unwrap_err();
+        assert!(e.contains("lifo") || e.contains("variant"), "{e}");
+        let text = "flavor = \"sglang\"\ndp_size = 1\nscheduling_policy = \"priority\"";
+        let s: EngineSpec = toml::from_str(text).expect("parses");
+        assert!(s.validate().unwrap_err().contains("scheduling_policy"));
     }
 }

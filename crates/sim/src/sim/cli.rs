@@ -7,6 +7,7 @@
 //!     [--grpc-listen 127.0.0.1:18051] [--servicer-quirks] [--model a,b] [--api-key K] \
 //!     [--capacity-tokens 440912] [--decode-rate 160] [--prefill-rate 30000]
 //!     [--prefill-interference] [--prefix-caching] [--tokenizer DIR]
+//!     [--max-num-seqs 1024] [--scheduling-policy fcfs|priority]
 //!     [--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}']
 //!     [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
 //!
@@ -105,6 +106,15 @@ pub struct Args {
     /// Each rank's prefills run one at a time and hold up its decode steps while they run.
     #[arg(long)]
     prefill_interference: bool,
+    /// Like vLLM's --max-num-seqs: requests running on each rank at most; the rest wait and
+    /// count as waiting. Default: vLLM's for its OpenAI server on an 80 GB H100.
+    #[arg(long, default_value_t = deployment::MAX_NUM_SEQS)]
+    max_num_seqs: u32,
+    /// Like vLLM's --scheduling-policy (vLLM flavor): a rank starts its waiting requests in
+    /// arrival order (fcfs) or by the body's `priority`, lower first (priority), and stops at
+    /// the first that does not fit, holding back those behind it.
+    #[arg(long, value_enum, default_value = "fcfs")]
+    scheduling_policy: super::SchedulingPolicy,
     /// Like vLLM's --enable-prefix-caching: ranks keep prompt blocks, cached prompt tokens skip
     /// prefill, /metrics reports vllm:prefix_cache_{queries,hits}_total.
     #[arg(long)]
@@ -254,6 +264,14 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
     if !(a.decode_rate > 0.0 && a.prefill_rate > 0.0) {
         return Err("--decode-rate and --prefill-rate must be positive".into());
     }
+    if a.max_num_seqs == 0 {
+        return Err("--max-num-seqs must be at least 1".into());
+    }
+    if a.scheduling_policy == super::SchedulingPolicy::Priority
+        && matches!(a.flavor, FlavorArg::Sglang)
+    {
+        return Err("--scheduling-policy priority is vLLM's: the SGLang flavor has none".into());
+    }
     check_status(a.fail_status).map_err(|e| format!("--fail-status: {e}"))?;
     check_percent(a.fail_percent).map_err(|e| format!("--fail-percent: {e}"))?;
     check_status(a.health_status).map_err(|e| format!("--health-status: {e}"))?;
@@ -322,6 +340,8 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         decode_tokens_per_sec: a.decode_rate,
         prefill_tokens_per_sec: a.prefill_rate,
         prefill_interference: a.prefill_interference,
+        max_num_seqs: a.max_num_seqs,
+        scheduling_policy: a.scheduling_policy,
         // Events come from the prefix cache; vLLM has it on by default.
         prefix_caching: a.prefix_caching || kv_events.is_some(),
         kv_events,
@@ -390,111 +410,4 @@ pub async fn run(a: Args) -> Result<(), String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parse(extra: &[&str]) -> Result<SimConfig, String> {
-        let mut argv = vec![
-            "--listen",
-            "127.0.0.1:0",
-            "--flavor",
-            "vllm",
-            "--dp-size",
-            "2",
-        ];
-        argv.extend_from_slice(extra);
-        super::parse(argv).map(|(cfg, _, _)| cfg)
-    }
-
-    #[test]
-    fn without_figures_a_rank_is_a_real_one_and_flags_still_set_them() {
-        let cfg = parse(&[]).expect("valid");
-        assert_eq!(cfg.capacity_tokens, deployment::CAPACITY_TOKENS);
-        assert_eq!(cfg.decode_tokens_per_sec, deployment::DECODE_TOKENS_PER_SEC);
-        assert_eq!(
-            cfg.prefill_tokens_per_sec,
-            deployment::PREFILL_TOKENS_PER_SEC
-        );
-        assert!(cfg.capacity_tokens > 100 * SimConfig::default().capacity_tokens);
-        let small = parse(&[
-            "--capacity-tokens",
-            "4096",
-            "--decode-rate",
-            "200",
-            "--prefill-rate",
-            "20000",
-        ])
-        .expect("valid");
-        let d = SimConfig::default();
-        assert_eq!(
-            (
-                small.capacity_tokens,
-                small.decode_tokens_per_sec,
-                small.prefill_tokens_per_sec
-            ),
-            (
-                d.capacity_tokens,
-                d.decode_tokens_per_sec,
-                d.prefill_tokens_per_sec
-            )
-        );
-        let e = parse(&["--prefill-rate", "0"]).unwrap_err();
-        assert!(e.contains("--prefill-rate"), "{e}");
-    }
-
-    #[test]
-    fn kv_events_config_reads_like_vllms_and_turns_prefix_caching_on() {
-        let cfg = parse(&[
-            "--kv-events-config",
-            r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}"#,
-        ])
-        .expect("valid");
-        assert!(cfg.prefix_caching);
-        let kv = cfg.kv_events.expect("events on");
-        assert_eq!(kv.topic, "kv");
-        let off =
-            parse(&["--kv-events-config", r#"{"enable_kv_cache_events": false}"#]).expect("valid");
-        assert!(off.kv_events.is_none() && !off.prefix_caching);
-        let bad = parse(&[
-            "--kv-events-config",
-            r#"{"enable_kv_cache_events": true, "publisher": "redis"}"#,
-        ])
-        .unwrap_err();
-        assert!(bad.contains("publisher"), "{bad}");
-        assert!(
-            parse(&[]).expect("valid").kv_events.is_none(),
-            "off by default"
-        );
-    }
-
-    #[test]
-    fn pd_flags_set_the_role_and_its_settings_and_bad_seconds_name_the_flag() {
-        let colocated = parse(&[]).expect("valid");
-        assert!(colocated.role.is_none());
-        assert_eq!(colocated.pd.kv_lease, super::super::pd::DEFAULT_KV_LEASE);
-        let p = parse(&[
-            "--role",
-            "prefill",
-            "--kv-lease",
-            "0.5",
-            "--side-port",
-            "40100",
-            "--engine-id",
-            "pd-P",
-        ])
-        .expect("valid");
-        assert_eq!(p.role, Some(super::super::PdRole::Prefill));
-        assert_eq!(p.pd.kv_lease, std::time::Duration::from_millis(500));
-        assert_eq!(
-            (p.pd.side_port, p.pd.engine_id.as_deref()),
-            (40100, Some("pd-P"))
-        );
-        let d =
-            parse(&["--role", "decode", "--disaggregation-waiting-timeout", "2"]).expect("valid");
-        assert_eq!(d.pd.waiting_timeout, std::time::Duration::from_secs(2));
-        for flag in ["--kv-lease", "--disaggregation-bootstrap-timeout"] {
-            let e = parse(&["--role", "prefill", flag, "0"]).unwrap_err();
-            assert!(e.contains(flag), "{e}");
-        }
-    }
-}
+mod tests;

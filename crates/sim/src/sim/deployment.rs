@@ -27,6 +27,10 @@
 //! - Prefill. A prompt token costs 2 x 8.03 G = 16 GFLOP; the H100 SXM's 989 dense bf16 TFLOPS
 //!   at about half of peak, what prefill reaches, is 30,800 tokens/s, taken as 30,000 (a 1k-token
 //!   prompt prefills in 34 ms).
+//! - Running requests. vLLM's OpenAI server defaults `--max-num-seqs` by the GPU: 1,024 on one
+//!   with at least 70 GiB that is not an A100 (the H100 here, an H200, an MI300X), 256 on the
+//!   rest. The sim takes the H100's 1,024 for every engine, the tests' small one included,
+//!   whose 4,096 tokens fill long before that many requests run.
 
 /// Bytes in a MiB.
 const MIB: u64 = 1 << 20;
@@ -63,6 +67,9 @@ pub const DECODE_TOKENS_PER_SEC: f64 = 160.0;
 
 /// Prompt tokens per second of prefill.
 pub const PREFILL_TOKENS_PER_SEC: f64 = 30_000.0;
+
+/// vLLM's `--max-num-seqs` for the OpenAI server on an 80 GB H100: requests running per rank.
+pub const MAX_NUM_SEQS: u32 = 1024;
 
 /// What `mock-engine --help` says after the flags: the deployment its defaults are, and where
 /// the built-in tokenizer's files are (from the constants, so it cannot drift from them).

@@ -25,8 +25,8 @@ use tokio::sync::mpsc;
 
 use super::pd::Leg;
 use super::prefix::{Blocks, TOKEN_BYTES};
-use super::routes::Api;
-use super::serve::Call;
+use super::routes::{Api, Endpoint};
+use super::serve::{error, Call};
 use super::{Sim, SimBody, SimFlavor};
 use rankgate::http::json_response;
 
@@ -52,6 +52,8 @@ pub(super) struct Job {
     pd: Option<Leg>,
     /// A vLLM role server's whole answers carry `kv_transfer_params` (null but on P's).
     transfer_params: bool,
+    /// Its place in the rank's queue under the priority policy ([`super::queue`]); 0 else.
+    priority: i64,
 }
 
 impl Job {
@@ -118,6 +120,7 @@ impl Job {
             model: call.model.clone(),
             pd: call.pd.clone(),
             transfer_params: vllm_role && matches!(api, Api::Chat | Api::Completion),
+            priority: 0,
         }
     }
 
@@ -342,7 +345,24 @@ impl Sim {
 
     /// Answers a generation request, streaming or whole.
     pub(super) async fn decode(self: Arc<Self>, api: Api, call: Call) -> Response<SimBody> {
-        let job = Job::new(&self, api, &call, self.next_id.fetch_add(1, Relaxed));
+        let priority = match self.priority(api, &call.body) {
+            Ok(p) => p,
+            Err(msg) => {
+                let bad = StatusCode::BAD_REQUEST;
+                return error(
+                    Endpoint::Decode(api),
+                    bad,
+                    "BadRequestError",
+                    Some("priority"),
+                    &msg,
+                );
+            }
+        };
+        let n = self.next_id.fetch_add(1, Relaxed);
+        let job = Job {
+            priority,
+            ..Job::new(&self, api, &call, n)
+        };
         let local = call.local;
         if !job.stream {
             return match self.run(local, &job, None).await {
@@ -391,7 +411,12 @@ impl Sim {
             tx.send(open).await.ok()?;
         }
         let mut adm = rank
-            .admit_prompt(job.prompt_tokens, job.blocks.as_ref(), job.max_tokens)
+            .admit_ranked(
+                job.prompt_tokens,
+                job.blocks.as_ref(),
+                job.max_tokens,
+                job.priority,
+            )
             .await;
         self.admitted();
         // A D's prompt KV comes from its P, with its KV allocated here: that prefill is skipped.

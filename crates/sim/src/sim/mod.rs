@@ -17,7 +17,8 @@
 //! through, `generate` the decoding APIs, `pooling` the answers without decoding, `multipart` the
 //! audio forms, `info` what the engine says about itself, `auth` the API key check, `telemetry`
 //! what the ranks publish, `grpc` the gRPC services and `grpc_decode` their inference calls,
-//! `rank` the KV and queue model, `prefix` its prefix cache, `kv` the KV-cache events the ranks
+//! `rank` the KV and queue model, `queue` the scheduler settings that run the queue (vLLM's
+//! `--max-num-seqs`, `--scheduling-policy`, a request's `priority`), `prefix` its prefix cache, `kv` the KV-cache events the ranks
 //! publish over ZeroMQ as vLLM does, `faults` the fault knobs and `net` the accept loop that can
 //! die like a killed process. `pd` makes the engine the prefill or the decode side of a pair
 //! ([`SimConfig::role`]); `deployment` holds a real rank's figures, `rankgate mock-engine`'s.
@@ -39,6 +40,7 @@ mod observe;
 pub mod pd;
 mod pooling;
 pub mod prefix;
+mod queue;
 pub mod rank;
 mod routes;
 mod serve;
@@ -59,7 +61,9 @@ use tokio::sync::watch;
 use faults::Faults;
 pub use faults::{check_percent, check_status, FaultError};
 pub use grpc_decode::GrpcSeen;
+pub use observe::Seen;
 pub use pd::{PdConfig, PdCounts, PdRole};
+pub use queue::SchedulingPolicy;
 use rank::Rank;
 use rankgate::worker::RankNumbering;
 pub use serve::SimBody;
@@ -194,6 +198,11 @@ pub struct SimConfig {
     /// --api-server-count 1`); [`SimConfig::default`], the tests' small engine, has it off, so
     /// a test that sets a rank's reported usage sees it at once.
     pub gauges_after_first_request: bool,
+    /// Like vLLM's `--max-num-seqs`: requests running on a rank at most, the rest wait
+    /// ([`queue`]); [`deployment::MAX_NUM_SEQS`] by default.
+    pub max_num_seqs: u32,
+    /// Like vLLM's `--scheduling-policy`: the order a vLLM rank's waiting requests start in.
+    pub scheduling_policy: SchedulingPolicy,
 }
 
 impl Default for SimConfig {
@@ -232,6 +241,8 @@ impl Default for SimConfig {
             role: None,
             pd: PdConfig::default(),
             gauges_after_first_request: false,
+            max_num_seqs: deployment::MAX_NUM_SEQS,
+            scheduling_policy: SchedulingPolicy::Fcfs,
         }
     }
 }
@@ -248,34 +259,6 @@ impl SimConfig {
 /// The response header naming the GLOBAL rank that served a proxied request, so a client (or a
 /// test behind a router) sees where its request ran.
 pub const SIM_RANK_HEADER: &str = "x-sim-rank";
-
-/// What the engine saw of one proxied request, for tests to inspect. Recorded once the pin is
-/// resolved (a pin the engine refuses leaves no record), before the model is checked.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Seen {
-    pub method: http::Method,
-    pub path: String,
-    /// The `X-data-parallel-rank` header as received.
-    pub rank_header: Option<String>,
-    /// The body's `data_parallel_rank` (else `routed_dp_rank`) as received.
-    pub body_rank: Option<Value>,
-    /// The global rank that served it.
-    pub rank: u32,
-    /// The body's (or form's) `model` as received; `None` when the request named none.
-    pub model: Option<String>,
-    /// The `Authorization` header as received.
-    pub authorization: Option<String>,
-    /// The `x-request-id` header as received.
-    pub request_id: Option<String>,
-    /// The `x-forwarded-for` header as received.
-    pub forwarded_for: Option<String>,
-    /// The `traceparent` header as received.
-    pub traceparent: Option<String>,
-    /// The names of every header received (lowercase).
-    pub header_names: Vec<String>,
-    /// The address of the connection it came on (the proxy's side of it).
-    pub peer: Option<std::net::SocketAddr>,
-}
 
 /// Knobs that change while the engine runs.
 #[derive(Debug, Clone, Default)]
@@ -338,6 +321,7 @@ impl SimEngine {
     pub async fn start(listen: SocketAddr, cfg: SimConfig) -> std::io::Result<SimEngine> {
         let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
         let faults = Faults::new(&cfg).map_err(|e| invalid(e.to_string()))?;
+        cfg.check_queue().map_err(invalid)?;
         if cfg.models.is_empty() || cfg.models.iter().any(|m| m.is_empty()) {
             return Err(invalid(format!(
                 "models must be a non-empty list of non-empty names, got {:?}",
@@ -361,7 +345,8 @@ impl SimEngine {
                 .get(i as usize)
                 .copied()
                 .unwrap_or(cfg.capacity_tokens);
-            let mut rank = Rank::new(cfg.start_rank + i, capacity.max(1), preload);
+            let mut rank = Rank::new(cfg.start_rank + i, capacity.max(1), preload)
+                .with_queueing(cfg.queueing());
             if let Some(kc) = &cfg.kv_events {
                 let events = Arc::new(kv::RankEvents::default());
                 rank = rank.with_events(events.clone());

@@ -3,6 +3,34 @@
 
 use super::*;
 
+/// What the engine saw of one proxied request, for tests to inspect. Recorded once the pin is
+/// resolved (a pin the engine refuses leaves no record), before the model is checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Seen {
+    pub method: http::Method,
+    pub path: String,
+    /// The `X-data-parallel-rank` header as received.
+    pub rank_header: Option<String>,
+    /// The body's `data_parallel_rank` (else `routed_dp_rank`) as received.
+    pub body_rank: Option<Value>,
+    /// The global rank that served it.
+    pub rank: u32,
+    /// The body's (or form's) `model` as received; `None` when the request named none.
+    pub model: Option<String>,
+    /// The `Authorization` header as received.
+    pub authorization: Option<String>,
+    /// The `x-request-id` header as received.
+    pub request_id: Option<String>,
+    /// The `x-forwarded-for` header as received.
+    pub forwarded_for: Option<String>,
+    /// The `traceparent` header as received.
+    pub traceparent: Option<String>,
+    /// The names of every header received (lowercase).
+    pub header_names: Vec<String>,
+    /// The address of the connection it came on (the proxy's side of it).
+    pub peer: Option<std::net::SocketAddr>,
+}
+
 impl SimEngine {
     /// Requests admitted per local rank.
     pub fn served(&self) -> Vec<u64> {

@@ -12,10 +12,16 @@
 //! KV usage (vLLM reports cached free blocks as free) and never make a request wait: admission
 //! evicts them, least recently used first, to make room.
 //!
+//! Its queue is vLLM's by default ([`Queueing`]): at most `max_num_seqs` requests run, and the
+//! waiting ones start in order, so a request that does not fit holds back every one behind it
+//! (head-of-line blocking), however small. The order is arrival, or with the priority policy the
+//! request's `priority` then arrival. A waiting request holds nothing.
+//!
 //! With KV events on ([`Rank::with_events`]) every change of the prefix cache is handed, in
 //! order and inside the same critical section, to the rank's [`RankEvents`] for its publisher.
 //! [`Rank::restart`] empties the cache as a restarted engine process has it empty.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -52,7 +58,11 @@ struct State {
     /// Of that, what is occupied.
     used: u64,
     running: u32,
-    waiting: u32,
+    /// The waiting requests in the order they start: (priority, ticket), lowest first; the
+    /// ticket numbers arrivals, so equal priorities (all of them under FCFS) go by arrival.
+    queue: BTreeSet<(i64, u64)>,
+    /// The next arrival's ticket.
+    tickets: u64,
     cache: PrefixCache,
     prefix_queries: u64,
     prefix_hits: u64,
@@ -72,6 +82,26 @@ pub struct Rank {
     pub served: AtomicU64,
     /// Where the cache's KV events go, with events on.
     events: Option<Arc<RankEvents>>,
+    queueing: Queueing,
+}
+
+/// How a rank's waiting requests get their turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Queueing {
+    /// Requests running at once at most, vLLM's `--max-num-seqs` (at least 1).
+    pub max_running: u32,
+    /// Waiting requests start strictly in their order, as vLLM's scheduler takes its waiting
+    /// queue: it stops at the first request it cannot start. Off, any waiting request that fits
+    /// starts (the SGLang flavor, as the sim always had it).
+    pub in_order: bool,
+}
+
+impl Queueing {
+    /// No cap, any order: what [`Rank::new`] starts with.
+    pub const UNORDERED: Queueing = Queueing {
+        max_running: u32::MAX,
+        in_order: false,
+    };
 }
 
 /// A request's hold on its rank's KV; released (and waiters woken) on drop, so a client that goes
@@ -102,7 +132,17 @@ impl Rank {
             freed: Notify::new(),
             served: AtomicU64::new(0),
             events: None,
+            queueing: Queueing::UNORDERED,
         }
+    }
+
+    /// The rank with its queue run by `q` ([`Queueing`]).
+    pub fn with_queueing(mut self, q: Queueing) -> Rank {
+        self.queueing = Queueing {
+            max_running: q.max_running.max(1),
+            ..q
+        };
+        self
     }
 
     /// The rank with KV events on: its cache records them and hands them to `events`.
@@ -160,7 +200,7 @@ impl Rank {
             reserved: s.reserved + shared,
             used: s.used + shared,
             running: s.running,
-            waiting: s.waiting,
+            waiting: s.queue.len() as u32,
             idle_blocks: s.cache.idle(),
             prefix_queries: s.prefix_queries,
             prefix_hits: s.prefix_hits,
@@ -227,6 +267,20 @@ impl Rank {
         prompt_blocks: Option<&Blocks>,
         max_tokens: u64,
     ) -> Admission<'_> {
+        self.admit_ranked(prompt, prompt_blocks, max_tokens, 0)
+            .await
+    }
+
+    /// [`Rank::admit_prompt`] at `priority` (lower goes first; 0 for all under FCFS). The
+    /// request starts once it fits, fewer than `max_running` run, and, in order, no waiting
+    /// request comes before it.
+    pub async fn admit_ranked(
+        &self,
+        prompt: u64,
+        prompt_blocks: Option<&Blocks>,
+        max_tokens: u64,
+        priority: i64,
+    ) -> Admission<'_> {
         let caching = prompt_blocks.is_some();
         let empty = Blocks::default();
         let prompt_blocks = prompt_blocks.unwrap_or(&empty);
@@ -239,7 +293,12 @@ impl Rank {
         // stops counting.
         let mut queued = Queued {
             rank: self,
-            on: false,
+            key: None,
+        };
+        let key = {
+            let mut s = self.lock();
+            s.tickets += 1;
+            (priority, s.tickets)
         };
         loop {
             let notified = self.freed.notified();
@@ -252,7 +311,10 @@ impl Rank {
                 let look = s.cache.lookup(blocks);
                 let held = s.reserved + s.cache.in_use() * BLOCK_TOKENS;
                 let taking = need + (look.new + look.revived) as u64 * BLOCK_TOKENS;
-                if s.running == 0 || held + taking <= free {
+                let fits = s.running == 0 || held + taking <= free;
+                // With the queue in order, its turn comes once no waiting request is ahead of it.
+                let turn = !self.queueing.in_order || s.queue.first().is_none_or(|h| key <= *h);
+                if turn && s.running < self.queueing.max_running && fits {
                     s.cache.acquire_blocks(prompt_blocks);
                     // Whatever the cache still holds past capacity is idle: evict it.
                     let occupied =
@@ -271,12 +333,9 @@ impl Rank {
                     s.used += used;
                     s.running += 1;
                     s.admitted += 1;
-                    if queued.on {
-                        s.waiting -= 1;
-                        queued.on = false;
-                    }
+                    let was_queued = queued.key.take().is_some_and(|k| s.queue.remove(&k));
                     self.served.fetch_add(1, Relaxed);
-                    return Admission {
+                    let adm = Admission {
                         rank: self,
                         reserved: need,
                         used,
@@ -285,10 +344,16 @@ impl Rank {
                         keep: Blocks::default(),
                         cached_tokens: cached,
                     };
+                    drop(s);
+                    if was_queued && self.queueing.in_order {
+                        // The next in line may fit too.
+                        self.freed.notify_waiters();
+                    }
+                    return adm;
                 }
-                if !queued.on {
-                    s.waiting += 1;
-                    queued.on = true;
+                if queued.key.is_none() {
+                    s.queue.insert(key);
+                    queued.key = Some(key);
                 }
             }
             notified.await;
@@ -296,16 +361,20 @@ impl Rank {
     }
 }
 
-/// A request's place in a rank's queue.
+/// A request's place in a rank's queue, while it has one.
 struct Queued<'a> {
     rank: &'a Rank,
-    on: bool,
+    key: Option<(i64, u64)>,
 }
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
-        if self.on {
-            self.rank.lock().waiting -= 1;
+        if let Some(k) = self.key.take() {
+            self.rank.lock().queue.remove(&k);
+            if self.rank.queueing.in_order {
+                // It may have been holding the others back.
+                self.rank.freed.notify_waiters();
+            }
         }
     }
 }

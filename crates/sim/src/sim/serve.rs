@@ -454,7 +454,7 @@ fn parse_body(
 
 /// An error as the endpoint answers it: vLLM's OpenAI shape (`param` names the field at fault,
 /// `code` is the status), or Anthropic's for the Messages API, whose router translates it.
-fn error(
+pub(super) fn error(
     endpoint: Endpoint,
     status: StatusCode,
     kind: &str,

@@ -135,6 +135,121 @@ async fn events_reach_the_journal_in_order_and_a_restart_starts_it_again() {
     );
 }
 
+/// vLLM's queue: in order, at most `max_running` running.
+fn vllm_queue(max_running: u32) -> Queueing {
+    Queueing {
+        max_running,
+        in_order: true,
+    }
+}
+
+#[tokio::test]
+async fn in_order_a_small_request_waits_behind_a_large_one_that_does_not_fit() {
+    for in_order in [true, false] {
+        let q = Queueing {
+            in_order,
+            ..vllm_queue(8)
+        };
+        let rank = Rank::new(0, 100, 0.0).with_queueing(q);
+        let running = rank.admit(30, 30).await;
+        let mut big = Box::pin(rank.admit(30, 30));
+        assert!(
+            futures_poll_once(big.as_mut()).await.is_none(),
+            "60 + 60 > 100"
+        );
+        let mut small = Box::pin(rank.admit(5, 5));
+        let small_now = futures_poll_once(small.as_mut()).await;
+        if !in_order {
+            // The SGLang flavor's looser queue: what fits starts.
+            assert!(small_now.is_some());
+            continue;
+        }
+        assert!(small_now.is_none(), "it fits, but the large one came first");
+        assert_eq!((rank.counts().running, rank.counts().waiting), (1, 2));
+        drop(running);
+        // The small one is woken too, and still waits until the large one has started.
+        assert!(futures_poll_once(small.as_mut()).await.is_none());
+        let big = big.await;
+        let small = small.await;
+        assert_eq!((rank.counts().running, rank.counts().waiting), (2, 0));
+        drop((big, small));
+    }
+}
+
+#[tokio::test]
+async fn max_running_caps_the_running_requests_and_the_rest_wait() {
+    let rank = Rank::new(0, 1000, 0.0).with_queueing(vllm_queue(2));
+    let a = rank.admit(10, 10).await;
+    let b = rank.admit(10, 10).await;
+    let mut c = Box::pin(rank.admit(10, 10));
+    let mut d = Box::pin(rank.admit(10, 10));
+    assert!(
+        futures_poll_once(c.as_mut()).await.is_none(),
+        "KV is plenty"
+    );
+    assert!(futures_poll_once(d.as_mut()).await.is_none());
+    assert_eq!((rank.counts().running, rank.counts().waiting), (2, 2));
+    drop(a);
+    let c = c.await;
+    assert!(futures_poll_once(d.as_mut()).await.is_none());
+    assert_eq!((rank.counts().running, rank.counts().waiting), (2, 1));
+    drop(b);
+    let d = d.await;
+    drop((c, d));
+    assert_eq!(rank.counts().running, 0);
+    // A cap of 0 is taken as 1: a rank always runs something.
+    let one = Rank::new(0, 1000, 0.0).with_queueing(vllm_queue(0));
+    let _a = one.admit(1, 1).await;
+    assert!(futures_poll_once(Box::pin(one.admit(1, 1))).await.is_none());
+}
+
+#[tokio::test]
+async fn priority_orders_the_queue_lower_first_then_by_arrival() {
+    let rank = Rank::new(0, 1000, 0.0).with_queueing(vllm_queue(1));
+    let mut current = rank.admit(10, 10).await;
+    let mut queued: Vec<_> = [5, 0, 0, -1]
+        .into_iter()
+        .map(|p| Box::pin(rank.admit_ranked(10, None, 10, p)))
+        .collect();
+    for q in &mut queued {
+        assert!(futures_poll_once(q.as_mut()).await.is_none());
+    }
+    assert_eq!(rank.counts().waiting, 4);
+    let mut started = Vec::new();
+    for _ in 0..4 {
+        drop(current);
+        let mut ready = Vec::new();
+        for (i, q) in queued.iter_mut().enumerate() {
+            if !started.contains(&i) {
+                if let Some(a) = futures_poll_once(q.as_mut()).await {
+                    ready.push((i, a));
+                }
+            }
+        }
+        assert_eq!(ready.len(), 1, "one at a time: {started:?}");
+        let (i, a) = ready.pop().expect("one started");
+        started.push(i);
+        current = a;
+    }
+    assert_eq!(started, [3, 1, 2, 0]);
+    drop(current);
+    assert_eq!(rank.counts().waiting, 0);
+}
+
+#[tokio::test]
+async fn a_head_of_line_request_that_leaves_lets_the_next_one_start() {
+    let rank = Rank::new(0, 100, 0.0).with_queueing(vllm_queue(8));
+    let _running = rank.admit(30, 30).await;
+    let mut big = Box::pin(rank.admit(30, 30));
+    assert!(futures_poll_once(big.as_mut()).await.is_none());
+    let mut small = Box::pin(rank.admit(5, 5));
+    assert!(futures_poll_once(small.as_mut()).await.is_none());
+    // The large one's client left.
+    drop(big);
+    assert!(futures_poll_once(small.as_mut()).await.is_some());
+    assert_eq!(rank.counts().waiting, 0);
+}
+
 async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {
     tokio::select! {
         biased;
