@@ -68,7 +68,7 @@ fn describe(r: &Refused) -> String {
     match r.why {
         Refusal::QueueFull => "the fleet is saturated and rankgate's queue is full (flow.max_queued, flow.max_queued_bytes); retry later".into(),
         Refusal::TenantFull => format!("the fleet is saturated and tenant `{t}` has its most requests waiting already (flow.max_queued_per_tenant, flow.max_queued_bytes_per_tenant); retry later"),
-        Refusal::Deadline => format!("the fleet stayed saturated for the whole of this request's wait ({} ms, objective `{o}`); retry later", r.waited.as_millis()),
+        Refusal::Deadline => format!("the fleet stayed saturated for the whole of this request's wait (it waited {} ms, objective `{o}`); retry later", r.waited.as_millis()),
         Refusal::ShuttingDown => "rankgate is shutting down and the fleet had no room for this request: it was never sent; retry".into(),
         Refusal::ClientGone => "the client went away while its request waited".into(),
     }
