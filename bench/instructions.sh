@@ -11,6 +11,7 @@
 #                 upstream connection per client connection, no pool): the floor
 #   bare          examples/bare_proxy.rs: hyper server + hyper-util pooled client, no routing
 #   vllm          rankgate, vLLM flavor (rank in a header, body streamed through)
+#   vllm-flow     the same with flow control on ([flow] enabled, a fleet with room: nothing waits)
 #   sglang        rankgate, SGLang flavor (body read, rank written into it)
 #   models        rankgate before two engines serving different models (the body scanned)
 #   stream-*      the same proxies relaying SSE streams from `rankgate mock-engine` pacing its
@@ -156,13 +157,15 @@ start_target() { # NAME -> sets PORT, PID
     bare|lean) "${cg[@]}" "target/release/examples/${base}_proxy" "127.0.0.1:$PORT" "127.0.0.1:$upstream" 2>/dev/null & ;;
     vllm|sglang) rankgate_conf "$PORT" "$admin" "$base" "$upstream" > "$work/$name.toml"
       RUST_LOG=error "${cg[@]}" "${ROUTER:-target/release/rankgate}" serve --config "$work/$name.toml" 2>/dev/null & ;;
+    vllm-flow) { rankgate_conf "$PORT" "$admin" vllm "$upstream"; printf '[flow]\nenabled = true\n'; } > "$work/$name.toml"
+      RUST_LOG=error "${cg[@]}" "${ROUTER:-target/release/rankgate}" serve --config "$work/$name.toml" 2>/dev/null & ;;
     models) rankgate_conf "$PORT" "$admin" vllm "$UP" "$UP2" > "$work/$name.toml"
       RUST_LOG=error "${cg[@]}" "${ROUTER:-target/release/rankgate}" serve --config "$work/$name.toml" 2>/dev/null & ;;
     *) echo "unknown target $name" >&2; exit 2 ;;
   esac
   PID=$!; pids+=("$PID")
   for _ in $(seq 600); do curl -s -o /dev/null "127.0.0.1:$PORT/v1/models" && break; sleep 0.1; done
-  case $base in vllm|sglang|models)
+  case $base in vllm|vllm-flow|sglang|models)
     for _ in $(seq 600); do curl -sf -o /dev/null "127.0.0.1:$admin/ready" && break; sleep 0.1; done ;;
   esac
   if [ "$base" = models ]; then
