@@ -56,8 +56,8 @@ pub(super) fn room_of(
     let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
     let kv = load.kv_usage + unreported * view.kv_per_request;
     let mut room = match view.kv_per_request > 0.0 {
-        // Rounded up: a rank below the limit takes one more.
-        true => ((sat.max_kv - kv) / view.kv_per_request).ceil().max(0.0) as u64,
+        // Rounded up (a rank below the limit takes one more), past the floats' noise.
+        true => ((sat.max_kv - kv) / view.kv_per_request - 1e-9).ceil().max(0.0) as u64,
         false if kv < sat.max_kv => u64::MAX,
         false => 0,
     };
@@ -90,5 +90,90 @@ impl Selector {
     /// Whether the pick judges saturation (`[flow]` is on).
     pub fn judges_saturation(&self) -> bool {
         self.saturation.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::time::Instant;
+
+    use super::super::tests::{available, member, routing, set, table};
+    use super::*;
+    use crate::config::{NoTelemetry, Policy};
+    use crate::table::{RankTelemetry, RankView};
+
+    const LIMITS: Saturation = Saturation {
+        max_waiting: 0,
+        max_kv: 0.9,
+        max_running: None,
+    };
+
+    fn judging(sat: Saturation) -> Selector {
+        Selector::new(&routing(Policy::LeastKv, NoTelemetry::Reject)).judging(Some(sat))
+    }
+
+    fn waiting(kv: f64, waiting: u32, now: Instant) -> RankView {
+        let mut v = available(kv, now);
+        if let RankTelemetry::Available(l) = &mut v.telemetry {
+            l.waiting = Some(waiting);
+        }
+        v
+    }
+
+    #[test]
+    fn room_is_kv_headroom_in_requests_less_the_unreported_work() {
+        let t = table(2);
+        let now = Instant::now();
+        // 0.5 below a 0.9 limit at 0.02 a request: 20 more; a queueing rank has none.
+        set(&t, vec![available(0.5, now), waiting(0.1, 3, now)]);
+        let s = judging(LIMITS);
+        assert_eq!(s.room(&t, &Avoid::default()), Some(20));
+        // Ten sent since the poll take ten of it (credited at the rank's KV per request).
+        let guards: Vec<_> = (0..10)
+            .map(|_| s.pick(&t, None, &Avoid::default()).unwrap())
+            .collect();
+        assert!(guards.iter().all(|p| p.guard.worker() == 0));
+        assert_eq!(s.room(&t, &Avoid::default()), Some(10));
+        drop(guards);
+        assert_eq!(s.room(&t, &Avoid::default()), Some(20));
+        // Unknown is never idle: a rank without fresh telemetry has no room to count, and a
+        // fleet with none to judge says so.
+        set(&t, vec![RankView::initial(), RankView::initial()]);
+        assert_eq!(s.room(&t, &Avoid::default()), None);
+        // Off: nothing is judged.
+        let off = Selector::new(&routing(Policy::LeastKv, NoTelemetry::Reject));
+        assert_eq!(off.room(&t, &Avoid::default()), None);
+    }
+
+    #[test]
+    fn max_running_counts_this_routers_requests_at_once() {
+        let t = table(1);
+        set(&t, vec![available(0.0, Instant::now())]);
+        let s = judging(Saturation {
+            max_running: Some(2),
+            ..LIMITS
+        });
+        let a = s.pick(&t, None, &Avoid::default()).unwrap();
+        assert_eq!(s.room(&t, &Avoid::default()), Some(1));
+        let _b = s.pick(&t, None, &Avoid::default()).unwrap();
+        assert_eq!(s.room(&t, &Avoid::default()), Some(0));
+        drop(a);
+        assert_eq!(s.room(&t, &Avoid::default()), Some(1));
+    }
+
+    #[test]
+    fn the_pick_passes_over_a_saturated_rank_while_another_has_room() {
+        let t = table(2);
+        let now = Instant::now();
+        // Rank 0 scores better (less KV) but its engine queues.
+        set(&t, vec![waiting(0.1, 1, now), available(0.6, now)]);
+        let s = judging(LIMITS);
+        for _ in 0..20 {
+            assert_eq!(s.pick(&t, None, &Avoid::default()).unwrap().guard.worker(), 1);
+        }
+        // Both saturated: the best of them all the same (the request was let through).
+        set(&t, vec![waiting(0.1, 1, now), waiting(0.6, 1, now)]);
+        assert_eq!(s.pick(&t, None, &Avoid::default()).unwrap().guard.worker(), 0);
+        assert_eq!(member(&t, 0).live.in_flight(), 0);
     }
 }

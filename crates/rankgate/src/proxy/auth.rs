@@ -85,7 +85,7 @@ pub enum KeysError {
 }
 
 /// What follows a key on its line: `tenant=<id>`, `objective=<name>`.
-const BAD_BINDING: &str = "after the key, only `tenant=<id>` and `objective=<name>` may follow (letters, digits and -_.:@/+=~, at most 128 bytes)";
+const BAD_BINDING: &str = "after the key, only `tenant=<id>` and `objective=<name>` may follow (letters, digits and -_.:@/+=, at most 128 bytes)";
 
 fn binding(
     words: std::str::SplitAsciiWhitespace<'_>,
@@ -95,7 +95,7 @@ fn binding(
         !v.is_empty()
             && v.len() <= crate::config::MAX_TENANT_BYTES
             && v.bytes()
-                .all(|c| c.is_ascii_alphanumeric() || b"-_.:@/+=~".contains(&c))
+                .all(|c| c.is_ascii_alphanumeric() || b"-_.:@/+=".contains(&c))
     };
     for word in words {
         match word.split_once('=') {

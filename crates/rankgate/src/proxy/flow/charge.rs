@@ -11,6 +11,15 @@ use tokio::sync::Notify;
 
 use super::queue::Tenant;
 
+/// What a request's end tells the queue: room may have appeared. Only a queue with requests
+/// waiting is woken; else a request's end costs an atomic load.
+#[derive(Debug, Default)]
+pub struct Wake {
+    /// Requests waiting (kept by the queue).
+    pub waiting: std::sync::atomic::AtomicUsize,
+    pub kick: Notify,
+}
+
 /// Bytes of a non-SSE answer counted as one token.
 const BYTES_PER_TOKEN: usize = 4;
 
@@ -21,19 +30,19 @@ pub struct Charge {
     pub weight: f64,
     /// The answer is an event stream: its events are counted, not its bytes.
     pub events: bool,
-    pub kick: Arc<Notify>,
+    pub wake: Arc<Wake>,
 }
 
 impl Charge {
     /// A request of `tenant` in flight from now until this is dropped.
-    pub fn start(tenant: Arc<Tenant>, band: usize, weight: f64, kick: &Arc<Notify>) -> Charge {
+    pub fn start(tenant: Arc<Tenant>, band: usize, weight: f64, wake: &Arc<Wake>) -> Charge {
         tenant.in_flight.fetch_add(1, Relaxed);
         Charge {
             tenant,
             band,
             weight,
             events: false,
-            kick: kick.clone(),
+            wake: wake.clone(),
         }
     }
 
@@ -56,8 +65,10 @@ impl Charge {
 impl Drop for Charge {
     fn drop(&mut self) {
         self.tenant.in_flight.fetch_sub(1, Relaxed);
-        // A request ended: room may have appeared.
-        self.kick.notify_one();
+        // A request ended: room may have appeared for one that waits.
+        if self.wake.waiting.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            self.wake.kick.notify_one();
+        }
     }
 }
 
@@ -67,9 +78,9 @@ mod tests {
 
     #[test]
     fn events_count_as_tokens_and_other_bodies_by_bytes() {
-        let kick = Arc::new(Notify::new());
+        let wake = Arc::new(Wake::default());
         let t = Arc::new(Tenant::for_tests("t"));
-        let mut c = Charge::start(t.clone(), 0, 1.0, &kick);
+        let mut c = Charge::start(t.clone(), 0, 1.0, &wake);
         assert_eq!(t.in_flight.load(Relaxed), 1);
         c.events = true;
         c.passed(&Frame::data(Bytes::from_static(

@@ -10,11 +10,12 @@
 //! Between a request leaving and its pick marking it in flight on a rank, it is `pending`: the
 //! room the pump sees is the fleet's less the requests already on their way to it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
 
+use super::charge::Wake;
 use super::queue::{Caps, Full, Queue, Tenant, Waiter};
 use super::refusal::Refusal;
 use super::stats::ObjectiveStats;
@@ -81,10 +82,9 @@ pub struct Flows {
     /// Each objective's band (objectives of one priority share one).
     pub band_of: Box<[usize]>,
     queue: Mutex<Queue<Item>>,
-    /// Requests waiting (read without the lock: `/metrics`, the dispatcher).
-    waiting: AtomicUsize,
     pending: Arc<AtomicU64>,
-    pub kick: Arc<Notify>,
+    /// Requests waiting (read without the lock), and the dispatcher's wake.
+    pub wake: Arc<Wake>,
     closed: AtomicBool,
     selector: Arc<Selector>,
     table: Arc<Table>,
@@ -93,7 +93,7 @@ pub struct Flows {
 
 impl std::fmt::Debug for Flows {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Flows({} waiting)", self.waiting.load(Relaxed))
+        write!(f, "Flows({} waiting)", self.wake.waiting.load(Relaxed))
     }
 }
 
@@ -117,9 +117,8 @@ impl Flows {
         Arc::new(Flows {
             queue: Mutex::new(Queue::new(band + 1, caps)),
             band_of: band_of.into(),
-            waiting: AtomicUsize::new(0),
             pending: Arc::default(),
-            kick: Arc::new(Notify::new()),
+            wake: Arc::default(),
             closed: AtomicBool::new(false),
             selector: selector.clone(),
             table: table.clone(),
@@ -180,7 +179,7 @@ impl Flows {
         match q.push(band, &tenant, w) {
             Ok(seq) => {
                 self.stats[objective].queued.fetch_add(1, Relaxed);
-                self.waiting.store(q.len(), Relaxed);
+                self.wake.waiting.store(q.len(), Relaxed);
                 // Room may be there for it already (another request waited for other ranks).
                 self.pump_locked(&mut q);
                 Arrival::Queued(tenant, seq, rx)
@@ -202,7 +201,7 @@ impl Flows {
         let left = q.remove(self.band_of[objective], tenant, seq).is_some();
         if left {
             self.stats[objective].queued.fetch_sub(1, Relaxed);
-            self.waiting.store(q.len(), Relaxed);
+            self.wake.waiting.store(q.len(), Relaxed);
         }
         left
     }
@@ -229,12 +228,12 @@ impl Flows {
             // A receiver gone (its client left as it was chosen) drops the guard at once.
             let _ = w.item.go.send(Go::Send(self.pending()));
         }
-        self.waiting.store(q.len(), Relaxed);
+        self.wake.waiting.store(q.len(), Relaxed);
     }
 
     /// Requests waiting now.
     pub fn waiting(&self) -> usize {
-        self.waiting.load(Relaxed)
+        self.wake.waiting.load(Relaxed)
     }
 
     /// Refuses everything waiting (shutdown: the drain grace ran out) and anything that arrives
@@ -242,7 +241,7 @@ impl Flows {
     pub fn close(&self) {
         self.closed.store(true, Relaxed);
         let all = self.lock().take_all();
-        self.waiting.store(0, Relaxed);
+        self.wake.waiting.store(0, Relaxed);
         for (_, w) in all {
             let stats = &self.stats[w.objective];
             stats.queued.fetch_sub(1, Relaxed);
@@ -264,7 +263,7 @@ impl Flows {
     pub async fn run(self: Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) {
         loop {
             tokio::select! {
-                _ = self.kick.notified() => {}
+                _ = self.wake.kick.notified() => {}
                 _ = self.table.published.notified() => {}
                 _ = crate::http::shutdown_signalled(&mut stop) => return,
             }

@@ -119,7 +119,7 @@ where
                 }
             };
             let weight = flows.cfg.objectives[objective].weight;
-            let charge = Charge::start(tenant, band, weight, &flows.kick);
+            let charge = Charge::start(tenant, band, weight, &flows.wake);
             let mut fut = inner.call(req);
             // On its way until its pick has marked it in flight: the first poll (a whole
             // request's pick is in `call`; a disaggregated one's prefill pick, after its body).

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 /// The tenant new tenants share when the table is full of busy ones.
-pub const OVERFLOW: &str = "other";
+pub const OVERFLOW: &str = "~overflow";
 /// Virtual tokens are kept in thousandths, so a weight below 1 still counts.
 pub const MILLI: f64 = 1000.0;
 

@@ -28,12 +28,12 @@ pub struct Who<'a> {
     pub max_wait: Duration,
 }
 
-/// A header's value as a tenant id: letters, digits and `-_.:@/+=~`, cut to
+/// A header's value as a tenant id: letters, digits and `-_.:@/+=`, cut to
 /// [`MAX_TENANT_BYTES`] (it becomes a label on `/metrics`); anything else is not believed.
 fn id(v: &HeaderValue) -> Option<&str> {
     let s = v.to_str().ok()?.trim();
     let s = &s[..s.len().min(MAX_TENANT_BYTES)];
-    let ok = |b: u8| b.is_ascii_alphanumeric() || b"-_.:@/+=~".contains(&b);
+    let ok = |b: u8| b.is_ascii_alphanumeric() || b"-_.:@/+=".contains(&b);
     (!s.is_empty() && s.bytes().all(ok)).then_some(s)
 }
 
