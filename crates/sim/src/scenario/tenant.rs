@@ -1,0 +1,181 @@
+//! A scenario's tenants (`[[workload.tenants]]`): several workloads at once against the same
+//! router, each named to it by headers (its fairness id, its objective, any other), each with its
+//! own arrivals and sizes, falling back to the `[workload]`'s sizes, bound and seed.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use http::{HeaderName, HeaderValue};
+use serde::Deserialize;
+
+use super::WorkloadSpec;
+use crate::load::{
+    self, tenants::bounded, Arrivals, Dist, HotPrefix, Sessions, Tenant, Workload, FAIRNESS_HEADER,
+    OBJECTIVE_HEADER,
+};
+use rankgate::config::HumanDuration;
+
+/// One tenant of a scenario's workload.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    pub name: String,
+    /// Sent as `x-gateway-inference-fairness-id`; absent, the tenant's name; `""` sends none.
+    pub fairness_id: Option<String>,
+    /// Sent as `x-gateway-inference-objective` when given.
+    pub objective: Option<String>,
+    /// Any other headers, sent with every request of the tenant.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Open loop: arrivals per second.
+    pub rate: Option<f64>,
+    /// Closed loop: concurrent users.
+    pub concurrency: Option<usize>,
+    /// Defaults to the workload's `requests`.
+    pub requests: Option<usize>,
+    /// Defaults to the workload's `duration`, which bounds it.
+    pub duration: Option<HumanDuration>,
+    /// Default to the workload's.
+    pub prompt_tokens: Option<Dist>,
+    pub output_tokens: Option<Dist>,
+    /// Default to the workload's; the prefix and system prompts are the tenant's own (its seed's),
+    /// shared by its requests and by no other tenant's.
+    pub hot_prefix: Option<HotPrefix>,
+    pub sessions: Option<Sessions>,
+    /// Defaults to the workload's seed plus the tenant's place in the list (1, 2, ...).
+    pub seed: Option<u64>,
+}
+
+impl TenantSpec {
+    /// The headers the tenant sends, checked.
+    pub fn header_list(&self) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
+        let fairness = self.fairness_id.as_deref().unwrap_or(&self.name);
+        let named = [(FAIRNESS_HEADER, fairness)]
+            .into_iter()
+            .chain(self.objective.as_deref().map(|o| (OBJECTIVE_HEADER, o)))
+            .filter(|(_, v)| !v.is_empty());
+        let extra = self.headers.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        named
+            .chain(extra)
+            .map(|(k, v)| {
+                let name = HeaderName::from_bytes(k.as_bytes())
+                    .map_err(|_| format!("header name {k:?} is not a valid HTTP header name"))?;
+                let value = HeaderValue::from_str(v)
+                    .map_err(|_| format!("header {k}: value {v:?} is not a valid header value"))?;
+                Ok((name, value))
+            })
+            .collect()
+    }
+
+    /// Everything wrong with the tenant given the workload it falls back to.
+    pub(super) fn validate(&self, w: &WorkloadSpec) -> Result<(), String> {
+        if self.name.trim().is_empty() {
+            return Err("name must not be empty".into());
+        }
+        if self.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) || self.concurrency == Some(0) {
+            return Err("`rate` and `concurrency` must be positive".into());
+        }
+        if self.rate.is_some() == self.concurrency.is_some() {
+            return Err(
+                "give exactly one of `rate` (open loop) or `concurrency` (closed loop)".into(),
+            );
+        }
+        if self.requests.or(w.requests).is_none() {
+            return Err("`requests`: give it here or in [workload]".into());
+        }
+        if self.output_tokens.or(w.output_tokens).is_none() {
+            return Err("`output_tokens`: give it here or in [workload]".into());
+        }
+        let sessions = self.sessions.as_ref().or(w.sessions.as_ref());
+        if self.prompt_tokens.or(w.prompt_tokens).is_none() && sessions.is_none() {
+            return Err("`prompt_tokens` (or sessions): give it here or in [workload]".into());
+        }
+        if let Some(s) = sessions {
+            s.validate()?;
+            if w.api != load::Api::Chat {
+                return Err("sessions are chat conversations: api = \"chat\"".into());
+            }
+        }
+        if let Some(h) = self.hot_prefix.as_ref().or(w.hot_prefix.as_ref()) {
+            h.validate()?;
+        }
+        if self.duration.is_some_and(|d| d.0 > w.duration.0) {
+            return Err("`duration` is past the workload's: the run ends there".into());
+        }
+        self.header_list().map(drop)
+    }
+
+    /// Its workload: `base` (the target, api, stream, model) with the tenant's own arrivals,
+    /// sizes and headers. `i` is its place in the list.
+    pub(super) fn tenant(
+        &self,
+        i: usize,
+        w: &WorkloadSpec,
+        base: &Workload,
+    ) -> Result<Tenant, String> {
+        let headers = self
+            .header_list()
+            .map_err(|e| format!("tenant {:?}: {e}", self.name))?;
+        let workload = Workload {
+            arrivals: match (self.rate, self.concurrency) {
+                (Some(r), _) => Arrivals::Poisson(r),
+                (None, c) => Arrivals::Closed(c.unwrap_or(1)),
+            },
+            requests: self.requests.or(w.requests).unwrap_or(0),
+            duration: bounded(self.duration.map(|d| d.0), w.duration.0),
+            // Unused by sessions, whose prompts are their own.
+            prompt_tokens: (self.prompt_tokens.or(w.prompt_tokens)).unwrap_or(Dist::Fixed(200)),
+            output_tokens: (self.output_tokens.or(w.output_tokens)).unwrap_or(Dist::Fixed(64)),
+            sessions: self.sessions.clone().or_else(|| w.sessions.clone()),
+            hot_prefix: self.hot_prefix.or(w.hot_prefix),
+            seed: self.seed.unwrap_or(w.seed.wrapping_add(1 + i as u64)),
+            headers: Arc::from(headers),
+            // Several progress lines at once would only garble each other.
+            progress: false,
+            ..base.clone()
+        };
+        Ok(Tenant {
+            name: self.name.as_str().into(),
+            workload,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra: &str) -> Result<TenantSpec, String> {
+        toml::from_str(&format!("name = \"batch\"\nrate = 5\n{extra}")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn headers_name_the_tenant_and_bad_ones_are_refused() {
+        let t = spec("objective = \"batch\"\nheaders = { x-team = \"b\" }").unwrap();
+        let h = t.header_list().unwrap();
+        let pairs: Vec<(&str, &str)> = (h.iter())
+            .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                (FAIRNESS_HEADER, "batch"),
+                (OBJECTIVE_HEADER, "batch"),
+                ("x-team", "b")
+            ]
+        );
+        let none = spec("fairness_id = \"\"").unwrap().header_list().unwrap();
+        assert!(none.is_empty(), "an empty fairness id sends no header");
+        let e = spec("headers = { \"bad name\" = \"x\" }")
+            .unwrap()
+            .header_list()
+            .unwrap_err();
+        assert!(e.contains("bad name"), "{e}");
+        let e = spec("objective = \"a\\nb\"")
+            .unwrap()
+            .header_list()
+            .unwrap_err();
+        assert!(e.contains(OBJECTIVE_HEADER), "{e}");
+        assert!(spec("colour = 1").unwrap_err().contains("colour"));
+    }
+}
