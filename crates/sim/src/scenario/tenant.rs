@@ -178,4 +178,91 @@ mod tests {
         assert!(e.contains(OBJECTIVE_HEADER), "{e}");
         assert!(spec("colour = 1").unwrap_err().contains("colour"));
     }
+
+    const TWO: &str = r#"
+name = "two"
+policies = ["least_kv"]
+[[engines]]
+flavor = "vllm"
+dp_size = 2
+[workload]
+duration = "10s"
+requests = 50
+prompt_tokens = 100
+output_tokens = 16
+[[workload.tenants]]
+name = "batch"
+objective = "batch"
+rate = 20
+requests = 200
+output_tokens = "uniform:32:64"
+[[workload.tenants]]
+name = "chat"
+objective = "interactive"
+concurrency = 2
+duration = "5s"
+headers = { x-team = "web" }
+"#;
+
+    #[test]
+    fn tenants_fall_back_to_the_workload_and_are_checked() {
+        let s = super::super::Scenario::parse(TWO, None).unwrap();
+        let w = &s.workload;
+        let base = Workload::new("http://127.0.0.1:1");
+        let batch = w.tenants[0].tenant(0, w, &base).unwrap();
+        let chat = w.tenants[1].tenant(1, w, &base).unwrap();
+        assert_eq!(&*batch.name, "batch");
+        assert_eq!(batch.workload.arrivals, Arrivals::Poisson(20.0));
+        assert_eq!(batch.workload.requests, 200);
+        assert_eq!(batch.workload.prompt_tokens, Dist::Fixed(100));
+        assert_eq!(batch.workload.duration.as_secs(), 10);
+        assert_eq!(chat.workload.arrivals, Arrivals::Closed(2));
+        assert_eq!(
+            (chat.workload.requests, chat.workload.duration.as_secs()),
+            (50, 5)
+        );
+        assert_eq!(chat.workload.output_tokens, Dist::Fixed(16));
+        assert_ne!(batch.workload.seed, chat.workload.seed, "each its own text");
+        assert_eq!(chat.workload.headers.len(), 3);
+        assert_eq!(batch.workload.url, base.url);
+
+        let bad = |from: &str, to: &str, says: &str| {
+            let e = super::super::Scenario::parse(&TWO.replacen(from, to, 1), None).unwrap_err();
+            assert!(e.contains(says), "{from} -> {to}: {e}");
+        };
+        bad(
+            "duration = \"10s\"",
+            "duration = \"10s\"\nrate = 3",
+            "each tenant gives its own",
+        );
+        bad("concurrency = 2", "", "exactly one");
+        bad("concurrency = 2", "rate = 0", "positive");
+        bad("name = \"chat\"", "name = \"batch\"", "named twice");
+        bad(
+            "duration = \"5s\"",
+            "duration = \"11s\"",
+            "past the workload",
+        );
+        bad("requests = 50\n", "", "tenants[1] (\"chat\"): `requests`");
+        bad("output_tokens = 16\n", "", "`output_tokens`");
+        bad("x-team", "\"x team\"", "x team");
+        bad(
+            "duration = \"10s\"",
+            "duration = \"10s\"\ngrpc = true",
+            "no grpc",
+        );
+        // The one-workload form still needs what it always needed.
+        let one = TWO.split("[[workload.tenants]]").next().unwrap_or_default();
+        bad_one(one, "exactly one");
+        bad_one(
+            &one.replace("duration", "rate = 2\nduration")
+                .replace("output_tokens = 16\n", ""),
+            "output_tokens",
+        );
+    }
+
+    fn bad_one(text: &str, says: &str) {
+        let e = super::super::Scenario::parse(text, None).unwrap_err();
+        assert!(e.contains(says), "{e}");
+    }
 }
