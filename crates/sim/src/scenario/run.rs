@@ -333,9 +333,16 @@ pub async fn run(
     policies: Option<&[Variant]>,
     progress: bool,
 ) -> Result<Vec<PolicyRun>, String> {
+    let policies = policies.unwrap_or(&s.policies);
+    if let Some(v) = policies.iter().find(|v| v.flow && s.flow.is_none()) {
+        return Err(format!(
+            "{}: the scenario has no [flow] table to give the router",
+            v.as_str()
+        ));
+    }
     let mut runs = Vec::new();
     for n in s.router.replicas.counts() {
-        for &p in policies.unwrap_or(&s.policies) {
+        for &p in policies {
             if progress {
                 eprintln!(
                     "scenario {}: policy {}, {n} router(s) ...",
