@@ -6,8 +6,10 @@
 //! Every policy sees the same arrivals (the workload's seed is fixed) and a fleet started from the
 //! same state, so the differences in the results are the router's doing.
 //!
-//! What is compared are router variants (`variant`: a policy, optionally with prefix affinity),
-//! each with one or several rankgate replicas side by side; `run` drives one of them.
+//! What is compared are router variants (`variant`: a policy, optionally with prefix affinity
+//! and flow control), each with one or several rankgate replicas side by side; `run` drives one
+//! of them, with the router configuration `router_config` writes. The workload is one, or
+//! several tenants at once (`tenant`) told apart by their headers.
 
 mod engine;
 mod events;
@@ -176,7 +178,8 @@ pub struct Scenario {
     pub name: String,
     #[serde(default)]
     pub description: String,
-    /// Router variants: `least_kv`, `least_kv+affinity`, `round_robin`, `random`.
+    /// Router variants: `least_kv`, `least_kv+affinity`, `round_robin`, `random`; `+flow` last
+    /// for flow control (the `[flow]` table below).
     #[serde(default = "default_policies")]
     pub policies: Vec<Variant>,
     #[serde(default)]
