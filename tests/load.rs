@@ -371,3 +371,103 @@ async fn fleet_router(e: &rankgate_sim::sim::SimEngine) -> rankgate::app::Router
     wait_state(&r, &[0], "available").await;
     r
 }
+
+/// Two tenants at once through the router: every request carries its tenant's headers to the
+/// engine, and each tenant's counts are its own and add up to the run's.
+#[tokio::test]
+async fn tenants_send_their_headers_through_the_router_and_count_apart() {
+    let e = engine(sim(SimFlavor::Vllm, 1, 0)).await;
+    let r = fleet_router(&e).await;
+    let tenant = |name: &str, objective: &str, n: usize| {
+        let mut w = Workload::new(format!("http://{}", r.addr));
+        w.arrivals = Arrivals::Closed(2);
+        w.requests = n;
+        w.output_tokens = Dist::Fixed(4);
+        w.duration = Duration::from_secs(20);
+        let h = |k: &str, v: &str| (k.parse().unwrap(), v.parse().unwrap());
+        w.headers = std::sync::Arc::from(vec![
+            h(load::FAIRNESS_HEADER, name),
+            h(load::OBJECTIVE_HEADER, objective),
+            h(&format!("x-team-{name}"), "1"),
+        ]);
+        load::Tenant {
+            name: name.into(),
+            workload: w,
+        }
+    };
+    let report = load::run_tenants(&[tenant("a", "interactive", 6), tenant("b", "batch", 10)])
+        .await
+        .unwrap();
+    let stats = report.per_tenant();
+    let counts: Vec<_> = (stats.iter())
+        .map(|t| {
+            (
+                t.name.as_str(),
+                t.sent,
+                t.completed,
+                t.tokens,
+                t.demand_tokens,
+            )
+        })
+        .collect();
+    assert_eq!(counts, [("a", 6, 6, 24, 24), ("b", 10, 10, 40, 40)]);
+    assert_eq!(report.outcomes.len(), 16);
+    let seen = e.seen();
+    let with = |name: &str| {
+        (seen.iter())
+            .filter(|s| s.header_names.iter().any(|h| h == name))
+            .count()
+    };
+    assert_eq!((with("x-team-a"), with("x-team-b")), (6, 10));
+    assert_eq!(with(load::FAIRNESS_HEADER), 16);
+    assert_eq!(with(load::OBJECTIVE_HEADER), 16);
+    assert!(report.table().contains("per tenant"), "{}", report.table());
+    assert_eq!(report.to_json()["tenants"][1]["completed"], 10);
+    r.shutdown().await;
+}
+
+const TENANTS: &str = r#"
+name = "tenants"
+policies = ["least_kv"]
+[router]
+interval = "50ms"
+[[engines]]
+flavor = "vllm"
+dp_size = 2
+[workload]
+duration = "20s"
+prompt_tokens = 50
+output_tokens = 4
+[[workload.tenants]]
+name = "heavy"
+objective = "batch"
+rate = 40
+requests = 20
+[[workload.tenants]]
+name = "light"
+objective = "interactive"
+concurrency = 1
+requests = 4
+"#;
+
+#[tokio::test]
+async fn a_scenario_reports_each_tenant() {
+    let s = Scenario::parse(TENANTS, None).unwrap();
+    let runs = scenario::run(&s, None, false).await.unwrap();
+    let report = &runs[0].report;
+    let stats = report.per_tenant();
+    let sent: Vec<_> = stats.iter().map(|t| (t.name.as_str(), t.sent)).collect();
+    assert_eq!(sent, [("heavy", 20), ("light", 4)]);
+    assert_eq!(report.ok().count(), 24);
+    assert_eq!(stats.iter().map(|t| t.completed).sum::<usize>(), 24);
+    assert!(stats
+        .iter()
+        .all(|t| t.demand_served == 1.0 && t.ttft_ms.count > 0));
+    let md = scenario::render::markdown(&s, &runs);
+    assert!(
+        md.contains("| least_kv | heavy | 20 | 20 | 0 | 0 | 0 |"),
+        "{md}"
+    );
+    let json = scenario::render::to_json(&s, &runs);
+    assert_eq!(json["policies"][0]["report"]["tenants"][1]["name"], "light");
+}

@@ -20,7 +20,7 @@ const DEMO: &str = include_str!("../../../../configs/scenarios/demo.toml");
 pub fn scenario(requests: Option<usize>, rate: Option<f64>) -> Result<Scenario, String> {
     let mut s = Scenario::parse(DEMO, None)?;
     if let Some(n) = requests {
-        s.workload.requests = n;
+        s.workload.requests = Some(n);
     }
     if rate.is_some() {
         s.workload.rate = rate;
@@ -32,7 +32,7 @@ pub fn scenario(requests: Option<usize>, rate: Option<f64>) -> Result<Scenario, 
 pub async fn run(s: Scenario) -> Result<(), String> {
     println!(
         "rankgate demo: 2 independent simulated vLLM servers x 2 DP ranks; {} streaming requests at {}/s per policy",
-        s.workload.requests,
+        s.workload.requests.unwrap_or_default(),
         s.workload.rate.unwrap_or_default()
     );
     let runs = scenario::run(&s, None, true).await?;

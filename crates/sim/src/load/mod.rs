@@ -23,6 +23,7 @@ pub mod report;
 pub mod scrape;
 pub mod sdk;
 pub mod session;
+pub mod tenants;
 pub mod text;
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -42,6 +43,7 @@ use plan::{body, plan, Planned};
 pub use outcome::{ErrorKind, Outcome, ADMIN_TOKEN_HEADER, DEBUG_HEADER, HIDDEN};
 pub use report::Report;
 pub use session::Sessions;
+pub use tenants::{run_tenants, Tenant, FAIRNESS_HEADER, OBJECTIVE_HEADER};
 
 /// Which OpenAI endpoint to call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
@@ -133,7 +135,12 @@ pub struct Workload {
     /// rankgate's admin token: each request asks (`x-rankgate-debug`) which rank served it, so
     /// the report names it under any `server.expose_worker`.
     pub admin_token: Option<Arc<str>>,
+    /// Sent with every request (HTTP only): a tenant's fairness id and objective, and any other.
+    pub headers: Headers,
 }
+
+/// Headers a workload sends with every request, checked when the workload is built.
+pub type Headers = Arc<[(http::HeaderName, http::HeaderValue)]>;
 
 impl Workload {
     pub fn new(url: impl Into<String>) -> Workload {
@@ -156,6 +163,7 @@ impl Workload {
             progress: false,
             seed: 1,
             admin_token: None,
+            headers: Arc::new([]),
         }
     }
 }
@@ -178,11 +186,15 @@ pub(crate) async fn one(
     stream: bool,
     start: Instant,
     admin_token: Option<Arc<str>>,
+    headers: Headers,
 ) -> Outcome {
     let mut req = Request::builder()
         .method(Method::POST)
         .uri(uri)
         .header(header::CONTENT_TYPE, "application/json");
+    for (name, value) in headers.iter() {
+        req = req.header(name, value);
+    }
     if let Some(t) = &admin_token {
         req = req
             .header(DEBUG_HEADER, "1")
@@ -317,6 +329,9 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     if w.grpc.is_some() && !w.spread.is_empty() {
         return Err("spreading over several targets is HTTP only".into());
     }
+    if w.grpc.is_some() && !w.headers.is_empty() {
+        return Err("request headers (a tenant's) are HTTP only".into());
+    }
     if let Some(s) = &w.sessions {
         s.validate()?;
         if w.grpc.is_some() || w.api != Api::Chat {
@@ -371,8 +386,8 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
             Target::Http(c, uris) => {
                 let u = uris[(sent_count - 1) % uris.len()].clone();
                 let (c, b, stream) = (c.clone(), body(w, p), w.stream);
-                let token = w.admin_token.clone();
-                Box::pin(async move { one(c, u, b, stream, Instant::now(), token).await })
+                let (token, headers) = (w.admin_token.clone(), w.headers.clone());
+                Box::pin(async move { one(c, u, b, stream, Instant::now(), token, headers).await })
             }
             Target::Grpc(c) => {
                 let c = c.clone();
@@ -386,7 +401,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                 Box::pin(async move { grpc::one(c, g, Instant::now()).await })
             }
         };
-        let scheduled = p.at;
+        let (scheduled, asked) = (p.at, p.output);
         tasks.spawn(async move {
             let t0 = Instant::now();
             let sent = t0 - started;
@@ -394,6 +409,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
                 .await
                 .unwrap_or_else(|_| Outcome::failed(ErrorKind::Deadline, t0.elapsed()));
             o.sent = sent;
+            o.asked = asked;
             o.lag = scheduled.map_or(Duration::ZERO, |at| sent.saturating_sub(at));
             d.fetch_add(1, Relaxed);
             o

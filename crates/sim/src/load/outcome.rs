@@ -45,6 +45,10 @@ pub struct Outcome {
     pub e2e: Duration,
     pub tokens: u64,
     pub worker: Option<String>,
+    /// Output tokens the request asked for (`max_tokens`): its share of its tenant's demand.
+    pub asked: u64,
+    /// The tenant that sent it, when the run had several (see `load::tenants`).
+    pub tenant: Option<std::sync::Arc<str>>,
 }
 
 impl Outcome {
@@ -60,6 +64,8 @@ impl Outcome {
             e2e,
             tokens: 0,
             worker: None,
+            asked: 0,
+            tenant: None,
         }
     }
 }

@@ -30,6 +30,9 @@ pub struct Report {
     /// [`super::fleet::ranks`]): the per-worker counts then list each, 0 included. Without it
     /// only the workers some answer named can be listed.
     pub fleet: Vec<String>,
+    /// The tenants of a several-tenant run, in the order given (see [`super::tenants`]); each
+    /// outcome names its own. Empty for one workload.
+    pub tenants: Vec<std::sync::Arc<str>>,
 }
 
 /// p50 / p90 / p99 / p99.9 / max in milliseconds, from an HdrHistogram of microseconds.
@@ -165,6 +168,7 @@ impl Report {
             "prefix_cache": self.prefix_cache.map(|(q, h)| json!({
                 "query_tokens": q, "hit_tokens": h, "hit_ratio": self.prefix_hit_ratio(),
             })),
+            "tenants": self.per_tenant(),
         })
     }
 
@@ -218,6 +222,7 @@ impl Report {
                 100.0 * r
             );
         }
+        o.push_str(&self.tenants_table());
         let per = self.per_worker();
         if per.is_empty() {
             // Nothing named a worker (an engine answered directly, or every request failed).

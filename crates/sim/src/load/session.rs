@@ -132,6 +132,7 @@ struct Shared {
     seed: u64,
     /// Asks rankgate which rank served each turn (see [`Workload::admin_token`]).
     admin_token: Option<Arc<str>>,
+    headers: super::Headers,
 }
 
 impl Shared {
@@ -165,6 +166,7 @@ pub(super) async fn run(
         output_tokens: w.output_tokens,
         seed: w.seed,
         admin_token: w.admin_token.clone(),
+        headers: w.headers.clone(),
     });
     let live = match w.arrivals {
         Arrivals::Closed(c) => Some(Arc::new(Semaphore::new(c.max(1)))),
@@ -225,11 +227,13 @@ async fn session(sh: &Shared, s: &Sessions, i: usize) -> Vec<Outcome> {
         let uri = sh.uris[n % sh.uris.len()].clone();
         let t0 = Instant::now();
         let token = sh.admin_token.clone();
-        let call = one(sh.client.clone(), uri, body, sh.stream, t0, token);
+        let headers = sh.headers.clone();
+        let call = one(sh.client.clone(), uri, body, sh.stream, t0, token, headers);
         let mut o = tokio::time::timeout_at(sh.deadline, call)
             .await
             .unwrap_or_else(|_| Outcome::failed(ErrorKind::Deadline, t0.elapsed()));
         o.sent = t0 - sh.started;
+        o.asked = output;
         let ok = o.error.is_none();
         out.push(o);
         sh.done.fetch_add(1, Relaxed);

@@ -6,13 +6,17 @@
 //! Every policy sees the same arrivals (the workload's seed is fixed) and a fleet started from the
 //! same state, so the differences in the results are the router's doing.
 //!
-//! What is compared are router variants (`variant`: a policy, optionally with prefix affinity),
-//! each with one or several rankgate replicas side by side; `run` drives one of them.
+//! What is compared are router variants (`variant`: a policy, optionally with prefix affinity
+//! and flow control), each with one or several rankgate replicas side by side; `run` drives one
+//! of them, with the router configuration `router_config` writes. The workload is one, or
+//! several tenants at once (`tenant`) told apart by their headers.
 
 mod engine;
 mod events;
 pub mod render;
+mod router_config;
 mod run;
+mod tenant;
 mod variant;
 
 use std::path::Path;
@@ -24,7 +28,9 @@ use crate::load::{self, Api, Burst, Dist, HotPrefix, Sessions};
 pub use engine::EngineSpec;
 pub use events::{Event, Limit};
 use rankgate::config::{HumanDuration, Policy};
+pub use router_config::flow_section;
 pub use run::{run, run_fleet, run_policy, Fleet, PolicyRun, RankResult};
+pub use tenant::TenantSpec;
 pub use variant::{Replicas, Variant};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -34,15 +40,19 @@ pub struct WorkloadSpec {
     pub api: Api,
     #[serde(default = "default_true")]
     pub stream: bool,
-    /// Open loop: arrivals per second.
+    /// Open loop: arrivals per second (not with `tenants`, which carry their own).
     pub rate: Option<f64>,
     /// Closed loop: concurrent users.
     pub concurrency: Option<usize>,
-    pub requests: usize,
+    /// Required, unless every tenant gives its own.
+    pub requests: Option<usize>,
+    /// Bounds the whole run, every tenant's included.
     pub duration: HumanDuration,
-    /// Required unless the workload is `sessions`, whose prompts are their own.
+    /// Required unless the workload is `sessions`, whose prompts are their own (or every tenant
+    /// gives its own).
     pub prompt_tokens: Option<Dist>,
-    pub output_tokens: Dist,
+    /// Required, unless every tenant gives its own.
+    pub output_tokens: Option<Dist>,
     /// Multi-turn chat sessions instead of independent requests.
     pub sessions: Option<Sessions>,
     /// A share of the requests starting with one long shared prefix.
@@ -57,6 +67,65 @@ pub struct WorkloadSpec {
     /// `Generate` calls through rankgate's gRPC front door.
     #[serde(default)]
     pub grpc: bool,
+    /// Several tenants at once instead of one workload, each named to the router by headers
+    /// (`[[workload.tenants]]`); the fields above are their defaults.
+    #[serde(default)]
+    pub tenants: Vec<TenantSpec>,
+}
+
+impl WorkloadSpec {
+    /// The one workload's arrivals and sizes, or its tenants.
+    fn validate(&self) -> Result<(), String> {
+        if !self.tenants.is_empty() {
+            if self.rate.is_some() || self.concurrency.is_some() {
+                return Err(
+                    "workload: with tenants, each tenant gives its own `rate` or `concurrency`"
+                        .into(),
+                );
+            }
+            if self.grpc || self.trace.is_some() || !self.bursts.is_empty() {
+                return Err(
+                    "workload.tenants are told apart by HTTP headers: no grpc, trace or bursts"
+                        .into(),
+                );
+            }
+            let mut names = std::collections::BTreeSet::new();
+            for (i, t) in self.tenants.iter().enumerate() {
+                t.validate(self)
+                    .map_err(|e| format!("workload.tenants[{i}] ({:?}): {e}", t.name))?;
+                if !names.insert(t.name.as_str()) {
+                    return Err(format!("workload.tenants: {:?} is named twice", t.name));
+                }
+            }
+            return Ok(());
+        }
+        if self.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) || self.concurrency == Some(0) {
+            return Err("workload `rate` and `concurrency` must be positive".into());
+        }
+        if self.rate.is_some() == self.concurrency.is_some() {
+            return Err(
+                "workload needs exactly one of `rate` (open loop) or `concurrency` (closed loop)"
+                    .into(),
+            );
+        }
+        if self.requests.is_none() || self.output_tokens.is_none() {
+            return Err("workload needs `requests` and `output_tokens` (or [[workload.tenants]] giving them)".into());
+        }
+        if self.prompt_tokens.is_none() && self.sessions.is_none() {
+            return Err("workload needs `prompt_tokens` (or [workload.sessions])".into());
+        }
+        if let Some(sessions) = &self.sessions {
+            sessions.validate().map_err(|e| format!("workload.{e}"))?;
+            if self.grpc || self.api != Api::Chat || self.trace.is_some() || !self.bursts.is_empty()
+            {
+                return Err("workload.sessions are chat conversations over HTTP: no grpc, trace or bursts, api = \"chat\"".into());
+            }
+        }
+        if let Some(h) = &self.hot_prefix {
+            h.validate().map_err(|e| format!("workload.{e}"))?;
+        }
+        Ok(())
+    }
 }
 
 fn default_api() -> Api {
@@ -109,7 +178,8 @@ pub struct Scenario {
     pub name: String,
     #[serde(default)]
     pub description: String,
-    /// Router variants: `least_kv`, `least_kv+affinity`, `round_robin`, `random`.
+    /// Router variants: `least_kv`, `least_kv+affinity`, `round_robin`, `random`; `+flow` last
+    /// for flow control (the `[flow]` table below).
     #[serde(default = "default_policies")]
     pub policies: Vec<Variant>,
     #[serde(default)]
@@ -123,6 +193,8 @@ pub struct Scenario {
     /// rates, same KV), so colocated and disaggregated serving are compared on one hardware.
     #[serde(default)]
     pub also_colocated: bool,
+    /// The router's `[flow]` section for the variants with `+flow`, passed on as written.
+    pub flow: Option<toml::Table>,
     /// Set by `load` from `workload.trace`.
     #[serde(skip)]
     pub trace: Option<Vec<load::TraceEntry>>,
@@ -154,31 +226,15 @@ impl Scenario {
             ev.validate(s.engines.len(), s.ranks().len())
                 .map_err(|why| format!("events[{i}] (at {:?}): {why}", ev.at.0))?;
         }
-        if s.workload.rate.is_some_and(|r| !(r.is_finite() && r > 0.0))
-            || s.workload.concurrency == Some(0)
-        {
-            return Err("workload `rate` and `concurrency` must be positive".into());
-        }
-        if s.workload.rate.is_some() == s.workload.concurrency.is_some() {
-            return Err(
-                "workload needs exactly one of `rate` (open loop) or `concurrency` (closed loop)"
-                    .into(),
-            );
-        }
         let w = &s.workload;
-        if w.prompt_tokens.is_none() && w.sessions.is_none() {
-            return Err("workload needs `prompt_tokens` (or [workload.sessions])".into());
-        }
-        if let Some(sessions) = &w.sessions {
-            sessions.validate().map_err(|e| format!("workload.{e}"))?;
-            if w.grpc || w.api != Api::Chat || w.trace.is_some() || !w.bursts.is_empty() {
-                return Err("workload.sessions are chat conversations over HTTP: no grpc, trace or bursts, api = \"chat\"".into());
-            }
-        }
-        if let Some(h) = &w.hot_prefix {
-            h.validate().map_err(|e| format!("workload.{e}"))?;
-        }
+        w.validate()?;
         s.router.replicas.validate()?;
+        if let Some(v) = s.policies.iter().find(|v| v.flow && s.flow.is_none()) {
+            return Err(format!(
+                "policies: {:?} gives the router the scenario's [flow] table: add one",
+                v.as_str()
+            ));
+        }
         if w.grpc && s.router.replicas.counts().iter().any(|&n| n > 1) {
             return Err(
                 "router.replicas > 1 spreads HTTP requests: not with a gRPC workload".into(),

@@ -60,6 +60,9 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
             r.report.achieved_rate,
         );
     }
+    if !s.workload.tenants.is_empty() {
+        o.push_str(&tenants(runs));
+    }
     if let Some(last) = s.events.iter().map(|e| e.at.0).max() {
         let _ = writeln!(
             o,
@@ -126,6 +129,34 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
                 ms(&ttft, ttft.p99),
                 ms(&e2e, e2e.p50),
                 ms(&e2e, e2e.p99),
+            );
+        }
+    }
+    o
+}
+
+/// One row per variant and tenant: what each tenant sent, what it got, and how much of the
+/// output it asked for it was served.
+fn tenants(runs: &[PolicyRun]) -> String {
+    let mut o = String::from("\nPer tenant:\n\n| policy | tenant | sent | completed | failed | of which 429 | of which 503 | TTFT p50 ms | TTFT p99 ms | output tokens | tokens/s | demand tokens | demand served |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for r in runs {
+        for t in r.report.per_tenant() {
+            let _ = writeln!(
+                o,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {} | {:.1}% |",
+                r.label(),
+                t.name,
+                t.sent,
+                t.completed,
+                t.failed,
+                t.rejected_429,
+                t.unavailable_503,
+                ms(&t.ttft_ms, t.ttft_ms.p50),
+                ms(&t.ttft_ms, t.ttft_ms.p99),
+                t.tokens,
+                t.tokens_per_s,
+                t.demand_tokens,
+                100.0 * t.demand_served,
             );
         }
     }

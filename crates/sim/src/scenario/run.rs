@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::router_config::{router_toml, Started};
 use super::{events, Scenario, Variant};
 use crate::load::{self, Arrivals, Dist, Report, Workload};
 use crate::sim::{PdRole, SimConfig, SimEngine};
@@ -111,7 +112,7 @@ pub async fn run_fleet(
         .map(|e| e.role.filter(|_| fleet == Fleet::AsWritten))
         .collect();
     let mut engines = Vec::new();
-    let mut urls = Vec::new();
+    let mut started = Vec::new();
     for (spec, role) in s.engines.iter().zip(&roles) {
         let cfg = SimConfig {
             role: *role,
@@ -120,7 +121,7 @@ pub async fn run_fleet(
         let e = SimEngine::start(loopback(), cfg)
             .await
             .map_err(|err| format!("starting simulated engine: {err}"))?;
-        urls.push(match grpc {
+        let url_line = match grpc {
             true => {
                 let g = e.start_grpc(loopback()).await;
                 format!(
@@ -129,54 +130,15 @@ pub async fn run_fleet(
                 )
             }
             false => format!("url = \"{}\"", e.url()),
+        };
+        started.push(Started {
+            url_line,
+            role: *role,
+            bootstrap_port: e.bootstrap_port(),
         });
         engines.push(e);
     }
-    let mut toml = format!(
-        // `expose_worker = "url"`: the load client reads which rank served each request from
-        // `x-rankgate-worker`, which a router tells no client by default.
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
-         {}\
-         [telemetry]\ninterval = \"{}ms\"\nstale_after = \"{}ms\"\n",
-        if grpc {
-            "grpc_listen = \"127.0.0.1:0\"\n"
-        } else {
-            ""
-        },
-        policy.routing_toml(),
-        s.router.interval.0.as_millis(),
-        s.router.stale_after.0.as_millis()
-    );
-    for (i, (url, spec)) in urls.iter().zip(&s.engines).enumerate() {
-        toml.push_str(&format!(
-            "[[engines]]\n{url}\nflavor = \"{}\"\ndp_size = {}\n",
-            spec.flavor.as_str(),
-            spec.dp_size,
-        ));
-        if let Some(role) = roles[i] {
-            toml.push_str(&format!("role = \"{}\"\n", role_name(role)));
-        }
-        // An SGLang prefill server's decode peers reach it on its bootstrap port.
-        if let Some(port) = engines[i].bootstrap_port() {
-            toml.push_str(&format!("bootstrap_port = {port}\n"));
-        }
-        // A member of a multi-server deployment says so; an independent server needs nothing.
-        if let Some(group) = &spec.dp_group {
-            toml.push_str(&format!(
-                "dp_group = \"{group}\"\nstart_rank = {}\n",
-                spec.start_rank
-            ));
-        }
-    }
-    if policy.kv_events() {
-        // The engines' model, tokenized as they tokenize it (`sim::model`).
-        let dir = crate::sim::model::tiny_model_dir()?;
-        toml.push_str(&format!(
-            "[[models]]\nname = \"{}\"\ntokenizer = {:?}\n",
-            crate::sim::DEFAULT_MODEL,
-            dir.display().to_string()
-        ));
-    }
+    let toml = router_toml(s, policy, &started)?;
     let mut routers = Vec::new();
     for _ in 0..replicas.max(1) {
         let cfg = Config::from_str(&toml).map_err(|e| format!("router config: {e}\n{toml}"))?;
@@ -242,11 +204,11 @@ pub async fn run_fleet(
             (Some(r), _) => Arrivals::Poisson(r),
             (None, c) => Arrivals::Closed(c.unwrap_or(1)),
         },
-        requests: w.requests,
+        requests: w.requests.unwrap_or(0),
         duration: w.duration.0,
         // Unused by sessions, whose prompts are their own.
         prompt_tokens: w.prompt_tokens.unwrap_or(Dist::Fixed(200)),
-        output_tokens: w.output_tokens,
+        output_tokens: w.output_tokens.unwrap_or(Dist::Fixed(64)),
         trace: s.trace.clone(),
         bursts: w.bursts.clone(),
         model: "tiny-llama".into(),
@@ -255,8 +217,20 @@ pub async fn run_fleet(
         seed: w.seed,
         // Scenarios run with `expose_worker = "url"`: every answer names its rank.
         admin_token: None,
+        headers: Arc::new([]),
     };
-    let report = load::run(&workload).await;
+    let report = match w.tenants.is_empty() {
+        true => load::run(&workload).await,
+        false => {
+            let tenants = (w.tenants.iter().enumerate())
+                .map(|(i, t)| t.tenant(i, w, &workload))
+                .collect::<Result<Vec<_>, _>>();
+            match tenants {
+                Ok(t) => load::run_tenants(&t).await,
+                Err(e) => Err(e),
+            }
+        }
+    };
     let _ = stop_tx.send(true);
     let kv_series = sampler.await.unwrap_or_default();
     let at_last_event = timeline.await.ok().flatten();
@@ -329,7 +303,7 @@ pub async fn run_fleet(
     })
 }
 
-fn role_name(role: PdRole) -> &'static str {
+pub(super) fn role_name(role: PdRole) -> &'static str {
     match role {
         PdRole::Prefill => "prefill",
         PdRole::Decode => "decode",
@@ -359,9 +333,16 @@ pub async fn run(
     policies: Option<&[Variant]>,
     progress: bool,
 ) -> Result<Vec<PolicyRun>, String> {
+    let policies = policies.unwrap_or(&s.policies);
+    if let Some(v) = policies.iter().find(|v| v.flow && s.flow.is_none()) {
+        return Err(format!(
+            "{}: the scenario has no [flow] table to give the router",
+            v.as_str()
+        ));
+    }
     let mut runs = Vec::new();
     for n in s.router.replicas.counts() {
-        for &p in policies.unwrap_or(&s.policies) {
+        for &p in policies {
             if progress {
                 eprintln!(
                     "scenario {}: policy {}, {n} router(s) ...",

@@ -4,8 +4,10 @@
 //! A variant is written as its policy's name, `+affinity` appended for `prefix_affinity = true`
 //! in `[routing]` (rankgate's record of what it sent where), `+kv_events` for affinity that
 //! follows the engines' own KV-cache events (`kv_events = true` too): `"least_kv"`,
-//! `"least_kv+affinity"`, `"least_kv+kv_events"`, `"round_robin"`. The scenario file's
-//! `policies = [...]` and `rankgate load --policies` read the same strings.
+//! `"least_kv+affinity"`, `"least_kv+kv_events"`, `"round_robin"`; `+flow` last for flow control
+//! (the scenario's `[flow]` table given to the router as its `[flow]` section):
+//! `"least_kv+flow"`, `"least_kv+affinity+flow"`. The scenario file's `policies = [...]` and
+//! `rankgate load --policies` read the same strings.
 
 use serde::Deserialize;
 
@@ -16,6 +18,8 @@ use rankgate::config::Policy;
 pub struct Variant {
     pub policy: Policy,
     pub affinity: Affinity,
+    /// Flow control on: the scenario's `[flow]` table becomes the router's `[flow]` section.
+    pub flow: bool,
 }
 
 /// Whether and how picks weigh where a prompt's prefix is cached.
@@ -33,23 +37,24 @@ impl From<Policy> for Variant {
         Variant {
             policy,
             affinity: Affinity::Off,
+            flow: false,
         }
     }
 }
 
 impl Variant {
     /// Its name as written in scenario files.
-    pub fn as_str(&self) -> &'static str {
-        use Affinity::*;
-        match (self.policy, self.affinity) {
-            (Policy::LeastKv, Off) => "least_kv",
-            (Policy::LeastKv, Guess) => "least_kv+affinity",
-            (Policy::LeastKv, Events) => "least_kv+kv_events",
-            (Policy::RoundRobin, Off) => "round_robin",
-            (Policy::RoundRobin, _) => "round_robin+affinity",
-            (Policy::Random, Off) => "random",
-            (Policy::Random, _) => "random+affinity",
+    pub fn as_str(&self) -> String {
+        let mut name = self.policy.as_str().to_string();
+        name.push_str(match self.affinity {
+            Affinity::Off => "",
+            Affinity::Guess => "+affinity",
+            Affinity::Events => "+kv_events",
+        });
+        if self.flow {
+            name.push_str("+flow");
         }
+        name
     }
 
     /// The `[routing]` section of the router's configuration.
@@ -75,23 +80,34 @@ impl std::str::FromStr for Variant {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Variant, String> {
-        let (name, affinity) = match s.trim().split_once('+') {
-            Some((name, "affinity")) => (name, Affinity::Guess),
-            Some((name, "kv_events")) => (name, Affinity::Events),
-            Some((_, other)) => {
-                return Err(format!(
-                "variant {s:?}: unknown option {other:?} after `+` (`+affinity` or `+kv_events`)"
-            ))
+        let mut parts = s.trim().split('+');
+        let name = parts.next().unwrap_or_default();
+        let (mut affinity, mut flow) = (Affinity::Off, false);
+        for option in parts {
+            match option {
+                "affinity" | "kv_events" if affinity != Affinity::Off || flow => {
+                    return Err(format!(
+                        "variant {s:?}: one of `+affinity` or `+kv_events`, before any `+flow`"
+                    ))
+                }
+                "affinity" => affinity = Affinity::Guess,
+                "kv_events" => affinity = Affinity::Events,
+                "flow" if flow => return Err(format!("variant {s:?}: `+flow` twice")),
+                "flow" => flow = true,
+                other => {
+                    return Err(format!(
+                        "variant {s:?}: unknown option {other:?} after `+` (`+affinity`, `+kv_events` or `+flow`)"
+                    ))
+                }
             }
-            None => (s.trim(), Affinity::Off),
-        };
+        }
         let policy = match name {
             "least_kv" => Policy::LeastKv,
             "round_robin" => Policy::RoundRobin,
             "random" => Policy::Random,
             other => {
                 return Err(format!(
-                    "variant {s:?}: unknown policy {other:?} (least_kv, round_robin or random; least_kv optionally +affinity or +kv_events)"
+                    "variant {s:?}: unknown policy {other:?} (least_kv, round_robin or random; least_kv optionally +affinity or +kv_events; any of them +flow)"
                 ))
             }
         };
@@ -100,7 +116,11 @@ impl std::str::FromStr for Variant {
                 "variant {s:?}: affinity chooses among the ranks load allows, so it goes with least_kv only"
             ));
         }
-        Ok(Variant { policy, affinity })
+        Ok(Variant {
+            policy,
+            affinity,
+            flow,
+        })
     }
 }
 
@@ -158,6 +178,10 @@ mod tests {
             "least_kv+kv_events",
             "round_robin",
             "random",
+            "least_kv+flow",
+            "least_kv+affinity+flow",
+            "least_kv+kv_events+flow",
+            "round_robin+flow",
         ] {
             assert_eq!(s.parse::<Variant>().unwrap().as_str(), s);
         }
@@ -171,6 +195,19 @@ mod tests {
             .routing_toml()
             .contains("prefix_affinity = true\nkv_events = true"));
         assert!(v.kv_events());
+        let v: Variant = "least_kv+kv_events+flow".parse().unwrap();
+        assert!(v.flow && v.kv_events());
+        assert!(!Variant::from(Policy::LeastKv).flow);
+        for bad in [
+            "least_kv+flow+affinity",
+            "least_kv+flow+flow",
+            "least_kv+affinity+kv_events",
+        ] {
+            let e = bad.parse::<Variant>().unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+        let e = "least_kv+flw".parse::<Variant>().unwrap_err();
+        assert!(e.contains("\"flw\"") && e.contains("+flow"), "{e}");
         let e = "round_robin+affinity".parse::<Variant>().unwrap_err();
         assert!(e.contains("least_kv only"), "{e}");
         let e = "least_kv+afinity".parse::<Variant>().unwrap_err();

@@ -5,6 +5,7 @@
 //!       [--concurrency 16] [--api chat|completions] [--no-stream] [--prompt-tokens normal:200:50] \
 //!       [--output-tokens uniform:32:96] [--trace trace.jsonl] [--duration 60s] [--json report.json] \
 //!       [--admin http://127.0.0.1:9090]   # every rank in the per-worker table, 0 included
+//!       [--header "x-gateway-inference-fairness-id: team-a"]   # with every request (repeatable)
 //! Multi-turn chat sessions (a shared system prompt per group, growing history), a hot shared
 //! prefix, several router replicas (comma-separated --url, requests spread over them in turn), and
 //! the engines' prefix-cache hit ratio from their /metrics before and after the run:
@@ -115,6 +116,10 @@ pub struct Args {
     /// it, so the per-worker counts are right under any `server.expose_worker`.
     #[arg(long)]
     pub admin_token: Option<String>,
+    /// `name: value`, sent with every request (repeatable): e.g. a tenant's
+    /// `x-gateway-inference-fairness-id` or `x-gateway-inference-objective`.
+    #[arg(long = "header", conflicts_with = "scenario")]
+    pub headers: Vec<String>,
     /// Write the full report as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -182,6 +187,10 @@ pub async fn run(a: Args) -> ToolResult {
     w.output_tokens = a.output_tokens;
     w.model = a.model;
     w.progress = true;
+    w.headers = (a.headers.iter())
+        .map(|h| header(h).map_err(|e| format!("--header {h:?}: {e}")))
+        .collect::<Result<Vec<_>, _>>()?
+        .into();
     let token = super::admin_token(a.admin_token);
     w.admin_token = token.as_deref().map(Into::into);
     if let (Some(count), Some(turns)) = (a.sessions, a.turns) {
@@ -233,4 +242,32 @@ pub async fn run(a: Args) -> ToolResult {
         write("--json", p, pretty(&report.to_json()))?;
     }
     Ok(())
+}
+
+/// `name: value` as a header.
+fn header(text: &str) -> Result<(http::HeaderName, http::HeaderValue), String> {
+    let (name, value) = text.split_once(':').ok_or("write it as `name: value`")?;
+    let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+        .map_err(|_| format!("{:?} is not a header name", name.trim()))?;
+    let value = http::HeaderValue::from_str(value.trim())
+        .map_err(|_| format!("{:?} is not a header value", value.trim()))?;
+    Ok((name, value))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn header_flags_are_name_colon_value() {
+        let (n, v) = super::header("x-gateway-inference-objective: batch ").unwrap();
+        assert_eq!(
+            (n.as_str(), v.to_str().unwrap()),
+            ("x-gateway-inference-objective", "batch")
+        );
+        assert!(super::header("no colon")
+            .unwrap_err()
+            .contains("name: value"));
+        assert!(super::header("bad name: x")
+            .unwrap_err()
+            .contains("bad name"));
+    }
 }
