@@ -57,7 +57,9 @@ pub(super) fn room_of(
     let kv = load.kv_usage + unreported * view.kv_per_request;
     let mut room = match view.kv_per_request > 0.0 {
         // Rounded up (a rank below the limit takes one more), past the floats' noise.
-        true => ((sat.max_kv - kv) / view.kv_per_request - 1e-9).ceil().max(0.0) as u64,
+        true => ((sat.max_kv - kv) / view.kv_per_request - 1e-9)
+            .ceil()
+            .max(0.0) as u64,
         false if kv < sat.max_kv => u64::MAX,
         false => 0,
     };
@@ -71,6 +73,18 @@ impl Selector {
     /// The room (see [`room_of`]) of every rank `avoid` allows, summed; `None` when none of
     /// them has fresh telemetry, or saturation is not judged (`[flow]` off).
     pub fn room(&self, table: &Table, avoid: &Avoid) -> Option<u64> {
+        self.room_until(table, avoid, u64::MAX)
+    }
+
+    /// Whether the ranks `avoid` allows have more room than `taken` (requests on their way to
+    /// them); `None` as for [`Selector::room`]. Stops at the first ranks that have.
+    pub fn room_above(&self, table: &Table, avoid: &Avoid, taken: u64) -> Option<bool> {
+        self.room_until(table, avoid, taken.saturating_add(1))
+            .map(|r| r > taken)
+    }
+
+    /// [`Selector::room`], counted only until it reaches `enough`.
+    fn room_until(&self, table: &Table, avoid: &Avoid, enough: u64) -> Option<u64> {
         let sat = self.saturation.as_ref()?;
         let snap = table.snapshot.load();
         let now = Instant::now();
@@ -81,7 +95,11 @@ impl Selector {
                 continue;
             }
             if let Some(r) = room_of(table, view, &seat.member, now, sat) {
-                total = Some(total.unwrap_or(0).saturating_add(r));
+                let t = total.unwrap_or(0).saturating_add(r);
+                total = Some(t);
+                if t >= enough {
+                    break;
+                }
             }
         }
         total
@@ -169,11 +187,17 @@ mod tests {
         set(&t, vec![waiting(0.1, 1, now), available(0.6, now)]);
         let s = judging(LIMITS);
         for _ in 0..20 {
-            assert_eq!(s.pick(&t, None, &Avoid::default()).unwrap().guard.worker(), 1);
+            assert_eq!(
+                s.pick(&t, None, &Avoid::default()).unwrap().guard.worker(),
+                1
+            );
         }
         // Both saturated: the best of them all the same (the request was let through).
         set(&t, vec![waiting(0.1, 1, now), waiting(0.6, 1, now)]);
-        assert_eq!(s.pick(&t, None, &Avoid::default()).unwrap().guard.worker(), 0);
+        assert_eq!(
+            s.pick(&t, None, &Avoid::default()).unwrap().guard.worker(),
+            0
+        );
         assert_eq!(member(&t, 0).live.in_flight(), 0);
     }
 }

@@ -31,7 +31,9 @@ pub(super) fn router_toml(
     let mut toml = format!(
         // `expose_worker = "url"`: the load client reads which rank served each request from
         // `x-rankgate-worker`, which a router tells no client by default.
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n{}\
+        // `max_streams_per_client`: the load client, one address, stands for many clients.
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nexpose_worker = \"url\"\n\
+         max_streams_per_client = 1000000\n{}\
          {}\
          [telemetry]\ninterval = \"{}ms\"\nstale_after = \"{}ms\"\n",
         if s.workload.grpc {

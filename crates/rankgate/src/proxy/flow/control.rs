@@ -68,6 +68,16 @@ pub struct Item {
     eligible: Eligible,
 }
 
+/// What an arriving request is: its objective (index), its body's bytes, what it costs its
+/// tenant when it leaves (prompt tokens) and at what weight.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask {
+    pub objective: usize,
+    pub bytes: u64,
+    pub cost: u64,
+    pub weight: f64,
+}
+
 /// Where a request stands after [`Flows::arrive`].
 pub enum Arrival {
     /// Room now: go.
@@ -132,18 +142,28 @@ impl Flows {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The room of the ranks `e` allows, less what is on its way; `None`: no telemetry to
-    /// judge by (the pick decides).
+    /// Whether the ranks `e` allows have room beyond the `pending` requests on their way;
+    /// true when there is no telemetry to judge by (the pick decides).
     fn fits(&self, e: &Eligible, pending: u64) -> bool {
-        let room = |a: &Avoid| self.selector.room(&self.table, a);
-        let room = match e {
-            Eligible::Whole(a) => room(a),
-            Eligible::Split(legs) => match (room(&legs.0), room(&legs.1)) {
-                (Some(p), Some(d)) => Some(p.min(d)),
-                _ => None,
-            },
-        };
-        room.is_none_or(|r| r > pending)
+        match e {
+            Eligible::Whole(a) => self.whole_fits(a, pending),
+            Eligible::Split(legs) => {
+                self.whole_fits(&legs.0, pending) && self.whole_fits(&legs.1, pending)
+            }
+        }
+    }
+
+    fn whole_fits(&self, a: &Avoid, pending: u64) -> bool {
+        (self.selector.room_above(&self.table, a, pending)).unwrap_or(true)
+    }
+
+    /// [`Flows::fits`] for a request's own `Avoid` or `Split`, nothing cloned for a whole one.
+    fn fits_request(&self, avoid: Option<&Avoid>, split: Option<&Split>, pending: u64) -> bool {
+        match (split, avoid) {
+            (Some(s), _) => self.fits(&Eligible::of(None, Some(s)), pending),
+            (None, Some(a)) => self.whole_fits(a, pending),
+            (None, None) => self.whole_fits(&Avoid::default(), pending),
+        }
     }
 
     fn pending(&self) -> Pending {
@@ -151,14 +171,20 @@ impl Flows {
         Pending(self.pending.clone())
     }
 
-    /// A request of `tenant` arrives (its objective, size and cost in `w`, where it may go in
-    /// `eligible`): it goes now, waits, or is refused.
-    pub fn arrive(&self, tenant: &str, w: Waiter<()>, eligible: Eligible) -> Arrival {
+    /// A request of `tenant` arrives (its objective, size and cost in `w`; where it may go in
+    /// `avoid` or `split`): it goes now, waits, or is refused.
+    pub fn arrive(
+        &self,
+        tenant: &str,
+        w: Ask,
+        avoid: Option<&Avoid>,
+        split: Option<&Split>,
+    ) -> Arrival {
         let objective = w.objective;
         let band = self.band_of[objective];
         let mut q = self.lock();
         let tenant = q.tenant(tenant);
-        if q.len() == 0 && self.fits(&eligible, self.pending.load(Relaxed)) {
+        if q.len() == 0 && self.fits_request(avoid, split, self.pending.load(Relaxed)) {
             tenant.charge(band, w.cost, w.weight);
             self.stats[objective].direct.fetch_add(1, Relaxed);
             return Arrival::Now(tenant, self.pending());
@@ -172,9 +198,12 @@ impl Flows {
             bytes: w.bytes,
             cost: w.cost,
             weight: w.weight,
-            since: w.since,
+            since: tokio::time::Instant::now(),
             objective,
-            item: Item { go: tx, eligible },
+            item: Item {
+                go: tx,
+                eligible: Eligible::of(avoid, split),
+            },
         };
         match q.push(band, &tenant, w) {
             Ok(seq) => {

@@ -18,15 +18,17 @@ mod stats;
 mod view;
 mod who;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 
 use http::Request;
 use tokio::time::Instant;
 
 use super::disagg::Split;
 use super::error::ProxyError;
-use super::layer::{content_length, Below, Step};
+use super::layer::{content_length, ready, Answer, Below, BoxFuture};
 use super::shared::Ctx;
 use crate::policy::Avoid;
 use crate::prompt::PromptTokens;
@@ -38,8 +40,8 @@ pub use refusal::{Refusal, Refused};
 pub use view::{collector, page};
 pub use who::KeyBinding;
 
-use control::{Arrival, Eligible, Go, Pending};
-use queue::{Tenant, Waiter};
+use control::{Arrival, Ask, Go, Pending};
+use queue::Tenant;
 
 /// Bytes of a prompt counted as one token when the prompt was not tokenized.
 const BYTES_PER_TOKEN: u64 = 4;
@@ -65,81 +67,113 @@ impl<S> tower::Service<Request<RequestBody>> for Flow<S>
 where
     S: Below<RequestBody> + Clone + Send + 'static,
 {
-    layer_types!(Step<S::Future>);
+    layer_types!(Flowing<S::Future>);
 
     fn call(&mut self, req: Request<RequestBody>) -> Self::Future {
         let Some(flows) = &self.flows else {
-            return Step::Below(self.inner.call(req));
+            return Flowing::Below(self.inner.call(req));
         };
         let cfg = &flows.cfg;
         let (headers, ext) = (req.headers(), req.extensions());
-        let who = who::who(
-            cfg,
-            headers,
-            ext.get::<Arc<KeyBinding>>().map(|k| &**k),
-            &self.ctx.conn().peer_ip,
-        );
+        let key = ext.get::<Arc<KeyBinding>>().map(|k| &**k);
+        let who = who::who(cfg, headers, key, &self.ctx.conn().peer_ip);
         let objective = &cfg.objectives[who.objective];
         let bytes = match req.body() {
             RequestBody::Full(b) => b.len() as u64,
             RequestBody::Stream(_) => content_length(headers).unwrap_or(0),
         };
-        let cost = match ext.get::<PromptTokens>() {
-            Some(t) => t.0.len() as u64,
-            None => bytes.div_ceil(BYTES_PER_TOKEN),
-        };
-        let waiter = Waiter {
-            seq: 0,
-            bytes,
-            cost,
-            weight: objective.weight,
-            since: Instant::now(),
+        let ask = Ask {
             objective: who.objective,
-            item: (),
+            bytes,
+            cost: match ext.get::<PromptTokens>() {
+                Some(t) => t.0.len() as u64,
+                None => bytes.div_ceil(BYTES_PER_TOKEN),
+            },
+            weight: objective.weight,
         };
-        let eligible = Eligible::of(ext.get::<Avoid>(), ext.get::<Split>());
+        let arrival = flows.arrive(who.tenant, ask, ext.get::<Avoid>(), ext.get::<Split>());
         let (max_wait, objective) = (who.max_wait, who.objective);
-        let arrival = flows.arrive(who.tenant, waiter, eligible);
         let req = with_engine_priority(req, cfg.objectives[objective].engine_priority);
-        let (flows, mut inner) = (flows.clone(), self.inner.clone());
         let band = flows.band_of[objective];
-        Step::Own(Box::pin(async move {
-            let (tenant, pending) = match arrival {
-                Arrival::Now(tenant, pending) => (tenant, pending),
-                Arrival::Refused(tenant, why) => {
-                    return Err(refuse(&flows, &tenant, objective, why, None))
-                }
-                Arrival::Queued(tenant, seq, rx) => {
-                    match wait(&flows, &tenant, objective, seq, rx, max_wait).await {
-                        Ok(pending) => (tenant, pending),
-                        Err((why, waited)) => {
-                            return Err(refuse(&flows, &tenant, objective, why, Some(waited)))
-                        }
-                    }
+        let tenant = match arrival {
+            // The usual case, with room: straight on, no future of this layer's own to box.
+            Arrival::Now(tenant, pending) => {
+                let charge = Charge::start(tenant, band, ask.weight, &flows.wake);
+                return Flowing::sent(self.inner.call(req), pending, charge);
+            }
+            Arrival::Refused(tenant, why) => {
+                return Flowing::Own(ready(Err(refuse(flows, &tenant, objective, why, None))))
+            }
+            Arrival::Queued(tenant, seq, rx) => (tenant, seq, rx),
+        };
+        let (flows, mut inner) = (flows.clone(), self.inner.clone());
+        Flowing::Own(Box::pin(async move {
+            let (tenant, seq, rx) = tenant;
+            let pending = match wait(&flows, &tenant, objective, seq, rx, max_wait).await {
+                Ok(pending) => pending,
+                Err((why, waited)) => {
+                    return Err(refuse(&flows, &tenant, objective, why, Some(waited)))
                 }
             };
-            let weight = flows.cfg.objectives[objective].weight;
-            let charge = Charge::start(tenant, band, weight, &flows.wake);
-            let mut fut = inner.call(req);
-            // On its way until its pick has marked it in flight: the first poll (a whole
-            // request's pick is in `call`; a disaggregated one's prefill pick, after its body).
-            let first =
-                std::future::poll_fn(|cx| Poll::Ready(std::pin::Pin::new(&mut fut).poll(cx))).await;
-            drop(pending);
-            let mut resp = match first {
-                Poll::Ready(answer) => answer,
-                Poll::Pending => fut.await,
-            }?;
-            let mut charge = Box::new(charge);
-            charge.events = (resp.headers().get(http::header::CONTENT_TYPE))
-                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-            resp.body_mut().holds.flow = Some(charge);
-            Ok(resp)
+            let charge = Charge::start(tenant, band, ask.weight, &flows.wake);
+            Flowing::sent(inner.call(req), pending, charge).await
         }))
     }
 }
 
-use std::future::Future;
+/// The flow layer's future: passed through (off), sent on (room now; or after waiting, inside
+/// the boxed wait), or answered.
+pub enum Flowing<F> {
+    Below(F),
+    Sent {
+        inner: F,
+        /// Counted against the fleet's room until the first poll has run the pick (a whole
+        /// request's pick is in `call`; a disaggregated one's prefill pick after its body).
+        pending: Option<Pending>,
+        /// Moved into the answer's body, to charge its output and end with it.
+        charge: Option<Charge>,
+    },
+    Own(BoxFuture<Answer>),
+}
+
+impl<F> Flowing<F> {
+    fn sent(inner: F, pending: Pending, charge: Charge) -> Flowing<F> {
+        Flowing::Sent {
+            inner,
+            pending: Some(pending),
+            charge: Some(charge),
+        }
+    }
+}
+
+impl<F: Future<Output = Answer> + Unpin> Future for Flowing<F> {
+    type Output = Answer;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer> {
+        match self.get_mut() {
+            Flowing::Below(f) => Pin::new(f).poll(cx),
+            Flowing::Own(f) => f.as_mut().poll(cx),
+            Flowing::Sent {
+                inner,
+                pending,
+                charge,
+            } => {
+                let answer = Pin::new(inner).poll(cx);
+                *pending = None;
+                let Poll::Ready(answer) = answer else {
+                    return Poll::Pending;
+                };
+                let mut resp = answer?;
+                if let Some(mut charge) = charge.take() {
+                    charge.events = (resp.headers().get(http::header::CONTENT_TYPE))
+                        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+                    resp.body_mut().holds.flow = Some(Box::new(charge));
+                }
+                Poll::Ready(Ok(resp))
+            }
+        }
+    }
+}
 
 /// Waits for the queue's word, at most `max_wait` from arrival; a dropped wait (the client
 /// left) takes the request out of the queue.

@@ -116,7 +116,8 @@ struct Flow<T> {
 pub struct Queue<T> {
     /// Per band (highest priority first): the tenants with requests waiting in it.
     bands: Vec<Vec<Flow<T>>>,
-    tenants: HashMap<Arc<str>, Arc<Tenant>>,
+    /// Keyed by a seed drawn at start: tenant ids are a stranger's to choose.
+    tenants: HashMap<Arc<str>, Arc<Tenant>, foldhash::fast::RandomState>,
     overflow: Arc<Tenant>,
     caps: Caps,
     count: usize,
@@ -128,7 +129,7 @@ impl<T> Queue<T> {
     pub fn new(bands: usize, caps: Caps) -> Queue<T> {
         Queue {
             bands: (0..bands).map(|_| Vec::new()).collect(),
-            tenants: HashMap::new(),
+            tenants: HashMap::default(),
             overflow: Arc::new(Tenant::new(OVERFLOW.into(), bands)),
             caps,
             count: 0,

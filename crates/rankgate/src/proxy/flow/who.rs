@@ -37,20 +37,30 @@ fn id(v: &HeaderValue) -> Option<&str> {
     (!s.is_empty() && s.bytes().all(ok)).then_some(s)
 }
 
+/// The request's tenant and objective. The headers are read in one pass over the request's
+/// (a few), not looked up by name three times: every request pays for this while flow control
+/// is on.
 pub fn who<'a>(
     cfg: &FlowConfig,
     headers: &'a HeaderMap,
     key: Option<&'a KeyBinding>,
     peer: &'a HeaderValue,
 ) -> Who<'a> {
+    let (mut named, mut asked, mut own) = (None, None, None);
+    for (name, value) in headers {
+        if *name == cfg.tenant_header {
+            named = named.or_else(|| id(value));
+        } else if *name == cfg.objective_header {
+            asked = asked.or_else(|| value.to_str().ok().and_then(|n| cfg.objective(n.trim())));
+        } else if *name == cfg.max_wait_header {
+            own = own.or_else(|| value.to_str().ok()?.trim().parse::<u64>().ok());
+        }
+    }
     let tenant = (key.and_then(|k| k.tenant.as_deref()))
-        .or_else(|| headers.get(&cfg.tenant_header).and_then(id))
+        .or(named)
         .or_else(|| peer.to_str().ok())
         .unwrap_or("unknown");
-    let asked = (headers.get(&cfg.objective_header))
-        .and_then(|v| v.to_str().ok())
-        .and_then(|name| cfg.objective(name.trim()))
-        .unwrap_or(cfg.default_objective);
+    let asked = asked.unwrap_or(cfg.default_objective);
     // Objectives are sorted by priority, highest first: the key's ceiling is the lowest index
     // the request may have.
     let ceiling = (key.and_then(|k| k.objective.as_deref()))
@@ -61,15 +71,11 @@ pub fn who<'a>(
     } else {
         asked
     };
-    let own = (headers.get(&cfg.max_wait_header))
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_millis);
     let max_wait = cfg.objectives[objective].max_wait;
     Who {
         tenant,
         objective,
-        max_wait: own.map_or(max_wait, |own| own.min(max_wait)),
+        max_wait: own.map_or(max_wait, |ms| Duration::from_millis(ms).min(max_wait)),
     }
 }
 
