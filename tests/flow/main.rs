@@ -217,10 +217,7 @@ async fn past_its_wait_or_the_caps_a_request_gets_503_with_retry_after_and_why()
     // Refused at its deadline, while the rank was still busy (else it would have been sent).
     let v = refused(&late.await.unwrap(), "deadline");
     assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("objective `default`"),
+        v["error"]["message"].as_str().unwrap().contains("objective `default`"),
         "{v}"
     );
     assert!(started.elapsed() >= Duration::from_millis(200));
