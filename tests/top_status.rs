@@ -2,7 +2,8 @@
 //! after two readings of `/metrics` every rank has a REQ/S figure (a rank that never served is
 //! 0.0 like one that went idle; `-` only while no rate is known yet), and an error too long for
 //! the status line is wrapped whole below it, the rows still in view; a prefill rank's legs are
-//! its load, as a decode rank's are.
+//! its load, as a decode rank's are; with flow control on, the router's queue is shown by
+//! objective while a request waits.
 #![cfg(all(feature = "top", feature = "sim"))]
 
 mod common;
@@ -71,6 +72,12 @@ async fn a_rank_that_never_served_reads_0_like_one_gone_idle() {
     // One reading: no rate is known for any rank, and every one says so alike.
     assert_eq!(req_per_s(&first, &busy), "-", "{first}");
     assert_eq!(req_per_s(&first, &idle), "-", "{first}");
+    // Flow control is off: no queue line, the titles right under the status line.
+    assert!(
+        first.lines().nth(2).is_some_and(|l| l.starts_with("RANK")),
+        "{first}"
+    );
+    assert!(top.state().queue().is_none());
 
     for _ in 0..6 {
         let reply = send(
@@ -202,5 +209,92 @@ async fn prefill_legs_show_as_load_on_their_rank() {
     };
     assert!(rate(p.url()) > 0.0, "the prefill rank's legs: {rows:?}");
     assert!(rate(d.url()) > 0.0, "the decode rank's legs: {rows:?}");
+    r.shutdown().await;
+}
+
+/// With `[flow]` on and the one rank busy (`flow.max_running = 1`), a request waits in the
+/// router: top's queue line says so, by objective, highest priority first; once it has gone on,
+/// the next poll tells how long it waited. A router without flow control has no such line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flow_queue_shows_while_a_request_waits() {
+    use rankgate_sim::sim::SimConfig;
+    // 20 tokens a second: a request of 30 tokens holds the rank for a second and a half.
+    let e = engine(SimConfig {
+        decode_tokens_per_sec: 20.0,
+        ..sim(SimFlavor::Vllm, 1, 0)
+    })
+    .await;
+    let flow = "[flow]\nenabled = true\nmax_running = 1\n\
+        [[flow.objectives]]\nname = \"batch\"\npriority = -10\n";
+    let r = router(
+        &format!("{FAST}{flow}"),
+        &[engine_toml(&e.url(), "vllm", 1, 0)],
+    )
+    .await;
+    wait_state(&r, &[0], "available").await;
+    let mut top = Top::new(
+        &format!("http://{}", r.admin_addr),
+        Duration::from_millis(200),
+    )
+    .expect("admin url");
+    let mut term = terminal(80, 24);
+    top.poll_once().await;
+    let idle = draw(top.state(), &mut term);
+    assert!(
+        idle.lines().any(|l| l == " queue: default 0 · batch 0"),
+        "{idle}"
+    );
+
+    let chat = |tokens| {
+        tokio::spawn(send(
+            post(r.addr, "/v1/chat/completions")
+                .body(Full::new(Bytes::from(chat_body(tokens, false))))
+                .unwrap(),
+        ))
+    };
+    let blocker = chat(30);
+    wait_workers(&r, Duration::from_secs(5), |rows| rows[0]["in_flight"] == 1).await;
+    let waiter = chat(1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let waiting = loop {
+        top.poll_once().await;
+        let text = draw(top.state(), &mut term);
+        if text.lines().any(|l| l.starts_with(" queue: default 1")) {
+            break text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the queue never showed the waiting request:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let lines: Vec<&str> = waiting.lines().collect();
+    // Under the status line, above the titles; the rank's row still in view.
+    assert!(
+        lines[2].starts_with(" queue: default 1 · batch 0"),
+        "{waiting}"
+    );
+    assert!(lines[3].starts_with("RANK"), "{waiting}");
+    assert!(
+        waiting.contains(&short_id(&format!("{}@0", e.url()), 18)),
+        "{waiting}"
+    );
+
+    for h in [blocker, waiter] {
+        assert_eq!(h.await.unwrap().status, StatusCode::OK);
+    }
+    // The request went on since the last poll: the queue is empty, and its wait is told.
+    top.poll_once().await;
+    let after = draw(top.state(), &mut term);
+    let queue = (after.lines().find(|l| l.starts_with(" queue:")))
+        .unwrap_or_else(|| panic!("no queue line:\n{after}"));
+    assert!(queue.starts_with(" queue: default 0 (wait "), "{after}");
+    let objectives = top.state().queue().expect("flow control is on");
+    assert_eq!(objectives[0].name, "default");
+    assert!(
+        objectives[0].mean_wait.is_some_and(|w| w > 0.0),
+        "{objectives:?}"
+    );
+    assert_eq!(objectives[0].refused_per_s, Some(0.0), "{objectives:?}");
     r.shutdown().await;
 }

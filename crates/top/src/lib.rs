@@ -1,17 +1,20 @@
 //! `rankgate top`: a live terminal view of every rank of a running rankgate, read from its admin
-//! listener (`GET /workers`, and `GET /metrics` for requests per second).
+//! listener (`GET /workers`, and `GET /metrics` for requests per second and, when the router
+//! runs flow control, its queue).
 //!
 //! This crate's root owns the parts that touch the world: the terminal (raw mode and the alternate
 //! screen, always given back, on panic too), the keyboard, the polling task, and the loop that
-//! joins them. What is known lives in [`model`] ([`rates`]), how it looks in [`view`] ([`status`]),
-//! all pure, so [`Top::poll_once`] and [`render`] drive them headless (ratatui's `TestBackend`).
+//! joins them. What is known lives in [`model`] ([`rates`], [`flow`]), how it looks in [`view`]
+//! ([`status`], [`queue`]), all pure, so [`Top::poll_once`] and [`render`] drive them headless (ratatui's `TestBackend`).
 //!
 //! The admin listener is read-only here and never trusted to answer: every poll has a timeout,
 //! a failed one keeps the last rows on screen marked stale, and a rank that left the fleet just
 //! loses its row.
 
 mod fetch;
+pub mod flow;
 pub mod model;
+pub mod queue;
 pub mod rates;
 pub mod status;
 pub mod view;

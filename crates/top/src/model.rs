@@ -1,6 +1,7 @@
 //! What `rankgate top` knows, with no terminal and no network: the rows read from the admin
 //! listener's `GET /workers`, requests per second from the deltas of `rankgate_requests_total`
-//! between two polls, the sort order, the filter, and what to say when the admin stops answering.
+//! between two polls, the flow-control queue ([`super::flow`]), the sort order, the filter,
+//! and what to say when the admin stops answering.
 //!
 //! Kept pure so every rule (a counter reset, a rank that vanished, a filter over model ids, an id
 //! too long for 80 columns) is a unit test. The admin document is read leniently: unknown fields
@@ -12,6 +13,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use tokio::time::Instant;
 
+use super::flow::{self, Objective, Queue};
 use super::rates::{request_counts, Rates};
 
 /// A `/workers` document that is not what rankgate's admin listener answers.
@@ -209,6 +211,10 @@ pub struct State {
     /// The last rows read, in the admin's (fleet) order, with their rates.
     rows: Vec<Row>,
     rates: Rates,
+    flow: Queue,
+    /// The flow-control queue by objective from the last `/metrics`; `None` when the router's
+    /// flow control is off (or `/metrics` failed).
+    queue: Option<Vec<Objective>>,
     /// When the rows were read; `None` before the first good poll.
     pub updated: Option<Instant>,
     /// Set while the admin cannot be read: the rows are the last ones, and stale.
@@ -233,6 +239,8 @@ impl State {
             interval,
             rows: Vec::new(),
             rates: Rates::default(),
+            flow: Queue::default(),
+            queue: None,
             updated: None,
             outage: None,
             metrics_error: None,
@@ -264,11 +272,14 @@ impl State {
         let rates = match metrics {
             Ok(text) => {
                 self.metrics_error = None;
+                self.queue = self.flow.update(at, flow::reading(text));
                 self.rates.update(at, request_counts(text))
             }
             Err(e) => {
                 self.metrics_error = Some(e);
                 self.rates.reset();
+                self.flow.reset();
+                self.queue = None;
                 None
             }
         };
@@ -307,6 +318,12 @@ impl State {
             }
         });
         rows
+    }
+
+    /// The flow-control queue by objective, highest priority first; `None` when flow control
+    /// is off.
+    pub fn queue(&self) -> Option<&[Objective]> {
+        self.queue.as_deref()
     }
 
     pub fn totals(&self) -> Totals {

@@ -105,6 +105,24 @@ pub fn request_counts(metrics: &str) -> HashMap<String, f64> {
     counts
 }
 
+/// One sample of Prometheus text exposition: its metric name, labels (values unescaped) and
+/// value; `None` for a comment, a blank line or one that does not parse (read leniently: one
+/// odd line costs its own figure only).
+pub(crate) fn sample(line: &str) -> Option<(&str, Vec<(String, String)>, f64)> {
+    let end = line.find(['{', ' '])?;
+    let (name, rest) = line.split_at(end);
+    if name.is_empty() || name.starts_with('#') {
+        return None;
+    }
+    let (labels, value) = match rest.strip_prefix('{') {
+        Some(labels) => split_labels(labels)?,
+        None => (Vec::new(), rest),
+    };
+    // The value, then an optional timestamp.
+    let value = value.split_whitespace().next()?.parse::<f64>().ok()?;
+    Some((name, labels, value))
+}
+
 /// Splits `name="value",...}rest` into its labels (values unescaped) and what follows the `}`.
 fn split_labels(s: &str) -> Option<(Vec<(String, String)>, &str)> {
     let mut labels = Vec::new();

@@ -4,7 +4,8 @@
 //!
 //! The layout is made for 80x24 over SSH: a header line of fleet totals and the admin URL, a
 //! status line (sort, filter, or why the data is stale; an error it cannot hold is wrapped on
-//! the lines below it, see [`super::status`]), the column titles, one line per rank and a line
+//! the lines below it, see [`super::status`]), with flow control the queue by objective
+//! ([`super::queue`]), the column titles, one line per rank and a line
 //! of keys. Columns are fixed-width text, widest first for the rank id; an
 //! unavailable rank has no load figures, so its reason takes their place (and up to two lines
 //! below, when every rank still fits on the screen) and is never hidden.
@@ -17,6 +18,7 @@ use ratatui::Frame;
 use tokio::time::Instant;
 
 use super::model::{short_id, truncate, Row, SortKey, State};
+use super::queue::{max_lines, queue_lines};
 use super::status::{status_height, status_lines, Paging};
 
 /// Widths of the fixed columns; the rank id takes the rest.
@@ -50,9 +52,11 @@ pub fn rows_on_screen(height: u16) -> usize {
 /// Draws the whole screen. `now` only ages the stale data's timestamp.
 pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
     let status_h = status_height(state, now, frame.area().width, frame.area().height);
-    let [header, status, titles, body, keys] = Layout::vertical([
+    let queue = queue_lines(state, frame.area().width, max_lines(frame.area().height));
+    let [header, status, queue_area, titles, body, keys] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Length(status_h),
+        Constraint::Length(queue.len() as u16),
         Constraint::Length(1),
         Constraint::Min(0),
         Constraint::Length(1),
@@ -73,6 +77,7 @@ pub fn draw(frame: &mut Frame, state: &State, now: Instant) {
     };
     let status_text = status_lines(state, now, &paging, status.width, status.height as usize);
     frame.render_widget(Paragraph::new(status_text), status);
+    frame.render_widget(Paragraph::new(queue), queue_area);
     frame.render_widget(Paragraph::new(title_line(state, id_w)), titles);
     let lines: Vec<Line> = if let Some(whole) = whole_error(state, body.width, page) {
         whole
@@ -376,7 +381,7 @@ fn short_source(s: Option<&str>) -> String {
 }
 
 /// A rate in at most 6 characters.
-fn fmt_rate(r: f64) -> String {
+pub(super) fn fmt_rate(r: f64) -> String {
     if r < 100.0 {
         format!("{r:.1}")
     } else {
