@@ -31,7 +31,7 @@ async fn a_client_that_goes_away_leaves_the_queue_at_once() {
         "{f}"
     );
     assert!(
-        blocker.is_finished() == false,
+        !blocker.is_finished(),
         "the rank freed first: the test proves nothing"
     );
     assert_eq!(blocker.await.unwrap().status, 200);

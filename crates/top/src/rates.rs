@@ -105,10 +105,13 @@ pub fn request_counts(metrics: &str) -> HashMap<String, f64> {
     counts
 }
 
+/// A sample's labels: names and (unescaped) values.
+pub(crate) type Labels = Vec<(String, String)>;
+
 /// One sample of Prometheus text exposition: its metric name, labels (values unescaped) and
 /// value; `None` for a comment, a blank line or one that does not parse (read leniently: one
 /// odd line costs its own figure only).
-pub(crate) fn sample(line: &str) -> Option<(&str, Vec<(String, String)>, f64)> {
+pub(crate) fn sample(line: &str) -> Option<(&str, Labels, f64)> {
     let end = line.find(['{', ' '])?;
     let (name, rest) = line.split_at(end);
     if name.is_empty() || name.starts_with('#') {

@@ -152,20 +152,17 @@ pub(super) fn flow(raw: RawFlow) -> Result<FlowConfig, ConfigError> {
         let key = |k: &str| format!("flow.objectives[{i}].{k}");
         if o.name.is_empty() || o.name.len() > MAX_TENANT_BYTES {
             return Err(invalid(
-                &key("name"),
+                key("name"),
                 format!("must be 1 to {MAX_TENANT_BYTES} bytes"),
             ));
         }
         if objectives.iter().any(|x: &Objective| x.name == o.name) {
-            return Err(invalid(
-                &key("name"),
-                format!("{:?} is named twice", o.name),
-            ));
+            return Err(invalid(key("name"), format!("{:?} is named twice", o.name)));
         }
         let weight = o.weight.unwrap_or(1.0);
         if !(weight.is_finite() && (0.001..=1000.0).contains(&weight)) {
             return Err(invalid(
-                &key("weight"),
+                key("weight"),
                 format!("{weight} is outside [0.001, 1000]"),
             ));
         }

@@ -41,10 +41,10 @@ pub(super) fn room_of(
 ) -> Option<u64> {
     let load = view.telemetry.fresh(now, table.stale_after)?;
     let live = &member.live;
-    let in_flight = live.in_flight() as u64;
+    let in_flight = live.in_flight();
     if load.fresh == Some(Fresh::Unproven) {
         // A rank with no gauges yet takes a trickle until they appear.
-        return Some((FRESH_TRICKLE as u64).saturating_sub(in_flight));
+        return Some(FRESH_TRICKLE.saturating_sub(in_flight));
     }
     if load.waiting.unwrap_or(0) > sat.max_waiting {
         return Some(0);

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 
 use super::error::{DebugRefused, Denied, ProxyError};
-use super::flow::KeyBinding;
+use super::flow::who::KeyBinding;
 use super::layer::{Below, Step};
 use crate::config::{FlowConfig, ServerConfig};
 
@@ -40,7 +40,7 @@ fn key_line(text: &str, n: usize) -> usize {
 
 /// The accepted keys, each with what it binds its requests to (flow control's tenant and
 /// highest objective: `server.api_keys_file` lines `<key> tenant=<id> objective=<name>`).
-pub struct Keys(Vec<(Box<[u8]>, Option<Arc<KeyBinding>>)>);
+pub struct Keys(Vec<Bound>);
 
 impl std::fmt::Debug for Keys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

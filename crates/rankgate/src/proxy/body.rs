@@ -51,7 +51,7 @@ pub struct Holds {
     /// `done` by respond).
     pub prefill: Option<Box<super::target::PrefillLeg>>,
     /// The tenant charged for the output as it streams (flow control).
-    pub flow: Option<Box<super::flow::Charge>>,
+    pub flow: Option<Box<super::flow::charge::Charge>>,
 }
 
 /// The body of a response to the client.

@@ -55,7 +55,7 @@ pub enum ProxyError {
     ClientStreams(u32),
     /// Flow control answered it: its wait ran out, the queue was full, or rankgate stopped.
     #[error("{0}")]
-    Flow(Box<super::flow::Refused>),
+    Flow(Box<super::flow::refusal::Refused>),
     #[error("no routable rank: {0}")]
     NoRank(#[from] NoRank),
     /// The request's model is on no known model list; the engines that might serve it (their

@@ -10,13 +10,13 @@
 //! (the router's queue, its wakes and its pump), `who` (tenant and objective), `charge` (the
 //! tokens an answer costs its tenant), `stats` and `refusal` (what is counted and told).
 
-mod charge;
+pub(crate) mod charge;
 mod control;
 mod queue;
-mod refusal;
+pub(crate) mod refusal;
 mod stats;
 mod view;
-mod who;
+pub(crate) mod who;
 
 use std::future::Future;
 use std::pin::Pin;

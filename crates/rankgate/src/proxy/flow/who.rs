@@ -84,8 +84,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> FlowConfig {
-        let mut f = FlowConfig::default();
-        f.objectives = ["premium:100", "default:0", "batch:-10"]
+        let objectives = ["premium:100", "default:0", "batch:-10"]
             .iter()
             .map(|s| {
                 let (name, p) = s.split_once(':').unwrap();
@@ -98,8 +97,11 @@ mod tests {
                 }
             })
             .collect();
-        f.default_objective = 1;
-        f
+        FlowConfig {
+            objectives,
+            default_objective: 1,
+            ..FlowConfig::default()
+        }
     }
 
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
