@@ -20,6 +20,17 @@ pub struct Wake {
     pub kick: Notify,
 }
 
+/// A request on its way from the queue to its pick: counted against the fleet's room until
+/// dropped.
+#[derive(Debug)]
+pub struct Pending(pub(super) Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
 /// Bytes of a non-SSE answer counted as one token.
 const BYTES_PER_TOKEN: usize = 4;
 
@@ -31,19 +42,23 @@ pub struct Charge {
     /// The answer is an event stream: its events are counted, not its bytes.
     pub events: bool,
     pub wake: Arc<Wake>,
+    /// The request counted against the fleet's room on its way to its pick (flow's future
+    /// drops it after its first poll): carried here, so that future is one pointer larger only.
+    pub pending: Option<Pending>,
 }
 
 impl Charge {
     /// A request of `tenant` in flight from now until this is dropped.
-    pub fn start(tenant: Arc<Tenant>, band: usize, weight: f64, wake: &Arc<Wake>) -> Charge {
+    pub fn start(tenant: Arc<Tenant>, band: usize, weight: f64, wake: &Arc<Wake>) -> Box<Charge> {
         tenant.in_flight.fetch_add(1, Relaxed);
-        Charge {
+        Box::new(Charge {
             tenant,
             band,
             weight,
             events: false,
             wake: wake.clone(),
-        }
+            pending: None,
+        })
     }
 
     /// Charges the output in `frame`.

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
 
-use super::charge::Wake;
+use super::charge::{Pending, Wake};
 use super::queue::{Caps, Full, Queue, Tenant, Waiter};
 use super::refusal::Refusal;
 use super::stats::ObjectiveStats;
@@ -49,17 +49,6 @@ impl Eligible {
 pub enum Go {
     Send(Pending),
     Refuse(Refusal),
-}
-
-/// A request on its way from the queue to its pick: counted against the fleet's room until
-/// dropped.
-#[derive(Debug)]
-pub struct Pending(Arc<AtomicU64>);
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
-    }
 }
 
 #[derive(Debug)]

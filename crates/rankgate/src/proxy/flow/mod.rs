@@ -40,7 +40,8 @@ pub use refusal::{Refusal, Refused};
 pub use view::{collector, page};
 pub use who::KeyBinding;
 
-use control::{Arrival, Ask, Go, Pending};
+use charge::Pending;
+use control::{Arrival, Ask, Go};
 use queue::Tenant;
 
 /// Bytes of a prompt counted as one token when the prompt was not tokenized.
@@ -98,8 +99,9 @@ where
         let tenant = match arrival {
             // The usual case, with room: straight on, no future of this layer's own to box.
             Arrival::Now(tenant, pending) => {
-                let charge = Charge::start(tenant, band, ask.weight, &flows.wake);
-                return Flowing::sent(self.inner.call(req), pending, charge);
+                let mut charge = Charge::start(tenant, band, ask.weight, &flows.wake);
+                charge.pending = Some(pending);
+                return Flowing::Sent(self.inner.call(req), Some(charge));
             }
             Arrival::Refused(tenant, why) => {
                 return Flowing::Own(ready(Err(refuse(flows, &tenant, objective, why, None))))
@@ -115,8 +117,9 @@ where
                     return Err(refuse(&flows, &tenant, objective, why, Some(waited)))
                 }
             };
-            let charge = Charge::start(tenant, band, ask.weight, &flows.wake);
-            Flowing::sent(inner.call(req), pending, charge).await
+            let mut charge = Charge::start(tenant, band, ask.weight, &flows.wake);
+            charge.pending = Some(pending);
+            Flowing::Sent(inner.call(req), Some(charge)).await
         }))
     }
 }
@@ -125,25 +128,12 @@ where
 /// the boxed wait), or answered.
 pub enum Flowing<F> {
     Below(F),
-    Sent {
-        inner: F,
-        /// Counted against the fleet's room until the first poll has run the pick (a whole
-        /// request's pick is in `call`; a disaggregated one's prefill pick after its body).
-        pending: Option<Pending>,
-        /// Moved into the answer's body, to charge its output and end with it.
-        charge: Option<Charge>,
-    },
+    /// The request below, and its charge: moved into the answer's body to charge its output
+    /// and end with it. The charge holds the request's `Pending` until the first poll has run
+    /// the pick (a whole request's pick is in `call`; a disaggregated one's prefill pick after
+    /// its body).
+    Sent(F, Option<Box<Charge>>),
     Own(BoxFuture<Answer>),
-}
-
-impl<F> Flowing<F> {
-    fn sent(inner: F, pending: Pending, charge: Charge) -> Flowing<F> {
-        Flowing::Sent {
-            inner,
-            pending: Some(pending),
-            charge: Some(charge),
-        }
-    }
 }
 
 impl<F: Future<Output = Answer> + Unpin> Future for Flowing<F> {
@@ -153,13 +143,11 @@ impl<F: Future<Output = Answer> + Unpin> Future for Flowing<F> {
         match self.get_mut() {
             Flowing::Below(f) => Pin::new(f).poll(cx),
             Flowing::Own(f) => f.as_mut().poll(cx),
-            Flowing::Sent {
-                inner,
-                pending,
-                charge,
-            } => {
+            Flowing::Sent(inner, charge) => {
                 let answer = Pin::new(inner).poll(cx);
-                *pending = None;
+                if let Some(c) = charge {
+                    c.pending = None;
+                }
                 let Poll::Ready(answer) = answer else {
                     return Poll::Pending;
                 };
@@ -167,7 +155,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Flowing<F> {
                 if let Some(mut charge) = charge.take() {
                     charge.events = (resp.headers().get(http::header::CONTENT_TYPE))
                         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-                    resp.body_mut().holds.flow = Some(Box::new(charge));
+                    resp.body_mut().holds.flow = Some(charge);
                 }
                 Poll::Ready(Ok(resp))
             }
