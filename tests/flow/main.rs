@@ -316,3 +316,42 @@ async fn off_it_holds_nothing_and_says_so() {
     let m = String::from_utf8(get(r.admin_addr, "/metrics").await.body.to_vec()).unwrap();
     assert!(!m.contains("rankgate_flow_"), "{m}");
 }
+
+#[tokio::test]
+async fn an_objectives_engine_priority_goes_to_the_engine_in_the_body() {
+    // vLLM under its default FCFS policy refuses a non-zero `priority` (400): the refusal proves
+    // rankgate wrote it; the same engine under `--scheduling-policy priority` serves it.
+    let flow = "[[flow.objectives]]\nname = \"urgent\"\npriority = 50\nengine_priority = -5\n";
+    for (policy, status) in [
+        (rankgate_sim::sim::SchedulingPolicy::Fcfs, 400),
+        (rankgate_sim::sim::SchedulingPolicy::Priority, 200),
+    ] {
+        let e = engine(SimConfig {
+            scheduling_policy: policy,
+            ..slow()
+        })
+        .await;
+        let r = router(
+            &format!("{FAST}{FLOW}{flow}"),
+            &[engine_toml(&e.url(), "vllm", 1, 0)],
+        )
+        .await;
+        wait_state(&r, &[0], "available").await;
+        let urgent = ask(&r, "u", &[("x-gateway-inference-objective", "urgent")], 1);
+        let reply = urgent.await.unwrap();
+        assert_eq!(
+            reply.status,
+            status,
+            "{policy:?}: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        // Without the objective, nothing is written: FCFS serves it.
+        let plain = ask(&r, "p", &[], 1).await.unwrap();
+        assert_eq!(
+            plain.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&plain.body)
+        );
+    }
+}

@@ -39,16 +39,19 @@ pub enum ClientBodyError {
 /// deadline.
 #[derive(Debug, Clone, Copy)]
 pub struct BodyPace {
-    pub stall: Duration,
-    pub whole: Duration,
+    /// The two bounds in milliseconds (what the config can say): a pace is captured by every
+    /// request's read future, twice, and a `Duration` is twice the size.
+    stall_ms: u32,
+    whole_ms: u32,
     deadline: Option<Instant>,
 }
 
 impl BodyPace {
     pub fn new(stall: Duration, whole: Duration) -> BodyPace {
+        let ms = |d: Duration| d.as_millis().clamp(1, u32::MAX as u128) as u32;
         BodyPace {
-            stall,
-            whole,
+            stall_ms: ms(stall),
+            whole_ms: ms(whole),
             deadline: None,
         }
     }
@@ -56,10 +59,14 @@ impl BodyPace {
     /// A wait begins now: when it must end, and the client's error if it does.
     pub fn wait(&mut self) -> (Instant, ClientBodyError) {
         let now = Instant::now();
-        let deadline = *self.deadline.get_or_insert(now + self.whole);
-        match now + self.stall {
-            stall if stall <= deadline => (stall, ClientBodyError::Stalled(self.stall)),
-            _ => (deadline, ClientBodyError::TooSlow(self.whole)),
+        let (stall, whole) = (
+            Duration::from_millis(self.stall_ms.into()),
+            Duration::from_millis(self.whole_ms.into()),
+        );
+        let deadline = *self.deadline.get_or_insert(now + whole);
+        match now + stall {
+            at if at <= deadline => (at, ClientBodyError::Stalled(stall)),
+            _ => (deadline, ClientBodyError::TooSlow(whole)),
         }
     }
 }
