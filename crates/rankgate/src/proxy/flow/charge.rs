@@ -39,8 +39,6 @@ pub struct Charge {
     pub tenant: Arc<Tenant>,
     pub band: usize,
     pub weight: f64,
-    /// The answer is an event stream: its events are counted, not its bytes.
-    pub events: bool,
     pub wake: Arc<Wake>,
     /// The request counted against the fleet's room on its way to its pick (flow's future
     /// drops it after its first poll): carried here, so that future is one pointer larger only.
@@ -55,7 +53,6 @@ impl Charge {
             tenant,
             band,
             weight,
-            events: false,
             wake: wake.clone(),
             pending: None,
         })
@@ -67,7 +64,8 @@ impl Charge {
         let Some(data) = frame.data_ref() else {
             return;
         };
-        let tokens = match self.events {
+        // An event stream's frames start with an event (vLLM and SGLang send one a frame).
+        let tokens = match data.starts_with(b"data:") {
             true => data.windows(5).filter(|w| w == b"data:").count(),
             false => data.len().div_ceil(BYTES_PER_TOKEN),
         };
@@ -95,14 +93,12 @@ mod tests {
     fn events_count_as_tokens_and_other_bodies_by_bytes() {
         let wake = Arc::new(Wake::default());
         let t = Arc::new(Tenant::for_tests("t"));
-        let mut c = Charge::start(t.clone(), 0, 1.0, &wake);
+        let c = Charge::start(t.clone(), 0, 1.0, &wake);
         assert_eq!(t.in_flight.load(Relaxed), 1);
-        c.events = true;
         c.passed(&Frame::data(Bytes::from_static(
             b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n",
         )));
         assert_eq!(t.tokens.load(Relaxed), 2);
-        c.events = false;
         c.passed(&Frame::data(Bytes::from_static(b"12345678")));
         assert_eq!(t.tokens.load(Relaxed), 4);
         drop(c);

@@ -94,7 +94,10 @@ where
         };
         let arrival = flows.arrive(who.tenant, ask, ext.get::<Avoid>(), ext.get::<Split>());
         let (max_wait, objective) = (who.max_wait, who.objective);
-        let req = with_engine_priority(req, cfg.objectives[objective].engine_priority);
+        let req = match cfg.objectives[objective].engine_priority {
+            Some(p) => with_engine_priority(req, p),
+            None => req,
+        };
         let band = flows.band_of[objective];
         let tenant = match arrival {
             // The usual case, with room: straight on, no future of this layer's own to box.
@@ -152,11 +155,7 @@ impl<F: Future<Output = Answer> + Unpin> Future for Flowing<F> {
                     return Poll::Pending;
                 };
                 let mut resp = answer?;
-                if let Some(mut charge) = charge.take() {
-                    charge.events = (resp.headers().get(http::header::CONTENT_TYPE))
-                        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-                    resp.body_mut().holds.flow = Some(charge);
-                }
+                resp.body_mut().holds.flow = charge.take();
                 Poll::Ready(Ok(resp))
             }
         }
@@ -253,10 +252,7 @@ fn refuse(
 /// The objective's priority written into a JSON body (`priority`: vLLM's
 /// `--scheduling-policy priority` orders its queue by it). A body not kept whole, or not a JSON
 /// object, goes as it is.
-fn with_engine_priority(req: Request<RequestBody>, priority: Option<i64>) -> Request<RequestBody> {
-    let Some(p) = priority else {
-        return req;
-    };
+fn with_engine_priority(req: Request<RequestBody>, p: i64) -> Request<RequestBody> {
     let (mut parts, body) = req.into_parts();
     let body = match body {
         RequestBody::Full(whole) => match super::pin::set_member(&whole, "priority", p) {

@@ -47,12 +47,19 @@ pub fn who<'a>(
     peer: &'a HeaderValue,
 ) -> Who<'a> {
     let (mut named, mut asked, mut own) = (None, None, None);
+    let (t, o, w) = (
+        cfg.tenant_header.as_str(),
+        cfg.objective_header.as_str(),
+        cfg.max_wait_header.as_str(),
+    );
     for (name, value) in headers {
-        if *name == cfg.tenant_header {
+        // Lengths first: most of a request's headers are none of these, and say so at once.
+        let n = name.as_str();
+        if n.len() == t.len() && n == t {
             named = named.or_else(|| id(value));
-        } else if *name == cfg.objective_header {
+        } else if n.len() == o.len() && n == o {
             asked = asked.or_else(|| value.to_str().ok().and_then(|n| cfg.objective(n.trim())));
-        } else if *name == cfg.max_wait_header {
+        } else if n.len() == w.len() && n == w {
             own = own.or_else(|| value.to_str().ok()?.trim().parse::<u64>().ok());
         }
     }
