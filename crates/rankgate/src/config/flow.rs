@@ -36,6 +36,8 @@ pub const DEFAULT_MAX_KV: f64 = 0.95;
 pub const DEFAULT_MAX_WAITING: u32 = 0;
 /// Objectives at most: each is a priority band and a few counters.
 pub const MAX_OBJECTIVES: usize = 64;
+/// An objective's `reserve` at most (requests a rank).
+const MAX_RESERVE: u32 = 10_000;
 /// A tenant id (a header value) is cut to this many bytes.
 pub const MAX_TENANT_BYTES: usize = 128;
 
@@ -70,6 +72,7 @@ struct RawObjective {
     max_wait: Option<HumanDuration>,
     weight: Option<f64>,
     engine_priority: Option<i64>,
+    reserve: Option<u32>,
 }
 
 /// One objective: a priority band, with its own bound on the wait and its tenants' weight.
@@ -85,6 +88,10 @@ pub struct Objective {
     /// Written into the request's body as `priority` (vLLM's `--scheduling-policy priority`
     /// orders its own queue by it: lower first).
     pub engine_priority: Option<i64>,
+    /// Requests' room on each rank that objectives of lower priority leave free for this one
+    /// (and those above it): its requests find a rank with room at once, at the cost of that
+    /// much of the fleet standing idle while only lower ones want it.
+    pub reserve: u32,
 }
 
 /// When a rank is saturated: it takes nothing more from the queue.
@@ -166,7 +173,15 @@ pub(super) fn flow(raw: RawFlow) -> Result<FlowConfig, ConfigError> {
                 format!("{weight} is outside [0.001, 1000]"),
             ));
         }
+        let reserve = o.reserve.unwrap_or(0);
+        if reserve > MAX_RESERVE {
+            return Err(invalid(
+                key("reserve"),
+                format!("{reserve} is more than {MAX_RESERVE} requests a rank"),
+            ));
+        }
         objectives.push(Objective {
+            reserve,
             max_wait: duration(&key("max_wait"), o.max_wait, max_wait, ms(1), MAX_MAX_WAIT)?,
             name: o.name,
             priority: o.priority,
@@ -195,6 +210,7 @@ pub(super) fn flow(raw: RawFlow) -> Result<FlowConfig, ConfigError> {
             max_wait,
             weight: 1.0,
             engine_priority: None,
+            reserve: 0,
         });
     }
     // Highest priority first; equal ones keep the file's order.
@@ -296,6 +312,7 @@ mod tests {
             priority = 100
             max_wait = "2s"
             engine_priority = -5
+            reserve = 2
             [[objectives]]
             name = "standard"
             "#,
@@ -307,6 +324,7 @@ mod tests {
         assert_eq!(f.objectives[0].max_wait, Duration::from_secs(2));
         assert_eq!(f.objectives[2].max_wait, Duration::from_secs(10));
         assert_eq!(f.objectives[0].engine_priority, Some(-5));
+        assert_eq!((f.objectives[0].reserve, f.objectives[1].reserve), (2, 0));
     }
 
     #[test]

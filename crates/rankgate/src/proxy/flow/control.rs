@@ -80,6 +80,8 @@ pub struct Flows {
     pub cfg: Arc<FlowConfig>,
     /// Each objective's band (objectives of one priority share one).
     pub band_of: Box<[usize]>,
+    /// Per band: the room each rank keeps free for the bands above it (their `reserve`s).
+    keep: Box<[u64]>,
     queue: Mutex<Queue<Item>>,
     pending: Arc<AtomicU64>,
     /// Requests waiting (read without the lock), and the dispatcher's wake.
@@ -106,6 +108,13 @@ impl Flows {
             }
             band_of.push(band);
         }
+        // Bands are in priority order: each keeps what every band above it reserves.
+        let mut keep = vec![0u64; band + 1];
+        for (o, &b) in cfg.objectives.iter().zip(&band_of) {
+            for k in keep.iter_mut().skip(b + 1) {
+                *k += o.reserve as u64;
+            }
+        }
         let caps = Caps {
             count: cfg.max_queued,
             bytes: cfg.max_queued_bytes,
@@ -116,6 +125,7 @@ impl Flows {
         Arc::new(Flows {
             queue: Mutex::new(Queue::new(band + 1, caps)),
             band_of: band_of.into(),
+            keep: keep.into(),
             pending: Arc::default(),
             wake: Arc::default(),
             closed: AtomicBool::new(false),
@@ -131,27 +141,35 @@ impl Flows {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether the ranks `e` allows have room beyond the `pending` requests on their way;
-    /// true when there is no telemetry to judge by (the pick decides).
-    fn fits(&self, e: &Eligible, pending: u64) -> bool {
+    /// Whether the ranks `e` allows have room beyond the `pending` requests on their way,
+    /// each rank's room less what it keeps free for the bands above `band`; true when there is
+    /// no telemetry to judge by (the pick decides).
+    fn fits(&self, e: &Eligible, pending: u64, band: usize) -> bool {
         match e {
-            Eligible::Whole(a) => self.whole_fits(a, pending),
+            Eligible::Whole(a) => self.whole_fits(a, pending, band),
             Eligible::Split(legs) => {
-                self.whole_fits(&legs.0, pending) && self.whole_fits(&legs.1, pending)
+                self.whole_fits(&legs.0, pending, band) && self.whole_fits(&legs.1, pending, band)
             }
         }
     }
 
-    fn whole_fits(&self, a: &Avoid, pending: u64) -> bool {
-        (self.selector.room_above(&self.table, a, pending)).unwrap_or(true)
+    fn whole_fits(&self, a: &Avoid, pending: u64, band: usize) -> bool {
+        let keep = self.keep[band];
+        (self.selector.room_above(&self.table, a, pending, keep)).unwrap_or(true)
     }
 
     /// [`Flows::fits`] for a request's own `Avoid` or `Split`, nothing cloned for a whole one.
-    fn fits_request(&self, avoid: Option<&Avoid>, split: Option<&Split>, pending: u64) -> bool {
+    fn fits_request(
+        &self,
+        avoid: Option<&Avoid>,
+        split: Option<&Split>,
+        pending: u64,
+        band: usize,
+    ) -> bool {
         match (split, avoid) {
-            (Some(s), _) => self.fits(&Eligible::of(None, Some(s)), pending),
-            (None, Some(a)) => self.whole_fits(a, pending),
-            (None, None) => self.whole_fits(&Avoid::default(), pending),
+            (Some(s), _) => self.fits(&Eligible::of(None, Some(s)), pending, band),
+            (None, Some(a)) => self.whole_fits(a, pending, band),
+            (None, None) => self.whole_fits(&Avoid::default(), pending, band),
         }
     }
 
@@ -173,7 +191,7 @@ impl Flows {
         let band = self.band_of[objective];
         let mut q = self.lock();
         let tenant = q.tenant(tenant);
-        if q.len() == 0 && self.fits_request(avoid, split, self.pending.load(Relaxed)) {
+        if q.len() == 0 && self.fits_request(avoid, split, self.pending.load(Relaxed), band) {
             tenant.charge(band, w.cost, w.weight);
             self.stats[objective].direct.fetch_add(1, Relaxed);
             return Arrival::Now(tenant, self.pending());
@@ -234,8 +252,10 @@ impl Flows {
         let mut look = LOOK;
         while q.len() > 0 {
             let pending = self.pending.load(Relaxed);
-            let Some((tenant, w)) = q.next(&mut look, |w| self.fits(&w.item.eligible, pending))
-            else {
+            let band_of = &self.band_of;
+            let fits =
+                |w: &Waiter<Item>| self.fits(&w.item.eligible, pending, band_of[w.objective]);
+            let Some((tenant, w)) = q.next(&mut look, fits) else {
                 break;
             };
             let stats = &self.stats[w.objective];

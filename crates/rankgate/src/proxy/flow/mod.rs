@@ -93,7 +93,11 @@ where
             weight: objective.weight,
         };
         let arrival = flows.arrive(who.tenant, ask, ext.get::<Avoid>(), ext.get::<Split>());
-        let (max_wait, objective) = (who.max_wait, who.objective);
+        let objective = who.objective;
+        let max_wait = match arrival {
+            Arrival::Queued(..) => who::max_wait(cfg, headers, objective),
+            _ => std::time::Duration::ZERO,
+        };
         let req = match cfg.objectives[objective].engine_priority {
             Some(p) => with_engine_priority(req, p),
             None => req,

@@ -25,7 +25,6 @@ pub struct Who<'a> {
     pub tenant: &'a str,
     /// Index into `flow.objectives`.
     pub objective: usize,
-    pub max_wait: Duration,
 }
 
 /// A header's value as a tenant id: letters, digits and `-_.:@/+=`, cut to
@@ -37,37 +36,29 @@ fn id(v: &HeaderValue) -> Option<&str> {
     (!s.is_empty() && s.bytes().all(ok)).then_some(s)
 }
 
-/// The request's tenant and objective. The headers are read in one pass over the request's
-/// (a few), not looked up by name three times: every request pays for this while flow control
-/// is on.
+/// The request's tenant and objective: the headers looked up by name, the objective's only
+/// when there is more than one objective to choose from (every request pays for this while
+/// flow control is on).
 pub fn who<'a>(
     cfg: &FlowConfig,
     headers: &'a HeaderMap,
     key: Option<&'a KeyBinding>,
     peer: &'a HeaderValue,
 ) -> Who<'a> {
-    let (mut named, mut asked, mut own) = (None, None, None);
-    let (t, o, w) = (
-        cfg.tenant_header.as_str(),
-        cfg.objective_header.as_str(),
-        cfg.max_wait_header.as_str(),
-    );
-    for (name, value) in headers {
-        // Lengths first: most of a request's headers are none of these, and say so at once.
-        let n = name.as_str();
-        if n.len() == t.len() && n == t {
-            named = named.or_else(|| id(value));
-        } else if n.len() == o.len() && n == o {
-            asked = asked.or_else(|| value.to_str().ok().and_then(|n| cfg.objective(n.trim())));
-        } else if n.len() == w.len() && n == w {
-            own = own.or_else(|| value.to_str().ok()?.trim().parse::<u64>().ok());
-        }
-    }
     let tenant = (key.and_then(|k| k.tenant.as_deref()))
-        .or(named)
+        .or_else(|| headers.get(&cfg.tenant_header).and_then(id))
         .or_else(|| peer.to_str().ok())
         .unwrap_or("unknown");
-    let asked = asked.unwrap_or(cfg.default_objective);
+    if cfg.objectives.len() == 1 {
+        return Who {
+            tenant,
+            objective: 0,
+        };
+    }
+    let asked = (headers.get(&cfg.objective_header))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|name| cfg.objective(name.trim()))
+        .unwrap_or(cfg.default_objective);
     // Objectives are sorted by priority, highest first: the key's ceiling is the lowest index
     // the request may have.
     let ceiling = (key.and_then(|k| k.objective.as_deref()))
@@ -78,12 +69,17 @@ pub fn who<'a>(
     } else {
         asked
     };
+    Who { tenant, objective }
+}
+
+/// How long a request of `objective` may wait: the objective's bound, or the client's own
+/// (`flow.max_wait_header`, milliseconds) within it. Read only for a request that waits.
+pub fn max_wait(cfg: &FlowConfig, headers: &HeaderMap, objective: usize) -> Duration {
+    let own = (headers.get(&cfg.max_wait_header))
+        .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+        .map(Duration::from_millis);
     let max_wait = cfg.objectives[objective].max_wait;
-    Who {
-        tenant,
-        objective,
-        max_wait: own.map_or(max_wait, |ms| Duration::from_millis(ms).min(max_wait)),
-    }
+    own.map_or(max_wait, |own| own.min(max_wait))
 }
 
 #[cfg(test)]
@@ -101,6 +97,7 @@ mod tests {
                     max_wait: Duration::from_secs(10),
                     weight: 1.0,
                     engine_priority: None,
+                    reserve: 0,
                 }
             })
             .collect();
@@ -132,7 +129,7 @@ mod tests {
         ]);
         let w = who(&cfg, &h, None, &peer);
         assert_eq!((w.tenant, w.objective), ("acme", 0));
-        assert_eq!(w.max_wait, Duration::from_millis(250));
+        assert_eq!(max_wait(&cfg, &h, 0), Duration::from_millis(250));
         // Unknown objective: the default; no tenant header: the client's address; a longer
         // wait than the objective's is cut to it.
         let h = headers(&[
@@ -141,7 +138,7 @@ mod tests {
         ]);
         let w = who(&cfg, &h, None, &peer);
         assert_eq!((w.tenant, w.objective), ("10.0.0.1", 1));
-        assert_eq!(w.max_wait, Duration::from_secs(10));
+        assert_eq!(max_wait(&cfg, &h, 1), Duration::from_secs(10));
     }
 
     #[test]
