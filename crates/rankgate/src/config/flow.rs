@@ -36,7 +36,7 @@ pub const DEFAULT_MAX_KV: f64 = 0.95;
 pub const DEFAULT_MAX_WAITING: u32 = 0;
 /// Objectives at most: each is a priority band and a few counters.
 pub const MAX_OBJECTIVES: usize = 64;
-/// An objective's `reserve` at most (requests a rank).
+/// An objective's `reserve` at most (requests).
 const MAX_RESERVE: u32 = 10_000;
 /// A tenant id (a header value) is cut to this many bytes.
 pub const MAX_TENANT_BYTES: usize = 128;
@@ -88,9 +88,9 @@ pub struct Objective {
     /// Written into the request's body as `priority` (vLLM's `--scheduling-policy priority`
     /// orders its own queue by it: lower first).
     pub engine_priority: Option<i64>,
-    /// Requests' room on each rank that objectives of lower priority leave free for this one
-    /// (and those above it): its requests find a rank with room at once, at the cost of that
-    /// much of the fleet standing idle while only lower ones want it.
+    /// Requests' room that objectives of lower priority leave free for this one (and those
+    /// above it), among the ranks they may use: its requests find room at once, at the cost of
+    /// that much of the fleet standing idle while only lower ones want it.
     pub reserve: u32,
 }
 
@@ -177,7 +177,7 @@ pub(super) fn flow(raw: RawFlow) -> Result<FlowConfig, ConfigError> {
         if reserve > MAX_RESERVE {
             return Err(invalid(
                 key("reserve"),
-                format!("{reserve} is more than {MAX_RESERVE} requests a rank"),
+                format!("{reserve} is more than {MAX_RESERVE} requests"),
             ));
         }
         objectives.push(Objective {

@@ -73,19 +73,19 @@ impl Selector {
     /// The room (see [`room_of`]) of every rank `avoid` allows, summed; `None` when none of
     /// them has fresh telemetry, or saturation is not judged (`[flow]` off).
     pub fn room(&self, table: &Table, avoid: &Avoid) -> Option<u64> {
-        self.room_until(table, avoid, u64::MAX, 0)
+        self.room_until(table, avoid, u64::MAX)
     }
 
     /// Whether the ranks `avoid` allows have more room than `taken` (requests on their way to
-    /// them), each rank's room less `keep` (what it keeps free for higher priorities); `None`
-    /// as for [`Selector::room`]. Stops at the first ranks that have.
-    pub fn room_above(&self, table: &Table, avoid: &Avoid, taken: u64, keep: u64) -> Option<bool> {
-        self.room_until(table, avoid, taken.saturating_add(1), keep)
+    /// them, and the room kept for higher priorities); `None` as for [`Selector::room`]. Stops
+    /// at the first ranks that have.
+    pub fn room_above(&self, table: &Table, avoid: &Avoid, taken: u64) -> Option<bool> {
+        self.room_until(table, avoid, taken.saturating_add(1))
             .map(|r| r > taken)
     }
 
-    /// [`Selector::room`], each rank's less `keep`, counted only until it reaches `enough`.
-    fn room_until(&self, table: &Table, avoid: &Avoid, enough: u64, keep: u64) -> Option<u64> {
+    /// [`Selector::room`], counted only until it reaches `enough`.
+    fn room_until(&self, table: &Table, avoid: &Avoid, enough: u64) -> Option<u64> {
         let sat = self.saturation.as_ref()?;
         let snap = table.snapshot.load();
         let now = Instant::now();
@@ -96,7 +96,7 @@ impl Selector {
                 continue;
             }
             if let Some(r) = room_of(table, view, &seat.member, now, sat) {
-                let t = total.unwrap_or(0).saturating_add(r.saturating_sub(keep));
+                let t = total.unwrap_or(0).saturating_add(r);
                 total = Some(t);
                 if t >= enough {
                     break;
@@ -174,10 +174,9 @@ mod tests {
         });
         let a = s.pick(&t, None, &Avoid::default()).unwrap();
         assert_eq!(s.room(&t, &Avoid::default()), Some(1));
-        // The last one kept free for higher priorities: none for the others.
-        assert_eq!(s.room_above(&t, &Avoid::default(), 0, 0), Some(true));
-        assert_eq!(s.room_above(&t, &Avoid::default(), 0, 1), Some(false));
-        assert_eq!(s.room_above(&t, &Avoid::default(), 1, 0), Some(false));
+        // One on its way (or kept for a higher priority) takes it.
+        assert_eq!(s.room_above(&t, &Avoid::default(), 0), Some(true));
+        assert_eq!(s.room_above(&t, &Avoid::default(), 1), Some(false));
         let _b = s.pick(&t, None, &Avoid::default()).unwrap();
         assert_eq!(s.room(&t, &Avoid::default()), Some(0));
         drop(a);

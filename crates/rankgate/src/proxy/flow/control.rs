@@ -80,7 +80,7 @@ pub struct Flows {
     pub cfg: Arc<FlowConfig>,
     /// Each objective's band (objectives of one priority share one).
     pub band_of: Box<[usize]>,
-    /// Per band: the room each rank keeps free for the bands above it (their `reserve`s).
+    /// Per band: the room its requests leave free for the bands above it (their `reserve`s).
     keep: Box<[u64]>,
     queue: Mutex<Queue<Item>>,
     pending: Arc<AtomicU64>,
@@ -141,9 +141,9 @@ impl Flows {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether the ranks `e` allows have room beyond the `pending` requests on their way,
-    /// each rank's room less what it keeps free for the bands above `band`; true when there is
-    /// no telemetry to judge by (the pick decides).
+    /// Whether the ranks `e` allows have room beyond the `pending` requests on their way and
+    /// what is kept free for the bands above `band`; true when there is no telemetry to judge
+    /// by (the pick decides).
     fn fits(&self, e: &Eligible, pending: u64, band: usize) -> bool {
         match e {
             Eligible::Whole(a) => self.whole_fits(a, pending, band),
@@ -154,8 +154,8 @@ impl Flows {
     }
 
     fn whole_fits(&self, a: &Avoid, pending: u64, band: usize) -> bool {
-        let keep = self.keep[band];
-        (self.selector.room_above(&self.table, a, pending, keep)).unwrap_or(true)
+        let taken = pending.saturating_add(self.keep[band]);
+        (self.selector.room_above(&self.table, a, taken)).unwrap_or(true)
     }
 
     /// [`Flows::fits`] for a request's own `Avoid` or `Split`, nothing cloned for a whole one.
