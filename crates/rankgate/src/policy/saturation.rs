@@ -19,9 +19,11 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use tokio::time::Instant;
 
+use super::affinity::Holdings;
 use super::avoid::{eligible, Avoid};
 use super::dispatch::Selector;
 use crate::config::Saturation;
+use crate::prompt::Prompt;
 use crate::table::{Fresh, RankView, Table, FRESH_TRICKLE, UNIT_WEIGHT};
 use crate::worker::Member;
 
@@ -104,6 +106,34 @@ impl Selector {
             }
         }
         total
+    }
+
+    /// Whether the rank holding the longest prefix of `prompt`, among those `avoid` allows with
+    /// fresh telemetry, has room now; `None` when none holds any of it, or affinity or flow
+    /// control is off (the queue then prefers no request to another for where it would go).
+    pub fn cached_has_room(&self, table: &Table, avoid: &Avoid, prompt: &Prompt) -> Option<bool> {
+        let sat = self.saturation.as_ref()?;
+        if self.affinity.is_none() || prompt.is_empty() {
+            return None;
+        }
+        let snap = table.snapshot.load();
+        let now = Instant::now();
+        let fleet = &snap.fleet;
+        let mut holdings = Holdings::new(prompt);
+        let mut best: Option<(u64, bool)> = None;
+        for (seat, view) in fleet.workers.iter().zip(snap.ranks.iter()) {
+            if !eligible(fleet, seat, avoid) {
+                continue;
+            }
+            let Some(room) = room_of(table, view, &seat.member, now, sat) else {
+                continue;
+            };
+            let held = holdings.of(&seat.member).tokens;
+            if held > 0 && best.is_none_or(|(most, _)| held > most) {
+                best = Some((held, room > 0));
+            }
+        }
+        best.map(|(_, room)| room)
     }
 
     /// Whether the pick judges saturation (`[flow]` is on).

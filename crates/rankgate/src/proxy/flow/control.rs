@@ -21,6 +21,7 @@ use super::refusal::Refusal;
 use super::stats::ObjectiveStats;
 use crate::config::FlowConfig;
 use crate::policy::{Avoid, Leg, Selector};
+use crate::prompt::Prompt;
 use crate::proxy::disagg::Split;
 use crate::table::Table;
 
@@ -55,6 +56,9 @@ pub enum Go {
 pub struct Item {
     go: oneshot::Sender<Go>,
     eligible: Eligible,
+    /// Its prompt, where prefix affinity weighs it: a request whose prefix is cached where
+    /// room appears goes first within its band.
+    prompt: Option<Prompt>,
 }
 
 /// What an arriving request is: its objective (index), its body's bytes, what it costs its
@@ -186,6 +190,7 @@ impl Flows {
         w: Ask,
         avoid: Option<&Avoid>,
         split: Option<&Split>,
+        prompt: impl FnOnce() -> Option<Prompt>,
     ) -> Arrival {
         let objective = w.objective;
         let band = self.band_of[objective];
@@ -210,6 +215,7 @@ impl Flows {
             item: Item {
                 go: tx,
                 eligible: Eligible::of(avoid, split),
+                prompt: self.selector.affinity().then(prompt).flatten(),
             },
         };
         match q.push(band, &tenant, w) {
@@ -255,7 +261,8 @@ impl Flows {
             let band_of = &self.band_of;
             let fits =
                 |w: &Waiter<Item>| self.fits(&w.item.eligible, pending, band_of[w.objective]);
-            let Some((tenant, w)) = q.next(&mut look, fits) else {
+            let prefers = |w: &Waiter<Item>| self.cached_has_room(&w.item);
+            let Some((tenant, w)) = q.next(&mut look, fits, prefers) else {
                 break;
             };
             let stats = &self.stats[w.objective];
@@ -267,6 +274,19 @@ impl Flows {
             let _ = w.item.go.send(Go::Send(self.pending()));
         }
         self.wake.waiting.store(q.len(), Relaxed);
+    }
+
+    /// Whether `item`'s prompt is cached where there is room now (its prefill leg's side, for
+    /// a disaggregated request).
+    fn cached_has_room(&self, item: &Item) -> bool {
+        let Some(prompt) = &item.prompt else {
+            return false;
+        };
+        let avoid = match &item.eligible {
+            Eligible::Whole(a) => a,
+            Eligible::Split(legs) => &legs.0,
+        };
+        self.selector.cached_has_room(&self.table, avoid, prompt) == Some(true)
     }
 
     /// Requests waiting now.

@@ -92,7 +92,21 @@ where
             },
             weight: objective.weight,
         };
-        let arrival = flows.arrive(who.tenant, ask, ext.get::<Avoid>(), ext.get::<Split>());
+        // The prompt, read only for a request that waits while prefix affinity is on.
+        let prompt = || match req.body() {
+            RequestBody::Full(b) => Some(crate::prompt::Prompt {
+                chunks: crate::prefix::prompt_chunks(b),
+                tokens: ext.get::<PromptTokens>().map(|t| t.0.clone()),
+            }),
+            RequestBody::Stream(_) => None,
+        };
+        let arrival = flows.arrive(
+            who.tenant,
+            ask,
+            ext.get::<Avoid>(),
+            ext.get::<Split>(),
+            prompt,
+        );
         let objective = who.objective;
         let max_wait = match arrival {
             Arrival::Queued(..) => who::max_wait(cfg, headers, objective),

@@ -19,6 +19,8 @@ use tokio::time::Instant;
 
 /// The tenant new tenants share when the table is full of busy ones.
 pub const OVERFLOW: &str = "~overflow";
+/// A band's least-served tenants among which one better placed may go first.
+pub const PREFER_AMONG: usize = 8;
 /// Virtual tokens are kept in thousandths, so a weight below 1 still counts.
 pub const MILLI: f64 = 1000.0;
 
@@ -242,10 +244,15 @@ impl<T> Queue<T> {
     /// tenant whose oldest request does not fit is passed over whole (first come first served
     /// within a tenant), and so is a band that has none that fits: a request held for ranks that
     /// are full never holds back one for ranks that have room.
+    ///
+    /// Within the band that goes, a fitting request `prefers` says is better placed now (its
+    /// prompt's prefix is cached where the room is: late binding that keeps affinity) goes
+    /// before the least-served tenant's, if it is among the [`PREFER_AMONG`] least served.
     pub fn next(
         &mut self,
         look: &mut usize,
         mut fits: impl FnMut(&Waiter<T>) -> bool,
+        mut prefers: impl FnMut(&Waiter<T>) -> bool,
     ) -> Option<(Arc<Tenant>, Waiter<T>)> {
         for band in 0..self.bands.len() {
             let flows = &self.bands[band];
@@ -253,9 +260,10 @@ impl<T> Queue<T> {
                 .map(|(i, f)| (f.tenant.vtime(band), i))
                 .collect();
             order.sort_unstable();
-            for (_, i) in order {
-                if *look == 0 {
-                    return None;
+            let mut first = None;
+            for (rank, &(_, i)) in order.iter().enumerate() {
+                if *look == 0 || (first.is_some() && rank >= PREFER_AMONG) {
+                    break;
                 }
                 *look -= 1;
                 let Some(head) = flows[i].waiting.front() else {
@@ -264,18 +272,33 @@ impl<T> Queue<T> {
                 if !fits(head) {
                     continue;
                 }
-                let flows = &mut self.bands[band];
-                let tenant = flows[i].tenant.clone();
-                let w = flows[i].waiting.pop_front()?;
-                if flows[i].waiting.is_empty() {
-                    flows.swap_remove(i);
+                if prefers(head) {
+                    first = Some(i);
+                    break;
                 }
-                self.forget(&tenant, &w);
-                tenant.charge(band, w.cost, w.weight);
-                return Some((tenant, w));
+                first = first.or(Some(i));
+            }
+            if let Some(i) = first {
+                return self.take(band, i);
+            }
+            if *look == 0 {
+                return None;
             }
         }
         None
+    }
+
+    /// The oldest request of flow `i` in `band`, out of the queue and charged.
+    fn take(&mut self, band: usize, i: usize) -> Option<(Arc<Tenant>, Waiter<T>)> {
+        let flows = &mut self.bands[band];
+        let tenant = flows[i].tenant.clone();
+        let w = flows[i].waiting.pop_front()?;
+        if flows[i].waiting.is_empty() {
+            flows.swap_remove(i);
+        }
+        self.forget(&tenant, &w);
+        tenant.charge(band, w.cost, w.weight);
+        Some((tenant, w))
     }
 
     /// Everything waiting, taken out (shutdown).

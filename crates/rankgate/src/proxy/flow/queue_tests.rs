@@ -22,7 +22,7 @@ fn w(cost: u64, item: &'static str) -> Waiter<&'static str> {
 
 fn drain(q: &mut Queue<&'static str>) -> Vec<&'static str> {
     let mut out = Vec::new();
-    while let Some((_, w)) = q.next(&mut 100, |_| true) {
+    while let Some((_, w)) = q.next(&mut 100, |_| true, |_| false) {
         out.push(w.item);
     }
     out
@@ -93,16 +93,16 @@ fn a_head_that_does_not_fit_passes_its_tenant_over_not_the_others() {
     q.push(0, &a, w(1, "a-behind")).unwrap();
     q.push(1, &b, w(1, "b")).unwrap();
     let got = q
-        .next(&mut 100, |w| w.item != "a-blocked")
+        .next(&mut 100, |w| w.item != "a-blocked", |_| false)
         .map(|(_, w)| w.item);
     assert_eq!(got, Some("b"));
     assert_eq!(
-        q.next(&mut 100, |w| w.item != "a-blocked")
+        q.next(&mut 100, |w| w.item != "a-blocked", |_| false)
             .map(|x| x.1.item),
         None
     );
     // The look is bounded.
-    assert!(q.next(&mut 0, |_| true).is_none());
+    assert!(q.next(&mut 0, |_| true, |_| false).is_none());
 }
 
 #[test]
@@ -152,4 +152,32 @@ fn the_tenant_table_is_bounded() {
     busy[0].in_flight.fetch_sub(1, Relaxed);
     assert_eq!(&*q.tenant("new").name, "new");
     assert_eq!(q.tenants().count(), 5);
+}
+
+#[test]
+fn a_request_better_placed_goes_first_within_its_band_only() {
+    let mut q = Queue::new(2, CAPS);
+    let (a, b, c) = (q.tenant("a"), q.tenant("b"), q.tenant("c"));
+    q.push(1, &a, w(1, "a")).unwrap();
+    q.push(1, &b, w(1, "b-cached")).unwrap();
+    let prefer = |w: &Waiter<&str>| w.item.ends_with("cached");
+    assert_eq!(
+        q.next(&mut 100, |_| true, prefer).map(|x| x.1.item),
+        Some("b-cached")
+    );
+    // A higher band goes first whatever is better placed below it.
+    q.push(0, &c, w(1, "c")).unwrap();
+    q.push(1, &b, w(1, "b-cached")).unwrap();
+    assert_eq!(
+        q.next(&mut 100, |_| true, prefer).map(|x| x.1.item),
+        Some("c")
+    );
+    assert_eq!(
+        q.next(&mut 100, |_| true, prefer).map(|x| x.1.item),
+        Some("b-cached")
+    );
+    assert_eq!(
+        q.next(&mut 100, |_| true, prefer).map(|x| x.1.item),
+        Some("a")
+    );
 }
