@@ -11,8 +11,9 @@
 #         request when its last one ends, with long answers) beside the interactive tenant, flow
 #         control off: every request goes to an engine at once, which runs 4 per rank and queues
 #         the rest in order;
-#   on    the same with [flow] on (max_running = 4: the engine's --max-num-seqs): rankgate holds
-#         what the ranks cannot run and sends interactive requests first.
+#   on    the same with [flow] on (max_running = 4: the engine's --max-num-seqs; interactive
+#         reserves one request's room): rankgate holds what the ranks cannot run and sends
+#         interactive requests first.
 # The interactive tenant sends one streamed chat every INTERVAL seconds; its TTFT is the time to
 # the first SSE event with content. Passes when on's interactive TTFT p99 <= 0.5x off's.
 #
@@ -146,6 +147,7 @@ max_running = 4
 [[flow.objectives]]
 name = "interactive"
 priority = 100
+reserve = 1
 [[flow.objectives]]
 name = "batch"
 priority = -10

@@ -5,7 +5,9 @@
 //! A rank is saturated when
 //! - its engine's waiting queue, at the last poll, was longer than `flow.max_waiting` (the
 //!   engine queues: whatever rankgate sent now would wait there, where it can neither move to
-//!   a rank that frees first nor be overtaken by more urgent work);
+//!   a rank that frees first nor be overtaken by more urgent work); with `flow.max_running`
+//!   set, only when its running and waiting requests together pass the seats too (a real vLLM
+//!   shows a request it has just been given as waiting until its next step);
 //! - its KV usage, with the work rankgate sent it since that poll, reaches `flow.max_kv`
 //!   (vLLM queues once its KV is full);
 //! - or this router has `flow.max_running` requests in flight on it (the engine's
@@ -48,7 +50,14 @@ pub(super) fn room_of(
         // A rank with no gauges yet takes a trickle until they appear.
         return Some(FRESH_TRICKLE.saturating_sub(in_flight));
     }
-    if load.waiting.unwrap_or(0) > sat.max_waiting {
+    // A request the engine has just been given waits there until its next step: with seats
+    // known, only waiting that the free seats do not explain is a queue.
+    let waiting = load.waiting.unwrap_or(0);
+    let queueing = waiting > sat.max_waiting
+        && sat.max_running.is_none_or(|max| {
+            load.running.unwrap_or(0).saturating_add(waiting) > max.saturating_add(sat.max_waiting)
+        });
+    if queueing {
         return Some(0);
     }
     let since_poll = live
@@ -211,6 +220,29 @@ mod tests {
         assert_eq!(s.room(&t, &Avoid::default()), Some(0));
         drop(a);
         assert_eq!(s.room(&t, &Avoid::default()), Some(1));
+    }
+
+    #[test]
+    fn with_seats_known_a_request_waiting_for_its_first_step_is_no_queue() {
+        let t = table(1);
+        let now = Instant::now();
+        let mut v = waiting(0.1, 1, now);
+        if let RankTelemetry::Available(l) = &mut v.telemetry {
+            l.running = Some(2);
+        }
+        set(&t, vec![v.clone()]);
+        let seats = |n| {
+            judging(Saturation {
+                max_running: Some(n),
+                ..LIMITS
+            })
+        };
+        // 2 running + 1 waiting within 4 seats: room (4 seats less nothing in flight here).
+        assert_eq!(seats(4).room(&t, &Avoid::default()), Some(4));
+        // Past the seats, the engine queues: none.
+        assert_eq!(seats(2).room(&t, &Avoid::default()), Some(0));
+        // Seats unknown: any waiting is a queue.
+        assert_eq!(judging(LIMITS).room(&t, &Avoid::default()), Some(0));
     }
 
     #[test]
