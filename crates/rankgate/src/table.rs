@@ -150,6 +150,9 @@ pub struct RankView {
     /// The worker's `dispatched_weight` when the poll that produced this view began: requests
     /// sent after it are ones the engine cannot have reported yet.
     pub weight_at_poll: u64,
+    /// The worker's requests in flight (by weight) when these numbers were taken in: those
+    /// that end after it free KV the numbers still count (saturation reads the difference).
+    pub in_flight_at_report: u64,
     /// Estimated KV fraction one more request takes on this rank.
     pub kv_per_request: f64,
     /// Which kind of telemetry source produced the numbers (`None`: none has yet).
@@ -165,6 +168,7 @@ impl RankView {
             telemetry: RankTelemetry::unavailable(Reason::NotPolled),
             reachable: false,
             weight_at_poll: 0,
+            in_flight_at_report: 0,
             kv_per_request: 0.0,
             source: None,
             ever_available: false,
@@ -190,6 +194,7 @@ pub fn test_view(kv: f64, now: Instant) -> RankView {
         }),
         reachable: true,
         weight_at_poll: 0,
+        in_flight_at_report: 0,
         kv_per_request: 0.02,
         source: None,
         ever_available: true,

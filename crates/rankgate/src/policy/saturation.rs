@@ -8,16 +8,14 @@
 //!   a rank that frees first nor be overtaken by more urgent work); with `flow.max_running`
 //!   set, only when its running and waiting requests together pass the seats too (a real vLLM
 //!   shows a request it has just been given as waiting until its next step);
-//! - its KV usage, with the work rankgate sent it since that poll, reaches `flow.max_kv`
-//!   (vLLM queues once its KV is full);
+//! - its KV usage, with the requests rankgate sent it since that poll and less those that ended
+//!   since, reaches `flow.max_kv` (vLLM queues once its KV is full);
 //! - or this router has `flow.max_running` requests in flight on it (the engine's
 //!   `--max-num-seqs`, when it is the rank's only client: known at once, no poll behind).
 //!
 //! A rank without fresh telemetry has no room to judge: it is not counted (unknown is never
 //! idle), and a request none of whose ranks has fresh telemetry is not held (the pick then
 //! decides, as `routing.no_telemetry` says).
-
-use std::sync::atomic::Ordering::Relaxed;
 
 use tokio::time::Instant;
 
@@ -60,12 +58,10 @@ pub(super) fn room_of(
     if queueing {
         return Some(0);
     }
-    let since_poll = live
-        .dispatched_weight
-        .load(Relaxed)
-        .saturating_sub(view.weight_at_poll);
-    let unreported = since_poll.min(live.in_flight_weight()) as f64 / UNIT_WEIGHT as f64;
-    let kv = load.kv_usage + unreported * view.kv_per_request;
+    // The KV its requests took or freed since its numbers came in: each sent since takes one
+    // request's, each ended since frees one's (a request sent and ended since does neither).
+    let change = live.in_flight_weight() as f64 - view.in_flight_at_report as f64;
+    let kv = load.kv_usage + change / UNIT_WEIGHT as f64 * view.kv_per_request;
     let mut room = match view.kv_per_request > 0.0 {
         // Rounded up (a rank below the limit takes one more), past the floats' noise.
         true => ((sat.max_kv - kv) / view.kv_per_request - 1e-9)

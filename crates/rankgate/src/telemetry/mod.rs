@@ -234,6 +234,7 @@ impl Publisher {
                 telemetry,
                 reachable: report.reachable,
                 weight_at_poll: weight,
+                in_flight_at_report: self.fleet.workers[w].live.in_flight_weight(),
                 kv_per_request: 0.0,
                 source: report.source,
             };
