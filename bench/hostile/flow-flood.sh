@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A queue flood (issue 39): one tenant sends 100,000 requests as fast as 256 connections carry
 # them at a fleet that is full (a simulated vLLM of 2 ranks running 2 requests each, 20 tokens a
-# second), with flow control on and its default caps (1,000 waiting per tenant, 10,000 in all).
+# second), with flow control on, 100 requests waiting per tenant at most and a 5 s wait (the
+# defaults are 1,000 and 30 s: 256 connections, each waiting for its answer, would not reach
+# them).
 # Beside it another tenant sends 20 requests one after another. Prints how the flood was
 # answered (503 at once past its cap), the other tenant's answers and latencies, and rankgate's
 # RSS before, at its highest (sampled every 0.2 s) and after. Bounded: the flood stops at
@@ -29,6 +31,8 @@ dp_size = 2
 [flow]
 enabled = true
 max_running = 2
+max_queued_per_tenant = 100
+max_wait = "5s"
 CONF
 serve_rankgate "$work/rg.toml" "$work/rg.log" "$admin"
 pid=${pids[-1]}
@@ -75,8 +79,10 @@ async def flooder():
     while sent[0] < total and time.monotonic() < stop_at:
         sent[0] += 1
         try:
-            status, body = await exchange(reader, writer, req)
-        except (OSError, asyncio.IncompleteReadError):
+            left = max(0.1, stop_at - time.monotonic())
+            status, body = await asyncio.wait_for(exchange(reader, writer, req), left)
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            writer.close()
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             statuses["broken"] = statuses.get("broken", 0) + 1
             continue
