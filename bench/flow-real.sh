@@ -17,13 +17,16 @@
 # The interactive tenant sends one streamed chat every INTERVAL seconds; its TTFT is the time to
 # the first SSE event with content. Passes when on's interactive TTFT p99 <= 0.5x off's.
 #
-# Environment: BATCH (24), SECONDS_EACH (60), INTERVAL (0.5), and as bench/real-vllm-lib.sh says
-# (RANKGATE, REAL_VLLM, PORT_BASE, START_TIMEOUT).
+# Environment: BATCH (24), SECONDS_EACH (60), INTERVAL (0.5), STALE_AFTER (rankgate's
+# telemetry.stale_after, and so its poll timeout: 2s; on this 2-core machine the loaded engine's
+# /metrics can take longer), and as bench/real-vllm-lib.sh says (RANKGATE, REAL_VLLM, PORT_BASE,
+# START_TIMEOUT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BATCH="${BATCH:-24}"
 SECONDS_EACH="${SECONDS_EACH:-60}"
 INTERVAL="${INTERVAL:-0.5}"
+STALE_AFTER="${STALE_AFTER:-2s}"
 . bench/real-vllm-lib.sh
 
 E_PORT=$((PB + 5)) RG_PORT=$((PB + 80)) RG_ADMIN=$((PB + 90)) E_VLLM=$((PB + 400))
@@ -125,8 +128,8 @@ print(json.dumps({"mode": mode, "interactive": len(ttfts), "interactive_failed":
 PY
 
 run() { # name, flow config ("" for none), batch clients
-  printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\nmax_streams_per_client = 100000\n[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\ndp_size = 2\n%s\n' \
-    "$RG_PORT" "$RG_ADMIN" "$E_PORT" "$2" > "$work/rankgate.toml"
+  printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\nmax_streams_per_client = 100000\n[telemetry]\nstale_after = "%s"\n[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\ndp_size = 2\n%s\n' \
+    "$RG_PORT" "$RG_ADMIN" "$STALE_AFTER" "$E_PORT" "$2" > "$work/rankgate.toml"
   start rankgate env RUST_LOG=warn "$RANKGATE" serve --config "$work/rankgate.toml"
   local t0=$SECONDS
   until python3 "$work/client.py" ready 0 0 0 2> /dev/null; do

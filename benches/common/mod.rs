@@ -40,6 +40,7 @@ pub fn view(r: u32, now: tokio::time::Instant) -> RankView {
         }),
         reachable: true,
         weight_at_poll: 0,
+        in_flight_at_report: 0,
         kv_per_request: 0.02,
         source: None,
         ever_available: true,
