@@ -198,6 +198,7 @@ impl Flows {
         let tenant = q.tenant(tenant);
         if q.len() == 0 && self.fits_request(avoid, split, self.pending.load(Relaxed), band) {
             tenant.charge(band, w.cost, w.weight);
+            tenant.dispatched.fetch_add(1, Relaxed);
             self.stats[objective].direct.fetch_add(1, Relaxed);
             return Arrival::Now(tenant, self.pending());
         }
