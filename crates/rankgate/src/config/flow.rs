@@ -237,6 +237,11 @@ pub(super) fn flow(raw: RawFlow) -> Result<FlowConfig, ConfigError> {
         0 => Err(invalid(key, "must be at least 1")),
         n => Ok(n),
     };
+    // A zero byte cap would refuse every request that waits: said here, not at the first one.
+    let bytes = |key: &str, v: Option<u64>, default: u64| match v.unwrap_or(default) {
+        0 => Err(invalid(key, "must be at least 1")),
+        n => Ok(n),
+    };
     let max_queued = positive("flow.max_queued", raw.max_queued, DEFAULT_MAX_QUEUED)?;
     Ok(FlowConfig {
         enabled: raw.enabled.unwrap_or(false),
@@ -258,16 +263,22 @@ pub(super) fn flow(raw: RawFlow) -> Result<FlowConfig, ConfigError> {
         objectives,
         default_objective,
         max_queued,
-        max_queued_bytes: raw.max_queued_bytes.unwrap_or(DEFAULT_MAX_QUEUED_BYTES),
+        max_queued_bytes: bytes(
+            "flow.max_queued_bytes",
+            raw.max_queued_bytes,
+            DEFAULT_MAX_QUEUED_BYTES,
+        )?,
         max_queued_per_tenant: positive(
             "flow.max_queued_per_tenant",
             raw.max_queued_per_tenant,
             DEFAULT_MAX_QUEUED_PER_TENANT,
         )?
         .min(max_queued),
-        max_queued_bytes_per_tenant: raw
-            .max_queued_bytes_per_tenant
-            .unwrap_or(DEFAULT_MAX_QUEUED_BYTES_PER_TENANT),
+        max_queued_bytes_per_tenant: bytes(
+            "flow.max_queued_bytes_per_tenant",
+            raw.max_queued_bytes_per_tenant,
+            DEFAULT_MAX_QUEUED_BYTES_PER_TENANT,
+        )?,
         max_tenants: positive("flow.max_tenants", raw.max_tenants, DEFAULT_MAX_TENANTS)?,
         tenant_labels: raw.tenant_labels.unwrap_or(DEFAULT_TENANT_LABELS).min(100),
         saturation: Saturation {
@@ -334,6 +345,11 @@ mod tests {
             ("max_kv = 0.0", "flow.max_kv"),
             ("max_running = 0", "flow.max_running"),
             ("max_queued = 0", "flow.max_queued"),
+            ("max_queued_bytes = 0", "flow.max_queued_bytes"),
+            (
+                "max_queued_bytes_per_tenant = 0",
+                "flow.max_queued_bytes_per_tenant",
+            ),
             ("tenant_header = \"a b\"", "flow.tenant_header"),
             ("[[objectives]]\nname = \"\"", "flow.objectives[0].name"),
             (

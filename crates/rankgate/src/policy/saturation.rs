@@ -78,7 +78,9 @@ pub(super) fn room_of(
 
 impl Selector {
     /// The room (see [`room_of`]) of every rank `avoid` allows, summed; `None` when none of
-    /// them has fresh telemetry, or saturation is not judged (`[flow]` off).
+    /// them has fresh telemetry, or saturation is not judged (`[flow]` off). The queue asks
+    /// [`Selector::room_above`], which stops counting once it knows.
+    #[cfg(test)]
     pub fn room(&self, table: &Table, avoid: &Avoid) -> Option<u64> {
         self.room_until(table, avoid, u64::MAX)
     }
@@ -139,11 +141,6 @@ impl Selector {
             }
         }
         best.map(|(_, room)| room)
-    }
-
-    /// Whether the pick judges saturation (`[flow]` is on).
-    pub fn judges_saturation(&self) -> bool {
-        self.saturation.is_some()
     }
 }
 
