@@ -12,12 +12,12 @@
 #         control off: every request goes to an engine at once, which runs 4 per rank and queues
 #         the rest in order;
 #   on    the same with [flow] on (max_running = 4: the engine's --max-num-seqs; interactive
-#         reserves one request's room): rankgate holds what the ranks cannot run and sends
+#         reserves RESERVE requests' room): rankgate holds what the ranks cannot run and sends
 #         interactive requests first.
 # The interactive tenant sends one streamed chat every INTERVAL seconds; its TTFT is the time to
 # the first SSE event with content. Passes when on's interactive TTFT p99 <= 0.5x off's.
 #
-# Environment: BATCH (24), SECONDS_EACH (60), INTERVAL (0.5), STALE_AFTER (rankgate's
+# Environment: BATCH (24), SECONDS_EACH (60), INTERVAL (0.5), RESERVE (2), STALE_AFTER (rankgate's
 # telemetry.stale_after, and so its poll timeout: 2s; on this 2-core machine the loaded engine's
 # /metrics can take longer), and as bench/real-vllm-lib.sh says (RANKGATE, REAL_VLLM, PORT_BASE,
 # START_TIMEOUT).
@@ -26,6 +26,7 @@ cd "$(dirname "$0")/.."
 BATCH="${BATCH:-24}"
 SECONDS_EACH="${SECONDS_EACH:-60}"
 INTERVAL="${INTERVAL:-0.5}"
+RESERVE="${RESERVE:-2}"
 STALE_AFTER="${STALE_AFTER:-2s}"
 . bench/real-vllm-lib.sh
 
@@ -140,7 +141,11 @@ run() { # name, flow config ("" for none), batch clients
   python3 "$work/client.py" "$1" "$SECONDS_EACH" "$3" "$INTERVAL" | tee "$work/$1.json"
   if [ -n "$2" ]; then
     python3 -c 'import json, sys, urllib.request; f = json.load(urllib.request.urlopen(sys.argv[1])); print("# /flows:", json.dumps({o["name"]: {k: o[k] for k in ("dispatched_direct", "dispatched_after_wait", "rejected")} for o in f["objectives"]}))' "http://127.0.0.1:$RG_ADMIN/flows"
+    # Where the interactive requests waited in rankgate's queue, from its wait histogram.
+    python3 -c 'import sys, urllib.request; m = urllib.request.urlopen(sys.argv[1]).read().decode(); print("# interactive queue wait (le seconds: count):", " ".join(l.split("le=")[1].replace("\"}", ":") for l in m.splitlines() if l.startswith("rankgate_flow_wait_seconds_bucket") and "interactive" in l))' "http://127.0.0.1:$RG_ADMIN/metrics"
   fi
+  echo "# rankgate warnings: $(grep -c WARN "$work/rankgate.log" || true) ($(grep WARN "$work/rankgate.log" | sed -E 's/.*WARN //' | cut -c1-60 | sort | uniq -c | sort -rn | head -3 | tr '\n' ';'))"
+  : > "$work/rankgate.log"
   stop rankgate
 }
 
@@ -150,7 +155,7 @@ max_running = 4
 [[flow.objectives]]
 name = "interactive"
 priority = 100
-reserve = 1
+reserve = '"$RESERVE"'
 [[flow.objectives]]
 name = "batch"
 priority = -10

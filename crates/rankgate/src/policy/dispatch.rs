@@ -51,8 +51,8 @@ pub struct Picked {
 /// Chooses ranks according to the configured policy.
 #[derive(Debug)]
 pub struct Selector {
-    policy: Policy,
-    no_telemetry: NoTelemetry,
+    pub(super) policy: Policy,
+    pub(super) no_telemetry: NoTelemetry,
     /// `round_robin`'s turns, one count per leg (whole requests, prefill legs, decode legs):
     /// with one count, the two legs of each request would take alternate turns, and each side
     /// only every other rank.

@@ -14,15 +14,20 @@
 //!   `--max-num-seqs`, when it is the rank's only client: known at once, no poll behind).
 //!
 //! A rank without fresh telemetry has no room to judge: it is not counted (unknown is never
-//! idle), and a request none of whose ranks has fresh telemetry is not held (the pick then
-//! decides, as `routing.no_telemetry` says).
+//! idle). When none of a request's ranks has fresh telemetry, the pick falls back to the
+//! reachable rank with the fewest requests in flight (`routing.no_telemetry =
+//! "least_in_flight"`; the telemetry-blind policies always use the reachable ranks), and the
+//! room is then judged by what it knows: `flow.max_running` less this
+//! router's requests on each reachable rank. Without `max_running`, or where the pick would
+//! refuse, such a request is not held (the pick decides). A loaded engine's `/metrics` can be
+//! slow for seconds; letting everything through then would fill its queue in a burst.
 
 use tokio::time::Instant;
 
 use super::affinity::Holdings;
 use super::avoid::{eligible, Avoid};
 use super::dispatch::Selector;
-use crate::config::Saturation;
+use crate::config::{NoTelemetry, Policy, Saturation};
 use crate::prompt::Prompt;
 use crate::table::{Fresh, RankView, Table, FRESH_TRICKLE, UNIT_WEIGHT};
 use crate::worker::Member;
@@ -76,6 +81,19 @@ pub(super) fn room_of(
     Some(room)
 }
 
+/// The sum of `rooms`, stopping once it reaches `enough`; `None` when there are none.
+fn sum_until(rooms: impl Iterator<Item = u64>, enough: u64) -> Option<u64> {
+    let mut total = None;
+    for r in rooms {
+        let t = total.unwrap_or(0u64).saturating_add(r);
+        total = Some(t);
+        if t >= enough {
+            break;
+        }
+    }
+    total
+}
+
 impl Selector {
     /// The room (see [`room_of`]) of every rank `avoid` allows, summed; `None` when none of
     /// them has fresh telemetry, or saturation is not judged (`[flow]` off). The queue asks
@@ -99,20 +117,21 @@ impl Selector {
         let snap = table.snapshot.load();
         let now = Instant::now();
         let fleet = &snap.fleet;
-        let mut total: Option<u64> = None;
-        for (seat, view) in fleet.workers.iter().zip(snap.ranks.iter()) {
-            if !eligible(fleet, seat, avoid) {
-                continue;
-            }
-            if let Some(r) = room_of(table, view, &seat.member, now, sat) {
-                let t = total.unwrap_or(0).saturating_add(r);
-                total = Some(t);
-                if t >= enough {
-                    break;
-                }
-            }
+        let ranks = || {
+            (fleet.workers.iter().zip(snap.ranks.iter()))
+                .filter(|(seat, _)| eligible(fleet, seat, avoid))
+        };
+        let judged = ranks().filter_map(|(seat, view)| room_of(table, view, &seat.member, now, sat));
+        if let Some(room) = sum_until(judged, enough) {
+            return Some(room);
         }
-        total
+        // No fresh telemetry: judged as the pick's fallback chooses, by this router's own
+        // requests on the reachable ranks, when the seats are known.
+        let blind = !(self.policy == Policy::LeastKv && self.no_telemetry == NoTelemetry::Reject);
+        let max = sat.max_running.filter(|_| blind)?;
+        let seats = (ranks().filter(|(_, view)| view.reachable))
+            .map(|(seat, _)| (max as u64).saturating_sub(seat.member.live.in_flight()));
+        sum_until(seats, enough)
     }
 
     /// Whether the rank holding the longest prefix of `prompt`, among those `avoid` allows with
@@ -236,6 +255,43 @@ mod tests {
         assert_eq!(seats(2).room(&t, &Avoid::default()), Some(0));
         // Seats unknown: any waiting is a queue.
         assert_eq!(judging(LIMITS).room(&t, &Avoid::default()), Some(0));
+    }
+
+    #[test]
+    fn without_fresh_telemetry_the_seats_are_judged_as_the_fallback_picks() {
+        let t = table(2);
+        // Rank 0 answers its polls but its numbers are stale (a loaded engine's slow
+        // `/metrics`); rank 1 does not answer at all.
+        let mut stale = RankView::initial();
+        stale.reachable = true;
+        set(&t, vec![stale, RankView::initial()]);
+        let seats = |policy, no_telemetry| {
+            Selector::new(&routing(policy, no_telemetry)).judging(Some(Saturation {
+                max_running: Some(2),
+                ..LIMITS
+            }))
+        };
+        let s = seats(Policy::LeastKv, NoTelemetry::LeastInFlight);
+        // The fallback would use the reachable rank only: its two seats, less this router's own.
+        assert_eq!(s.room(&t, &Avoid::default()), Some(2));
+        let a = s.pick(&t, None, &Avoid::default()).unwrap();
+        assert_eq!(a.guard.worker(), 0);
+        let _b = s.pick(&t, None, &Avoid::default()).unwrap();
+        assert_eq!(s.room(&t, &Avoid::default()), Some(0));
+        assert_eq!(s.room_above(&t, &Avoid::default(), 0), Some(false));
+        drop(a);
+        assert_eq!(s.room(&t, &Avoid::default()), Some(1));
+        // The telemetry-blind policies use the reachable ranks too.
+        assert_eq!(
+            seats(Policy::RoundRobin, NoTelemetry::Reject).room(&t, &Avoid::default()),
+            Some(1)
+        );
+        // Where the pick would refuse, or the seats are unknown, nothing is judged.
+        let refuses = seats(Policy::LeastKv, NoTelemetry::Reject);
+        assert_eq!(refuses.room(&t, &Avoid::default()), None);
+        let unknown = Selector::new(&routing(Policy::LeastKv, NoTelemetry::LeastInFlight))
+            .judging(Some(LIMITS));
+        assert_eq!(unknown.room(&t, &Avoid::default()), None);
     }
 
     #[test]
