@@ -14,8 +14,12 @@
 #   on    the same with [flow] on (max_running = 4: the engine's --max-num-seqs; interactive
 #         reserves RESERVE requests' room): rankgate holds what the ranks cannot run and sends
 #         interactive requests first.
-# The interactive tenant sends one streamed chat every INTERVAL seconds; its TTFT is the time to
-# the first SSE event with content. Passes when on's interactive TTFT p99 <= 0.5x off's.
+# Both tenants are driven by `rankgate load` (a first version drove them from Python threads,
+# whose process starved for seconds on the saturated 2 cores and timed its own stalls): batch
+# closed-loop with 32-token prompts and 128-token answers; interactive open-loop, Poisson at one
+# streamed chat every INTERVAL seconds on average, 16-token prompts and answers, starting 5 s
+# after batch. Its TTFT is the time to the first SSE event. Passes when on's interactive TTFT p99
+# <= 0.5x off's.
 #
 # Environment: BATCH (24), SECONDS_EACH (60), INTERVAL (0.5), RESERVE (2), STALE_AFTER (rankgate's
 # telemetry.stale_after, and so its poll timeout: 2s; on this 2-core machine the loaded engine's
@@ -36,109 +40,50 @@ free_ports $E_PORT $RG_PORT $RG_ADMIN
 start engine env PORT=$E_PORT DP=2 CORES="0|1" VLLM_PORT=$E_VLLM "$REAL_VLLM" http --max-num-seqs 4
 wait_models engine $E_PORT
 
-export RG_PORT RG_ADMIN
-cat > "$work/client.py" <<'PY'
-import http.client, json, os, sys, threading, time
+ready() { python3 -c 'import sys, urllib.request; sys.exit(urllib.request.urlopen(sys.argv[1], timeout=5).status != 200)' "http://127.0.0.1:$RG_ADMIN/ready" 2> /dev/null; }
 
-RG, ADMIN = int(os.environ["RG_PORT"]), int(os.environ["RG_ADMIN"])
-mode, seconds, batch, interval = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-
-def ready():
-    try:
-        c = http.client.HTTPConnection("127.0.0.1", ADMIN, timeout=5)
-        c.request("GET", "/ready")
-        return c.getresponse().status == 200
-    except OSError:
-        return False
-
-if mode == "ready":
-    sys.exit(0 if ready() else 1)
-
-def body(max_tokens, stream, text):
-    return json.dumps({"model": "tiny-llama", "stream": stream, "max_tokens": max_tokens,
-                       "ignore_eos": True,
-                       "messages": [{"role": "user", "content": text}]}).encode()
-
-stop_at = time.monotonic() + seconds
-lock = threading.Lock()
-batch_tokens, batch_done, batch_failed = [0], [0], [0]
-
-def batch_client(i):
-    c = http.client.HTTPConnection("127.0.0.1", RG, timeout=600)
-    n = 0
-    while time.monotonic() < stop_at:
-        n += 1
-        headers = {"content-type": "application/json",
-                   "x-gateway-inference-fairness-id": "batch",
-                   "x-gateway-inference-objective": "batch"}
-        try:
-            c.request("POST", "/v1/chat/completions", body(128, False, f"batch {i} {n} tell a long story"), headers)
-            r = c.getresponse()
-            out = r.read()
-        except OSError:
-            c = http.client.HTTPConnection("127.0.0.1", RG, timeout=600)
-            with lock: batch_failed[0] += 1
-            continue
-        with lock:
-            if r.status == 200:
-                batch_done[0] += 1
-                batch_tokens[0] += json.loads(out)["usage"]["completion_tokens"]
-            else:
-                batch_failed[0] += 1
-
-ttfts, inter_failed = [], [0]
-
-def interactive_one(n):
-    c = http.client.HTTPConnection("127.0.0.1", RG, timeout=600)
-    headers = {"content-type": "application/json",
-               "x-gateway-inference-fairness-id": "interactive",
-               "x-gateway-inference-objective": "interactive"}
-    t0 = time.monotonic()
-    try:
-        c.request("POST", "/v1/chat/completions", body(16, True, f"hi {n}"), headers)
-        r = c.getresponse()
-        if r.status != 200:
-            r.read(); inter_failed[0] += 1; return
-        first = None
-        for line in r:
-            if line.startswith(b"data: ") and b'"content"' in line and first is None:
-                first = time.monotonic() - t0
-        if first is None:
-            inter_failed[0] += 1
-        else:
-            with lock: ttfts.append(first)
-    except OSError:
-        inter_failed[0] += 1
-
-threads = [threading.Thread(target=batch_client, args=(i,)) for i in range(batch)]
-for t in threads: t.start()
-if batch:
-    time.sleep(5)  # the ranks fill before the interactive tenant starts
-n, inter = 0, []
-while time.monotonic() < stop_at:
-    n += 1
-    t = threading.Thread(target=interactive_one, args=(n,)); t.start(); inter.append(t)
-    time.sleep(interval)
-for t in inter + threads: t.join()
-ttfts.sort()
-pct = lambda p: ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] * 1000 if ttfts else float("nan")
-print(json.dumps({"mode": mode, "interactive": len(ttfts), "interactive_failed": inter_failed[0],
-                  "ttft_p50_ms": round(pct(0.5), 1), "ttft_p99_ms": round(pct(0.99), 1),
-                  "batch_done": batch_done[0], "batch_failed": batch_failed[0],
-                  "batch_tokens": batch_tokens[0]}))
+drive() { # name, batch clients: both tenants through rankgate with rankgate's own load client
+  # Each plans its requests up front: --requests is sized to the run (batch: 50 a second, more
+  # than this engine serves), not left huge.
+  local url="http://127.0.0.1:$RG_PORT" batch_pid=""
+  if [ "$2" -gt 0 ]; then
+    "$RANKGATE" load --url "$url" --concurrency "$2" --requests $((SECONDS_EACH * 50)) --duration "${SECONDS_EACH}s" \
+      --no-stream --prompt-tokens 32 --output-tokens 128 \
+      --header "x-gateway-inference-fairness-id: batch" --header "x-gateway-inference-objective: batch" \
+      --json "$work/$1-batch.json" > "$work/$1-batch.txt" 2>&1 &
+    batch_pid=$!
+    sleep 5  # the ranks fill before the interactive tenant starts
+  fi
+  "$RANKGATE" load --url "$url" --rate "$(python3 -c "print(1 / $INTERVAL)")" \
+    --requests "$(python3 -c "print(int($SECONDS_EACH / $INTERVAL * 2))")" \
+    --duration "$((SECONDS_EACH - 5))s" --prompt-tokens 16 --output-tokens 16 \
+    --header "x-gateway-inference-fairness-id: interactive" \
+    --header "x-gateway-inference-objective: interactive" \
+    --json "$work/$1-interactive.json" > "$work/$1-interactive.txt" 2>&1
+  [ -z "$batch_pid" ] || wait "$batch_pid"
+  python3 - "$work" "$1" <<'PY' | tee "$work/$1.json"
+import json, os, sys
+w, mode = sys.argv[1], sys.argv[2]
+i = json.load(open(f"{w}/{mode}-interactive.json"))
+b = json.load(open(f"{w}/{mode}-batch.json")) if os.path.exists(f"{w}/{mode}-batch.json") else None
+print(json.dumps({"mode": mode, "interactive": i["ok"], "interactive_failed": i["requests"] - i["ok"],
+                  "ttft_p50_ms": i["ttft_ms"]["p50"], "ttft_p99_ms": i["ttft_ms"]["p99"],
+                  "batch_done": b["ok"] if b else 0, "batch_failed": b["requests"] - b["ok"] if b else 0,
+                  "batch_tokens": round(b["tokens_per_s"] * b["elapsed_s"]) if b else 0}))
 PY
+}
 
 run() { # name, flow config ("" for none), batch clients
   printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\nmax_streams_per_client = 100000\n[telemetry]\nstale_after = "%s"\n[[engines]]\nurl = "http://127.0.0.1:%s"\nflavor = "vllm"\ndp_size = 2\n%s\n' \
     "$RG_PORT" "$RG_ADMIN" "$STALE_AFTER" "$E_PORT" "$2" > "$work/rankgate.toml"
   start rankgate env RUST_LOG=warn "$RANKGATE" serve --config "$work/rankgate.toml"
   local t0=$SECONDS
-  until python3 "$work/client.py" ready 0 0 0 2> /dev/null; do
+  until ready; do
     kill -0 "${procs[rankgate]}" 2>/dev/null || { tail -20 "$work/rankgate.log" >&2; exit 1; }
     [ $((SECONDS - t0)) -lt 60 ] || { echo "# rankgate: not ready in 60 s" >&2; exit 1; }
     sleep 1
   done
-  python3 "$work/client.py" "$1" "$SECONDS_EACH" "$3" "$INTERVAL" | tee "$work/$1.json"
+  drive "$1" "$3"
   if [ -n "$2" ]; then
     python3 -c 'import json, sys, urllib.request; f = json.load(urllib.request.urlopen(sys.argv[1])); print("# /flows:", json.dumps({o["name"]: {k: o[k] for k in ("dispatched_direct", "dispatched_after_wait", "rejected")} for o in f["objectives"]}))' "http://127.0.0.1:$RG_ADMIN/flows"
     # Where the interactive requests waited in rankgate's queue, from its wait histogram.

@@ -4,13 +4,15 @@
 //! cost; past their wait, or the queue's caps, they get 503 with `Retry-After` and the reason;
 //! a client that goes away leaves the queue; at shutdown they are served within the drain grace
 //! or answered 503; a key caps the objective its requests may claim; the tenants named on
-//! `/metrics` are bounded; and the gRPC front door queues the same way.
+//! `/metrics` are bounded; the gRPC front door queues the same way; and a rank whose telemetry
+//! is late is judged by this router's own requests on it.
 #![cfg(feature = "sim")] // the simulated engine
 
 #[path = "../common/mod.rs"]
 mod common;
 mod grpc;
 mod leave;
+mod stale;
 
 use std::time::Duration;
 

@@ -121,7 +121,8 @@ impl Selector {
             (fleet.workers.iter().zip(snap.ranks.iter()))
                 .filter(|(seat, _)| eligible(fleet, seat, avoid))
         };
-        let judged = ranks().filter_map(|(seat, view)| room_of(table, view, &seat.member, now, sat));
+        let judged =
+            ranks().filter_map(|(seat, view)| room_of(table, view, &seat.member, now, sat));
         if let Some(room) = sum_until(judged, enough) {
             return Some(room);
         }
