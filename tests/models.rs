@@ -9,6 +9,7 @@ use http_body_util::Full;
 use rankgate_sim::sim::{SimConfig, SimFlavor};
 use serde_json::{json, Value};
 
+use common::recorded::RecordedVllm;
 use common::*;
 
 fn chat_for(model: Option<&str>) -> Value {
@@ -309,4 +310,82 @@ async fn an_unknown_model_waiting_on_unknown_lists_is_named_in_the_503() {
     assert_eq!(common::chat(r.addr, 2).await.status, 200);
     r.shutdown().await;
     held.abort();
+}
+
+/// The body of a capture in tests/fixtures/vllm-0.32-lora/ (status and type lines first).
+fn captured(text: &str) -> &str {
+    text.split_once("\n\n")
+        .map_or(text, |(_, body)| body)
+        .trim()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_loaded_on_the_engine_serves_from_its_first_request_through_rankgate() {
+    let e = RecordedVllm::start().await;
+    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    wait_models(&r).await;
+    // The adapter is loaded straight on the engine (vLLM's /v1/load_lora_adapter), long before
+    // the router's periodic read of its list comes round.
+    e.set_models(captured(include_str!(
+        "fixtures/vllm-0.32-lora/models-after-load.txt"
+    )));
+    let before = e.model_reads();
+    let reply = post_json(r.addr, "/v1/chat/completions", chat_for(Some("chat-lora"))).await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert!(e.model_reads() > before, "the list was not read again");
+    let listed = get(r.addr, "/v1/models").await.json();
+    let lora = (listed["data"].as_array().unwrap().iter())
+        .find(|m| m["id"] == "chat-lora")
+        .unwrap_or_else(|| panic!("chat-lora not listed: {listed}"));
+    assert_eq!(lora["parent"], "tiny-llama");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_models_read_the_lists_again_at_most_once_a_second() {
+    let e = RecordedVllm::start().await;
+    let r = router(FAST, &[engine_toml(&e.url(), "vllm", 2, 0)]).await;
+    wait_models(&r).await;
+    let before = e.model_reads();
+    // A burst of mistyped names: one round reads the list once, and every one gets the 404.
+    let burst: Vec<_> = (0..20)
+        .map(|i| {
+            let addr = r.addr;
+            tokio::spawn(async move {
+                post_json(
+                    addr,
+                    "/v1/chat/completions",
+                    chat_for(Some(&format!("typo-{i}"))),
+                )
+                .await
+            })
+        })
+        .collect();
+    for reply in burst {
+        let reply = reply.await.unwrap();
+        assert_eq!(
+            reply.status,
+            404,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert_eq!(reply.json()["error"]["code"], "model_not_found");
+    }
+    let after_burst = e.model_reads();
+    assert!(
+        (1..=2).contains(&(after_burst - before)),
+        "{} reads for one burst",
+        after_burst - before
+    );
+    // Within a second of that round the lists are fresh: answered at once, nothing read.
+    let t0 = std::time::Instant::now();
+    let reply = post_json(r.addr, "/v1/chat/completions", chat_for(Some("typo-again"))).await;
+    assert_eq!(reply.status, 404);
+    if t0.elapsed() < rankgate::recheck::MIN_GAP / 2 {
+        assert_eq!(e.model_reads(), after_burst);
+    }
 }

@@ -31,6 +31,8 @@
 //!   template run in-process, or the engine's `/tokenize`), for exact prefix-cache routing; a
 //!   leaf.
 //! - [`reason`]: why a rank is Unavailable, one variant per kind of cause.
+//! - [`recheck`]: rounds of reading the engines' model lists again at once, asked by a request
+//!   for a model no list names.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.
 //! - [`proxy`]: the OpenAI-compatible and gRPC front doors, stacks of tower layers, each layer
@@ -76,6 +78,7 @@ pub mod prompt;
 pub mod proto;
 pub mod proxy;
 pub mod reason;
+pub mod recheck;
 pub mod scan;
 pub mod table;
 pub mod telemetry;

@@ -233,6 +233,8 @@ pub struct Table {
     pub kv_refused: Arc<crate::kv::listen::Refusals>,
     /// Told each time telemetry publishes a snapshot (flow control's queue wakes on it).
     pub published: tokio::sync::Notify,
+    /// Rounds of reading the engines' model lists again at once.
+    pub recheck: crate::recheck::Recheck,
 }
 
 impl Table {
@@ -242,6 +244,7 @@ impl Table {
             stale_after,
             kv_refused: Arc::default(),
             published: tokio::sync::Notify::new(),
+            recheck: crate::recheck::Recheck::default(),
         })
     }
 }

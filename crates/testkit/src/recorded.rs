@@ -1,6 +1,7 @@
 //! A fake vLLM 0.32 server with two DP ranks built from what a real one answered
 //! (`tests/fixtures/vllm-0.32-*`): its `/metrics` capture (KV gauges set per rank by the test),
-//! `/version`, `/v1/models`, its chat completion, and its 400 for a pin outside its ranks. As a
+//! `/version`, `/v1/models` (or a list the test sets), its chat completion, and its 400 for a
+//! pin outside its ranks. As a
 //! server that is its own DP deployment it labels and accepts ranks 0 and 1; as the second member
 //! of a multi-server deployment (`first_rank = 2`) it labels and accepts 2 and 3, as vLLM's
 //! hybrid DP numbers them.
@@ -36,6 +37,10 @@ struct State {
     pins: Mutex<Vec<String>>,
     /// Chats refused with vLLM's 400 for a rank it does not run.
     refused: AtomicU64,
+    /// Its `/v1/models` answer, when the test set one (else the capture's).
+    models: Mutex<Option<String>>,
+    /// `/v1/models` reads.
+    model_reads: AtomicU64,
 }
 
 pub struct RecordedVllm {
@@ -101,6 +106,16 @@ impl RecordedVllm {
         self.state.pins.lock().unwrap().clone()
     }
 
+    /// From now on its `/v1/models` answers `body` (e.g. a capture with adapters loaded).
+    pub fn set_models(&self, body: &str) {
+        *self.state.models.lock().unwrap() = Some(body.to_string());
+    }
+
+    /// How many times its `/v1/models` was read.
+    pub fn model_reads(&self) -> u64 {
+        self.state.model_reads.load(Relaxed)
+    }
+
     /// How many chats it refused for naming a rank it does not run.
     pub fn refused(&self) -> u64 {
         self.state.refused.load(Relaxed)
@@ -147,7 +162,11 @@ async fn answer(
         ("GET", "/metrics") => ok(metrics(&s)),
         ("GET", "/version") => ok(r#"{"version":"0.32.0"}"#.into()),
         ("GET", "/health") => ok(String::new()),
-        ("GET", "/v1/models") => ok(MODELS.into()),
+        ("GET", "/v1/models") => {
+            s.model_reads.fetch_add(1, Relaxed);
+            let set = s.models.lock().unwrap().clone();
+            ok(set.unwrap_or_else(|| MODELS.into()))
+        }
         ("POST", "/v1/chat/completions") => {
             let pin = req
                 .headers()

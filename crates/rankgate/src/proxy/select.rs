@@ -17,6 +17,7 @@ use super::error::ProxyError;
 use super::layer::{Below, Step};
 use super::route::{self, Action, Payload, Proxied};
 use super::shared::Ctx;
+use crate::catalog::ModelError;
 use crate::metrics::ModelSlot;
 use crate::policy::Avoid;
 use crate::scan::{self, ScanError};
@@ -43,22 +44,71 @@ impl<S> Select<S> {
 
 impl<S> tower::Service<Request<RequestBody>> for Select<S>
 where
-    S: Below<RequestBody>,
+    S: Below<RequestBody> + Clone + Send + 'static,
 {
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
         match self.avoid(&req) {
-            Ok(Chosen::Any) => {}
-            Ok(Chosen::Only(avoid)) => {
-                req.extensions_mut().insert(avoid);
-            }
-            Ok(Chosen::Split(split)) => {
-                req.extensions_mut().insert(*split);
+            Ok(chosen) => chosen.mark(&mut req),
+            Err(ProxyError::Model(ModelError::NotFound { .. }))
+                if self.recheck_round().is_some() =>
+            {
+                return self.after_recheck(req);
             }
             Err(e) => return Step::ready(Err(e)),
         }
         Step::Below(self.inner.call(req))
+    }
+}
+
+impl<S> Select<S>
+where
+    S: Below<RequestBody> + Clone + Send + 'static,
+{
+    /// The recheck round a request for an unlisted model waits for; `None`: the lists are
+    /// fresh, the model is not there.
+    fn recheck_round(&self) -> Option<u64> {
+        self.ctx.table.recheck.ask()
+    }
+
+    /// A model no list names: the lists are read again at once (see [`crate::recheck`]), and
+    /// the request is judged again on what they say, within [`crate::recheck::WAIT`]. The
+    /// usual request never comes here.
+    fn after_recheck(&mut self, mut req: Request<RequestBody>) -> Step<S::Future> {
+        let round = self.ctx.table.recheck.newest();
+        // The service that is ready goes with the request; this one gets a fresh clone.
+        let mut inner = self.inner.clone();
+        std::mem::swap(&mut inner, &mut self.inner);
+        let this = Select {
+            inner: (),
+            ctx: self.ctx.clone(),
+            extra_routes: self.extra_routes.clone(),
+        };
+        Step::Own(Box::pin(async move {
+            this.ctx
+                .table
+                .recheck
+                .wait(round, crate::recheck::WAIT)
+                .await;
+            this.avoid(&req)?.mark(&mut req);
+            inner.call(req).await
+        }))
+    }
+}
+
+impl Chosen {
+    /// Puts on the request where it may go.
+    fn mark(self, req: &mut Request<RequestBody>) {
+        match self {
+            Chosen::Any => {}
+            Chosen::Only(avoid) => {
+                req.extensions_mut().insert(avoid);
+            }
+            Chosen::Split(split) => {
+                req.extensions_mut().insert(*split);
+            }
+        }
     }
 }
 

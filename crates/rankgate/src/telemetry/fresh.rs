@@ -63,6 +63,7 @@ mod tests {
             ranks: vec![t],
             source: None,
             models: None,
+            models_round: 0,
             reported: None,
         }
     }

@@ -100,6 +100,19 @@ impl LoadsClient {
             LoadsClient::Sglang(_) => None,
         }
     }
+
+    /// Warns once when the engine says it runs fewer DP ranks than the config gives it.
+    pub(super) async fn check_dp_size(&self, engine: &crate::worker::Engine) {
+        if let Some(n) = self.data_parallel_size().await {
+            let end = engine.start_rank + engine.dp_size;
+            if n > 0 && (n as u32) < end {
+                tracing::warn!(
+                    engine = %engine.url, server_dp_size = n, configured_end_rank = end,
+                    "engine reports fewer DP ranks than the config assigns it"
+                );
+            }
+        }
+    }
 }
 
 // The two services' entries differ only in one field number, so the conversions read alike.

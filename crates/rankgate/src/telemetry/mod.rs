@@ -15,6 +15,7 @@ mod events;
 mod fresh;
 pub mod grpc;
 pub mod health;
+mod kv_estimate;
 pub mod loads;
 mod models;
 pub mod pd_probe;
@@ -97,6 +98,7 @@ pub fn spawn(
             reported: HashMap::new(),
             reshaped: Vec::new(),
             by_key: HashMap::new(),
+            answered: HashMap::new(),
         };
         p.by_key = (p.fleet.engines.iter_enumerated())
             .map(|(i, e)| (e.key, i))
@@ -141,6 +143,8 @@ struct Publisher {
     reshaped: Vec<Arc<str>>,
     /// Each engine of `fleet` by key, for its poll reports.
     by_key: HashMap<EngineId, EngineIx>,
+    /// The newest model-list recheck round each engine has answered ([`crate::recheck`]).
+    answered: HashMap<EngineId, u64>,
 }
 
 impl Publisher {
@@ -239,6 +243,8 @@ impl Publisher {
                 source: report.source,
             };
         }
+        let answered = self.answered.entry(report.engine).or_default();
+        *answered = (*answered).max(report.models_round);
         if let Some(m) = report.models {
             // A list fixed in the config is never replaced.
             if self.fleet.engines[e].models.is_none() && self.catalog.of(e) != Some(&m[..]) {
@@ -252,6 +258,21 @@ impl Publisher {
         let next = next_snapshot(&self.fleet, &mut self.views, &self.catalog, default);
         self.table.snapshot.store(Arc::new(next));
         self.table.published.notify_waiters();
+        self.settle_recheck();
+    }
+
+    /// Ends the newest recheck round once every engine that can say its models has answered
+    /// it in what is now published (engines not shaped yet are not polled: they say nothing).
+    fn settle_recheck(&mut self) {
+        let recheck = &self.table.recheck;
+        let round = recheck.newest();
+        if recheck.is_done(round) {
+            return;
+        }
+        let answered = |e: &EngineEntry| self.answered.get(&e.key).is_some_and(|&r| r >= round);
+        if (self.fleet.engines.iter()).all(|e| !e.shaped() || answered(e)) {
+            recheck.finish(round);
+        }
     }
 
     /// Applies a membership change: the next fleet, with what is known of the engines that
@@ -374,6 +395,7 @@ impl Publisher {
         self.publish();
         self.start_pollers();
         let keys = &self.by_key;
+        self.answered.retain(|k, _| keys.contains_key(k));
         for tasks in [&mut self.pollers, &mut self.feeds] {
             tasks.retain(|k, task| {
                 let stays = keys.contains_key(k);
@@ -402,6 +424,7 @@ impl Publisher {
                         self.budget.clone(),
                         self.tx.clone(),
                         self.shutdown.clone(),
+                        self.table.recheck.asked(),
                     ));
                     self.pollers.insert(entry.key, task);
                 }
@@ -436,59 +459,11 @@ pub fn next_snapshot(
     catalog: &Arc<Catalog>,
     default_kv_per_request: f64,
 ) -> Snapshot {
-    estimate_kv_per_request(views.as_mut_slice(), default_kv_per_request);
+    kv_estimate::estimate_kv_per_request(views.as_mut_slice(), default_kv_per_request);
     Snapshot {
         fleet: fleet.clone(),
         ranks: views.clone(),
         catalog: catalog.clone(),
-    }
-}
-
-/// Sets each rank's estimated KV cost of one more request, used to credit requests the engine has
-/// not reported yet. A rank with running requests uses its own KV per request. Otherwise the cost
-/// is the fleet's typical request size taken relative to THIS rank's capacity where capacities are
-/// known (a rank with half the KV tokens fills twice as fast), else the fleet's mean fraction,
-/// else the configured default.
-fn estimate_kv_per_request(views: &mut [RankView], default: f64) {
-    struct Sample {
-        fraction: Option<f64>,
-        tokens: Option<f64>,
-        capacity: Option<f64>,
-    }
-    let sample = |v: &RankView| match &v.telemetry {
-        RankTelemetry::Available(l) => {
-            let capacity = l.capacity_tokens.map(|c| c as f64);
-            let fraction = match l.running {
-                Some(r) if r > 0 && l.kv_usage > 0.0 => {
-                    Some((l.kv_usage / r as f64).clamp(1e-4, 1.0))
-                }
-                _ => None,
-            };
-            Sample {
-                fraction,
-                tokens: fraction.zip(capacity).map(|(f, c)| f * c),
-                capacity,
-            }
-        }
-        RankTelemetry::Unavailable { .. } => Sample {
-            fraction: None,
-            tokens: None,
-            capacity: None,
-        },
-    };
-    let samples: Vec<Sample> = views.iter().map(sample).collect();
-    let mean = |xs: Vec<f64>| (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64);
-    let fleet_fraction =
-        mean(samples.iter().filter_map(|s| s.fraction).collect()).unwrap_or(default);
-    let fleet_tokens = mean(samples.iter().filter_map(|s| s.tokens).collect());
-    let mean_capacity = mean(samples.iter().filter_map(|s| s.capacity).collect());
-    for (v, s) in views.iter_mut().zip(&samples) {
-        v.kv_per_request = match (s.fraction, s.capacity, fleet_tokens, mean_capacity) {
-            (Some(f), ..) => f,
-            (None, Some(c), Some(t), _) => (t / c).clamp(1e-4, 1.0),
-            (None, Some(c), None, Some(m)) => (fleet_fraction * m / c).clamp(1e-4, 1.0),
-            _ => fleet_fraction,
-        };
     }
 }
 

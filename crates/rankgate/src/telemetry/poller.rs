@@ -18,7 +18,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::budget::{Budget, MISSES_TO_UNREACHED};
@@ -67,6 +67,8 @@ pub struct Poller {
     shape_failing: bool,
     /// Per source: `Some` while it is out of the polls after a failure.
     down: Vec<Option<Down>>,
+    /// The newest model-list recheck round asked ([`crate::recheck`]).
+    round: u64,
     /// Since when each rank is fresh (no gauges yet).
     fresh: FreshRanks,
 }
@@ -136,6 +138,7 @@ impl Poller {
             grpc,
             down: (0..engine_sources).map(|_| None).collect(),
             fresh: FreshRanks::default(),
+            round: 0,
         })
     }
 
@@ -147,6 +150,7 @@ impl Poller {
         budget: Arc<Budget>,
         tx: mpsc::Sender<Report>,
         mut shutdown: Shutdown,
+        mut asked: watch::Receiver<u64>,
     ) {
         let mut ticker = tokio::time::interval(self.cfg.interval);
         // A slow poll delays the next one instead of firing a burst of catch-up polls at an
@@ -158,8 +162,11 @@ impl Poller {
         loop {
             tokio::select! {
                 _ = ticker.tick() => {}
+                // A recheck round: its read starts now, not a tick later.
+                Ok(()) = asked.changed() => {}
                 _ = shutdown_signalled(&mut shutdown) => return,
             }
+            self.round = *asked.borrow_and_update();
             // Dropping a poll cancels its requests, so shutdown never waits on a stuck engine.
             // The step is boxed: between polls (most of a poller's life, and all of it for the
             // thousands waiting for a place) the task holds only the poller.
@@ -214,6 +221,7 @@ impl Poller {
                             ranks: Vec::new(),
                             source: None,
                             models: None,
+                            models_round: 0,
                             reported: Some(reported),
                         });
                     }
@@ -269,10 +277,16 @@ impl Poller {
         if let Some(result) = probed {
             self.apply_health(result, &mut report);
         }
-        report.models = self
-            .models
-            .step(n, report.reachable, &self.http, self.cfg.timeout)
+        report.models = (self.models)
+            .step(
+                n,
+                report.reachable,
+                &self.http,
+                self.cfg.timeout,
+                self.round,
+            )
             .await;
+        report.models_round = self.models.answered();
         report
     }
 
@@ -355,8 +369,11 @@ impl Poller {
                     {
                         self.dp_size_checked = true;
                         // Once per engine, and bounded like every other step of a poll.
-                        let _ = tokio::time::timeout(self.cfg.timeout, self.check_dp_size(client))
-                            .await;
+                        let _ = tokio::time::timeout(
+                            self.cfg.timeout,
+                            client.check_dp_size(&self.engine),
+                        )
+                        .await;
                     }
                     return Report {
                         engine: self.entry.key,
@@ -365,6 +382,7 @@ impl Poller {
                         ranks,
                         source: Some(name),
                         models: None,
+                        models_round: 0,
                         reported: None,
                     };
                 }
@@ -390,6 +408,7 @@ impl Poller {
             ranks: vec![RankTelemetry::unavailable(reason); ranks],
             source: None,
             models: None,
+            models_round: 0,
             reported: None,
         }
     }
@@ -463,19 +482,6 @@ impl Poller {
         match self.engine.flavor {
             Flavor::Gateway => (vec![loads::rollup(report, now)], ProjectionNotes::default()),
             Flavor::Vllm | Flavor::Sglang => loads::project(report, &self.engine, now),
-        }
-    }
-
-    /// Warns once when the engine says it runs fewer DP ranks than the config gives it.
-    async fn check_dp_size(&self, client: &LoadsClient) {
-        if let Some(n) = client.data_parallel_size().await {
-            let end = self.engine.start_rank + self.engine.dp_size;
-            if n > 0 && (n as u32) < end {
-                tracing::warn!(
-                    engine = %self.engine.url, server_dp_size = n, configured_end_rank = end,
-                    "engine reports fewer DP ranks than the config assigns it"
-                );
-            }
         }
     }
 }

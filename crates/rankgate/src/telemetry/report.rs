@@ -15,6 +15,8 @@ pub struct Report {
     pub(super) source: Option<SourceKind>,
     /// The engine's models, when this poll read them.
     pub(super) models: Option<Vec<Model>>,
+    /// The newest round of model-list rechecks ([`crate::recheck`]) the engine has answered.
+    pub(super) models_round: u64,
     /// What the engine newly said of its flavor and size: its entry is built anew with it.
     pub(super) reported: Option<Reported>,
 }

@@ -1,3 +1,4 @@
+use super::kv_estimate::estimate_kv_per_request;
 use super::*;
 use crate::table::Load;
 use tokio::time::Instant;
