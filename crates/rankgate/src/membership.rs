@@ -40,6 +40,12 @@ pub enum Change {
     /// The admin API removes the engine with this URL (identity: `url`, or `grpc_url` when the
     /// engine has only that).
     Remove { url: String },
+    /// A reload: the file's engines (as `Replace` from the config) and its `[[routes]]`, in one
+    /// snapshot, so no request sees the new routes with the old engines.
+    Reload {
+        engines: Vec<Engine>,
+        routes: Arc<crate::model_routes::Routes>,
+    },
 }
 
 /// What a change did, by engine URL.
@@ -234,6 +240,10 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
                 set.retain(keep);
             }
             *origin
+        }
+        Change::Reload { engines, .. } => {
+            next.config = engines;
+            Origin::Config
         }
         Change::Replace { origin, engines } => {
             match origin {
