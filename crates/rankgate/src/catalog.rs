@@ -101,6 +101,16 @@ impl Catalog {
         }
     }
 
+    /// The same catalog with `routes` in place of its own, when they differ (each target that
+    /// stays counting on from its count here); `None` when they do not.
+    pub fn rerouted(&self, routes: &Routes) -> Option<Catalog> {
+        if *routes == *self.routes {
+            return None;
+        }
+        tracing::info!(routes = routes.iter().count(), "model routes changed");
+        Some(self.clone().routed(Arc::new(routes.carry(&self.routes))))
+    }
+
     /// The same catalog with engine `e`'s list replaced.
     pub fn with(&self, e: EngineIx, list: Arc<[Model]>) -> Catalog {
         let mut lists = self.engines.clone();

@@ -164,6 +164,8 @@ pub struct Plan {
     pub sources: Sources,
     pub engines: Vec<(Origin, Engine)>,
     pub outcome: Outcome,
+    /// A reload's `[[routes]]`, for the publisher to swap in with the engines.
+    pub routes: Option<Arc<crate::model_routes::Routes>>,
 }
 
 impl Sources {
@@ -214,6 +216,7 @@ impl Sources {
 pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> {
     let (before, _) = sources.engines();
     let mut next = sources.clone();
+    let mut routes = None;
     let origin = match change {
         Change::Add(engine) => {
             if let Some((origin, _)) = before.iter().find(|(_, o)| same_address(o, &engine)) {
@@ -241,8 +244,9 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
             }
             *origin
         }
-        Change::Reload { engines, .. } => {
+        Change::Reload { engines, routes: r } => {
             next.config = engines;
+            routes = Some(r);
             Origin::Config
         }
         Change::Replace { origin, engines } => {
@@ -302,6 +306,7 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
         sources: next,
         engines,
         outcome,
+        routes,
     })
 }
 

@@ -257,17 +257,11 @@ impl Publisher {
     /// Applies a membership change: the next fleet, with what is known of the engines that
     /// stay, swapped in; pollers started and stopped.
     fn change(&mut self, change: Change) -> Result<Outcome, MembershipError> {
-        let routes = match &change {
-            Change::Reload { routes, .. } => Some(routes.clone()),
-            _ => None,
-        };
         let plan = membership::plan(&self.sources, change)?;
         self.sources = plan.sources;
-        if let Some(routes) = routes.filter(|r| **r != **self.catalog.routes()) {
-            tracing::info!(routes = routes.iter().count(), "model routes changed");
-            // Swapped in with the fleet below (its rebuild publishes once).
-            let routes = Arc::new(routes.carry(self.catalog.routes()));
-            self.catalog = Arc::new(Catalog::clone(&self.catalog).routed(routes));
+        // A reload's routes go in with its fleet below (the rebuild publishes once).
+        if let Some(next) = (plan.routes.as_deref()).and_then(|r| self.catalog.rerouted(r)) {
+            self.catalog = Arc::new(next);
         }
         // What engines that left said of themselves goes with them.
         let stay: HashSet<&str> = plan.engines.iter().map(|(_, e)| &*e.url).collect();
