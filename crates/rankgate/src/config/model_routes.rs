@@ -9,6 +9,7 @@
 
 use serde::Deserialize;
 
+use super::engine::Engine;
 use super::error::{invalid, ConfigError};
 use crate::model_routes::{Route, Routes};
 
@@ -145,6 +146,28 @@ pub(super) fn model_routes(raw: Vec<RawRoute>) -> Result<Routes, ConfigError> {
     Ok(Routes::new(routes))
 }
 
+/// Legal but likely mistaken routes, as far as the file tells the engines' models (only
+/// `engines[].models` fixes them): a route shadowing a model an engine serves, and, when every
+/// model list is fixed and nothing else can bring engines, a target none of them serves.
+pub(super) fn warnings(routes: &Routes, engines: &[Engine], closed: bool) -> Vec<String> {
+    let fixed = |m: &str| {
+        (engines.iter()).position(|e| e.models.as_ref().is_some_and(|l| l.iter().any(|x| x == m)))
+    };
+    let all_fixed = closed && engines.iter().all(|e| e.models.is_some());
+    let mut out = Vec::new();
+    for (i, r) in routes.iter().enumerate() {
+        if let Some(e) = fixed(&r.name) {
+            out.push(format!("routes[{i}].model: {:?} is also a model engines[{e}] serves: requests naming it follow the route", &*r.name));
+        }
+        for (j, t) in r.targets.iter().enumerate() {
+            if all_fixed && t.weight > 0 && fixed(&t.model).is_none() {
+                out.push(format!("routes[{i}].targets[{j}].model: no engine serves {:?} (engines[].models): the requests the route sends there get 404", &*t.model));
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use crate::config::Config;
@@ -251,6 +274,21 @@ mod tests {
         let e = parse("[[routes]]\nmodel = \"chat\"\nweights = 1\ntargets = [{ model = \"a\" }]\n")
             .expect_err("unknown key");
         assert!(e.contains("weights"), "{e}");
+    }
+
+    #[test]
+    fn a_shadowed_model_and_a_target_no_fixed_list_has_are_warned_of() {
+        let c = Config::from_str(
+            "[[engines]]\nurl = \"http://a:1\"\nflavor = \"vllm\"\nmodels = [\"chat\", \"a\"]\n\
+             [[routes]]\nmodel = \"chat\"\ntargets = [{ model = \"a\" }, { model = \"b\" }, { model = \"c\", weight = 0 }]\n",
+        )
+        .unwrap();
+        let w = super::warnings(&c.routes, &c.engines, true);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].starts_with("routes[0].model: \"chat\" is also a model engines[0] serves"));
+        assert!(w[1].starts_with("routes[0].targets[1].model: no engine serves \"b\""));
+        // Engines that may come from elsewhere may serve it.
+        assert_eq!(super::warnings(&c.routes, &c.engines, false).len(), 1);
     }
 
     #[test]

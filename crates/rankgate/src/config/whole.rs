@@ -215,6 +215,13 @@ impl Config {
             .collect();
         let mut warnings = address_warnings(&resolved);
         warnings.extend(self.roles().warnings);
+        // Engines from discovery or the admin API may serve what no fixed list has.
+        let closed = self.discovery.is_empty() && self.server.admin_token_env.is_none();
+        warnings.extend(super::model_routes::warnings(
+            &self.routes,
+            &self.engines,
+            closed,
+        ));
         warnings
     }
 
