@@ -1,7 +1,7 @@
-//! The admin listener: `/health`, `/ready`, `/workers`, `/engines`, `/loads` and `/metrics`, all
-//! answered from the cached snapshot and counters (no admin call ever reaches an engine), and the
-//! fleet's changes: `POST /engines`, `DELETE /engines?url=...` and `POST /reload`, which need the
-//! admin token (`server.admin_token_env`; without it they are refused).
+//! The admin listener: `/health`, `/ready`, `/workers`, `/engines`, `/loads`, `/flows`, `/routes`
+//! and `/metrics`, all answered from the cached snapshot and counters (no admin call ever reaches
+//! an engine), and the fleet's changes: `POST /engines`, `DELETE /engines?url=...` and
+//! `POST /reload`, which need the admin token (`server.admin_token_env`; else refused).
 //!
 //! `/ready` and `/health` are answered on the connection's own task from the snapshot, taking
 //! no lock; the fleet-wide renders run off the runtime's threads, a couple at a time
@@ -15,12 +15,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::time::Instant;
-
-use http_body_util::BodyExt;
 
 use crate::config::{RawEngine, SourceKind};
 use crate::control::{Control, Refusal, ReloadError};
@@ -41,6 +40,7 @@ mod query;
 mod reach;
 mod ready;
 mod render;
+mod routes;
 
 /// What the admin handlers read.
 pub struct Admin {
@@ -105,11 +105,12 @@ impl Admin {
                     Err(refusal) => refused(refusal),
                 }
             }
+            (Method::GET, "/routes") => json_response(StatusCode::OK, &routes::page(&self.table)),
             (Method::GET, "/flows") => json_response(
                 StatusCode::OK,
                 &(self.flows.as_deref()).map_or(serde_json::json!({"enabled": false}), crate::proxy::flow_page),
             ),
-            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics" | "/flows") => {
+            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics" | "/flows" | "/routes") => {
                 not_allowed(&path, &m, "GET")
             }
             (m, "/engines") => not_allowed(&path, &m, "GET, POST, DELETE"),
@@ -118,7 +119,7 @@ impl Admin {
                 StatusCode::NOT_FOUND,
                 "NotFoundError",
                 &format!(
-                    "unknown admin path {other}: try /health, /ready, /workers, /engines, /loads, /metrics or /reload"
+                    "unknown admin path {other}: try /health, /ready, /workers, /engines, /loads, /flows, /routes, /metrics or /reload"
                 ),
             ),
         })

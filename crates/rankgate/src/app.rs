@@ -276,7 +276,7 @@ impl Router {
         // said its shape" line gives the fleet's count then.
         let (engines, workers) = (fleet.engines.len(), fleet.workers.len());
         let engines_pending_shape = fleet.engines.iter().filter(|e| !e.shaped()).count();
-        let table = Table::new(fleet, cfg.telemetry.stale_after);
+        let table = Table::routed(fleet, cfg.telemetry.stale_after, cfg.routes.clone());
         // The doors first: /metrics shows their limits and counts, the allocator trim watches
         // their connections come and go.
         let front_opts = with_door(ServeOptions {

@@ -1,8 +1,10 @@
 //! What the fleet serves: each engine's models (fixed in its config, else as its `/v1/models`
-//! last said) and, the other way round, which engines serve a model. Part of the snapshot, and
-//! rebuilt only when a model list changes.
+//! last said) and, the other way round, which engines serve a model; and the names clients may
+//! send instead (`[[routes]]`, [`crate::model_routes`]), so that a reload swaps both in one
+//! snapshot. Part of the snapshot, and rebuilt only when a model list or the routes change.
 
 use crate::ix::{EngineIx, IxVec};
+use crate::model_routes::Routes;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -32,6 +34,13 @@ pub enum ModelError {
     NotFound { model: String, served: Vec<String> },
     #[error("the request names no model and this fleet serves several: {}", .0.join(", "))]
     Missing(Vec<String>),
+    /// A route's target no engine serves (the route itself is known: `[[routes]]`).
+    #[error("the model `{route}` is a route to `{target}`, which this fleet does not serve; it serves: {}", .served.join(", "))]
+    RouteTarget {
+        route: String,
+        target: String,
+        served: Vec<String>,
+    },
 }
 
 /// A client's model name as an error message repeats it: at most 200 characters.
@@ -43,7 +52,7 @@ pub fn shown(model: &str) -> String {
 }
 
 /// The fleet's models.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Catalog {
     /// Per engine: its models, `None` until known.
     engines: IxVec<EngineIx, Option<Arc<[Model]>>>,
@@ -51,6 +60,11 @@ pub struct Catalog {
     models: BTreeMap<String, Vec<EngineIx>>,
     /// Every engine's list is known (read once here: requests ask for it).
     all_known: bool,
+    /// `[[routes]]`: names a request's model may be rewritten from.
+    routes: Arc<Routes>,
+    /// Requests' bodies are read whole for their model: it decides the engines
+    /// ([`Catalog::routes_by_model`]), or may name a route.
+    reads_model: bool,
 }
 
 impl Catalog {
@@ -66,11 +80,35 @@ impl Catalog {
                 }
             }
         }
-        Catalog {
+        let mut catalog = Catalog {
             all_known: lists.iter().all(Option::is_some),
             engines: lists,
             models,
+            routes: Arc::default(),
+            reads_model: false,
+        };
+        catalog.reads_model = catalog.routes_by_model();
+        catalog
+    }
+
+    /// The same catalog with these routes.
+    pub fn routed(self, routes: Arc<Routes>) -> Catalog {
+        let reads_model = self.routes_by_model() || !routes.is_empty();
+        Catalog {
+            routes,
+            reads_model,
+            ..self
         }
+    }
+
+    /// The same catalog with `routes` in place of its own, when they differ (each target that
+    /// stays counting on from its count here); `None` when they do not.
+    pub fn rerouted(&self, routes: &Routes) -> Option<Catalog> {
+        if *routes == *self.routes {
+            return None;
+        }
+        tracing::info!(routes = routes.iter().count(), "model routes changed");
+        Some(self.clone().routed(Arc::new(routes.carry(&self.routes))))
     }
 
     /// The same catalog with engine `e`'s list replaced.
@@ -79,7 +117,20 @@ impl Catalog {
         if let Some(slot) = lists.get_mut(e) {
             *slot = Some(list);
         }
-        Catalog::new(lists)
+        Catalog::new(lists).routed(self.routes.clone())
+    }
+
+    /// `[[routes]]`: empty unless the config has some.
+    #[inline]
+    pub fn routes(&self) -> &Arc<Routes> {
+        &self.routes
+    }
+
+    /// Whether a request's body is read whole for its model: it decides the engines, or may
+    /// name a route.
+    #[inline]
+    pub fn reads_model(&self) -> bool {
+        self.reads_model
     }
 
     /// Engine `e`'s models, if known.
@@ -168,21 +219,31 @@ impl Catalog {
     }
 
     /// The fleet's `/v1/models`: each model once, from the engines `listed` allows (those
-    /// with fresh telemetry), in id order; the first such engine's entry stands for it.
+    /// with fresh telemetry), in id order; the first such engine's entry stands for it. Each
+    /// route is listed too, served or not (its entry names its targets), in place of a model
+    /// of its name: a request naming it goes to a target.
     pub fn listing(&self, listed: impl Fn(EngineIx) -> bool) -> Value {
-        let data: Vec<&Value> = self
+        let mut data: Vec<&Value> = self
             .models
             .iter()
+            .filter(|(id, _)| self.routes.get(id).is_none())
             .filter_map(|(id, engines)| {
                 let e = *engines.iter().find(|&&e| listed(e))?;
                 self.of(e)?.iter().find(|m| &m.id == id).map(|m| &m.entry)
             })
             .collect();
+        if !self.routes.is_empty() {
+            data.extend(self.routes.iter().map(|r| r.entry()));
+            data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+        }
         json!({"object": "list", "data": data})
     }
 
-    /// One model's entry, if a listed engine serves it.
+    /// One model's entry, if a listed engine serves it, or a route's.
     pub fn entry(&self, id: &str, listed: impl Fn(EngineIx) -> bool) -> Option<&Value> {
+        if let Some(route) = self.routes.get(id) {
+            return Some(route.entry());
+        }
         let e = *self.models.get(id)?.iter().find(|&&e| listed(e))?;
         self.of(e)?.iter().find(|m| m.id == id).map(|m| &m.entry)
     }
@@ -262,5 +323,29 @@ mod tests {
         assert_eq!(ids, ["a", "b"]);
         assert!(c.entry("c", |e| e != ix(2)).is_none());
         assert_eq!(c.entry("a", |_| true).unwrap()["id"], "a");
+    }
+
+    #[test]
+    fn routes_are_listed_whether_served_or_not_and_keep_the_model_read() {
+        use crate::model_routes::{Route, Routes};
+        let c = Catalog::new(vec![list(&["a"])]);
+        assert!(!c.reads_model(), "one model: bodies are not read");
+        let routes = Routes::new(vec![
+            Route::new("chat", vec![("a".into(), 9), ("new".into(), 1)], None),
+            Route::new("b", vec![("a".into(), 1)], None),
+        ]);
+        let c = c.routed(Arc::new(routes));
+        assert!(c.reads_model() && !c.routes_by_model());
+        let v = c.listing(|_| true);
+        let ids: Vec<&str> = (v["data"].as_array().unwrap().iter())
+            .map(|m| m["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["a", "b", "chat"]);
+        let chat = c.entry("chat", |_| false).unwrap();
+        assert_eq!(chat["owned_by"], "rankgate");
+        assert_eq!(chat["targets"][1], json!({"model": "new", "weight": 1}));
+        // A list that changes keeps the routes.
+        let c = c.with(ix(0), list(&["a", "z"]).unwrap());
+        assert!(c.routes().get("chat").is_some() && c.reads_model());
     }
 }

@@ -1,9 +1,10 @@
 //! Runtime control of the fleet: reloading the config file (SIGHUP, `POST /reload`), the admin
 //! API's engine changes, and the token that guards them.
 //!
-//! Only `[[engines]]` take effect on reload; every other setting is fixed for the life of the
-//! process (listeners are bound, pools sized, discovery tasks running), so a reload that changes
-//! one applies the engines and names the settings that wait for a restart. A file that does not
+//! Only `[[engines]]` and `[[routes]]` take effect on reload (both in one snapshot); every other
+//! setting is fixed for the life of the process (listeners are bound, pools sized, discovery
+//! tasks running), so a reload that changes one applies the engines and routes and names the
+//! settings that wait for a restart. A file that does not
 //! parse or validate changes nothing.
 //!
 //! A reload reads and parses on a blocking thread, never on the runtime that serves and
@@ -22,7 +23,6 @@ use tokio::sync::Semaphore;
 use crate::config::{Config, ConfigError};
 use crate::membership::{Change, Membership, MembershipError, Outcome};
 use crate::proxy::{Denied, Keys};
-use crate::worker::Origin;
 
 /// Why a reload changed nothing.
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +110,7 @@ impl Control {
     }
 
     /// Re-reads the config file (off the runtime, within [`RELOAD_DEADLINE`]) and applies its
-    /// engines; [`ReloadError::Busy`] while another reload runs.
+    /// engines and routes; [`ReloadError::Busy`] while another reload runs.
     pub async fn reload(&self) -> Result<Reloaded, ReloadError> {
         let path = self.path.clone().ok_or(ReloadError::NoFile)?;
         let permit = (self.reloading.clone().try_acquire_owned()).map_err(|_| ReloadError::Busy)?;
@@ -136,9 +136,9 @@ impl Control {
         let restart_needed = restart_needed(&self.started, &cfg);
         let outcome = self
             .membership
-            .apply(Change::Replace {
-                origin: Origin::Config,
+            .apply(Change::Reload {
                 engines: cfg.engines,
+                routes: cfg.routes,
             })
             .await?;
         drop(permit);
@@ -149,7 +149,7 @@ impl Control {
     }
 }
 
-/// The settings other than `[[engines]]` that differ between `a` and `b` (listed in the
+/// The settings other than `[[engines]]` and `[[routes]]` that differ between `a` and `b` (listed in the
 /// config, where the settings are).
 fn restart_needed(a: &Config, b: &Config) -> Vec<&'static str> {
     a.restart_needed(b)

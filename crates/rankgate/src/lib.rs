@@ -22,7 +22,8 @@
 //! - [`scan`]: one field of a JSON or multipart body, read without a parse.
 //! - [`tracecontext`]: W3C `traceparent`, read and written.
 //! - [`deadlines`]: every deadline of the request path, and who enforces it.
-//! - [`catalog`]: the fleet's models and which engines serve each; [`prefix`]: the prompt
+//! - [`catalog`]: the fleet's models and which engines serve each, with [`model_routes`]
+//!   (`[[routes]]`: names rewritten to served models, by weight; a leaf); [`prefix`]: the prompt
 //!   prefixes sent to each rank (affinity); [`prompt`]: a request's prompt as affinity
 //!   compares it (chunk names, and token ids where the model's tokenizer is known); [`pbwire`]: protobuf edited at the wire level;
 //!   [`tls`]: certificates for the listeners and engines; [`x509`]: a certificate's expiry
@@ -68,6 +69,7 @@ pub mod logging;
 pub mod membership;
 pub mod memory;
 pub mod metrics;
+pub mod model_routes;
 #[cfg(feature = "otlp")]
 pub mod otlp;
 pub mod outlier;

@@ -40,6 +40,12 @@ pub enum Change {
     /// The admin API removes the engine with this URL (identity: `url`, or `grpc_url` when the
     /// engine has only that).
     Remove { url: String },
+    /// A reload: the file's engines (as `Replace` from the config) and its `[[routes]]`, in one
+    /// snapshot, so no request sees the new routes with the old engines.
+    Reload {
+        engines: Vec<Engine>,
+        routes: Arc<crate::model_routes::Routes>,
+    },
 }
 
 /// What a change did, by engine URL.
@@ -158,6 +164,8 @@ pub struct Plan {
     pub sources: Sources,
     pub engines: Vec<(Origin, Engine)>,
     pub outcome: Outcome,
+    /// A reload's `[[routes]]`, for the publisher to swap in with the engines.
+    pub routes: Option<Arc<crate::model_routes::Routes>>,
 }
 
 impl Sources {
@@ -208,6 +216,7 @@ impl Sources {
 pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> {
     let (before, _) = sources.engines();
     let mut next = sources.clone();
+    let mut routes = None;
     let origin = match change {
         Change::Add(engine) => {
             if let Some((origin, _)) = before.iter().find(|(_, o)| same_address(o, &engine)) {
@@ -234,6 +243,11 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
                 set.retain(keep);
             }
             *origin
+        }
+        Change::Reload { engines, routes: r } => {
+            next.config = engines;
+            routes = Some(r);
+            Origin::Config
         }
         Change::Replace { origin, engines } => {
             match origin {
@@ -292,6 +306,7 @@ pub fn plan(sources: &Sources, change: Change) -> Result<Plan, MembershipError> 
         sources: next,
         engines,
         outcome,
+        routes,
     })
 }
 

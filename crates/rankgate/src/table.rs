@@ -19,6 +19,7 @@ use crate::catalog::{Catalog, Model};
 use crate::config::SourceKind;
 use crate::ix::{EngineIx, IxVec, WorkerIx};
 pub use crate::live::{Live, UNIT_WEIGHT};
+use crate::model_routes::Routes;
 pub use crate::reason::Reason;
 use crate::worker::{Fleet, Member};
 
@@ -239,8 +240,15 @@ pub struct Table {
 
 impl Table {
     pub fn new(fleet: Fleet, stale_after: Duration) -> Arc<Table> {
+        Table::routed(fleet, stale_after, Arc::default())
+    }
+
+    /// [`Table::new`] with `[[routes]]` in its catalog from the start.
+    pub fn routed(fleet: Fleet, stale_after: Duration, routes: Arc<Routes>) -> Arc<Table> {
+        let mut snapshot = Snapshot::initial(fleet);
+        snapshot.catalog = Arc::new(Catalog::new(fixed_models(&snapshot.fleet)).routed(routes));
         Arc::new(Table {
-            snapshot: ArcSwap::from_pointee(Snapshot::initial(fleet)),
+            snapshot: ArcSwap::from_pointee(snapshot),
             stale_after,
             kv_refused: Arc::default(),
             published: tokio::sync::Notify::new(),

@@ -2,7 +2,8 @@
 //!
 //! Unknown keys are errors (`deny_unknown_fields`): a misspelt key that is silently ignored is
 //! how a router ends up running with defaults nobody chose. The config sits at the bottom of
-//! the crate: it imports nothing of it, and every engine type the rest routes by is defined in
+//! the crate: it imports nothing of it but one leaf (`crate::model_routes`, the routes table
+//! `[[routes]]` is validated into), and every engine type the rest routes by is defined in
 //! [`engine`]. This file only declares the parts and re-exports what the crate uses:
 //! - `error`: the error type; `duration`: durations as written, and their bounds;
 //! - [`engine`]: one engine as configured; `engines`: an `[[engines]]` entry validated;
@@ -10,6 +11,7 @@
 //! - `server`, `routing`, `polling`, `traces`, `tls`: the `[server]`, `[routing]`,
 //!   `[telemetry]`, `[tracing]` and TLS tables; `discovery`: `[[discovery]]`;
 //! - `kv`: an engine's KV-event endpoint, and `[[models]]` (tokenizers);
+//! - `model_routes`: `[[routes]]`, the model names rewritten to others (aliases, canaries);
 //! - `edge`: what clients are told of the fleet, and whose forwarding headers are believed;
 //! - `rules`: rules across engines, and warnings; `roles`: each model's prefill and decode
 //!   servers as far as the config tells; `whole`: the file as one [`Config`];
@@ -23,6 +25,7 @@ mod engines;
 mod error;
 mod flow;
 mod kv;
+mod model_routes;
 mod polling;
 mod read;
 mod restart;
@@ -54,6 +57,9 @@ pub use flow::{
     MAX_TENANT_BYTES,
 };
 pub use kv::{KvEndpoint, KvEvents, ModelConfig};
+pub use model_routes::{
+    DEFAULT_TARGET_WEIGHT, MAX_MODEL_NAME_BYTES, MAX_ROUTES, MAX_TARGETS, MAX_TARGET_WEIGHT,
+};
 pub use polling::*;
 pub use read::{read_regular, MAX_CONFIG_BYTES};
 pub use roles::{pairing_errors, role_check, RoleCheck};

@@ -1,5 +1,5 @@
-//! Which settings a reload cannot apply. Only `[[engines]]` take effect on reload; every other
-//! setting is fixed for the life of the process (listeners are bound, pools sized, discovery
+//! Which settings a reload cannot apply. Only `[[engines]]` and `[[routes]]` take effect on
+//! reload; every other setting is fixed for the life of the process (listeners are bound, pools sized, discovery
 //! tasks running), so a reload names the ones that differ.
 //!
 //! The settings are listed once, in [`restart_keys!`]: a new `[server]` key that needs a
@@ -39,7 +39,7 @@ restart_keys! {
 }
 
 impl Config {
-    /// The settings other than `[[engines]]` that differ between `self` (as started) and `new`.
+    /// The settings other than `[[engines]]` and `[[routes]]` that differ between `self` (as started) and `new`.
     pub fn restart_needed(&self, new: &Config) -> Vec<&'static str> {
         let mut out: Vec<&'static str> = (RESTART_KEYS.iter())
             .filter(|(_, differs)| differs(self, new))

@@ -16,6 +16,7 @@ use super::engines::RawEngine;
 use super::error::{invalid, ConfigError};
 use super::flow::{flow, FlowConfig, RawFlow};
 use super::kv::{models, ModelConfig, RawModel};
+use super::model_routes::{model_routes, RawRoute};
 use super::polling::{telemetry_config, RawTelemetry, TelemetryConfig};
 use super::routing::{routing, RawRouting, RoutingConfig};
 use super::rules::{address_warnings, check_rank_overlap, Resolved};
@@ -49,6 +50,8 @@ struct RawConfig {
     models: Vec<RawModel>,
     #[serde(default)]
     flow: RawFlow,
+    #[serde(default)]
+    routes: Vec<RawRoute>,
 }
 
 /// A validated config.
@@ -66,6 +69,8 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     /// `[flow]`: flow control (off unless enabled).
     pub flow: FlowConfig,
+    /// `[[routes]]`: model names rewritten to the models engines serve (applied on reload).
+    pub routes: Arc<crate::model_routes::Routes>,
     /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
     /// the only ones the admin API may name.
     pub key_vars: Vec<String>,
@@ -123,6 +128,7 @@ impl Config {
         let engine_tls = raw.engine_tls.validate()?;
         let models = models(raw.models)?;
         let flow = flow(raw.flow)?;
+        let routes = Arc::new(model_routes(raw.routes)?);
 
         let discovery = (raw.discovery.into_iter().enumerate())
             .map(|(i, d)| d.validate(i))
@@ -188,6 +194,7 @@ impl Config {
             engine_tls,
             models,
             flow,
+            routes,
             key_vars,
         })
     }
@@ -208,6 +215,13 @@ impl Config {
             .collect();
         let mut warnings = address_warnings(&resolved);
         warnings.extend(self.roles().warnings);
+        // Engines from discovery or the admin API may serve what no fixed list has.
+        let closed = self.discovery.is_empty() && self.server.admin_token_env.is_none();
+        warnings.extend(super::model_routes::warnings(
+            &self.routes,
+            &self.engines,
+            closed,
+        ));
         warnings
     }
 

@@ -11,7 +11,8 @@
 //!   `/metrics` with it.
 //! - Per model: the latency histograms ([`histogram`], kept in atomics), and requests rankgate
 //!   answered itself, labelled by small indices ([`labels`]) whose names are looked up only when
-//!   scraped.
+//!   scraped. A request naming a model route counts under its target (what served it); the
+//!   route's own counter per target is read from the snapshot's routes ([`model_routes`]).
 //!
 //! The request path takes no lock to record a request, and allocates nothing once its label
 //! combination has been seen: a route and a model are `u16`s, a counter bump is an atomic add
@@ -31,6 +32,7 @@ mod gray;
 pub(crate) mod histogram;
 mod kv;
 mod labels;
+mod model_routes;
 mod pd;
 mod process;
 mod routes;
@@ -233,6 +235,9 @@ impl Metrics {
                 bound: first_byte_bound.clone(),
             }));
             registry.register_collector(Box::new(kv::KvPublishers {
+                table: table.clone(),
+            }));
+            registry.register_collector(Box::new(model_routes::ModelRoutes {
                 table: table.clone(),
             }));
             registry.register_collector(Box::new(fleet::Fleet { table }));

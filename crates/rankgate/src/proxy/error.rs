@@ -184,7 +184,9 @@ impl ProxyError {
         match self.root() {
             ProxyError::NotFound(_)
             | ProxyError::NoEngineFor(_)
-            | ProxyError::Model(ModelError::NotFound { .. }) => StatusCode::NOT_FOUND,
+            | ProxyError::Model(ModelError::NotFound { .. } | ModelError::RouteTarget { .. }) => {
+                StatusCode::NOT_FOUND
+            }
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ProxyError::Debug(d) => match d {
@@ -246,7 +248,7 @@ impl ProxyError {
     /// The OpenAI error `param` and `code`: the model's errors say so, the rest give the status.
     pub fn param_and_code(&self) -> (Option<&'static str>, serde_json::Value) {
         match self.root() {
-            ProxyError::Model(ModelError::NotFound { .. }) => {
+            ProxyError::Model(ModelError::NotFound { .. } | ModelError::RouteTarget { .. }) => {
                 (Some("model"), "model_not_found".into())
             }
             ProxyError::Model(ModelError::Missing(_)) | ProxyError::Scan(_) => {
@@ -273,7 +275,9 @@ impl ProxyError {
             ProxyError::NotFound(_)
             | ProxyError::NoEngineFor(_)
             | ProxyError::MethodNotAllowed { .. } => Code::Unimplemented,
-            ProxyError::Model(ModelError::NotFound { .. }) => Code::NotFound,
+            ProxyError::Model(ModelError::NotFound { .. } | ModelError::RouteTarget { .. }) => {
+                Code::NotFound
+            }
             ProxyError::Unauthorized(_) => Code::Unauthenticated,
             ProxyError::Debug(d) => match d {
                 DebugRefused::NotOne => Code::InvalidArgument,

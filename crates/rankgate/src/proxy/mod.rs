@@ -73,6 +73,7 @@ mod observe;
 mod pick;
 mod pin;
 mod read;
+mod reroute;
 mod respond;
 mod retry;
 pub(crate) mod route;

@@ -82,9 +82,10 @@ where
             return super::layer::ready(Err(ProxyError::TooLarge(self.max_body)));
         }
         let mut inner = self.inner.clone();
-        // Where the model decides the engine, the model is read from the body: all of it. So
-        // is a response request's, which may refer to a stored response (refused, in select).
-        let whole = self.ctx.table.snapshot.load().catalog.routes_by_model()
+        // Where the model decides the engine, or may name a route, the model is read from the
+        // body: all of it. So is a response request's, which may refer to a stored response
+        // (refused, in select).
+        let whole = self.ctx.table.snapshot.load().catalog.reads_model()
             || req.uri().path() == "/v1/responses";
         let keep = if whole { self.max_body } else { self.keep };
         let (max, pace) = (self.max_body, BodyPace::new(self.stall, self.whole));

@@ -5,7 +5,9 @@
 //! A fleet whose lists are all unknown is not scanned at all, one serving one model only up to
 //! a `model` naming it (usually the body's first member: a request naming another gets the
 //! fleet's own 404), and a fleet of one flavor needs no flavor check: the usual request passes
-//! straight through.
+//! straight through. With `[[routes]]`, the body is scanned for its model first, and a model
+//! naming a route rewritten to its target ([`super::reroute`]); what the scan read is used
+//! below, not read again.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -15,12 +17,14 @@ use http::{header, Request};
 use super::disagg::Split;
 use super::error::ProxyError;
 use super::layer::{Below, Step};
+use super::reroute::{self, Named};
 use super::route::{self, Action, Payload, Proxied};
 use super::shared::Ctx;
 use crate::catalog::ModelError;
 use crate::metrics::ModelSlot;
 use crate::policy::Avoid;
 use crate::scan::{self, ScanError};
+use crate::table::Snapshot;
 use crate::upstream::RequestBody;
 use crate::worker::{EngineId, Flavor, Role};
 
@@ -49,7 +53,7 @@ where
     layer_types!(Step<S::Future>);
 
     fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
-        match self.avoid(&req) {
+        match self.choose(&mut req) {
             Ok(chosen) => chosen.mark(&mut req),
             Err(ProxyError::Model(ModelError::NotFound { .. }))
                 if self.recheck_round().is_some() =>
@@ -91,7 +95,7 @@ where
                 .recheck
                 .wait(round, crate::recheck::WAIT)
                 .await;
-            this.avoid(&req)?.mark(&mut req);
+            this.choose(&mut req)?.mark(&mut req);
             inner.call(req).await
         }))
     }
@@ -132,11 +136,42 @@ fn split_route(path: &str) -> bool {
 }
 
 impl<S> Select<S> {
-    /// The engines the request may go to, and whether in two legs.
-    fn avoid(&self, req: &Request<RequestBody>) -> Result<Chosen, ProxyError> {
+    /// Where the request may go, its model first rewritten when it names a route.
+    fn choose(&self, req: &mut Request<RequestBody>) -> Result<Chosen, ProxyError> {
+        // The snapshot's guard is let go before the layers below, which load their own.
+        let snap = self.ctx.table.snapshot.load();
+        // Without routes (the usual fleet) this one look is all they cost.
+        let named = match snap.catalog.routes().is_empty() {
+            true => None,
+            false => self.reroute(req, &snap),
+        };
+        let chosen = self.avoid(req, &snap, named.as_ref());
+        match named {
+            Some(named) => chosen.map_err(|e| named.explain(e)),
+            None => chosen,
+        }
+    }
+
+    /// A request naming a route, rewritten to its target; the model it names, if read.
+    fn reroute(&self, req: &mut Request<RequestBody>, snap: &Snapshot) -> Option<Named> {
+        let (method, path) = (req.method(), req.uri().path());
+        let Ok(Action::Proxy(route)) = route::lookup(&self.ctx, &self.extra_routes, method, path)
+        else {
+            return None;
+        };
+        reroute::apply(req, route.payload, snap.catalog.routes())
+    }
+
+    /// The engines the request may go to, and whether in two legs. `named`: its model, when
+    /// `reroute` read it.
+    fn avoid(
+        &self,
+        req: &Request<RequestBody>,
+        snap: &Snapshot,
+        named: Option<&Named>,
+    ) -> Result<Chosen, ProxyError> {
         let ctx = &self.ctx;
         let path = req.uri().path();
-        let snap = ctx.table.snapshot.load();
         let mixed_flavors = snap.fleet.http.mixed_flavors;
         let split = snap.fleet.http.disaggregated && split_route(path);
         // The usual request: one model, one flavor, nothing to look at (engines that serve no
@@ -149,7 +184,7 @@ impl<S> Select<S> {
                 if let Ok(Action::Proxy(route)) =
                     route::lookup(ctx, &self.extra_routes, req.method(), path)
                 {
-                    not_served(req, route, sole)?;
+                    not_served(req, route, sole, named)?;
                 }
             }
             return Ok(Chosen::Any);
@@ -168,7 +203,7 @@ impl<S> Select<S> {
         }
         let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
         if let Some(sole) = snap.catalog.sole_model() {
-            not_served(req, route, sole)?;
+            not_served(req, route, sole, named)?;
         }
         // Before the engines' model lists are read, a request naming its model is labelled
         // with it (`Metrics::model` bounds how many names), not `unknown`.
@@ -177,18 +212,21 @@ impl<S> Select<S> {
             snap.catalog.lists_pending() && route.payload != Payload::Empty,
             req.extensions().get::<ModelSlot>(),
         ) {
-            if let Ok(Some(m)) = model(req, route) {
-                slot.set(ctx.metrics.model(&m, &snap));
+            if let Ok(Some(m)) = read_model(req, route, named) {
+                slot.set(ctx.metrics.model(&m, snap));
             }
         }
         if !by_model && !split && (!mixed_flavors || route.flavors == crate::worker::Flavors::BOTH)
         {
             return Ok(Chosen::Any);
         }
-        let model = if by_model { model(req, route)? } else { None };
+        let model = match by_model {
+            true => read_model(req, route, named)?,
+            false => None,
+        };
         // `respond` labels the request with its model: one the catalog knows, else `unknown`.
         if let (Some(slot), Some(m)) = (req.extensions().get::<ModelSlot>(), &model) {
-            slot.set(ctx.metrics.model(m, &snap));
+            slot.set(ctx.metrics.model(m, snap));
         }
         let engines = &snap.fleet.engines;
         let serving = match by_model {
@@ -308,15 +346,22 @@ fn whole(req: &Request<RequestBody>) -> Option<&[u8]> {
 /// another itself, as one serving several does: 404 `model_not_found`, naming the model it
 /// serves, rather than one engine's own 404. The body is scanned only up to its first member
 /// naming `sole` (the usual request names it first); a body too large to have been kept whole,
-/// or naming no model, goes on as before (its engine answers).
-fn not_served(req: &Request<RequestBody>, route: Proxied, sole: &str) -> Result<(), ProxyError> {
+/// or naming no model, goes on as before (its engine answers). `named`: the model `reroute`
+/// read, when it did.
+fn not_served(
+    req: &Request<RequestBody>,
+    route: Proxied,
+    sole: &str,
+    named: Option<&Named>,
+) -> Result<(), ProxyError> {
     let RequestBody::Full(body) = req.body() else {
         return Ok(());
     };
-    let other = match route.payload {
-        Payload::Json => scan::json_member_other(body, "model", sole),
-        Payload::Form => model(req, route).ok().flatten().filter(|m| m != sole),
-        Payload::Empty => None,
+    let other = match (named, route.payload) {
+        (Some(n), _) => n.model.as_deref().filter(|m| *m != sole).map(Cow::Borrowed),
+        (None, Payload::Json) => scan::json_member_other(body, "model", sole),
+        (None, Payload::Form) => model(req, route).ok().flatten().filter(|m| m != sole),
+        (None, Payload::Empty) => None,
     };
     match other {
         Some(m) => Err(crate::catalog::ModelError::NotFound {
@@ -325,6 +370,19 @@ fn not_served(req: &Request<RequestBody>, route: Proxied, sole: &str) -> Result<
         }
         .into()),
         None => Ok(()),
+    }
+}
+
+/// The request's `model`: as `reroute` read it (`named`), else from wherever its route carries
+/// it.
+fn read_model<'a>(
+    req: &'a Request<RequestBody>,
+    route: Proxied,
+    named: Option<&'a Named>,
+) -> Result<Option<Cow<'a, str>>, ScanError> {
+    match named {
+        Some(n) => Ok(n.model.as_deref().map(Cow::Borrowed)),
+        None => model(req, route),
     }
 }
 

@@ -280,6 +280,10 @@ impl Publisher {
     fn change(&mut self, change: Change) -> Result<Outcome, MembershipError> {
         let plan = membership::plan(&self.sources, change)?;
         self.sources = plan.sources;
+        // A reload's routes go in with its fleet below (the rebuild publishes once).
+        if let Some(next) = (plan.routes.as_deref()).and_then(|r| self.catalog.rerouted(r)) {
+            self.catalog = Arc::new(next);
+        }
         // What engines that left said of themselves goes with them.
         let stay: HashSet<&str> = plan.engines.iter().map(|(_, e)| &*e.url).collect();
         self.reported.retain(|url, _| stay.contains(&**url));
@@ -387,7 +391,7 @@ impl Publisher {
                 })
             })
             .collect();
-        self.catalog = Arc::new(Catalog::new(lists));
+        self.catalog = Arc::new(Catalog::new(lists).routed(self.catalog.routes().clone()));
         self.by_key = (fleet.engines.iter_enumerated())
             .map(|(i, e)| (e.key, i))
             .collect();
