@@ -272,6 +272,9 @@ impl Admin {
                     "upstream_loads": load.and_then(|l| l.upstream.as_deref()),
                     "age_ms": load.map(|l| now.saturating_duration_since(l.sampled_at).as_millis() as u64),
                     "in_flight": live.in_flight(),
+                    "adapters": (w.adapters.running().iter())
+                        .map(|(name, n)| serde_json::json!({"name": &**name, "in_flight": n}))
+                        .collect::<Vec<_>>(),
                     "consecutive_failures": live.outlier.failures(),
                     "failures": failures::shown(w),
                     "engine_note": engine.mismatch(),

@@ -51,6 +51,9 @@ pub struct Catalog {
     models: BTreeMap<String, Vec<EngineIx>>,
     /// Every engine's list is known (read once here: requests ask for it).
     all_known: bool,
+    /// The models that are LoRA adapters (their entry names a `parent`), each name shared by
+    /// the requests for it.
+    adapters: BTreeMap<String, Arc<str>>,
 }
 
 impl Catalog {
@@ -58,8 +61,15 @@ impl Catalog {
     pub fn new(lists: impl Into<IxVec<EngineIx, Option<Arc<[Model]>>>>) -> Catalog {
         let lists = lists.into();
         let mut models: BTreeMap<String, Vec<EngineIx>> = BTreeMap::new();
+        let mut adapters = BTreeMap::new();
         for (e, list) in lists.iter_enumerated() {
             for m in list.iter().flat_map(|l| l.iter()) {
+                if m.entry
+                    .get("parent")
+                    .is_some_and(serde_json::Value::is_string)
+                {
+                    adapters.insert(m.id.clone(), m.id.as_str().into());
+                }
                 let engines = models.entry(m.id.clone()).or_default();
                 if engines.last() != Some(&e) {
                     engines.push(e);
@@ -70,6 +80,7 @@ impl Catalog {
             all_known: lists.iter().all(Option::is_some),
             engines: lists,
             models,
+            adapters,
         }
     }
 
@@ -85,6 +96,12 @@ impl Catalog {
     /// Engine `e`'s models, if known.
     pub fn of(&self, e: EngineIx) -> Option<&[Model]> {
         self.engines.get(e)?.as_deref()
+    }
+
+    /// `model`'s name, when it is a LoRA adapter of some engine (its `/v1/models` entry names a
+    /// `parent`).
+    pub fn adapter(&self, model: &str) -> Option<&Arc<str>> {
+        self.adapters.get(model)
     }
 
     /// Whether some engine's known model list has `model`.
