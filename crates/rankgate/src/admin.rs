@@ -30,7 +30,7 @@ use crate::policy::Selector;
 use crate::proxy::Denied;
 use crate::reason::Reason;
 use crate::table::{Fresh, RankTelemetry, Table};
-use crate::worker::{Deployment, EngineEntry, Flavor};
+use crate::worker::{Deployment, Flavor};
 use query::query_param;
 use render::off_runtime;
 pub use render::Renders;
@@ -41,6 +41,7 @@ mod reach;
 mod ready;
 mod render;
 mod routes;
+mod rows;
 
 /// What the admin handlers read.
 pub struct Admin {
@@ -273,6 +274,9 @@ impl Admin {
                     "upstream_loads": load.and_then(|l| l.upstream.as_deref()),
                     "age_ms": load.map(|l| now.saturating_duration_since(l.sampled_at).as_millis() as u64),
                     "in_flight": live.in_flight(),
+                    "adapters": (w.adapters.running().iter())
+                        .map(|(name, n)| serde_json::json!({"name": &**name, "in_flight": n}))
+                        .collect::<Vec<_>>(),
                     "consecutive_failures": live.outlier.failures(),
                     "failures": failures::shown(w),
                     "engine_note": engine.mismatch(),
@@ -280,67 +284,12 @@ impl Admin {
                     "pd": (crate::metrics::PdLeg::of(w.role))
                         .map(|leg| w.counters.pd_health.shown(leg, engine.flavor)),
                 });
-                with_models(row, snap.catalog.of(w.engine), engine.models.is_some())
+                rows::with_models(row, snap.catalog.of(w.engine), engine.models.is_some())
             })
-            .chain(snap.fleet.engines.iter().filter(|e| !e.shaped()).map(unshaped_row))
+            .chain(snap.fleet.engines.iter().filter(|e| !e.shaped()).map(rows::unshaped_row))
             .collect();
         Value::Array(rows)
     }
-}
-
-/// A `/workers` row for an engine that has no workers yet because it has not said its flavor or
-/// DP size: it takes no traffic, and the row says why.
-fn unshaped_row(e: &Arc<EngineEntry>) -> Value {
-    let why = e.unshaped.load();
-    // A group member's size and a configured size are not asked; only what is missing is.
-    let size_known = e.declared.dp_size.is_some() || e.deployment != Deployment::Own;
-    let what = match (e.declared.flavor, size_known) {
-        (None, false) => "flavor and DP size",
-        (None, true) => "flavor",
-        (Some(_), _) => "DP size",
-    };
-    let reason = format!(
-        "{what} not known yet: {}",
-        why.as_deref().map_or("not asked yet", String::as_str)
-    );
-    let row = json!({
-        "id": e.url.as_ref(),
-        "engine": e.url.as_ref(),
-        "dp_rank": null,
-        "flavor": e.declared.flavor.map_or("unknown", Flavor::as_str),
-        "role": e.role.as_str(),
-        "telemetry": "unavailable",
-        "reason": reason,
-        "reason_kind": "shape_unknown",
-        "source": null,
-        // Not known: the shape question's failure may be a silent engine or one that
-        // answered something else (`reason` says which).
-        "reachable": null,
-        "health": "unknown",
-        "in_flight": 0,
-        "consecutive_failures": 0,
-    });
-    with_models(row, None, false)
-}
-
-/// `row` with its engine's `models` once known (`models_state`: `configured` or `read`), and
-/// without them while the engine has not told them yet (`pending`): an empty list would read as
-/// an engine that serves nothing, when it is one that requests are routed to as if it might
-/// serve any model.
-fn with_models(mut row: Value, models: Option<&[crate::catalog::Model]>, fixed: bool) -> Value {
-    let state = match (models, fixed) {
-        (None, _) => "pending",
-        (Some(_), true) => "configured",
-        (Some(_), false) => "read",
-    };
-    if let Value::Object(o) = &mut row {
-        if let Some(l) = models {
-            let ids = l.iter().map(|m| Value::from(m.id.as_str())).collect();
-            o.insert("models".into(), Value::Array(ids));
-        }
-        o.insert("models_state".into(), state.into());
-    }
-    row
 }
 
 impl Admin {

@@ -65,6 +65,9 @@ pub struct Catalog {
     /// Requests' bodies are read whole for their model: it decides the engines
     /// ([`Catalog::routes_by_model`]), or may name a route.
     reads_model: bool,
+    /// The models that are LoRA adapters (their entry names a `parent`), each name shared by
+    /// the requests for it.
+    adapters: BTreeMap<String, Arc<str>>,
 }
 
 impl Catalog {
@@ -72,8 +75,15 @@ impl Catalog {
     pub fn new(lists: impl Into<IxVec<EngineIx, Option<Arc<[Model]>>>>) -> Catalog {
         let lists = lists.into();
         let mut models: BTreeMap<String, Vec<EngineIx>> = BTreeMap::new();
+        let mut adapters = BTreeMap::new();
         for (e, list) in lists.iter_enumerated() {
             for m in list.iter().flat_map(|l| l.iter()) {
+                if m.entry
+                    .get("parent")
+                    .is_some_and(serde_json::Value::is_string)
+                {
+                    adapters.insert(m.id.clone(), m.id.as_str().into());
+                }
                 let engines = models.entry(m.id.clone()).or_default();
                 if engines.last() != Some(&e) {
                     engines.push(e);
@@ -86,6 +96,7 @@ impl Catalog {
             models,
             routes: Arc::default(),
             reads_model: false,
+            adapters,
         };
         catalog.reads_model = catalog.routes_by_model();
         catalog
@@ -136,6 +147,12 @@ impl Catalog {
     /// Engine `e`'s models, if known.
     pub fn of(&self, e: EngineIx) -> Option<&[Model]> {
         self.engines.get(e)?.as_deref()
+    }
+
+    /// `model`'s name, when it is a LoRA adapter of some engine (its `/v1/models` entry names a
+    /// `parent`).
+    pub fn adapter(&self, model: &str) -> Option<&Arc<str>> {
+        self.adapters.get(model)
     }
 
     /// Whether some engine's known model list has `model`.

@@ -53,6 +53,7 @@
 //! library as any client would; the `rankgate` binary (src/main.rs, the root package) joins them.
 //! The production build leaves them out (`cargo build --release --no-default-features`).
 
+pub mod adapters;
 pub mod admin;
 pub mod app;
 pub mod catalog;

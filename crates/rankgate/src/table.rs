@@ -274,6 +274,8 @@ impl Snapshot {
 pub struct InFlight {
     member: Arc<Member>,
     weight: u64,
+    /// The LoRA adapter the request names, held on the rank until it ends.
+    adapter: Option<Arc<str>>,
 }
 
 impl InFlight {
@@ -282,7 +284,17 @@ impl InFlight {
         // Weight before count: a reader that sees the request counted also sees its weight.
         live.dispatched_weight.fetch_add(weight, Relaxed);
         live.dispatched.fetch_add(1, Relaxed);
-        InFlight { member, weight }
+        InFlight {
+            member,
+            weight,
+            adapter: None,
+        }
+    }
+
+    /// The request runs LoRA adapter `name` on its rank until it ends.
+    pub fn hold_adapter(&mut self, name: &Arc<str>) {
+        self.member.adapters.hold(name);
+        self.adapter = Some(name.clone());
     }
 
     pub fn member(&self) -> &Arc<Member> {
@@ -301,5 +313,8 @@ impl Drop for InFlight {
         let live = &self.member.live;
         live.completed.fetch_add(1, Relaxed);
         live.completed_weight.fetch_add(self.weight, Relaxed);
+        if let Some(a) = &self.adapter {
+            self.member.adapters.release(a);
+        }
     }
 }

@@ -123,6 +123,8 @@ pub struct Member {
     /// The blocks its engine says it holds (`routing.kv_events`), read by picks without a
     /// lock, written by its engine's event feed.
     pub kv: Arc<crate::kv::RankIndex>,
+    /// The LoRA adapters this router has requests in flight for here.
+    pub adapters: crate::adapters::Adapters,
 }
 
 /// One engine in the fleet: its config, where it came from, its connections and its workers.
@@ -202,6 +204,7 @@ impl EngineEntry {
                     counters: WorkerCounters::default(),
                     invalid_entries: AtomicU64::new(0),
                     prefixes: Default::default(),
+                    adapters: Default::default(),
                     kv: Default::default(),
                 })
             })

@@ -46,6 +46,8 @@ pub(super) struct RawDiscovery {
     role: Option<Role>,
     /// SGLang prefill servers' bootstrap port (a pod's `rankgate.io/bootstrap-port` overrides).
     bootstrap_port: Option<u16>,
+    /// Their `--max-loras`.
+    max_loras: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -124,6 +126,7 @@ pub struct EngineTemplate {
     tls: bool,
     role: Option<Role>,
     bootstrap_port: Option<u16>,
+    max_loras: Option<u32>,
 }
 
 impl EngineTemplate {
@@ -173,6 +176,7 @@ impl EngineTemplate {
             bootstrap_port: found.bootstrap_port.or(self.bootstrap_port),
             kv_lease: None,
             kv_hosts: None,
+            max_loras: self.max_loras,
         }
         .validate(at)
     }
@@ -304,6 +308,7 @@ impl RawDiscovery {
             tls: self.tls.unwrap_or(false),
             role: self.role,
             bootstrap_port: self.bootstrap_port,
+            max_loras: self.max_loras,
         };
         // Every key of the template is checked now, on a stand-in address, so a bad one is a
         // config error at load and not a log line per finding.

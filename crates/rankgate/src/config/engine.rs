@@ -305,7 +305,13 @@ pub struct Engine {
     /// to), the hosts a prefill server's `kv_transfer_params.remote_host` may name, lowercase;
     /// empty for every other engine. Any other host is refused before a decode sees it.
     pub kv_hosts: Vec<Arc<str>>,
+    /// `engines[].max_loras`: LoRA adapters one of its ranks runs at once (its `--max-loras`);
+    /// `None`: vLLM's default, [`DEFAULT_MAX_LORAS`].
+    pub max_loras: Option<u32>,
 }
+
+/// vLLM's `--max-loras` default.
+pub const DEFAULT_MAX_LORAS: u32 = 1;
 
 /// vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` default (480 s): how long a NixlConnector prefill
 /// server keeps the blocks of a request no decode has read.
@@ -448,5 +454,6 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         bootstrap_port: None,
         kv_lease: None,
         kv_hosts: Vec::new(),
+        max_loras: None,
     }
 }

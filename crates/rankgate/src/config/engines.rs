@@ -51,6 +51,8 @@ pub struct RawEngine {
     pub(super) kv_lease: Option<super::duration::HumanDuration>,
     /// Hosts a prefill server's `kv_transfer_params.remote_host` may name besides its url's.
     pub(super) kv_hosts: Option<Vec<String>>,
+    /// Its `--max-loras`: LoRA adapters one of its ranks runs at once.
+    pub(super) max_loras: Option<u32>,
 }
 
 impl RawEngine {
@@ -161,6 +163,12 @@ impl RawEngine {
             check_role(at, role, self.flavor, addresses.http, self.bootstrap_port)?;
         let kv_lease = check_lease(at, role, self.kv_lease)?;
         let kv_hosts = check_kv_hosts(at, role, self.kv_hosts)?;
+        if let Some(n) = self.max_loras.filter(|n| !(1..=MAX_MAX_LORAS).contains(n)) {
+            return Err(invalid(
+                format!("{at}.max_loras"),
+                format!("{n} must be between 1 and {MAX_MAX_LORAS} (the engine's --max-loras)"),
+            ));
+        }
         let api_key = self
             .api_key_env
             .as_deref()
@@ -191,6 +199,7 @@ impl RawEngine {
             bootstrap_port,
             kv_lease,
             kv_hosts,
+            max_loras: self.max_loras,
         };
         Ok(engine.with_reported(None))
     }
@@ -296,6 +305,10 @@ fn check_lease(
     }
     Ok(Some(d))
 }
+
+/// The largest `engines[].max_loras`: far above what an engine runs (each adapter holds a
+/// slot of weights on every rank).
+pub const MAX_MAX_LORAS: u32 = 256;
 
 /// The most hosts `engines[].kv_hosts` may list: a prefill server has an address or a few.
 pub const MAX_KV_HOSTS: usize = 64;

@@ -47,7 +47,8 @@ pub use edge::{engine_name_ok, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER, MAX_EN
 pub use engine::test_engine;
 pub use engine::{
     ApiKey, Declared, Deployment, Engine, Flavor, Flavors, RankNumbering, Reported, Role,
-    SourceKind, TelemetrySource, SGLANG_BOOTSTRAP_PORT, SGLANG_KV_LEASE, VLLM_KV_LEASE,
+    SourceKind, TelemetrySource, DEFAULT_MAX_LORAS, SGLANG_BOOTSTRAP_PORT, SGLANG_KV_LEASE,
+    VLLM_KV_LEASE,
 };
 pub use engines::{RawEngine, MAX_DP_SIZE};
 pub use error::ConfigError;

@@ -24,6 +24,9 @@ pub struct Avoid {
     /// The request's model, when no known model list has it (only engines whose list is
     /// unknown may serve it): a failed pick then says so, naming the model.
     pub unlisted_model: Option<Arc<str>>,
+    /// The LoRA adapter the request's model is: the pick prefers a rank running it, then one
+    /// with a free adapter slot (`policy/adapters.rs`).
+    pub adapter: Option<Arc<str>>,
     /// Which part of a request this pick is for: a whole request, or one leg of a
     /// disaggregated one (the prefill leg's ranks are scored by their prefill work).
     pub leg: Leg,

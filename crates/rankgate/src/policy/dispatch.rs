@@ -243,8 +243,12 @@ impl Selector {
             let chunks = &prompt.chunks;
             (member.prefixes).record(crate::prefix::recorded(chunks, budget), budget);
         }
+        let mut guard = InFlight::start(member.clone(), self.sizer.weight(content_length));
+        if let Some(a) = &avoid.adapter {
+            guard.hold_adapter(a);
+        }
         Ok(Picked {
-            guard: InFlight::start(member.clone(), self.sizer.weight(content_length)),
+            guard,
             engine: fleet.engines[fleet.workers[choice].engine].clone(),
             skipped_unavailable: skipped,
             trial,

@@ -32,6 +32,9 @@ pub enum By {
     /// `least_kv` with prefix affinity: among the ranks within `affinity_margin` of the best
     /// score and below `affinity_max_kv`, the one holding the most of the prompt.
     Affinity,
+    /// `least_kv` for a LoRA adapter: among the ranks within `affinity_margin` of the best
+    /// score, the least loaded running it, else the least loaded with a free adapter slot.
+    Adapter,
 }
 
 /// A pick, explained.
@@ -114,6 +117,7 @@ impl By {
             By::InFlight => "in_flight",
             By::Reachable => "reachable",
             By::Affinity => "affinity",
+            By::Adapter => "adapter",
         }
     }
 }
@@ -260,7 +264,7 @@ pub(super) fn explain_pick(
             ))
         } else {
             match by {
-                By::Kv | By::Affinity => (view.telemetry)
+                By::Kv | By::Affinity | By::Adapter => (view.telemetry)
                     .unavailable_reason(now, table.stale_after)
                     .map(|r| (Skip::Telemetry, format!("telemetry: {r}")))
                     .or_else(|| {
@@ -281,7 +285,7 @@ pub(super) fn explain_pick(
         }
         let live = &seat.live;
         let score = match by {
-            By::Kv | By::Affinity => score(table, snap, w, now, avoid.leg),
+            By::Kv | By::Affinity | By::Adapter => score(table, snap, w, now, avoid.leg),
             By::InFlight => Some(live.in_flight() as f64 + live.outlier.recent_failures()),
             By::Reachable => None,
         };

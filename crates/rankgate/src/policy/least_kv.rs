@@ -1,9 +1,11 @@
 //! The `least_kv` pick: every eligible rank with fresh telemetry scored, a rank due for its
-//! trial first, then affinity's choice, then one at random among the near-best.
+//! trial first, then adapter affinity's choice for a LoRA adapter, then prefix affinity's, then
+//! one at random among the near-best.
 
 use rand::Rng;
 use tokio::time::Instant;
 
+use super::adapters::adapter_pick;
 use super::affinity::{longest_prefix, Holdings};
 use super::avoid::Avoid;
 use super::dispatch::Selector;
@@ -11,6 +13,7 @@ use super::explain::By;
 use super::saturation::{room_of, SATURATED};
 use super::scoring::{score_of, untried as is_untried};
 use super::ties::random_at_most;
+use crate::config::DEFAULT_AFFINITY_MARGIN;
 use crate::ix::WorkerIx;
 use crate::outlier::Admit;
 use crate::table::{Snapshot, Table};
@@ -78,6 +81,12 @@ impl Selector {
             }
             if best == f64::NEG_INFINITY {
                 return random_at_most(&scores, best, rng).map(|w| (w, skipped, By::Kv));
+            }
+            if let Some(adapter) = &avoid.adapter {
+                let margin = self.affinity.map_or(DEFAULT_AFFINITY_MARGIN, |(m, _)| m);
+                if let Some(w) = adapter_pick(fleet, &scores, adapter, best + margin) {
+                    return Some((w, skipped, By::Adapter));
+                }
             }
             if let (Some((margin, max_kv)), false) = (self.affinity, prompt.is_empty()) {
                 if let Some((w, _)) = longest_prefix(fleet, &scores, prompt, best + margin, max_kv)

@@ -22,6 +22,7 @@
 //! candidate) and `rule` (the names of those rules). This file only declares them and
 //! re-exports the API.
 
+mod adapters;
 mod affinity;
 mod avoid;
 mod dispatch;

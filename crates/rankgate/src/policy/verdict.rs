@@ -89,7 +89,9 @@ pub(super) fn judge(x: &mut Explanation, rules: &Rules) {
                 };
             }
         }
-        By::Kv | By::Affinity => by_score(x, rules, has_prompt, (p_score, p_held, p_worker)),
+        By::Kv | By::Affinity | By::Adapter => {
+            by_score(x, rules, has_prompt, (p_score, p_held, p_worker))
+        }
     }
 }
 

@@ -250,6 +250,7 @@ impl<S> Select<S> {
         if let Some(m) = model.as_deref().filter(|m| !snap.catalog.listed(m)) {
             avoid.unlisted_model = Some(crate::catalog::shown(m).into());
         }
+        avoid.adapter = (model.as_deref()).and_then(|m| snap.catalog.adapter(m).cloned());
         if split {
             // A side whose servers' model lists are not known yet (just joined) would be
             // missing from `only` while the other side's list has the model: those may serve.

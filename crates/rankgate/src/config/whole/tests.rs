@@ -478,3 +478,17 @@ fn a_discovery_template_takes_a_role_checked_at_load() {
     ));
     assert!(e.contains("discovery[0].bootstrap_port"), "{e}");
 }
+
+#[test]
+fn max_loras_defaults_to_the_engines_and_names_itself_when_out_of_range() {
+    let c = Config::from_str(MIN).unwrap();
+    assert_eq!(c.engines[0].max_loras, None);
+    let c = Config::from_str(&one("vllm", "max_loras = 4")).unwrap();
+    assert_eq!(c.engines[0].max_loras, Some(4));
+    for bad in ["0", "257"] {
+        let e = err(&one("vllm", &format!("max_loras = {bad}")));
+        assert!(e.contains("engines[0].max_loras") && e.contains(bad), "{e}");
+    }
+    let e = err(&one("vllm", "max_loras = -1"));
+    assert!(e.contains("max_loras"), "{e}");
+}
