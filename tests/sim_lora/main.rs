@@ -5,10 +5,13 @@
 //! By part: [`serving`] (static adapters as models, each with its parent and its own text, the
 //! 404 for one not served), [`runtime`] (load and unload, each answer as vLLM's), [`metrics`]
 //! (`vllm:lora_requests_info`'s shape, waits set aside for a slot) and [`slots`] (more adapters
-//! than slots: every request completes), over the helpers below.
+//! than slots: every request completes) and [`load`] (the load client spreading requests over
+//! adapters; a scenario of them behind rankgate), over the helpers below.
+#![cfg(feature = "sim")] // the simulated engine
 
 #[path = "../common/mod.rs"]
 mod common;
+mod load;
 mod metrics;
 mod runtime;
 mod serving;
