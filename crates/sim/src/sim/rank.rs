@@ -196,6 +196,7 @@ impl Rank {
         {
             let mut s = self.lock();
             s.cache.restart();
+            s.queue.restart();
             (s.admitted, s.finished) = (0, 0);
             s.cache.take_events();
             if let Some(ev) = &self.events {

@@ -139,6 +139,15 @@ async fn a_slot_load_stalls_the_rank_once_per_load() {
 }
 
 #[tokio::test]
+async fn a_restarted_rank_loads_its_adapters_again() {
+    let rank = lora_rank(2);
+    drop(ask(&rank, Some(1)).await);
+    rank.restart();
+    assert!(ask(&rank, Some(1)).await.lora_load);
+    assert_eq!(rank.counts().lora.loads, 2);
+}
+
+#[tokio::test]
 async fn without_adapters_nothing_is_set_aside() {
     let rank = Rank::new(0, 1000, 0.0);
     let a = ask(&rank, Some(1)).await;

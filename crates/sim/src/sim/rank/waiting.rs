@@ -201,6 +201,13 @@ impl Waiting {
         }
     }
 
+    /// The engine process restarted: its slots hold only what requests still in flight run.
+    pub(super) fn restart(&mut self) {
+        if let Some(s) = &mut self.lora {
+            s.loaded.retain(|a| s.running.contains_key(a));
+        }
+    }
+
     /// When the rank's steps may run again after the loads they wait for.
     pub(super) fn stall_until(&self) -> Option<Instant> {
         self.lora.as_ref().and_then(|s| s.stall_until)
