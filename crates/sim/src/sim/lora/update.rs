@@ -69,7 +69,7 @@ impl Sim {
         };
         let text = match strings(&fields, names) {
             Ok(t) => t,
-            Err(resp) => return resp,
+            Err((msg, param)) => return invalid(&msg, Some(&param)),
         };
         let name = text[0].as_str();
         if !load {
@@ -119,9 +119,9 @@ impl Sim {
     }
 }
 
-/// The string fields `names` of the body, or FastAPI's validation error for those missing or
-/// not strings.
-fn strings(fields: &Map<String, Value>, names: &[&str]) -> Result<Vec<String>, Response<SimBody>> {
+/// The string fields `names` of the body, or FastAPI's validation error (its message and
+/// `param`) for those missing or not strings.
+fn strings(fields: &Map<String, Value>, names: &[&str]) -> Result<Vec<String>, (String, String)> {
     let mut out = Vec::new();
     let mut errors = Vec::new();
     let input = format!("'<dict of {} items>'", fields.len());
@@ -143,7 +143,7 @@ fn strings(fields: &Map<String, Value>, names: &[&str]) -> Result<Vec<String>, R
         errors.len(),
         lines.concat()
     );
-    Err(invalid(&msg, Some(&param)))
+    Err((msg, param))
 }
 
 /// vLLM's 200: plain text, no content type.
