@@ -61,3 +61,31 @@ async fn a_model_the_engine_does_not_serve_gets_vllms_404() {
     assert_eq!(r.json()["choices"][0]["text"], "sql-lora:t0 sql-lora:t1 ");
     e.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_adapters_prompt_blocks_are_its_own_in_the_prefix_cache() {
+    let cfg = rankgate_sim::sim::SimConfig {
+        prefix_caching: true,
+        ..lora_engine(1, 2, &["sql-lora", "chat-lora"], false)
+    };
+    let e = engine(cfg).await;
+    // 40 tokens of prompt: two full blocks of 16, the same text every time.
+    let prompt = "a prompt long enough to fill two blocks ".repeat(4);
+    let ask = |model: &'static str| {
+        let body = json!({"model": model, "prompt": prompt.clone(), "max_tokens": 1});
+        post_json(e.addr, "/v1/completions", body)
+    };
+    let hits = || e.prefix_cache()[0].1;
+    assert_eq!(ask("sql-lora").await.status, 200);
+    assert_eq!(hits(), 0);
+    assert_eq!(ask("chat-lora").await.status, 200);
+    assert_eq!(ask("tiny-llama").await.status, 200);
+    assert_eq!(
+        hits(),
+        0,
+        "vLLM keys every block by its adapter: no hit across them"
+    );
+    assert_eq!(ask("sql-lora").await.status, 200);
+    assert_eq!(hits(), 32, "the same adapter's blocks are found again");
+    e.shutdown().await;
+}

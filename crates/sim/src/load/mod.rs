@@ -9,7 +9,8 @@
 //! Prompts are unique text (`text`) unless the workload shares prefixes on purpose: a hot shared
 //! prefix on a share of requests, a trace's prefix ids, or multi-turn sessions (`session`) whose
 //! turns repeat their history. Requests can be spread over several targets in turn (replicas of
-//! one router). `scrape` reads the engines' prefix-cache counters, `fleet` the router's ranks.
+//! one router), and over several model names (`models`: LoRA adapters served as models). `scrape`
+//! reads the engines' prefix-cache counters, `fleet` the router's ranks.
 
 pub mod dist;
 pub mod fleet;

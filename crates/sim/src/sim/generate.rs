@@ -113,7 +113,7 @@ impl Job {
             api,
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
             prompt_tokens,
-            blocks,
+            blocks: super::lora::salted(blocks, call.adapter.as_ref()),
             prompt_ids: tokenized,
             max_tokens: match &call.pd {
                 Some(leg) if leg.one_token() => 1,
@@ -470,7 +470,7 @@ impl Sim {
                 Ok(p) => p,
                 Err(fail) => return self.pd_failed(fail, tx).await,
             };
-        if let Some(keep) = self.kept_blocks(job, &text) {
+        if let Some(keep) = super::lora::salted(self.kept_blocks(job, &text), adapter) {
             adm.keep_blocks(keep);
         }
         match tx {

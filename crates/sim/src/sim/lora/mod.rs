@@ -1,6 +1,7 @@
 //! LoRA adapters as vLLM 0.32 serves them (`--enable-lora`, vLLM flavor only): each adapter is
 //! a model of its own that `/v1/models` lists with its `parent` and `root`, that requests name
-//! like any model, and whose answers differ from the base model's and from every other adapter's.
+//! like any model, and whose answers differ from the base model's and from every other adapter's
+//! ([`token`]); its prompts' KV blocks are its own in the prefix cache ([`salted`]).
 //!
 //! This module owns the engine's list of adapters (vLLM's `OpenAIServingModels.lora_requests`,
 //! `vllm/entrypoints/openai/models/serving.py`): the static ones of `--lora-modules`, and with
@@ -17,8 +18,11 @@ mod update;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
+use std::hash::{Hash, Hasher};
+
 use serde_json::{json, Value};
 
+use super::prefix::Blocks;
 use super::{lock, Sim, SimEngine};
 pub use config::{LoraConfig, LoraModule};
 
@@ -112,6 +116,23 @@ pub(crate) fn token(adapter: Option<&Adapter>, i: u64) -> String {
     match adapter {
         None => format!("t{} ", i % 10),
         Some(a) => format!("{}:t{} ", a.name, i % 10),
+    }
+}
+
+/// A prompt's (or a finished answer's) KV blocks as an adapter's: vLLM hashes the adapter into
+/// every block's key (its "extra keys"), so the same tokens under another adapter, or under the
+/// base model, are other blocks and never a prefix-cache hit. The base model's are unchanged.
+pub(crate) fn salted(blocks: Option<Blocks>, adapter: Option<&Adapter>) -> Option<Blocks> {
+    match (blocks, adapter) {
+        (Some(mut b), Some(a)) => {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            ("lora", &*a.name).hash(&mut h);
+            let salt = h.finish();
+            // The same salt on every id keeps the chain: one adapter's equal prefixes share.
+            b.ids.iter_mut().for_each(|id| *id ^= salt);
+            Some(b)
+        }
+        (blocks, _) => blocks,
     }
 }
 
@@ -251,6 +272,21 @@ mod tests {
         assert_eq!(lora.find("c").map(|a| a.id), Some(3));
         assert_eq!(lora.find("a").map(|a| a.id), Some(1), "in place");
         assert_eq!(lock(&lora.served)[0].path, "org/a2");
+    }
+
+    #[test]
+    fn an_adapters_blocks_are_its_own_and_the_base_models_unchanged() {
+        let blocks = Blocks::of_tokens(&[7; 48]);
+        let a = |name: &str| Adapter {
+            id: 1,
+            name: name.into(),
+        };
+        let ids = |x: Option<&Adapter>| salted(Some(blocks.clone()), x).unwrap().ids;
+        assert_eq!(ids(None), blocks.ids);
+        assert_eq!(ids(Some(&a("x"))), ids(Some(&a("x"))));
+        assert_ne!(ids(Some(&a("x"))), ids(Some(&a("y"))));
+        assert!(ids(Some(&a("x"))).iter().all(|i| !blocks.ids.contains(i)));
+        assert!(salted(None, Some(&a("x"))).is_none());
     }
 
     #[test]
