@@ -9,11 +9,13 @@
 //! Prompts are unique text (`text`) unless the workload shares prefixes on purpose: a hot shared
 //! prefix on a share of requests, a trace's prefix ids, or multi-turn sessions (`session`) whose
 //! turns repeat their history. Requests can be spread over several targets in turn (replicas of
-//! one router). `scrape` reads the engines' prefix-cache counters, `fleet` the router's ranks.
+//! one router), and over several model names (`models`: LoRA adapters served as models). `scrape`
+//! reads the engines' prefix-cache counters, `fleet` the router's ranks.
 
 pub mod dist;
 pub mod fleet;
 pub mod grpc;
+mod models;
 mod plan;
 mod progress;
 
@@ -38,6 +40,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 pub use dist::{Dist, TraceEntry};
+pub use models::{check_models, ModelSpread, MAX_MODELS};
 use plan::{body, plan, Planned};
 
 pub use outcome::{ErrorKind, Outcome, ADMIN_TOKEN_HEADER, DEBUG_HEADER, HIDDEN};
@@ -121,6 +124,10 @@ pub struct Workload {
     pub trace: Option<Vec<TraceEntry>>,
     pub bursts: Vec<Burst>,
     pub model: String,
+    /// Several models (LoRA adapters): requests name these, spread as `model_spread` says,
+    /// instead of `model` ([`Workload::model_of`]).
+    pub models: Vec<String>,
+    pub model_spread: ModelSpread,
     /// gRPC instead of HTTP: streaming `Generate` on this flavor's service at `url`.
     pub grpc: Option<rankgate::worker::Flavor>,
     /// Multi-turn chat sessions instead of independent requests (HTTP chat only).
@@ -156,6 +163,8 @@ impl Workload {
             trace: None,
             bursts: Vec::new(),
             model: "tiny-llama".into(),
+            models: Vec::new(),
+            model_spread: ModelSpread::Even,
             grpc: None,
             sessions: None,
             hot_prefix: None,
@@ -341,6 +350,7 @@ pub async fn run(w: &Workload) -> Result<Report, String> {
     if let Some(h) = &w.hot_prefix {
         h.validate()?;
     }
+    w.check_models()?;
     let client = rankgate::http::client(Duration::from_secs(2));
     let target = match w.grpc {
         Some(flavor) => Target::Grpc(grpc::GrpcClient::new(flavor, w.url.trim_end_matches('/'))?),

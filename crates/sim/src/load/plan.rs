@@ -19,6 +19,8 @@ pub(super) struct Planned {
     pub(super) shared: Option<(u64, u64)>,
     /// Seeds the request's own text.
     pub(super) salt: u64,
+    /// Its place in the sending order, which picks its model ([`Workload::model_of`]).
+    pub(super) n: usize,
 }
 
 pub(super) fn plan(w: &Workload) -> Vec<Planned> {
@@ -47,6 +49,7 @@ pub(super) fn plan(w: &Workload) -> Vec<Planned> {
                     output: e.output_tokens,
                     shared: e.prefix_id.zip(e.prefix_tokens),
                     salt: 0,
+                    n: 0,
                 });
             }
         }
@@ -66,6 +69,7 @@ pub(super) fn plan(w: &Workload) -> Vec<Planned> {
                     output,
                     shared,
                     salt: 0,
+                    n: 0,
                 });
             }
         }
@@ -78,6 +82,7 @@ pub(super) fn plan(w: &Workload) -> Vec<Planned> {
                 output: b.output_tokens,
                 shared: None,
                 salt: 0,
+                n: 0,
             }));
         }
     }
@@ -86,6 +91,9 @@ pub(super) fn plan(w: &Workload) -> Vec<Planned> {
     }
     out.retain(|p| p.at.is_none_or(|at| at < w.duration));
     out.sort_by_key(|p| p.at);
+    for (i, p) in out.iter_mut().enumerate() {
+        p.n = i;
+    }
     out
 }
 
@@ -102,11 +110,11 @@ pub(super) fn body(w: &Workload, p: &Planned) -> Bytes {
     };
     let v = match w.api {
         Api::Chat => serde_json::json!({
-            "model": w.model, "messages": [{"role": "user", "content": prompt}],
+            "model": w.model_of(p.n), "messages": [{"role": "user", "content": prompt}],
             "max_tokens": p.output, "stream": w.stream,
         }),
         Api::Completions => serde_json::json!({
-            "model": w.model, "prompt": prompt, "max_tokens": p.output, "stream": w.stream,
+            "model": w.model_of(p.n), "prompt": prompt, "max_tokens": p.output, "stream": w.stream,
         }),
     };
     Bytes::from(v.to_string())

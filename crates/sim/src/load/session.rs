@@ -127,7 +127,6 @@ struct Shared {
     started: Instant,
     deadline: Instant,
     stream: bool,
-    model: String,
     output_tokens: Dist,
     seed: u64,
     /// Asks rankgate which rank served each turn (see [`Workload::admin_token`]).
@@ -162,7 +161,6 @@ pub(super) async fn run(
         started,
         deadline,
         stream: w.stream,
-        model: w.model.clone(),
         output_tokens: w.output_tokens,
         seed: w.seed,
         admin_token: w.admin_token.clone(),
@@ -187,6 +185,8 @@ pub(super) async fn run(
             tokio::time::sleep_until(started + t).await;
         }
         let (shared, live, s) = (shared.clone(), live.clone(), s.clone());
+        // A conversation stays with one model (one adapter): its history is that model's.
+        let model = w.model_of(i).to_string();
         tasks.spawn(async move {
             // Closed loop: a session starts when a live one ends (or never, past the deadline).
             let _permit = match live {
@@ -196,7 +196,7 @@ pub(super) async fn run(
                 },
                 None => None,
             };
-            session(&shared, &s, i).await
+            session(&shared, &s, i, &model).await
         });
     }
     let mut out = Vec::new();
@@ -208,7 +208,7 @@ pub(super) async fn run(
 
 /// One session, turn after turn, until its turns, the request budget or the deadline run out,
 /// or a turn fails (a user whose request failed does not carry on as if it had been answered).
-async fn session(sh: &Shared, s: &Sessions, i: usize) -> Vec<Outcome> {
+async fn session(sh: &Shared, s: &Sessions, i: usize, model: &str) -> Vec<Outcome> {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(mix(sh.seed, 1 << 40 | i as u64));
     let group = i % s.system_prompts;
     let mut conv = Conversation::new(&system_prompt(sh.seed, group, s.system_tokens));
@@ -222,7 +222,7 @@ async fn session(sh: &Shared, s: &Sessions, i: usize) -> Vec<Outcome> {
             words(rng.random(), s.user_tokens.sample(&mut rng))
         );
         let output = sh.output_tokens.sample(&mut rng);
-        let body = chat_body(&sh.model, &conv.ask(&user), output, sh.stream);
+        let body = chat_body(model, &conv.ask(&user), output, sh.stream);
         let n = sh.next_uri.fetch_add(1, Relaxed);
         let uri = sh.uris[n % sh.uris.len()].clone();
         let t0 = Instant::now();

@@ -4,7 +4,9 @@
 use serde::Deserialize;
 
 use crate::sim::kv::KvEventsConfig;
+use crate::sim::lora::{LoraConfig, LoraModule};
 use crate::sim::{check_percent, check_status, SchedulingPolicy, SimConfig, SimFlavor};
+use rankgate::config::HumanDuration;
 
 /// One simulated engine of the fleet.
 #[derive(Debug, Clone, Deserialize)]
@@ -69,6 +71,15 @@ pub struct EngineSpec {
     /// `priority`, lower first); vLLM engines only.
     #[serde(default)]
     pub scheduling_policy: SchedulingPolicy,
+    /// Like vLLM's `--enable-lora --lora-modules ...` (vLLM engines): the adapters served, each
+    /// `name=path` or vLLM's JSON form (a path that is not a local one, `org/name`, needs no
+    /// directory), each a model requests can name (`workload.models`).
+    #[serde(default)]
+    pub lora_modules: Vec<String>,
+    /// Like vLLM's `--max-loras` (default 1, vLLM's): distinct adapters per rank's batch.
+    pub max_loras: Option<u32>,
+    /// How long loading an adapter into a rank's slot stalls the rank (default 25ms).
+    pub lora_load: Option<HumanDuration>,
 }
 
 fn default_max_num_seqs() -> u32 {
@@ -134,6 +145,11 @@ impl EngineSpec {
             return Err("die_after must be at least 1".into());
         }
         self.sim_queue().check_queue()?;
+        SimConfig {
+            lora: self.lora()?,
+            ..self.sim_queue()
+        }
+        .check_lora()?;
         if self.kv_events && !self.prefix_caching {
             return Err(
                 "kv_events needs prefix_caching (the events are the prefix cache's)".into(),
@@ -179,8 +195,36 @@ impl EngineSpec {
             die_after: self.die_after,
             stall_after_tokens: self.stall_after_tokens,
             role: self.role,
+            // Checked by `validate`.
+            lora: self.lora().ok().flatten(),
             ..self.sim_queue()
         }
+    }
+
+    /// The LoRA settings the keys give: `None` without `lora_modules`.
+    fn lora(&self) -> Result<Option<LoraConfig>, String> {
+        if self.lora_modules.is_empty() {
+            if self.max_loras.is_some() || self.lora_load.is_some() {
+                return Err("max_loras and lora_load need lora_modules".into());
+            }
+            return Ok(None);
+        }
+        let d = LoraConfig::default();
+        Ok(Some(LoraConfig {
+            modules: (self.lora_modules.iter())
+                .map(|m| {
+                    LoraModule::parse(m).map_err(|e| e.replace("--lora-modules", "lora_modules"))
+                })
+                .collect::<Result<_, _>>()?,
+            max_loras: self.max_loras.unwrap_or(d.max_loras),
+            load_delay: self.lora_load.map_or(d.load_delay, |l| l.0),
+            ..d
+        }))
+    }
+
+    /// Whether the engine serves LoRA adapters.
+    pub fn serves_adapters(&self) -> bool {
+        !self.lora_modules.is_empty()
     }
 
     /// The default engine with this spec's flavor and queue settings.
@@ -221,5 +265,38 @@ mod tests {
         let text = "flavor = \"sglang\"\ndp_size = 1\nscheduling_policy = \"priority\"";
         let s: EngineSpec = toml::from_str(text).expect("parses");
         assert!(s.validate().unwrap_err().contains("scheduling_policy"));
+    }
+
+    #[test]
+    fn lora_keys_reach_the_engine_and_bad_ones_are_refused() {
+        assert!(spec("").unwrap().sim_config().lora.is_none());
+        let s =
+            spec("lora_modules = [\"a=org/a\", \"b=org/b\"]\nmax_loras = 2\nlora_load = \"5ms\"")
+                .expect("valid");
+        let l = s.sim_config().lora.expect("on");
+        assert_eq!((l.modules.len(), l.max_loras), (2, 2));
+        assert_eq!(l.load_delay, std::time::Duration::from_millis(5));
+        assert_eq!(
+            spec("lora_modules = [\"a=org/a\"]")
+                .unwrap()
+                .sim_config()
+                .lora
+                .unwrap()
+                .max_loras,
+            1,
+            "vLLM's default"
+        );
+        for (extra, says) in [
+            ("max_loras = 2", "need lora_modules"),
+            ("lora_modules = [\"a=org/a\"]\nmax_loras = 0", "max_loras"),
+            ("lora_modules = [\"nothing\"]", "lora_modules"),
+            ("lora_modules = [\"a=org/a\", \"a=org/b\"]", "named twice"),
+        ] {
+            let e = spec(extra).unwrap_err();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        let text = "flavor = \"sglang\"\ndp_size = 1\nlora_modules = [\"a=org/a\"]";
+        let s: EngineSpec = toml::from_str(text).expect("parses");
+        assert!(s.validate().unwrap_err().contains("vLLM"));
     }
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::load::{self, Api, Burst, Dist, HotPrefix, Sessions};
+use crate::load::{self, Api, Burst, Dist, HotPrefix, ModelSpread, Sessions};
 pub use engine::EngineSpec;
 pub use events::{Event, Limit};
 use rankgate::config::{HumanDuration, Policy};
@@ -67,6 +67,13 @@ pub struct WorkloadSpec {
     /// `Generate` calls through rankgate's gRPC front door.
     #[serde(default)]
     pub grpc: bool,
+    /// Model names the requests are spread over (LoRA adapters, each served as a model);
+    /// empty, the engines' default model. Tenants may give their own.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// How requests are spread over `models`: `"even"` (in turn) or `"random"`.
+    #[serde(default)]
+    pub model_spread: ModelSpread,
     /// Several tenants at once instead of one workload, each named to the router by headers
     /// (`[[workload.tenants]]`); the fields above are their defaults.
     #[serde(default)]
@@ -76,6 +83,10 @@ pub struct WorkloadSpec {
 impl WorkloadSpec {
     /// The one workload's arrivals and sizes, or its tenants.
     fn validate(&self) -> Result<(), String> {
+        load::check_models(&self.models).map_err(|e| format!("workload.models: {e}"))?;
+        if self.grpc && !self.models.is_empty() {
+            return Err("workload.models: gRPC Generate names no model (HTTP only)".into());
+        }
         if !self.tenants.is_empty() {
             if self.rate.is_some() || self.concurrency.is_some() {
                 return Err(

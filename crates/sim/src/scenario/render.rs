@@ -63,6 +63,17 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
     if !s.workload.tenants.is_empty() {
         o.push_str(&tenants(runs));
     }
+    if s.engines.iter().any(|e| e.serves_adapters()) {
+        let _ = writeln!(
+            o,
+            "\n| policy | LoRA slot waits | slot loads |\n|---|---|---|"
+        );
+        for r in runs {
+            let sum = |f: fn(&super::RankResult) -> u64| r.ranks.iter().map(f).sum::<u64>();
+            let (waits, loads) = (sum(|x| x.lora_slot_waits), sum(|x| x.lora_loads));
+            let _ = writeln!(o, "| {} | {waits} | {loads} |", r.label());
+        }
+    }
     if let Some(last) = s.events.iter().map(|e| e.at.0).max() {
         let _ = writeln!(
             o,

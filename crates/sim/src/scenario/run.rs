@@ -39,6 +39,10 @@ pub struct RankResult {
     /// engine): a disaggregated request's prefill leg on a prefill rank, its decode leg on a
     /// decode rank.
     pub legs: usize,
+    /// With LoRA: requests the rank set aside for want of a slot (each once), and adapters it
+    /// loaded into a slot.
+    pub lora_slot_waits: u64,
+    pub lora_loads: u64,
 }
 
 /// The fleet a run starts.
@@ -212,6 +216,8 @@ pub async fn run_fleet(
         trace: s.trace.clone(),
         bursts: w.bursts.clone(),
         model: "tiny-llama".into(),
+        models: w.models.clone(),
+        model_spread: w.model_spread,
         grpc: grpc.then(|| s.engines[0].flavor.into()),
         progress,
         seed: w.seed,
@@ -242,6 +248,16 @@ pub async fn run_fleet(
     let fleet_ranks = s.ranks();
     let legs: Vec<usize> = (fleet_ranks.iter())
         .map(|&(e, r)| engines[e].seen().iter().filter(|x| x.rank == r).count())
+        .collect();
+    let slots: Vec<(u64, u64)> = (fleet_ranks.iter())
+        .map(|&(e, r)| {
+            let local = r.saturating_sub(s.engines[e].start_rank) as usize;
+            let at = |v: Vec<u64>| v.get(local).copied().unwrap_or(0);
+            (
+                at(engines[e].lora_slot_waits()),
+                at(engines[e].lora_loads()),
+            )
+        })
         .collect();
     if let Ok(engines) = Arc::try_unwrap(engines) {
         for e in engines {
@@ -286,6 +302,8 @@ pub async fn run_fleet(
                 prefix_hits: prefix.get(i).map_or(0, |p| p.1),
                 role: roles[fleet_ranks[i].0].map(role_name),
                 legs: legs[i],
+                lora_slot_waits: slots[i].0,
+                lora_loads: slots[i].1,
                 id,
                 rank: i as u32,
             }

@@ -10,8 +10,8 @@ use serde::Deserialize;
 
 use super::WorkloadSpec;
 use crate::load::{
-    self, tenants::bounded, Arrivals, Dist, HotPrefix, Sessions, Tenant, Workload, FAIRNESS_HEADER,
-    OBJECTIVE_HEADER,
+    self, tenants::bounded, Arrivals, Dist, HotPrefix, ModelSpread, Sessions, Tenant, Workload,
+    FAIRNESS_HEADER, OBJECTIVE_HEADER,
 };
 use rankgate::config::HumanDuration;
 
@@ -44,6 +44,9 @@ pub struct TenantSpec {
     pub sessions: Option<Sessions>,
     /// Defaults to the workload's seed plus the tenant's place in the list (1, 2, ...).
     pub seed: Option<u64>,
+    /// Default to the workload's: the model names its requests are spread over, and how.
+    pub models: Option<Vec<String>>,
+    pub model_spread: Option<ModelSpread>,
 }
 
 impl TenantSpec {
@@ -99,6 +102,9 @@ impl TenantSpec {
         if let Some(h) = self.hot_prefix.as_ref().or(w.hot_prefix.as_ref()) {
             h.validate()?;
         }
+        if let Some(m) = &self.models {
+            load::check_models(m).map_err(|e| format!("models: {e}"))?;
+        }
         if self.duration.is_some_and(|d| d.0 > w.duration.0) {
             return Err("`duration` is past the workload's: the run ends there".into());
         }
@@ -130,6 +136,8 @@ impl TenantSpec {
             hot_prefix: self.hot_prefix.or(w.hot_prefix),
             seed: self.seed.unwrap_or(w.seed.wrapping_add(1 + i as u64)),
             headers: Arc::from(headers),
+            models: self.models.clone().unwrap_or_else(|| base.models.clone()),
+            model_spread: self.model_spread.unwrap_or(base.model_spread),
             // Several progress lines at once would only garble each other.
             progress: false,
             ..base.clone()
@@ -259,6 +267,37 @@ headers = { x-team = "web" }
                 .replace("output_tokens = 16\n", ""),
             "output_tokens",
         );
+    }
+
+    #[test]
+    fn a_tenant_spreads_over_its_own_models_or_the_workloads() {
+        let text = TWO
+            .replacen(
+                "requests = 50\n",
+                "requests = 50\nmodels = [\"a\", \"b\"]\n",
+                1,
+            )
+            .replacen(
+                "objective = \"batch\"\n",
+                "objective = \"batch\"\nmodels = [\"c\"]\nmodel_spread = \"random\"\n",
+                1,
+            );
+        let s = super::super::Scenario::parse(&text, None).unwrap();
+        let w = &s.workload;
+        let base = Workload {
+            models: w.models.clone(),
+            model_spread: w.model_spread,
+            ..Workload::new("http://127.0.0.1:1")
+        };
+        let batch = w.tenants[0].tenant(0, w, &base).unwrap();
+        let chat = w.tenants[1].tenant(1, w, &base).unwrap();
+        assert_eq!(batch.workload.models, ["c"]);
+        assert_eq!(batch.workload.model_spread, ModelSpread::Random);
+        assert_eq!(chat.workload.models, ["a", "b"]);
+        assert_eq!(chat.workload.model_spread, ModelSpread::Even);
+        let e =
+            super::super::Scenario::parse(&text.replace("[\"c\"]", "[\"\"]"), None).unwrap_err();
+        assert!(e.contains("models"), "{e}");
     }
 
     fn bad_one(text: &str, says: &str) {

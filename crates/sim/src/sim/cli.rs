@@ -8,6 +8,8 @@
 //!     [--capacity-tokens 440912] [--decode-rate 160] [--prefill-rate 30000]
 //!     [--prefill-interference] [--prefix-caching] [--tokenizer DIR]
 //!     [--max-num-seqs 1024] [--scheduling-policy fcfs|priority]
+//!     [--enable-lora [--max-loras 1] [--max-lora-rank 16] [--lora-modules a=PATH b=ORG/ID ...]
+//!      [--allow-runtime-lora] [--lora-load-ms 25]]
 //!     [--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}']
 //!     [--tls-cert c.pem --tls-key k.pem [--tls-client-ca ca.pem]]
 //!
@@ -115,6 +117,31 @@ pub struct Args {
     /// the first that does not fit, holding back those behind it.
     #[arg(long, value_enum, default_value = "fcfs")]
     scheduling_policy: super::SchedulingPolicy,
+    /// Like vLLM's --enable-lora (vLLM flavor): serve LoRA adapters, each a model of its own
+    /// listed by /v1/models with its parent, answering with its own text.
+    #[arg(long)]
+    enable_lora: bool,
+    /// Like vLLM's --max-loras: distinct adapters one rank's batch runs at once; a request for
+    /// another is set aside (not blocking those behind it) until one has no request running.
+    #[arg(long, default_value_t = super::lora::config::DEFAULT_MAX_LORAS)]
+    max_loras: u32,
+    /// Like vLLM's --max-lora-rank (one of 1, 8, 16, 32, 64, 128, 256, 320, 512); accepted,
+    /// it costs nothing here.
+    #[arg(long, default_value_t = super::lora::config::DEFAULT_MAX_LORA_RANK)]
+    max_lora_rank: u32,
+    /// Like vLLM's --lora-modules: adapters served from the start, each `name=path` or JSON
+    /// {"name": .., "path": .., "base_model_name": ..}, several after one flag. A local path
+    /// (/, ./, ../, ~) must be a directory; anything else is taken as a Hugging Face id.
+    #[arg(long, num_args = 1..)]
+    lora_modules: Vec<String>,
+    /// Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM does with
+    /// VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (which is honoured as well).
+    #[arg(long)]
+    allow_runtime_lora: bool,
+    /// Milliseconds loading an adapter into a rank's slot stalls that rank's steps, once per
+    /// load (an adapter still loaded costs nothing). Default: an 80 MB adapter's copy to GPU.
+    #[arg(long, default_value_t = super::lora::config::DEFAULT_LOAD.as_millis() as u64)]
+    lora_load_ms: u64,
     /// Like vLLM's --enable-prefix-caching: ranks keep prompt blocks, cached prompt tokens skip
     /// prefill, /metrics reports vllm:prefix_cache_{queries,hits}_total.
     #[arg(long)]
@@ -296,6 +323,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         ),
         (None, None) => None,
     };
+    let lora = lora(&a)?;
     let pd = super::PdConfig {
         engine_id: a.engine_id,
         kv_lease: seconds("--kv-lease", a.kv_lease)?,
@@ -342,6 +370,7 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         prefill_interference: a.prefill_interference,
         max_num_seqs: a.max_num_seqs,
         scheduling_policy: a.scheduling_policy,
+        lora,
         // Events come from the prefix cache; vLLM has it on by default.
         prefix_caching: a.prefix_caching || kv_events.is_some(),
         kv_events,
@@ -369,6 +398,42 @@ pub fn config(a: Args) -> Result<(SimConfig, SocketAddr, Option<SocketAddr>), St
         ..SimConfig::default()
     };
     Ok((cfg, a.listen, a.grpc_listen))
+}
+
+/// The LoRA settings the flags give, checked; the error names the flag.
+fn lora(a: &Args) -> Result<Option<super::lora::LoraConfig>, String> {
+    let env = std::env::var("VLLM_ALLOW_RUNTIME_LORA_UPDATING").ok();
+    if !a.enable_lora {
+        if !a.lora_modules.is_empty() || a.allow_runtime_lora {
+            return Err("--lora-modules and --allow-runtime-lora need --enable-lora".into());
+        }
+        return Ok(None);
+    }
+    if matches!(a.flavor, FlavorArg::Sglang) {
+        return Err("--enable-lora is vLLM's here: the SGLang flavor serves no adapters".into());
+    }
+    let l = super::lora::LoraConfig {
+        max_loras: a.max_loras,
+        max_lora_rank: a.max_lora_rank,
+        modules: (a.lora_modules.iter())
+            .map(|m| super::lora::LoraModule::parse(m))
+            .collect::<Result<_, _>>()?,
+        runtime_updating: a.allow_runtime_lora
+            || super::lora::config::runtime_updating_env(env.as_deref()),
+        load_delay: std::time::Duration::from_millis(a.lora_load_ms),
+    };
+    l.check(&a.model).map_err(|e| {
+        let flag = ["max_loras", "max_lora_rank", "load time"]
+            .into_iter()
+            .find(|k| e.contains(k))
+            .map_or("--lora-modules", |k| match k {
+                "max_loras" => "--max-loras",
+                "max_lora_rank" => "--max-lora-rank",
+                _ => "--lora-load-ms",
+            });
+        format!("{flag}: {e}")
+    })?;
+    Ok(Some(l))
 }
 
 /// Serves the engine until Ctrl-C (or until it dies, with `--die-after`).

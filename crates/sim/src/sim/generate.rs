@@ -23,6 +23,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::lora::Adapter;
 use super::pd::Leg;
 use super::prefix::{Blocks, TOKEN_BYTES};
 use super::routes::{Api, Endpoint};
@@ -54,6 +55,8 @@ pub(super) struct Job {
     transfer_params: bool,
     /// Its place in the rank's queue under the priority policy ([`super::queue`]); 0 else.
     priority: i64,
+    /// The LoRA adapter it runs ([`super::lora`]), which takes a slot and writes its own text.
+    adapter: Option<Adapter>,
 }
 
 impl Job {
@@ -110,7 +113,7 @@ impl Job {
             api,
             stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
             prompt_tokens,
-            blocks,
+            blocks: super::lora::salted(blocks, call.adapter.as_ref()),
             prompt_ids: tokenized,
             max_tokens: match &call.pd {
                 Some(leg) if leg.one_token() => 1,
@@ -121,6 +124,7 @@ impl Job {
             pd: call.pd.clone(),
             transfer_params: vllm_role && matches!(api, Api::Chat | Api::Completion),
             priority: 0,
+            adapter: call.adapter.clone(),
         }
     }
 
@@ -410,15 +414,18 @@ impl Sim {
         if let (Some(tx), Some(open)) = (tx, job.opening()) {
             tx.send(open).await.ok()?;
         }
+        let adapter = job.adapter.as_ref();
         let mut adm = rank
-            .admit_ranked(
+            .admit_adapter(
                 job.prompt_tokens,
                 job.blocks.as_ref(),
                 job.max_tokens,
                 job.priority,
+                adapter.map(|a| a.id),
             )
             .await;
         self.admitted();
+        let _lora = self.lora_running(adapter);
         // A D's prompt KV comes from its P, with its KV allocated here: that prefill is skipped.
         let remote = match (self.pd_before_prefill(local, job.pd.as_ref(), job.prompt_tokens)).await
         {
@@ -427,6 +434,7 @@ impl Sim {
         };
         let computed = (job.prompt_tokens).saturating_sub(adm.cached_tokens + remote);
         self.pd_computed(local, computed);
+        self.lora_stall(local).await;
         self.prefill(local, computed).await;
         let mut text = String::new();
         for i in 0..job.max_tokens {
@@ -441,9 +449,10 @@ impl Sim {
                     (1.0 + running * self.cfg.batch_slowdown) / self.cfg.decode_tokens_per_sec;
                 super::pause(Duration::from_secs_f64(itl)).await;
                 self.decode_step(local).await;
+                self.lora_stall(local).await;
             }
             adm.grow();
-            let token = format!("t{} ", i % 10);
+            let token = super::lora::token(adapter, i);
             text.push_str(&token);
             if let Some(tx) = tx {
                 tx.send(job.token(i, &token, &text)).await.ok()?;
@@ -461,7 +470,7 @@ impl Sim {
                 Ok(p) => p,
                 Err(fail) => return self.pd_failed(fail, tx).await,
             };
-        if let Some(keep) = self.kept_blocks(job, &text) {
+        if let Some(keep) = super::lora::salted(self.kept_blocks(job, &text), adapter) {
             adm.keep_blocks(keep);
         }
         match tx {

@@ -21,9 +21,10 @@ impl Sim {
             .map_or(DEFAULT_MODEL, String::as_str)
     }
 
-    /// `/v1/models`: one card per served name.
+    /// `/v1/models`: one card per served name, then one per LoRA adapter.
     pub(super) fn models(&self) -> Value {
-        let data: Vec<Value> = self.cfg.models.iter().map(|m| self.model_card(m)).collect();
+        let mut data: Vec<Value> = self.cfg.models.iter().map(|m| self.model_card(m)).collect();
+        data.extend(self.adapter_cards());
         json!({"object": "list", "data": data})
     }
 

@@ -22,6 +22,7 @@
 //! publish over ZeroMQ as vLLM does, `faults` the fault knobs and `net` the accept loop that can
 //! die like a killed process. `pd` makes the engine the prefill or the decode side of a pair
 //! ([`SimConfig::role`]); `deployment` holds a real rank's figures, `rankgate mock-engine`'s.
+//! `lora` serves LoRA adapters as vLLM does ([`SimConfig::lora`]).
 
 mod auth;
 pub mod cli;
@@ -33,6 +34,7 @@ mod grpc;
 mod grpc_decode;
 mod info;
 pub mod kv;
+pub mod lora;
 pub mod model;
 mod multipart;
 mod net;
@@ -203,6 +205,9 @@ pub struct SimConfig {
     pub max_num_seqs: u32,
     /// Like vLLM's `--scheduling-policy`: the order a vLLM rank's waiting requests start in.
     pub scheduling_policy: SchedulingPolicy,
+    /// Like vLLM's `--enable-lora` and its settings (vLLM flavor): adapters served as models,
+    /// at most `max_loras` per rank's batch ([`lora`]). `None` (the default): no adapters.
+    pub lora: Option<lora::LoraConfig>,
 }
 
 impl Default for SimConfig {
@@ -243,6 +248,7 @@ impl Default for SimConfig {
             gauges_after_first_request: false,
             max_num_seqs: deployment::MAX_NUM_SEQS,
             scheduling_policy: SchedulingPolicy::Fcfs,
+            lora: None,
         }
     }
 }
@@ -300,6 +306,8 @@ pub(crate) struct Sim {
     kv_stop: watch::Sender<bool>,
     /// A role server's side channels, bootstrap server, leases, rooms and counters.
     pub(crate) pd: pd::PdState,
+    /// The adapters served, with LoRA on.
+    pub(crate) lora: Option<lora::Lora>,
 }
 
 /// How many requests the engine remembers for [`SimEngine::seen`].
@@ -322,6 +330,7 @@ impl SimEngine {
         let invalid = |e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e);
         let faults = Faults::new(&cfg).map_err(|e| invalid(e.to_string()))?;
         cfg.check_queue().map_err(invalid)?;
+        cfg.check_lora().map_err(invalid)?;
         if cfg.models.is_empty() || cfg.models.iter().any(|m| m.is_empty()) {
             return Err(invalid(format!(
                 "models must be a non-empty list of non-empty names, got {:?}",
@@ -347,6 +356,9 @@ impl SimEngine {
                 .unwrap_or(cfg.capacity_tokens);
             let mut rank = Rank::new(cfg.start_rank + i, capacity.max(1), preload)
                 .with_queueing(cfg.queueing());
+            if let Some(l) = &cfg.lora {
+                rank = rank.with_lora(l.max_loras, l.load_delay);
+            }
             if let Some(kc) = &cfg.kv_events {
                 let events = Arc::new(kv::RankEvents::default());
                 rank = rank.with_events(events.clone());
@@ -356,7 +368,9 @@ impl SimEngine {
         }
         let (shutdown, shutdown_rx) = watch::channel(false);
         let pd_state = pd::PdState::new(&cfg, addr, &pd_listeners);
+        let lora = (cfg.lora.as_ref()).map(|l| lora::Lora::new(l, &cfg.models));
         let sim = Arc::new(Sim {
+            lora,
             knobs: RwLock::new(Knobs {
                 kv_usage: cfg.kv_usage.clone(),
                 dark_ranks: cfg.dark_ranks.clone(),

@@ -15,13 +15,14 @@
 //! Its queue is vLLM's by default ([`Queueing`]): at most `max_num_seqs` requests run, and the
 //! waiting ones start in order, so a request that does not fit holds back every one behind it
 //! (head-of-line blocking), however small. The order is arrival, or with the priority policy the
-//! request's `priority` then arrival. A waiting request holds nothing.
+//! request's `priority` then arrival. A waiting request holds nothing. With LoRA adapters
+//! ([`Rank::with_lora`]) a request whose adapter finds no slot in the batch is set aside instead,
+//! and those behind it may start, as vLLM's scheduler skips it ([`waiting`]).
 //!
 //! With KV events on ([`Rank::with_events`]) every change of the prefix cache is handed, in
 //! order and inside the same critical section, to the rank's [`RankEvents`] for its publisher.
 //! [`Rank::restart`] empties the cache as a restarted engine process has it empty.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
@@ -29,6 +30,10 @@ use tokio::sync::Notify;
 
 use super::kv::RankEvents;
 use super::prefix::{Blocks, PrefixCache, BLOCK_TOKENS};
+pub use waiting::SlotCounts;
+use waiting::{Key, Waiting};
+
+mod waiting;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RankCounts {
@@ -48,6 +53,8 @@ pub struct RankCounts {
     /// DP rank's gauges only once it has run one, and counts `request_success_total`.
     pub admitted: u64,
     pub finished: u64,
+    /// With LoRA: requests set aside for a slot, now and ever, and slot loads.
+    pub lora: SlotCounts,
 }
 
 /// What running requests hold apart from shared blocks, and the cache itself.
@@ -60,7 +67,8 @@ struct State {
     running: u32,
     /// The waiting requests in the order they start: (priority, ticket), lowest first; the
     /// ticket numbers arrivals, so equal priorities (all of them under FCFS) go by arrival.
-    queue: BTreeSet<(i64, u64)>,
+    /// With LoRA, also the batch's adapters and the slots.
+    queue: Waiting,
     /// The next arrival's ticket.
     tickets: u64,
     cache: PrefixCache,
@@ -119,6 +127,10 @@ pub struct Admission<'a> {
     keep: Blocks,
     /// Prompt tokens found in the prefix cache: their prefill is skipped.
     pub cached_tokens: u64,
+    /// The adapter it runs (by id), released from the batch when it ends.
+    adapter: Option<u32>,
+    /// Whether starting it loaded its adapter into a slot.
+    pub lora_load: bool,
 }
 
 impl Rank {
@@ -184,6 +196,7 @@ impl Rank {
         {
             let mut s = self.lock();
             s.cache.restart();
+            s.queue.restart();
             (s.admitted, s.finished) = (0, 0);
             s.cache.take_events();
             if let Some(ev) = &self.events {
@@ -206,6 +219,7 @@ impl Rank {
             prefix_hits: s.prefix_hits,
             admitted: s.admitted,
             finished: s.finished,
+            lora: s.queue.slot_counts(),
         }
     }
 
@@ -281,6 +295,20 @@ impl Rank {
         max_tokens: u64,
         priority: i64,
     ) -> Admission<'_> {
+        (self.admit_adapter(prompt, prompt_blocks, max_tokens, priority, None)).await
+    }
+
+    /// [`Rank::admit_ranked`] for a request running LoRA `adapter` (by id; `None`: the base
+    /// model): it also needs its adapter in the batch or a slot free for it, and while it has
+    /// neither it is set aside, holding back no one.
+    pub async fn admit_adapter(
+        &self,
+        prompt: u64,
+        prompt_blocks: Option<&Blocks>,
+        max_tokens: u64,
+        priority: i64,
+        adapter: Option<u32>,
+    ) -> Admission<'_> {
         let caching = prompt_blocks.is_some();
         let empty = Blocks::default();
         let prompt_blocks = prompt_blocks.unwrap_or(&empty);
@@ -295,6 +323,8 @@ impl Rank {
             rank: self,
             key: None,
         };
+        // Whether it has been counted as set aside for a slot.
+        let mut slot_wait = false;
         let key = {
             let mut s = self.lock();
             s.tickets += 1;
@@ -312,8 +342,9 @@ impl Rank {
                 let held = s.reserved + s.cache.in_use() * BLOCK_TOKENS;
                 let taking = need + (look.new + look.revived) as u64 * BLOCK_TOKENS;
                 let fits = s.running == 0 || held + taking <= free;
-                // With the queue in order, its turn comes once no waiting request is ahead of it.
-                let turn = !self.queueing.in_order || s.queue.first().is_none_or(|h| key <= *h);
+                // With the queue in order, its turn comes once no waiting request is ahead of it
+                // but those set aside for a LoRA slot.
+                let turn = s.queue.turn(key, adapter, self.queueing.in_order);
                 if turn && s.running < self.queueing.max_running && fits {
                     s.cache.acquire_blocks(prompt_blocks);
                     // Whatever the cache still holds past capacity is idle: evict it.
@@ -333,7 +364,8 @@ impl Rank {
                     s.used += used;
                     s.running += 1;
                     s.admitted += 1;
-                    let was_queued = queued.key.take().is_some_and(|k| s.queue.remove(&k));
+                    let was_queued = queued.key.take().is_some_and(|k| s.queue.remove(k));
+                    let lora_load = s.queue.start(adapter);
                     self.served.fetch_add(1, Relaxed);
                     let adm = Admission {
                         rank: self,
@@ -343,6 +375,8 @@ impl Rank {
                         epoch: s.cache.epoch(),
                         keep: Blocks::default(),
                         cached_tokens: cached,
+                        adapter,
+                        lora_load,
                     };
                     drop(s);
                     if was_queued && self.queueing.in_order {
@@ -352,8 +386,12 @@ impl Rank {
                     return adm;
                 }
                 if queued.key.is_none() {
-                    s.queue.insert(key);
+                    s.queue.insert(key, adapter);
                     queued.key = Some(key);
+                }
+                if !slot_wait && s.queue.set_aside(adapter) {
+                    s.queue.count_wait();
+                    slot_wait = true;
                 }
             }
             notified.await;
@@ -364,13 +402,13 @@ impl Rank {
 /// A request's place in a rank's queue, while it has one.
 struct Queued<'a> {
     rank: &'a Rank,
-    key: Option<(i64, u64)>,
+    key: Option<Key>,
 }
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
         if let Some(k) = self.key.take() {
-            self.rank.lock().queue.remove(&k);
+            self.rank.lock().queue.remove(k);
             if self.rank.queueing.in_order {
                 // It may have been holding the others back.
                 self.rank.freed.notify_waiters();
@@ -414,6 +452,7 @@ impl Drop for Admission<'_> {
             c.used -= self.used;
             c.running -= 1;
             c.finished += 1;
+            c.queue.finish(self.adapter);
             if c.cache.epoch() == self.epoch {
                 // The answer's blocks first (those of the prompt are cached already and
                 // skipped), so that they are evicted before the prompt they follow.
@@ -433,5 +472,7 @@ impl Drop for Admission<'_> {
     }
 }
 
+#[cfg(test)]
+mod lora_tests;
 #[cfg(test)]
 mod tests;

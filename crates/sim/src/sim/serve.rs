@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::faults::Open;
+use super::lora::Adapter;
 use super::routes::{self, Endpoint};
 use super::{auth, multipart};
 use super::{lock, read, Seen, Sim, SimFlavor, MAX_REQUEST_BYTES, SEEN_CAP};
@@ -153,6 +154,7 @@ impl Sim {
                     self.http_loads(req.uri().query())
                 }
             }
+            (&Method::POST, p) if self.lora_route(p) => self.lora_update(p, req).await,
             (&Method::POST, p) => match routes::route(self.cfg.flavor, p) {
                 Some(endpoint) => self.clone().proxied(req, endpoint).await,
                 None => no_route(&path),
@@ -161,13 +163,15 @@ impl Sim {
         })
     }
 
-    /// The model a request names, or the default when it names none; `Err` with the name when
-    /// the engine does not serve it. Both flavors refuse with vLLM's 404: SGLang's own check has
-    /// varied across versions (none at all, or a 400), and one answer keeps routing tests simple.
-    fn served_model(&self, v: &Value) -> Result<String, String> {
+    /// The model a request names, or the default when it names none, with the LoRA adapter it
+    /// is; `Err` with the name when the engine does not serve it. Both flavors refuse with
+    /// vLLM's 404: SGLang's own check has varied across versions (none at all, or a 400), and one
+    /// answer keeps routing tests simple.
+    fn served_model(&self, v: &Value) -> Result<(String, Option<Adapter>), String> {
         match v.get("model") {
-            None | Some(Value::Null) => Ok(self.default_model().to_string()),
-            Some(Value::String(m)) if self.cfg.models.contains(m) => Ok(m.clone()),
+            None | Some(Value::Null) => Ok((self.default_model().to_string(), None)),
+            Some(Value::String(m)) if self.cfg.models.contains(m) => Ok((m.clone(), None)),
+            Some(Value::String(m)) if self.adapter(m).is_some() => Ok((m.clone(), self.adapter(m))),
             Some(other) => Err(other
                 .as_str()
                 .map_or_else(|| other.to_string(), str::to_string)),
@@ -289,14 +293,15 @@ impl Sim {
         let model = if endpoint.checks_model() {
             self.served_model(&v)
         } else {
-            Ok(self.default_model().to_string())
+            Ok((self.default_model().to_string(), None))
         };
         let mut resp = match model {
-            Ok(model) => {
+            Ok((model, adapter)) => {
                 let call = Call {
                     local,
                     body: v,
                     model,
+                    adapter,
                     open,
                     pd,
                     request_id: head.request_id.clone(),
@@ -313,7 +318,7 @@ impl Sim {
                 StatusCode::NOT_FOUND,
                 "NotFoundError",
                 Some("model"),
-                &format!("The model `{name}` does not exist."),
+                &self.unknown_model(&name),
             ),
         };
         resp.headers_mut()
@@ -403,6 +408,8 @@ pub(super) struct Call {
     pub(super) local: usize,
     pub(super) body: Value,
     pub(super) model: String,
+    /// The LoRA adapter that model is, if it is one ([`super::lora`]).
+    pub(super) adapter: Option<Adapter>,
     /// Counts the request as open until the answer, stream included, is done.
     pub(super) open: Open,
     /// What a role server is asked to do with the request's KV ([`super::pd`]).

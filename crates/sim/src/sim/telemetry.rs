@@ -17,6 +17,8 @@ pub(crate) struct RankReport {
     pub usage: f64,
     pub running: i64,
     pub waiting: i64,
+    /// Of the waiting, those set aside for want of a LoRA slot (vLLM's `deferred` reason).
+    pub deferred: i64,
     pub used_tokens: i64,
     pub capacity: i64,
     /// Prompt tokens that looked up the prefix cache, and those found there (counters).
@@ -55,6 +57,7 @@ impl Sim {
                     usage: if garbage { f64::NAN } else { usage },
                     running: if garbage { -1 } else { c.running as i64 },
                     waiting: c.waiting as i64,
+                    deferred: c.lora.deferred as i64,
                     used_tokens: (usage * rank.capacity as f64).round() as i64,
                     // The real servicer reports the sum over ranks in every entry.
                     capacity: if self.cfg.servicer_quirks {
@@ -164,6 +167,23 @@ impl Sim {
             }
         }
         if self.cfg.flavor == SimFlavor::Vllm {
+            // vLLM 0.32 splits its waiting requests: those that wait for room (`capacity`) and
+            // those set aside this step (`deferred`: a LoRA slot, here).
+            let name = "vllm:num_requests_waiting_by_reason";
+            let _ = writeln!(o, "# HELP {name} Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n# TYPE {name} gauge");
+            for reason in ["capacity", "deferred"] {
+                for r in &reports {
+                    let n = match reason {
+                        "capacity" => r.waiting - r.deferred,
+                        _ => r.deferred,
+                    };
+                    let _ = writeln!(
+                        o,
+                        "{name}{{engine=\"{}\",model_name=\"{model}\",reason=\"{reason}\"}} {:?}",
+                        r.global, n as f64
+                    );
+                }
+            }
             // Counters exist for every rank from the start, gauges or not (dark ranks aside).
             let name = "vllm:request_success_total";
             let _ = writeln!(
@@ -221,6 +241,7 @@ impl Sim {
                 }
             }
         }
+        self.render_lora_metrics(&mut o);
         self.render_pd_metrics(&mut o);
         o
     }

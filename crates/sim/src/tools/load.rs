@@ -6,6 +6,7 @@
 //!       [--output-tokens uniform:32:96] [--trace trace.jsonl] [--duration 60s] [--json report.json] \
 //!       [--admin http://127.0.0.1:9090]   # every rank in the per-worker table, 0 included
 //!       [--header "x-gateway-inference-fairness-id: team-a"]   # with every request (repeatable)
+//!       [--model sql-lora,chat-lora [--model-spread even|random]]   # requests spread over models
 //! Multi-turn chat sessions (a shared system prompt per group, growing history), a hot shared
 //! prefix, several router replicas (comma-separated --url, requests spread over them in turn), and
 //! the engines' prefix-cache hit ratio from their /metrics before and after the run:
@@ -78,8 +79,13 @@ pub struct Args {
     /// JSONL trace: {"prompt_tokens": N, "output_tokens": M, "at_ms": T?} per line.
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    #[arg(long, default_value = "tiny-llama")]
-    pub model: String,
+    /// The model requests name; several, comma-separated (LoRA adapters served as models),
+    /// spread as --model-spread says.
+    #[arg(long, value_delimiter = ',', default_value = "tiny-llama")]
+    pub model: Vec<String>,
+    /// How requests are spread over several --model names: in turn (even) or drawn (random).
+    #[arg(long, value_enum, default_value = "even")]
+    pub model_spread: load::ModelSpread,
     /// Multi-turn chat sessions: how many (needs --turns).
     #[arg(long, requires = "turns")]
     pub sessions: Option<usize>,
@@ -185,7 +191,16 @@ pub async fn run(a: Args) -> ToolResult {
     w.duration = parse_duration(&a.duration).map_err(|e| format!("--duration: {e}"))?;
     w.prompt_tokens = a.prompt_tokens;
     w.output_tokens = a.output_tokens;
-    w.model = a.model;
+    load::check_models(&a.model).map_err(|e| format!("--model: {e}"))?;
+    w.model = a
+        .model
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "tiny-llama".into());
+    if a.model.len() > 1 {
+        w.models = a.model;
+    }
+    w.model_spread = a.model_spread;
     w.progress = true;
     w.headers = (a.headers.iter())
         .map(|h| header(h).map_err(|e| format!("--header {h:?}: {e}")))

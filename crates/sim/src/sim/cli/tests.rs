@@ -130,3 +130,63 @@ fn queue_flags_set_the_cap_and_the_policy_and_bad_ones_name_the_flag() {
     let e = super::parse(argv).map(|_| ()).unwrap_err();
     assert!(e.contains("--scheduling-policy"), "{e}");
 }
+
+#[test]
+fn lora_flags_read_like_vllms_and_bad_ones_name_the_flag() {
+    assert!(parse(&[]).expect("valid").lora.is_none(), "off by default");
+    let d = parse(&["--enable-lora"]).expect("valid").lora.expect("on");
+    assert_eq!((d.max_loras, d.max_lora_rank), (1, 16), "vLLM's defaults");
+    assert_eq!(d.load_delay, std::time::Duration::from_millis(25));
+    let on = parse(&[
+        "--enable-lora",
+        "--lora-modules",
+        "a=org/a",
+        r#"{"name": "b", "path": "org/b", "base_model_name": "tiny-llama"}"#,
+        "--max-loras",
+        "2",
+        "--allow-runtime-lora",
+        "--lora-load-ms",
+        "5",
+    ])
+    .expect("valid")
+    .lora
+    .expect("on");
+    let names: Vec<&str> = on.modules.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(on.max_loras, 2);
+    assert!(on.runtime_updating);
+    assert_eq!(on.load_delay, std::time::Duration::from_millis(5));
+    for (extra, flag) in [
+        (&["--enable-lora", "--max-loras", "0"][..], "--max-loras"),
+        (
+            &["--enable-lora", "--max-lora-rank", "12"],
+            "--max-lora-rank",
+        ),
+        (&["--lora-modules", "a=org/a"], "--enable-lora"),
+        (&["--allow-runtime-lora"], "--enable-lora"),
+        (
+            &["--enable-lora", "--lora-modules", "a=/nonexistent/a"],
+            "No adapter found",
+        ),
+        (
+            &["--enable-lora", "--lora-modules", "nothing"],
+            "--lora-modules",
+        ),
+        (
+            &["--enable-lora", "--lora-load-ms", "600000"],
+            "--lora-load-ms",
+        ),
+    ] {
+        let e = parse(extra).map(|_| ()).unwrap_err();
+        assert!(e.contains(flag), "{extra:?}: {e}");
+    }
+    let argv = [
+        "--listen",
+        "127.0.0.1:0",
+        "--flavor",
+        "sglang",
+        "--enable-lora",
+    ];
+    let e = super::parse(argv).map(|_| ()).unwrap_err();
+    assert!(e.contains("--enable-lora"), "{e}");
+}
