@@ -86,6 +86,7 @@ pub(super) struct RawRouting {
     hung_floor: Option<HumanDuration>,
     tie_margin: Option<f64>,
     prefix_affinity: Option<bool>,
+    adapter_affinity: Option<bool>,
     affinity_margin: Option<f64>,
     affinity_max_kv: Option<f64>,
     kv_events: Option<bool>,
@@ -120,6 +121,9 @@ pub struct RoutingConfig {
     pub tie_margin: f64,
     /// Prefer, among ranks load allows, the one that was sent the longest prefix of the prompt.
     pub prefix_affinity: bool,
+    /// A request for a LoRA adapter prefers, among ranks load allows (`affinity_margin`), one
+    /// running it, then one with a free adapter slot.
+    pub adapter_affinity: bool,
     /// Ranks scoring within this of the best are the ones affinity may choose among.
     pub affinity_margin: f64,
     /// ...and only those scoring below this.
@@ -166,6 +170,7 @@ pub(super) fn routing(
         )?,
         tie_margin: raw.tie_margin.unwrap_or(DEFAULT_TIE_MARGIN),
         prefix_affinity: raw.prefix_affinity.unwrap_or(false),
+        adapter_affinity: raw.adapter_affinity.unwrap_or(true),
         affinity_margin: raw.affinity_margin.unwrap_or(DEFAULT_AFFINITY_MARGIN),
         affinity_max_kv: raw.affinity_max_kv.unwrap_or(DEFAULT_AFFINITY_MAX_KV),
         kv_events: raw.kv_events.unwrap_or(false),

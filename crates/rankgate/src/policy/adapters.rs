@@ -1,6 +1,7 @@
 //! Adapter affinity: where a request for a LoRA adapter goes among the ranks load allows. An
 //! engine core runs at most `max_loras` distinct adapters at once; a request for another waits
-//! there for a slot, and an adapter not in a slot is loaded first. So among the ranks scoring
+//! there for a slot, and an adapter not in a slot is loaded first. So (`routing.adapter_affinity`,
+//! on by default) among the ranks scoring
 //! within `routing.affinity_margin` of the best (the margin prefix affinity uses: load is never
 //! given up beyond it), the least loaded rank running the adapter now goes first, else the least
 //! loaded with a free slot (`engines[].max_loras`, vLLM's default 1). Neither: the usual pick.
@@ -108,5 +109,20 @@ mod tests {
         // (and waits there for the slot) rather than to a rank half full.
         let a = s.pick(&t, None, &for_adapter("a")).unwrap();
         assert_eq!(a.guard.worker(), 0);
+    }
+
+    #[test]
+    fn off_an_adapter_is_picked_like_any_model() {
+        let t = table(2);
+        let now = Instant::now();
+        set(&t, vec![available(0.1, now), available(0.15, now)]);
+        let mut cfg = routing(Policy::LeastKv, NoTelemetry::Reject);
+        cfg.adapter_affinity = false;
+        cfg.tie_margin = 0.0;
+        let s = Selector::new(&cfg);
+        let _a = s.pick(&t, None, &for_adapter("a")).unwrap();
+        // Rank 0 (0.12 with `a` credited) still scores best: `b` goes there, its slot or not.
+        let b = s.pick(&t, None, &for_adapter("b")).unwrap();
+        assert_eq!(b.guard.worker(), 0);
     }
 }

@@ -62,6 +62,9 @@ pub struct Selector {
     pub(super) tie_margin: f64,
     /// `routing.prefix_affinity`: `(affinity_margin, affinity_max_kv)`.
     pub(super) affinity: Option<(f64, f64)>,
+    /// `routing.adapter_affinity`: the margin within which a LoRA adapter's request prefers
+    /// a rank running it or with a free slot (`affinity_margin`).
+    pub(super) adapter_margin: Option<f64>,
     /// `[flow]`'s limits while flow control is on: a saturated rank is picked last.
     pub(super) saturation: Option<crate::config::Saturation>,
 }
@@ -77,6 +80,7 @@ impl Selector {
             affinity: cfg
                 .prefix_affinity
                 .then_some((cfg.affinity_margin, cfg.affinity_max_kv)),
+            adapter_margin: cfg.adapter_affinity.then_some(cfg.affinity_margin),
             saturation: None,
         }
     }

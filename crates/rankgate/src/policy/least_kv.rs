@@ -13,7 +13,6 @@ use super::explain::By;
 use super::saturation::{room_of, SATURATED};
 use super::scoring::{score_of, untried as is_untried};
 use super::ties::random_at_most;
-use crate::config::DEFAULT_AFFINITY_MARGIN;
 use crate::ix::WorkerIx;
 use crate::outlier::Admit;
 use crate::table::{Snapshot, Table};
@@ -82,8 +81,7 @@ impl Selector {
             if best == f64::NEG_INFINITY {
                 return random_at_most(&scores, best, rng).map(|w| (w, skipped, By::Kv));
             }
-            if let Some(adapter) = &avoid.adapter {
-                let margin = self.affinity.map_or(DEFAULT_AFFINITY_MARGIN, |(m, _)| m);
+            if let (Some(margin), Some(adapter)) = (self.adapter_margin, &avoid.adapter) {
                 if let Some(w) = adapter_pick(fleet, &scores, adapter, best + margin) {
                     return Some((w, skipped, By::Adapter));
                 }

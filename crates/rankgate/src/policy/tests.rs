@@ -56,6 +56,7 @@ pub(super) fn routing(policy: Policy, no_telemetry: NoTelemetry) -> RoutingConfi
         // Exact picks, so the tests can tell which rank the credit points at.
         tie_margin: 0.0,
         prefix_affinity: false,
+        adapter_affinity: true,
         affinity_margin: 0.1,
         affinity_max_kv: 0.85,
         kv_events: false,

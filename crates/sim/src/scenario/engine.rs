@@ -227,6 +227,11 @@ impl EngineSpec {
         !self.lora_modules.is_empty()
     }
 
+    /// Its `--max-loras`: the key, else vLLM's default.
+    pub fn max_loras_or_default(&self) -> u32 {
+        self.max_loras.unwrap_or(LoraConfig::default().max_loras)
+    }
+
     /// The default engine with this spec's flavor and queue settings.
     fn sim_queue(&self) -> SimConfig {
         SimConfig {

@@ -56,6 +56,10 @@ pub(super) fn router_toml(
         if let Some(role) = e.role {
             let _ = writeln!(toml, "role = \"{}\"", super::run::role_name(role));
         }
+        // The engines' --max-loras, for adapter affinity's free slots.
+        if spec.serves_adapters() {
+            let _ = writeln!(toml, "max_loras = {}", spec.max_loras_or_default());
+        }
         // An SGLang prefill server's decode peers reach it on its bootstrap port.
         if let Some(port) = e.bootstrap_port {
             let _ = writeln!(toml, "bootstrap_port = {port}");

@@ -6,8 +6,11 @@
 //! follows the engines' own KV-cache events (`kv_events = true` too): `"least_kv"`,
 //! `"least_kv+affinity"`, `"least_kv+kv_events"`, `"round_robin"`; `+flow` last for flow control
 //! (the scenario's `[flow]` table given to the router as its `[flow]` section):
-//! `"least_kv+flow"`, `"least_kv+affinity+flow"`. The scenario file's `policies = [...]` and
+//! `"least_kv+flow"`, `"least_kv+affinity+flow"`; `+adapters` (before `+flow`) for adapter
+//! affinity, which every other variant runs without. The scenario file's `policies = [...]` and
 //! `rankgate load --policies` read the same strings.
+
+use std::fmt::Write as _;
 
 use serde::Deserialize;
 
@@ -20,6 +23,8 @@ pub struct Variant {
     pub affinity: Affinity,
     /// Flow control on: the scenario's `[flow]` table becomes the router's `[flow]` section.
     pub flow: bool,
+    /// `routing.adapter_affinity` on (off otherwise, so a variant names what it weighs).
+    pub adapters: bool,
 }
 
 /// Whether and how picks weigh where a prompt's prefix is cached.
@@ -38,6 +43,7 @@ impl From<Policy> for Variant {
             policy,
             affinity: Affinity::Off,
             flow: false,
+            adapters: false,
         }
     }
 }
@@ -51,6 +57,9 @@ impl Variant {
             Affinity::Guess => "+affinity",
             Affinity::Events => "+kv_events",
         });
+        if self.adapters {
+            name.push_str("+adapters");
+        }
         if self.flow {
             name.push_str("+flow");
         }
@@ -67,6 +76,7 @@ impl Variant {
         if self.affinity == Affinity::Events {
             t.push_str("kv_events = true\n");
         }
+        let _ = writeln!(t, "adapter_affinity = {}", self.adapters);
         t
     }
 
@@ -82,7 +92,7 @@ impl std::str::FromStr for Variant {
     fn from_str(s: &str) -> Result<Variant, String> {
         let mut parts = s.trim().split('+');
         let name = parts.next().unwrap_or_default();
-        let (mut affinity, mut flow) = (Affinity::Off, false);
+        let (mut affinity, mut flow, mut adapters) = (Affinity::Off, false, false);
         for option in parts {
             match option {
                 "affinity" | "kv_events" if affinity != Affinity::Off || flow => {
@@ -92,11 +102,15 @@ impl std::str::FromStr for Variant {
                 }
                 "affinity" => affinity = Affinity::Guess,
                 "kv_events" => affinity = Affinity::Events,
+                "adapters" if adapters || flow => {
+                    return Err(format!("variant {s:?}: `+adapters` once, before any `+flow`"))
+                }
+                "adapters" => adapters = true,
                 "flow" if flow => return Err(format!("variant {s:?}: `+flow` twice")),
                 "flow" => flow = true,
                 other => {
                     return Err(format!(
-                        "variant {s:?}: unknown option {other:?} after `+` (`+affinity`, `+kv_events` or `+flow`)"
+                        "variant {s:?}: unknown option {other:?} after `+` (`+affinity`, `+kv_events`, `+adapters` or `+flow`)"
                     ))
                 }
             }
@@ -111,7 +125,7 @@ impl std::str::FromStr for Variant {
                 ))
             }
         };
-        if affinity != Affinity::Off && policy != Policy::LeastKv {
+        if (affinity != Affinity::Off || adapters) && policy != Policy::LeastKv {
             return Err(format!(
                 "variant {s:?}: affinity chooses among the ranks load allows, so it goes with least_kv only"
             ));
@@ -120,6 +134,7 @@ impl std::str::FromStr for Variant {
             policy,
             affinity,
             flow,
+            adapters,
         })
     }
 }
@@ -182,14 +197,17 @@ mod tests {
             "least_kv+affinity+flow",
             "least_kv+kv_events+flow",
             "round_robin+flow",
+            "least_kv+adapters",
+            "least_kv+affinity+adapters+flow",
         ] {
             assert_eq!(s.parse::<Variant>().unwrap().as_str(), s);
         }
         let v: Variant = "least_kv+affinity".parse().unwrap();
         assert!(v.routing_toml().contains("prefix_affinity = true"));
-        assert!(!Variant::from(Policy::LeastKv)
-            .routing_toml()
-            .contains("affinity"));
+        let plain = Variant::from(Policy::LeastKv).routing_toml();
+        assert!(!plain.contains("prefix_affinity") && plain.contains("adapter_affinity = false"));
+        let v: Variant = "least_kv+adapters".parse().unwrap();
+        assert!(v.routing_toml().contains("adapter_affinity = true"));
         let v: Variant = "least_kv+kv_events".parse().unwrap();
         assert!(v
             .routing_toml()
@@ -202,6 +220,8 @@ mod tests {
             "least_kv+flow+affinity",
             "least_kv+flow+flow",
             "least_kv+affinity+kv_events",
+            "least_kv+flow+adapters",
+            "round_robin+adapters",
         ] {
             let e = bad.parse::<Variant>().unwrap_err();
             assert!(e.contains(bad), "{e}");
