@@ -13,6 +13,7 @@
 mod common;
 mod load;
 mod metrics;
+mod on_demand;
 mod runtime;
 mod serving;
 mod slots;

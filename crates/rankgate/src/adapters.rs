@@ -6,17 +6,31 @@
 //!
 //! vLLM's own gauge (`vllm:lora_requests_info`) has no rank label, so with data parallelism it
 //! cannot say which rank runs what: the requests this router sent are what it knows per rank.
-//! Only requests that name an adapter touch this; the list holds at most one entry per adapter
-//! with requests in flight here.
+//! Only requests that name an adapter touch this; the list holds one entry per adapter with
+//! requests in flight here, and the [`REMEMBERED_IDLE`] used most lately besides, whose last use
+//! says which adapter a server at its limit unloads first (`crate::adapter_loads`).
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
-/// One rank's adapters with requests in flight from this router.
+/// Adapters whose last request here ended that are remembered, for how recently each was used
+/// ([`Adapters::last_use`]): the most recent this many, beside those running.
+const REMEMBERED_IDLE: usize = 64;
+
+/// One adapter used here: its requests in flight, and when one last started or ended.
+#[derive(Debug)]
+struct Use {
+    name: Arc<str>,
+    running: u32,
+    at: Instant,
+}
+
+/// One rank's adapters with requests in flight from this router, and the ones used lately.
 #[derive(Debug, Default)]
-pub struct Adapters(Mutex<Vec<(Arc<str>, u32)>>);
+pub struct Adapters(Mutex<Vec<Use>>);
 
 impl Adapters {
-    fn lock(&self) -> MutexGuard<'_, Vec<(Arc<str>, u32)>> {
+    fn lock(&self) -> MutexGuard<'_, Vec<Use>> {
         // Each statement leaves the list whole: a panic elsewhere leaves it usable.
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -24,18 +38,32 @@ impl Adapters {
     /// A request for `adapter` starts here.
     pub fn hold(&self, adapter: &Arc<str>) {
         let mut list = self.lock();
-        match list.iter_mut().find(|(a, _)| a == adapter) {
-            Some((_, n)) => *n += 1,
-            None => list.push((adapter.clone(), 1)),
+        let at = Instant::now();
+        match list.iter_mut().find(|u| u.name == *adapter) {
+            Some(u) => (u.running, u.at) = (u.running + 1, at),
+            None => list.push(Use {
+                name: adapter.clone(),
+                running: 1,
+                at,
+            }),
         }
     }
 
     /// A request for `adapter` here ended.
     pub fn release(&self, adapter: &str) {
         let mut list = self.lock();
-        if let Some(i) = list.iter().position(|(a, _)| &**a == adapter) {
-            list[i].1 -= 1;
-            if list[i].1 == 0 {
+        let Some(u) = list.iter_mut().find(|u| &*u.name == adapter) else {
+            return;
+        };
+        u.running = u.running.saturating_sub(1);
+        u.at = Instant::now();
+        if u.running == 0 && list.iter().filter(|u| u.running == 0).count() > REMEMBERED_IDLE {
+            // The least recently used idle one goes.
+            let oldest = (list.iter().enumerate())
+                .filter(|(_, u)| u.running == 0)
+                .min_by_key(|(_, u)| u.at)
+                .map(|(i, _)| i);
+            if let Some(i) = oldest {
                 list.swap_remove(i);
             }
         }
@@ -44,12 +72,27 @@ impl Adapters {
     /// Whether `adapter` runs here now, and how many distinct adapters do.
     pub fn state(&self, adapter: &str) -> (bool, usize) {
         let list = self.lock();
-        (list.iter().any(|(a, _)| &**a == adapter), list.len())
+        let running = list.iter().filter(|u| u.running > 0);
+        (
+            running.clone().any(|u| &*u.name == adapter),
+            running.count(),
+        )
+    }
+
+    /// `adapter`'s requests in flight here and when one last started or ended; `None`: not
+    /// used lately.
+    pub fn last_use(&self, adapter: &str) -> Option<(u32, Instant)> {
+        let list = self.lock();
+        let u = list.iter().find(|u| &*u.name == adapter)?;
+        Some((u.running, u.at))
     }
 
     /// The adapters running here, with their requests in flight (for `/workers`).
     pub fn running(&self) -> Vec<(Arc<str>, u32)> {
-        self.lock().clone()
+        (self.lock().iter())
+            .filter(|u| u.running > 0)
+            .map(|u| (u.name.clone(), u.running))
+            .collect()
     }
 }
 
@@ -73,5 +116,23 @@ mod tests {
         // A release for an adapter not held changes nothing.
         a.release("z");
         assert_eq!(a.running(), vec![(y, 1)]);
+        // An adapter whose last request ended is remembered as used lately.
+        assert_eq!(a.last_use("x").map(|(n, _)| n), Some(0));
+        assert_eq!(a.last_use("z"), None);
+    }
+
+    #[test]
+    fn remembers_a_bounded_number_of_idle_adapters_dropping_the_oldest() {
+        let a = Adapters::default();
+        let names: Vec<Arc<str>> = (0..=REMEMBERED_IDLE)
+            .map(|i| format!("a{i}").into())
+            .collect();
+        for n in &names {
+            a.hold(n);
+            a.release(n);
+        }
+        assert_eq!(a.lock().len(), REMEMBERED_IDLE);
+        assert_eq!(a.last_use("a0"), None);
+        assert!(a.last_use(&names[REMEMBERED_IDLE]).is_some());
     }
 }

@@ -35,6 +35,7 @@ use query::query_param;
 use render::off_runtime;
 pub use render::Renders;
 
+mod adapters;
 mod failures;
 mod query;
 mod reach;
@@ -59,6 +60,8 @@ pub struct Admin {
     pub renders: Arc<Renders>,
     /// Flow control's queue (`[flow]` on), for `/flows`.
     pub flows: Option<Arc<crate::proxy::Flows>>,
+    /// `[[adapters]]` loads, for `/adapters`.
+    pub loader: Arc<crate::adapter_loads::Loader>,
 }
 
 impl Admin {
@@ -107,20 +110,36 @@ impl Admin {
                 }
             }
             (Method::GET, "/routes") => json_response(StatusCode::OK, &routes::page(&self.table)),
+            (Method::GET, "/adapters") => json_response(
+                StatusCode::OK,
+                &adapters::page(&self.table, &self.loader),
+            ),
+            (Method::POST, "/adapters/load" | "/adapters/unload") => {
+                if let Err(refusal) = self.control.authorize(req.headers()) {
+                    return Ok(refused(refusal));
+                }
+                let load = path == "/adapters/load";
+                match read_body(req.into_body()).await {
+                    Ok(body) => adapters::by_hand(self.loader.clone(), load, &body).await,
+                    Err(r) => r,
+                }
+            }
             (Method::GET, "/flows") => json_response(
                 StatusCode::OK,
                 &(self.flows.as_deref()).map_or(serde_json::json!({"enabled": false}), crate::proxy::flow_page),
             ),
-            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics" | "/flows" | "/routes") => {
+            (m, "/health" | "/ready" | "/workers" | "/loads" | "/metrics" | "/flows" | "/routes" | "/adapters") => {
                 not_allowed(&path, &m, "GET")
             }
             (m, "/engines") => not_allowed(&path, &m, "GET, POST, DELETE"),
-            (m, "/reload") => not_allowed(&path, &m, "POST"),
+            (m, "/reload" | "/adapters/load" | "/adapters/unload") => {
+                not_allowed(&path, &m, "POST")
+            }
             (_, other) => openai_error(
                 StatusCode::NOT_FOUND,
                 "NotFoundError",
                 &format!(
-                    "unknown admin path {other}: try /health, /ready, /workers, /engines, /loads, /flows, /routes, /metrics or /reload"
+                    "unknown admin path {other}: try /health, /ready, /workers, /engines, /loads, /flows, /routes, /adapters, /metrics or /reload"
                 ),
             ),
         })

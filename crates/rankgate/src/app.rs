@@ -388,6 +388,7 @@ impl Router {
             ready_requires_routable: cfg.server.ready_requires_routable,
             renders: Default::default(),
             flows: flows.clone(),
+            loader: layers.shared().loader.clone(),
         });
         let admin_task = tokio::spawn(crate::http::serve_with(
             admin_listener,

@@ -238,8 +238,16 @@ impl Catalog {
     /// The fleet's `/v1/models`: each model once, from the engines `listed` allows (those
     /// with fresh telemetry), in id order; the first such engine's entry stands for it. Each
     /// route is listed too, served or not (its entry names its targets), in place of a model
-    /// of its name: a request naming it goes to a target.
+    /// of its name: a request naming it goes to a target; and each adapter `[[adapters]]`
+    /// declares that no engine lists yet (a request naming it loads it), with its parent.
     pub fn listing(&self, listed: impl Fn(EngineIx) -> bool) -> Value {
+        let declared: Vec<Value> = (self.routes.adapters().iter())
+            .filter(|a| !self.models.contains_key(&*a.name))
+            .map(|a| {
+                json!({"id": &*a.name, "object": "model", "created": 0, "owned_by": "rankgate",
+                    "parent": &*a.base})
+            })
+            .collect();
         let mut data: Vec<&Value> = self
             .models
             .iter()
@@ -249,8 +257,9 @@ impl Catalog {
                 self.of(e)?.iter().find(|m| &m.id == id).map(|m| &m.entry)
             })
             .collect();
-        if !self.routes.is_empty() {
+        if !self.routes.is_empty() || !declared.is_empty() {
             data.extend(self.routes.iter().map(|r| r.entry()));
+            data.extend(&declared);
             data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
         }
         json!({"object": "list", "data": data})

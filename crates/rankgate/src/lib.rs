@@ -33,7 +33,9 @@
 //!   leaf.
 //! - [`reason`]: why a rank is Unavailable, one variant per kind of cause.
 //! - [`recheck`]: rounds of reading the engines' model lists again at once, asked by a request
-//!   for a model no list names.
+//!   for a model no list names; [`adapter_loads`]: LoRA adapters `[[adapters]]` declares,
+//!   loaded on a server when a request first names one; [`adapters`]: each rank's adapters in
+//!   flight.
 //! - [`policy`]: rank selection (`least_kv`, `round_robin`, `random`).
 //! - [`outlier`]: consecutive failures per rank, ejection and trial re-admission.
 //! - [`proxy`]: the OpenAI-compatible and gRPC front doors, stacks of tower layers, each layer
@@ -53,6 +55,7 @@
 //! library as any client would; the `rankgate` binary (src/main.rs, the root package) joins them.
 //! The production build leaves them out (`cargo build --release --no-default-features`).
 
+pub mod adapter_loads;
 pub mod adapters;
 pub mod admin;
 pub mod app;

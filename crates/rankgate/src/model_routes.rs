@@ -145,12 +145,25 @@ impl PartialEq for Route {
     }
 }
 
-/// Every route, by name. Empty unless `[[routes]]` has some: then a request costs one look at
-/// [`Routes::is_empty`].
+/// A LoRA adapter `[[adapters]]` declares: rankgate loads it (`crate::adapter_loads`) on a
+/// server of its `base` model when a request names it and no server serves it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Declared {
+    pub name: Arc<str>,
+    pub base: Arc<str>,
+    /// Where the engine reads it from: a path on the engine's filesystem or a repository id,
+    /// as vLLM's `lora_path` takes it.
+    pub path: Arc<str>,
+}
+
+/// Every route, by name, and the adapters `[[adapters]]` declares: the model names rankgate
+/// knows beyond the engines' own lists. Empty unless the config has some: then a request costs
+/// one look at [`Routes::is_empty`].
 #[derive(Debug, Default, PartialEq)]
 pub struct Routes {
     routes: Vec<Route>,
     by_name: HashMap<Arc<str>, usize>,
+    adapters: Vec<Declared>,
 }
 
 impl Routes {
@@ -160,7 +173,26 @@ impl Routes {
         let by_name = (routes.iter().enumerate())
             .map(|(i, r)| (r.name.clone(), i))
             .collect();
-        Routes { routes, by_name }
+        Routes {
+            routes,
+            by_name,
+            adapters: Vec::new(),
+        }
+    }
+
+    /// These routes with `adapters` declared.
+    pub fn with_adapters(self, adapters: Vec<Declared>) -> Routes {
+        Routes { adapters, ..self }
+    }
+
+    /// The declared adapter called `name`.
+    pub fn declared(&self, name: &str) -> Option<&Declared> {
+        self.adapters.iter().find(|a| &*a.name == name)
+    }
+
+    /// The declared adapters, in the file's order.
+    pub fn adapters(&self) -> &[Declared] {
+        &self.adapters
     }
 
     #[inline]
@@ -192,7 +224,7 @@ impl Routes {
                 }
             }
         }
-        Routes::new(routes)
+        Routes::new(routes).with_adapters(self.adapters.clone())
     }
 }
 

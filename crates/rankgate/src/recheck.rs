@@ -61,6 +61,17 @@ impl Recheck {
         Some(asked + 1)
     }
 
+    /// A round that begins now, whatever ran lately: for a change rankgate made itself (an
+    /// adapter it loaded or unloaded, `crate::adapter_loads`), which lists read before it
+    /// cannot show. Not for requests: each load or unload, bounded on its own, asks one.
+    pub fn force(&self) -> u64 {
+        let mut began = self.began.lock().unwrap_or_else(|p| p.into_inner());
+        *began = Some(Instant::now());
+        let next = *self.asked.borrow() + 1;
+        self.asked.send_replace(next);
+        next
+    }
+
     /// Waits until round `round` is done, or `limit` passes (an engine that hangs on its list
     /// holds no request past it); true when it is done.
     pub async fn wait(&self, round: u64, limit: Duration) -> bool {
@@ -118,5 +129,9 @@ mod tests {
         // An old round finished late changes nothing.
         r.finish(1);
         assert!(!r.is_done(2));
+        // A forced round begins even within the gap, and while another runs.
+        assert_eq!(r.force(), 3);
+        r.finish(3);
+        assert_eq!(r.force(), 4);
     }
 }

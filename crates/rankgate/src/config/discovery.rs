@@ -48,6 +48,8 @@ pub(super) struct RawDiscovery {
     bootstrap_port: Option<u16>,
     /// Their `--max-loras`.
     max_loras: Option<u32>,
+    /// LoRA adapters each may hold loaded at once.
+    max_adapters: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -127,6 +129,7 @@ pub struct EngineTemplate {
     role: Option<Role>,
     bootstrap_port: Option<u16>,
     max_loras: Option<u32>,
+    max_adapters: Option<u32>,
 }
 
 impl EngineTemplate {
@@ -177,6 +180,7 @@ impl EngineTemplate {
             kv_lease: None,
             kv_hosts: None,
             max_loras: self.max_loras,
+            max_adapters: self.max_adapters,
         }
         .validate(at)
     }
@@ -309,6 +313,7 @@ impl RawDiscovery {
             role: self.role,
             bootstrap_port: self.bootstrap_port,
             max_loras: self.max_loras,
+            max_adapters: self.max_adapters,
         };
         // Every key of the template is checked now, on a stand-in address, so a bad one is a
         // config error at load and not a log line per finding.

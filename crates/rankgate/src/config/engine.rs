@@ -308,6 +308,10 @@ pub struct Engine {
     /// `engines[].max_loras`: LoRA adapters one of its ranks runs at once (its `--max-loras`);
     /// `None`: vLLM's default, [`DEFAULT_MAX_LORAS`].
     pub max_loras: Option<u32>,
+    /// `engines[].max_adapters`: LoRA adapters the server may hold loaded at once; rankgate
+    /// unloads the least recently used declared one (`[[adapters]]`) before it loads another
+    /// past it. `None`: no limit of rankgate's (vLLM keeps whatever it is told to load).
+    pub max_adapters: Option<u32>,
 }
 
 /// vLLM's `--max-loras` default.
@@ -455,5 +459,6 @@ pub fn test_engine(url: &str, dp_size: u32, start_rank: u32) -> Engine {
         kv_lease: None,
         kv_hosts: Vec::new(),
         max_loras: None,
+        max_adapters: None,
     }
 }

@@ -53,6 +53,8 @@ pub struct RawEngine {
     pub(super) kv_hosts: Option<Vec<String>>,
     /// Its `--max-loras`: LoRA adapters one of its ranks runs at once.
     pub(super) max_loras: Option<u32>,
+    /// LoRA adapters it may hold loaded at once (`[[adapters]]` loads past it unload one).
+    pub(super) max_adapters: Option<u32>,
 }
 
 impl RawEngine {
@@ -169,6 +171,15 @@ impl RawEngine {
                 format!("{n} must be between 1 and {MAX_MAX_LORAS} (the engine's --max-loras)"),
             ));
         }
+        if let Some(n) = self
+            .max_adapters
+            .filter(|n| !(1..=MAX_MAX_ADAPTERS).contains(n))
+        {
+            return Err(invalid(
+                format!("{at}.max_adapters"),
+                format!("{n} must be between 1 and {MAX_MAX_ADAPTERS}"),
+            ));
+        }
         let api_key = self
             .api_key_env
             .as_deref()
@@ -200,6 +211,7 @@ impl RawEngine {
             kv_lease,
             kv_hosts,
             max_loras: self.max_loras,
+            max_adapters: self.max_adapters,
         };
         Ok(engine.with_reported(None))
     }
@@ -309,6 +321,8 @@ fn check_lease(
 /// The largest `engines[].max_loras`: far above what an engine runs (each adapter holds a
 /// slot of weights on every rank).
 pub const MAX_MAX_LORAS: u32 = 256;
+/// The largest `engines[].max_adapters`: the adapters `[[adapters]]` may declare at most.
+pub const MAX_MAX_ADAPTERS: u32 = 1024;
 
 /// The most hosts `engines[].kv_hosts` may list: a prefill server has an address or a few.
 pub const MAX_KV_HOSTS: usize = 64;

@@ -12,11 +12,13 @@
 //!   `[telemetry]`, `[tracing]` and TLS tables; `discovery`: `[[discovery]]`;
 //! - `kv`: an engine's KV-event endpoint, and `[[models]]` (tokenizers);
 //! - `model_routes`: `[[routes]]`, the model names rewritten to others (aliases, canaries);
+//!   `adapters`: `[[adapters]]`, LoRA adapters loaded on demand;
 //! - `edge`: what clients are told of the fleet, and whose forwarding headers are believed;
 //! - `rules`: rules across engines, and warnings; `roles`: each model's prefill and decode
 //!   servers as far as the config tells; `whole`: the file as one [`Config`];
 //! - `restart`: which settings a reload cannot apply; `read`: the file read, bounded.
 
+mod adapters;
 mod discovery;
 mod duration;
 mod edge;
@@ -40,6 +42,7 @@ mod toml_error;
 mod traces;
 mod whole;
 
+pub use adapters::{MAX_ADAPTER_NAME_BYTES, MAX_ADAPTER_PATH_BYTES, MAX_DECLARED_ADAPTERS};
 pub use discovery::{Discovery, EngineTemplate, Overrides, PortRef, Source as DiscoverySource};
 pub use duration::{parse_duration, HumanDuration};
 pub use edge::{engine_name_ok, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER, MAX_ENGINE_NAME_BYTES};
@@ -50,7 +53,7 @@ pub use engine::{
     SourceKind, TelemetrySource, DEFAULT_MAX_LORAS, SGLANG_BOOTSTRAP_PORT, SGLANG_KV_LEASE,
     VLLM_KV_LEASE,
 };
-pub use engines::{RawEngine, MAX_DP_SIZE};
+pub use engines::{RawEngine, MAX_DP_SIZE, MAX_MAX_ADAPTERS};
 pub use error::ConfigError;
 pub use flow::{FlowConfig, Objective, Saturation};
 pub use flow::{

@@ -45,7 +45,7 @@ struct RawTarget {
 
 /// A model name as a route or target gives it: not empty, not past [`MAX_MODEL_NAME_BYTES`],
 /// no control characters (it goes into a JSON body and a metrics label).
-fn name(key: &str, v: &str) -> Result<(), ConfigError> {
+pub(super) fn name(key: &str, v: &str) -> Result<(), ConfigError> {
     if v.is_empty() || v.len() > MAX_MODEL_NAME_BYTES {
         return Err(invalid(
             key,

@@ -52,6 +52,8 @@ struct RawConfig {
     flow: RawFlow,
     #[serde(default)]
     routes: Vec<RawRoute>,
+    #[serde(default)]
+    adapters: Vec<super::adapters::RawAdapter>,
 }
 
 /// A validated config.
@@ -69,7 +71,8 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     /// `[flow]`: flow control (off unless enabled).
     pub flow: FlowConfig,
-    /// `[[routes]]`: model names rewritten to the models engines serve (applied on reload).
+    /// `[[routes]]`: model names rewritten to the models engines serve, and `[[adapters]]`:
+    /// LoRA adapters loaded on demand (both applied on reload).
     pub routes: Arc<crate::model_routes::Routes>,
     /// Every environment variable an `[[engines]]` or `[[discovery]]` entry names for a key:
     /// the only ones the admin API may name.
@@ -128,7 +131,10 @@ impl Config {
         let engine_tls = raw.engine_tls.validate()?;
         let models = models(raw.models)?;
         let flow = flow(raw.flow)?;
-        let routes = Arc::new(model_routes(raw.routes)?);
+        let routes = Arc::new(super::adapters::adapters(
+            raw.adapters,
+            model_routes(raw.routes)?,
+        )?);
 
         let discovery = (raw.discovery.into_iter().enumerate())
             .map(|(i, d)| d.validate(i))

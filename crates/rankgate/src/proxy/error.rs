@@ -98,6 +98,9 @@ pub enum ProxyError {
     /// A model served disaggregated that cannot be split as the fleet stands.
     #[error("{0}")]
     NotDisaggregable(String),
+    /// A declared LoRA adapter (`[[adapters]]`) could not be loaded.
+    #[error(transparent)]
+    Adapter(#[from] crate::adapter_loads::LoadError),
     /// What only the gRPC front door refuses, with the status it becomes.
     #[error(transparent)]
     Grpc(#[from] GrpcError),
@@ -223,6 +226,7 @@ impl ProxyError {
                 DecodeWhy::Answered { status, .. } => *status,
                 DecodeWhy::Failed(e) => e.status(),
             },
+            ProxyError::Adapter(a) => a.status(),
             ProxyError::Internal(_) | ProxyError::At { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::Grpc(g) => g.http.unwrap_or(http_status(g.code)),
         }
@@ -255,6 +259,7 @@ impl ProxyError {
                 (Some("model"), self.status().as_u16().into())
             }
             ProxyError::Flow(f) => (None, f.why.as_str().into()),
+            ProxyError::Adapter(_) => (Some("model"), "adapter_not_loaded".into()),
             _ => (None, self.status().as_u16().into()),
         }
     }
@@ -301,6 +306,7 @@ impl ProxyError {
             | ProxyError::Flow(_)
             | ProxyError::EngineBusy { .. }
             | ProxyError::NotDisaggregable(_)
+            | ProxyError::Adapter(_)
             | ProxyError::PrefillNoParams
             | ProxyError::PrefillAnswer(_)
             | ProxyError::PrefillBadParams { .. }

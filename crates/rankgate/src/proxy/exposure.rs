@@ -172,6 +172,8 @@ fn write_public(out: &mut String, err: &ProxyError) -> std::fmt::Result {
             waited.as_millis()
         ),
         ProxyError::Internal(_) => out.write_str("internal error"),
+        // The adapter is the client's own word; the server and the engine's reply are not.
+        ProxyError::Adapter(a) => a.write_public(out),
         ProxyError::PrefillNoParams => {
             out.write_str("the prefill server answered without KV transfer parameters")
         }

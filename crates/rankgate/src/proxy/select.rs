@@ -55,6 +55,9 @@ where
     fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
         match self.choose(&mut req) {
             Ok(chosen) => chosen.mark(&mut req),
+            Err(ProxyError::Model(e)) if self.declared(&e).is_some() => {
+                return self.after_load(req, e);
+            }
             Err(ProxyError::Model(ModelError::NotFound { .. }))
                 if self.recheck_round().is_some() =>
             {
@@ -76,6 +79,54 @@ where
         self.ctx.table.recheck.ask()
     }
 
+    /// The declared adapter (`[[adapters]]`) a model error names: the model no list has, or
+    /// the route's target none has.
+    fn declared(&self, e: &ModelError) -> Option<crate::model_routes::Declared> {
+        let model = match e {
+            ModelError::NotFound { model, .. } => model,
+            ModelError::RouteTarget { target, .. } => target,
+            ModelError::Missing(_) => return None,
+        };
+        let snap = self.ctx.table.snapshot.load();
+        snap.catalog.routes().declared(model).cloned()
+    }
+
+    /// A declared adapter no list names: loaded on a server of its base model (or the load
+    /// running waited for, [`crate::adapter_loads`]), and the request judged again on the
+    /// lists read after it. The usual request never comes here.
+    fn after_load(&mut self, mut req: Request<RequestBody>, e: ModelError) -> Step<S::Future> {
+        let Some(adapter) = self.declared(&e) else {
+            return Step::ready(Err(e.into()));
+        };
+        let mut inner = self.inner.clone();
+        std::mem::swap(&mut inner, &mut self.inner);
+        let this = self.detached();
+        Step::Own(Box::pin(async move {
+            let server = this.ctx.loader.ensure(&adapter).await?;
+            match this.choose(&mut req) {
+                Ok(chosen) => chosen.mark(&mut req),
+                Err(ProxyError::Model(_)) => {
+                    return Err(crate::adapter_loads::LoadError::NotListed {
+                        adapter: adapter.name.to_string(),
+                        server: server.to_string(),
+                    }
+                    .into())
+                }
+                Err(e) => return Err(e),
+            }
+            inner.call(req).await
+        }))
+    }
+
+    /// This layer without its service, for a request that goes on in a future of its own.
+    fn detached(&self) -> Select<()> {
+        Select {
+            inner: (),
+            ctx: self.ctx.clone(),
+            extra_routes: self.extra_routes.clone(),
+        }
+    }
+
     /// A model no list names: the lists are read again at once (see [`crate::recheck`]), and
     /// the request is judged again on what they say, within [`crate::recheck::WAIT`]. The
     /// usual request never comes here.
@@ -84,11 +135,7 @@ where
         // The service that is ready goes with the request; this one gets a fresh clone.
         let mut inner = self.inner.clone();
         std::mem::swap(&mut inner, &mut self.inner);
-        let this = Select {
-            inner: (),
-            ctx: self.ctx.clone(),
-            extra_routes: self.extra_routes.clone(),
-        };
+        let this = self.detached();
         Step::Own(Box::pin(async move {
             this.ctx
                 .table

@@ -29,6 +29,8 @@ pub struct Shared {
     pub clients: ClientStreams,
     /// `server.trusted_proxies`: peers that carry many clients' requests.
     pub trusted: Box<[Cidr]>,
+    /// `[[adapters]]` loaded on demand.
+    pub loader: Arc<crate::adapter_loads::Loader>,
 }
 
 impl std::fmt::Debug for Shared {

@@ -99,12 +99,14 @@ impl Layers {
         let selector =
             Arc::new(Selector::new(routing).judging(flow.enabled.then_some(flow.saturation)));
         let flows = flow.enabled.then(|| Flows::new(flow, &selector, &table));
+        let loader = crate::adapter_loads::Loader::new(table.clone(), upstream);
         let shared = Arc::new(Shared {
             table,
             selector,
             metrics,
             clients: super::streams::ClientStreams::new(server.streams_per_client()),
             trusted: server.trusted_proxies.clone().into(),
+            loader,
         });
         Arc::new(Layers {
             forwarding: Arc::new(identity::Forwarding::new(

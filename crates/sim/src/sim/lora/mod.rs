@@ -15,7 +15,7 @@ pub mod config;
 mod info;
 mod update;
 
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use std::hash::{Hash, Hasher};
@@ -54,6 +54,8 @@ pub(crate) struct Lora {
     /// The last id given: vLLM's `lora_id_counter`.
     next_id: AtomicU32,
     info: Mutex<info::Info>,
+    /// Runtime load requests received (`POST /v1/load_lora_adapter`), answered or not.
+    load_requests: AtomicU64,
 }
 
 impl Lora {
@@ -66,6 +68,7 @@ impl Lora {
             served: Mutex::new(Vec::new()),
             next_id: AtomicU32::new(0),
             info: Mutex::default(),
+            load_requests: AtomicU64::new(0),
         };
         for m in &cfg.modules {
             lora.add(&m.name, &m.path, m.base_model_name.as_deref(), false);
@@ -234,6 +237,13 @@ impl SimEngine {
                 .collect(),
             None => Vec::new(),
         }
+    }
+
+    /// Runtime load requests received (`POST /v1/load_lora_adapter`), answered or not.
+    pub fn lora_load_requests(&self) -> u64 {
+        (self.sim.lora.iter())
+            .map(|l| l.load_requests.load(Relaxed))
+            .sum()
     }
 
     /// The adapters the engine serves now, in load order.

@@ -10,7 +10,8 @@
 //! location); an empty name or path, or a name already loaded without `load_inplace`, is a 400
 //! `InvalidUserInput`; no adapter at the path is a 404 `NotFoundError` (`Loading lora x failed:
 //! No adapter found for p`), as is unloading one not loaded. Past the sim's bounds (how many
-//! adapters, how long a name) a load is a 400 `InvalidUserInput` saying which.
+//! adapters, how long a name) a load is a 400 `InvalidUserInput` saying which. A load takes the
+//! slot load's time (`--lora-load-ms`) before it answers, as vLLM reads the weights first.
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -62,6 +63,10 @@ impl Sim {
             Err(e) => return invalid(&format!("invalid JSON: {e}"), None),
         };
         let load = path == LOAD;
+        if load {
+            lora.load_requests
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let names: &[&str] = if load {
             &["lora_name", "lora_path"]
         } else {
@@ -112,6 +117,9 @@ impl Sim {
             let msg = config::not_found(name, lora_path);
             return failure(StatusCode::NOT_FOUND, "NotFoundError", &msg);
         }
+        // vLLM reads the adapter's weights before it answers: a load costs what a slot load
+        // does.
+        tokio::time::sleep(lora.cfg.load_delay).await;
         lora.add(name, lora_path, None, in_place);
         success(format!(
             "Success: LoRA adapter '{name}' added successfully."
