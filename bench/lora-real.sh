@@ -11,15 +11,21 @@
 #            answered by A, each with the answer A gives it directly (temperature 0);
 #   runtime  chat-lora loaded straight on server B (its /v1/load_lora_adapter, not through
 #            rankgate): the first request for it through rankgate answered 200 by B, with B's
-#            own answer for it.
+#            own answer for it;
+#   declared math-lora, declared in [[adapters]] and on no server: 10 requests at once through
+#            rankgate; the first loads it (one load, on one server), and all 10 are answered with
+#            the answer that server gives it directly;
+#   failed   bad-lora, declared with a path that does not exist: answered 502 with vLLM's own
+#            words; each server is asked once (two requests, one load each), and a third request
+#            is answered at once, with no load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/real-vllm-lib.sh
 
 BASE="${BASE:-$HOME/.cache/real-vllm}"
 LORAS="$BASE/loras"
-[ -d "$LORAS/sql-lora" ] && [ -d "$LORAS/chat-lora" ] ||
-  "$BASE/venv/bin/python" "$(dirname "$REAL_VLLM")/make_tiny_lora.py" "$BASE/tiny-llama" "$LORAS" sql-lora chat-lora
+[ -d "$LORAS/sql-lora" ] && [ -d "$LORAS/chat-lora" ] && [ -d "$LORAS/math-lora" ] ||
+  "$BASE/venv/bin/python" "$(dirname "$REAL_VLLM")/make_tiny_lora.py" "$BASE/tiny-llama" "$LORAS" sql-lora chat-lora math-lora
 
 A=$((PB + 11)) B=$((PB + 12)) RG=$((PB + 81)) RG_ADMIN=$((PB + 91))
 free_ports $A $B $RG $RG_ADMIN
@@ -46,6 +52,14 @@ url = "http://127.0.0.1:$B"
 flavor = "vllm"
 dp_size = 1
 max_loras = 1
+[[adapters]]
+name = "math-lora"
+base = "tiny-llama"
+path = "$LORAS/math-lora"
+[[adapters]]
+name = "bad-lora"
+base = "tiny-llama"
+path = "$LORAS/no-such-lora"
 TOML
 start rankgate env RUST_LOG=warn "$RANKGATE" serve --config "$work/rankgate.toml"
 
@@ -102,6 +116,38 @@ took = (time.monotonic() - t) * 1000
 _, direct, _ = chat(B, "chat-lora", 0)
 print(f"  its first request through rankgate: {s} from {worker} in {took:.0f} ms, {'the same answer as B gives' if answer == direct else 'a DIFFERENT answer from B: ' + repr(answer)}")
 ok &= s == 200 and worker == f"http://127.0.0.1:{B}@0" and answer == direct
+
+import threading
+got = [None] * 10
+def one(n):
+    got[n] = chat(RG, "math-lora", n)
+t = time.monotonic()
+threads = [threading.Thread(target=one, args=(n,)) for n in range(10)]
+for th in threads: th.start()
+for th in threads: th.join()
+took = (time.monotonic() - t) * 1000
+holders = [p for p in (A, B) if "math-lora" in call(p, "GET", "/v1/models")[1]]
+print(f"declared: math-lora on no server, 10 requests at once through rankgate: {sum(s == 200 for s, _, _ in got)} of 10 answered 200 in {took:.0f} ms; servers holding it after: {len(holders)}")
+same = 0
+if len(holders) == 1:
+    h = holders[0]
+    for n, (s, answer, worker) in enumerate(got):
+        _, direct, _ = chat(h, "math-lora", n)
+        same += s == 200 and worker == f"http://127.0.0.1:{h}@0" and answer == direct
+print(f"  {same} of 10 answered by that server with the answer it gives directly; e.g. {got[0][1]!r}")
+ok &= len(holders) == 1 and same == 10
+_, page, _ = call(ADMIN, "GET", "/adapters")
+print(f"  rankgate's /adapters: {[(s['url'], [a['name'] for a in s['adapters']]) for s in json.loads(page)['servers']]}")
+
+s1, e1, _ = chat(RG, "bad-lora", 0)
+s2, e2, _ = chat(RG, "bad-lora", 1)
+t = time.monotonic()
+s3, e3, _ = chat(RG, "bad-lora", 2)
+again = (time.monotonic() - t) * 1000
+failed = json.loads(call(ADMIN, "GET", "/adapters")[1])["failed"]
+print(f"failed: bad-lora (no such path): {s1} {json.loads(e1)['error']['message']}")
+print(f"  the second request: {s2} (the other server tried); the third: {s3} in {again:.0f} ms; servers remembered as failed: {len(failed)}")
+ok &= (s1, s2, s3) == (502, 502, 502) and "No adapter found" in e1 and len(failed) == 2
 print("PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 PY

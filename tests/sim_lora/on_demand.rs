@@ -46,10 +46,7 @@ async fn first_requests_for_a_declared_adapter_load_it_once_and_all_get_its_answ
         server(Duration::from_millis(300)).await,
     );
     let extra = format!("{FAST}{}", declared("sql-lora", "org/sql-lora"));
-    let engines = [
-        own(&a),
-        own(&b),
-    ];
+    let engines = [own(&a), own(&b)];
     let r = router_with("", &extra, &engines).await;
     wait_models(&r).await;
     // Listed before any server has it: a client can discover it.
@@ -128,10 +125,7 @@ async fn a_server_at_its_limit_unloads_the_least_recently_used_declared_adapter(
     }
     // A route naming a declared adapter loads it like a request naming it.
     extra.push_str("[[routes]]\nmodel = \"chat\"\ntargets = [{ model = \"c-lora\" }]\n");
-    let engines = [format!(
-        "{}max_adapters = 2\n",
-        own(&a)
-    )];
+    let engines = [format!("{}max_adapters = 2\n", own(&a))];
     let r = router_with("", &extra, &engines).await;
     wait_models(&r).await;
     for (model, want) in [
@@ -229,4 +223,19 @@ async fn the_admin_api_lists_loads_and_unloads_adapters_per_server() {
     )
     .await;
     garbage.assert_openai_error(400, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_servers_lora_gauge_gives_its_slots_and_on_one_rank_what_runs() {
+    // --max-loras 2, and rankgate not told: the gauge says it.
+    let a = engine(lora_engine(1, 2, &["sql-lora"], false)).await;
+    let r = router_with("", FAST, &[own(&a)]).await;
+    wait_models(&r).await;
+    let reply = post_json(r.addr, CHAT, chat_for("sql-lora", 1, false)).await;
+    assert_eq!(reply.status, 200);
+    let rows = crate::common::wait_workers(&r, Duration::from_secs(10), |rows| {
+        rows[0]["max_lora"] == 2
+    })
+    .await;
+    assert_eq!(rows[0]["max_lora"], 2, "{rows:?}");
 }

@@ -25,14 +25,39 @@ struct Use {
     at: Instant,
 }
 
-/// One rank's adapters with requests in flight from this router, and the ones used lately.
+/// One rank's adapters with requests in flight from this router, and the ones used lately;
+/// and what its engine's gauge said last.
 #[derive(Debug, Default)]
-pub struct Adapters(Mutex<Vec<Use>>);
+pub struct Adapters {
+    uses: Mutex<Vec<Use>>,
+    said: Mutex<Said>,
+}
+
+/// What the engine's `vllm:lora_requests_info` said last ([`crate::telemetry`]'s reading).
+#[derive(Debug, Default)]
+struct Said {
+    max_lora: Option<u32>,
+    /// The adapters running on the engine: only for a server of one rank (the gauge has no
+    /// rank label).
+    running: Vec<Arc<str>>,
+}
 
 impl Adapters {
     fn lock(&self) -> MutexGuard<'_, Vec<Use>> {
         // Each statement leaves the list whole: a panic elsewhere leaves it usable.
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.uses.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn said(&self) -> MutexGuard<'_, Said> {
+        self.said.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The engine's gauge: its `max_lora`, and the adapters running when they are this rank's
+    /// alone (`None` for a server of several ranks).
+    pub fn engine_said(&self, max_lora: Option<u32>, running: Option<&[Arc<str>]>) {
+        let mut said = self.said();
+        said.max_lora = max_lora;
+        said.running = running.map(<[_]>::to_vec).unwrap_or_default();
     }
 
     /// A request for `adapter` starts here.
@@ -69,14 +94,22 @@ impl Adapters {
         }
     }
 
-    /// Whether `adapter` runs here now, and how many distinct adapters do.
-    pub fn state(&self, adapter: &str) -> (bool, usize) {
+    /// Whether `adapter` runs here now, how many distinct adapters do (this router's requests
+    /// and, on a server of one rank, what its engine said), and the engine's `max_lora` if it
+    /// said one.
+    pub fn state(&self, adapter: &str) -> (bool, usize, Option<u32>) {
         let list = self.lock();
-        let running = list.iter().filter(|u| u.running > 0);
-        (
-            running.clone().any(|u| &*u.name == adapter),
-            running.count(),
-        )
+        let said = self.said();
+        let ours = || list.iter().filter(|u| u.running > 0);
+        let theirs = (said.running.iter()).filter(|n| !ours().any(|u| u.name == **n));
+        let here =
+            ours().any(|u| &*u.name == adapter) || said.running.iter().any(|n| &**n == adapter);
+        (here, ours().count() + theirs.count(), said.max_lora)
+    }
+
+    /// The engine's `max_lora`, if its gauge said one.
+    pub fn max_lora_said(&self) -> Option<u32> {
+        self.said().max_lora
     }
 
     /// `adapter`'s requests in flight here and when one last started or ended; `None`: not
@@ -104,21 +137,34 @@ mod tests {
     fn counts_each_adapter_and_forgets_it_when_its_last_request_ends() {
         let a = Adapters::default();
         let (x, y): (Arc<str>, Arc<str>) = ("x".into(), "y".into());
-        assert_eq!(a.state("x"), (false, 0));
+        assert_eq!(a.state("x"), (false, 0, None));
         a.hold(&x);
         a.hold(&x);
         a.hold(&y);
-        assert_eq!(a.state("x"), (true, 2));
+        assert_eq!(a.state("x"), (true, 2, None));
         a.release("x");
-        assert_eq!(a.state("x"), (true, 2));
+        assert_eq!(a.state("x"), (true, 2, None));
         a.release("x");
-        assert_eq!(a.state("x"), (false, 1));
+        assert_eq!(a.state("x"), (false, 1, None));
         // A release for an adapter not held changes nothing.
         a.release("z");
         assert_eq!(a.running(), vec![(y, 1)]);
         // An adapter whose last request ended is remembered as used lately.
         assert_eq!(a.last_use("x").map(|(n, _)| n), Some(0));
         assert_eq!(a.last_use("z"), None);
+    }
+
+    #[test]
+    fn the_engines_word_adds_to_what_runs_and_sets_the_slots() {
+        let a = Adapters::default();
+        let y: Arc<str> = "y".into();
+        a.hold(&y);
+        a.engine_said(Some(2), Some(&["x".into(), "y".into()]));
+        // `y` counted once, `x` runs by the engine's word.
+        assert_eq!(a.state("x"), (true, 2, Some(2)));
+        // A server of several ranks: the gauge says nothing of this rank's adapters.
+        a.engine_said(Some(2), None);
+        assert_eq!(a.state("x"), (false, 1, Some(2)));
     }
 
     #[test]

@@ -296,6 +296,7 @@ impl Admin {
                     "adapters": (w.adapters.running().iter())
                         .map(|(name, n)| serde_json::json!({"name": &**name, "in_flight": n}))
                         .collect::<Vec<_>>(),
+                    "max_lora": w.adapters.max_lora_said(),
                     "consecutive_failures": live.outlier.failures(),
                     "failures": failures::shown(w),
                     "engine_note": engine.mismatch(),

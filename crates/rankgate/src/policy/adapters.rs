@@ -4,9 +4,10 @@
 //! on by default) among the ranks scoring
 //! within `routing.affinity_margin` of the best (the margin prefix affinity uses: load is never
 //! given up beyond it), the least loaded rank running the adapter now goes first, else the least
-//! loaded with a free slot (`engines[].max_loras`, vLLM's default 1). Neither: the usual pick.
-//! What runs where is what this router has in flight per rank ([`crate::adapters`]): vLLM's
-//! gauge has no rank label.
+//! loaded with a free slot (`max_lora` as the engine's gauge says it, else `engines[].max_loras`,
+//! else vLLM's default 1). Neither: the usual pick. What runs where is what this router has in
+//! flight per rank ([`crate::adapters`]), and on a server of one rank what its gauge says too:
+//! vLLM's gauge has no rank label.
 
 use crate::config::DEFAULT_MAX_LORAS;
 use crate::ix::WorkerIx;
@@ -28,10 +29,8 @@ pub(super) fn adapter_pick(
             continue;
         }
         let seat = &fleet.workers[w];
-        let (here, distinct) = seat.member.adapters.state(adapter);
-        let slots = fleet.engines[seat.engine]
-            .max_loras
-            .unwrap_or(DEFAULT_MAX_LORAS);
+        let (here, distinct, said) = seat.member.adapters.state(adapter);
+        let slots = (said.or(fleet.engines[seat.engine].max_loras)).unwrap_or(DEFAULT_MAX_LORAS);
         let best = match (here, distinct < slots as usize) {
             (true, _) => &mut running,
             (false, true) => &mut free,

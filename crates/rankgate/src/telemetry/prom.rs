@@ -26,6 +26,8 @@ enum Field {
     /// Counters of work a rank has done (requests finished, prompt tokens processed): all 0
     /// prove a rank without gauges never ran a request.
     Work,
+    /// `vllm:lora_requests_info`: the engine's adapters ([`lora`]), no rank label.
+    Lora,
 }
 
 /// The series rankgate reads: name, field, and the label that carries the DP rank.
@@ -44,6 +46,7 @@ const SERIES: &[(&str, Field, &str)] = &[
     ("vllm:prefix_cache_hits_total", Field::PrefixHits, "engine"),
     ("vllm:request_success_total", Field::Work, "engine"),
     ("vllm:prompt_tokens_total", Field::Work, "engine"),
+    ("vllm:lora_requests_info", Field::Lora, "engine"),
     ("sglang:token_usage", Field::Kv, "dp_rank"),
     ("sglang_token_usage", Field::Kv, "dp_rank"),
     ("sglang:num_running_reqs", Field::Running, "dp_rank"),
@@ -75,6 +78,8 @@ pub struct Scrape {
     pub unlabelled: Option<Series>,
     /// Lines of interesting series that could not be read.
     pub bad_lines: usize,
+    /// vLLM's LoRA gauge, its newest series.
+    pub lora: Option<lora::LoraGauge>,
 }
 
 /// One sample's labels, borrowed from the scrape unless a value had escapes to undo.
@@ -148,6 +153,12 @@ impl Scrape {
         value: f64,
         last: &mut usize,
     ) {
+        if field == Field::Lora {
+            if !lora::LoraGauge::keep_newest(&mut self.lora, labels, value) {
+                self.bad_lines += 1;
+            }
+            return;
+        }
         let label = |k: &str| labels.iter().find(|(n, _)| *n == k).map(|(_, v)| &**v);
         let series = match label(rank_label) {
             Some(r) => match r.parse::<u32>() {
@@ -171,6 +182,7 @@ impl Scrape {
                 series.prefix_hits = Some(series.prefix_hits.unwrap_or(0.0) + value)
             }
             Field::Work => series.work = Some(series.work.unwrap_or(0.0) + value),
+            Field::Lora => {}
             Field::CacheInfo => {
                 if let Some(tokens) = label("kv_cache_size_tokens").and_then(|t| t.parse().ok()) {
                     series.capacity_tokens = Some(tokens);
@@ -343,5 +355,6 @@ fn to_telemetry(s: &Series, rank: Option<u32>, sampled_at: Instant) -> RankTelem
     })
 }
 
+pub mod lora;
 #[cfg(test)]
 mod tests;
