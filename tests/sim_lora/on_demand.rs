@@ -233,9 +233,8 @@ async fn a_servers_lora_gauge_gives_its_slots_and_on_one_rank_what_runs() {
     wait_models(&r).await;
     let reply = post_json(r.addr, CHAT, chat_for("sql-lora", 1, false)).await;
     assert_eq!(reply.status, 200);
-    let rows = crate::common::wait_workers(&r, Duration::from_secs(10), |rows| {
-        rows[0]["max_lora"] == 2
-    })
-    .await;
+    let rows =
+        crate::common::wait_workers(&r, Duration::from_secs(10), |rows| rows[0]["max_lora"] == 2)
+            .await;
     assert_eq!(rows[0]["max_lora"], 2, "{rows:?}");
 }

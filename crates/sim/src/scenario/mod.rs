@@ -206,6 +206,10 @@ pub struct Scenario {
     pub also_colocated: bool,
     /// The router's `[flow]` section for the variants with `+flow`, passed on as written.
     pub flow: Option<toml::Table>,
+    /// The router's `[[routes]]` (model routes: an alias, a canary), for every variant, passed
+    /// on as written.
+    #[serde(default)]
+    pub routes: Vec<toml::Table>,
     /// Set by `load` from `workload.trace`.
     #[serde(skip)]
     pub trace: Option<Vec<load::TraceEntry>>,

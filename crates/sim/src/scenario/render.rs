@@ -74,6 +74,19 @@ pub fn markdown(s: &Scenario, runs: &[PolicyRun]) -> String {
             let _ = writeln!(o, "| {} | {waits} | {loads} |", r.label());
         }
     }
+    if !s.routes.is_empty() {
+        let _ = writeln!(
+            o,
+            "\n| policy | requests served, by model sent to the engine |\n|---|---|"
+        );
+        for r in runs {
+            let all: usize = r.models.iter().map(|(_, n)| n).sum();
+            let by: Vec<String> = (r.models.iter())
+                .map(|(m, n)| format!("{m} {n} ({:.1}%)", 100.0 * *n as f64 / all.max(1) as f64))
+                .collect();
+            let _ = writeln!(o, "| {} | {} |", r.label(), by.join(", "));
+        }
+    }
     if let Some(last) = s.events.iter().map(|e| e.at.0).max() {
         let _ = writeln!(
             o,
@@ -186,6 +199,7 @@ pub fn to_json(s: &Scenario, runs: &[PolicyRun]) -> Value {
             "replicas": r.replicas,
             "report": r.report.to_json(),
             "ranks": r.ranks,
+            "models": r.models.iter().map(|(m, n)| json!({"model": m, "requests": n})).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
     })
 }

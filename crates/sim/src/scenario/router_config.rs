@@ -1,6 +1,6 @@
 //! The configuration each router of a run starts with: its listeners, the variant's `[routing]`
-//! (and, with `+flow`, the scenario's `[flow]` table as written), the telemetry cadence and the
-//! fleet's engines as the run started them.
+//! (and, with `+flow`, the scenario's `[flow]` table as written), the telemetry cadence, the
+//! fleet's engines as the run started them, and the scenario's `[[routes]]` as written.
 //!
 //! The `[flow]` table is passed through without being read here, so the scenario file follows
 //! whatever keys the router's flow control takes. It is written back as TOML text by a small
@@ -82,6 +82,10 @@ pub(super) fn router_toml(
             crate::sim::DEFAULT_MODEL,
             dir.display().to_string()
         );
+    }
+    for route in &s.routes {
+        toml.push_str("[[routes]]\n");
+        write_body(&mut toml, "routes", route);
     }
     // Without `+flow` the router gets no `[flow]` section at all, as a router before flow
     // control had none.
@@ -250,6 +254,24 @@ priority = -10
             with_affinity.contains("[[flow.objectives]]\nname = \"batch\"\npriority = -10\n"),
             "{with_affinity}"
         );
+    }
+
+    #[test]
+    fn routes_go_to_every_variants_router_as_written() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/scenarios/canary.toml"
+        ))
+        .unwrap();
+        let s = Scenario::parse(&text, None).unwrap();
+        let toml = router_toml(&s, s.policies[0], &engines()).unwrap();
+        let cfg =
+            rankgate::config::Config::from_str(&toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));
+        let route = cfg.routes.get("chat").unwrap();
+        let weights: Vec<(&str, u32)> = (route.targets.iter())
+            .map(|t| (&*t.model, t.weight))
+            .collect();
+        assert_eq!(weights, [("tiny-llama", 90), ("chat-v2", 10)]);
     }
 
     #[test]

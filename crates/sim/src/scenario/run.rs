@@ -70,6 +70,9 @@ pub struct PolicyRun {
     /// With a timeline: the fleet's prefix-cache (queries, hits) from its last event to the
     /// end of the run.
     pub prefix_after_events: Option<(u64, u64)>,
+    /// The requests the engines served, by the model they were sent for (after any route's
+    /// rewrite), in name order.
+    pub models: Vec<(String, usize)>,
 }
 
 fn loopback() -> SocketAddr {
@@ -246,6 +249,10 @@ pub async fn run_fleet(
     // Each variant starts a fresh fleet, so the counters are this run's alone.
     let prefix: Vec<(u64, u64)> = engines.iter().flat_map(|e| e.prefix_cache()).collect();
     let fleet_ranks = s.ranks();
+    let mut models = std::collections::BTreeMap::<String, usize>::new();
+    for seen in engines.iter().flat_map(|e| e.seen()) {
+        *models.entry(seen.model.unwrap_or_default()).or_default() += 1;
+    }
     let legs: Vec<usize> = (fleet_ranks.iter())
         .map(|&(e, r)| engines[e].seen().iter().filter(|x| x.rank == r).count())
         .collect();
@@ -318,6 +325,7 @@ pub async fn run_fleet(
         ranks,
         kv_series,
         prefix_after_events,
+        models: models.into_iter().collect(),
     })
 }
 
