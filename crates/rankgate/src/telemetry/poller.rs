@@ -440,11 +440,7 @@ impl Poller {
                 }
                 (self.entry.polls.bad_lines).fetch_add(scrape.bad_lines as u64, Relaxed);
                 if let Some(g) = &scrape.lora {
-                    // What runs is the rank's own only on a server of one rank.
-                    let one = (self.entry.members.len() == 1).then_some(&g.running[..]);
-                    for m in self.entry.members.iter() {
-                        m.adapters.engine_said(g.max_lora, one);
-                    }
+                    g.tell(&self.entry.members);
                 }
                 let ranks = prom::project(&scrape, &self.engine, Instant::now());
                 Ok((ranks, ProjectionNotes::default()))

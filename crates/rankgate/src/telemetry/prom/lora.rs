@@ -24,6 +24,15 @@ pub struct LoraGauge {
 }
 
 impl LoraGauge {
+    /// Tells the engine's ranks (`members`) what it says: `max_lora` to each, and what runs
+    /// only where the server has one rank (it is that rank's own there).
+    pub fn tell(&self, members: &[Arc<crate::worker::Member>]) {
+        let one = (members.len() == 1).then_some(&self.running[..]);
+        for m in members {
+            m.adapters.engine_said(self.max_lora, one);
+        }
+    }
+
     /// Keeps the sample with `labels` and `value` when it is newer than `kept`; `false` when it
     /// cannot be read.
     pub fn keep_newest(kept: &mut Option<LoraGauge>, labels: &super::Labels, value: f64) -> bool {
