@@ -113,6 +113,20 @@ async fn a_failed_load_is_answered_in_the_engines_words_and_not_retried_in_a_loo
     // Other models are not affected.
     let reply = post_json(r.addr, CHAT, chat_for("tiny-llama", 2, false)).await;
     assert_eq!(reply.status, 200);
+    // A router that tells clients nothing of its fleet names the adapter, not the server or
+    // the engine's reply.
+    let quiet = router_with("expose_worker = \"none\"\n", &extra, &[own(&a)]).await;
+    wait_models(&quiet).await;
+    let reply = post_json(quiet.addr, CHAT, chat_for("ghost-lora", 2, false)).await;
+    assert_eq!(reply.status, 502);
+    let msg = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.contains("ghost-lora") && !msg.contains("127.0.0.1") && !msg.contains("nonexistent"),
+        "{msg}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -110,10 +110,10 @@ impl Admin {
                 }
             }
             (Method::GET, "/routes") => json_response(StatusCode::OK, &routes::page(&self.table)),
-            (Method::GET, "/adapters") => json_response(
-                StatusCode::OK,
-                &adapters::page(&self.table, &self.loader),
-            ),
+            (Method::GET, "/adapters") => {
+                self.render(|a| json_response(StatusCode::OK, &adapters::page(&a.table, &a.loader)))
+                    .await
+            }
             (Method::POST, "/adapters/load" | "/adapters/unload") => {
                 if let Err(refusal) = self.control.authorize(req.headers()) {
                     return Ok(refused(refusal));

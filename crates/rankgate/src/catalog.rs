@@ -104,7 +104,9 @@ impl Catalog {
 
     /// The same catalog with these routes.
     pub fn routed(self, routes: Arc<Routes>) -> Catalog {
-        let reads_model = self.routes_by_model() || !routes.is_empty();
+        // A declared adapter no list names is found by reading the model too.
+        let reads_model =
+            self.routes_by_model() || !routes.is_empty() || !routes.adapters().is_empty();
         Catalog {
             routes,
             reads_model,

@@ -12,7 +12,7 @@ use http_body_util::Full;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::adapter_loads::{listed_adapters, HandError, Loader};
+use crate::adapter_loads::{listed_adapters, Loader};
 use crate::http::{json_response, openai_error};
 use crate::table::Table;
 use crate::worker::Flavor;
@@ -100,11 +100,7 @@ pub async fn by_hand(loader: Arc<Loader>, load: bool, body: &[u8]) -> Response<F
             &json!({"server": call.server, "adapter": call.adapter, "loaded": load}),
         ),
         Err(e) => {
-            let status = match &e {
-                HandError::NoServer(_) => StatusCode::NOT_FOUND,
-                HandError::NotVllm(_) | HandError::NoPath(_) => StatusCode::BAD_REQUEST,
-                HandError::Engine(_) => StatusCode::BAD_GATEWAY,
-            };
+            let status = e.status();
             openai_error(status, "AdapterError", &e.to_string())
         }
     }

@@ -439,9 +439,7 @@ impl Poller {
                     self.detect_due = true;
                 }
                 (self.entry.polls.bad_lines).fetch_add(scrape.bad_lines as u64, Relaxed);
-                if let Some(g) = &scrape.lora {
-                    g.tell(&self.entry.members);
-                }
+                prom::lora::LoraGauge::tell(scrape.lora.as_ref(), &self.entry.members);
                 let ranks = prom::project(&scrape, &self.engine, Instant::now());
                 Ok((ranks, ProjectionNotes::default()))
             }

@@ -24,18 +24,29 @@ pub struct LoraGauge {
 }
 
 impl LoraGauge {
-    /// Tells the engine's ranks (`members`) what it says: `max_lora` to each, and what runs
-    /// only where the server has one rank (it is that rank's own there).
-    pub fn tell(&self, members: &[Arc<crate::worker::Member>]) {
-        let one = (members.len() == 1).then_some(&self.running[..]);
+    /// Tells the engine's ranks (`members`) what `gauge` says: `max_lora` to each, and what
+    /// runs only where the server has one rank (it is that rank's own there). A scrape without
+    /// the gauge (an engine restarted without adapters) says nothing, and takes back what the
+    /// last one said.
+    pub fn tell(gauge: Option<&LoraGauge>, members: &[Arc<crate::worker::Member>]) {
+        let one = members.len() == 1;
         for m in members {
-            m.adapters.engine_said(self.max_lora, one);
+            match gauge {
+                Some(g) => m
+                    .adapters
+                    .engine_said(g.max_lora, one.then_some(&g.running[..])),
+                None => m.adapters.engine_said(None, None),
+            }
         }
     }
 
     /// Keeps the sample with `labels` and `value` when it is newer than `kept`; `false` when it
     /// cannot be read.
-    pub fn keep_newest(kept: &mut Option<LoraGauge>, labels: &super::Labels, value: f64) -> bool {
+    pub fn keep_newest(
+        kept: &mut Option<LoraGauge>,
+        labels: &[(&str, std::borrow::Cow<'_, str>)],
+        value: f64,
+    ) -> bool {
         let label = |k: &str| labels.iter().find(|(n, _)| *n == k).map(|(_, v)| &**v);
         let (Some(max), Some(running)) = (label("max_lora"), label("running_lora_adapters")) else {
             return false;
