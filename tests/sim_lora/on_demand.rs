@@ -88,12 +88,22 @@ async fn first_requests_for_a_declared_adapter_load_it_once_and_all_get_its_answ
         "{workers:?}"
     );
     assert_eq!(loads(&[&a, &b]), 1, "served where loaded, not loaded again");
+    let metrics = admin(&r, Method::GET, "/metrics", None, None).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("rankgate_adapter_loads_total{result=\"loaded\"} 1\n"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_load_is_answered_in_the_engines_words_and_not_retried_in_a_loop() {
     let a = server(Duration::from_millis(1)).await;
-    let extra = format!("{FAST}{}", declared("ghost-lora", "/nonexistent/ghost"));
+    let nowhere = "[[adapters]]\nname = \"far-lora\"\nbase = \"other-model\"\npath = \"org/far\"\n";
+    let extra = format!(
+        "{FAST}{}{nowhere}",
+        declared("ghost-lora", "/nonexistent/ghost")
+    );
     let r = router_with("", &extra, &[own(&a)]).await;
     wait_models(&r).await;
     for _ in 0..5 {
@@ -108,6 +118,26 @@ async fn a_failed_load_is_answered_in_the_engines_words_and_not_retried_in_a_loo
         assert_eq!(err["error"]["code"], "adapter_not_loaded");
     }
     assert_eq!(a.lora_load_requests(), 1, "five requests, one load tried");
+    let metrics = admin(&r, Method::GET, "/metrics", None, None).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("rankgate_adapter_loads_total{result=\"failed\"} 1\n"),
+        "{text}"
+    );
+    // An adapter whose base no server serves: 503 naming the base, nothing asked of anyone.
+    for _ in 0..3 {
+        let reply = post_json(r.addr, CHAT, chat_for("far-lora", 2, false)).await;
+        assert_eq!(reply.status, 503);
+        let msg = reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            msg.contains("far-lora") && msg.contains("other-model"),
+            "{msg}"
+        );
+    }
+    assert_eq!(a.lora_load_requests(), 1);
     let page = admin(&r, Method::GET, "/adapters", None, None).await.json();
     assert_eq!(page["failed"][0]["adapter"], "ghost-lora", "{page}");
     // Other models are not affected.

@@ -36,6 +36,8 @@ pub use error::{LoadError, FAILED_FOR};
 pub use plan::listed_adapters;
 use plan::{Failure, Loaded, Loading, Outcome, State};
 
+/// How long a plan that found no server to load on stands (`LoadError::NoServer`, `Full`).
+const REFUSED_FOR: Duration = Duration::from_secs(1);
 /// Loads (with their unloads) running at once, across the fleet: each reads an adapter's files
 /// on its engine and ends with a round of model-list reads.
 pub const MAX_LOADS_AT_ONCE: usize = 4;
@@ -44,6 +46,7 @@ pub const MAX_LOADS_AT_ONCE: usize = 4;
 pub struct Loader {
     client: calls::Client,
     table: Arc<Table>,
+    metrics: Arc<crate::metrics::Metrics>,
     state: Mutex<State>,
     /// [`MAX_LOADS_AT_ONCE`] permits.
     running: Semaphore,
@@ -58,14 +61,26 @@ impl std::fmt::Debug for Loader {
 }
 
 impl Loader {
-    pub fn new(table: Arc<Table>, upstream: &crate::tls::Upstream) -> Arc<Loader> {
+    pub fn new(
+        table: Arc<Table>,
+        upstream: &crate::tls::Upstream,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> Arc<Loader> {
         Arc::new(Loader {
             client: crate::http::client_with(Duration::from_secs(5), upstream),
             table,
+            metrics,
             state: Mutex::default(),
             running: Semaphore::new(MAX_LOADS_AT_ONCE),
             next: AtomicU64::new(0),
         })
+    }
+
+    /// `rankgate_adapter_loads_total`: `r`, the answer to a load (`load`) or an unload.
+    fn counted(&self, load: bool, r: calls::Answer) -> calls::Answer {
+        self.metrics
+            .adapter_load(r.as_ref().map(|()| load).map_err(drop));
+        r
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -111,7 +126,23 @@ impl Loader {
         state
             .loaded
             .retain(|l| now.duration_since(l.at) < FAILED_FOR);
-        let plan = plan::plan(&snap, adapter, &state, self.table.stale_after)?;
+        // A plan that found no server is kept for a moment: a stranger repeating the request
+        // costs one look, not a pass over the fleet under the lock each time.
+        state
+            .refused
+            .retain(|(_, at, _)| now.duration_since(*at) < REFUSED_FOR);
+        if let Some((_, _, e)) = state.refused.iter().find(|(a, ..)| *a == adapter.name) {
+            return Err(e.clone());
+        }
+        let plan = match plan::plan(&snap, adapter, &state, self.table.stale_after) {
+            Ok(p) => p,
+            Err(e) => {
+                if !matches!(e, LoadError::Failed { .. }) {
+                    state.refused.push((adapter.name.clone(), now, e.clone()));
+                }
+                return Err(e);
+            }
+        };
         let (tx, rx) = watch::channel(None);
         let id = self.next.fetch_add(1, Relaxed);
         let server: Arc<str> = plan.engine.url.clone();
@@ -172,15 +203,20 @@ impl Loader {
         };
         if let Some(victim) = &plan.unload {
             let limit = engine.max_adapters.unwrap_or(0);
-            calls::unload(&self.client, engine, victim, true)
-                .await
-                .map_err(|(_, why)| {
-                    failed(format!(
-                        "unloading `{victim}` first (engines[].max_adapters = {limit}): {why}"
-                    ))
-                })?;
+            self.counted(
+                false,
+                calls::unload(&self.client, engine, victim, true).await,
+            )
+            .map_err(|(_, why)| {
+                failed(format!(
+                    "unloading `{victim}` first (engines[].max_adapters = {limit}): {why}"
+                ))
+            })?;
         }
-        let loaded = calls::load(&self.client, engine, &adapter.name, &adapter.path).await;
+        let loaded = self.counted(
+            true,
+            calls::load(&self.client, engine, &adapter.name, &adapter.path).await,
+        );
         if let Err((_, why)) = &loaded {
             tracing::warn!(adapter = %adapter.name, server = %engine.url, error = %why, "loading a LoRA adapter failed");
         }
@@ -218,9 +254,11 @@ impl Loader {
             (None, None) => return Err(HandError::NoPath(adapter.to_string())),
         };
         drop(snap);
-        calls::load(&self.client, &engine, adapter, &path)
-            .await
-            .map_err(HandError::engine)?;
+        self.counted(
+            true,
+            calls::load(&self.client, &engine, adapter, &path).await,
+        )
+        .map_err(HandError::engine)?;
         self.relist().await;
         Ok(())
     }
@@ -228,9 +266,11 @@ impl Loader {
     /// Unloads `adapter` from the server `url` by hand (the admin API).
     pub async fn unload_by_hand(&self, url: &str, adapter: &str) -> Result<(), HandError> {
         let engine = engine(&self.table.snapshot.load(), url)?;
-        calls::unload(&self.client, &engine, adapter, false)
-            .await
-            .map_err(HandError::engine)?;
+        self.counted(
+            false,
+            calls::unload(&self.client, &engine, adapter, false).await,
+        )
+        .map_err(HandError::engine)?;
         self.relist().await;
         Ok(())
     }

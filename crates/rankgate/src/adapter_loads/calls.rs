@@ -22,6 +22,9 @@ pub type Refusal = (Option<StatusCode>, String);
 
 pub type Client = crate::http::HttpClient<Full<Bytes>>;
 
+/// A call's answer.
+pub type Answer = Result<(), Refusal>;
+
 /// Loads `name` from `path` on `engine`; one it has already counts as loaded.
 pub async fn load(
     client: &Client,

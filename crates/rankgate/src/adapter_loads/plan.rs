@@ -30,6 +30,8 @@ pub(super) struct State {
     /// Loads done within [`super::FAILED_FOR`] (at most one per adapter at a time, each taking
     /// a load's time).
     pub loaded: Vec<Loaded>,
+    /// Plans that found no server, within a second: one per declared adapter at most.
+    pub refused: Vec<(Arc<str>, Instant, LoadError)>,
 }
 
 pub(super) struct Loading {

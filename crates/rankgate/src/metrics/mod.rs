@@ -74,6 +74,8 @@ pub struct Metrics {
     /// `[ok, failed]`, and the seconds they took.
     engine_tokenize: [Counter; 2],
     engine_tokenize_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// `[[adapters]]` loads and unloads ([`crate::adapter_loads`]): `[loaded, failed, unloaded]`.
+    adapter_loads: [Counter; 3],
     /// Disaggregated requests: outcomes, failures by leg, the legs' times.
     pub pd: Arc<PdCounts>,
     /// How long a request may wait for its first byte before it counts as hung
@@ -224,6 +226,18 @@ impl Metrics {
             "Time requests waited for an engine's POST /tokenize, before their pick",
             engine_tokenize_seconds.clone(),
         );
+        let loads = prometheus_client::metrics::family::Family::<
+            [(&'static str, &'static str); 1],
+            Counter,
+        >::default();
+        registry.register(
+            "rankgate_adapter_loads",
+            "LoRA adapters rankgate loaded on a server ([[adapters]], and by hand on the admin API), \
+             by result: loaded, failed (the engine refused or did not answer), or unloaded",
+            loads.clone(),
+        );
+        let adapter_loads =
+            ["loaded", "failed", "unloaded"].map(|r| loads.get_or_create_owned(&[("result", r)]));
         registry.register_collector(Box::new(fleet::Requests {
             core: core.clone(),
             table: table.clone(),
@@ -258,6 +272,7 @@ impl Metrics {
             retries_refused,
             streams_cut,
             engine_tokenize,
+            adapter_loads,
             engine_tokenize_seconds,
             pd,
             first_byte_bound,
@@ -300,6 +315,16 @@ impl Metrics {
     pub fn engine_tokenize(&self, ok: bool, took: std::time::Duration) {
         self.engine_tokenize[usize::from(!ok)].inc();
         self.engine_tokenize_seconds.inc_by(took.as_secs_f64());
+    }
+
+    /// A load (`Ok(true)`), an unload (`Ok(false)`) or a failed one (`Err`) of a LoRA adapter.
+    pub fn adapter_load(&self, done: Result<bool, ()>) {
+        let i = match done {
+            Ok(true) => 0,
+            Err(()) => 1,
+            Ok(false) => 2,
+        };
+        self.adapter_loads[i].inc();
     }
 
     /// The labels of a request for `path` (on the gRPC front door if `grpc`) in the fleet of

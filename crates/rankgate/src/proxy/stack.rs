@@ -99,7 +99,7 @@ impl Layers {
         let selector =
             Arc::new(Selector::new(routing).judging(flow.enabled.then_some(flow.saturation)));
         let flows = flow.enabled.then(|| Flows::new(flow, &selector, &table));
-        let loader = crate::adapter_loads::Loader::new(table.clone(), upstream);
+        let loader = crate::adapter_loads::Loader::new(table.clone(), upstream, metrics.clone());
         let shared = Arc::new(Shared {
             table,
             selector,
