@@ -37,9 +37,10 @@ pub struct Adapters {
 #[derive(Debug, Default)]
 struct Said {
     max_lora: Option<u32>,
-    /// The adapters running on the engine: only for a server of one rank (the gauge has no
-    /// rank label).
+    /// The adapters running on the engine, all its ranks together (the gauge has no rank label).
     running: Vec<Arc<str>>,
+    /// The server has this one rank: what runs there runs here.
+    own: bool,
 }
 
 impl Adapters {
@@ -52,12 +53,18 @@ impl Adapters {
         self.said.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The engine's gauge: its `max_lora`, and the adapters running when they are this rank's
-    /// alone (`None` for a server of several ranks).
-    pub fn engine_said(&self, max_lora: Option<u32>, running: Option<&[Arc<str>]>) {
+    /// The engine's gauge: its `max_lora`, and the adapters running on the server, this rank's
+    /// own when the server has one rank (`own`).
+    pub fn engine_said(&self, max_lora: Option<u32>, running: &[Arc<str>], own: bool) {
         let mut said = self.said();
         said.max_lora = max_lora;
-        said.running = running.map(<[_]>::to_vec).unwrap_or_default();
+        said.running = running.to_vec();
+        said.own = own;
+    }
+
+    /// Whether the engine's gauge says `adapter` runs on its server (on some rank of it).
+    pub fn engine_runs(&self, adapter: &str) -> bool {
+        self.said().running.iter().any(|n| &**n == adapter)
     }
 
     /// A request for `adapter` starts here.
@@ -101,9 +108,13 @@ impl Adapters {
         let list = self.lock();
         let said = self.said();
         let ours = || list.iter().filter(|u| u.running > 0);
-        let theirs = (said.running.iter()).filter(|n| !ours().any(|u| u.name == **n));
-        let here =
-            ours().any(|u| &*u.name == adapter) || said.running.iter().any(|n| &**n == adapter);
+        let theirs: &[Arc<str>] = match said.own {
+            true => &said.running,
+            false => &[],
+        };
+        let theirs_here = || theirs.iter();
+        let theirs = theirs_here().filter(|n| !ours().any(|u| u.name == **n));
+        let here = ours().any(|u| &*u.name == adapter) || theirs_here().any(|n| &**n == adapter);
         (here, ours().count() + theirs.count(), said.max_lora)
     }
 
@@ -159,12 +170,15 @@ mod tests {
         let a = Adapters::default();
         let y: Arc<str> = "y".into();
         a.hold(&y);
-        a.engine_said(Some(2), Some(&["x".into(), "y".into()]));
+        let both: [Arc<str>; 2] = ["x".into(), "y".into()];
+        a.engine_said(Some(2), &both, true);
         // `y` counted once, `x` runs by the engine's word.
         assert_eq!(a.state("x"), (true, 2, Some(2)));
         // A server of several ranks: the gauge says nothing of this rank's adapters.
-        a.engine_said(Some(2), None);
+        a.engine_said(Some(2), &both, false);
         assert_eq!(a.state("x"), (false, 1, Some(2)));
+        // It still says the adapter runs on the server: no load unloads it there.
+        assert!(a.engine_runs("x"));
     }
 
     #[test]

@@ -156,7 +156,10 @@ fn victim(snap: &Snapshot, e: EngineIx, state: &State) -> Option<String> {
             let used = (entry.members.iter())
                 .filter_map(|m| m.adapters.last_use(a).map(|(_, at)| at))
                 .max();
-            let busy = entry.members.iter().any(|m| m.adapters.state(a).0);
+            // Running on some rank: by this router's requests, or by the engine's gauge (which
+            // covers the server as a whole, other clients' requests too).
+            let busy =
+                (entry.members.iter()).any(|m| m.adapters.state(a).0 || m.adapters.engine_runs(a));
             let loaded = (state.loaded.iter())
                 .filter(|l| l.server == entry.url && &*l.adapter == a)
                 .map(|l| l.at.into_std())

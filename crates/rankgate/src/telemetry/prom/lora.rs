@@ -24,18 +24,16 @@ pub struct LoraGauge {
 }
 
 impl LoraGauge {
-    /// Tells the engine's ranks (`members`) what `gauge` says: `max_lora` to each, and what
-    /// runs only where the server has one rank (it is that rank's own there). A scrape without
+    /// Tells the engine's ranks (`members`) what `gauge` says: `max_lora` and what runs on the
+    /// server to each, what runs counted as the rank's own only where the server has one rank. A scrape without
     /// the gauge (an engine restarted without adapters) says nothing, and takes back what the
     /// last one said.
     pub fn tell(gauge: Option<&LoraGauge>, members: &[Arc<crate::worker::Member>]) {
         let one = members.len() == 1;
         for m in members {
             match gauge {
-                Some(g) => m
-                    .adapters
-                    .engine_said(g.max_lora, one.then_some(&g.running[..])),
-                None => m.adapters.engine_said(None, None),
+                Some(g) => m.adapters.engine_said(g.max_lora, &g.running, one),
+                None => m.adapters.engine_said(None, &[], false),
             }
         }
     }
