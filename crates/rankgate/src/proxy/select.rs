@@ -55,13 +55,16 @@ where
     fn call(&mut self, mut req: Request<RequestBody>) -> Self::Future {
         match self.choose(&mut req) {
             Ok(chosen) => chosen.mark(&mut req),
-            Err(ProxyError::Model(e)) if self.declared(&e).is_some() => {
-                return self.after_load(req, e);
-            }
-            Err(ProxyError::Model(ModelError::NotFound { .. }))
-                if self.recheck_round().is_some() =>
-            {
-                return self.after_recheck(req);
+            Err(ProxyError::Model(e)) => {
+                return match self.declared(&e) {
+                    Some(adapter) => self.after_load(req, adapter),
+                    None if matches!(e, ModelError::NotFound { .. })
+                        && self.recheck_round().is_some() =>
+                    {
+                        self.after_recheck(req)
+                    }
+                    None => Step::ready(Err(e.into())),
+                };
             }
             Err(e) => return Step::ready(Err(e)),
         }
@@ -94,10 +97,11 @@ where
     /// A declared adapter no list names: loaded on a server of its base model (or the load
     /// running waited for, [`crate::adapter_loads`]), and the request judged again on the
     /// lists read after it. The usual request never comes here.
-    fn after_load(&mut self, mut req: Request<RequestBody>, e: ModelError) -> Step<S::Future> {
-        let Some(adapter) = self.declared(&e) else {
-            return Step::ready(Err(e.into()));
-        };
+    fn after_load(
+        &mut self,
+        mut req: Request<RequestBody>,
+        adapter: crate::model_routes::Declared,
+    ) -> Step<S::Future> {
         let mut inner = self.inner.clone();
         std::mem::swap(&mut inner, &mut self.inner);
         let this = self.detached();
