@@ -190,6 +190,12 @@ async fn a_server_at_its_limit_unloads_the_least_recently_used_declared_adapter(
     // b-lora was used less lately than a-lora: it made room for c-lora.
     assert_eq!(a.adapters(), ["a-lora", "c-lora"]);
     assert_eq!(a.lora_load_requests(), 3);
+    // b-lora again, unloaded once already: the limit holds, and a-lora (used before c-lora
+    // was loaded) makes room.
+    let reply = post_json(r.addr, CHAT, chat_for("b-lora", 1, false)).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(a.adapters(), ["c-lora", "b-lora"]);
+    assert_eq!(a.lora_load_requests(), 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -258,6 +264,28 @@ async fn the_admin_api_lists_loads_and_unloads_adapters_per_server() {
     )
     .await;
     r4.assert_openai_error(404, None);
+    for bad in [
+        json!([a.url(), "arr-lora", "org/arr"]),
+        json!({"server": a.url(), "adapter": "a\u{0}b", "path": "org/x"}),
+        json!({"server": a.url(), "adapter": " sql-lora", "path": "org/x"}),
+        json!({"server": a.url(), "adapter": "x", "path": "org/\n"}),
+    ] {
+        let reply = admin(
+            &r,
+            Method::POST,
+            "/adapters/load",
+            Some(TOKEN),
+            Some(bad.clone()),
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            400,
+            "{bad}: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
+    }
+    assert_eq!(a.adapters(), ["chat-lora"]);
     let garbage = admin(
         &r,
         Method::POST,
@@ -281,4 +309,28 @@ async fn a_servers_lora_gauge_gives_its_slots_and_on_one_rank_what_runs() {
         crate::common::wait_workers(&r, Duration::from_secs(10), |rows| rows[0]["max_lora"] == 2)
             .await;
     assert_eq!(rows[0]["max_lora"], 2, "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_says_it_loaded_an_adapter_it_does_not_list_is_not_asked_again_at_once() {
+    let e = crate::common::recorded::RecordedVllm::start().await;
+    let extra = format!("{FAST}{}", declared("sql-lora", "org/sql-lora"));
+    let cfg = format!("[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\n", e.url());
+    let r = router_with("", &extra, &[cfg]).await;
+    wait_models(&r).await;
+    for _ in 0..10 {
+        let reply = post_json(r.addr, CHAT, chat_for("sql-lora", 1, false)).await;
+        assert_eq!(
+            reply.status,
+            503,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        let msg = reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(msg.contains("does not list it"), "{msg}");
+    }
+    assert_eq!(e.lora_loads(), 1, "ten requests, one load");
 }

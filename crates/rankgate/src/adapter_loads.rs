@@ -137,7 +137,7 @@ impl Loader {
         let plan = match plan::plan(&snap, adapter, &state, self.table.stale_after) {
             Ok(p) => p,
             Err(e) => {
-                if !matches!(e, LoadError::Failed { .. }) {
+                if matches!(e, LoadError::NoServer { .. } | LoadError::Full { .. }) {
                     state.refused.push((adapter.name.clone(), now, e.clone()));
                 }
                 return Err(e);
@@ -172,7 +172,7 @@ impl Loader {
                     server,
                     at,
                 }),
-                Err(error @ LoadError::Failed { .. }) => {
+                Err(error @ (LoadError::Failed { .. } | LoadError::NotListed { .. })) => {
                     let error = error.clone();
                     state.failed.push(Failure {
                         adapter: name,
@@ -191,7 +191,8 @@ impl Loader {
         Ok(rx)
     }
 
-    /// Unloads what `plan` says, loads `adapter`, and waits for the lists read after it.
+    /// Unloads what `plan` says, loads `adapter`, and waits for the lists read after it; an
+    /// engine that said it loaded the adapter but does not list it then has not served it.
     async fn run(&self, plan: &plan::Plan, adapter: &Declared) -> Result<(), LoadError> {
         // Never closed: a permit always comes.
         let _permit = self.running.acquire().await;
@@ -202,28 +203,34 @@ impl Loader {
             why,
         };
         if let Some(victim) = &plan.unload {
+            self.forget(&engine.url, victim);
             let limit = engine.max_adapters.unwrap_or(0);
-            self.counted(
-                false,
-                calls::unload(&self.client, engine, victim, true).await,
-            )
-            .map_err(|(_, why)| {
+            let unloaded = calls::unload(&self.client, engine, victim, true).await;
+            self.counted(false, unloaded).map_err(|(_, why)| {
                 failed(format!(
                     "unloading `{victim}` first (engines[].max_adapters = {limit}): {why}"
                 ))
             })?;
         }
-        let loaded = self.counted(
-            true,
-            calls::load(&self.client, engine, &adapter.name, &adapter.path).await,
-        );
-        if let Err((_, why)) = &loaded {
-            tracing::warn!(adapter = %adapter.name, server = %engine.url, error = %why, "loading a LoRA adapter failed");
-        }
-        loaded.map_err(|(_, why)| failed(why))?;
-        tracing::info!(adapter = %adapter.name, server = %engine.url, "loaded a LoRA adapter");
+        let loaded = calls::load(&self.client, engine, &adapter.name, &adapter.path).await;
+        self.counted(true, loaded).map_err(|(_, why)| failed(why))?;
         self.relist().await;
+        let snap = self.table.snapshot.load();
+        let listed = (snap.fleet.engines.iter_enumerated())
+            .any(|(e, x)| x.url == engine.url && snap.catalog.serves(e, &adapter.name));
+        if !listed {
+            tracing::warn!(adapter = %adapter.name, server = %engine.url, "a server said it loaded a LoRA adapter its /v1/models does not list");
+            return Err(LoadError::NotListed {
+                adapter: adapter.name.to_string(),
+                server: engine.url.to_string(),
+            });
+        }
         Ok(())
+    }
+
+    /// `adapter` is unloaded from `server`: its load there is no longer one to count on.
+    fn forget(&self, server: &str, adapter: &str) {
+        (self.lock().loaded).retain(|l| !(&*l.server == server && &*l.adapter == adapter));
     }
 
     /// Reads every model list again, and waits (within [`crate::recheck::WAIT`]) until what
@@ -334,7 +341,7 @@ pub enum HandError {
     NotVllm(String),
     #[error("the adapter {0:?} is not declared in [[adapters]]: give its \"path\"")]
     NoPath(String),
-    #[error("the engine refused: {1}")]
+    #[error("the call to the engine failed: {1}")]
     Engine(Option<StatusCode>, String),
 }
 

@@ -41,6 +41,9 @@ struct State {
     models: Mutex<Option<String>>,
     /// `/v1/models` reads.
     model_reads: AtomicU64,
+    /// `POST /v1/load_lora_adapter` calls: each answered as vLLM answers a load, though the
+    /// model list it serves does not change (an engine that says so and does not).
+    lora_loads: AtomicU64,
 }
 
 pub struct RecordedVllm {
@@ -114,6 +117,11 @@ impl RecordedVllm {
     /// How many times its `/v1/models` was read.
     pub fn model_reads(&self) -> u64 {
         self.state.model_reads.load(Relaxed)
+    }
+
+    /// How many LoRA adapter loads it was asked for.
+    pub fn lora_loads(&self) -> u64 {
+        self.state.lora_loads.load(Relaxed)
     }
 
     /// How many chats it refused for naming a rank it does not run.
@@ -190,6 +198,10 @@ async fn answer(
                     ok(CHAT.into())
                 }
             }
+        }
+        ("POST", "/v1/load_lora_adapter") => {
+            s.lora_loads.fetch_add(1, Relaxed);
+            ok("Success: LoRA adapter added successfully.".into())
         }
         // FastAPI's answer for a route vLLM does not have (`/get_server_info` among them).
         _ => Ok(reply(StatusCode::NOT_FOUND, r#"{"detail":"Not Found"}"#)),

@@ -33,10 +33,17 @@ pub async fn load(
     path: &str,
 ) -> Result<(), Refusal> {
     let body = json!({"lora_name": name, "lora_path": path});
-    match post(client, engine, "/v1/load_lora_adapter", body).await {
+    let r = match post(client, engine, "/v1/load_lora_adapter", body).await {
         Err((Some(StatusCode::BAD_REQUEST), why)) if why.contains("already been loaded") => Ok(()),
         r => r,
+    };
+    match &r {
+        Ok(()) => tracing::info!(adapter = %name, server = %engine.url, "loaded a LoRA adapter"),
+        Err((_, why)) => {
+            tracing::warn!(adapter = %name, server = %engine.url, error = %why, "loading a LoRA adapter failed")
+        }
     }
+    r
 }
 
 /// Unloads `name` from `engine`; with `gone_is_done`, one it does not have counts as unloaded.
@@ -55,8 +62,11 @@ pub async fn unload(
         }
         r => r,
     };
-    if r.is_ok() {
-        tracing::info!(adapter = %name, server = %engine.url, "unloaded a LoRA adapter");
+    match &r {
+        Ok(()) => tracing::info!(adapter = %name, server = %engine.url, "unloaded a LoRA adapter"),
+        Err((_, why)) => {
+            tracing::warn!(adapter = %name, server = %engine.url, error = %why, "unloading a LoRA adapter failed")
+        }
     }
     r
 }

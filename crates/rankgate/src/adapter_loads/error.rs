@@ -21,7 +21,7 @@ pub enum LoadError {
     },
     #[error("every server of base model `{base}` holds its engines[].max_adapters adapters, each in use or not declared: the LoRA adapter `{adapter}` was not loaded; retry once one is idle")]
     Full { adapter: String, base: String },
-    #[error("the LoRA adapter `{adapter}` was loaded on {server}, but its /v1/models does not list it yet; retry shortly")]
+    #[error("{server} said it loaded the LoRA adapter `{adapter}`, but its /v1/models does not list it; rankgate does not ask that server to load it again for {} s", FAILED_FOR.as_secs())]
     NotListed { adapter: String, server: String },
 }
 
@@ -44,7 +44,7 @@ impl LoadError {
             ),
             LoadError::NotListed { adapter, .. } => write!(
                 out,
-                "the LoRA adapter `{adapter}` was loaded but is not listed yet; retry shortly"
+                "the LoRA adapter `{adapter}` was loaded but is not listed; retry later"
             ),
         }
     }

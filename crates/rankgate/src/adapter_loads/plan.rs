@@ -73,7 +73,7 @@ pub fn listed_adapters(snap: &Snapshot, e: EngineIx) -> impl Iterator<Item = &st
 
 /// The vLLM servers whose list has the base model and whose load of the adapter has not failed
 /// lately, in this order: one that loaded it lately (its list may not show it yet: vLLM then
-/// says it has it, at no cost), then those below their `max_adapters` (loads under way
+/// says it has it, at no cost; an unload forgets the load), then those below their `max_adapters` (loads under way
 /// counted), then the one whose least loaded fresh rank has the most KV free, then the one
 /// holding fewest adapters. A server at its limit takes it only by unloading an idle declared
 /// adapter ([`victim`]).
@@ -100,7 +100,7 @@ pub(super) fn plan(
         let recent = (state.loaded.iter()).any(|l| here(&l.server) && l.adapter == adapter.name);
         let coming = state.loading.values().filter(|l| here(&l.server)).count();
         let held = listed_adapters(snap, e).count() + coming;
-        let full = !recent && entry.max_adapters.is_some_and(|m| held >= m as usize);
+        let full = entry.max_adapters.is_some_and(|m| held >= m as usize);
         // A server none of whose ranks has fresh telemetry comes after every other.
         let kv = (snap.fleet.workers_of(e))
             .filter_map(|w| snap.ranks[w].telemetry.fresh(now, stale_after))

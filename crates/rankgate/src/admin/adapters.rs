@@ -68,27 +68,24 @@ struct HandCall {
 /// `POST /adapters/load` or `/adapters/unload` with `body`, once authorized.
 pub async fn by_hand(loader: Arc<Loader>, load: bool, body: &[u8]) -> Response<Full<Bytes>> {
     let bad = |m: String| openai_error(StatusCode::BAD_REQUEST, "BadRequestError", &m);
-    let call: HandCall = match serde_json::from_slice(body) {
-        Ok(c) => c,
-        Err(e) => {
-            return bad(format!(
-                "the body must be {{\"server\": <engine url>, \"adapter\": <name>}} (a load may add \"path\"): {e}"
-            ))
-        }
+    let shape = "the body must be one JSON object {\"server\": <engine url>, \"adapter\": <name>} (a load may add \"path\")";
+    let call: HandCall = match serde_json::from_slice::<Value>(body) {
+        Ok(v @ Value::Object(_)) => match serde_json::from_value(v) {
+            Ok(c) => c,
+            Err(e) => return bad(format!("{shape}: {e}")),
+        },
+        Ok(_) => return bad(shape.to_string()),
+        Err(e) => return bad(format!("{shape}: {e}")),
     };
-    if call.adapter.is_empty() || call.adapter.len() > crate::config::MAX_ADAPTER_NAME_BYTES {
-        return bad(format!(
-            "\"adapter\" must be 1 to {} bytes",
-            crate::config::MAX_ADAPTER_NAME_BYTES
-        ));
+    if let Some(why) = crate::config::adapter_name_problem(&call.adapter) {
+        return bad(format!("\"adapter\" {why}"));
     }
-    if let Some(p) = call.path.as_deref() {
-        if p.is_empty() || p.len() > crate::config::MAX_ADAPTER_PATH_BYTES {
-            return bad(format!(
-                "\"path\" must be 1 to {} bytes",
-                crate::config::MAX_ADAPTER_PATH_BYTES
-            ));
-        }
+    if let Some(why) = call
+        .path
+        .as_deref()
+        .and_then(crate::config::adapter_path_problem)
+    {
+        return bad(format!("\"path\" {why}"));
     }
     let done = match load {
         true => (loader.load_by_hand(&call.server, &call.adapter, call.path.as_deref())).await,

@@ -27,7 +27,40 @@ pub(super) struct RawAdapter {
     path: String,
 }
 
-/// `raw` validated onto `routes`: names unique among adapters and routes.
+/// What is wrong with `v` as an adapter's name, if anything: 1 to [`MAX_ADAPTER_NAME_BYTES`]
+/// bytes, no control character (it goes into JSON bodies, logs and metrics labels), no space
+/// at either end (a name that looks like another).
+pub fn adapter_name_problem(v: &str) -> Option<String> {
+    if v.is_empty() || v.len() > MAX_ADAPTER_NAME_BYTES {
+        return Some(format!(
+            "must be 1 to {MAX_ADAPTER_NAME_BYTES} bytes; it is {}",
+            v.len()
+        ));
+    }
+    if v.chars().any(char::is_control) {
+        return Some(format!("{v:?} has a control character"));
+    }
+    if v.trim() != v {
+        return Some(format!("{v:?} begins or ends with a space"));
+    }
+    None
+}
+
+/// What is wrong with `v` as an adapter's path, if anything.
+pub fn adapter_path_problem(v: &str) -> Option<String> {
+    if v.is_empty() || v.len() > MAX_ADAPTER_PATH_BYTES {
+        return Some(format!(
+            "must be 1 to {MAX_ADAPTER_PATH_BYTES} bytes; it is {}",
+            v.len()
+        ));
+    }
+    v.chars()
+        .any(char::is_control)
+        .then(|| format!("{v:?} has a control character"))
+}
+
+/// `raw` validated onto `routes`: names unique among adapters and routes; a base is a model,
+/// not another adapter or a route.
 pub(super) fn adapters(raw: Vec<RawAdapter>, routes: Routes) -> Result<Routes, ConfigError> {
     if raw.len() > MAX_DECLARED_ADAPTERS {
         return Err(invalid(
@@ -38,15 +71,8 @@ pub(super) fn adapters(raw: Vec<RawAdapter>, routes: Routes) -> Result<Routes, C
     let mut out: Vec<Declared> = Vec::with_capacity(raw.len());
     for (i, a) in raw.into_iter().enumerate() {
         let key = |k: &str| format!("adapters[{i}].{k}");
-        name(&key("name"), &a.name)?;
-        if a.name.len() > MAX_ADAPTER_NAME_BYTES {
-            return Err(invalid(
-                key("name"),
-                format!(
-                    "is {} bytes; at most {MAX_ADAPTER_NAME_BYTES}",
-                    a.name.len()
-                ),
-            ));
+        if let Some(why) = adapter_name_problem(&a.name) {
+            return Err(invalid(key("name"), why));
         }
         name(&key("base"), &a.base)?;
         if a.base == a.name {
@@ -55,17 +81,8 @@ pub(super) fn adapters(raw: Vec<RawAdapter>, routes: Routes) -> Result<Routes, C
                 "names the adapter itself: give the model the adapter was trained on",
             ));
         }
-        if a.path.is_empty() || a.path.len() > MAX_ADAPTER_PATH_BYTES {
-            return Err(invalid(
-                key("path"),
-                format!("must be 1 to {MAX_ADAPTER_PATH_BYTES} bytes"),
-            ));
-        }
-        if a.path.chars().any(char::is_control) {
-            return Err(invalid(
-                key("path"),
-                format!("{:?} has a control character", a.path),
-            ));
+        if let Some(why) = adapter_path_problem(&a.path) {
+            return Err(invalid(key("path"), why));
         }
         if let Some(j) = out.iter().position(|d| *d.name == a.name) {
             return Err(invalid(
@@ -87,6 +104,23 @@ pub(super) fn adapters(raw: Vec<RawAdapter>, routes: Routes) -> Result<Routes, C
             base: Arc::from(a.base),
             path: Arc::from(a.path),
         });
+    }
+    for (i, d) in out.iter().enumerate() {
+        let what = match (
+            out.iter().position(|o| o.name == d.base),
+            routes.get(&d.base),
+        ) {
+            (Some(j), _) => format!("adapters[{j}]"),
+            (None, Some(_)) => "a route ([[routes]])".to_string(),
+            (None, None) => continue,
+        };
+        return Err(invalid(
+            format!("adapters[{i}].base"),
+            format!(
+                "{:?} is {what}: a base is the model the adapter was trained on",
+                d.base
+            ),
+        ));
     }
     Ok(routes.with_adapters(out))
 }
@@ -120,11 +154,22 @@ mod tests {
             let e = parse(tail).unwrap_err();
             assert!(e.contains(key), "{tail:?}: {e}");
         }
+        for tail in [
+            "[[adapters]]\nname = \" a\"\nbase = \"b\"\npath = \"p\"\n",
+            "[[adapters]]\nname = \"a\"\nbase = \"c\"\npath = \"p\"\n[[adapters]]\nname = \"c\"\nbase = \"b\"\npath = \"q\"\n",
+            "[[routes]]\nmodel = \"r\"\ntargets = [{ model = \"b\" }]\n[[adapters]]\nname = \"a\"\nbase = \"r\"\npath = \"p\"\n",
+        ] {
+            let e = parse(tail).unwrap_err();
+            assert!(e.contains("adapters[0]"), "{tail:?}: {e}");
+        }
+        let sglang = "[[engines]]\nurl = \"http://b:1\"\nflavor = \"sglang\"\nmax_adapters = 2\n";
+        let e = parse(sglang).unwrap_err();
+        assert!(e.contains("engines[1].max_adapters"), "{e}");
         let long = "x".repeat(201);
         let e = parse(&format!(
             "[[adapters]]\nname = \"{long}\"\nbase = \"b\"\npath = \"p\"\n"
         ))
         .unwrap_err();
-        assert!(e.contains("at most 200"), "{e}");
+        assert!(e.contains("1 to 200 bytes"), "{e}");
     }
 }

@@ -180,6 +180,13 @@ impl RawEngine {
                 format!("{n} must be between 1 and {MAX_MAX_ADAPTERS}"),
             ));
         }
+        let not_vllm = matches!(self.flavor, Some(Flavor::Sglang | Flavor::Gateway));
+        if self.max_adapters.is_some() && (not_vllm || !addresses.http) {
+            return Err(invalid(
+                format!("{at}.max_adapters"),
+                "rankgate loads adapters on vLLM servers serving OpenAI HTTP only: leave it out here",
+            ));
+        }
         let api_key = self
             .api_key_env
             .as_deref()

@@ -42,7 +42,10 @@ mod toml_error;
 mod traces;
 mod whole;
 
-pub use adapters::{MAX_ADAPTER_NAME_BYTES, MAX_ADAPTER_PATH_BYTES, MAX_DECLARED_ADAPTERS};
+pub use adapters::{
+    adapter_name_problem, adapter_path_problem, MAX_ADAPTER_NAME_BYTES, MAX_ADAPTER_PATH_BYTES,
+    MAX_DECLARED_ADAPTERS,
+};
 pub use discovery::{Discovery, EngineTemplate, Overrides, PortRef, Source as DiscoverySource};
 pub use duration::{parse_duration, HumanDuration};
 pub use edge::{engine_name_ok, Cidr, ExposeWorker, DEFAULT_EXPOSE_WORKER, MAX_ENGINE_NAME_BYTES};
