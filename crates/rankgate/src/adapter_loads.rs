@@ -78,8 +78,12 @@ impl Loader {
 
     /// `rankgate_adapter_loads_total`: `r`, the answer to a load (`load`) or an unload.
     fn counted(&self, load: bool, r: calls::Answer) -> calls::Answer {
-        self.metrics
-            .adapter_load(r.as_ref().map(|()| load).map_err(drop));
+        use crate::metrics::AdapterLoad;
+        self.metrics.adapter_load(match (&r, load) {
+            (Err(_), _) => AdapterLoad::Failed,
+            (Ok(()), true) => AdapterLoad::Loaded,
+            (Ok(()), false) => AdapterLoad::Unloaded,
+        });
         r
     }
 

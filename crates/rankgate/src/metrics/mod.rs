@@ -85,6 +85,31 @@ pub struct Metrics {
     late: Late,
 }
 
+/// What became of a LoRA adapter load or unload (`rankgate_adapter_loads_total{result}`), in
+/// the order of its counters.
+#[derive(Debug, Clone, Copy)]
+pub enum AdapterLoad {
+    Loaded,
+    Failed,
+    Unloaded,
+}
+
+/// A counter family of one label whose `values` are fixed, registered with every series present
+/// from the start; its counters, in the order of `values`.
+fn by_label<const N: usize>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    (label, values): (&'static str, [&'static str; N]),
+) -> [Counter; N] {
+    let family = prometheus_client::metrics::family::Family::<
+        [(&'static str, &'static str); 1],
+        Counter,
+    >::default();
+    registry.register(name, help, family.clone());
+    values.map(|v| family.get_or_create_owned(&[(label, v)]))
+}
+
 /// A collector registered empty and filled once, later.
 #[derive(Debug, Default, Clone)]
 struct Late(Arc<std::sync::OnceLock<Box<dyn prometheus_client::collector::Collector>>>);
@@ -188,56 +213,35 @@ impl Metrics {
             "rankgate_skipped_unavailable",
             "Requests routed while passing over ranks whose telemetry was missing, stale or invalid",
         );
-        let streams_cut = prometheus_client::metrics::family::Family::<
-            [(&'static str, &'static str); 1],
-            Counter,
-        >::default();
-        registry.register(
+        let streams_cut = by_label(
+            &mut registry,
             "rankgate_streams_cut",
             "Responses cut after their first byte, by reason: the engine's stream broke, or went \
              quiet for server.stream_idle_timeout (SSE streams end with an error event), or the \
              client took nothing of it for server.send_timeout (send_timeout: its connection cut, \
              its engine request with it)",
-            streams_cut.clone(),
+            ("reason", ["broken", "idle", "send_timeout"]),
         );
-        // The label sets are fixed: resolved once, and both present from the start.
-        let streams_cut = [
-            streams_cut.get_or_create_owned(&[("reason", "broken")]),
-            streams_cut.get_or_create_owned(&[("reason", "idle")]),
-            streams_cut.get_or_create_owned(&[("reason", "send_timeout")]),
-        ];
-        let tokenize = prometheus_client::metrics::family::Family::<
-            [(&'static str, &'static str); 1],
-            Counter,
-        >::default();
-        registry.register(
+        let engine_tokenize = by_label(
+            &mut registry,
             "rankgate_engine_tokenize",
             "Prompts an engine tokenized for exact prefix routing (models[].engine_tokenize), by \
              result: ok, or failed (the request then routes by rankgate's record)",
-            tokenize.clone(),
+            ("result", ["ok", "failed"]),
         );
-        let engine_tokenize = [
-            tokenize.get_or_create_owned(&[("result", "ok")]),
-            tokenize.get_or_create_owned(&[("result", "failed")]),
-        ];
         let engine_tokenize_seconds = Counter::<f64, std::sync::atomic::AtomicU64>::default();
         registry.register(
             "rankgate_engine_tokenize_seconds",
             "Time requests waited for an engine's POST /tokenize, before their pick",
             engine_tokenize_seconds.clone(),
         );
-        let loads = prometheus_client::metrics::family::Family::<
-            [(&'static str, &'static str); 1],
-            Counter,
-        >::default();
-        registry.register(
+        let adapter_loads = by_label(
+            &mut registry,
             "rankgate_adapter_loads",
             "LoRA adapters rankgate loaded on a server ([[adapters]], and by hand on the admin API), \
              by result: loaded, failed (the engine refused or did not answer), or unloaded",
-            loads.clone(),
+            ("result", ["loaded", "failed", "unloaded"]),
         );
-        let adapter_loads =
-            ["loaded", "failed", "unloaded"].map(|r| loads.get_or_create_owned(&[("result", r)]));
         registry.register_collector(Box::new(fleet::Requests {
             core: core.clone(),
             table: table.clone(),
@@ -317,14 +321,9 @@ impl Metrics {
         self.engine_tokenize_seconds.inc_by(took.as_secs_f64());
     }
 
-    /// A load (`Ok(true)`), an unload (`Ok(false)`) or a failed one (`Err`) of a LoRA adapter.
-    pub fn adapter_load(&self, done: Result<bool, ()>) {
-        let i = match done {
-            Ok(true) => 0,
-            Err(()) => 1,
-            Ok(false) => 2,
-        };
-        self.adapter_loads[i].inc();
+    /// A load or unload of a LoRA adapter, done or failed.
+    pub fn adapter_load(&self, result: AdapterLoad) {
+        self.adapter_loads[result as usize].inc();
     }
 
     /// The labels of a request for `path` (on the gRPC front door if `grpc`) in the fleet of
