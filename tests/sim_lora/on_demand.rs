@@ -10,8 +10,9 @@ use http::Method;
 use serde_json::{json, Value};
 
 use crate::common::admin::{admin, token_env, TOKEN};
-use crate::common::{engine, get, post_json, router_with, wait_models, FAST};
+use crate::common::{engine, get, post_json, router_with, wait_models, Reply, FAST};
 use crate::{chat_for, content, lora_engine};
+use rankgate::app::Router;
 use rankgate_sim::sim::SimEngine;
 
 const CHAT: &str = "/v1/chat/completions";
@@ -33,6 +34,11 @@ fn declared(name: &str, path: &str) -> String {
 /// A server that is its own DP deployment.
 fn own(e: &SimEngine) -> String {
     format!("[[engines]]\nurl = \"{}\"\nflavor = \"vllm\"\n", e.url())
+}
+
+/// An admin call to load or unload by hand (`path`), with the token.
+async fn hand(r: &Router, path: &str, body: Value) -> Reply {
+    admin(r, Method::POST, path, Some(TOKEN), Some(body)).await
 }
 
 fn loads(servers: &[&SimEngine]) -> u64 {
@@ -207,33 +213,19 @@ async fn the_admin_api_lists_loads_and_unloads_adapters_per_server() {
     let call = json!({"server": a.url(), "adapter": "sql-lora"});
     let denied = admin(&r, Method::POST, "/adapters/load", None, Some(call.clone())).await;
     assert_eq!(denied.status, 401);
-    let done = admin(
-        &r,
-        Method::POST,
-        "/adapters/load",
-        Some(TOKEN),
-        Some(call.clone()),
-    )
-    .await;
+    let done = hand(&r, "/adapters/load", call.clone()).await;
     assert_eq!(done.status, 200, "{}", String::from_utf8_lossy(&done.body));
     assert_eq!(a.adapters(), ["sql-lora"]);
     // One not declared needs its path.
     let other = json!({"server": a.url(), "adapter": "chat-lora"});
-    let r2 = admin(&r, Method::POST, "/adapters/load", Some(TOKEN), Some(other)).await;
+    let r2 = hand(&r, "/adapters/load", other).await;
     let v = r2.assert_openai_error(400, None);
     assert!(
         v["error"]["message"].as_str().unwrap().contains("path"),
         "{v}"
     );
     let with_path = json!({"server": a.url(), "adapter": "chat-lora", "path": "org/chat-lora"});
-    let r3 = admin(
-        &r,
-        Method::POST,
-        "/adapters/load",
-        Some(TOKEN),
-        Some(with_path),
-    )
-    .await;
+    let r3 = hand(&r, "/adapters/load", with_path).await;
     assert_eq!(r3.status, 200);
 
     let page: Value = admin(&r, Method::GET, "/adapters", None, None).await.json();
@@ -244,25 +236,11 @@ async fn the_admin_api_lists_loads_and_unloads_adapters_per_server() {
     assert_eq!(page["servers"][0]["adapters"][0]["declared"], true);
     assert_eq!(page["declared"][0]["served"], true);
 
-    let gone = admin(
-        &r,
-        Method::POST,
-        "/adapters/unload",
-        Some(TOKEN),
-        Some(call),
-    )
-    .await;
+    let gone = hand(&r, "/adapters/unload", call).await;
     assert_eq!(gone.status, 200);
     assert_eq!(a.adapters(), ["chat-lora"]);
     let nowhere = json!({"server": "http://127.0.0.1:1", "adapter": "sql-lora"});
-    let r4 = admin(
-        &r,
-        Method::POST,
-        "/adapters/unload",
-        Some(TOKEN),
-        Some(nowhere),
-    )
-    .await;
+    let r4 = hand(&r, "/adapters/unload", nowhere).await;
     r4.assert_openai_error(404, None);
     for bad in [
         json!([a.url(), "arr-lora", "org/arr"]),
@@ -270,14 +248,7 @@ async fn the_admin_api_lists_loads_and_unloads_adapters_per_server() {
         json!({"server": a.url(), "adapter": " sql-lora", "path": "org/x"}),
         json!({"server": a.url(), "adapter": "x", "path": "org/\n"}),
     ] {
-        let reply = admin(
-            &r,
-            Method::POST,
-            "/adapters/load",
-            Some(TOKEN),
-            Some(bad.clone()),
-        )
-        .await;
+        let reply = hand(&r, "/adapters/load", bad.clone()).await;
         assert_eq!(
             reply.status,
             400,
@@ -286,14 +257,7 @@ async fn the_admin_api_lists_loads_and_unloads_adapters_per_server() {
         );
     }
     assert_eq!(a.adapters(), ["chat-lora"]);
-    let garbage = admin(
-        &r,
-        Method::POST,
-        "/adapters/load",
-        Some(TOKEN),
-        Some(json!([1])),
-    )
-    .await;
+    let garbage = hand(&r, "/adapters/load", json!([1])).await;
     garbage.assert_openai_error(400, None);
 }
 
