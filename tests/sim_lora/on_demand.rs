@@ -298,3 +298,30 @@ async fn a_server_that_says_it_loaded_an_adapter_it_does_not_list_is_not_asked_a
     }
     assert_eq!(e.lora_loads(), 1, "ten requests, one load");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_adapter_loads_where_lists_are_known_not_where_one_is_not() {
+    // B answers everything but its model list: its list is never known.
+    let a = server(Duration::from_millis(1)).await;
+    let mut silent = lora_engine(1, 1, &[], true);
+    silent.hang_models = true;
+    let b = engine(silent).await;
+    let extra = format!("{FAST}{}", declared("sql-lora", "org/sql-lora"));
+    let r = router_with("", &extra, &[own(&a), own(&b)]).await;
+    crate::common::wait_workers(&r, Duration::from_secs(10), |rows| {
+        rows[0]["models"].as_array().is_some_and(|m| !m.is_empty())
+    })
+    .await;
+    for _ in 0..3 {
+        let reply = post_json(r.addr, CHAT, chat_for("sql-lora", 1, false)).await;
+        assert_eq!(
+            reply.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        assert_eq!(content(&reply), "sql-lora:t0 ");
+        assert!(reply.worker().starts_with(&a.url()), "{}", reply.worker());
+    }
+    assert_eq!((a.lora_load_requests(), b.lora_load_requests()), (1, 0));
+}

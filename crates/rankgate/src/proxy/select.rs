@@ -252,7 +252,11 @@ impl<S> Select<S> {
                 return Err(ProxyError::Refused(route::STORED_RESPONSES));
             }
         }
-        let by_model = snap.catalog.routes_by_model() && route.payload != Payload::Empty;
+        // Declared adapters are looked for even before any list is known: one no list has is
+        // loaded, not sent to an engine whose list is unknown (whose 404 would say nothing).
+        let declares = !snap.catalog.routes().adapters().is_empty();
+        let by_model =
+            (snap.catalog.routes_by_model() || declares) && route.payload != Payload::Empty;
         if let Some(sole) = snap.catalog.sole_model() {
             not_served(req, route, sole, named)?;
         }
@@ -278,6 +282,15 @@ impl<S> Select<S> {
         // `respond` labels the request with its model: one the catalog knows, else `unknown`.
         if let (Some(slot), Some(m)) = (req.extensions().get::<ModelSlot>(), &model) {
             slot.set(ctx.metrics.model(m, snap));
+        }
+        if let Some(m) = (model.as_deref()).filter(|m| declares && !snap.catalog.listed(m)) {
+            if snap.catalog.routes().declared(m).is_some() {
+                return Err(ModelError::NotFound {
+                    model: crate::catalog::shown(m),
+                    served: Vec::new(),
+                }
+                .into());
+            }
         }
         let engines = &snap.fleet.engines;
         let serving = match by_model {
