@@ -198,9 +198,15 @@ impl Loader {
     /// Unloads what `plan` says, loads `adapter`, and waits for the lists read after it; an
     /// engine that said it loaded the adapter but does not list it then has not served it.
     async fn run(&self, plan: &plan::Plan, adapter: &Declared) -> Result<(), LoadError> {
-        // Never closed: a permit always comes.
-        let _permit = self.running.acquire().await;
         let engine = &plan.engine;
+        // A load waits for a turn no longer than a load takes: loads stuck on engines that do
+        // not answer hold no request for hours behind them.
+        let Ok(Ok(_permit)) = tokio::time::timeout(LOAD_WITHIN, self.running.acquire()).await
+        else {
+            return Err(LoadError::Busy {
+                adapter: adapter.name.to_string(),
+            });
+        };
         let failed = |why: String| LoadError::Failed {
             adapter: adapter.name.to_string(),
             server: engine.url.to_string(),

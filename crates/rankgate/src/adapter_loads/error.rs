@@ -21,6 +21,8 @@ pub enum LoadError {
     },
     #[error("every server of base model `{base}` holds its engines[].max_adapters adapters, each in use or not declared: the LoRA adapter `{adapter}` was not loaded; retry once one is idle")]
     Full { adapter: String, base: String },
+    #[error("every load rankgate runs at once stayed busy for {} s, and the LoRA adapter `{adapter}` was not loaded; retry later", super::calls::LOAD_WITHIN.as_secs())]
+    Busy { adapter: String },
     #[error("{server} said it loaded the LoRA adapter `{adapter}`, but its /v1/models does not list it; rankgate does not ask that server to load it again for {} s", FAILED_FOR.as_secs())]
     NotListed { adapter: String, server: String },
 }
@@ -41,6 +43,10 @@ impl LoadError {
             LoadError::Full { adapter, .. } => write!(
                 out,
                 "the LoRA adapter `{adapter}` was not loaded: every server holds its limit of adapters in use; retry later"
+            ),
+            LoadError::Busy { adapter } => write!(
+                out,
+                "the LoRA adapter `{adapter}` waited too long for its load to start; retry later"
             ),
             LoadError::NotListed { adapter, .. } => write!(
                 out,
